@@ -1,0 +1,126 @@
+"""Host-side validation helpers shared by every public wrapper.
+
+All checks read host (numpy) data only, so they can never synchronise with a device. Every failure is
+a ``ValueError`` (or ``TypeError`` for the wrong kind of object) whose message names the field, the
+rule, what was expected and what was found, and the first offending row where there is one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "INT32_MAX",
+    "as_host_array",
+    "check_nonnegative",
+    "check_out",
+    "first_bad_row",
+    "reject_tensor",
+]
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def reject_tensor(value: Any, name: str) -> None:
+    """Raise ``TypeError`` if ``value`` is a torch tensor: host derivations take numpy only.
+
+    The message says where the host copy should come from, because a device tensor here would force
+    a GPU->CPU synchronisation.
+    """
+    mod = type(value).__module__
+    if mod.startswith("torch"):
+        raise TypeError(
+            f"{name}: got a torch.Tensor ({getattr(value, 'device', '?')}); attnmeta derives metadata from "
+            f"host data only. Pass the numpy array the scheduler already holds (for a CPU tensor: "
+            f"`{name}.numpy()`); never copy a device tensor back to the host for this."
+        )
+
+
+def as_host_array(
+    value: Any,
+    name: str,
+    *,
+    dtype: npt.DTypeLike = np.int32,
+    ndim: int = 1,
+    length: int | None = None,
+    allow_none: bool = False,
+) -> np.ndarray:
+    """Return ``value`` as a C-contiguous numpy array of ``dtype`` with ``ndim`` dimensions.
+
+    Accepts numpy arrays, Python sequences and scalars (for ``ndim == 0``). Integer inputs are
+    range-checked before any narrowing so that e.g. an int64 value above ``2**31 - 1`` is an error,
+    never a silent wrap-around. Floats, bools (unless ``dtype`` is bool) and objects are rejected.
+
+    Raises
+    ------
+    TypeError
+        ``value`` is a torch tensor or has a non-integer dtype.
+    ValueError
+        Wrong number of dimensions, wrong length, or values outside ``dtype``'s range.
+    """
+    if value is None:
+        if allow_none:
+            return None  # type: ignore[return-value]
+        raise ValueError(f"{name}: is required, got None")
+    reject_tensor(value, name)
+    arr = np.asarray(value)
+    target = np.dtype(dtype)
+    if arr.size == 0 and arr.dtype == np.float64 and arr.ndim >= 1:
+        arr = arr.astype(target)  # np.asarray([]) is float64; an empty list is fine for any dtype
+    if target == np.bool_:
+        if arr.dtype != np.bool_:
+            raise TypeError(f"{name}: expected a bool array, got dtype {arr.dtype}")
+    else:
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{name}: expected an integer array, got dtype {arr.dtype}")
+        if arr.size and arr.dtype != target:
+            info = np.iinfo(target)
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < info.min or hi > info.max:
+                bad = int(np.argmax((arr < info.min) | (arr > info.max)))
+                flat = arr.reshape(-1)
+                raise ValueError(
+                    f"{name}[{bad}]={int(flat[bad])} does not fit {target} "
+                    f"(range [{info.min}, {info.max}])"
+                )
+    if arr.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim}-D, got shape {arr.shape}")
+    if length is not None and arr.shape[0] != length:
+        raise ValueError(f"{name}: expected length {length}, got shape {arr.shape}")
+    return np.ascontiguousarray(arr, dtype=target)
+
+
+def first_bad_row(mask: np.ndarray) -> int:
+    """Index of the first ``True`` in a 1-D bool mask (caller guarantees one exists)."""
+    return int(np.argmax(mask))
+
+
+def check_nonnegative(arr: np.ndarray, name: str) -> None:
+    """Raise ``ValueError`` naming the first negative entry of ``arr``."""
+    if arr.size and int(arr.min()) < 0:
+        i = first_bad_row(arr.reshape(-1) < 0)
+        raise ValueError(f"{name}[{i}]={int(arr.reshape(-1)[i])} is negative (request {i}); counts must be >= 0")
+
+
+def check_out(out: np.ndarray | None, name: str, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
+    """Validate (or allocate) an ``out=`` buffer of exactly ``shape`` and ``dtype``.
+
+    ``out`` must be a writable, C-contiguous numpy array; staging buffers handed out by a
+    :class:`attnmeta.staging.Step` are.
+    """
+    dt = np.dtype(dtype)
+    if out is None:
+        return np.empty(shape, dtype=dt)
+    reject_tensor(out, name)
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{name}: out= must be a numpy array, got {type(out).__name__}")
+    if out.dtype != dt:
+        raise ValueError(f"{name}: out= must have dtype {dt}, got {out.dtype}")
+    if out.shape != shape:
+        raise ValueError(f"{name}: out= must have shape {shape}, got {out.shape}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"{name}: out= must be C-contiguous and writable")
+    return out

@@ -1,0 +1,27 @@
+"""The project's one numba configuration.
+
+Every compiled kernel in attnmeta is decorated with :func:`njit` from this module, never with a raw
+``numba.njit``: caching, ``nogil`` and ``fastmath=False`` are fixed here once (a CI grep enforces it).
+``NUMBA_DISABLE_JIT=1`` turns every kernel back into plain Python (coverage, pdb).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numba
+
+__all__ = ["njit"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def njit(fn: F) -> F:
+    """Compile ``fn`` in nopython mode with attnmeta's fixed options.
+
+    Options: ``cache=True`` (compiled code is reused across processes), ``nogil=True`` (a serving
+    framework may build metadata for several devices from several threads), ``fastmath=False``
+    (integer code only; nothing may be reassociated), ``boundscheck=False``.
+    """
+    return numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False)(fn)  # type: ignore[no-any-return]

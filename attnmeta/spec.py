@@ -1,0 +1,234 @@
+"""``BatchSpec``: the host description of one engine step.
+
+A ``BatchSpec`` is everything the scheduler knows about a step, as numpy arrays: per request the
+number of tokens already in the KV cache (or state), the number scheduled this step, optionally the
+prompt length and the number of speculative draft tokens, the block table, and optional CUDA-graph
+padding. Every other piece of metadata attnmeta produces is derived from it on the host.
+
+Construction validates everything that can be checked on the host and fails fast with a
+``ValueError`` that names the field, the row and the rule.
+
+Shape legend
+------------
+- ``num_reqs``: real requests this step (``len(num_scheduled_tokens)``).
+- ``num_reqs_padded``: request rows including CUDA-graph padding rows (``>= num_reqs``).
+- ``num_tokens``: real tokens this step (``num_scheduled_tokens.sum()``).
+- ``num_tokens_padded``: tokens including CUDA-graph padding tokens (``>= num_tokens``).
+- ``max_blocks_per_req``: block-table width ``W``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from attnmeta._checks import INT32_MAX, as_host_array, check_nonnegative, first_bad_row
+from attnmeta._numba import njit
+
+__all__ = ["BatchSpec", "ContextParallel"]
+
+
+class ContextParallel(NamedTuple):
+    """Decode/prefill context parallelism (DCP/PCP) layout of the KV cache.
+
+    Token ``p`` of a request lives on rank ``(p % (block_size * world_size)) // interleave % world_size``
+    (vllm-semantics.md section 4).
+    """
+
+    world_size: int
+    """Total context-parallel world size ``W`` (DCP x PCP); 1 disables it."""
+    rank: int
+    """This rank, ``0 <= rank < world_size``."""
+    interleave: int = 1
+    """Interleave size ``I``: consecutive tokens per rank; must divide ``block_size``."""
+
+
+@njit
+def _first_negative_used(bt: np.ndarray, need: np.ndarray) -> int:
+    """Flat index of the first negative block id in a used column, or -1 (O(used blocks))."""
+    w = bt.shape[1]
+    for i in range(need.shape[0]):
+        for j in range(need[i]):
+            if bt[i, j] < 0:
+                return i * w + j
+    return -1
+
+
+def _opt(value: Any, name: str, n: int) -> np.ndarray | None:
+    if value is None:
+        return None
+    arr = as_host_array(value, name, length=n)
+    check_nonnegative(arr, name)
+    return arr
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class BatchSpec:
+    """Host description of one step; validated on construction.
+
+    Parameters
+    ----------
+    num_computed_tokens : (num_reqs,) int32, host
+        Tokens of each request already in the KV cache / state before this step (``c``). Must be the
+        exact count (under async spec decode pass the corrected count, and the optimistic one as
+        ``seq_lens_upper_bound``).
+    num_scheduled_tokens : (num_reqs,) int32, host
+        Tokens scheduled for each request this step (``q``); 0 is allowed.
+    block_table : (num_reqs, max_blocks_per_req) int32, host
+        Physical KV block ids of each request; columns ``[0, cdiv(c + q, block_size))`` are read.
+    block_size : int
+        Tokens per KV block (page).
+    num_prompt_tokens : (num_reqs,) int32, host, optional
+        Prompt length ``P``; gives ``is_prefilling = c < P``. Without it no row is prefilling.
+    num_draft_tokens : (num_reqs,) int32, host, optional
+        Speculative draft tokens scheduled for each request (spec decode); ``<= q``.
+    seq_lens_upper_bound : (num_reqs,) int32, host, optional
+        Optimistic sequence lengths under async spec decode (every draft accepted); ``>= c + q``.
+        Defaults to the exact ``c + q``.
+    num_reqs_padded, num_tokens_padded : int, optional
+        CUDA-graph padding: request rows and tokens after padding (``>= num_reqs`` / ``>= num_tokens``).
+    context_parallel : ContextParallel, optional
+        DCP/PCP layout for the slot mapping; ``None`` means no context parallelism.
+
+    Raises
+    ------
+    TypeError
+        A field is a torch tensor or not an integer array.
+    ValueError
+        Negative counts, length mismatches, a block table too narrow for ``c + q``, a negative block id
+        in a used column, padding smaller than the real batch, totals that overflow int32.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> spec = BatchSpec(num_computed_tokens=[5, 0, 7], num_scheduled_tokens=[1, 4, 1],
+    ...                  block_table=np.arange(9, dtype=np.int32).reshape(3, 3), block_size=4)
+    >>> spec.num_reqs, spec.num_tokens, spec.max_query_len, spec.max_seq_len
+    (3, 6, 4, 8)
+    """
+
+    num_computed_tokens: np.ndarray
+    num_scheduled_tokens: np.ndarray
+    block_table: np.ndarray
+    block_size: int
+    num_prompt_tokens: np.ndarray | None = None
+    num_draft_tokens: np.ndarray | None = None
+    seq_lens_upper_bound: np.ndarray | None = None
+    num_reqs_padded: int | None = None
+    num_tokens_padded: int | None = None
+    context_parallel: ContextParallel | None = None
+
+    # Derived host scalars (computed in __post_init__, never passed by the caller).
+    num_reqs: int = dataclasses.field(init=False)
+    """Real requests."""
+    num_tokens: int = dataclasses.field(init=False)
+    """Real tokens, ``sum(num_scheduled_tokens)``."""
+    max_query_len: int = dataclasses.field(init=False)
+    """``max(num_scheduled_tokens)`` over real rows (0 for an empty batch)."""
+    max_seq_len: int = dataclasses.field(init=False)
+    """``max(seq_lens_upper_bound)`` over real rows: an upper bound under async spec decode."""
+
+    def __post_init__(self) -> None:
+        s = object.__setattr__
+        c = as_host_array(self.num_computed_tokens, "num_computed_tokens")
+        n = c.shape[0]
+        q = as_host_array(self.num_scheduled_tokens, "num_scheduled_tokens", length=n)
+        check_nonnegative(c, "num_computed_tokens")
+        check_nonnegative(q, "num_scheduled_tokens")
+        if not isinstance(self.block_size, int | np.integer) or int(self.block_size) <= 0:
+            raise ValueError(f"block_size: must be a positive int, got {self.block_size!r}")
+        bs = int(self.block_size)
+        bt = as_host_array(self.block_table, "block_table", ndim=2)
+        if bt.shape[0] < n:
+            raise ValueError(f"block_table: has {bt.shape[0]} rows, need one per request ({n})")
+        seq = c.astype(np.int64) + q
+        if n and int(seq.max()) > INT32_MAX:
+            i = first_bad_row(seq > INT32_MAX)
+            raise ValueError(
+                f"seq_lens[{i}]=num_computed_tokens[{i}]+num_scheduled_tokens[{i}]={int(seq[i])} overflows int32"
+            )
+        total = int(q.sum(dtype=np.int64))
+        if total > INT32_MAX:
+            raise ValueError(f"num_scheduled_tokens: total {total} overflows int32")
+        need = (seq + bs - 1) // bs
+        if n and int(need.max()) > bt.shape[1]:
+            i = first_bad_row(need > bt.shape[1])
+            raise ValueError(
+                f"block_table: row {i} needs cdiv(seq_len={int(seq[i])}, block_size={bs})={int(need[i])} "
+                f"blocks but the table has {bt.shape[1]} columns (request {i})"
+            )
+        if n and bt.size:
+            bad = _first_negative_used(bt, need)
+            if bad >= 0:
+                i, j = divmod(bad, bt.shape[1])
+                raise ValueError(
+                    f"block_table[{i}, {j}]={int(bt[i, j])} is negative but column {j} holds tokens of "
+                    f"request {i} (seq_len {int(seq[i])}); block ids must be >= 0"
+                )
+        prompt = _opt(self.num_prompt_tokens, "num_prompt_tokens", n)
+        drafts = _opt(self.num_draft_tokens, "num_draft_tokens", n)
+        if drafts is not None and n and (drafts > q).any():
+            i = first_bad_row(drafts > q)
+            raise ValueError(
+                f"num_draft_tokens[{i}]={int(drafts[i])} > num_scheduled_tokens[{i}]={int(q[i])} (request {i}); "
+                f"drafts are part of the scheduled tokens"
+            )
+        ub = _opt(self.seq_lens_upper_bound, "seq_lens_upper_bound", n)
+        if ub is not None and n and (ub < seq).any():
+            i = first_bad_row(ub < seq)
+            raise ValueError(
+                f"seq_lens_upper_bound[{i}]={int(ub[i])} < seq_len={int(seq[i])} (request {i}); "
+                f"an upper bound must be >= num_computed_tokens + num_scheduled_tokens"
+            )
+        rp = self.num_reqs_padded
+        if rp is not None and (not isinstance(rp, int | np.integer) or int(rp) < n):
+            raise ValueError(f"num_reqs_padded: {rp!r} < num_reqs={n}; padding can only add rows")
+        tp = self.num_tokens_padded
+        if tp is not None and (not isinstance(tp, int | np.integer) or int(tp) < total):
+            raise ValueError(f"num_tokens_padded: {tp!r} < num_tokens={total}; padding can only add tokens")
+        if tp is not None and int(tp) > INT32_MAX:
+            raise ValueError(f"num_tokens_padded: {tp} overflows int32")
+        cp = self.context_parallel
+        if cp is not None:
+            if not isinstance(cp, ContextParallel):
+                raise TypeError(f"context_parallel: expected ContextParallel, got {type(cp).__name__}")
+            if cp.world_size < 1 or not 0 <= cp.rank < cp.world_size:
+                raise ValueError(f"context_parallel: need 0 <= rank < world_size, got {cp}")
+            if cp.interleave < 1 or bs % cp.interleave:
+                raise ValueError(
+                    f"context_parallel.interleave={cp.interleave} must be >= 1 and divide block_size={bs}"
+                )
+        s(self, "num_computed_tokens", c)
+        s(self, "num_scheduled_tokens", q)
+        s(self, "block_table", bt)
+        s(self, "block_size", bs)
+        s(self, "num_prompt_tokens", prompt)
+        s(self, "num_draft_tokens", drafts)
+        s(self, "seq_lens_upper_bound", ub)
+        s(self, "num_reqs_padded", None if rp is None else int(rp))
+        s(self, "num_tokens_padded", None if tp is None else int(tp))
+        s(self, "num_reqs", n)
+        s(self, "num_tokens", total)
+        s(self, "max_query_len", int(q.max()) if n else 0)
+        s(self, "max_seq_len", int((ub if ub is not None else seq).max()) if n else 0)
+
+    @property
+    def padded_num_reqs(self) -> int:
+        """Request rows including padding (``num_reqs_padded`` or ``num_reqs``)."""
+        return self.num_reqs if self.num_reqs_padded is None else self.num_reqs_padded
+
+    @property
+    def padded_num_tokens(self) -> int:
+        """Tokens including padding (``num_tokens_padded`` or ``num_tokens``)."""
+        return self.num_tokens if self.num_tokens_padded is None else self.num_tokens_padded
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchSpec(num_reqs={self.num_reqs}, num_tokens={self.num_tokens}, "
+            f"padded=({self.padded_num_reqs}, {self.padded_num_tokens}), block_size={self.block_size}, "
+            f"max_query_len={self.max_query_len}, max_seq_len={self.max_seq_len}, "
+            f"block_table={self.block_table.shape}, prompts={self.num_prompt_tokens is not None}, "
+            f"drafts={self.num_draft_tokens is not None}, context_parallel={self.context_parallel})"
+        )

@@ -1,0 +1,11 @@
+"""attnmeta's property-test toolkit.
+
+- :mod:`attnmeta.testing.strategies`: hypothesis strategies for valid batches (requires hypothesis).
+- :mod:`attnmeta.testing.reference`: straightforward device-side torch implementations of every host
+  derivation (the way engines used to compute metadata, synchronisations included): the oracle.
+- :mod:`attnmeta.testing.assertions`: bit-exact comparison of host results with device tensors.
+
+Nothing here is used on the serving path; these modules may read device tensors on the host.
+"""
+
+__all__: list[str] = []

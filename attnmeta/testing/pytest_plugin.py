@@ -1,0 +1,1 @@
+"""Placeholder replaced by the sync-audit work: the pytest plugin of attnmeta.sync."""

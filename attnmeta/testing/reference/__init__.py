@@ -1,0 +1,16 @@
+"""Device-side reference implementations: the oracle for every host derivation.
+
+Each function takes torch tensors on any device and computes the same output the straightforward way
+engines did before attnmeta (device arithmetic, boolean masks, ``bincount``, ``.item()``): obviously
+correct, synchronisations and all. Property tests assert attnmeta's host path equals these bit for
+bit, on ``cpu`` in CI and on ``cuda`` on a GPU machine.
+"""
+
+from attnmeta.testing.reference.attention import *  # noqa: F403
+from attnmeta.testing.reference.layout import *  # noqa: F403
+from attnmeta.testing.reference.mamba import *  # noqa: F403
+from attnmeta.testing.reference import attention as _attention
+from attnmeta.testing.reference import layout as _layout
+from attnmeta.testing.reference import mamba as _mamba
+
+__all__ = [*_layout.__all__, *_mamba.__all__, *_attention.__all__]

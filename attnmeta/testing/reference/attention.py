@@ -1,0 +1,3 @@
+"""Device-side reference implementations (attention); see attnmeta.testing.reference."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Device-side reference implementations (layout); see attnmeta.testing.reference."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Device-side reference implementations (mamba); see attnmeta.testing.reference."""
+
+__all__: list[str] = []

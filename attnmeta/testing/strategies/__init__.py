@@ -1,0 +1,14 @@
+"""Public hypothesis strategies for valid attnmeta inputs. Requires hypothesis.
+
+Every strategy builds valid objects by construction (it draws lists and derives lengths; it never
+draws a size first and never filters), takes keyword-only arguments with sensible defaults, and
+accepts strategies for the knobs users want to vary. Impossible argument combinations raise
+``hypothesis.errors.InvalidArgument`` when drawn.
+"""
+
+from attnmeta.testing.strategies._attention import *  # noqa: F403
+from attnmeta.testing.strategies._batch import *  # noqa: F403
+from attnmeta.testing.strategies._mamba import *  # noqa: F403
+from attnmeta.testing.strategies import _attention, _batch, _mamba
+
+__all__ = [*_batch.__all__, *_mamba.__all__, *_attention.__all__]

@@ -1,0 +1,3 @@
+"""Hypothesis strategies (_attention). Requires hypothesis."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Hypothesis strategies (_batch). Requires hypothesis."""
+
+__all__: list[str] = []

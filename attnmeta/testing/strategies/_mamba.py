@@ -1,0 +1,3 @@
+"""Hypothesis strategies (_mamba). Requires hypothesis."""
+
+__all__: list[str] = []
