@@ -1,0 +1,418 @@
+"""``CommonAttentionMetadata``: the per-step metadata every attention-like layer shares.
+
+Field names, dtypes, shapes and semantics follow vLLM 0.33.0's ``CommonAttentionMetadata``
+(shared/reference/vllm-semantics.md section 2), so a vLLM backend can take attnmeta's object in place
+of its own. Differences, all deliberate:
+
+- every device field has its numpy host twin (``<name>_cpu``), filled on the host first and copied to
+  the device in the step's one H2D copy; nothing is ever copied back;
+- there are no memo caches: ``replace()`` can never carry a stale derived value, and changing a device
+  field without its host twin (or the reverse) is an error;
+- ``block_table_tensor`` has ``max_blocks`` columns: in eager mode the most blocks any request uses
+  (columns past a request's own blocks are never read by kernels), in graph mode the profile's
+  ``max_blocks_per_req``; vLLM stages its full persistent width;
+- ``seq_lens_cpu`` (exact, from the host) exists; vLLM removed it because its host could not know
+  exact lengths under async spec decode, where attnmeta's caller passes the optimistic lengths as
+  ``BatchSpec.seq_lens_upper_bound`` (see docs/serving.md).
+
+Build one with :func:`build_common` (its own step) or :func:`stage_common` (into a step shared with
+backend builders, so everything moves in the same single copy).
+
+Shape legend
+------------
+- ``num_reqs``: request rows including CUDA-graph padding rows.
+- ``num_actual_tokens``: tokens including CUDA-graph padding tokens.
+- ``max_blocks``: block-table columns staged (see above).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from attnmeta._fields import MetadataBase, Staged
+from attnmeta.host import layout as _layout
+from attnmeta.spec import BatchSpec
+from attnmeta.staging import Stager, Step
+
+__all__ = ["CommonAttentionMetadata", "build_common", "stage_common"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
+class CommonAttentionMetadata(MetadataBase):
+    """Per-step metadata shared by every attention-like layer of one KV-cache group.
+
+    Device tensors are views into a step's device arena, valid for kernels enqueued on the commit
+    stream after the step commits. Host arrays are views into the step's pinned slot (read-only);
+    they stay valid until the stager reuses that slot (``num_slots`` steps later): copy them if you
+    keep them longer.
+
+    Examples
+    --------
+    Two decodes with 5 and 7 cached tokens, one fresh 4-token prefill, block size 4, padded to 4
+    rows and 8 tokens:
+
+    >>> import numpy as np
+    >>> from attnmeta import BatchSpec, Stager, build_common
+    >>> spec = BatchSpec(num_computed_tokens=[5, 7, 0], num_scheduled_tokens=[1, 1, 4],
+    ...                  block_table=[[10, 11], [20, 21], [30, 31]], block_size=4,
+    ...                  num_reqs_padded=4, num_tokens_padded=8)
+    >>> cm = build_common(spec, Stager("cpu"))
+    >>> cm.query_start_loc_cpu.tolist(), cm.seq_lens_cpu.tolist()
+    ([0, 1, 2, 6, 6], [6, 8, 4, 0])
+    >>> cm.slot_mapping_cpu.tolist()
+    [45, 83, 120, 121, 122, 123, -1, -1]
+    >>> cm.query_start_loc
+    tensor([0, 1, 2, 6, 6], dtype=torch.int32)
+    >>> cm.num_reqs, cm.num_actual_tokens, cm.max_query_len, cm.max_seq_len
+    (4, 8, 4, 8)
+    """
+
+    _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "query_start_loc",
+        "seq_lens",
+        "block_table_tensor",
+        "slot_mapping",
+        "positions",
+    )
+    _HOST_FIELDS: ClassVar[tuple[str, ...]] = (
+        "query_start_loc_cpu",
+        "seq_lens_cpu",
+        "seq_lens_cpu_upper_bound",
+        "num_computed_tokens_cpu",
+        "block_table_cpu",
+        "slot_mapping_cpu",
+        "positions_cpu",
+        "is_prefilling",
+        "num_decode_draft_tokens_cpu",
+    )
+    _SCALAR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "num_reqs",
+        "num_actual_tokens",
+        "max_query_len",
+        "max_seq_len",
+        "block_size",
+        "causal",
+        "num_real_reqs",
+        "num_real_tokens",
+    )
+    _TWINS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("query_start_loc", "query_start_loc_cpu"),
+        ("seq_lens", "seq_lens_cpu"),
+        ("block_table_tensor", "block_table_cpu"),
+        ("slot_mapping", "slot_mapping_cpu"),
+        ("positions", "positions_cpu"),
+    )
+
+    # ---- device fields
+    query_start_loc: torch.Tensor
+    """(num_reqs + 1,) int32, device. Exclusive prefix sum of query lengths; [0] == 0; padding rows
+    repeat the last value (their query length is 0)."""
+    seq_lens: torch.Tensor
+    """(num_reqs,) int32, device. ``num_computed_tokens + num_scheduled_tokens``; padding rows 0."""
+    block_table_tensor: torch.Tensor
+    """(num_reqs, max_blocks) int32, device. Physical block ids; padding rows 0 (NULL_BLOCK_ID)."""
+    slot_mapping: torch.Tensor
+    """(num_actual_tokens,) int64, device. KV slot of each token; padding (and non-local, under
+    context parallelism) tokens -1 (PAD_SLOT_ID)."""
+    positions: torch.Tensor
+    """(num_actual_tokens,) int64, device. Absolute position of each token; padding tokens 0."""
+    # ---- host fields
+    query_start_loc_cpu: np.ndarray
+    """(num_reqs + 1,) int32, host. Twin of ``query_start_loc``."""
+    seq_lens_cpu: np.ndarray
+    """(num_reqs,) int32, host. Twin of ``seq_lens`` (exact)."""
+    seq_lens_cpu_upper_bound: np.ndarray
+    """(num_reqs,) int32, host. ``BatchSpec.seq_lens_upper_bound`` (optimistic under async spec decode),
+    else equal to ``seq_lens_cpu``; padding rows 0."""
+    num_computed_tokens_cpu: np.ndarray
+    """(num_reqs,) int32, host. ``seq_lens_cpu - diff(query_start_loc_cpu)``; padding rows 0."""
+    block_table_cpu: np.ndarray
+    """(num_reqs, max_blocks) int32, host. Twin of ``block_table_tensor``."""
+    slot_mapping_cpu: np.ndarray
+    """(num_actual_tokens,) int64, host. Twin of ``slot_mapping``."""
+    positions_cpu: np.ndarray
+    """(num_actual_tokens,) int64, host. Twin of ``positions``."""
+    is_prefilling: np.ndarray
+    """(num_reqs,) bool, host only. ``num_computed_tokens < num_prompt_tokens``; padding rows False;
+    all False when the spec gives no prompt lengths."""
+    num_decode_draft_tokens_cpu: np.ndarray | None
+    """(num_reqs,) int32, host only, or None without spec decode. Drafts of row i when
+    ``q_i == drafts_i + 1``, else -1; padding rows -1 (vllm-semantics.md 3.4)."""
+    # ---- host scalars
+    num_reqs: int
+    """Request rows, padding included."""
+    num_actual_tokens: int
+    """Tokens, padding included (may exceed ``query_start_loc_cpu[-1]``)."""
+    max_query_len: int
+    """Max scheduled tokens over the real rows."""
+    max_seq_len: int
+    """Max of ``seq_lens_cpu_upper_bound`` over the real rows (an upper bound under async spec decode)."""
+    block_size: int
+    """Tokens per KV block."""
+    causal: bool = True
+    """Causal attention for every request."""
+    num_real_reqs: int
+    """Requests before padding."""
+    num_real_tokens: int
+    """Tokens before padding (``query_start_loc_cpu[-1]``)."""
+
+    # ------------------------------------------------------------------ methods
+    def replace(self, **changes: Any) -> CommonAttentionMetadata:
+        """A new object with ``changes`` applied.
+
+        A device field and its host twin must change together. ``num_computed_tokens_cpu`` is
+        re-derived when ``seq_lens_cpu`` or ``query_start_loc_cpu`` change (unless given), so no stale
+        derived value survives.
+        """
+        self._check_twins(changes)
+        if ("seq_lens_cpu" in changes or "query_start_loc_cpu" in changes) and "num_computed_tokens_cpu" not in changes:
+            sl = changes.get("seq_lens_cpu", self.seq_lens_cpu)
+            qsl = changes.get("query_start_loc_cpu", self.query_start_loc_cpu)
+            changes["num_computed_tokens_cpu"] = (sl - np.diff(qsl)).astype(np.int32)
+        return dataclasses.replace(self, **changes)
+
+    def unpadded(self, num_actual_tokens: int, num_reqs: int) -> CommonAttentionMetadata:
+        """The first ``num_reqs`` rows and ``num_actual_tokens`` tokens (drops padding).
+
+        ``max_query_len`` / ``max_seq_len`` are kept as they are (vLLM's ``unpadded``).
+        """
+        if not 0 <= num_reqs <= self.num_reqs or not 0 <= num_actual_tokens <= self.num_actual_tokens:
+            raise ValueError(
+                f"unpadded({num_actual_tokens}, {num_reqs}): must be within num_actual_tokens="
+                f"{self.num_actual_tokens}, num_reqs={self.num_reqs}"
+            )
+        B, T = num_reqs, num_actual_tokens
+        ddt = self.num_decode_draft_tokens_cpu
+        return dataclasses.replace(
+            self,
+            query_start_loc=self.query_start_loc[: B + 1],
+            query_start_loc_cpu=self.query_start_loc_cpu[: B + 1],
+            seq_lens=self.seq_lens[:B],
+            seq_lens_cpu=self.seq_lens_cpu[:B],
+            seq_lens_cpu_upper_bound=self.seq_lens_cpu_upper_bound[:B],
+            num_computed_tokens_cpu=self.num_computed_tokens_cpu[:B],
+            block_table_tensor=self.block_table_tensor[:B],
+            block_table_cpu=self.block_table_cpu[:B],
+            slot_mapping=self.slot_mapping[:T],
+            slot_mapping_cpu=self.slot_mapping_cpu[:T],
+            positions=self.positions[:T],
+            positions_cpu=self.positions_cpu[:T],
+            is_prefilling=self.is_prefilling[:B],
+            num_decode_draft_tokens_cpu=None if ddt is None else ddt[:B],
+            num_reqs=B,
+            num_actual_tokens=T,
+            num_real_reqs=min(self.num_real_reqs, B),
+            num_real_tokens=int(self.query_start_loc_cpu[B]),
+        )
+
+    def query_lens_cpu(self) -> np.ndarray:
+        """(num_reqs,) int32, host: ``diff(query_start_loc_cpu)``."""
+        return np.diff(self.query_start_loc_cpu).astype(np.int32)
+
+    def compute_num_computed_tokens(self) -> torch.Tensor:
+        """(num_reqs,) int32, device: ``seq_lens - diff(query_start_loc)``, computed on the device (no
+        sync; a new tensor each call, never memoised)."""
+        return self.seq_lens - (self.query_start_loc[1:] - self.query_start_loc[:-1])
+
+    def validate(self) -> None:
+        """Check the invariants of vllm-semantics.md section 2 on the host twins (never syncs).
+
+        Raises
+        ------
+        ValueError
+            Naming the invariant, the first offending row and the values.
+        """
+        qsl, B, T = self.query_start_loc_cpu, self.num_reqs, self.num_actual_tokens
+        if qsl.shape != (B + 1,):
+            raise ValueError(f"query_start_loc_cpu: shape {qsl.shape} != (num_reqs + 1,) = ({B + 1},)")
+        if qsl[0] != 0:
+            raise ValueError(f"query_start_loc_cpu[0]={int(qsl[0])} != 0")
+        q = np.diff(qsl)
+        if (q < 0).any():
+            i = int(np.argmax(q < 0))
+            raise ValueError(f"query_start_loc_cpu decreases at row {i}: {int(qsl[i])} -> {int(qsl[i + 1])}")
+        if int(qsl[-1]) > T:
+            raise ValueError(f"query_start_loc_cpu[-1]={int(qsl[-1])} > num_actual_tokens={T}")
+        if (self.seq_lens_cpu < q).any():
+            i = int(np.argmax(self.seq_lens_cpu < q))
+            raise ValueError(f"seq_lens_cpu[{i}]={int(self.seq_lens_cpu[i])} < query_lens[{i}]={int(q[i])} (request {i})")
+        if (self.seq_lens_cpu_upper_bound < self.seq_lens_cpu).any():
+            i = int(np.argmax(self.seq_lens_cpu_upper_bound < self.seq_lens_cpu))
+            raise ValueError(
+                f"seq_lens_cpu_upper_bound[{i}]={int(self.seq_lens_cpu_upper_bound[i])} < seq_lens_cpu[{i}]="
+                f"{int(self.seq_lens_cpu[i])} (request {i})"
+            )
+        for name, rows in (("block_table_tensor", B), ("slot_mapping", T), ("seq_lens", B), ("positions", T)):
+            got = getattr(self, name).shape[0]
+            if got < rows:
+                raise ValueError(f"{name}: {got} rows < required {rows}")
+        for dev, host in self._TWINS:
+            d, h = getattr(self, dev), getattr(self, host)
+            if tuple(d.shape) != h.shape:
+                raise ValueError(f"{dev} shape {tuple(d.shape)} != its host twin {host} shape {h.shape}")
+
+
+def _draft_counts(spec: BatchSpec, out: np.ndarray) -> None:
+    n = spec.num_reqs
+    d = spec.num_draft_tokens
+    assert d is not None
+    out[:] = -1
+    q = spec.num_scheduled_tokens
+    np.copyto(out[:n], d, where=(q == d + 1))
+
+
+def stage_common(
+    spec: BatchSpec,
+    step: Step,
+    *,
+    prefix: str = "common",
+    causal: bool = True,
+    block_table_columns: int | None = None,
+) -> Staged[CommonAttentionMetadata]:
+    """Derive the common metadata of ``spec`` on the host, writing straight into ``step``'s pinned slot.
+
+    Parameters
+    ----------
+    spec : BatchSpec
+        The step's host description.
+    step : Step
+        An open step; everything staged here moves in its one H2D copy.
+    prefix : str, default "common"
+        Namespace of the staged field names (use one per KV-cache group sharing a step).
+    causal : bool, default True
+        Stored as ``causal``.
+    block_table_columns : int, optional
+        Columns of ``block_table_tensor``. Default: eager mode, the most blocks any request uses (at
+        least 1); graph mode, ``profile.max_blocks_per_req``.
+
+    Returns
+    -------
+    Staged[CommonAttentionMetadata]
+        ``.host`` is the :class:`CommonAttentionMetadata` field dict of host values (for other builders
+        in the same step); ``.result()`` after the commit gives the metadata.
+
+    Raises
+    ------
+    attnmeta.staging.CapacityError
+        Graph mode: the batch exceeds a profile capacity.
+    """
+    B, T = spec.num_reqs, spec.num_tokens
+    Bp, Tp = spec.padded_num_reqs, spec.padded_num_tokens
+    bs = spec.block_size
+    c, q = spec.num_computed_tokens, spec.num_scheduled_tokens
+    prof = step.profile
+    graph = prof is not None
+    if block_table_columns is None:
+        if graph:
+            assert prof is not None
+            block_table_columns = prof.max_blocks_per_req
+        elif B:
+            block_table_columns = max(1, int(-(-int((c + q).max()) // bs)))
+        else:
+            block_table_columns = 1
+    W = block_table_columns
+    need = int(-(-int((c + q).max()) // bs)) if B else 0
+    if need > W:
+        from attnmeta.staging import CapacityError
+
+        raise CapacityError(
+            f"block_table_tensor: a request needs {need} blocks but only {W} columns are staged "
+            f"(block_table_columns / StaticProfile.max_blocks_per_req)"
+        )
+    p = prefix + "."
+    if graph:
+        assert prof is not None
+        if Bp > prof.max_num_reqs or Tp > prof.max_num_tokens:
+            from attnmeta.staging import CapacityError
+
+            raise CapacityError(
+                f"batch of {Bp} rows / {Tp} tokens exceeds the profile (max_num_reqs={prof.max_num_reqs}, "
+                f"max_num_tokens={prof.max_num_tokens})"
+            )
+        qcap = prof.max_num_reqs + 1
+        qsl_full = step.alloc(p + "query_start_loc", qcap, np.int32, capacity=qcap)
+        _layout.query_start_loc(q, num_reqs_padded=qcap - 1, out=qsl_full)
+        qsl = qsl_full[: Bp + 1]
+        kw_r: dict[str, Any] = {"capacity": prof.max_num_reqs}
+        kw_t: dict[str, Any] = {"capacity": prof.max_num_tokens}
+    else:
+        qsl = step.alloc(p + "query_start_loc", Bp + 1, np.int32)
+        _layout.query_start_loc(q, num_reqs_padded=Bp, out=qsl)
+        kw_r = kw_t = {}
+    sl = step.alloc(p + "seq_lens", Bp, np.int32, fill=0, **kw_r)
+    _layout.seq_lens(c, q, num_reqs_padded=Bp, out=sl)
+    bt = step.alloc(p + "block_table_tensor", (Bp, W), np.int32, fill=0, **kw_r)
+    w_src = min(W, spec.block_table.shape[1])
+    bt[:B, :w_src] = spec.block_table[:B, :w_src]
+    if w_src < W:
+        bt[:B, w_src:] = 0
+    bt[B:] = 0
+    sm = step.alloc(p + "slot_mapping", Tp, np.int64, fill=-1, **kw_t)
+    pos = step.alloc(p + "positions", Tp, np.int64, fill=0, **kw_t)
+    _layout.token_layout(
+        c, q, spec.block_table, bs, num_tokens_padded=Tp, context_parallel=spec.context_parallel,
+        positions_out=pos, slot_mapping_out=sm,
+    )
+    # Host-only fields: never staged.
+    ub = np.zeros(Bp, np.int32)
+    ub[:B] = spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else sl[:B]
+    nc = np.zeros(Bp, np.int32)
+    nc[:B] = c
+    if spec.num_prompt_tokens is not None:
+        pre = _layout.is_prefilling(c, spec.num_prompt_tokens, num_reqs_padded=Bp)
+    else:
+        pre = np.zeros(Bp, np.bool_)
+    ddt = None
+    if spec.num_draft_tokens is not None:
+        ddt = np.empty(Bp, np.int32)
+        _draft_counts(spec, ddt)
+    host: dict[str, Any] = {
+        "query_start_loc_cpu": qsl,
+        "seq_lens_cpu": sl,
+        "seq_lens_cpu_upper_bound": ub,
+        "num_computed_tokens_cpu": nc,
+        "block_table_cpu": bt,
+        "slot_mapping_cpu": sm,
+        "positions_cpu": pos,
+        "is_prefilling": pre,
+        "num_decode_draft_tokens_cpu": ddt,
+        "num_reqs": Bp,
+        "num_actual_tokens": Tp,
+        "max_query_len": spec.max_query_len,
+        "max_seq_len": spec.max_seq_len,
+        "block_size": bs,
+        "causal": causal,
+        "num_real_reqs": B,
+        "num_real_tokens": T,
+    }
+
+    def make() -> CommonAttentionMetadata:
+        qd = step.device(p + "query_start_loc")
+        for a in (qsl, sl, bt, sm, pos, ub, nc, pre):
+            a.flags.writeable = False
+        return CommonAttentionMetadata(
+            query_start_loc=qd[: Bp + 1] if graph else qd,
+            seq_lens=step.device(p + "seq_lens"),
+            block_table_tensor=step.device(p + "block_table_tensor"),
+            slot_mapping=step.device(p + "slot_mapping"),
+            positions=step.device(p + "positions"),
+            **host,
+        )
+
+    return Staged(step, host, make)
+
+
+def build_common(spec: BatchSpec, stager: Stager, **kwargs: Any) -> CommonAttentionMetadata:
+    """Stage ``spec``'s common metadata in a step of its own, commit it, and return the result.
+
+    Keyword arguments go to :func:`stage_common`. For backends staged alongside, use
+    :func:`stage_common` inside ``with stager.step() as step:`` instead.
+    """
+    with stager.step() as step:
+        staged = stage_common(spec, step, **kwargs)
+    return staged.result()
+

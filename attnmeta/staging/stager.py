@@ -1,0 +1,647 @@
+"""The stager: one pinned, event-fenced host->device copy per step.
+
+Ownership and stream contract
+-----------------------------
+A :class:`Stager` belongs to one device and is driven by one thread at a time. It owns
+
+- a ring of ``num_slots`` (default 3) **pinned host slots**: host derivations write a step's arrays
+  straight into the current slot through numpy views handed out by :meth:`Step.alloc`;
+- **device arenas**: in eager mode one per slot, in graph mode one shared arena with a fixed layout.
+
+:meth:`Step.commit` issues **exactly one** non-blocking H2D copy that covers everything the step
+staged, on the commit stream (the current stream unless one was given), then records an event on that
+stream. A slot's pinned memory is rewritten only after the event recorded after its last copy has
+completed: before a step begins on a slot the stager queries that event and, only if the GPU is still
+behind, waits for it (counted in :attr:`StagerStats.waits`). With ``num_slots >= 2`` the host never
+waits in steady state unless it runs ``num_slots - 1`` steps ahead of the GPU.
+
+Device tensors handed out by a committed step are views into a device arena. Kernels enqueued on the
+commit stream after the commit see exactly this step's data: either the complete old state or the
+complete new one, never a mix. Asking for a step's device views before it commits raises
+:class:`StepNotCommittedError`; asking after its eager-mode slot has been reused raises
+:class:`StepExpiredError`.
+
+Graph mode
+----------
+With a :class:`~attnmeta.profile.StaticProfile` (``Stager(device, profile=...)``) every field has a
+fixed offset and capacity in one device arena, so a CUDA graph captured over kernels that read the
+fields can be replayed after any later commit. Rows past a step's length hold the field's sentinel
+(``fill``): every declared field is fully defined after every commit, also when a step does not stage
+it. Fields are laid out on first use; :meth:`Stager.freeze` (call it before capturing) forbids new
+fields, after which exceeding a capacity or adding a field raises.
+
+On ``cpu`` the same API works without pinning (plain copies); on ``meta`` the device tensors carry no
+data at all, so the sync audit can prove nothing reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from attnmeta.profile import StaticProfile
+
+__all__ = [
+    "CapacityError",
+    "Stager",
+    "StagerStats",
+    "Step",
+    "StepExpiredError",
+    "StepNotCommittedError",
+    "StepStats",
+]
+
+logger = logging.getLogger("attnmeta.staging")
+
+_ALIGN = 64  # bytes; every field starts on a 64-byte boundary
+_NP_TO_TORCH = {
+    np.dtype(np.bool_): torch.bool,
+    np.dtype(np.int8): torch.int8,
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.float32): torch.float32,
+}
+
+
+class StepNotCommittedError(RuntimeError):
+    """A step's device views were requested before the step committed (they would hold stale data)."""
+
+
+class StepExpiredError(RuntimeError):
+    """A step's device views were requested after the stager reused its slot for a newer step."""
+
+
+class CapacityError(ValueError):
+    """A graph-mode field needs more room than its declared capacity (or a new field after freeze)."""
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one committed step cost.
+
+    Attributes
+    ----------
+    slot : int
+        Ring slot the step used.
+    copies : int
+        H2D copies issued by the commit (1, or 0 for an empty step).
+    bytes : int
+        Bytes moved by that copy.
+    waits : int
+        1 if beginning the step had to wait for the slot's previous copy, else 0.
+    wait_seconds : float
+        Host time spent in that wait.
+    grew : bool
+        Whether the step had to grow a slot (eager mode, outside steady state).
+    """
+
+    slot: int
+    copies: int
+    bytes: int
+    waits: int
+    wait_seconds: float
+    grew: bool
+
+
+@dataclasses.dataclass(slots=True)
+class StagerStats:
+    """Running totals over a stager's life (exposed for benchmarks and monitoring)."""
+
+    steps: int = 0
+    """Steps committed."""
+    copies: int = 0
+    """H2D copies issued (equals ``steps`` minus empty steps)."""
+    bytes: int = 0
+    """Bytes copied host->device."""
+    waits: int = 0
+    """Times a step had to wait for a slot's previous copy to finish."""
+    wait_seconds: float = 0.0
+    """Host time spent waiting."""
+    grows: int = 0
+    """Times a slot or arena had to grow (eager mode) or the layout changed before freeze."""
+    slot_reuses: int = 0
+    """Steps that began on a slot used before (every step after the first ``num_slots``)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Field:
+    name: str
+    offset: int  # bytes into the slot / arena
+    dtype: np.dtype
+    row_shape: tuple[int, ...]
+    rows: int  # rows staged by the current step (eager) / capacity (graph)
+    capacity: int
+    fill: Any
+
+    @property
+    def row_bytes(self) -> int:
+        return int(self.dtype.itemsize * int(np.prod(self.row_shape, dtype=np.int64)))
+
+    @property
+    def nbytes(self) -> int:
+        return self.row_bytes * self.capacity
+
+
+class _Slot:
+    """One ring slot: pinned host bytes, (eager) its device arena, and the fence event."""
+
+    __slots__ = ("device_arena", "dirty_rows", "event", "generation", "host", "host_np", "index", "typed")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.host: torch.Tensor | None = None
+        self.host_np: np.ndarray | None = None
+        self.device_arena: torch.Tensor | None = None
+        self.event: Any = None
+        self.generation = 0
+        self.dirty_rows: dict[str, int] = {}  # graph mode: rows not holding the sentinel
+        self.typed: dict[np.dtype, torch.Tensor] = {}  # eager mode: typed views of device_arena
+
+
+class Stager:
+    """Owns the pinned ring and device arenas of one device; hands out :class:`Step` objects.
+
+    Parameters
+    ----------
+    device : torch.device or str
+        Where device fields live: ``cuda[:n]``, ``cpu`` or ``meta``.
+    num_slots : int, default 3
+        Pinned ring slots; >= 2 so the host can build step N+1 while step N's copy is in flight.
+    profile : StaticProfile, optional
+        Enables graph mode: fixed per-field capacities and addresses.
+    stream : torch.cuda.Stream, optional
+        Stream for every commit; default: the current stream at commit time.
+    initial_bytes : int, default 1 MiB
+        Initial slot size in eager mode (slots grow geometrically when a step needs more).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> stager = Stager("cpu")
+    >>> with stager.step() as step:
+    ...     qsl = step.alloc("query_start_loc", 4, np.int32)
+    ...     qsl[:] = [0, 3, 4, 9]
+    >>> step.device("query_start_loc")
+    tensor([0, 3, 4, 9], dtype=torch.int32)
+    >>> step.stats.copies, stager.stats.steps
+    (1, 1)
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        *,
+        num_slots: int = 3,
+        profile: StaticProfile | None = None,
+        stream: Any = None,
+        initial_bytes: int = 1 << 20,
+        _unsafe_disable_fencing: bool = False,
+    ) -> None:
+        if num_slots < 2:
+            raise ValueError(f"num_slots: must be >= 2 so a step can be built while the last copies, got {num_slots}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.num_slots = num_slots
+        self.profile = profile
+        self.graph_mode = profile is not None
+        self._stream = stream
+        self._cuda = self.device.type == "cuda"
+        self._pin = self._cuda
+        self._slots = [_Slot(i) for i in range(num_slots)]
+        self._next = 0
+        self._open: Step | None = None
+        self._frozen = False
+        self._fencing = not _unsafe_disable_fencing
+        self.stats = StagerStats()
+        # graph mode: one fixed layout and one device arena shared by every slot
+        self._layout: dict[str, _Field] = {}
+        self._layout_bytes = 0
+        self._graph_arena: torch.Tensor | None = None
+        self._graph_typed: dict[np.dtype, torch.Tensor] = {}
+        self._copy_end = 0  # graph mode: bytes a commit must copy (high-water mark of non-sentinel data)
+        self._full_copy_pending = True
+        for slot in self._slots:
+            self._alloc_slot(slot, max(_align(initial_bytes), _ALIGN))
+            if self._cuda:
+                slot.event = torch.cuda.Event()
+
+    # ------------------------------------------------------------------ memory
+    def _alloc_host(self, nbytes: int) -> tuple[torch.Tensor, np.ndarray]:
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        return t, t.numpy()
+
+    def _alloc_slot(self, slot: _Slot, nbytes: int) -> None:
+        slot.host, slot.host_np = self._alloc_host(nbytes)
+        if not self.graph_mode:
+            slot.device_arena = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _grow_slot(self, slot: _Slot, need: int) -> np.ndarray:
+        """Eager mode: grow ``slot`` to hold ``need`` bytes; returns the old host bytes.
+
+        Views already handed out this step still point into the old bytes and may still be written;
+        the step copies them over (:meth:`Step.commit`, "migrations") just before its one H2D copy.
+        """
+        assert slot.host_np is not None
+        new_size = _align(max(need, 2 * slot.host_np.shape[0]))
+        old_host = slot.host_np
+        logger.info("attnmeta.staging: growing slot %d to %d bytes (outside steady state)", slot.index, new_size)
+        slot.host, slot.host_np = self._alloc_host(new_size)
+        slot.device_arena = torch.empty(new_size, dtype=torch.uint8, device=self.device)
+        slot.typed = {}
+        self.stats.grows += 1
+        return old_host
+
+    def _graph_reserve(
+        self, name: str, dtype: np.dtype, row_shape: tuple[int, ...], capacity: int, fill: Any, step: Step
+    ) -> _Field:
+        if self._frozen:
+            raise CapacityError(
+                f"{name}: new staged field after Stager.freeze(); declare every field (run one step of each "
+                f"kind) before freezing the layout for CUDA-graph capture"
+            )
+        f = _Field(name, _align(self._layout_bytes), dtype, row_shape, capacity, capacity, fill)
+        self._layout[name] = f
+        self._layout_bytes = f.offset + _align(f.nbytes)
+        logger.info("attnmeta.staging: graph layout adds %s (%s x %s %s), %d bytes total",
+                    name, capacity, row_shape, dtype, self._layout_bytes)
+        self.stats.grows += 1
+        # Re-create arenas at the new size; existing content is sentinel-refilled below.
+        self._graph_arena = torch.empty(self._layout_bytes, dtype=torch.uint8, device=self.device)
+        self._graph_typed = {}
+        for slot in self._slots:
+            assert slot.host_np is not None
+            if slot.host_np.shape[0] < self._layout_bytes:
+                old = slot.host_np
+                if slot is not step._slot:
+                    self._wait_slot(slot)
+                slot.host, slot.host_np = self._alloc_host(_align(max(self._layout_bytes, 2 * old.shape[0])))
+                slot.host_np[: old.shape[0]] = old
+            self._fill_rows(slot, f, 0, capacity)
+            slot.dirty_rows[name] = 0
+        self._full_copy_pending = True
+        return f
+
+    def freeze(self) -> None:
+        """Graph mode: forbid new fields from now on (call before capturing CUDA graphs)."""
+        if not self.graph_mode:
+            raise RuntimeError("freeze(): only a graph-mode stager (constructed with profile=) has a fixed layout")
+        self._frozen = True
+
+    def _host_view(self, slot: _Slot, f: _Field, rows: int) -> np.ndarray:
+        return np.ndarray((rows, *f.row_shape), dtype=f.dtype, buffer=slot.host_np, offset=f.offset)  # type: ignore[arg-type]
+
+    def _fill_rows(self, slot: _Slot, f: _Field, start: int, stop: int) -> None:
+        if stop > start:
+            self._host_view(slot, f, stop)[start:stop] = f.fill
+
+    def _typed(self, arena: torch.Tensor, dtype: np.dtype, cache: dict[np.dtype, torch.Tensor]) -> torch.Tensor:
+        t = cache.get(dtype)
+        if t is None:
+            tdt = _NP_TO_TORCH[dtype]
+            usable = arena.shape[0] // dtype.itemsize * dtype.itemsize
+            t = arena[:usable].view(tdt)
+            cache[dtype] = t
+        return t
+
+    # ------------------------------------------------------------------ fencing
+    def _stream_now(self) -> Any:
+        if not self._cuda:
+            return None
+        return self._stream if self._stream is not None else torch.cuda.current_stream(self.device)
+
+    def _wait_slot(self, slot: _Slot) -> tuple[int, float]:
+        if not self._cuda or not self._fencing or slot.generation == 0:
+            return 0, 0.0
+        if slot.event.query():
+            return 0, 0.0
+        t0 = time.perf_counter()
+        slot.event.synchronize()  # the host waits for the GPU; counted, never silent
+        dt = time.perf_counter() - t0
+        self.stats.waits += 1
+        self.stats.wait_seconds += dt
+        return 1, dt
+
+    # ------------------------------------------------------------------ steps
+    def step(self) -> Step:
+        """Begin a step on the next ring slot (waiting only if that slot's last copy is unfinished).
+
+        Use it as a context manager (``with stager.step() as step:``): leaving the block normally
+        commits, leaving it with an exception abandons the step without copying anything.
+        """
+        if self._open is not None:
+            raise RuntimeError("Stager.step(): the previous step has neither committed nor been abandoned")
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % self.num_slots
+        if slot.generation:
+            self.stats.slot_reuses += 1
+        waits, wait_s = self._wait_slot(slot)
+        step = Step(self, slot, waits, wait_s)
+        self._open = step
+        return step
+
+    @contextmanager
+    def _noop(self) -> Iterator[None]:
+        yield
+
+    def _commit(self, step: Step) -> StepStats:
+        slot = step._slot
+        assert slot.host is not None and slot.host_np is not None
+        # Migrations: a field allocated before its slot grew was written through a view of the old bytes.
+        for name, f in step._fields.items():
+            buf = step._bufs[name]
+            if buf is not slot.host_np:
+                assert buf is not None
+                lo, hi = f.offset, f.offset + f.rows * f.row_bytes
+                slot.host_np[lo:hi] = buf[lo:hi]
+        if self.graph_mode:
+            for name, f in self._layout.items():
+                staged = step._fields.get(name)
+                rows = staged.rows if staged is not None else 0
+                dirty = slot.dirty_rows.get(name, 0)
+                if dirty > rows:
+                    self._fill_rows(slot, f, rows, dirty)
+                slot.dirty_rows[name] = rows
+                self._copy_end = max(self._copy_end, f.offset + rows * f.row_bytes)
+            nbytes = self._layout_bytes if self._full_copy_pending else self._copy_end
+            self._full_copy_pending = False
+            dst = self._graph_arena
+        else:
+            nbytes = step._used
+            dst = slot.device_arena
+        assert dst is not None
+        copies = 0
+        if nbytes:
+            stream = self._stream_now()
+            ctx = torch.cuda.stream(stream) if stream is not None and self._stream is not None else self._noop()
+            with ctx:
+                dst[:nbytes].copy_(slot.host[:nbytes], non_blocking=True)
+                if self._cuda:
+                    slot.event.record(stream)
+            copies = 1
+        slot.generation += 1
+        step._generation = slot.generation
+        self._open = None
+        st = StepStats(slot.index, copies, nbytes, step._waits, step._wait_s, step._grew)
+        s = self.stats
+        s.steps += 1
+        s.copies += copies
+        s.bytes += nbytes
+        return st
+
+    def _abandon(self, step: Step) -> None:
+        self._open = None
+        # The slot's previous contents were already released (fenced); nothing was copied.
+
+    def __repr__(self) -> str:
+        mode = "graph" if self.graph_mode else "eager"
+        return (f"Stager(device={self.device}, mode={mode}, num_slots={self.num_slots}, "
+                f"steps={self.stats.steps}, waits={self.stats.waits})")
+
+
+class Step:
+    """One step's staging area: numpy views into a pinned slot, then one copy, then device views.
+
+    Obtain it from :meth:`Stager.step`. Not thread-safe; one open step per stager.
+    """
+
+    def __init__(self, stager: Stager, slot: _Slot, waits: int, wait_s: float) -> None:
+        self._stager = stager
+        self._slot = slot
+        self._fields: dict[str, _Field] = {}
+        self._used = 0
+        self._waits = waits
+        self._wait_s = wait_s
+        self._grew = False
+        self._committed = False
+        self._generation = -1
+        self._stats: StepStats | None = None
+        self._views: dict[str, torch.Tensor] = {}
+        self._bufs: dict[str, np.ndarray | None] = {}  # field -> host bytes its view was carved from
+        self.host_fields: dict[str, Any] = {}
+        """Host-only values recorded with :meth:`host_only` (never staged to the device)."""
+
+    # ------------------------------------------------------------------ staging
+    @property
+    def profile(self) -> StaticProfile | None:
+        """The stager's profile in graph mode, else ``None``."""
+        return self._stager.profile
+
+    @property
+    def device_type(self) -> str:
+        """``"cuda"``, ``"cpu"`` or ``"meta"``."""
+        return self._stager.device.type
+
+    def alloc(
+        self,
+        name: str,
+        shape: int | tuple[int, ...],
+        dtype: npt.DTypeLike,
+        *,
+        capacity: int | None = None,
+        fill: Any = 0,
+    ) -> np.ndarray:
+        """Reserve a field in this step and return its writable host view (uninitialised contents).
+
+        Parameters
+        ----------
+        name : str
+            Field name, unique within the step.
+        shape : int or tuple of int
+            ``(rows, *row_shape)``; ``rows`` may vary from step to step.
+        dtype : numpy dtype
+            bool, int8/16/32/64, uint8 or float32.
+        capacity : int, optional
+            Graph mode (required there): the most ``rows`` this field can ever have.
+        fill : scalar, default 0
+            Graph mode: sentinel written to rows ``[rows, capacity)``.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``shape`` and ``dtype``, a view into pinned host memory; write the step's values into it
+            before the step commits.
+
+        Raises
+        ------
+        CapacityError
+            Graph mode: ``rows > capacity``, or a new field after :meth:`Stager.freeze`.
+        """
+        if self._committed:
+            raise RuntimeError(f"{name}: alloc() after the step committed")
+        if name in self._fields:
+            raise ValueError(f"{name}: staged twice in one step")
+        shp = (shape,) if isinstance(shape, int | np.integer) else tuple(int(s) for s in shape)
+        rows, row_shape = int(shp[0]), shp[1:]
+        dt = np.dtype(dtype)
+        if dt not in _NP_TO_TORCH:
+            raise TypeError(f"{name}: dtype {dt} cannot be staged")
+        st = self._stager
+        slot = self._slot
+        if st.graph_mode:
+            f = st._layout.get(name)
+            if f is None:
+                if capacity is None:
+                    raise CapacityError(f"{name}: graph mode needs capacity= for every staged field")
+                if rows > capacity:
+                    raise CapacityError(f"{name}: needs {rows} rows but its capacity is {capacity}")
+                f = st._graph_reserve(name, dt, row_shape, int(capacity), fill, self)
+                self._grew = True
+            elif f.dtype != dt or f.row_shape != row_shape:
+                raise ValueError(
+                    f"{name}: staged as {dt} rows of {row_shape} but the graph layout holds {f.dtype} rows of {f.row_shape}"
+                )
+            if rows > f.capacity:
+                raise CapacityError(
+                    f"{name}: needs {rows} rows but its graph-mode capacity is {f.capacity} "
+                    f"(raise the StaticProfile capacity that sizes it)"
+                )
+            staged = _Field(name, f.offset, dt, row_shape, rows, f.capacity, f.fill)
+        else:
+            staged = _Field(name, _align(self._used), dt, row_shape, rows, rows, fill)
+            end = staged.offset + staged.nbytes
+            assert slot.host_np is not None
+            if end > slot.host_np.shape[0]:
+                st._grow_slot(slot, end)
+                self._grew = True
+            self._used = end
+        self._fields[name] = staged
+        self._bufs[name] = slot.host_np  # the bytes this view writes into (see _commit: migrations)
+        return st._host_view(slot, staged, rows)
+
+    def stage(self, name: str, values: Any, dtype: npt.DTypeLike | None = None, **kw: Any) -> np.ndarray:
+        """Copy ``values`` (a numpy array) into a new field; returns the host view. See :meth:`alloc`."""
+        arr = np.asarray(values)
+        out = self.alloc(name, arr.shape if arr.ndim else (1,), dtype if dtype is not None else arr.dtype, **kw)
+        out[...] = arr
+        return out
+
+    def host_only(self, name: str, value: Any) -> None:
+        """Record a host-only field (token ids, sizes, grid shapes): it is never staged to the device."""
+        if name in self._fields:
+            raise ValueError(f"{name}: already staged to the device; a field is host-only or staged, not both")
+        self.host_fields[name] = value
+
+    def host(self, name: str) -> np.ndarray:
+        """The staged host view of ``name`` (valid until the stager reuses this step's slot)."""
+        f = self._fields[name]
+        return self._stager._host_view(self._slot, f, f.rows)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._fields
+
+    # ------------------------------------------------------------------ commit
+    def commit(self) -> StepStats:
+        """Issue the step's one non-blocking H2D copy and record its fence event."""
+        if self._committed:
+            raise RuntimeError("Step.commit(): already committed")
+        self._stats = self._stager._commit(self)
+        self._committed = True
+        return self._stats
+
+    def abandon(self) -> None:
+        """Drop the step without copying (its slot is free for the next step)."""
+        if not self._committed:
+            self._stager._abandon(self)
+            self._committed = True
+            self._generation = -2
+
+    @property
+    def committed(self) -> bool:
+        """Whether :meth:`commit` has run."""
+        return self._committed and self._generation >= 0
+
+    @property
+    def stats(self) -> StepStats:
+        """This step's :class:`StepStats` (after commit)."""
+        if self._stats is None:
+            raise StepNotCommittedError("Step.stats: the step has not committed yet")
+        return self._stats
+
+    def device(self, name: str) -> torch.Tensor:
+        """The device view of ``name``: ``(rows, *row_shape)``, valid for work enqueued after the commit.
+
+        Raises
+        ------
+        StepNotCommittedError
+            The step has not committed: the device memory does not hold this step's data yet.
+        StepExpiredError
+            Eager mode: the stager has reused this step's slot for a newer step.
+        KeyError
+            ``name`` was not staged in this step.
+        """
+        v = self._views.get(name)
+        if v is not None and (self._stager.graph_mode or self._slot.generation == self._generation):
+            return v
+        if not self.committed:
+            raise StepNotCommittedError(
+                f"{name}: device view requested before the step committed; stage everything, commit "
+                f"(or leave the `with stager.step()` block), then read device fields"
+            )
+        st = self._stager
+        if not st.graph_mode and self._slot.generation != self._generation:
+            raise StepExpiredError(
+                f"{name}: this step's slot was reused by a newer step ({st.num_slots} slots); device views of "
+                f"an eager step are valid until {st.num_slots} further steps have committed"
+            )
+        f = self._fields[name]
+        v = self._view(f, f.rows)
+        self._views[name] = v
+        return v
+
+    def device_full(self, name: str) -> torch.Tensor:
+        """Graph mode: the full-capacity device view of ``name`` (fixed address; rows past this step's
+        length hold the sentinel). Capture CUDA graphs over these."""
+        st = self._stager
+        if not st.graph_mode:
+            raise RuntimeError("device_full(): only graph mode has fixed capacities")
+        if not self.committed:
+            raise StepNotCommittedError(f"{name}: device view requested before the step committed")
+        f = st._layout[name]
+        return self._view(f, f.capacity)
+
+    def _view(self, f: _Field, rows: int) -> torch.Tensor:
+        st = self._stager
+        if st.graph_mode:
+            arena, cache = st._graph_arena, st._graph_typed
+        else:
+            arena, cache = self._slot.device_arena, self._slot.typed
+        assert arena is not None
+        typed = st._typed(arena, f.dtype, cache)
+        shape = (rows, *f.row_shape)
+        strides = []
+        acc = 1
+        for d in reversed(shape[1:]):
+            strides.append(acc)
+            acc *= d
+        strides.reverse()
+        return typed.as_strided(shape, (acc, *strides), f.offset // f.dtype.itemsize)
+
+    def __enter__(self) -> Step:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._committed:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abandon()
+
+    def __repr__(self) -> str:
+        state = "committed" if self.committed else "open"
+        return f"Step(slot={self._slot.index}, {state}, fields={list(self._fields)})"

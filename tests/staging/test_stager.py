@@ -1,0 +1,256 @@
+"""Stager / Step structure and numerics on cpu and meta (the CUDA half lives in tests/gpu)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attnmeta.profile import StaticProfile
+from attnmeta.staging import (
+    CapacityError,
+    DeviceIndexCache,
+    Stager,
+    StepExpiredError,
+    StepNotCommittedError,
+    pad_out,
+)
+
+PROFILE = StaticProfile(max_num_reqs=8, max_num_tokens=32, max_blocks_per_req=4, block_size=4)
+
+
+class CopyCounter(TorchDispatchMode):
+    """Counts aten copies between distinct tensors (what a commit issues)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
+            self.copies.append((str(args[0].device), str(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dev", ["cpu", "meta"])
+def test_one_copy_per_commit(dev: str) -> None:
+    stager = Stager(dev)
+    with CopyCounter() as cc, stager.step() as step:
+        step.alloc("a", 3, np.int32)[:] = [1, 2, 3]
+        step.alloc("b", (2, 2), np.int64)[:] = [[4, 5], [6, 7]]
+        step.alloc("c", 5, np.bool_)[:] = True
+    assert len(cc.copies) == 1
+    assert cc.copies[0][1] == "True", "the commit copy must be non_blocking"
+    assert step.stats.copies == 1 and stager.stats.copies == 1
+    assert step.device("b").shape == (2, 2) and step.device("b").dtype == torch.int64
+    if dev == "cpu":
+        assert step.device("a").tolist() == [1, 2, 3]
+        assert step.device("b").tolist() == [[4, 5], [6, 7]]
+        assert step.device("c").all()
+
+
+def test_empty_step_issues_no_copy() -> None:
+    stager = Stager("cpu")
+    with stager.step() as step:
+        pass
+    assert step.stats.copies == 0 and step.stats.bytes == 0
+
+
+def test_device_before_commit_is_an_error() -> None:
+    stager = Stager("cpu")
+    step = stager.step()
+    step.alloc("a", 2, np.int32)[:] = 1
+    with pytest.raises(StepNotCommittedError, match="before the step committed"):
+        step.device("a")
+    with pytest.raises(StepNotCommittedError):
+        _ = step.stats
+    step.commit()
+    assert step.device("a").tolist() == [1, 1]
+    with pytest.raises(RuntimeError, match="already committed"):
+        step.commit()
+    with pytest.raises(RuntimeError, match="after the step committed"):
+        step.alloc("b", 1, np.int32)
+
+
+def test_step_expires_when_its_slot_is_reused() -> None:
+    stager = Stager("cpu", num_slots=2)
+    with stager.step() as first:
+        first.alloc("a", 1, np.int32)[:] = 11
+    with stager.step() as s:
+        s.alloc("a", 1, np.int32)[:] = 22
+    assert first.device("a").tolist() == [11]  # still valid: its slot was not reused yet
+    with stager.step() as s:
+        s.alloc("a", 1, np.int32)[:] = 33
+    with pytest.raises(StepExpiredError, match="reused"):
+        first.device("a")
+
+
+def test_one_open_step_at_a_time_and_abandon() -> None:
+    stager = Stager("cpu")
+    step = stager.step()
+    with pytest.raises(RuntimeError, match="neither committed nor been abandoned"):
+        stager.step()
+    step.abandon()
+    with pytest.raises(ValueError, match="boom"), stager.step() as s2:
+        s2.alloc("x", 1, np.int32)
+        raise ValueError("boom")
+    assert not s2.committed and stager.stats.copies == 0
+    with stager.step() as s3:
+        s3.alloc("x", 1, np.int32)[:] = 5
+    assert s3.device("x").tolist() == [5]
+
+
+def test_growth_keeps_views_handed_out_earlier() -> None:
+    stager = Stager("cpu", initial_bytes=64)
+    with stager.step() as step:
+        a = step.alloc("a", 4, np.int32)
+        b = step.alloc("b", 1000, np.int64)  # forces the slot to grow
+        a[:] = [1, 2, 3, 4]  # written after the growth, through the old view
+        b[:] = np.arange(1000)
+    assert step.stats.grew and stager.stats.grows >= 1
+    assert step.device("a").tolist() == [1, 2, 3, 4]
+    assert step.device("b").tolist() == list(range(1000))
+    with stager.step() as s2:
+        s2.alloc("a", 4, np.int32)[:] = 9
+    assert not s2.stats.grew
+
+
+def test_validation_errors() -> None:
+    with pytest.raises(ValueError, match="num_slots"):
+        Stager("cpu", num_slots=1)
+    stager = Stager("cpu")
+    with stager.step() as step:
+        step.alloc("a", 1, np.int32)
+        with pytest.raises(ValueError, match="staged twice"):
+            step.alloc("a", 1, np.int32)
+        with pytest.raises(TypeError, match="cannot be staged"):
+            step.alloc("f", 1, np.complex64)
+        step.host_only("token_ids", [1, 2])
+        with pytest.raises(ValueError, match="host-only or staged"):
+            step.host_only("a", 1)
+    assert step.host_fields == {"token_ids": [1, 2]}
+    with pytest.raises(RuntimeError, match="graph-mode"):
+        stager.freeze()
+
+
+def test_host_only_fields_are_never_copied() -> None:
+    stager = Stager("cpu")
+    with stager.step() as step:
+        step.alloc("a", 2, np.int32)[:] = 1
+        step.host_only("grid", (4, 2))
+    assert step.stats.bytes == 8
+    with pytest.raises(KeyError):
+        step.device("grid")
+
+
+# ------------------------------------------------------------------------------- graph mode
+def test_graph_mode_fixed_addresses_and_sentinels() -> None:
+    stager = Stager("cpu", profile=PROFILE)
+    ptrs = None
+    for rows, vals in [(3, [1, 2, 3]), (1, [9]), (5, [4, 4, 4, 4, 4])]:
+        with stager.step() as step:
+            step.alloc("slot_mapping", rows, np.int64, capacity=8, fill=-1)[:] = vals
+            if rows != 1:
+                step.alloc("seq_lens", rows, np.int32, capacity=8, fill=0)[:] = 7
+        full = step.device_full("slot_mapping")
+        assert full.tolist() == vals + [-1] * (8 - rows)
+        assert step.device("slot_mapping").tolist() == vals
+        sl = step.device_full("seq_lens")
+        # a field not staged in a step reads its sentinel everywhere
+        assert sl.tolist() == ([7] * rows + [0] * (8 - rows) if rows != 1 else [0] * 8)
+        now = (full.data_ptr(), sl.data_ptr())
+        assert ptrs is None or now == ptrs, "graph-mode fields must keep their addresses"
+        ptrs = now
+
+
+def test_graph_mode_capacity_errors() -> None:
+    stager = Stager("cpu", profile=PROFILE)
+    with stager.step() as step:
+        with pytest.raises(CapacityError, match="needs capacity="):
+            step.alloc("x", 1, np.int32)
+        with pytest.raises(CapacityError, match="needs 9 rows but its capacity is 8"):
+            step.alloc("y", 9, np.int32, capacity=8)
+        step.alloc("z", 2, np.int32, capacity=8)[:] = 1
+    stager.freeze()
+    with stager.step() as step:
+        with pytest.raises(CapacityError, match=r"z: needs 9 rows but its graph-mode capacity is 8"):
+            step.alloc("z", 9, np.int32)
+        with pytest.raises(CapacityError, match="after Stager.freeze"):
+            step.alloc("new", 1, np.int32, capacity=4)
+        with pytest.raises(ValueError, match="graph layout holds"):
+            step.alloc("z", 2, np.int64)
+
+
+def test_graph_mode_layout_growth_keeps_earlier_views() -> None:
+    stager = Stager("cpu", profile=PROFILE, initial_bytes=64)
+    with stager.step() as step:
+        a = step.alloc("a", 4, np.int32, capacity=4)
+        step.alloc("big", 500, np.int64, capacity=500)[:] = 3
+        a[:] = [1, 2, 3, 4]
+    assert step.device("a").tolist() == [1, 2, 3, 4]
+    assert step.device("big").tolist() == [3] * 500
+
+
+# ------------------------------------------------------------------------------- property
+fields = st.lists(
+    st.tuples(st.integers(0, 40), st.sampled_from([np.int32, np.int64, np.bool_, np.int8])), min_size=1, max_size=6
+)
+
+
+@given(steps=st.lists(fields, min_size=1, max_size=12), num_slots=st.integers(2, 4), graph=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_device_equals_host_snapshot(steps: list[list[tuple[int, Any]]], num_slots: int, graph: bool, seed: int) -> None:
+    """Every live step's device views equal what the host wrote for that step, bit for bit."""
+    rng = np.random.default_rng(seed)
+    stager = Stager("cpu", num_slots=num_slots, profile=PROFILE if graph else None, initial_bytes=128)
+    live: list[tuple[Any, dict[str, np.ndarray]]] = []
+    for spec in steps:
+        with stager.step() as step:
+            snap = {}
+            for i, (n, dt) in enumerate(spec):
+                name = f"f{i}_{np.dtype(dt).name}"
+                view = step.alloc(name, n, dt, capacity=40, fill=0)
+                vals = rng.integers(0, 2 if dt is np.bool_ else 100, size=n).astype(dt)
+                view[:] = vals
+                snap[name] = vals
+        live.append((step, snap))
+        keep = 1 if graph else num_slots
+        for old_step, old_snap in live[-keep:]:
+            for name, vals in old_snap.items():
+                got = old_step.device(name).numpy()
+                assert got.dtype == vals.dtype and np.array_equal(got, vals), name
+    assert stager.stats.copies == sum(1 for s in steps if graph or any(n for n, _ in s))
+
+
+# ------------------------------------------------------------------------------- helpers
+def test_device_index_cache_uploads_once() -> None:
+    cache = DeviceIndexCache("cpu")
+    calls = []
+
+    def make() -> np.ndarray:
+        calls.append(1)
+        return np.array([1, 3])
+
+    t = torch.zeros(4, dtype=torch.int64)
+    cache.index_fill_(t, "k", make, 5)
+    cache.index_fill_(t, "k", make, 6)
+    assert t.tolist() == [0, 6, 0, 6] and len(calls) == 1 and cache.uploads == 1
+    src = torch.tensor([10, 30])
+    cache.index_copy_(t, "k", make, src)
+    assert t.tolist() == [0, 10, 0, 30]
+    with pytest.raises(ValueError, match="1-D"):
+        cache.get("bad", lambda: np.zeros((2, 2)))
+
+
+def test_pad_out() -> None:
+    dst = torch.empty(4, 2, dtype=torch.int32)
+    pad_out(torch.ones(1, 2, dtype=torch.int32), dst, 0)
+    assert dst.tolist() == [[1, 1], [0, 0], [0, 0], [0, 0]]
+    with pytest.raises(ValueError, match="cannot place"):
+        pad_out(torch.ones(5, 2, dtype=torch.int32), dst, 0)
