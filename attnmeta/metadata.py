@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from attnmeta._fields import MetadataBase, Staged
-from attnmeta.host import layout as _layout
+from attnmeta.host.common import common_layout
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager, Step
 
@@ -64,7 +64,7 @@ class CommonAttentionMetadata(MetadataBase):
     >>> cm.query_start_loc_cpu.tolist(), cm.seq_lens_cpu.tolist()
     ([0, 1, 2, 6, 6], [6, 8, 4, 0])
     >>> cm.slot_mapping_cpu.tolist()
-    [45, 83, 120, 121, 122, 123, -1, -1]
+    [45, 87, 120, 121, 122, 123, -1, -1]
     >>> cm.query_start_loc
     tensor([0, 1, 2, 6, 6], dtype=torch.int32)
     >>> cm.num_reqs, cm.num_actual_tokens, cm.max_query_len, cm.max_seq_len
@@ -256,15 +256,6 @@ class CommonAttentionMetadata(MetadataBase):
                 raise ValueError(f"{dev} shape {tuple(d.shape)} != its host twin {host} shape {h.shape}")
 
 
-def _draft_counts(spec: BatchSpec, out: np.ndarray) -> None:
-    n = spec.num_reqs
-    d = spec.num_draft_tokens
-    assert d is not None
-    out[:] = -1
-    q = spec.num_scheduled_tokens
-    np.copyto(out[:n], d, where=(q == d + 1))
-
-
 def stage_common(
     spec: BatchSpec,
     step: Step,
@@ -303,7 +294,6 @@ def stage_common(
     B, T = spec.num_reqs, spec.num_tokens
     Bp, Tp = spec.padded_num_reqs, spec.padded_num_tokens
     bs = spec.block_size
-    c, q = spec.num_computed_tokens, spec.num_scheduled_tokens
     prof = step.profile
     graph = prof is not None
     if block_table_columns is None:
@@ -311,11 +301,11 @@ def stage_common(
             assert prof is not None
             block_table_columns = prof.max_blocks_per_req
         elif B:
-            block_table_columns = max(1, int(-(-int((c + q).max()) // bs)))
+            block_table_columns = max(1, -(-spec.max_exact_seq_len // bs))
         else:
             block_table_columns = 1
     W = block_table_columns
-    need = int(-(-int((c + q).max()) // bs)) if B else 0
+    need = -(-spec.max_exact_seq_len // bs)
     if need > W:
         from attnmeta.staging import CapacityError
 
@@ -334,42 +324,27 @@ def stage_common(
                 f"max_num_tokens={prof.max_num_tokens})"
             )
         qcap = prof.max_num_reqs + 1
+        # query_start_loc's sentinel is data-dependent (it repeats the total): stage the full capacity.
         qsl_full = step.alloc(p + "query_start_loc", qcap, np.int32, capacity=qcap)
-        _layout.query_start_loc(q, num_reqs_padded=qcap - 1, out=qsl_full)
         qsl = qsl_full[: Bp + 1]
         kw_r: dict[str, Any] = {"capacity": prof.max_num_reqs}
         kw_t: dict[str, Any] = {"capacity": prof.max_num_tokens}
     else:
-        qsl = step.alloc(p + "query_start_loc", Bp + 1, np.int32)
-        _layout.query_start_loc(q, num_reqs_padded=Bp, out=qsl)
+        qsl_full = qsl = step.alloc(p + "query_start_loc", Bp + 1, np.int32)
         kw_r = kw_t = {}
     sl = step.alloc(p + "seq_lens", Bp, np.int32, fill=0, **kw_r)
-    _layout.seq_lens(c, q, num_reqs_padded=Bp, out=sl)
     bt = step.alloc(p + "block_table_tensor", (Bp, W), np.int32, fill=0, **kw_r)
-    w_src = min(W, spec.block_table.shape[1])
-    bt[:B, :w_src] = spec.block_table[:B, :w_src]
-    if w_src < W:
-        bt[:B, w_src:] = 0
-    bt[B:] = 0
     sm = step.alloc(p + "slot_mapping", Tp, np.int64, fill=-1, **kw_t)
     pos = step.alloc(p + "positions", Tp, np.int64, fill=0, **kw_t)
-    _layout.token_layout(
-        c, q, spec.block_table, bs, num_tokens_padded=Tp, context_parallel=spec.context_parallel,
-        positions_out=pos, slot_mapping_out=sm,
-    )
     # Host-only fields: never staged.
-    ub = np.zeros(Bp, np.int32)
-    ub[:B] = spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else sl[:B]
-    nc = np.zeros(Bp, np.int32)
-    nc[:B] = c
-    if spec.num_prompt_tokens is not None:
-        pre = _layout.is_prefilling(c, spec.num_prompt_tokens, num_reqs_padded=Bp)
-    else:
-        pre = np.zeros(Bp, np.bool_)
-    ddt = None
-    if spec.num_draft_tokens is not None:
-        ddt = np.empty(Bp, np.int32)
-        _draft_counts(spec, ddt)
+    ub = np.empty(Bp, np.int32)
+    nc = np.empty(Bp, np.int32)
+    pre = np.empty(Bp, np.bool_)
+    ddt = np.empty(Bp, np.int32) if spec.num_draft_tokens is not None else None
+    common_layout(
+        spec, query_start_loc=qsl_full, seq_lens=sl, block_table=bt, positions=pos, slot_mapping=sm,
+        seq_lens_upper_bound=ub, num_computed_tokens=nc, is_prefilling=pre, num_decode_draft_tokens=ddt,
+    )
     host: dict[str, Any] = {
         "query_start_loc_cpu": qsl,
         "seq_lens_cpu": sl,

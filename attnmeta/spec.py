@@ -129,6 +129,8 @@ class BatchSpec:
     """``max(num_scheduled_tokens)`` over real rows (0 for an empty batch)."""
     max_seq_len: int = dataclasses.field(init=False)
     """``max(seq_lens_upper_bound)`` over real rows: an upper bound under async spec decode."""
+    max_exact_seq_len: int = dataclasses.field(init=False)
+    """``max(num_computed_tokens + num_scheduled_tokens)`` over real rows (0 for an empty batch)."""
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -212,7 +214,8 @@ class BatchSpec:
         s(self, "num_reqs", n)
         s(self, "num_tokens", total)
         s(self, "max_query_len", int(q.max()) if n else 0)
-        s(self, "max_seq_len", int((ub if ub is not None else seq).max()) if n else 0)
+        s(self, "max_exact_seq_len", int(seq.max()) if n else 0)
+        s(self, "max_seq_len", int(ub.max()) if ub is not None and n else self.max_exact_seq_len)
 
     @property
     def padded_num_reqs(self) -> int:

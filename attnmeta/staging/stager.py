@@ -137,19 +137,25 @@ class StagerStats:
     """Steps that began on a slot used before (every step after the first ``num_slots``)."""
 
 
-@dataclasses.dataclass(slots=True)
 class _Field:
-    name: str
-    offset: int  # bytes into the slot / arena
-    dtype: np.dtype
-    row_shape: tuple[int, ...]
-    rows: int  # rows staged by the current step (eager) / capacity (graph)
-    capacity: int
-    fill: Any
+    """Where one staged field lives: byte offset, dtype, row shape, rows staged, capacity, sentinel."""
 
-    @property
-    def row_bytes(self) -> int:
-        return int(self.dtype.itemsize * int(np.prod(self.row_shape, dtype=np.int64)))
+    __slots__ = ("capacity", "dtype", "fill", "name", "offset", "row_bytes", "row_shape", "rows")
+
+    def __init__(
+        self, name: str, offset: int, dtype: np.dtype, row_shape: tuple[int, ...], rows: int, capacity: int, fill: Any
+    ) -> None:
+        self.name = name
+        self.offset = offset  # bytes into the slot / arena
+        self.dtype = dtype
+        self.row_shape = row_shape
+        self.rows = rows  # rows staged by the current step
+        self.capacity = capacity  # graph mode: fixed; eager: == rows
+        self.fill = fill
+        rb = dtype.itemsize
+        for d in row_shape:
+            rb *= d
+        self.row_bytes = rb
 
     @property
     def nbytes(self) -> int:

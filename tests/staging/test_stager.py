@@ -225,7 +225,11 @@ def test_device_equals_host_snapshot(steps: list[list[tuple[int, Any]]], num_slo
             for name, vals in old_snap.items():
                 got = old_step.device(name).numpy()
                 assert got.dtype == vals.dtype and np.array_equal(got, vals), name
-    assert stager.stats.copies == sum(1 for s in steps if graph or any(n for n, _ in s))
+    # one copy per step at most; an eager step with data always copies (graph mode may skip a step
+    # whose layout holds nothing but sentinels)
+    assert stager.stats.copies <= len(steps)
+    if not graph:
+        assert stager.stats.copies == sum(1 for s in steps if any(n for n, _ in s))
 
 
 # ------------------------------------------------------------------------------- helpers

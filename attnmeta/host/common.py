@@ -1,0 +1,172 @@
+"""The common per-step derivation in one compiled call.
+
+:func:`common_layout` fills every host array of :class:`attnmeta.CommonAttentionMetadata` from a
+validated :class:`attnmeta.BatchSpec` in a single numba call that composes the kernels of
+:mod:`attnmeta.host.layout` (query_start_loc, seq_lens, positions + slot mapping, is_prefilling),
+so a step pays one Python->numba transition instead of one per array. The outputs are caller
+buffers (staging views in the normal path).
+
+Shape legend
+------------
+- ``num_reqs`` / ``num_reqs_padded``: real request rows / rows including padding.
+- ``num_tokens_padded``: tokens including padding.
+- ``max_blocks``: staged block-table columns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnmeta._numba import njit
+from attnmeta.host.layout import (
+    _is_prefilling_nb,
+    _query_start_loc_nb,
+    _seq_lens_nb,
+    _token_layout_nb,
+)
+from attnmeta.spec import BatchSpec
+
+__all__ = ["common_layout"]
+
+
+@njit
+def _common_nb(
+    c: np.ndarray,
+    q: np.ndarray,
+    table: np.ndarray,
+    block_size: int,
+    world_size: int,
+    rank: int,
+    interleave: int,
+    prompt: np.ndarray,
+    has_prompt: bool,
+    drafts: np.ndarray,
+    has_drafts: bool,
+    upper: np.ndarray,
+    has_upper: bool,
+    qsl: np.ndarray,
+    seq_lens: np.ndarray,
+    bt: np.ndarray,
+    positions: np.ndarray,
+    slots: np.ndarray,
+    ub: np.ndarray,
+    nc: np.ndarray,
+    pre: np.ndarray,
+    ddt: np.ndarray,
+) -> int:
+    n = q.shape[0]
+    status = _query_start_loc_nb(q, qsl)[0]
+    status |= _seq_lens_nb(c, q, seq_lens)[0]
+    status |= _token_layout_nb(c, q, table, block_size, world_size, rank, interleave, True, True, positions, slots)[0]
+    w = min(bt.shape[1], table.shape[1])
+    for i in range(n):
+        for j in range(w):
+            bt[i, j] = table[i, j]
+        for j in range(w, bt.shape[1]):
+            bt[i, j] = 0
+        ub[i] = upper[i] if has_upper else seq_lens[i]
+        nc[i] = c[i]
+        if has_drafts:
+            ddt[i] = drafts[i] if q[i] == drafts[i] + 1 else -1
+    for i in range(n, bt.shape[0]):
+        for j in range(bt.shape[1]):
+            bt[i, j] = 0
+        ub[i] = 0
+        nc[i] = 0
+        if has_drafts:
+            ddt[i] = -1
+    if has_prompt:
+        status |= _is_prefilling_nb(c, prompt, pre)[0]
+    else:
+        pre[:] = False
+    return status
+
+
+_EMPTY_I32 = np.zeros(0, np.int32)
+
+
+def common_layout(
+    spec: BatchSpec,
+    *,
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    positions: np.ndarray,
+    slot_mapping: np.ndarray,
+    seq_lens_upper_bound: np.ndarray,
+    num_computed_tokens: np.ndarray,
+    is_prefilling: np.ndarray,
+    num_decode_draft_tokens: np.ndarray | None,
+) -> None:
+    """Fill the common metadata's host arrays for ``spec`` in one compiled call.
+
+    Every output is a caller buffer of exactly the documented shape (``spec`` was validated at
+    construction, so no further checks run here):
+
+    Parameters
+    ----------
+    spec : BatchSpec
+        The validated step description.
+    query_start_loc : (num_reqs_padded + 1,) int32, host
+        Or longer (graph mode): entries past the real rows repeat the total.
+    seq_lens : (num_reqs_padded,) int32, host
+        ``c + q``; padding 0.
+    block_table : (num_reqs_padded, max_blocks) int32, host
+        The spec's table, truncated or zero-extended to ``max_blocks`` columns; padding rows 0.
+    positions : (num_tokens_padded,) int64, host
+        Absolute positions; padding 0.
+    slot_mapping : (num_tokens_padded,) int64, host
+        KV slots; padding and non-local tokens -1.
+    seq_lens_upper_bound : (num_reqs_padded,) int32, host
+        The spec's upper bound, else ``seq_lens``; padding 0.
+    num_computed_tokens : (num_reqs_padded,) int32, host
+        ``c``; padding 0.
+    is_prefilling : (num_reqs_padded,) bool, host
+        ``c < prompt``; all False without prompt lengths.
+    num_decode_draft_tokens : (num_reqs_padded,) int32, host, or None
+        Required when the spec has drafts: ``drafts`` where ``q == drafts + 1`` else -1; padding -1.
+
+    Examples
+    --------
+    >>> spec = BatchSpec(num_computed_tokens=[3, 0], num_scheduled_tokens=[1, 2],
+    ...                  block_table=[[7], [9]], block_size=4, num_reqs_padded=3)
+    >>> bufs = dict(query_start_loc=np.empty(4, np.int32), seq_lens=np.empty(3, np.int32),
+    ...             block_table=np.empty((3, 1), np.int32), positions=np.empty(3, np.int64),
+    ...             slot_mapping=np.empty(3, np.int64), seq_lens_upper_bound=np.empty(3, np.int32),
+    ...             num_computed_tokens=np.empty(3, np.int32), is_prefilling=np.empty(3, np.bool_),
+    ...             num_decode_draft_tokens=None)
+    >>> common_layout(spec, **bufs)
+    >>> bufs["query_start_loc"].tolist(), bufs["slot_mapping"].tolist(), bufs["block_table"].tolist()
+    ([0, 1, 3, 3], [31, 36, 37], [[7], [9], [0]])
+    """
+    cp = spec.context_parallel
+    ws, rank, il = (1, 0, 1) if cp is None else (cp.world_size, cp.rank, cp.interleave)
+    has_d = spec.num_draft_tokens is not None
+    if has_d and num_decode_draft_tokens is None:
+        raise ValueError("num_decode_draft_tokens: a buffer is required when the spec has num_draft_tokens")
+    status = _common_nb(
+        spec.num_computed_tokens,
+        spec.num_scheduled_tokens,
+        spec.block_table,
+        spec.block_size,
+        ws,
+        rank,
+        il,
+        spec.num_prompt_tokens if spec.num_prompt_tokens is not None else _EMPTY_I32,
+        spec.num_prompt_tokens is not None,
+        spec.num_draft_tokens if has_d else _EMPTY_I32,
+        has_d,
+        spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else _EMPTY_I32,
+        spec.seq_lens_upper_bound is not None,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        positions,
+        slot_mapping,
+        seq_lens_upper_bound,
+        num_computed_tokens,
+        is_prefilling,
+        num_decode_draft_tokens if num_decode_draft_tokens is not None else _EMPTY_I32,
+    )
+    if status:  # unreachable for a validated spec and correctly sized buffers
+        raise ValueError(f"common_layout: internal status {status}; the spec or a buffer is inconsistent")

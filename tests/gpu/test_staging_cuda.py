@@ -1,0 +1,163 @@
+"""The stager on a real GPU: one H2D per step, no sync, no race, graph-replay safe.
+
+Runs only where CUDA is present (the GPU machine: see docs/benchmarks.md for the command). Every loop
+runs under ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+from attnmeta.profile import StaticProfile
+from attnmeta.staging import Stager
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():  # pragma: no cover - CPU CI
+    pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
+
+
+@contextmanager
+def sync_error_mode() -> Iterator[None]:
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
+def _random_fields(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    b = int(rng.integers(1, 64))
+    t = int(rng.integers(b, 512))
+    return {
+        "qsl": np.concatenate([[0], np.cumsum(rng.integers(0, 9, size=b))]).astype(np.int32),
+        "seq_lens": rng.integers(0, 1 << 20, size=b).astype(np.int32),
+        "slots": rng.integers(-1, 1 << 40, size=t).astype(np.int64),
+        "mask": rng.integers(0, 2, size=b).astype(np.bool_),
+    }
+
+
+def _checksum(views: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """Position-weighted int64 checksum of several device tensors (device ops only)."""
+    total = torch.zeros((), dtype=torch.int64, device=weights.device)
+    for v in views:
+        flat = v.reshape(-1).to(torch.int64)
+        total = total + (flat * weights[: flat.shape[0]]).sum()
+    return total
+
+
+def _host_checksum(arrs: list[np.ndarray]) -> int:
+    total = 0
+    for a in arrs:
+        flat = a.reshape(-1).astype(np.int64)
+        w = np.arange(1, flat.shape[0] + 1, dtype=np.int64)
+        total += int((flat * w).sum())  # wraps like the device int64 sum
+    return total & ((1 << 64) - 1)
+
+
+def _run_race(steps: int, fencing: bool, num_slots: int, hold_every: int) -> int:
+    """Build ``steps`` random steps while the GPU is held behind; return the number of corrupted steps."""
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(1234)
+    stager = Stager(dev, num_slots=num_slots, _unsafe_disable_fencing=not fencing)
+    weights = torch.arange(1, 4096 + 1, dtype=torch.int64, device=dev)
+    log = torch.zeros(steps, dtype=torch.int64, device=dev)
+    expected = np.zeros(steps, dtype=np.uint64)
+    with sync_error_mode():
+        for i in range(steps):
+            if i % hold_every == 0:
+                torch.cuda._sleep(2_000_000)  # ~1 ms: the host runs many steps ahead
+            data = _random_fields(rng)
+            with stager.step() as step:
+                for name, arr in data.items():
+                    step.alloc(name, arr.shape, arr.dtype)[...] = arr
+            expected[i] = np.uint64(_host_checksum(list(data.values())))
+            log[i : i + 1].copy_(_checksum([step.device(n) for n in data], weights).view(1))
+    got = log.cpu().numpy().astype(np.uint64)  # one sync, after the audited loop
+    return int((got != expected).sum())
+
+
+def test_race_free_with_fencing_under_a_held_stream() -> None:
+    corrupted = _run_race(10_000, fencing=True, num_slots=3, hold_every=8)
+    assert corrupted == 0
+
+
+def test_race_test_detects_missing_fencing() -> None:
+    """The same test must fail when fencing is disabled, or it proves nothing."""
+    corrupted = _run_race(2_000, fencing=False, num_slots=2, hold_every=16)
+    assert corrupted > 0
+
+
+def test_one_h2d_per_step_no_d2h_no_sync_in_profile() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(7)
+    stager = Stager(dev)
+    for _ in range(3):  # warm: first-use allocations and lazy module loads
+        with stager.step() as step:
+            for name, arr in _random_fields(rng).items():
+                step.alloc(name, arr.shape, arr.dtype)[...] = arr
+    torch.cuda.synchronize()
+    n = 50
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, sync_error_mode():
+        for _ in range(n):
+            with stager.step() as step:
+                for name, arr in _random_fields(rng).items():
+                    step.alloc(name, arr.shape, arr.dtype)[...] = arr
+    torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    h2d = sum(1 for x in names if "Memcpy HtoD" in x)
+    d2h = sum(1 for x in names if "Memcpy DtoH" in x)
+    syncs = sum(1 for x in names if "Synchronize" in x and x.startswith("cuda"))
+    assert h2d == n, f"expected one H2D memcpy per step, saw {h2d} for {n} steps"
+    assert d2h == 0
+    assert syncs == 0, [x for x in names if "Synchronize" in x]
+    assert stager.stats.waits == 0
+
+
+def test_cuda_graph_replay_after_later_commits() -> None:
+    dev = torch.device("cuda")
+    prof = StaticProfile(max_num_reqs=64, max_num_tokens=512, max_blocks_per_req=8, block_size=16)
+    stager = Stager(dev, profile=prof)
+    rng = np.random.default_rng(99)
+
+    def stage(data: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        with stager.step() as step:
+            for name, arr in data.items():
+                cap = 65 if name == "qsl" else (512 if name == "slots" else 64)
+                fill = -1 if name == "slots" else 0
+                step.alloc(name, arr.shape, arr.dtype, capacity=cap, fill=fill)[...] = arr
+        return {name: step.device_full(name) for name in data}
+
+    full = stage(_random_fields(rng))
+    stager.freeze()
+    weights = torch.arange(1, 4096 + 1, dtype=torch.int64, device=dev)
+    out = torch.zeros((), dtype=torch.int64, device=dev)
+
+    def kernel() -> None:
+        out.copy_(_checksum(list(full.values()), weights))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kernel()  # warm up on the side stream before capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        kernel()
+    mismatches = torch.zeros((), dtype=torch.int64, device=dev)
+    with sync_error_mode():
+        for _ in range(1000):
+            views = stage(_random_fields(rng))
+            assert all(views[k].data_ptr() == full[k].data_ptr() for k in full)
+            g.replay()
+            eager = _checksum(list(views.values()), weights)
+            mismatches += (out != eager).to(torch.int64)
+    assert int(mismatches.item()) == 0
