@@ -61,13 +61,21 @@ def as_host_array(
     ValueError
         Wrong number of dimensions, wrong length, or values outside ``dtype``'s range.
     """
+    target = np.dtype(dtype)
+    if (
+        type(value) is np.ndarray
+        and value.dtype == target
+        and value.ndim == ndim
+        and value.flags.c_contiguous
+        and (length is None or value.shape[0] == length)
+    ):
+        return value  # fast path: already exactly what is needed (the per-step common case)
     if value is None:
         if allow_none:
             return None  # type: ignore[return-value]
         raise ValueError(f"{name}: is required, got None")
     reject_tensor(value, name)
     arr = np.asarray(value)
-    target = np.dtype(dtype)
     if arr.size == 0 and arr.dtype == np.float64 and arr.ndim >= 1:
         arr = arr.astype(target)  # np.asarray([]) is float64; an empty list is fine for any dtype
     if target == np.bool_:

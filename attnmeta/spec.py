@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnmeta._checks import INT32_MAX, as_host_array, check_nonnegative, first_bad_row
+from attnmeta._checks import INT32_MAX, as_host_array
 from attnmeta._numba import njit
 
 __all__ = ["BatchSpec", "ContextParallel"]
@@ -45,23 +45,116 @@ class ContextParallel(NamedTuple):
     """Interleave size ``I``: consecutive tokens per rank; must divide ``block_size``."""
 
 
+_EMPTY = np.zeros(0, np.int32)
+# _validate_nb status codes
+_NEG_C, _NEG_Q, _SEQ_OVF, _TOT_OVF, _NARROW, _NEG_BLOCK, _NEG_P, _NEG_D, _DRAFTS, _NEG_UB, _UB = range(1, 12)
+
+
 @njit
-def _first_negative_used(bt: np.ndarray, need: np.ndarray) -> int:
-    """Flat index of the first negative block id in a used column, or -1 (O(used blocks))."""
-    w = bt.shape[1]
-    for i in range(need.shape[0]):
-        for j in range(need[i]):
+def _validate_nb(
+    c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int,
+    prompt: np.ndarray, has_p: bool, drafts: np.ndarray, has_d: bool, ub: np.ndarray, has_ub: bool,
+    res: np.ndarray,
+) -> int:
+    """One pass over requests (and their used block-table columns): every rule of BatchSpec.
+
+    Returns a status code (0 = valid) and writes ``res = [row, col, total, max_q, max_seq, max_ub]``.
+    """
+    total = np.int64(0)
+    max_q = np.int64(0)
+    max_seq = np.int64(0)
+    max_ub = np.int64(0)
+    width = bt.shape[1]
+    for i in range(c.shape[0]):
+        res[0] = i
+        ci = np.int64(c[i])
+        qi = np.int64(q[i])
+        if ci < 0:
+            return _NEG_C
+        if qi < 0:
+            return _NEG_Q
+        seq = ci + qi
+        if seq > INT32_MAX:
+            return _SEQ_OVF
+        total += qi
+        if total > INT32_MAX:
+            return _TOT_OVF
+        need = (seq + span - 1) // span
+        if need > width:
+            return _NARROW
+        for j in range(need):
             if bt[i, j] < 0:
-                return i * w + j
-    return -1
+                res[1] = j
+                return _NEG_BLOCK
+        if has_p and prompt[i] < 0:
+            return _NEG_P
+        if has_d:
+            if drafts[i] < 0:
+                return _NEG_D
+            if drafts[i] > qi:
+                return _DRAFTS
+        if has_ub:
+            u = np.int64(ub[i])
+            if u < 0:
+                return _NEG_UB
+            if u < seq:
+                return _UB
+            max_ub = max(max_ub, u)
+        max_q = max(max_q, qi)
+        max_seq = max(max_seq, seq)
+    res[2] = total
+    res[3] = max_q
+    res[4] = max_seq
+    res[5] = max_ub
+    return 0
+
+
+def _raise_invalid(
+    code: int, i: int, j: int, c: np.ndarray, q: np.ndarray, bt: np.ndarray, bs: int, span: int,
+    prompt: np.ndarray | None, drafts: np.ndarray | None, ub: np.ndarray | None,
+) -> None:
+    seq = int(c[i]) + int(q[i])
+    if code == _NEG_C:
+        raise ValueError(f"num_computed_tokens[{i}]={int(c[i])} is negative (request {i}); counts must be >= 0")
+    if code == _NEG_Q:
+        raise ValueError(f"num_scheduled_tokens[{i}]={int(q[i])} is negative (request {i}); counts must be >= 0")
+    if code == _SEQ_OVF:
+        raise ValueError(f"seq_lens[{i}]=num_computed_tokens[{i}]+num_scheduled_tokens[{i}]={seq} overflows int32")
+    if code == _TOT_OVF:
+        raise ValueError(f"num_scheduled_tokens: total {int(q.sum(dtype=np.int64))} overflows int32")
+    if code == _NARROW:
+        need = -(-seq // span)
+        what = f"cdiv(seq_len={seq}, block_size={bs})" if span == bs else f"cdiv(seq_len={seq}, block_size*world_size={span})"
+        raise ValueError(
+            f"block_table: row {i} needs {what}={need} blocks but the table has {bt.shape[1]} columns (request {i})"
+        )
+    if code == _NEG_BLOCK:
+        raise ValueError(
+            f"block_table[{i}, {j}]={int(bt[i, j])} is negative but column {j} holds tokens of "
+            f"request {i} (seq_len {seq}); block ids must be >= 0"
+        )
+    for name, arr, neg in (("num_prompt_tokens", prompt, _NEG_P), ("num_draft_tokens", drafts, _NEG_D),
+                           ("seq_lens_upper_bound", ub, _NEG_UB)):
+        if code == neg:
+            assert arr is not None
+            raise ValueError(f"{name}[{i}]={int(arr[i])} is negative (request {i}); counts must be >= 0")
+    if code == _DRAFTS:
+        assert drafts is not None
+        raise ValueError(
+            f"num_draft_tokens[{i}]={int(drafts[i])} > num_scheduled_tokens[{i}]={int(q[i])} (request {i}); "
+            f"drafts are part of the scheduled tokens"
+        )
+    assert ub is not None
+    raise ValueError(
+        f"seq_lens_upper_bound[{i}]={int(ub[i])} < seq_len={seq} (request {i}); "
+        f"an upper bound must be >= num_computed_tokens + num_scheduled_tokens"
+    )
 
 
 def _opt(value: Any, name: str, n: int) -> np.ndarray | None:
     if value is None:
         return None
-    arr = as_host_array(value, name, length=n)
-    check_nonnegative(arr, name)
-    return arr
+    return as_host_array(value, name, length=n)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -137,61 +230,12 @@ class BatchSpec:
         c = as_host_array(self.num_computed_tokens, "num_computed_tokens")
         n = c.shape[0]
         q = as_host_array(self.num_scheduled_tokens, "num_scheduled_tokens", length=n)
-        check_nonnegative(c, "num_computed_tokens")
-        check_nonnegative(q, "num_scheduled_tokens")
         if not isinstance(self.block_size, int | np.integer) or int(self.block_size) <= 0:
             raise ValueError(f"block_size: must be a positive int, got {self.block_size!r}")
         bs = int(self.block_size)
         bt = as_host_array(self.block_table, "block_table", ndim=2)
         if bt.shape[0] < n:
             raise ValueError(f"block_table: has {bt.shape[0]} rows, need one per request ({n})")
-        seq = c.astype(np.int64) + q
-        if n and int(seq.max()) > INT32_MAX:
-            i = first_bad_row(seq > INT32_MAX)
-            raise ValueError(
-                f"seq_lens[{i}]=num_computed_tokens[{i}]+num_scheduled_tokens[{i}]={int(seq[i])} overflows int32"
-            )
-        total = int(q.sum(dtype=np.int64))
-        if total > INT32_MAX:
-            raise ValueError(f"num_scheduled_tokens: total {total} overflows int32")
-        need = (seq + bs - 1) // bs
-        if n and int(need.max()) > bt.shape[1]:
-            i = first_bad_row(need > bt.shape[1])
-            raise ValueError(
-                f"block_table: row {i} needs cdiv(seq_len={int(seq[i])}, block_size={bs})={int(need[i])} "
-                f"blocks but the table has {bt.shape[1]} columns (request {i})"
-            )
-        if n and bt.size:
-            bad = _first_negative_used(bt, need)
-            if bad >= 0:
-                i, j = divmod(bad, bt.shape[1])
-                raise ValueError(
-                    f"block_table[{i}, {j}]={int(bt[i, j])} is negative but column {j} holds tokens of "
-                    f"request {i} (seq_len {int(seq[i])}); block ids must be >= 0"
-                )
-        prompt = _opt(self.num_prompt_tokens, "num_prompt_tokens", n)
-        drafts = _opt(self.num_draft_tokens, "num_draft_tokens", n)
-        if drafts is not None and n and (drafts > q).any():
-            i = first_bad_row(drafts > q)
-            raise ValueError(
-                f"num_draft_tokens[{i}]={int(drafts[i])} > num_scheduled_tokens[{i}]={int(q[i])} (request {i}); "
-                f"drafts are part of the scheduled tokens"
-            )
-        ub = _opt(self.seq_lens_upper_bound, "seq_lens_upper_bound", n)
-        if ub is not None and n and (ub < seq).any():
-            i = first_bad_row(ub < seq)
-            raise ValueError(
-                f"seq_lens_upper_bound[{i}]={int(ub[i])} < seq_len={int(seq[i])} (request {i}); "
-                f"an upper bound must be >= num_computed_tokens + num_scheduled_tokens"
-            )
-        rp = self.num_reqs_padded
-        if rp is not None and (not isinstance(rp, int | np.integer) or int(rp) < n):
-            raise ValueError(f"num_reqs_padded: {rp!r} < num_reqs={n}; padding can only add rows")
-        tp = self.num_tokens_padded
-        if tp is not None and (not isinstance(tp, int | np.integer) or int(tp) < total):
-            raise ValueError(f"num_tokens_padded: {tp!r} < num_tokens={total}; padding can only add tokens")
-        if tp is not None and int(tp) > INT32_MAX:
-            raise ValueError(f"num_tokens_padded: {tp} overflows int32")
         cp = self.context_parallel
         if cp is not None:
             if not isinstance(cp, ContextParallel):
@@ -202,6 +246,29 @@ class BatchSpec:
                 raise ValueError(
                     f"context_parallel.interleave={cp.interleave} must be >= 1 and divide block_size={bs}"
                 )
+        prompt = _opt(self.num_prompt_tokens, "num_prompt_tokens", n)
+        drafts = _opt(self.num_draft_tokens, "num_draft_tokens", n)
+        ub = _opt(self.seq_lens_upper_bound, "seq_lens_upper_bound", n)
+        span = bs * (1 if cp is None else cp.world_size)  # tokens per block-table column
+        res = np.zeros(6, np.int64)
+        code = _validate_nb(
+            c, q, bt, span,
+            prompt if prompt is not None else _EMPTY, prompt is not None,
+            drafts if drafts is not None else _EMPTY, drafts is not None,
+            ub if ub is not None else _EMPTY, ub is not None,
+            res,
+        )
+        if code:
+            _raise_invalid(code, int(res[0]), int(res[1]), c, q, bt, bs, span, prompt, drafts, ub)
+        total, max_q, max_seq, max_ub = (int(v) for v in res[2:6])
+        rp = self.num_reqs_padded
+        if rp is not None and (not isinstance(rp, int | np.integer) or int(rp) < n):
+            raise ValueError(f"num_reqs_padded: {rp!r} < num_reqs={n}; padding can only add rows")
+        tp = self.num_tokens_padded
+        if tp is not None and (not isinstance(tp, int | np.integer) or int(tp) < total):
+            raise ValueError(f"num_tokens_padded: {tp!r} < num_tokens={total}; padding can only add tokens")
+        if tp is not None and int(tp) > INT32_MAX:
+            raise ValueError(f"num_tokens_padded: {tp} overflows int32")
         s(self, "num_computed_tokens", c)
         s(self, "num_scheduled_tokens", q)
         s(self, "block_table", bt)
@@ -213,9 +280,9 @@ class BatchSpec:
         s(self, "num_tokens_padded", None if tp is None else int(tp))
         s(self, "num_reqs", n)
         s(self, "num_tokens", total)
-        s(self, "max_query_len", int(q.max()) if n else 0)
-        s(self, "max_exact_seq_len", int(seq.max()) if n else 0)
-        s(self, "max_seq_len", int(ub.max()) if ub is not None and n else self.max_exact_seq_len)
+        s(self, "max_query_len", max_q)
+        s(self, "max_exact_seq_len", max_seq)
+        s(self, "max_seq_len", max_ub if ub is not None else max_seq)
 
     @property
     def padded_num_reqs(self) -> int:
