@@ -24,6 +24,10 @@ settings.register_profile("thorough", max_examples=1000, print_blob=True, **_COM
 settings.register_profile("gpu", max_examples=25, derandomize=True, **_COMMON)
 settings.load_profile(os.environ.get("ATTNMETA_HYPOTHESIS_PROFILE", "dev"))
 
+# Reference computations on CPU tensors are tiny; torch's intra-op thread pool only adds contention
+# on the 2-core CI machine (repeat_interleave: ~16 ms with 2 threads under load vs ~0.1 ms with 1).
+torch.set_num_threads(1)
+
 
 def _devices() -> list[str]:
     devs = ["cpu"]

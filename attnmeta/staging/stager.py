@@ -73,6 +73,12 @@ _NP_TO_TORCH = {
 }
 
 
+_DTYPES: dict[Any, np.dtype] = {}
+for _d in _NP_TO_TORCH:
+    _DTYPES[_d] = _d
+    _DTYPES[_d.type] = _d
+
+
 class StepNotCommittedError(RuntimeError):
     """A step's device views were requested before the step committed (they would hold stale data)."""
 
@@ -491,11 +497,16 @@ class Step:
             raise RuntimeError(f"{name}: alloc() after the step committed")
         if name in self._fields:
             raise ValueError(f"{name}: staged twice in one step")
-        shp = (shape,) if isinstance(shape, int | np.integer) else tuple(int(s) for s in shape)
-        rows, row_shape = int(shp[0]), shp[1:]
-        dt = np.dtype(dtype)
-        if dt not in _NP_TO_TORCH:
-            raise TypeError(f"{name}: dtype {dt} cannot be staged")
+        if type(shape) is int:
+            rows, row_shape = shape, ()
+        else:
+            shp = (shape,) if isinstance(shape, np.integer) else tuple(int(s) for s in shape)  # type: ignore[union-attr]
+            rows, row_shape = int(shp[0]), shp[1:]
+        dt = _DTYPES.get(dtype)
+        if dt is None:
+            dt = np.dtype(dtype)
+            if dt not in _NP_TO_TORCH:
+                raise TypeError(f"{name}: dtype {dt} cannot be staged")
         st = self._stager
         slot = self._slot
         if st.graph_mode:
@@ -518,8 +529,9 @@ class Step:
                 )
             staged = _Field(name, f.offset, dt, row_shape, rows, f.capacity, f.fill)
         else:
-            staged = _Field(name, _align(self._used), dt, row_shape, rows, rows, fill)
-            end = staged.offset + staged.nbytes
+            off = (self._used + _ALIGN - 1) // _ALIGN * _ALIGN
+            staged = _Field(name, off, dt, row_shape, rows, rows, fill)
+            end = off + staged.row_bytes * rows
             assert slot.host_np is not None
             if end > slot.host_np.shape[0]:
                 st._grow_slot(slot, end)

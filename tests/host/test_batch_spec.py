@@ -1,0 +1,184 @@
+"""BatchSpec: one test per class of bad input, each checking the message names field, row and rule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+
+from attnmeta.spec import BatchSpec, ContextParallel
+from attnmeta.testing.strategies import batch_specs
+
+_BT = np.arange(12, dtype=np.int32).reshape(3, 4)
+
+
+def _spec(**overrides: Any) -> BatchSpec:
+    """A valid 3-request step (block_size 4, seq_lens [6, 4, 9]) with some fields replaced."""
+    fields: dict[str, Any] = {
+        "num_computed_tokens": np.array([5, 0, 7], np.int32),
+        "num_scheduled_tokens": np.array([1, 4, 2], np.int32),
+        "block_table": _BT,
+        "block_size": 4,
+    }
+    fields.update(overrides)
+    return BatchSpec(**fields)
+
+
+def test_valid_spec_scalars() -> None:
+    spec = _spec(num_reqs_padded=4, num_tokens_padded=8, seq_lens_upper_bound=[7, 4, 9])
+    assert (spec.num_reqs, spec.num_tokens, spec.max_query_len, spec.max_seq_len) == (3, 7, 4, 9)
+    assert (spec.padded_num_reqs, spec.padded_num_tokens) == (4, 8)
+    assert spec.num_computed_tokens.dtype == np.int32 and spec.block_table.flags.c_contiguous
+
+
+def test_negative_counts() -> None:
+    with pytest.raises(ValueError, match=r"num_computed_tokens\[1\]=-2 is negative \(request 1\); counts must be >= 0"):
+        _spec(num_computed_tokens=[5, -2, 7])
+    with pytest.raises(ValueError, match=r"num_scheduled_tokens\[2\]=-1 is negative \(request 2\)"):
+        _spec(num_scheduled_tokens=[1, 4, -1])
+    with pytest.raises(ValueError, match=r"num_prompt_tokens\[0\]=-3 is negative"):
+        _spec(num_prompt_tokens=[-3, 4, 9])
+
+
+def test_non_integer_dtype() -> None:
+    with pytest.raises(TypeError, match="num_computed_tokens: expected an integer array, got dtype float64"):
+        _spec(num_computed_tokens=np.array([5.0, 0.0, 7.0]))
+    with pytest.raises(TypeError, match="num_scheduled_tokens: expected an integer array, got dtype bool"):
+        _spec(num_scheduled_tokens=np.array([True, True, False]))
+
+
+def test_torch_tensor_rejected() -> None:
+    with pytest.raises(TypeError, match=r"block_table: got a torch\.Tensor \(cpu\).*host data only"):
+        _spec(block_table=torch.from_numpy(_BT))
+
+
+def test_length_mismatch() -> None:
+    with pytest.raises(ValueError, match=r"num_scheduled_tokens: expected length 3, got shape \(2,\)"):
+        _spec(num_scheduled_tokens=[1, 4])
+    with pytest.raises(ValueError, match=r"num_draft_tokens: expected length 3, got shape \(4,\)"):
+        _spec(num_draft_tokens=[0, 0, 0, 0])
+    with pytest.raises(ValueError, match=r"block_table: has 2 rows, need one per request \(3\)"):
+        _spec(block_table=_BT[:2])
+
+
+def test_block_table_too_narrow() -> None:
+    with pytest.raises(
+        ValueError, match=r"block_table: row 2 needs cdiv\(seq_len=9, block_size=4\)=3 blocks but the table has 2 columns"
+    ):
+        _spec(block_table=_BT[:, :2])
+
+
+def test_negative_block_id_in_used_column() -> None:
+    bt = _BT.copy()
+    bt[2, 2] = -1
+    with pytest.raises(ValueError, match=r"block_table\[2, 2\]=-1 is negative but column 2 holds tokens of request 2"):
+        _spec(block_table=bt)
+    bt = _BT.copy()
+    bt[1, 3] = -1  # column 3 of request 1 (seq_len 4) is unused: allowed
+    _spec(block_table=bt)
+
+
+def test_padding_smaller_than_batch() -> None:
+    with pytest.raises(ValueError, match="num_reqs_padded: 2 < num_reqs=3; padding can only add rows"):
+        _spec(num_reqs_padded=2)
+    with pytest.raises(ValueError, match="num_tokens_padded: 6 < num_tokens=7; padding can only add tokens"):
+        _spec(num_tokens_padded=6)
+
+
+def test_int32_overflow() -> None:
+    big = np.iinfo(np.int32).max
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]=num_computed_tokens\[0\]\+num_scheduled_tokens\[0\]=.* overflows int32"):
+        _spec(num_computed_tokens=[big, 0, 7])
+    with pytest.raises(ValueError, match=r"num_computed_tokens\[1\]=2147483648 does not fit int32"):
+        _spec(num_computed_tokens=np.array([5, 2**31, 7], dtype=np.int64))
+    with pytest.raises(ValueError, match=r"num_scheduled_tokens: total .* overflows int32"):
+        _spec(
+            num_computed_tokens=np.zeros(2, np.int32),
+            num_scheduled_tokens=np.array([big, big], np.int32),
+            block_table=np.zeros((2, 1), np.int32),
+            block_size=big,
+        )
+    with pytest.raises(ValueError, match="num_tokens_padded: 2147483648 overflows int32"):
+        _spec(num_tokens_padded=2**31)
+
+
+def test_drafts_exceed_scheduled() -> None:
+    with pytest.raises(
+        ValueError, match=r"num_draft_tokens\[1\]=5 > num_scheduled_tokens\[1\]=4 \(request 1\); drafts are part"
+    ):
+        _spec(num_draft_tokens=[0, 5, 1])
+
+
+def test_upper_bound_below_seq_len() -> None:
+    with pytest.raises(ValueError, match=r"seq_lens_upper_bound\[2\]=8 < seq_len=9 \(request 2\); an upper bound"):
+        _spec(seq_lens_upper_bound=[6, 4, 8])
+
+
+def test_bad_context_parallel() -> None:
+    with pytest.raises(TypeError, match="context_parallel: expected ContextParallel, got tuple"):
+        _spec(context_parallel=(2, 0, 1))
+    with pytest.raises(ValueError, match="context_parallel: need 0 <= rank < world_size"):
+        _spec(context_parallel=ContextParallel(2, 2))
+    with pytest.raises(ValueError, match="context_parallel: need 0 <= rank < world_size"):
+        _spec(context_parallel=ContextParallel(0, 0))
+    with pytest.raises(ValueError, match=r"context_parallel\.interleave=3 must be >= 1 and divide block_size=4"):
+        _spec(context_parallel=ContextParallel(2, 0, 3))
+
+
+def test_bad_block_size() -> None:
+    with pytest.raises(ValueError, match="block_size: must be a positive int, got 0"):
+        _spec(block_size=0)
+
+
+@given(spec=batch_specs(with_context_parallel=st.booleans(), long_prefills=True))
+def test_strategy_draws_valid_specs(spec: BatchSpec) -> None:
+    """batch_specs() is valid by construction: rebuilding from its fields re-validates cleanly."""
+    again = BatchSpec(
+        num_computed_tokens=spec.num_computed_tokens,
+        num_scheduled_tokens=spec.num_scheduled_tokens,
+        block_table=spec.block_table,
+        block_size=spec.block_size,
+        num_prompt_tokens=spec.num_prompt_tokens,
+        num_draft_tokens=spec.num_draft_tokens,
+        seq_lens_upper_bound=spec.seq_lens_upper_bound,
+        num_reqs_padded=spec.num_reqs_padded,
+        num_tokens_padded=spec.num_tokens_padded,
+        context_parallel=spec.context_parallel,
+    )
+    assert again.num_tokens == spec.num_tokens
+    assert spec.block_table.shape[0] == spec.padded_num_reqs
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"min_reqs": 3, "max_reqs": 2},
+        {"min_reqs": -1},
+        {"kinds": ["decode", "bogus"]},
+        {"kinds": []},
+        {"kinds": ["spec_decode"], "max_draft_tokens": 0},
+        {"kinds": ["spec_decode"], "max_query_len": 1},
+        {"max_query_len": 0},
+        {"long_prefills": True, "max_query_len": 64, "max_long_prefill_len": 8},
+    ],
+)
+def test_strategy_rejects_impossible_settings(kwargs: dict[str, Any]) -> None:
+    @given(batch_specs(**kwargs))
+    def draw(spec: BatchSpec) -> None:
+        raise AssertionError("unreachable")
+
+    with pytest.raises(InvalidArgument):
+        draw()
+
+
+@given(spec=batch_specs(kinds=["decode", "spec_decode"], with_padding=st.just(True), min_reqs=1))
+def test_strategy_kinds_knobs(spec: BatchSpec) -> None:
+    drafts = spec.num_draft_tokens if spec.num_draft_tokens is not None else 0
+    assert (spec.num_scheduled_tokens == 1 + drafts).all()
+    assert (spec.num_computed_tokens >= 1).all()
+    assert spec.num_reqs_padded is not None and spec.num_tokens_padded is not None
