@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "audit":
         from attnmeta.audit import run_audit_cli
 
-        return run_audit_cli(device=args.device, batches=args.batches)
+        return int(run_audit_cli(device=args.device, batches=args.batches))
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -24,4 +24,4 @@ def njit(fn: F) -> F:
     framework may build metadata for several devices from several threads), ``fastmath=False``
     (integer code only; nothing may be reassociated), ``boundscheck=False``.
     """
-    return numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False)(fn)  # type: ignore[no-any-return]
+    return numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False)(fn)  # type: ignore[return-value]

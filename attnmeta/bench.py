@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["BenchRow", "add_arguments", "format_table", "run_bench", "run_from_args"]
 
@@ -47,20 +48,18 @@ _SYNC_OPS = {
 }
 
 
-class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
+class _Counter(TorchDispatchMode):  # type: ignore[misc]
     """CPU-side counting pass: ops that synchronise when their input lives on a GPU."""
 
     def __init__(self, device: torch.device) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.device = device
         self.syncs = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = func._schema.name.split("::")[-1]
-        if name in _SYNC_OPS:
-            self.syncs += 1
-        elif name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 4:
+        if name in _SYNC_OPS or (name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 4):
             self.syncs += 1
         return func(*args, **kwargs)
 

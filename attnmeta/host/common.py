@@ -154,7 +154,7 @@ def common_layout(
         il,
         spec.num_prompt_tokens if spec.num_prompt_tokens is not None else _EMPTY_I32,
         spec.num_prompt_tokens is not None,
-        spec.num_draft_tokens if has_d else _EMPTY_I32,
+        spec.num_draft_tokens if spec.num_draft_tokens is not None else _EMPTY_I32,
         has_d,
         spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else _EMPTY_I32,
         spec.seq_lens_upper_bound is not None,

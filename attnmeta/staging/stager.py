@@ -250,7 +250,7 @@ class Stager:
         for slot in self._slots:
             self._alloc_slot(slot, max(_align(initial_bytes), _ALIGN))
             if self._cuda:
-                slot.event = torch.cuda.Event()
+                slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ memory
     def _alloc_host(self, nbytes: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -497,6 +497,7 @@ class Step:
             raise RuntimeError(f"{name}: alloc() after the step committed")
         if name in self._fields:
             raise ValueError(f"{name}: staged twice in one step")
+        row_shape: tuple[int, ...]
         if type(shape) is int:
             rows, row_shape = shape, ()
         else:

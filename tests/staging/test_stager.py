@@ -181,7 +181,7 @@ def test_graph_mode_capacity_errors() -> None:
     with stager.step() as step:
         with pytest.raises(CapacityError, match=r"z: needs 9 rows but its graph-mode capacity is 8"):
             step.alloc("z", 9, np.int32)
-        with pytest.raises(CapacityError, match="after Stager.freeze"):
+        with pytest.raises(CapacityError, match=r"after Stager\.freeze"):
             step.alloc("new", 1, np.int32, capacity=4)
         with pytest.raises(ValueError, match="graph layout holds"):
             step.alloc("z", 2, np.int64)

@@ -6,11 +6,11 @@ correct, synchronisations and all. Property tests assert attnmeta's host path eq
 bit, on ``cpu`` in CI and on ``cuda`` on a GPU machine.
 """
 
-from attnmeta.testing.reference.attention import *  # noqa: F403
-from attnmeta.testing.reference.layout import *  # noqa: F403
-from attnmeta.testing.reference.mamba import *  # noqa: F403
 from attnmeta.testing.reference import attention as _attention
 from attnmeta.testing.reference import layout as _layout
 from attnmeta.testing.reference import mamba as _mamba
+from attnmeta.testing.reference.attention import *  # noqa: F403
+from attnmeta.testing.reference.layout import *  # noqa: F403
+from attnmeta.testing.reference.mamba import *  # noqa: F403
 
 __all__ = [*_layout.__all__, *_mamba.__all__, *_attention.__all__]

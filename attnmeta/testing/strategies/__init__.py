@@ -6,9 +6,9 @@ accepts strategies for the knobs users want to vary. Impossible argument combina
 ``hypothesis.errors.InvalidArgument`` when drawn.
 """
 
+from attnmeta.testing.strategies import _attention, _batch, _mamba
 from attnmeta.testing.strategies._attention import *  # noqa: F403
 from attnmeta.testing.strategies._batch import *  # noqa: F403
 from attnmeta.testing.strategies._mamba import *  # noqa: F403
-from attnmeta.testing.strategies import _attention, _batch, _mamba
 
 __all__ = [*_batch.__all__, *_mamba.__all__, *_attention.__all__]
