@@ -14,13 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnmeta._workloads import decode_spec, mixed_spec
 from attnmeta.bench import Case, Uploads
 from attnmeta.spec import BatchSpec
 
 __all__ = ["SCENARIOS"]
 
-BLOCK_SIZE = 16
-TABLE_WIDTH = 2048  # columns of the engine's block table (max_model_len 32k at page 16)
 
 
 # ------------------------------------------------------------------------------------ uploads
@@ -49,38 +48,6 @@ def _raw_uploader(device: torch.device, counter: Uploads) -> Callable[[np.ndarra
 
 
 # ------------------------------------------------------------------------------------ batches
-def _table(rng: np.random.Generator, rows: int, width: int = TABLE_WIDTH) -> np.ndarray:
-    return rng.integers(0, 1 << 20, size=(rows, width), dtype=np.int32)
-
-
-def decode_spec(batch: int, rng: np.random.Generator, *, max_context: int = 2048, drafts: int = 0) -> BatchSpec:
-    """``batch`` decode requests with contexts uniform in [1, max_context) and ``drafts`` spec tokens."""
-    c = rng.integers(1, max_context, size=batch).astype(np.int32)
-    q = np.full(batch, 1 + drafts, np.int32)
-    return BatchSpec(
-        num_computed_tokens=c,
-        num_scheduled_tokens=q,
-        num_prompt_tokens=np.minimum(c, 16).astype(np.int32),
-        num_draft_tokens=np.full(batch, drafts, np.int32) if drafts else None,
-        block_table=_table(rng, batch),
-        block_size=BLOCK_SIZE,
-    )
-
-
-def mixed_spec(rng: np.random.Generator, *, prefills: int = 64, decodes: int = 192, chunk: int = 256) -> BatchSpec:
-    """``decodes`` decodes then ``prefills`` prefills up to 2k tokens, half with unaligned cached context."""
-    cd = rng.integers(1, 2048, size=decodes)
-    qp = rng.integers(1, 2049, size=prefills)
-    cp = np.where(np.arange(prefills) % 2 == 0, 0, rng.integers(1, 8192, size=prefills))
-    cp = np.where((cp % chunk == 0) & (cp > 0), cp + 1, cp)  # unaligned where cached
-    c = np.concatenate([cd, cp]).astype(np.int32)
-    q = np.concatenate([np.ones(decodes, np.int64), qp]).astype(np.int32)
-    prompt = np.concatenate([np.minimum(cd, 16), cp + qp + 10]).astype(np.int32)
-    width = int(-(-int((c + q).max()) // BLOCK_SIZE))
-    return BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, num_prompt_tokens=prompt,
-                     block_table=_table(rng, c.shape[0], max(width, 1)), block_size=BLOCK_SIZE)
-
-
 # ------------------------------------------------------------------------------------ paths
 def _common_paths(spec: BatchSpec, device: torch.device, stage_extra: Callable[[Any, Any], Any] | None,
                   ref_extra: Callable[[dict[str, torch.Tensor], Callable[[np.ndarray], torch.Tensor]], Any] | None,

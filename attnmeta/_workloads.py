@@ -1,0 +1,97 @@
+"""Deterministic random batches for the bench and the audit CLI (numpy only; no hypothesis needed).
+
+The property tests use :mod:`attnmeta.testing.strategies`; these generators exist so that
+``python -m attnmeta bench`` and ``python -m attnmeta audit`` run with runtime dependencies alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnmeta.spec import BatchSpec
+
+__all__ = ["KINDS", "decode_spec", "mixed_spec", "random_spec"]
+
+KINDS = ("decode", "prefill", "mixed", "spec_decode", "chunked", "padded")
+
+
+def _table(rng: np.random.Generator, rows: int, width: int) -> np.ndarray:
+    return rng.integers(0, 1 << 20, size=(rows, max(width, 1)), dtype=np.int32)
+
+
+def decode_spec(
+    batch: int, rng: np.random.Generator, *, max_context: int = 2048, drafts: int = 0,
+    block_size: int = 16, table_width: int = 2048,
+) -> BatchSpec:
+    """``batch`` decode requests with contexts uniform in [1, max_context) and ``drafts`` draft tokens
+    each (scheduled ``1 + drafts``); a ``table_width``-column block table."""
+    c = rng.integers(1, max_context, size=batch).astype(np.int32)
+    q = np.full(batch, 1 + drafts, np.int32)
+    return BatchSpec(
+        num_computed_tokens=c,
+        num_scheduled_tokens=q,
+        num_prompt_tokens=np.minimum(c, 16).astype(np.int32),
+        num_draft_tokens=np.full(batch, drafts, np.int32) if drafts else None,
+        block_table=_table(rng, batch, table_width),
+        block_size=block_size,
+    )
+
+
+def mixed_spec(
+    rng: np.random.Generator, *, prefills: int = 64, decodes: int = 192, chunk: int = 256,
+    max_prompt: int = 2048, max_context: int = 8192, block_size: int = 16,
+) -> BatchSpec:
+    """``decodes`` decode rows, then ``prefills`` prefills of up to ``max_prompt`` new tokens; every
+    second prefill continues a cached context that is deliberately not a multiple of ``chunk``."""
+    cd = rng.integers(1, 2048, size=decodes)
+    qp = rng.integers(1, max_prompt + 1, size=prefills)
+    cp = np.where(np.arange(prefills) % 2 == 0, 0, rng.integers(1, max_context, size=prefills))
+    cp = np.where((cp % chunk == 0) & (cp > 0), cp + 1, cp)
+    c = np.concatenate([cd, cp]).astype(np.int32)
+    q = np.concatenate([np.ones(decodes, np.int64), qp]).astype(np.int32)
+    prompt = np.concatenate([np.minimum(cd, 16), cp + qp + 10]).astype(np.int32)
+    width = -(-int((c + q).max()) // block_size) if c.size else 1
+    return BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, num_prompt_tokens=prompt,
+                     block_table=_table(rng, c.shape[0], width), block_size=block_size)
+
+
+def random_spec(rng: np.random.Generator, kind: str, *, max_reqs: int = 24, block_size: int = 16) -> BatchSpec:
+    """One random valid batch of ``kind`` (one of :data:`KINDS`), reordered decode-first like an
+    engine's batch, with zero-length rows and CUDA-graph padding where the kind calls for them."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: {kind!r} is not one of {KINDS}")
+    n = int(rng.integers(1, max_reqs + 1))
+    drafts = None
+    if kind == "decode":
+        c = rng.integers(1, 4096, size=n)
+        q = np.ones(n, np.int64)
+        prompt = np.minimum(c, rng.integers(1, 64, size=n))
+    elif kind == "spec_decode":
+        k = int(rng.integers(1, 4))
+        c = rng.integers(1, 4096, size=n)
+        q = np.full(n, k + 1)
+        drafts = np.full(n, k)
+        prompt = np.minimum(c, 16)
+    else:
+        nd = 0 if kind == "prefill" else int(rng.integers(0, n))
+        np_ = n - nd
+        cd = rng.integers(1, 4096, size=nd)
+        cp = np.zeros(np_, np.int64) if kind == "prefill" else rng.integers(0, 3000, size=np_)
+        qp = rng.integers(0 if kind in ("chunked", "padded") else 1, 700, size=np_)
+        c = np.concatenate([cd, cp])
+        q = np.concatenate([np.ones(nd, np.int64), qp])
+        prompt = np.concatenate([np.minimum(cd, 16), cp + qp + rng.integers(0, 50, size=np_)])
+    c = c.astype(np.int32)
+    q = q.astype(np.int32)
+    width = -(-int((c + q).max()) // block_size) + int(rng.integers(0, 4))
+    pad = kind in ("padded", "decode", "spec_decode")
+    return BatchSpec(
+        num_computed_tokens=c,
+        num_scheduled_tokens=q,
+        num_prompt_tokens=prompt.astype(np.int32),
+        num_draft_tokens=None if drafts is None else drafts.astype(np.int32),
+        block_table=_table(rng, n, width),
+        block_size=block_size,
+        num_reqs_padded=n + int(rng.integers(0, 4)) if pad else None,
+        num_tokens_padded=int(q.sum()) + int(rng.integers(0, 8)) if pad else None,
+    )
