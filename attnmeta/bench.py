@@ -11,8 +11,8 @@ interleaved repetition by repetition:
 
 Reported per path: host microseconds per step (median and p99), GPU->CPU syncs per step, H2D copies
 per step, bytes per step, staging waits. On CUDA the syncs and copies come from a torch.profiler
-trace; on CPU they come from a dispatch-mode count of synchronising ops and from the paths' upload
-counters. Absolute times are only meaningful on the machine that produced them; compare paths
+trace; on CPU the syncs come from :func:`attnmeta.sync.record_device_syncs` (cpu declared as device
+data) and the copies from the paths' upload counters. Absolute times are only meaningful on the machine that produced them; compare paths
 within one run.
 """
 
@@ -29,41 +29,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["BenchRow", "add_arguments", "format_table", "run_bench", "run_from_args"]
 
 
 # --------------------------------------------------------------------------------------- counting
-_SYNC_OPS = {
-    "_local_scalar_dense",
-    "nonzero",
-    "masked_select",
-    "bincount",
-    "_unique2",
-    "unique_dim",
-    "unique_consecutive",
-    "equal",
-    "_assert_async",
-}
-
-
-class _Counter(TorchDispatchMode):  # type: ignore[misc]
-    """CPU-side counting pass: ops that synchronise when their input lives on a GPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.device = device
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = func._schema.name.split("::")[-1]
-        if name in _SYNC_OPS or (name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 4):
-            self.syncs += 1
-        return func(*args, **kwargs)
-
-
 @dataclasses.dataclass
 class _Counts:
     syncs: float = 0.0
@@ -154,10 +124,14 @@ def _count(case: Case, path: str, device: torch.device, steps: int) -> _Counts:
             for _ in range(steps):
                 fn()
         return _Counts(prof["syncs"] / steps, prof["h2d"] / steps, up.bytes / steps)
-    with _Counter(device) as c:
+    from attnmeta.sync import record_device_syncs
+
+    # CPU: the "device" is cpu, declared as device data, so every host read of it is recorded.
+    with record_device_syncs(devices={"cpu"}, check_copies=False) as found:
         for _ in range(steps):
             fn()
-    return _Counts(c.syncs / steps, up.copies / steps, up.bytes / steps)
+    syncs = sum(1 for e in found if e.kind == "sync")
+    return _Counts(syncs / steps, up.copies / steps, up.bytes / steps)
 
 
 def _time_case(case: Case, reps: int, warmup: int) -> dict[str, np.ndarray]:

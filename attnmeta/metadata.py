@@ -172,6 +172,12 @@ class CommonAttentionMetadata(MetadataBase):
         if ("seq_lens_cpu" in changes or "query_start_loc_cpu" in changes) and "num_computed_tokens_cpu" not in changes:
             sl = changes.get("seq_lens_cpu", self.seq_lens_cpu)
             qsl = changes.get("query_start_loc_cpu", self.query_start_loc_cpu)
+            if np.shape(qsl) != (np.shape(sl)[0] + 1,):
+                raise ValueError(
+                    f"replace(): cannot re-derive num_computed_tokens_cpu: seq_lens_cpu has shape {np.shape(sl)} "
+                    f"but query_start_loc_cpu has shape {np.shape(qsl)} (need len(seq_lens_cpu) + 1 entries); "
+                    f"fix the shapes or pass num_computed_tokens_cpu explicitly"
+                )
             changes["num_computed_tokens_cpu"] = (sl - np.diff(qsl)).astype(np.int32)
         return dataclasses.replace(self, **changes)
 
@@ -278,7 +284,8 @@ def stage_common(
         Stored as ``causal``.
     block_table_columns : int, optional
         Columns of ``block_table_tensor``. Default: eager mode, the most blocks any request uses (at
-        least 1); graph mode, ``profile.max_blocks_per_req``.
+        least 1; ``cdiv(seq_len, block_size * world_size)`` under context parallelism, where one column
+        holds a block on every rank); graph mode, ``profile.max_blocks_per_req``.
 
     Returns
     -------
@@ -296,16 +303,16 @@ def stage_common(
     bs = spec.block_size
     prof = step.profile
     graph = prof is not None
+    cp = spec.context_parallel
+    span = bs * (1 if cp is None else cp.world_size)  # tokens per block-table column (section 4)
+    need = -(-spec.max_exact_seq_len // span)
     if block_table_columns is None:
         if graph:
             assert prof is not None
             block_table_columns = prof.max_blocks_per_req
-        elif B:
-            block_table_columns = max(1, -(-spec.max_exact_seq_len // bs))
         else:
-            block_table_columns = 1
+            block_table_columns = max(1, need)
     W = block_table_columns
-    need = -(-spec.max_exact_seq_len // bs)
     if need > W:
         from attnmeta.staging import CapacityError
 
@@ -323,19 +330,22 @@ def stage_common(
                 f"batch of {Bp} rows / {Tp} tokens exceeds the profile (max_num_reqs={prof.max_num_reqs}, "
                 f"max_num_tokens={prof.max_num_tokens})"
             )
-        qcap = prof.max_num_reqs + 1
+        qcap: int | None = prof.max_num_reqs + 1
         # query_start_loc's sentinel is data-dependent (it repeats the total): stage the full capacity.
-        qsl_full = step.alloc(p + "query_start_loc", qcap, np.int32, capacity=qcap)
-        qsl = qsl_full[: Bp + 1]
-        kw_r: dict[str, Any] = {"capacity": prof.max_num_reqs}
-        kw_t: dict[str, Any] = {"capacity": prof.max_num_tokens}
+        rcap: int | None = prof.max_num_reqs
+        tcap: int | None = prof.max_num_tokens
+        qrows = prof.max_num_reqs + 1
     else:
-        qsl_full = qsl = step.alloc(p + "query_start_loc", Bp + 1, np.int32)
-        kw_r = kw_t = {}
-    sl = step.alloc(p + "seq_lens", Bp, np.int32, fill=0, **kw_r)
-    bt = step.alloc(p + "block_table_tensor", (Bp, W), np.int32, fill=0, **kw_r)
-    sm = step.alloc(p + "slot_mapping", Tp, np.int64, fill=-1, **kw_t)
-    pos = step.alloc(p + "positions", Tp, np.int64, fill=0, **kw_t)
+        qcap = rcap = tcap = None
+        qrows = Bp + 1
+    qsl_full, sl, bt, sm, pos = step.alloc_group((
+        (p + "query_start_loc", qrows, np.int32, qcap, 0),
+        (p + "seq_lens", Bp, np.int32, rcap, 0),
+        (p + "block_table_tensor", (Bp, W), np.int32, rcap, 0),
+        (p + "slot_mapping", Tp, np.int64, tcap, -1),
+        (p + "positions", Tp, np.int64, tcap, 0),
+    ))
+    qsl = qsl_full[: Bp + 1] if graph else qsl_full
     # Host-only fields: never staged.
     ub = np.empty(Bp, np.int32)
     nc = np.empty(Bp, np.int32)
@@ -367,8 +377,9 @@ def stage_common(
 
     def make() -> CommonAttentionMetadata:
         qd = step.device(p + "query_start_loc")
-        for a in (qsl, sl, bt, sm, pos, ub, nc, pre):
-            a.flags.writeable = False
+        for a in (qsl, sl, bt, sm, pos, ub, nc, pre, ddt):  # this step's own view objects: freeze them
+            if a is not None:
+                a.flags.writeable = False
         return CommonAttentionMetadata(
             query_start_loc=qd[: Bp + 1] if graph else qd,
             seq_lens=step.device(p + "seq_lens"),
