@@ -106,15 +106,156 @@ def _common_paths(spec: BatchSpec, device: torch.device, stage_extra: Callable[[
                                     "per-tensor": per_tensor_step}, ups, stager)
 
 
-def _scenario_common(name: str, specs: list[tuple[int, BatchSpec]], device: torch.device) -> list[Case]:
+def _scenario(name: str, specs: list[tuple[int, BatchSpec]], device: torch.device,
+              stage_extra: Callable[[Any, Any], Any] | None = None,
+              ref_extra: Callable[[BatchSpec], Callable[[dict[str, torch.Tensor], Callable[[np.ndarray], torch.Tensor]], Any]] | None = None,
+              host_extra: Callable[[BatchSpec], Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]] | None = None,
+              ) -> list[Case]:
     cases = []
     for batch, spec in specs:
-        case = _common_paths(spec, device, None, None, None)
+        case = _common_paths(spec, device, stage_extra,
+                             ref_extra(spec) if ref_extra is not None else None,
+                             host_extra(spec) if host_extra is not None else None)
         case.scenario, case.batch = name, batch
         cases.append(case)
     return cases
 
 
+def _scenario_common(name: str, specs: list[tuple[int, BatchSpec]], device: torch.device) -> list[Case]:
+    return _scenario(name, specs, device)
+
+
+# ---- FlashAttention + FlashInfer (decode, spec decode)
+def _stage_fa_fi(common: Any, step: Any) -> Any:
+    from attnmeta.backends import flash_attn, flashinfer
+
+    flash_attn.stage(common, step)
+    return flashinfer.stage(common, step)
+
+
+def _ref_fa_fi(spec: BatchSpec) -> Callable[[dict[str, torch.Tensor], Callable[[np.ndarray], torch.Tensor]], Any]:
+    from attnmeta.testing import reference as ref
+
+    def extra(fields: dict[str, Any], up: Callable[[np.ndarray], torch.Tensor]) -> Any:
+        sl = fields["seq_lens"]
+        qsl = fields["query_start_loc"]
+        fields["max_query_len"] = int((qsl[1:] - qsl[:-1]).max().item())  # engines read maxima back
+        fields["max_seq_len"] = int(sl.max().item())
+        fields["paged_kv_indptr"] = ref.ref_paged_kv_indptr(sl, spec.block_size)
+        fields["paged_kv_indices"] = ref.ref_paged_kv_indices(fields["block_table"], sl, spec.block_size)
+        fields["paged_kv_last_page_len"] = ref.ref_paged_kv_last_page_len(sl, spec.block_size)
+        return fields
+
+    return extra
+
+
+def _host_fa_fi(spec: BatchSpec) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    from attnmeta.host import paged
+
+    def extra(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        lay = paged.paged_kv_layout(host["seq_lens"], spec.block_table, spec.block_size)
+        return {"paged_kv_indptr": lay.paged_kv_indptr, "paged_kv_indices": lay.paged_kv_indices,
+                "paged_kv_last_page_len": lay.paged_kv_last_page_len}
+
+    return extra
+
+
+def decode(device: torch.device, quick: bool) -> list[Case]:
+    """A decode step: common + FlashAttention + FlashInfer metadata in one copy; batch 1..1024,
+    contexts uniform in [1, 2048), a 2048-column block table, page size 16."""
+    rng = np.random.default_rng(0)
+    sizes = [1, 8, 64] if quick else [1, 8, 64, 256, 1024]
+    return _scenario("decode", [(b, decode_spec(b, rng)) for b in sizes], device, _stage_fa_fi, _ref_fa_fi,
+                     _host_fa_fi)
+
+
+def spec_decode(device: torch.device, quick: bool) -> list[Case]:
+    """Spec decode with k = 3 drafts per request (4 query tokens each), FlashAttention + FlashInfer."""
+    rng = np.random.default_rng(2)
+    sizes = [8, 64] if quick else [8, 64, 256]
+    return _scenario("spec-decode-k3", [(b, decode_spec(b, rng, drafts=3)) for b in sizes], device,
+                     _stage_fa_fi, _ref_fa_fi, _host_fa_fi)
+
+
+def mixed(device: torch.device, quick: bool) -> list[Case]:
+    """64 prefills up to 2k tokens (half with unaligned cached context) + 192 decodes; FA + FlashInfer."""
+    rng = np.random.default_rng(1)
+    spec = mixed_spec(rng, prefills=8 if quick else 64, decodes=24 if quick else 192)
+    return _scenario("mixed", [(spec.num_reqs, spec)], device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi)
+
+
+# ---- KV-sharing fast prefill
+def _logits_for(spec: BatchSpec) -> np.ndarray:
+    qsl = np.concatenate([[0], np.cumsum(spec.num_scheduled_tokens)]).astype(np.int32)
+    return (qsl[1:][spec.num_scheduled_tokens > 0] - 1).astype(np.int32)  # the last token of each request
+
+
+def fast_prefill(device: torch.device, quick: bool) -> list[Case]:
+    """KV-sharing fast prefill on the mixed batch: the logits-only batch of vllm-semantics 5.5."""
+    from attnmeta.backends import fast_prefill as fp
+    from attnmeta.host import fast_prefill as hfp
+    from attnmeta.testing import reference as ref
+
+    rng = np.random.default_rng(3)
+    spec = mixed_spec(rng, prefills=8 if quick else 64, decodes=24 if quick else 192)
+    li = _logits_for(spec)
+
+    def stage_extra(common: Any, step: Any) -> Any:
+        return fp.stage(common, step, li)
+
+    def ref_extra(s: BatchSpec) -> Callable[[dict[str, torch.Tensor], Callable[[np.ndarray], torch.Tensor]], Any]:
+        def extra(fields: dict[str, Any], up: Callable[[np.ndarray], torch.Tensor]) -> Any:
+            li_d = up(li)
+            dqsl = ref.ref_fast_prefill_query_start_loc(fields["query_start_loc"], li_d)
+            fields["fast_query_start_loc"] = dqsl
+            fields["fast_query_start_loc_cpu"] = dqsl.cpu()  # vLLM 0.33's pending D2H, made safe by a sync
+            fields["max_query_len"] = ref.ref_max_logits_per_req(dqsl)
+            return fields
+        return extra
+
+    def host_extra(s: BatchSpec) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+        def extra(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return {"fast_query_start_loc": hfp.fast_prefill_query_start_loc(host["query_start_loc"], li),
+                    "logits_indices": li}
+        return extra
+
+    return _scenario("fast-prefill", [(spec.num_reqs, spec)], device, stage_extra, ref_extra, host_extra)
+
+
+# ---- chunked local attention
+def local_attention(device: torch.device, quick: bool) -> list[Case]:
+    """Chunked local attention (Llama-4 style, chunk 8192 tokens at page 16) on the mixed batch."""
+    from attnmeta.backends import local_attn as la
+    from attnmeta.host import local_attn as hla
+    from attnmeta.testing import reference as ref
+
+    rng = np.random.default_rng(4)
+    spec = mixed_spec(rng, prefills=8 if quick else 64, decodes=24 if quick else 192)
+    chunk = 8192
+    opts = la.LocalAttnOptions(attn_chunk_size=chunk)
+
+    def stage_extra(common: Any, step: Any) -> Any:
+        return la.stage(common, step, opts)
+
+    def ref_extra(s: BatchSpec) -> Callable[[dict[str, torch.Tensor], Callable[[np.ndarray], torch.Tensor]], Any]:
+        def extra(fields: dict[str, torch.Tensor], up: Callable[[np.ndarray], torch.Tensor]) -> Any:
+            # vLLM 0.33 reads seq_lens back (its known sync), then runs the host algorithm and uploads.
+            qsl_cpu = fields["query_start_loc"].cpu()
+            sl_cpu = fields["seq_lens"].cpu()
+            out = ref.ref_local_virtual_batches(qsl_cpu, sl_cpu, chunk, s.block_size)
+            return fields, [up(np.asarray(x)) for x in out[:2]]
+        return extra
+
+    def host_extra(s: BatchSpec) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+        def extra(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            lb = hla.local_virtual_batches(host["query_start_loc"], host["seq_lens"], chunk, s.block_size,
+                                           s.block_table)
+            assert lb.block_table is not None
+            return {"local_qsl": lb.query_start_loc, "local_seq_lens": lb.seq_lens,
+                    "local_block_table": lb.block_table}
+        return extra
+
+    return _scenario("local-attention", [(spec.num_reqs, spec)], device, stage_extra, ref_extra, host_extra)
 def decode_common(device: torch.device, quick: bool) -> list[Case]:
     """Common metadata only, decode batches of 1..1024 (2048-column table, page 16)."""
     rng = np.random.default_rng(0)
@@ -130,6 +271,11 @@ def mixed_common(device: torch.device, quick: bool) -> list[Case]:
 
 
 SCENARIOS: dict[str, Callable[[torch.device, bool], list[Case]]] = {
+    "decode": decode,
+    "mixed": mixed,
+    "spec-decode-k3": spec_decode,
+    "fast-prefill": fast_prefill,
+    "local-attention": local_attention,
     "decode-common": decode_common,
     "mixed-common": mixed_common,
 }

@@ -169,7 +169,8 @@ class _Slot:
     """One ring slot: pinned host bytes, (eager) its device arena, and the fence event."""
 
     __slots__ = (
-        "device_arena", "dirty_rows", "event", "generation", "groups", "host", "host_np", "index", "typed", "views",
+        "copy_pairs", "device_arena", "dirty_rows", "event", "generation", "groups", "host", "host_np", "index",
+        "typed", "views",
     )
 
     def __init__(self, index: int) -> None:
@@ -182,6 +183,7 @@ class _Slot:
         self.dirty_rows: dict[str, int] = {}  # graph mode: rows not holding the sentinel
         self.typed: dict[np.dtype, torch.Tensor] = {}  # eager mode: typed views of device_arena
         self.views: dict[tuple[Any, ...], torch.Tensor] = {}  # eager mode: device views by (offset, dtype, shape)
+        self.copy_pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eager: (device, host) slices by size
         # alloc_group cache: (start offset, specs) -> (fields, end offset, host bytes they live in)
         self.groups: dict[tuple[Any, ...], tuple[list[_Field], int, np.ndarray | None]] = {}
 
@@ -280,6 +282,7 @@ class Stager:
         slot.typed = {}
         slot.views = {}
         slot.groups = {}
+        slot.copy_pairs = {}
         self.stats.grows += 1
         return old_host
 
@@ -408,7 +411,12 @@ class Stager:
                     dst[:nbytes].copy_(slot.host[:nbytes], non_blocking=True)
                     slot.event.record(self._stream)
             else:
-                dst[:nbytes].copy_(slot.host[:nbytes], non_blocking=True)
+                pair = slot.copy_pairs.get(nbytes) if not self.graph_mode else None
+                if pair is None:
+                    pair = (dst[:nbytes], slot.host[:nbytes])
+                    if not self.graph_mode:
+                        slot.copy_pairs[nbytes] = pair
+                pair[0].copy_(pair[1], non_blocking=True)
                 if self._cuda:
                     slot.event.record(torch.cuda.current_stream(self.device))
             copies = 1
@@ -449,7 +457,6 @@ class Step:
         self._committed = False
         self._generation = -1
         self._stats: StepStats | None = None
-        self._views: dict[str, torch.Tensor] = {}
         self._bufs: dict[str, np.ndarray | None] = {}  # field -> host bytes its view was carved from
         self.host_fields: dict[str, Any] = {}
         """Host-only values recorded with :meth:`host_only` (never staged to the device)."""
@@ -642,9 +649,9 @@ class Step:
         KeyError
             ``name`` was not staged in this step.
         """
-        v = self._views.get(name)
-        if v is not None and (self._stager.graph_mode or self._slot.generation == self._generation):
-            return v
+        if self._generation >= 0 and (self._slot.generation == self._generation or self._stager.graph_mode):
+            f = self._fields[name]
+            return self._view(f, f.rows)
         if not self.committed:
             raise StepNotCommittedError(
                 f"{name}: device view requested before the step committed; stage everything, commit "
@@ -656,10 +663,7 @@ class Step:
                 f"{name}: this step's slot was reused by a newer step ({st.num_slots} slots); device views of "
                 f"an eager step are valid until {st.num_slots} further steps have committed"
             )
-        f = self._fields[name]
-        v = self._view(f, f.rows)
-        self._views[name] = v
-        return v
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def device_full(self, name: str) -> torch.Tensor:
         """Graph mode: the full-capacity device view of ``name`` (fixed address; rows past this step's
