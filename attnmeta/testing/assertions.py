@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnmeta.testing._oracle import oracle
+
 __all__ = ["assert_host_equal", "assert_matches_device", "numpy_dtype_of", "torch_dtype_of"]
 
 _NP_TO_TORCH: dict[np.dtype, torch.dtype] = {
@@ -60,6 +62,7 @@ def assert_host_equal(actual: Any, expected: Any, name: str = "value") -> None:
         raise AssertionError(f"{name}: {_first_diff(a, b)}\nactual={a}\nexpected={b}")
 
 
+@oracle
 def assert_matches_device(host: Any, device: torch.Tensor | None, name: str = "value") -> None:
     """Assert a host (numpy) result equals a torch tensor bit for bit: dtype, shape and values.
 

@@ -614,3 +614,8 @@ def ref_reorder(
                 dst = nxt
     swaps_t = torch.tensor(swaps, dtype=torch.int32, device=dev).reshape(-1, 2)
     return swaps_t, torch.tensor(perm, dtype=torch.int32, device=dev)
+
+
+from attnmeta.testing._oracle import mark_oracles as _mark_oracles  # noqa: E402
+
+_mark_oracles(globals(), __all__)
