@@ -235,6 +235,11 @@ class CommonAttentionMetadata(MetadataBase):
         qsl, B, T = self.query_start_loc_cpu, self.num_reqs, self.num_actual_tokens
         if qsl.shape != (B + 1,):
             raise ValueError(f"query_start_loc_cpu: shape {qsl.shape} != (num_reqs + 1,) = ({B + 1},)")
+        for name in ("seq_lens_cpu", "seq_lens_cpu_upper_bound", "num_computed_tokens_cpu", "is_prefilling",
+                     "num_decode_draft_tokens_cpu"):
+            arr = getattr(self, name)
+            if arr is not None and arr.shape != (B,):
+                raise ValueError(f"{name}: shape {arr.shape} != (num_reqs,) = ({B},)")
         if qsl[0] != 0:
             raise ValueError(f"query_start_loc_cpu[0]={int(qsl[0])} != 0")
         q = np.diff(qsl)

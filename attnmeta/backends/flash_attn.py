@@ -214,6 +214,9 @@ def stage(
 
     def make() -> FlashAttentionMetadata:
         cm = common.result()
+        for a in (dcp_host, causal_host):
+            if a is not None:
+                a.flags.writeable = False
         return FlashAttentionMetadata(
             common=cm,
             query_start_loc=cm.query_start_loc,

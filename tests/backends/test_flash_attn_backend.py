@@ -1,0 +1,371 @@
+"""FlashAttention backend metadata (attnmeta.backends.flash_attn; vllm-semantics.md sections 5.1, 5.9, 7).
+
+Structure (field roles, documented shapes, repr, read-only host arrays) apart from numerics: the
+fields are the common metadata's own, the decode/prefill counts equal the split reference, the DCP
+context lengths equal a torch transcription of section 7 step 6 and 5.9, per-request ``causal`` is an
+int32 array with padding rows 1; in eager mode, graph mode and on ``meta``, always in one copy.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import doctest
+import functools
+import inspect
+import re
+import textwrap
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode, resolve_name
+
+from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
+from attnmeta.backends import flash_attn
+from attnmeta.backends.flash_attn import FlashAttentionMetadata, FlashAttnOptions
+from attnmeta.metadata import CommonAttentionMetadata
+from attnmeta.testing.assertions import assert_matches_device
+from attnmeta.testing.reference import ref_query_start_loc, ref_seq_lens, ref_split_decodes_and_prefills
+from attnmeta.testing.strategies import batch_specs
+
+I32 = np.int32
+_TORCH = {"int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
+_NUMPY = {"int32": np.dtype(I32), "int64": np.dtype(np.int64), "bool": np.dtype(np.bool_)}
+PREFIX = FlashAttnOptions().prefix + "."
+
+SPECS = batch_specs(max_reqs=12)
+GRAPH_SPECS = batch_specs(max_reqs=8, max_context_len=64, block_sizes=st.sampled_from([4, 16]))
+PROFILE = StaticProfile(max_num_reqs=12, max_num_tokens=600, max_blocks_per_req=34, block_size=4)
+
+Case = tuple[BatchSpec, FlashAttnOptions]
+
+
+@st.composite
+def cases(draw: st.DrawFn, specs: st.SearchStrategy[BatchSpec] = SPECS) -> Case:
+    """A batch and builder options: DCP layout, decode threshold, one causal flag or one per real request."""
+    spec = draw(specs)
+    world = draw(st.sampled_from([1, 2, 4]))
+    flags = st.lists(st.booleans(), min_size=spec.num_reqs, max_size=spec.num_reqs)
+    return spec, FlashAttnOptions(
+        causal=draw(st.one_of(st.booleans(), flags, flags.map(lambda f: np.array(f, dtype=np.bool_)))),
+        dcp_world_size=world,
+        dcp_rank=draw(st.integers(0, world - 1)),
+        dcp_interleave=draw(st.sampled_from([1, 2, 4, 16])),
+        max_num_splits=draw(st.sampled_from([0, 8])),
+        decode_threshold=draw(st.integers(1, 6)),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+
+
+class OpLog(TorchFunctionMode):
+    """Records every torch function / Tensor method called (a dispatch mode would import torch._dynamo)."""
+
+    METADATA_ONLY = frozenset({"torch.Tensor.shape.__get__", "torch.Tensor.dtype.__get__", "torch.Tensor.device.__get__"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(resolve_name(func) or repr(func))
+        return func(*args, **(kwargs or {}))
+
+
+_EAGER: dict[str, Stager] = {}
+
+
+def eager_stager(device: torch.device) -> Stager:
+    key = str(device)
+    if key not in _EAGER:
+        _EAGER[key] = Stager(device)
+    return _EAGER[key]
+
+
+def _t(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x)).to(device)
+
+
+def addr(t: torch.Tensor) -> int:
+    """Where ``t`` starts in memory (``data_ptr()`` is 0 for an empty tensor, whatever its storage)."""
+    return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+
+
+def build_in_step(spec: BatchSpec, stager: Stager, options: FlashAttnOptions) -> tuple[FlashAttentionMetadata, Any]:
+    with stager.step() as step:
+        staged = flash_attn.stage(stage_common(spec, step), step, options)
+    assert step.stats.copies == 1, "common + FlashAttention metadata must travel in one copy"
+    return staged.result(), step
+
+
+def ref_dcp_context_kv_lens(spec: BatchSpec, device: torch.device, world: int, rank: int, interleave: int) -> torch.Tensor:
+    """Section 7 step 6 on device: ``context = seq_lens - diff(qsl)``, then 5.9's local length for ``rank``."""
+    c, q = _t(spec.num_computed_tokens, device), _t(spec.num_scheduled_tokens, device)
+    qsl = ref_query_start_loc(q, spec.padded_num_reqs)
+    context = ref_seq_lens(c, q, spec.padded_num_reqs) - (qsl[1:] - qsl[:-1])
+    base = context // interleave // world * interleave
+    rem = context - base * world
+    return (base + torch.clamp(rem - rank * interleave, 0, interleave)).to(torch.int32)
+
+
+def flags_of(options: FlashAttnOptions) -> list[bool] | None:
+    c = options.causal
+    return None if isinstance(c, bool | np.bool_) else [bool(v) for v in c]
+
+
+def check_flash(m: FlashAttentionMetadata, spec: BatchSpec, options: FlashAttnOptions, device: torch.device) -> None:
+    """Every FlashAttention field of ``m`` against ``spec`` / ``options``."""
+    cm = m.common
+    Bp, Tp = spec.padded_num_reqs, spec.padded_num_tokens
+    # the common metadata's own tensors and arrays (views, not copies) and scalars
+    for mine, theirs in (("query_start_loc", "query_start_loc"), ("seq_lens", "seq_lens"),
+                         ("block_table", "block_table_tensor"), ("slot_mapping", "slot_mapping"),
+                         ("query_start_loc_cpu", "query_start_loc_cpu"), ("seq_lens_cpu", "seq_lens_cpu")):
+        assert getattr(m, mine) is getattr(cm, theirs), f"{mine} is not common's {theirs}"
+    for name in ("num_actual_tokens", "max_query_len", "max_seq_len"):
+        assert getattr(m, name) == getattr(cm, name), name
+    assert (m.max_num_splits, m.scheduler_metadata) == (options.max_num_splits, None)
+    q = _t(spec.num_scheduled_tokens, device)
+    qsl = ref_query_start_loc(q, Bp)
+    assert_matches_device(m.query_start_loc_cpu, qsl, "query_start_loc_cpu")
+    assert_matches_device(m.seq_lens_cpu, ref_seq_lens(_t(spec.num_computed_tokens, device), q, Bp), "seq_lens_cpu")
+
+    # decode/prefill counts: section 5.1 with the builder's threshold (token padding counts as prefill)
+    split = ref_split_decodes_and_prefills(qsl, Tp, spec.max_query_len, options.decode_threshold)
+    assert (m.num_decode_reqs, m.num_prefill_reqs, m.num_decode_tokens, m.num_prefill_tokens) == split
+
+    # DCP: this rank's share of every context, on device and host; the host bound covers every rank
+    W, r, inter = options.dcp_world_size, options.dcp_rank, options.dcp_interleave
+    if W == 1:
+        assert m.dcp_context_kv_lens is None and m.dcp_context_kv_lens_cpu is None
+        assert m.max_dcp_context_kv_len == 0
+    else:
+        ref = ref_dcp_context_kv_lens(spec, device, W, r, inter)
+        assert m.dcp_context_kv_lens is not None
+        assert_matches_device(m.dcp_context_kv_lens.cpu().numpy(), ref, "dcp_context_kv_lens")
+        assert_matches_device(m.dcp_context_kv_lens_cpu, m.dcp_context_kv_lens, "dcp_context_kv_lens_cpu")
+        assert m.max_dcp_context_kv_len == -(-m.max_seq_len // (W * inter)) * inter
+        shares = torch.stack([ref_dcp_context_kv_lens(spec, device, W, k, inter) for k in range(W)])
+        assert int(shares.max().item() if shares.numel() else 0) <= m.max_dcp_context_kv_len
+        context = m.seq_lens.cpu() - torch.diff(m.query_start_loc.cpu())
+        assert torch.equal(shares.sum(0).cpu().to(context.dtype), context), "the ranks' shares add up to the context"
+
+    # causal: a scalar, or an int32 array (padding rows 1) whose scalar summary is "all causal"
+    flags = flags_of(options)
+    if flags is None:
+        assert m.causal_tensor is None and m.causal_cpu is None
+        assert m.causal is bool(options.causal)
+    else:
+        expected = torch.tensor(flags + [True] * (Bp - len(flags)), dtype=torch.int32, device=device)
+        assert m.causal_tensor is not None
+        assert_matches_device(m.causal_tensor.cpu().numpy(), expected, "causal_tensor")
+        assert_matches_device(m.causal_cpu, expected, "causal_cpu")
+        assert m.causal is all(flags)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs = {}
+    for a, b in zip(body.body, body.body[1:]):
+        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
+            docs[a.target.id] = b.value.value
+    return docs
+
+
+_DOC = re.compile(r"^\((?P<shape>[^)]*)\)\s+(?P<dtype>int32|int64|bool),\s+(?P<where>device|host)\b")
+
+
+def check_documented_layout(m: FlashAttentionMetadata, device_type: str) -> None:
+    """Every array field's shape, dtype and location are what its docstring's first words say."""
+    sizes = {"num_reqs": m.common.num_reqs, "num_actual_tokens": m.num_actual_tokens,
+             "max_blocks": m.common.block_table_cpu.shape[1]}
+    docs = field_docs(FlashAttentionMetadata)
+    for name in (*m._DEVICE_FIELDS, *m._HOST_FIELDS):
+        doc = _DOC.match(docs.get(name, ""))
+        assert doc, f"{name}: docstring must start with '(shape) dtype, device|host', got {docs.get(name)!r}"
+        where = "device" if name in m._DEVICE_FIELDS else "host"
+        assert doc["where"] == where, f"{name}: documented on {doc['where']}, declared {where}"
+        value = getattr(m, name)
+        if value is None:
+            continue
+        shape = eval("(" + doc["shape"] + ")", {"__builtins__": {}}, dict(sizes))
+        if where == "device":
+            assert isinstance(value, torch.Tensor) and value.device.type == device_type, name
+            assert value.dtype == _TORCH[doc["dtype"]] and tuple(value.shape) == shape, name
+        else:
+            assert isinstance(value, np.ndarray), name
+            assert value.dtype == _NUMPY[doc["dtype"]] and value.shape == shape, name
+    for d, h in m._TWINS:
+        dv, hv = getattr(m, d), getattr(m, h)
+        assert (dv is None) == (hv is None), f"{d} / {h}: one is None"
+        if dv is not None:
+            assert tuple(dv.shape) == hv.shape and dv.dtype == _TORCH[str(hv.dtype)], f"{d} / {h} differ"
+
+
+# The docstring example, and the same batch padded to 5 rows / 9 tokens with per-request causal flags.
+DOC_SPEC = BatchSpec(num_computed_tokens=[5, 7, 0], num_scheduled_tokens=[1, 1, 4],
+                     block_table=[[10, 11], [20, 21], [30, 31]], block_size=4)
+PADDED_SPEC = BatchSpec(num_computed_tokens=[5, 7, 0], num_scheduled_tokens=[1, 1, 4],
+                        block_table=[[10, 11], [20, 21], [30, 31]], block_size=4,
+                        num_reqs_padded=5, num_tokens_padded=9)
+FULL_OPTIONS = FlashAttnOptions(causal=[True, False, True], dcp_world_size=2, dcp_rank=1, dcp_interleave=2)
+EMPTY_PADDED = BatchSpec(num_computed_tokens=np.zeros(0, I32), num_scheduled_tokens=np.zeros(0, I32),
+                         block_table=np.zeros((2, 1), I32), block_size=16, num_reqs_padded=2, num_tokens_padded=3)
+
+
+# --------------------------------------------------------------------------------------------------
+# structure
+# --------------------------------------------------------------------------------------------------
+
+
+def test_field_roles() -> None:
+    F = FlashAttentionMetadata
+    roles = (*F._DEVICE_FIELDS, *F._HOST_FIELDS, *F._SCALAR_FIELDS)
+    assert len(roles) == len(set(roles)), "a field is declared in two roles"
+    # `common` is the nested metadata (its own roles); `scheduler_metadata` is always None (not produced)
+    assert set(roles) == {f.name for f in dataclasses.fields(F)} - {"common", "scheduler_metadata"}
+    for dev, host in F._TWINS:
+        assert dev in F._DEVICE_FIELDS and host in F._HOST_FIELDS
+    assert {"query_start_loc", "seq_lens", "dcp_context_kv_lens"} <= {d for d, _ in F._TWINS}
+
+
+@pytest.mark.parametrize("options", [FlashAttnOptions(), FULL_OPTIONS], ids=["plain", "dcp+causal"])
+@pytest.mark.parametrize("dev", ["cpu", "meta"])
+def test_layout_repr_and_read_only_host_arrays(dev: str, options: FlashAttnOptions) -> None:
+    m = flash_attn.build(PADDED_SPEC, Stager(dev), options)
+    check_documented_layout(m, dev)
+    with OpLog() as log:
+        text, described = repr(m), m.describe()
+    assert [op for op in log.ops if op not in OpLog.METADATA_ONLY] == [], "repr/describe touched tensor data"
+    assert text.startswith("FlashAttentionMetadata(num_actual_tokens=9, max_query_len=4, max_seq_len=8")
+    assert "tensor(" not in text and "[" not in text, text
+    assert f"slot_mapping=(9,) int64 {dev}" in text
+    assert re.search(r"seq_lens_cpu\s+\(5,\) int32 host: \[6, 8, 4, 0, 0\]", described), described
+    for name in m._HOST_FIELDS:
+        arr = getattr(m, name)
+        if arr is not None:
+            assert not arr.flags.writeable, f"{name} is writeable after result()"
+
+
+# --------------------------------------------------------------------------------------------------
+# numerics
+# --------------------------------------------------------------------------------------------------
+
+
+@given(case=cases())
+@example(case=(PADDED_SPEC, FULL_OPTIONS))
+@example(case=(DOC_SPEC, FlashAttnOptions(decode_threshold=4, causal=np.array([False, False, False]))))
+@example(case=(EMPTY_PADDED, FlashAttnOptions(causal=[], dcp_world_size=4, dcp_rank=3, dcp_interleave=16)))
+def test_flash_attn_matches_references(device: torch.device, case: Case) -> None:
+    spec, options = case
+    m, _ = build_in_step(spec, eager_stager(device), options)
+    check_flash(m, spec, options, device)
+
+
+@pytest.mark.parametrize("flags", [[True, False], [True, False, True, True, True], [[True, False, True]]])
+def test_causal_of_the_wrong_length_raises(flags: Any) -> None:
+    stager = Stager("cpu")
+    with pytest.raises(ValueError, match=r"causal: expected one flag per real request \(3\), got shape"):
+        flash_attn.build(PADDED_SPEC, stager, FlashAttnOptions(causal=flags))
+    # the failed step was abandoned; the stager goes on
+    m = flash_attn.build(PADDED_SPEC, stager, FlashAttnOptions(causal=[False, True, True]))
+    assert m.causal_cpu is not None and m.causal_cpu.tolist() == [0, 1, 1, 1, 1] and m.causal is False
+
+
+def test_causal_flags_must_be_zero_or_one() -> None:
+    with pytest.raises(ValueError, match=r"causal\[1\]=2; integer causal flags must be 0 or 1"):
+        flash_attn.build(DOC_SPEC, Stager("cpu"), FlashAttnOptions(causal=np.array([1, 2, 0])))
+
+
+# --------------------------------------------------------------------------------------------------
+# graph mode
+# --------------------------------------------------------------------------------------------------
+
+
+@given(steps=st.lists(cases(GRAPH_SPECS), min_size=1, max_size=4))
+@example(steps=[(EMPTY_PADDED, FlashAttnOptions()), (PADDED_SPEC, FULL_OPTIONS), (DOC_SPEC, FlashAttnOptions())])
+def test_graph_mode(device: torch.device, steps: list[Case]) -> None:
+    stager = Stager(device, profile=PROFILE)
+    build_in_step(PADDED_SPEC, stager, FULL_OPTIONS)  # declare every field, then fix the layout
+    stager.freeze()
+    ptrs: dict[str, int] | None = None
+    for spec, options in steps:
+        m, step = build_in_step(spec, stager, options)
+        check_flash(m, spec, options, device)
+        Bp = spec.padded_num_reqs
+        dcp, causal = step.device_full(PREFIX + "dcp_context_kv_lens"), step.device_full(PREFIX + "causal")
+        assert dcp.shape == causal.shape == (PROFILE.max_num_reqs,)
+        # rows past this step (or every row, when the step did not stage the field) hold the sentinel
+        staged_dcp = 0 if m.dcp_context_kv_lens is None else Bp
+        staged_causal = 0 if m.causal_tensor is None else Bp
+        assert (dcp.cpu()[staged_dcp:] == 0).all() and (causal.cpu()[staged_causal:] == 1).all()
+        if m.dcp_context_kv_lens is not None:
+            assert addr(m.dcp_context_kv_lens) == addr(dcp)
+        if m.causal_tensor is not None:
+            assert addr(m.causal_tensor) == addr(causal)
+        now = {"dcp": addr(dcp), "causal": addr(causal), "qsl": addr(step.device_full("common.query_start_loc"))}
+        assert ptrs is None or now == ptrs, "graph-mode fields must keep their addresses"
+        ptrs = now
+
+
+# --------------------------------------------------------------------------------------------------
+# meta
+# --------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25)
+@given(case=cases())
+@example(case=(PADDED_SPEC, FULL_OPTIONS))
+def test_meta_build(case: Case) -> None:
+    spec, options = case
+    m, _ = build_in_step(spec, eager_stager(torch.device("meta")), options)
+    ref, _ = build_in_step(spec, eager_stager(torch.device("cpu")), options)
+    check_documented_layout(m, "meta")
+    for name in m._DEVICE_FIELDS:
+        t, r = getattr(m, name), getattr(ref, name)
+        assert (t is None) == (r is None) and (t is None or (t.is_meta and t.shape == r.shape)), name
+    for name in m._HOST_FIELDS:
+        assert_matches_device(getattr(m, name), getattr(ref, name), name)
+    for name in m._SCALAR_FIELDS:
+        assert getattr(m, name) == getattr(ref, name), name
+
+
+# --------------------------------------------------------------------------------------------------
+# worked example
+# --------------------------------------------------------------------------------------------------
+
+
+def test_docstring_example() -> None:
+    runner = doctest.DocTestRunner()
+    tests = doctest.DocTestFinder(recurse=False).find(FlashAttentionMetadata, "FlashAttentionMetadata",
+                                                      globs=dict(vars(flash_attn)))
+    assert tests and tests[0].examples
+    for t in tests:
+        runner.run(t)
+    assert runner.failures == 0
+
+
+def test_worked_example_by_hand(device: torch.device) -> None:
+    m, step = build_in_step(PADDED_SPEC, eager_stager(device), FULL_OPTIONS)
+    assert isinstance(m.common, CommonAttentionMetadata)
+    # contexts 5, 7, 0 (+ two padding rows 0); W=2, I=2, rank 1: 5 -> base 2 + clip(1 - 2, 0, 2) = 2,
+    # 7 -> base 2 + clip(3 - 2, 0, 2) = 3; bound cdiv(max_seq_len 8, 4) * 2 = 4
+    assert m.dcp_context_kv_lens is not None and m.dcp_context_kv_lens.cpu().tolist() == [2, 3, 0, 0, 0]
+    assert m.max_dcp_context_kv_len == 4
+    assert m.causal_tensor is not None and m.causal_tensor.cpu().tolist() == [1, 0, 1, 1, 1] and m.causal is False
+    # q = [1, 1, 4, 0, 0], threshold 1: two decodes, then the prefill and the padding rows (with the
+    # 3 padding tokens) count as prefills
+    assert (m.num_decode_reqs, m.num_prefill_reqs, m.num_decode_tokens, m.num_prefill_tokens) == (2, 3, 2, 7)
+    assert m.slot_mapping.cpu().tolist() == [45, 87, 120, 121, 122, 123, -1, -1, -1]
+    assert m.block_table.cpu().tolist() == [[10, 11], [20, 21], [30, 31], [0, 0], [0, 0]]
+    assert step.stats.copies == 1
