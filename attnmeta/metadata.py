@@ -328,6 +328,8 @@ def stage_common(
     p = prefix + "."
     if graph:
         assert prof is not None
+        if prof.block_size != bs:
+            raise ValueError(f"block_size: the spec's {bs} != StaticProfile.block_size={prof.block_size}")
         if Bp > prof.max_num_reqs or Tp > prof.max_num_tokens:
             from attnmeta.staging import CapacityError
 

@@ -40,8 +40,9 @@ __all__ = ["FlashAttentionMetadata", "FlashAttnOptions", "build", "stage"]
 class FlashAttnOptions(NamedTuple):
     """Options of the FlashAttention builder."""
 
-    causal: bool | Sequence[bool] | np.ndarray = True
-    """One flag for every request, or one per real request (staged as an int32 device array)."""
+    causal: bool | Sequence[bool] | np.ndarray | None = None
+    """One flag for every request, or one per real request (staged as an int32 device array);
+    default: the common metadata's ``causal``."""
     dcp_world_size: int = 1
     """Decode-context-parallel world size ``W`` (1: off)."""
     dcp_rank: int = 0
@@ -196,7 +197,7 @@ def stage(
                             options.dcp_interleave, out=dcp_host)
         max_dcp = max_dcp_context_kv_len(h["max_seq_len"], options.dcp_world_size, options.dcp_interleave)
         dcp = p + "dcp_context_kv_lens"
-    causal = options.causal
+    causal = h["causal"] if options.causal is None else options.causal
     causal_host = None
     all_causal = True
     if not isinstance(causal, bool | np.bool_):
