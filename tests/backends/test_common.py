@@ -253,7 +253,7 @@ def dcp_spec(rank: int, interleave: int, **kw: Any) -> BatchSpec:
 
 
 EMPTY_PADDED = BatchSpec(num_computed_tokens=np.zeros(0, I32), num_scheduled_tokens=np.zeros(0, I32),
-                         block_table=np.zeros((3, 2), I32), block_size=16, num_reqs_padded=3, num_tokens_padded=5)
+                         block_table=np.zeros((3, 2), I32), block_size=4, num_reqs_padded=3, num_tokens_padded=5)
 
 
 # --------------------------------------------------------------------------------------------------

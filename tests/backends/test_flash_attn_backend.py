@@ -220,7 +220,7 @@ PADDED_SPEC = BatchSpec(num_computed_tokens=[5, 7, 0], num_scheduled_tokens=[1, 
                         num_reqs_padded=5, num_tokens_padded=9)
 FULL_OPTIONS = FlashAttnOptions(causal=[True, False, True], dcp_world_size=2, dcp_rank=1, dcp_interleave=2)
 EMPTY_PADDED = BatchSpec(num_computed_tokens=np.zeros(0, I32), num_scheduled_tokens=np.zeros(0, I32),
-                         block_table=np.zeros((2, 1), I32), block_size=16, num_reqs_padded=2, num_tokens_padded=3)
+                         block_table=np.zeros((2, 1), I32), block_size=4, num_reqs_padded=2, num_tokens_padded=3)
 
 
 # --------------------------------------------------------------------------------------------------
