@@ -117,7 +117,7 @@ def ref_dcp_context_kv_lens(spec: BatchSpec, device: torch.device, world: int, r
 
 def flags_of(options: FlashAttnOptions) -> list[bool] | None:
     c = options.causal
-    return None if isinstance(c, bool | np.bool_) else [bool(v) for v in c]
+    return None if c is None or isinstance(c, bool | np.bool_) else [bool(v) for v in c]
 
 
 def check_flash(m: FlashAttentionMetadata, spec: BatchSpec, options: FlashAttnOptions, device: torch.device) -> None:
@@ -161,7 +161,8 @@ def check_flash(m: FlashAttentionMetadata, spec: BatchSpec, options: FlashAttnOp
     flags = flags_of(options)
     if flags is None:
         assert m.causal_tensor is None and m.causal_cpu is None
-        assert m.causal is bool(options.causal)
+        # default (None): the common metadata's causal flag
+        assert m.causal is (cm.causal if options.causal is None else bool(options.causal))
     else:
         expected = torch.tensor(flags + [True] * (Bp - len(flags)), dtype=torch.int32, device=device)
         assert m.causal_tensor is not None
