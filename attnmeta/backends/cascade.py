@@ -1,0 +1,338 @@
+"""Cascade (shared-prefix) attention metadata (vllm-semantics.md section 7), derived on the host.
+
+When every request of a step shares a cached prefix of ``L`` tokens, cascade attention runs one
+non-causal pass of *all* query tokens over the shared prefix (a batch of one) and one causal pass of
+each request over its own suffix, merged by log-sum-exp. vLLM removed it by 0.33.0 (it hung on Blackwell
+with prefix caching, vllm#26130); before that, its builders made the prefix arrays with blocking
+``torch.tensor(list, device=...)`` uploads and, in some versions, ``seq_lens.cpu()``. Every input is
+host data, so attnmeta decides and derives on the host and stages the arrays with the step's one copy.
+
+The decision (:func:`attnmeta.host.cascade.cascade_prefix_len`, then
+:func:`attnmeta.host.cascade.use_cascade_attention` over the real requests): ``L`` is the shared blocks
+capped at the smallest ``num_computed_tokens`` and rounded down to a block; cascade runs if ``L >= 256``,
+at least 8 requests, no ALiBi / sliding window / local attention / DCP, and (for flash-decoding batches)
+the cost model prefers it. A step with CUDA-graph padding rows never cascades (vLLM turns full graphs
+off for cascade steps).
+
+When it runs, the metadata holds
+
+- FlashAttention's arrays: ``cu_prefix_query_lens = [0, num_actual_tokens]``, ``prefix_kv_lens = [L]``,
+  ``suffix_kv_lens = seq_lens - L``, and ``suffix_block_table = block_table[:, L / block_size:]`` (a
+  view: the suffix pass reads the blocks after the prefix);
+- FlashInfer's shared level: ``qo_indptr = cu_prefix_query_lens``, ``shared_kv_page_indptr = [0, L /
+  block_size]``, ``shared_kv_page_indices = block_table[0, :L / block_size]``,
+  ``shared_kv_last_page_len = [block_size]``; and its per-request level, the paged layout of
+  ``suffix_kv_lens`` over ``suffix_block_table`` (``suffix_paged_kv_*``; its ``qo_indptr`` is the common
+  ``query_start_loc``).
+
+Otherwise every array field is None and ``common_prefix_len`` is 0.
+
+Graph mode: capacities 2 / 1 for the fixed-size arrays, ``max_num_reqs`` for ``suffix_kv_lens`` and
+``suffix_paged_kv_last_page_len``, ``max_num_reqs + 1`` for ``suffix_paged_kv_indptr`` (staged in full,
+its tail repeating the last value), ``max_blocks_per_req`` for the shared indices and
+``profile.max_num_pages`` for the suffix indices (tails 0).
+
+Shape legend
+------------
+- ``num_reqs``: request rows ``B`` (no padding rows when cascade runs).
+- ``num_prefix_blocks``: ``common_prefix_len // block_size``.
+- ``max_blocks``: columns of the common block table.
+- ``num_suffix_pages``: ``suffix_paged_kv_indptr[-1]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+import torch
+
+from attnmeta._fields import MetadataBase, Staged
+from attnmeta.backends.flashinfer import _alloc_indptr
+from attnmeta.host.cascade import cascade_arrays, cascade_prefix_len, use_cascade_attention
+from attnmeta.host.paged import num_pages, paged_kv_layout
+from attnmeta.metadata import CommonAttentionMetadata, stage_common
+from attnmeta.spec import BatchSpec
+from attnmeta.staging import Stager, Step
+
+__all__ = ["CascadeMetadata", "CascadeOptions", "build", "stage"]
+
+
+class CascadeOptions(NamedTuple):
+    """The model and device facts the cascade decision needs."""
+
+    num_query_heads: int
+    """Query heads of this rank."""
+    num_kv_heads: int
+    """KV heads of this rank."""
+    num_sms: int
+    """Streaming multiprocessors of the device (the cost model's wave size)."""
+    use_alibi: bool = False
+    """ALiBi rules cascade out."""
+    use_sliding_window: bool = False
+    """Sliding-window attention rules cascade out."""
+    use_local_attention: bool = False
+    """Chunked local attention rules cascade out."""
+    dcp_world_size: int = 1
+    """Decode context parallelism (> 1) rules cascade out."""
+    prefix: str = "cascade"
+    """Namespace of this builder's staged fields."""
+
+
+_ARRAYS = (
+    "cu_prefix_query_lens",
+    "prefix_kv_lens",
+    "suffix_kv_lens",
+    "shared_kv_page_indptr",
+    "shared_kv_page_indices",
+    "shared_kv_last_page_len",
+    "suffix_paged_kv_indptr",
+    "suffix_paged_kv_indices",
+    "suffix_paged_kv_last_page_len",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
+class CascadeMetadata(MetadataBase):
+    """Cascade-attention metadata of one step; contains the step's common metadata.
+
+    Every array field is None when ``use_cascade`` is False.
+
+    Examples
+    --------
+    Eight decodes sharing 2 blocks of 128 tokens (each has at least 300 cached tokens):
+
+    >>> import numpy as np
+    >>> from attnmeta import BatchSpec, Stager
+    >>> table = np.array([[3, 4, 10 + i, 20 + i] for i in range(8)], np.int32)
+    >>> spec = BatchSpec(num_computed_tokens=[300, 310, 320, 330, 340, 350, 360, 370],
+    ...                  num_scheduled_tokens=[1] * 8, block_table=table, block_size=128)
+    >>> ca = build(spec, Stager("cpu"), 2, CascadeOptions(num_query_heads=8, num_kv_heads=8, num_sms=132))
+    >>> ca.use_cascade, ca.common_prefix_len, ca.num_prefix_blocks
+    (True, 256, 2)
+    >>> ca.cu_prefix_query_lens_cpu, ca.prefix_kv_lens_cpu, ca.suffix_kv_lens
+    (array([0, 8], dtype=int32), array([256], dtype=int32), tensor([ 45,  55,  65,  75,  85,  95, 105, 115], dtype=torch.int32))
+    >>> ca.shared_kv_page_indices_cpu, ca.suffix_paged_kv_indptr_cpu
+    (array([3, 4], dtype=int32), array([0, 1, 2, 3, 4, 5, 6, 7, 8], dtype=int32))
+    >>> ca.suffix_paged_kv_indices_cpu, ca.suffix_block_table.shape
+    (array([10, 11, 12, 13, 14, 15, 16, 17], dtype=int32), torch.Size([8, 1]))
+    """
+
+    _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = (*_ARRAYS, "suffix_block_table")
+    _HOST_FIELDS: ClassVar[tuple[str, ...]] = (*(n + "_cpu" for n in _ARRAYS), "suffix_block_table_cpu")
+    _SCALAR_FIELDS: ClassVar[tuple[str, ...]] = ("use_cascade", "common_prefix_len", "num_prefix_blocks")
+    _TWINS: ClassVar[tuple[tuple[str, str], ...]] = tuple((n, n + "_cpu") for n in (*_ARRAYS, "suffix_block_table"))
+
+    common: CommonAttentionMetadata
+    """The step's common metadata (the same device views, not copies)."""
+    # ---- device fields (None without cascade)
+    cu_prefix_query_lens: torch.Tensor | None
+    """(2,) int32, device. ``[0, num_actual_tokens]``: every query token as one request of the prefix
+    pass; also FlashInfer's shared-level ``qo_indptr``."""
+    prefix_kv_lens: torch.Tensor | None
+    """(1,) int32, device. ``[common_prefix_len]``."""
+    suffix_kv_lens: torch.Tensor | None
+    """(num_reqs,) int32, device. ``seq_lens - common_prefix_len``."""
+    shared_kv_page_indptr: torch.Tensor | None
+    """(2,) int32, device. FlashInfer shared level: ``[0, num_prefix_blocks]``."""
+    shared_kv_page_indices: torch.Tensor | None
+    """(num_prefix_blocks,) int32, device. ``block_table[0, :num_prefix_blocks]`` (the same blocks in
+    every row)."""
+    shared_kv_last_page_len: torch.Tensor | None
+    """(1,) int32, device. ``[block_size]`` (the prefix is whole blocks)."""
+    suffix_paged_kv_indptr: torch.Tensor | None
+    """(num_reqs + 1,) int32, device. FlashInfer per-request level: ``[0, cumsum(cdiv(suffix_kv_lens,
+    block_size))]``."""
+    suffix_paged_kv_indices: torch.Tensor | None
+    """(num_suffix_pages,) int32, device. Row ``i``'s suffix pages: ``suffix_block_table[i, :n_i]``."""
+    suffix_paged_kv_last_page_len: torch.Tensor | None
+    """(num_reqs,) int32, device. Tokens in each row's last suffix page (0 for an empty suffix)."""
+    suffix_block_table: torch.Tensor | None
+    """(num_reqs, max_blocks - num_prefix_blocks) int32, device. A view of the common
+    ``block_table_tensor`` from column ``num_prefix_blocks`` on (FlashAttention's suffix pass)."""
+    # ---- host twins (None without cascade)
+    cu_prefix_query_lens_cpu: np.ndarray | None
+    """(2,) int32, host (pinned staged view)."""
+    prefix_kv_lens_cpu: np.ndarray | None
+    """(1,) int32, host (pinned staged view)."""
+    suffix_kv_lens_cpu: np.ndarray | None
+    """(num_reqs,) int32, host (pinned staged view)."""
+    shared_kv_page_indptr_cpu: np.ndarray | None
+    """(2,) int32, host (pinned staged view)."""
+    shared_kv_page_indices_cpu: np.ndarray | None
+    """(num_prefix_blocks,) int32, host (pinned staged view)."""
+    shared_kv_last_page_len_cpu: np.ndarray | None
+    """(1,) int32, host (pinned staged view)."""
+    suffix_paged_kv_indptr_cpu: np.ndarray | None
+    """(num_reqs + 1,) int32, host (pinned staged view)."""
+    suffix_paged_kv_indices_cpu: np.ndarray | None
+    """(num_suffix_pages,) int32, host (pinned staged view)."""
+    suffix_paged_kv_last_page_len_cpu: np.ndarray | None
+    """(num_reqs,) int32, host (pinned staged view)."""
+    suffix_block_table_cpu: np.ndarray | None
+    """(num_reqs, max_blocks - num_prefix_blocks) int32, host. View of the common ``block_table_cpu``."""
+    # ---- host scalars
+    use_cascade: bool
+    """The decision."""
+    common_prefix_len: int
+    """``L`` in tokens when cascading, else 0."""
+    num_prefix_blocks: int
+    """``common_prefix_len // block_size``."""
+
+
+def stage(
+    common: Staged[CommonAttentionMetadata], step: Step, num_common_prefix_blocks: int, options: CascadeOptions
+) -> Staged[CascadeMetadata]:
+    """Decide on cascade attention for the step and stage its arrays into the same step.
+
+    Parameters
+    ----------
+    common : Staged[CommonAttentionMetadata]
+        From :func:`attnmeta.stage_common` on the same ``step``.
+    step : Step
+        The open step.
+    num_common_prefix_blocks : int
+        KV blocks every running request shares (from the KV-cache manager), >= 0.
+    options : CascadeOptions
+        Heads, SM count, model features that rule cascade out.
+
+    Returns
+    -------
+    Staged[CascadeMetadata]
+        ``.result()`` after the commit; ``.host`` holds ``use_cascade`` and ``common_prefix_len``.
+
+    Raises
+    ------
+    ValueError
+        Negative counts, zero heads or SMs, or ``common`` from another step.
+    attnmeta.staging.CapacityError
+        Graph mode: a capacity of the profile is exceeded.
+    """
+    if common.step is not step:
+        raise ValueError(
+            "common: staged in another step; stage the common metadata and this backend into the same step "
+            "(their device views come from one upload)"
+        )
+    h = common.host
+    B, B_real, bs = h["num_reqs"], h["num_real_reqs"], h["block_size"]
+    qsl, sl, nc, bt = h["query_start_loc_cpu"], h["seq_lens_cpu"], h["num_computed_tokens_cpu"], h["block_table_cpu"]
+    length = cascade_prefix_len(num_common_prefix_blocks, bs, nc[:B_real])
+    use = B_real == B and use_cascade_attention(
+        common_prefix_len=length,
+        query_lens=np.diff(qsl[: B_real + 1]).astype(np.int32),
+        num_query_heads=options.num_query_heads,
+        num_kv_heads=options.num_kv_heads,
+        use_alibi=options.use_alibi,
+        use_sliding_window=options.use_sliding_window,
+        use_local_attention=options.use_local_attention,
+        num_sms=options.num_sms,
+        dcp_world_size=options.dcp_world_size,
+    )
+    if not use:
+        host: dict[str, Any] = {"use_cascade": False, "common_prefix_len": 0}
+
+        def make_off() -> CascadeMetadata:
+            names = (*_ARRAYS, "suffix_block_table")
+            fields: dict[str, Any] = dict.fromkeys((*names, *(n + "_cpu" for n in names)))
+            return CascadeMetadata(
+                common=common.result(), use_cascade=False, common_prefix_len=0, num_prefix_blocks=0, **fields
+            )
+
+        return Staged(step, host, make_off)
+
+    p = options.prefix + "."
+    prof = step.profile
+    graph = prof is not None
+    arrays = cascade_arrays(length, sl, h["num_actual_tokens"], bs, block_table=bt)
+    nb = arrays.num_prefix_blocks
+    staged: dict[str, np.ndarray] = {}
+
+    def put(name: str, values: np.ndarray, capacity: int) -> None:
+        kw: dict[str, Any] = {"capacity": capacity, "fill": 0} if graph else {}
+        staged[name] = step.stage(p + name, values, np.int32, **kw)
+
+    put("cu_prefix_query_lens", arrays.cu_prefix_query_lens, 2)
+    put("prefix_kv_lens", arrays.prefix_kv_lens, 1)
+    put("shared_kv_page_indptr", arrays.shared_kv_page_indptr, 2)
+    put("shared_kv_last_page_len", arrays.shared_kv_last_page_len, 1)
+    assert arrays.shared_kv_page_indices is not None
+    put("shared_kv_page_indices", arrays.shared_kv_page_indices, prof.max_blocks_per_req if prof else 0)
+    put("suffix_kv_lens", arrays.suffix_kv_lens, prof.max_num_reqs if prof else 0)
+    suffix = staged["suffix_kv_lens"]
+
+    suffix_table = bt[:, nb:]
+    req_cap = prof.max_num_reqs if prof is not None else None
+    indptr_full = _alloc_indptr(step, p + "suffix_paged_kv_indptr", B, req_cap)
+    kw_r: dict[str, Any] = {"capacity": req_cap, "fill": 0} if graph else {}
+    kw_p: dict[str, Any] = {"capacity": prof.max_num_pages, "fill": 0} if prof is not None else {}
+    last = step.alloc(p + "suffix_paged_kv_last_page_len", B, np.int32, **kw_r)
+    indices = step.alloc(p + "suffix_paged_kv_indices", num_pages(suffix, bs), np.int32, **kw_p)
+    paged_kv_layout(suffix, suffix_table, bs, indptr_out=indptr_full[: B + 1], indices_out=indices,
+                    last_page_len_out=last)
+    indptr_full[B + 1 :] = indptr_full[B]
+    staged["suffix_paged_kv_last_page_len"] = last
+    staged["suffix_paged_kv_indices"] = indices
+    staged["suffix_paged_kv_indptr"] = indptr_full[: B + 1]
+    host = {"use_cascade": True, "common_prefix_len": length, **{n + "_cpu": v for n, v in staged.items()}}
+
+    def make() -> CascadeMetadata:
+        cm = common.result()
+        fields: dict[str, Any] = {n: step.device(p + n)[: v.shape[0]] for n, v in staged.items()}
+        fields.update({n + "_cpu": v for n, v in staged.items()})
+        for v in staged.values():
+            v.flags.writeable = False
+        indptr_full.flags.writeable = False
+        return CascadeMetadata(
+            common=cm,
+            suffix_block_table=cm.block_table_tensor[:, nb:],
+            suffix_block_table_cpu=cm.block_table_cpu[:, nb:],
+            use_cascade=True,
+            common_prefix_len=length,
+            num_prefix_blocks=nb,
+            **fields,
+        )
+
+    return Staged(step, host, make)
+
+
+def build(
+    spec: BatchSpec, stager: Stager, num_common_prefix_blocks: int, options: CascadeOptions
+) -> CascadeMetadata:
+    """Common + cascade metadata of ``spec`` in one step of its own (one copy).
+
+    Parameters
+    ----------
+    spec : BatchSpec
+        The step.
+    stager : Stager
+        Owns the pinned ring; the step commits before this returns.
+    num_common_prefix_blocks : int
+        As for :func:`stage`.
+    options : CascadeOptions
+        As for :func:`stage`.
+
+    Returns
+    -------
+    CascadeMetadata
+        Device fields are views into the step's upload.
+
+    Raises
+    ------
+    ValueError, attnmeta.staging.CapacityError
+        As for :func:`stage`.
+
+    Examples
+    --------
+    Fewer than 8 requests never cascade:
+
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[300, 400], num_scheduled_tokens=[1, 1],
+    ...                  block_table=[[3, 4, 5, 6], [3, 4, 7, 8]], block_size=128)
+    >>> ca = build(spec, Stager("cpu"), 2, CascadeOptions(num_query_heads=8, num_kv_heads=8, num_sms=132))
+    >>> ca.use_cascade, ca.common_prefix_len, ca.suffix_kv_lens
+    (False, 0, None)
+    """
+    with stager.step() as step:
+        staged = stage(stage_common(spec, step), step, num_common_prefix_blocks, options)
+    return staged.result()

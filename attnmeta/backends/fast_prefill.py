@@ -1,0 +1,324 @@
+"""KV-sharing fast prefill (vllm-semantics.md section 5.5), derived on the host.
+
+With ``kv_sharing_fast_prefill``, the layers that reuse an earlier layer's KV cache compute only the
+tokens whose logits are needed. Their attention runs a decode-like batch: row ``i`` holds the ``cnt_i``
+logits positions of request ``i`` (its last tokens), aligned to the end of its full ``seq_lens[i]``-long
+KV. This module turns the step's common metadata plus the host logits indices into that batch.
+
+vLLM 0.33.0 derives the new ``query_start_loc`` on the device (``bucketize`` + ``scatter_add_`` +
+``cumsum``) and takes its host twin from a non-blocking D2H copy that is still queued when builders read
+it: a race (section 5.5). attnmeta computes it on the host from the host ``query_start_loc_cpu`` and the
+host logits indices (:func:`attnmeta.host.fast_prefill.fast_prefill_query_start_loc`) and stages it, so
+host and device twins agree by construction and nothing is read back.
+
+The result type, and why
+------------------------
+:func:`stage` returns a :class:`FastPrefillMetadata` that **contains** a new
+:class:`~attnmeta.metadata.CommonAttentionMetadata` (``.common``) plus the runner's logits fields. vLLM
+instead builds a dynamic subclass of every wrapped backend's metadata class and re-attaches
+``logits_indices_padded`` / ``num_logits_indices`` to it. attnmeta composes instead of subclassing
+(STYLE.md item 15): the transformed batch *is* a common metadata object, every twin consistent, so any
+backend builder takes it unchanged (``Staged.host["common"]`` is the staged form to pass to, e.g.,
+:func:`attnmeta.backends.flash_attn.stage` in the same step), and the logits fields, which only the
+runner and the KV-sharing layers read, stay out of the shared common type.
+
+The fast-prefill common metadata (columns as in the 5.5 table):
+
+===============================  ====================================================================
+field                            value
+===============================  ====================================================================
+``query_start_loc`` (+_cpu)      ``[0, cumsum(cnt)]``, staged; ``cnt_i`` logits of row ``i``
+``num_actual_tokens``            ``L = len(logits_indices)``
+``num_real_tokens``              ``L``
+``max_query_len``                ``max(cnt)``, exact (vLLM's ``max_logits_per_req``)
+``positions`` (+_cpu)            ``positions[logits_indices]``, staged (vLLM: None; see below)
+``num_computed_tokens_cpu``      ``seq_lens_cpu - cnt`` (re-derived)
+``num_decode_draft_tokens_cpu``  None (as vLLM)
+``causal``                       True
+everything else                  unchanged: ``seq_lens``, ``seq_lens_cpu_upper_bound``,
+                                 ``block_table_tensor``, ``slot_mapping`` (full length: KV-sharing
+                                 layers write no KV), ``max_seq_len``, ``num_reqs``, ``is_prefilling``,
+                                 ``block_size``
+===============================  ====================================================================
+
+Deviations from vLLM, both because attnmeta's common type always carries these fields: ``positions``
+holds the fast batch's own per-token positions (vLLM sets None: the original ``(T,)`` positions would
+be misaligned with the ``L`` fast tokens), and ``is_prefilling`` (a per-request fact the transform does
+not change) is kept where vLLM drops it.
+
+Quirks kept: if ``max_query_len == 1`` (an all-decode step) or no logits indices are given (not armed:
+capture, a pure-decode step), the common metadata is returned unchanged.
+
+Shape legend
+------------
+- ``num_reqs``: request rows ``B``, padding rows included (unchanged by the transform).
+- ``num_logits``: logits indices ``L``, the fast batch's ``num_actual_tokens``.
+- ``num_logits_padded``: ``L`` padded for the CUDA-graph dispatcher (``>= L``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+import torch
+
+from attnmeta._checks import as_host_array
+from attnmeta._fields import MetadataBase, Staged
+from attnmeta.backends.flashinfer import _alloc_indptr
+from attnmeta.host.fast_prefill import fast_prefill_query_start_loc, max_logits_per_req, pad_logits_indices
+from attnmeta.metadata import CommonAttentionMetadata, stage_common
+from attnmeta.spec import BatchSpec
+from attnmeta.staging import CapacityError, Stager, Step
+
+__all__ = ["FastPrefillMetadata", "FastPrefillOptions", "build", "stage"]
+
+
+class FastPrefillOptions(NamedTuple):
+    """Options of the fast-prefill builder."""
+
+    num_logits_padded: int | None = None
+    """Length of ``logits_indices_padded`` (the CUDA-graph dispatcher's padded count, ``>= L``);
+    default ``L``."""
+    prefix: str = "fast_prefill"
+    """Namespace of this builder's staged fields."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
+class FastPrefillMetadata(MetadataBase):
+    """The fast-prefill common metadata plus the runner's logits fields (see the module docstring).
+
+    Examples
+    --------
+    vllm-semantics.md 5.5: ``s = [41, 31, 40]``, ``q = [15, 5, 8]``, logits at ``[14, 18, 19, 27]``
+    (two for the second request: spec decode), padded to 5:
+
+    >>> import numpy as np
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[26, 26, 32], num_scheduled_tokens=[15, 5, 8],
+    ...                  block_table=np.arange(9, dtype=np.int32).reshape(3, 3), block_size=16)
+    >>> fp = build(spec, Stager("cpu"), np.array([14, 18, 19, 27]), FastPrefillOptions(num_logits_padded=5))
+    >>> fp.applied, fp.common.query_start_loc_cpu, fp.common.query_start_loc
+    (True, array([0, 1, 3, 4], dtype=int32), tensor([0, 1, 3, 4], dtype=torch.int32))
+    >>> fp.common.num_actual_tokens, fp.common.max_query_len, fp.common.seq_lens_cpu
+    (4, 2, array([41, 31, 40], dtype=int32))
+    >>> fp.logits_indices_padded, fp.num_logits_indices
+    (tensor([14, 18, 19, 27, 27], dtype=torch.int32), 4)
+    >>> fp.common.positions_cpu, fp.common.num_computed_tokens_cpu
+    (array([40, 29, 30, 39]), array([40, 29, 39], dtype=int32))
+    """
+
+    _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = ("query_start_loc", "logits_indices_padded")
+    _HOST_FIELDS: ClassVar[tuple[str, ...]] = ("query_start_loc_cpu", "logits_indices_padded_cpu")
+    _SCALAR_FIELDS: ClassVar[tuple[str, ...]] = ("applied", "num_logits_indices", "max_query_len")
+    _TWINS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("query_start_loc", "query_start_loc_cpu"),
+        ("logits_indices_padded", "logits_indices_padded_cpu"),
+    )
+
+    common: CommonAttentionMetadata
+    """The fast-prefill common metadata; the step's original one when ``applied`` is False."""
+    query_start_loc: torch.Tensor
+    """(num_reqs + 1,) int32, device. ``common.query_start_loc`` (the same view)."""
+    logits_indices_padded: torch.Tensor | None
+    """(num_logits_padded,) int32, device, or None without logits indices. The runner's buffer: the
+    logits indices, then the last index repeated (every entry a valid token index)."""
+    query_start_loc_cpu: np.ndarray
+    """(num_reqs + 1,) int32, host. ``common.query_start_loc_cpu`` (the same view)."""
+    logits_indices_padded_cpu: np.ndarray | None
+    """(num_logits_padded,) int32, host (pinned staged view). Twin of ``logits_indices_padded``."""
+    applied: bool
+    """Whether the transform ran (False: ``max_query_len == 1`` or no logits indices)."""
+    num_logits_indices: int | None
+    """``L``, or None without logits indices."""
+    max_query_len: int
+    """``common.max_query_len``: ``max(cnt)`` when applied."""
+
+
+def stage(
+    common: Staged[CommonAttentionMetadata],
+    step: Step,
+    logits_indices: Any,
+    options: FastPrefillOptions = FastPrefillOptions(),
+) -> Staged[FastPrefillMetadata]:
+    """Derive the fast-prefill batch from the staged common metadata, staging into the same step.
+
+    Parameters
+    ----------
+    common : Staged[CommonAttentionMetadata]
+        From :func:`attnmeta.stage_common` on the same ``step``.
+    step : Step
+        The open step.
+    logits_indices : (num_logits,) int, host, or None
+        Token positions whose logits are needed (unpadded), sorted, each in
+        ``[0, query_start_loc_cpu[-1])``: each request's last ``cnt_i`` tokens (``cnt_i =
+        num_draft_tokens + 1`` under spec decode). None: not armed, nothing changes.
+    options : FastPrefillOptions
+        Padded logits length, field namespace.
+
+    Returns
+    -------
+    Staged[FastPrefillMetadata]
+        ``.result()`` after the commit. ``.host["common"]`` is a ``Staged[CommonAttentionMetadata]`` of
+        the fast batch, to stage other backends over it in the same step.
+
+    Raises
+    ------
+    ValueError
+        Logits indices out of range, unsorted or empty, ``num_logits_padded < L``, or ``common`` from
+        another step.
+    TypeError
+        ``logits_indices`` is a torch tensor (pass the host array).
+    attnmeta.staging.CapacityError
+        Graph mode: ``num_logits_padded`` above ``profile.max_num_tokens``.
+    """
+    if common.step is not step:
+        raise ValueError(
+            "common: staged in another step; stage the common metadata and this backend into the same step "
+            "(their device views come from one upload)"
+        )
+    h = common.host
+    prof = step.profile
+    p = options.prefix + "."
+    if logits_indices is None:
+        return _wrap(step, common, None, None, None, applied=False)
+
+    qsl, sl, pos = h["query_start_loc_cpu"], h["seq_lens_cpu"], h["positions_cpu"]
+    B = h["num_reqs"]
+    li = as_host_array(logits_indices, "logits_indices")
+    L = li.shape[0]
+    n_pad = L if options.num_logits_padded is None else options.num_logits_padded
+    if isinstance(n_pad, bool) or not isinstance(n_pad, int | np.integer) or n_pad < L:
+        raise ValueError(f"num_logits_padded: {n_pad!r} < num_logits={L}; padding can only add entries")
+    n_pad = int(n_pad)
+    if prof is None:
+        li_full = step.alloc(p + "logits_indices_padded", n_pad, np.int32)
+    else:
+        cap = prof.max_num_tokens
+        if n_pad > cap:
+            raise CapacityError(
+                f"{p}logits_indices_padded: needs {n_pad} entries but its graph-mode capacity is {cap} "
+                f"(StaticProfile.max_num_tokens)"
+            )
+        # The runner's buffer repeats the last index through its whole tail: stage the full capacity.
+        li_full = step.alloc(p + "logits_indices_padded", cap, np.int32, capacity=cap)
+    pad_logits_indices(li, li_full.shape[0], out=li_full)
+    li_padded = li_full[:n_pad]
+
+    if h["max_query_len"] == 1:
+        # Quirk 1 of 5.5: an all-decode step is already decode-like; the common metadata stays as is.
+        fast_prefill_query_start_loc(qsl, li)  # still validate the indices (a tiny host temporary)
+        return _wrap(step, common, li_padded, p, L, applied=False)
+    req_cap = prof.max_num_reqs if prof is not None else None
+    fqsl_full = _alloc_indptr(step, p + "query_start_loc", B, req_cap)
+    fqsl = fast_prefill_query_start_loc(qsl, li, out=fqsl_full[: B + 1])  # validates the indices too
+    fqsl_full[B + 1 :] = fqsl[B]
+    kw_t: dict[str, Any] = {"capacity": prof.max_num_tokens} if prof is not None else {}
+    fpos = step.alloc(p + "positions", L, np.int64, fill=0, **kw_t)
+    np.take(pos, li, out=fpos)
+    nc = (sl - np.diff(fqsl)).astype(np.int32)
+    max_q = max_logits_per_req(fqsl)
+    changes: dict[str, Any] = {
+        "query_start_loc_cpu": fqsl,
+        "positions_cpu": fpos,
+        "num_computed_tokens_cpu": nc,
+        "num_decode_draft_tokens_cpu": None,
+        "num_actual_tokens": L,
+        "num_real_tokens": L,
+        "max_query_len": max_q,
+        "causal": True,
+    }
+
+    def make_common() -> CommonAttentionMetadata:
+        cm = common.result()
+        for a in (fqsl_full, fqsl, fpos, nc):
+            a.flags.writeable = False
+        return cm.replace(
+            query_start_loc=step.device(p + "query_start_loc")[: B + 1],
+            positions=step.device(p + "positions"),
+            **changes,
+        )
+
+    fast_common: Staged[CommonAttentionMetadata] = Staged(step, {**h, **changes}, make_common)
+    return _wrap(step, fast_common, li_padded, p, L, applied=True)
+
+
+def _wrap(
+    step: Step,
+    common: Staged[CommonAttentionMetadata],
+    li_padded: np.ndarray | None,
+    prefix: str | None,
+    num_logits: int | None,
+    *,
+    applied: bool,
+) -> Staged[FastPrefillMetadata]:
+    """The staged :class:`FastPrefillMetadata` around ``common`` (the fast batch or the original)."""
+    host: dict[str, Any] = {
+        "common": common,
+        "applied": applied,
+        "num_logits_indices": num_logits,
+        "logits_indices_padded_cpu": li_padded,
+    }
+
+    def make() -> FastPrefillMetadata:
+        cm = common.result()
+        li_d = None
+        if li_padded is not None:
+            assert prefix is not None
+            li_d = step.device(prefix + "logits_indices_padded")[: li_padded.shape[0]]
+            li_padded.flags.writeable = False
+        return FastPrefillMetadata(
+            common=cm,
+            query_start_loc=cm.query_start_loc,
+            logits_indices_padded=li_d,
+            query_start_loc_cpu=cm.query_start_loc_cpu,
+            logits_indices_padded_cpu=li_padded,
+            applied=applied,
+            num_logits_indices=num_logits,
+            max_query_len=cm.max_query_len,
+        )
+
+    return Staged(step, host, make)
+
+
+def build(
+    spec: BatchSpec, stager: Stager, logits_indices: Any, options: FastPrefillOptions = FastPrefillOptions()
+) -> FastPrefillMetadata:
+    """Common + fast-prefill metadata of ``spec`` in one step of its own (one copy).
+
+    Parameters
+    ----------
+    spec : BatchSpec
+        The step.
+    stager : Stager
+        Owns the pinned ring; the step commits before this returns.
+    logits_indices : (num_logits,) int, host, or None
+        As for :func:`stage`.
+    options : FastPrefillOptions
+        As for :func:`stage`.
+
+    Returns
+    -------
+    FastPrefillMetadata
+        Device fields are views into the step's upload.
+
+    Raises
+    ------
+    ValueError, TypeError, attnmeta.staging.CapacityError
+        As for :func:`stage`.
+
+    Examples
+    --------
+    An all-decode step is returned unchanged (quirk 1 of 5.5):
+
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[4, 9], num_scheduled_tokens=[1, 1],
+    ...                  block_table=[[1, 2], [3, 4]], block_size=8)
+    >>> fp = build(spec, Stager("cpu"), [0, 1])
+    >>> fp.applied, fp.common.query_start_loc_cpu, fp.logits_indices_padded_cpu
+    (False, array([0, 1, 2], dtype=int32), array([0, 1], dtype=int32))
+    """
+    with stager.step() as step:
+        staged = stage(stage_common(spec, step), step, logits_indices, options)
+    return staged.result()

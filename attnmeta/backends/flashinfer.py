@@ -1,0 +1,512 @@
+"""FlashInfer paged-KV metadata (vllm-semantics.md section 8), derived on the host.
+
+``FlashInferMetadata`` carries what FlashInfer's ``plan()`` / ``run()`` take for a reordered batch:
+the decode rows ``[0, num_decodes)`` and the prefill rows ``[num_decodes, num_reqs)``, the paged-KV
+arrays ``paged_kv_indptr`` / ``paged_kv_indices`` / ``paged_kv_last_page_len`` of every row, the query
+indptrs of both parts and the KV lengths. Every array is computed on the host from the common
+metadata's host twins and staged into the same step, so it moves in the step's one copy; the metadata
+holds **both** the pinned host arrays (for ``plan()``) and the device views (for ``run()`` and for
+TRTLLM-style kernels that read device arrays).
+
+What vLLM 0.33.0 does differently, and why attnmeta does not:
+
+- it reads ``seq_lens.cpu()`` (a sync) whenever spec decode is on and a native FlashInfer path or DCP
+  needs host lengths. attnmeta's host ``seq_lens_cpu`` is exact by construction (it comes from the
+  :class:`~attnmeta.spec.BatchSpec`), so the host never waits; see "Async spec decode" below for what
+  the caller must pass;
+- it gathers ``paged_kv_indices`` on the device with a Triton kernel. attnmeta gathers them on the host
+  in compiled code by default (``indices="host"``: nothing but the step's copy touches the device), or,
+  for very long contexts where the host gather is O(pages), on the device from the staged block table
+  with sync-free torch ops whose output sizes come from the host (``indices="device"``);
+- its host indptr / last-page buffers are deliberately *not* pinned (each copy stages a fresh pinned
+  snapshot, vllm#32799). attnmeta's are views of the stager's pinned, event-fenced slot.
+
+Handing the host arrays to ``plan()``
+-------------------------------------
+FlashInfer's ``plan()`` wants host tensors (given device tensors it copies them back with a blocking
+``.to("cpu")``). Pass :func:`host_tensor` views of the host arrays (``host_tensor(meta.paged_kv_indptr_cpu)``
+and friends; zero-copy, unlike ``torch.tensor``): on CUDA they share the step's **pinned** slot, so
+``plan()``'s ``.to("cpu")`` calls are no-ops and its internal ``.to(device, non_blocking=True)`` copies
+are truly asynchronous DMA, never a staged pageable copy.
+The decode part is ``qo_indptr_decode_cpu``, ``paged_kv_indptr_cpu[:num_decodes + 1]``,
+``paged_kv_last_page_len_cpu[:num_decodes]``, ``kv_lens_cpu[:num_decodes]``; the prefill part is
+``qo_indptr_prefill_cpu`` (rebased to 0), ``paged_kv_indptr_cpu[num_decodes:]`` (not rebased: it
+indexes the whole ``paged_kv_indices``), ``paged_kv_last_page_len_cpu[num_decodes:]``,
+``kv_lens_cpu[num_decodes:]``.
+
+Lifetime caveat: ``plan()``'s copies read the pinned slot when the stream reaches them, while the
+stager fences the slot with the event recorded after its *own* commit copy. Call ``plan()`` right
+after the commit (before building the next step); the slot is rewritten only ``num_slots`` steps
+later, so the copies are safe unless the GPU falls ``num_slots`` steps behind between the commit and
+the ``plan()`` copies.
+
+Async spec decode
+-----------------
+The paged-KV arrays and ``kv_lens`` need each request's exact KV length on the host. attnmeta never
+reads it back from the device: it uses ``seq_lens_cpu = num_computed_tokens + num_scheduled_tokens``
+of the :class:`~attnmeta.spec.BatchSpec`. Under async scheduling with speculative decoding, pass the
+**exact** (accepted-corrected) ``num_computed_tokens`` of every request this builder plans, and the
+optimistic lengths only as ``seq_lens_upper_bound`` (docs/serving.md, "What to pass under async spec
+decode"). A device-side correction of ``seq_lens`` after the build (which FlashAttention tolerates)
+does not fix these host-derived arrays; an engine that builds step N+1 before it knows step N's
+accepted counts must use a path that reads device ``seq_lens`` only (e.g. TRTLLM/XQA decode), not the
+native ``plan()``.
+
+Graph mode
+----------
+With a :class:`~attnmeta.profile.StaticProfile` every device field has a fixed address and capacity:
+``paged_kv_indptr`` and ``qo_indptr_prefill`` have ``max_num_reqs + 1`` entries and are staged in full,
+their tail repeating the last value (like ``query_start_loc``); ``paged_kv_last_page_len`` and the DCP
+``kv_lens`` have ``max_num_reqs`` (tail 0); ``paged_kv_indices`` has ``profile.max_num_pages`` (tail
+0). ``Step.device_full(prefix + ".<field>")`` gives the full-capacity views to capture over. With
+``indices="device"`` the gather writes into that fixed buffer when ``Staged.result()`` runs, so call it
+every step before replaying a graph that reads the indices.
+
+Shape legend
+------------
+- ``num_reqs``: request rows ``B``, CUDA-graph padding rows included.
+- ``num_decodes`` / ``num_prefills``: rows ``[0, D)`` / ``[D, B)`` of the decode/prefill split.
+- ``num_pages``: ``paged_kv_indptr[-1]``, total KV pages of the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, ClassVar, Literal, NamedTuple
+
+import numpy as np
+import torch
+
+from attnmeta._fields import MetadataBase, Staged
+from attnmeta.host.flash_attn import dcp_context_kv_lens
+from attnmeta.host.paged import (
+    num_pages,
+    paged_kv_indptr,
+    paged_kv_last_page_len,
+    paged_kv_layout,
+    rebase_indptr,
+)
+from attnmeta.host.split import SplitCounts, split_decodes_and_prefills
+from attnmeta.metadata import CommonAttentionMetadata, stage_common
+from attnmeta.spec import BatchSpec
+from attnmeta.staging import CapacityError, Stager, Step
+
+__all__ = ["FlashInferMetadata", "FlashInferOptions", "build", "host_tensor", "stage"]
+
+
+class FlashInferOptions(NamedTuple):
+    """Options of the FlashInfer builder."""
+
+    decode_threshold: int = 1
+    """Longest query counted as a decode (vLLM's ``reorder_batch_threshold``; ``1 + k`` with ``k``
+    speculative tokens when spec decode runs as decode)."""
+    require_uniform: bool = True
+    """Decode rows must share one query length (vLLM: ``True`` for the native FlashInfer and FA2 decode
+    paths, ``False`` for XQA / trtllm-gen varlen)."""
+    causal: bool = True
+    """Causal attention. When False every row is a prefill (vLLM splits only causal batches)."""
+    indices: Literal["host", "device"] = "host"
+    """Where ``paged_kv_indices`` is gathered: ``"host"`` (compiled, staged with the step) or
+    ``"device"`` (only the indptr is staged; the gather runs on the device from the staged block
+    table when :meth:`Staged.result` is first called, on the current stream)."""
+    dcp_world_size: int = 1
+    """Decode-context-parallel world size ``W`` (1: off)."""
+    dcp_rank: int = 0
+    """This rank, ``0 <= dcp_rank < dcp_world_size``."""
+    dcp_interleave: int = 1
+    """Consecutive tokens per DCP rank (``cp_kv_cache_interleave_size``)."""
+    prefix: str = "flashinfer"
+    """Namespace of this builder's staged fields."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
+class FlashInferMetadata(MetadataBase):
+    """FlashInfer paged-KV metadata of one step; contains the step's common metadata.
+
+    The host arrays are views of the step's pinned staging slot (read-only), the device tensors views
+    of the same step's device arena: both hold the same values, written once on the host.
+
+    Examples
+    --------
+    Two decodes with 5 and 7 cached tokens, a fresh 4-token prefill and one padding row, page size 4:
+
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[5, 7, 0], num_scheduled_tokens=[1, 1, 4],
+    ...                  block_table=[[10, 11], [20, 21], [30, 31]], block_size=4, num_reqs_padded=4)
+    >>> fi = build(spec, Stager("cpu"))
+    >>> fi.num_decodes, fi.num_prefills, fi.num_decode_tokens, fi.num_prefill_tokens
+    (2, 2, 2, 4)
+    >>> fi.paged_kv_indptr_cpu, fi.paged_kv_last_page_len_cpu
+    (array([0, 2, 4, 5, 5], dtype=int32), array([2, 4, 4, 0], dtype=int32))
+    >>> fi.paged_kv_indices
+    tensor([10, 11, 20, 21, 30], dtype=torch.int32)
+    >>> fi.qo_indptr_decode_cpu, fi.qo_indptr_prefill_cpu
+    (array([0, 1, 2], dtype=int32), array([0, 4, 4], dtype=int32))
+    >>> fi.kv_lens_cpu, fi.num_pages, fi.max_kv_len
+    (array([6, 8, 4, 0], dtype=int32), 5, 8)
+    """
+
+    _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "paged_kv_indptr",
+        "paged_kv_indices",
+        "paged_kv_last_page_len",
+        "kv_lens",
+        "qo_indptr_decode",
+        "qo_indptr_prefill",
+    )
+    _HOST_FIELDS: ClassVar[tuple[str, ...]] = (
+        "paged_kv_indptr_cpu",
+        "paged_kv_indices_cpu",
+        "paged_kv_last_page_len_cpu",
+        "kv_lens_cpu",
+        "qo_indptr_decode_cpu",
+        "qo_indptr_prefill_cpu",
+    )
+    _SCALAR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "num_decodes",
+        "num_prefills",
+        "num_decode_tokens",
+        "num_prefill_tokens",
+        "num_pages",
+        "page_size",
+        "max_decode_query_len",
+        "max_prefill_query_len",
+        "max_kv_len",
+        "causal",
+        "indices",
+    )
+    _TWINS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("paged_kv_indptr", "paged_kv_indptr_cpu"),
+        ("paged_kv_indices", "paged_kv_indices_cpu"),
+        ("paged_kv_last_page_len", "paged_kv_last_page_len_cpu"),
+        ("kv_lens", "kv_lens_cpu"),
+        ("qo_indptr_decode", "qo_indptr_decode_cpu"),
+        ("qo_indptr_prefill", "qo_indptr_prefill_cpu"),
+    )
+
+    common: CommonAttentionMetadata
+    """The step's common metadata (the same device views, not copies)."""
+    # ---- device fields
+    paged_kv_indptr: torch.Tensor
+    """(num_reqs + 1,) int32, device. ``[0, cumsum(cdiv(kv_lens, page_size))]``; padding rows repeat
+    the last value (they have no pages)."""
+    paged_kv_indices: torch.Tensor
+    """(num_pages,) int32, device. Page ids of row 0, then row 1, ...:
+    ``paged_kv_indices[indptr[i]:indptr[i+1]] = block_table[i, :indptr[i+1] - indptr[i]]``."""
+    paged_kv_last_page_len: torch.Tensor
+    """(num_reqs,) int32, device. Tokens in each row's last page: ``page_size`` if ``kv_lens % page_size
+    == 0`` and ``kv_lens != 0``, else ``kv_lens % page_size`` (0 for padding rows)."""
+    kv_lens: torch.Tensor
+    """(num_reqs,) int32, device. KV length of each row: the common ``seq_lens`` (the same view), or
+    with DCP this rank's local share (decode rows: of the whole sequence; prefill rows: of the context
+    ``seq_lens - query_lens``), staged."""
+    qo_indptr_decode: torch.Tensor
+    """(num_decodes + 1,) int32, device. ``query_start_loc[:num_decodes + 1]`` (a view)."""
+    qo_indptr_prefill: torch.Tensor
+    """(num_prefills + 1,) int32, device. ``query_start_loc[num_decodes:] - query_start_loc[num_decodes]``
+    (rebased to 0; TRTLLM's ``cum_seq_lens_q``)."""
+    # ---- host fields
+    paged_kv_indptr_cpu: np.ndarray
+    """(num_reqs + 1,) int32, host (pinned staged view). Twin of ``paged_kv_indptr``."""
+    paged_kv_indices_cpu: np.ndarray | None
+    """(num_pages,) int32, host (pinned staged view), twin of ``paged_kv_indices``; ``None`` with
+    ``indices="device"`` (never computed on the host)."""
+    paged_kv_last_page_len_cpu: np.ndarray
+    """(num_reqs,) int32, host (pinned staged view). Twin of ``paged_kv_last_page_len``."""
+    kv_lens_cpu: np.ndarray
+    """(num_reqs,) int32, host (pinned staged view). Twin of ``kv_lens``: exact (from the
+    :class:`~attnmeta.spec.BatchSpec`, never read back from the device)."""
+    qo_indptr_decode_cpu: np.ndarray
+    """(num_decodes + 1,) int32, host. Twin of ``qo_indptr_decode`` (a view of ``query_start_loc_cpu``)."""
+    qo_indptr_prefill_cpu: np.ndarray
+    """(num_prefills + 1,) int32, host (pinned staged view). Twin of ``qo_indptr_prefill``."""
+    # ---- host scalars
+    num_decodes: int
+    """Leading decode rows ``D``."""
+    num_prefills: int
+    """Prefill rows ``B - D`` (padding rows after the first prefill count here)."""
+    num_decode_tokens: int
+    """Tokens of the decode rows (all tokens, padding included, when every row decodes)."""
+    num_prefill_tokens: int
+    """Tokens of the prefill rows, token padding included (as vLLM counts them)."""
+    num_pages: int
+    """``paged_kv_indptr_cpu[-1]``: length of ``paged_kv_indices``."""
+    page_size: int
+    """Tokens per KV page (the block size)."""
+    max_decode_query_len: int
+    """Longest decode query (the uniform ``q_len_per_req`` under ``require_uniform``); 0 without decodes."""
+    max_prefill_query_len: int
+    """Longest prefill query (TRTLLM's ``max_q_len``); 0 without prefills."""
+    max_kv_len: int
+    """``max(kv_lens_cpu)`` (exact); 0 for an empty batch."""
+    causal: bool
+    """Whether the batch was split as causal (else every row is a prefill)."""
+    indices: str
+    """``"host"`` or ``"device"``: where ``paged_kv_indices`` was gathered."""
+
+
+def host_tensor(array: np.ndarray) -> torch.Tensor:
+    """A torch tensor sharing a host array's memory, for APIs that take host tensors (``plan()``).
+
+    The metadata's host arrays are read-only views of the step's pinned slot; ``torch.from_numpy``
+    warns about read-only arrays, this does not. On CUDA the result ``is_pinned()``, so a
+    ``non_blocking=True`` copy from it is real DMA. Do not write into it; it is valid as long as the
+    array (until the stager reuses the step's slot).
+
+    Parameters
+    ----------
+    array : numpy.ndarray
+        A host field of a metadata object, e.g. ``meta.paged_kv_indptr_cpu[:meta.num_decodes + 1]``.
+
+    Returns
+    -------
+    torch.Tensor
+        CPU tensor, same shape, dtype and memory (no copy).
+
+    Examples
+    --------
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[5, 7, 0], num_scheduled_tokens=[1, 1, 4],
+    ...                  block_table=[[10, 11], [20, 21], [30, 31]], block_size=4)
+    >>> fi = build(spec, Stager("cpu"))
+    >>> host_tensor(fi.paged_kv_indptr_cpu[fi.num_decodes :])
+    tensor([4, 5], dtype=torch.int32)
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+def _max_len(indptr: np.ndarray, start: int, stop: int) -> int:
+    """``max(diff(indptr[start:stop+1]))``, 0 for an empty range (host)."""
+    if stop <= start:
+        return 0
+    return int((indptr[start + 1 : stop + 1] - indptr[start:stop]).max())
+
+
+def _alloc_indptr(step: Step, name: str, rows: int, capacity: int | None) -> np.ndarray:
+    """Stage an indptr for ``rows`` rows; returns its *full* host view.
+
+    Eager mode: ``rows + 1`` entries. Graph mode (``capacity`` rows): all ``capacity + 1`` entries,
+    because the sentinel (the last value, repeated) depends on the data; the caller fills
+    ``full[:rows + 1]`` and then ``full[rows + 1:] = full[rows]``.
+    """
+    if capacity is None:
+        return step.alloc(name, rows + 1, np.int32)
+    if rows > capacity:
+        raise CapacityError(f"{name}: needs {rows + 1} entries but its graph-mode capacity is {capacity + 1}")
+    return step.alloc(name, capacity + 1, np.int32, capacity=capacity + 1)
+
+
+def _check_options(options: FlashInferOptions) -> None:
+    if options.indices not in ("host", "device"):
+        raise ValueError(f"FlashInferOptions.indices: must be 'host' or 'device', got {options.indices!r}")
+    w, r = options.dcp_world_size, options.dcp_rank
+    if not (isinstance(w, int) and w >= 1 and isinstance(r, int) and 0 <= r < w):
+        raise ValueError(f"FlashInferOptions: need dcp_world_size >= 1 and 0 <= dcp_rank < dcp_world_size, got {w}, {r}")
+
+
+def _gather_indices(
+    indptr: torch.Tensor, block_table: torch.Tensor, total: int, out: torch.Tensor | None
+) -> torch.Tensor:
+    """``paged_kv_indices`` gathered on the device, without a sync.
+
+    Page ``p`` belongs to row ``searchsorted(indptr[1:], p, right=True)`` at column ``p - indptr[row]``;
+    every shape is ``total`` (a host int), so nothing is read back. With ``out`` (a fixed-capacity
+    buffer) the result goes to ``out[:total]`` and ``out[total:]`` is zeroed.
+    """
+    dev = indptr.device
+    pages = torch.arange(total, dtype=torch.int32, device=dev)
+    rows = torch.searchsorted(indptr[1:], pages, right=True)
+    cols = pages.to(torch.int64) - indptr[rows].to(torch.int64)
+    values = block_table[rows, cols]
+    if out is None:
+        return values
+    out[:total].copy_(values)
+    out[total:].fill_(0)
+    return out[:total]
+
+
+def stage(
+    common: Staged[CommonAttentionMetadata], step: Step, options: FlashInferOptions = FlashInferOptions()
+) -> Staged[FlashInferMetadata]:
+    """Derive FlashInfer metadata from the staged common metadata, staging into the same step.
+
+    Parameters
+    ----------
+    common : Staged[CommonAttentionMetadata]
+        From :func:`attnmeta.stage_common` on the same ``step`` (reordered: decodes first).
+    step : Step
+        The open step.
+    options : FlashInferOptions
+        Split, gather location, DCP layout, field namespace.
+
+    Returns
+    -------
+    Staged[FlashInferMetadata]
+        ``.result()`` after the commit (with ``indices="device"`` it enqueues the device gather on the
+        current stream the first time). ``.host`` holds ``split`` (:class:`~attnmeta.host.split.SplitCounts`)
+        and the host arrays, for other builders of the same step.
+
+    Raises
+    ------
+    ValueError
+        Bad options, a block table too narrow for a row's pages, or ``common`` from another step.
+    attnmeta.staging.CapacityError
+        Graph mode: more pages than ``profile.max_num_pages``.
+    """
+    if common.step is not step:
+        raise ValueError(
+            "common: staged in another step; stage the common metadata and this backend into the same step "
+            "(their device views come from one upload)"
+        )
+    _check_options(options)
+    h = common.host
+    qsl, sl, bt = h["query_start_loc_cpu"], h["seq_lens_cpu"], h["block_table_cpu"]
+    B, T, page = h["num_reqs"], h["num_actual_tokens"], h["block_size"]
+    p = options.prefix + "."
+    prof = step.profile
+    req_cap = prof.max_num_reqs if prof is not None else None
+    kw_r: dict[str, Any] = {"capacity": req_cap} if req_cap is not None else {}
+    kw_p: dict[str, Any] = {"capacity": prof.max_num_pages} if prof is not None else {}
+    if options.causal:
+        split = split_decodes_and_prefills(
+            qsl, num_tokens=T, max_query_len=h["max_query_len"], decode_threshold=options.decode_threshold,
+            require_uniform=options.require_uniform,
+        )
+    else:
+        split = SplitCounts(0, B, 0, T)
+    D, P = split.num_decodes, split.num_prefills
+
+    dcp = options.dcp_world_size > 1
+    if dcp:
+        kv = step.alloc(p + "kv_lens", B, np.int32, fill=0, **kw_r)
+        dcp_context_kv_lens(sl, np.diff(qsl).astype(np.int32), options.dcp_world_size, options.dcp_rank,
+                            options.dcp_interleave, num_decodes=D, out=kv)
+    else:
+        kv = sl
+
+    total = num_pages(kv, page)
+    indptr_full = _alloc_indptr(step, p + "paged_kv_indptr", B, req_cap)
+    indptr = indptr_full[: B + 1]
+    last = step.alloc(p + "paged_kv_last_page_len", B, np.int32, fill=0, **kw_r)
+    indices: np.ndarray | None = None
+    if options.indices == "host":
+        indices = step.alloc(p + "paged_kv_indices", total, np.int32, fill=0, **kw_p)
+        paged_kv_layout(kv, bt, page, indptr_out=indptr, indices_out=indices, last_page_len_out=last)
+    else:
+        if B and -(-int(kv.max()) // page) > bt.shape[1]:
+            i = int(np.argmax(kv))
+            raise ValueError(
+                f"block_table: row {i} needs cdiv(kv_lens[{i}]={int(kv[i])}, page_size={page}) pages but the "
+                f"staged table has {bt.shape[1]} columns (request {i})"
+            )
+        if prof is not None:
+            if total > prof.max_num_pages:
+                raise CapacityError(
+                    f"{p}paged_kv_indices: needs {total} pages but its graph-mode capacity is "
+                    f"{prof.max_num_pages} (StaticProfile.max_num_pages)"
+                )
+            # Reserve the fixed device buffer the gather writes into; nothing of it is staged.
+            step.alloc(p + "paged_kv_indices", 0, np.int32, fill=0, **kw_p)
+        paged_kv_indptr(kv, page, out=indptr)
+        paged_kv_last_page_len(kv, page, out=last)
+    indptr_full[B + 1 :] = indptr[B]
+
+    qo_full = _alloc_indptr(step, p + "qo_indptr_prefill", P, req_cap)
+    rebase_indptr(qsl, D, B, out=qo_full[: P + 1])
+    qo_full[P + 1 :] = qo_full[P]
+    qo_prefill = qo_full[: P + 1]
+
+    scalars = {
+        "num_decodes": D,
+        "num_prefills": P,
+        "num_decode_tokens": split.num_decode_tokens,
+        "num_prefill_tokens": split.num_prefill_tokens,
+        "num_pages": total,
+        "page_size": page,
+        "max_decode_query_len": _max_len(qsl, 0, D),
+        "max_prefill_query_len": _max_len(qsl, D, B),
+        "max_kv_len": int(kv.max()) if B else 0,
+        "causal": bool(options.causal),
+        "indices": options.indices,
+    }
+    host: dict[str, Any] = {
+        "split": split,
+        "paged_kv_indptr_cpu": indptr,
+        "paged_kv_indices_cpu": indices,
+        "paged_kv_last_page_len_cpu": last,
+        "kv_lens_cpu": kv,
+        "qo_indptr_decode_cpu": qsl[: D + 1],
+        "qo_indptr_prefill_cpu": qo_prefill,
+        **scalars,
+    }
+
+    def make() -> FlashInferMetadata:
+        cm = common.result()
+        indptr_d = step.device(p + "paged_kv_indptr")[: B + 1]
+        if options.indices == "host":
+            indices_d = step.device(p + "paged_kv_indices")
+        else:
+            fixed = step.device_full(p + "paged_kv_indices") if prof is not None else None
+            indices_d = _gather_indices(indptr_d, cm.block_table_tensor, total, fixed)
+        for a in (indptr_full, indptr, last, qo_full, qo_prefill, kv, indices):
+            if a is not None:
+                a.flags.writeable = False
+        return FlashInferMetadata(
+            common=cm,
+            paged_kv_indptr=indptr_d,
+            paged_kv_indices=indices_d,
+            paged_kv_last_page_len=step.device(p + "paged_kv_last_page_len"),
+            kv_lens=step.device(p + "kv_lens") if dcp else cm.seq_lens,
+            qo_indptr_decode=cm.query_start_loc[: D + 1],
+            qo_indptr_prefill=step.device(p + "qo_indptr_prefill")[: P + 1],
+            paged_kv_indptr_cpu=indptr,
+            paged_kv_indices_cpu=indices,
+            paged_kv_last_page_len_cpu=last,
+            kv_lens_cpu=kv,
+            qo_indptr_decode_cpu=cm.query_start_loc_cpu[: D + 1],
+            qo_indptr_prefill_cpu=qo_prefill,
+            **scalars,
+        )
+
+    return Staged(step, host, make)
+
+
+def build(spec: BatchSpec, stager: Stager, options: FlashInferOptions = FlashInferOptions()) -> FlashInferMetadata:
+    """Common + FlashInfer metadata of ``spec`` in one step of its own (one copy).
+
+    Parameters
+    ----------
+    spec : BatchSpec
+        The step (reordered: decodes first).
+    stager : Stager
+        Owns the pinned ring; the step commits before this returns.
+    options : FlashInferOptions
+        As for :func:`stage`.
+
+    Returns
+    -------
+    FlashInferMetadata
+        Device fields are views into the step's upload.
+
+    Raises
+    ------
+    ValueError, attnmeta.staging.CapacityError
+        As for :func:`stage` and :func:`attnmeta.stage_common`.
+
+    Examples
+    --------
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[3, 9, 0], num_scheduled_tokens=[2, 2, 5],
+    ...                  block_table=[[4, 5, 6], [7, 8, 9], [1, 2, 3]], block_size=4)
+    >>> fi = build(spec, Stager("cpu"), FlashInferOptions(decode_threshold=2, indices="device"))
+    >>> fi.num_decodes, fi.max_decode_query_len, fi.paged_kv_indices_cpu is None
+    (2, 2, True)
+    >>> fi.paged_kv_indices
+    tensor([4, 5, 7, 8, 9, 1, 2], dtype=torch.int32)
+    """
+    with stager.step() as step:
+        staged = stage(stage_common(spec, step), step, options)
+    return staged.result()

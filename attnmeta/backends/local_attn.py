@@ -1,0 +1,419 @@
+"""Chunked local attention as virtual batches (vllm-semantics.md section 5.6), derived on the host.
+
+Chunked local attention (Llama 4's ``attention_chunk_size`` ``A``) lets a token see only the KV of its
+own aligned ``A``-token chunk. Each request becomes one "virtual" row per local chunk its queries touch,
+so an ordinary varlen paged kernel runs them: virtual row ``v`` has ``q_v`` queries and attends, causally
+aligned to its end, the ``k_v`` KV tokens of one chunk, whose pages are row ``v`` of a small
+``(num_virtual_reqs, A / block_size)`` block table (the chunk starts on a block boundary).
+
+vLLM 0.33.0 computes this in host numpy but first reads ``seq_lens.cpu()``, a sync it keeps knowingly
+(TODO vllm#31852). attnmeta uses the common metadata's exact host ``seq_lens_cpu``
+(:func:`attnmeta.host.local_attn.local_virtual_batches`, compiled) and stages the result into the step:
+nothing is read back.
+
+The result is a :class:`LocalAttentionMetadata` that **contains** the virtual batch as a
+:class:`~attnmeta.metadata.CommonAttentionMetadata` (``.common``; 5.6's output table), so any backend
+builder runs over it unchanged: ``Staged.host["common"]`` is its staged form, e.g. for
+:func:`attnmeta.backends.flash_attn.stage` in the same step.
+
+===============================  ====================================================================
+virtual common field             value
+===============================  ====================================================================
+``query_start_loc`` (+_cpu)      ``[0, cumsum(q_v)]``, staged (``[-1]`` unchanged: the same tokens)
+``seq_lens`` (+_cpu)             ``k_v``, staged; ``seq_lens_cpu_upper_bound`` is the same array
+``block_table_tensor`` (+_cpu)   the virtual block table (below)
+``num_reqs``                     ``V`` (``num_real_reqs``: ``V`` minus one row per padding row)
+``max_query_len``                ``max(q_v)``
+``max_seq_len``                  ``max(k_v)``
+``num_computed_tokens_cpu``      ``k_v - q_v``
+``is_prefilling``                the original row's flag, per virtual row (vLLM: None)
+``num_decode_draft_tokens_cpu``  None
+``causal``                       True
+unchanged                        ``num_actual_tokens``, ``num_real_tokens``, ``slot_mapping``,
+                                 ``positions`` (the tokens keep their order), ``block_size``
+===============================  ====================================================================
+
+The virtual block table
+-----------------------
+Row ``v`` is ``block_table[req_indices[v], min(block_starts[v] + j, W - 1)]`` for ``j < A / block_size``.
+With ``block_table="host"`` (default) it is gathered on the host in compiled code and staged:
+``O(V * A / block_size)`` host work. With ``block_table="device"`` only ``req_indices`` and
+``block_starts`` (``V`` each) are staged and the gather runs on the device from the staged common block
+table when :meth:`Staged.result` is first called (on the current stream), vLLM's ``make_block_table``
+without its ``async_tensor_h2d`` uploads. In device mode the virtual common metadata's host twin
+``block_table_cpu`` is not computed: it is a read-only broadcast of ``-1`` (an invalid block id, which a
+host consumer's validation rejects) with the right shape.
+
+Columns past the staged width are clipped to its last column ``W - 1``, as vLLM clips to the width of
+its persistent table; in eager mode attnmeta stages only the columns the batch uses, so a virtual row
+whose chunk runs past the staged width repeats the last staged column where vLLM reads the (unused)
+columns after it. Kernels never read them (``k_v`` bounds the KV); stage the common metadata with
+``block_table_columns=`` (or use graph mode, which stages the profile's full width) for vLLM's exact
+values.
+
+Padding rows: one virtual row each, ``q_v = 0``, ``k_v = A`` (as vLLM), block columns from 0
+(:mod:`attnmeta.host.local_attn` explains this deliberate deviation from vLLM's wrapped negative
+columns).
+
+Graph mode: ``V`` is at most ``max_virtual_reqs(profile, A) = 2 * max_num_reqs + cdiv(max_num_tokens,
+A)`` (each request adds at most one partial chunk at each end); every staged field has that capacity
+(``query_start_loc`` one more, staged in full with its tail repeating the last value; the rest fill 0).
+With ``block_table="device"`` the gather writes into the fixed ``block_table`` buffer when
+``Staged.result()`` runs: call it every step before replaying a graph that reads the table.
+
+Shape legend
+------------
+- ``num_reqs``: request rows ``B`` of the step, padding rows included.
+- ``num_virtual_reqs``: virtual rows ``V``.
+- ``pages_per_local_block``: ``A / block_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Literal, NamedTuple
+
+import numpy as np
+import torch
+
+from attnmeta._fields import MetadataBase, Staged
+from attnmeta.backends.flashinfer import _alloc_indptr
+from attnmeta.host.local_attn import local_virtual_batches, num_virtual_reqs
+from attnmeta.metadata import CommonAttentionMetadata, stage_common
+from attnmeta.profile import StaticProfile
+from attnmeta.spec import BatchSpec
+from attnmeta.staging import CapacityError, Stager, Step
+
+__all__ = ["LocalAttentionMetadata", "LocalAttnOptions", "build", "max_virtual_reqs", "stage"]
+
+
+class LocalAttnOptions(NamedTuple):
+    """Options of the chunked-local-attention builder."""
+
+    attn_chunk_size: int
+    """Local attention chunk ``A``: a positive multiple of the block size."""
+    block_table: Literal["host", "device"] = "host"
+    """Where the virtual block table is gathered (see the module docstring)."""
+    prefix: str = "local_attn"
+    """Namespace of this builder's staged fields."""
+
+
+def max_virtual_reqs(profile: StaticProfile, attn_chunk_size: int) -> int:
+    """Graph-mode capacity of the virtual batch: ``2 * max_num_reqs + cdiv(max_num_tokens, A)``.
+
+    Request ``i`` yields ``1 + cdiv(q_i - first_i, A) <= 2 + q_i // A`` virtual rows, and the ``q_i`` sum
+    to at most ``max_num_tokens``.
+
+    Parameters
+    ----------
+    profile : StaticProfile
+        The capture-time capacities.
+    attn_chunk_size : int
+        Local attention chunk ``A``, > 0.
+
+    Returns
+    -------
+    int
+        The most virtual rows any step within ``profile`` can have.
+
+    Raises
+    ------
+    ValueError
+        ``attn_chunk_size`` is not a positive int.
+
+    Examples
+    --------
+    >>> from attnmeta import StaticProfile
+    >>> max_virtual_reqs(StaticProfile(max_num_reqs=8, max_num_tokens=100, max_blocks_per_req=4, block_size=16), 32)
+    20
+    """
+    if isinstance(attn_chunk_size, bool) or not isinstance(attn_chunk_size, int) or attn_chunk_size <= 0:
+        raise ValueError(f"attn_chunk_size: must be a positive int, got {attn_chunk_size!r}")
+    return 2 * profile.max_num_reqs + -(-profile.max_num_tokens // attn_chunk_size)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
+class LocalAttentionMetadata(MetadataBase):
+    """The virtual batch of chunked local attention; contains it as common metadata.
+
+    Examples
+    --------
+    vllm-semantics.md 5.6: ``q = [4, 10, 5]``, ``s = [6, 17, 9]``, ``A = 4``, block size 2, block rows
+    ``[10i .. 10i+9]`` (all 10 columns staged, as vLLM's persistent table would be):
+
+    >>> import numpy as np
+    >>> from attnmeta import BatchSpec, Stager, stage_common
+    >>> spec = BatchSpec(num_computed_tokens=[2, 7, 4], num_scheduled_tokens=[4, 10, 5],
+    ...                  block_table=np.arange(30, dtype=np.int32).reshape(3, 10), block_size=2)
+    >>> with Stager("cpu").step() as step:
+    ...     common = stage_common(spec, step, block_table_columns=10)
+    ...     staged = stage(common, step, LocalAttnOptions(attn_chunk_size=4))
+    >>> la = staged.result()
+    >>> la.query_start_loc_cpu
+    array([ 0,  2,  4,  5,  9, 13, 14, 18, 19], dtype=int32)
+    >>> la.seq_lens
+    tensor([4, 2, 4, 4, 4, 1, 4, 1], dtype=torch.int32)
+    >>> la.block_table_cpu.tolist()
+    [[0, 1], [2, 3], [12, 13], [14, 15], [16, 17], [18, 19], [22, 23], [24, 25]]
+    >>> la.num_virtual_reqs, la.common.num_reqs, la.common.max_query_len, la.common.max_seq_len
+    (8, 8, 4, 4)
+    >>> la.common.num_actual_tokens, la.common.num_computed_tokens_cpu
+    (19, array([2, 0, 3, 0, 0, 0, 0, 0], dtype=int32))
+    """
+
+    _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "query_start_loc",
+        "seq_lens",
+        "block_table",
+        "req_indices",
+        "block_starts",
+    )
+    _HOST_FIELDS: ClassVar[tuple[str, ...]] = (
+        "query_start_loc_cpu",
+        "seq_lens_cpu",
+        "block_table_cpu",
+        "req_indices_cpu",
+        "block_starts_cpu",
+    )
+    _SCALAR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "num_virtual_reqs",
+        "attn_chunk_size",
+        "pages_per_local_block",
+        "block_table_mode",
+    )
+    _TWINS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("query_start_loc", "query_start_loc_cpu"),
+        ("seq_lens", "seq_lens_cpu"),
+        ("block_table", "block_table_cpu"),
+        ("req_indices", "req_indices_cpu"),
+        ("block_starts", "block_starts_cpu"),
+    )
+
+    common: CommonAttentionMetadata
+    """The virtual batch as common metadata (module docstring table)."""
+    # ---- device fields
+    query_start_loc: torch.Tensor
+    """(num_virtual_reqs + 1,) int32, device. ``cu_seqlens_q_local``; ``common.query_start_loc``."""
+    seq_lens: torch.Tensor
+    """(num_virtual_reqs,) int32, device. ``k_v`` in ``[1, A]``; ``common.seq_lens``."""
+    block_table: torch.Tensor
+    """(num_virtual_reqs, pages_per_local_block) int32, device. The virtual block table;
+    ``common.block_table_tensor``."""
+    req_indices: torch.Tensor | None
+    """(num_virtual_reqs,) int32, device, with ``block_table="device"`` (else None). Original row of
+    each virtual row."""
+    block_starts: torch.Tensor | None
+    """(num_virtual_reqs,) int32, device, with ``block_table="device"`` (else None). First block-table
+    column of each virtual row's chunk."""
+    # ---- host fields
+    query_start_loc_cpu: np.ndarray
+    """(num_virtual_reqs + 1,) int32, host (pinned staged view). Twin of ``query_start_loc``."""
+    seq_lens_cpu: np.ndarray
+    """(num_virtual_reqs,) int32, host (pinned staged view). Twin of ``seq_lens``."""
+    block_table_cpu: np.ndarray | None
+    """(num_virtual_reqs, pages_per_local_block) int32, host (pinned staged view); None with
+    ``block_table="device"``."""
+    req_indices_cpu: np.ndarray
+    """(num_virtual_reqs,) int32, host. Original row of each virtual row (staged view in device mode,
+    a host-only array in host mode)."""
+    block_starts_cpu: np.ndarray
+    """(num_virtual_reqs,) int32, host. ``max(kstart_v, 0) // block_size`` (staged view in device mode,
+    a host-only array in host mode)."""
+    # ---- host scalars
+    num_virtual_reqs: int
+    """``V``."""
+    attn_chunk_size: int
+    """``A``."""
+    pages_per_local_block: int
+    """``A / block_size``."""
+    block_table_mode: str
+    """``"host"`` or ``"device"``: where the virtual block table was gathered."""
+
+
+def _gather_rows(
+    block_table: torch.Tensor, req: torch.Tensor, starts: torch.Tensor, ppl: int, out: torch.Tensor | None
+) -> torch.Tensor:
+    """The virtual block table gathered on the device (no sync: every shape is known on the host)."""
+    dev = block_table.device
+    v = req.shape[0]
+    cols = starts.to(torch.int64)[:, None] + torch.arange(ppl, dtype=torch.int64, device=dev)[None, :]
+    cols.clamp_(max=block_table.shape[1] - 1)
+    values = block_table[req.to(torch.int64)[:, None], cols]
+    if out is None:
+        return values
+    out[:v].copy_(values)
+    out[v:].fill_(0)
+    return out[:v]
+
+
+def stage(
+    common: Staged[CommonAttentionMetadata], step: Step, options: LocalAttnOptions
+) -> Staged[LocalAttentionMetadata]:
+    """Derive the chunked-local-attention virtual batch from the staged common metadata.
+
+    Parameters
+    ----------
+    common : Staged[CommonAttentionMetadata]
+        From :func:`attnmeta.stage_common` on the same ``step``.
+    step : Step
+        The open step.
+    options : LocalAttnOptions
+        Chunk size, where to gather the virtual block table, field namespace.
+
+    Returns
+    -------
+    Staged[LocalAttentionMetadata]
+        ``.result()`` after the commit (with ``block_table="device"`` it enqueues the gather on the
+        current stream the first time). ``.host["common"]`` is the staged virtual common metadata, to
+        stage other backends over it in the same step.
+
+    Raises
+    ------
+    ValueError
+        ``attn_chunk_size`` not a positive multiple of the block size, a bad option, or ``common`` from
+        another step.
+    attnmeta.staging.CapacityError
+        Graph mode: more virtual rows than :func:`max_virtual_reqs` (cannot happen within the profile).
+    """
+    if common.step is not step:
+        raise ValueError(
+            "common: staged in another step; stage the common metadata and this backend into the same step "
+            "(their device views come from one upload)"
+        )
+    mode = options.block_table
+    if mode not in ("host", "device"):
+        raise ValueError(f"LocalAttnOptions.block_table: must be 'host' or 'device', got {mode!r}")
+    h = common.host
+    qsl, sl, bt = h["query_start_loc_cpu"], h["seq_lens_cpu"], h["block_table_cpu"]
+    A, bs, B = options.attn_chunk_size, h["block_size"], h["num_reqs"]
+    if isinstance(A, bool) or not isinstance(A, int) or A <= 0 or A % bs:
+        raise ValueError(
+            f"LocalAttnOptions.attn_chunk_size: must be a positive multiple of block_size={bs}, got {A!r}"
+        )
+    p = options.prefix + "."
+    prof = step.profile
+    V = num_virtual_reqs(qsl, sl, A)
+    cap = max_virtual_reqs(prof, A) if prof is not None else None
+    if cap is not None and cap < V:
+        raise CapacityError(f"{p}: {V} virtual rows exceed the graph-mode capacity {cap}")
+    kw: dict[str, Any] = {"capacity": cap} if cap is not None else {}
+    ppl = A // bs
+    qsl_full = _alloc_indptr(step, p + "query_start_loc", V, cap)
+    k = step.alloc(p + "seq_lens", V, np.int32, fill=0, **kw)
+    table: np.ndarray | None = None
+    if mode == "host":
+        table = step.alloc(p + "block_table", (V, ppl), np.int32, fill=0, **kw)
+        req, starts = np.empty(V, np.int32), np.empty(V, np.int32)
+    else:
+        req = step.alloc(p + "req_indices", V, np.int32, fill=0, **kw)
+        starts = step.alloc(p + "block_starts", V, np.int32, fill=0, **kw)
+        if cap is not None:
+            step.alloc(p + "block_table", (0, ppl), np.int32, fill=0, **kw)  # the gather's fixed buffer
+    lb = local_virtual_batches(
+        qsl, sl, A, bs, bt if mode == "host" else None,
+        query_start_loc_out=qsl_full[: V + 1], seq_lens_out=k, req_indices_out=req, block_starts_out=starts,
+        block_table_out=table,
+    )
+    qsl_full[V + 1 :] = qsl_full[V]
+    local_qsl = lb.query_start_loc
+    table_cpu = table if table is not None else np.broadcast_to(np.int32(-1), (V, ppl))
+    changes: dict[str, Any] = {
+        "query_start_loc_cpu": local_qsl,
+        "seq_lens_cpu": k,
+        "seq_lens_cpu_upper_bound": k,
+        "num_computed_tokens_cpu": (k - np.diff(local_qsl)).astype(np.int32),
+        "block_table_cpu": table_cpu,
+        "is_prefilling": h["is_prefilling"][req],
+        "num_decode_draft_tokens_cpu": None,
+        "num_reqs": V,
+        "num_real_reqs": V - (B - h["num_real_reqs"]),
+        "max_query_len": lb.max_query_len,
+        "max_seq_len": lb.max_seq_len,
+        "causal": True,
+    }
+
+    def make_common() -> CommonAttentionMetadata:
+        cm = common.result()
+        if mode == "host":
+            table_d = step.device(p + "block_table")
+        else:
+            fixed = step.device_full(p + "block_table") if cap is not None else None
+            table_d = _gather_rows(cm.block_table_tensor, step.device(p + "req_indices"),
+                                   step.device(p + "block_starts"), ppl, fixed)
+        for a in (qsl_full, local_qsl, k, table, req, starts, changes["num_computed_tokens_cpu"],
+                  changes["is_prefilling"]):
+            if a is not None:
+                a.flags.writeable = False
+        return cm.replace(
+            query_start_loc=step.device(p + "query_start_loc")[: V + 1],
+            seq_lens=step.device(p + "seq_lens"),
+            block_table_tensor=table_d,
+            **changes,
+        )
+
+    local_common: Staged[CommonAttentionMetadata] = Staged(step, {**h, **changes}, make_common)
+
+    def make() -> LocalAttentionMetadata:
+        cm = local_common.result()
+        device_mode = mode == "device"
+        return LocalAttentionMetadata(
+            common=cm,
+            query_start_loc=cm.query_start_loc,
+            seq_lens=cm.seq_lens,
+            block_table=cm.block_table_tensor,
+            req_indices=step.device(p + "req_indices") if device_mode else None,
+            block_starts=step.device(p + "block_starts") if device_mode else None,
+            query_start_loc_cpu=local_qsl,
+            seq_lens_cpu=k,
+            block_table_cpu=table,
+            req_indices_cpu=req,
+            block_starts_cpu=starts,
+            num_virtual_reqs=V,
+            attn_chunk_size=A,
+            pages_per_local_block=ppl,
+            block_table_mode=mode,
+        )
+
+    return Staged(step, {"common": local_common, "local_batches": lb}, make)
+
+
+def build(spec: BatchSpec, stager: Stager, options: LocalAttnOptions) -> LocalAttentionMetadata:
+    """Common + chunked-local-attention metadata of ``spec`` in one step of its own (one copy).
+
+    Parameters
+    ----------
+    spec : BatchSpec
+        The step.
+    stager : Stager
+        Owns the pinned ring; the step commits before this returns.
+    options : LocalAttnOptions
+        As for :func:`stage`.
+
+    Returns
+    -------
+    LocalAttentionMetadata
+        Device fields are views into the step's upload (or, in device mode, the gather's output).
+
+    Raises
+    ------
+    ValueError, attnmeta.staging.CapacityError
+        As for :func:`stage`.
+
+    Examples
+    --------
+    One query at a chunk start sees one KV token (vllm issue #21694); a padding row gets one empty
+    virtual row; the table is gathered on the device:
+
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[4], num_scheduled_tokens=[1], block_table=[[7, 8, 9]],
+    ...                  block_size=2, num_reqs_padded=2)
+    >>> la = build(spec, Stager("cpu"), LocalAttnOptions(attn_chunk_size=4, block_table="device"))
+    >>> la.seq_lens_cpu, la.query_start_loc_cpu, la.block_starts_cpu
+    (array([1, 4], dtype=int32), array([0, 1, 1], dtype=int32), array([2, 0], dtype=int32))
+    >>> la.block_table
+    tensor([[9, 9],
+            [0, 0]], dtype=torch.int32)
+    """
+    with stager.step() as step:
+        staged = stage(stage_common(spec, step), step, options)
+    return staged.result()
