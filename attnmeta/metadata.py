@@ -35,10 +35,11 @@ import torch
 
 from attnmeta._fields import MetadataBase, Staged
 from attnmeta.host.common import common_layout
+from attnmeta.host.split import SplitCounts, _split_nb
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager, Step
 
-__all__ = ["CommonAttentionMetadata", "build_common", "stage_common"]
+__all__ = ["CommonAttentionMetadata", "build_common", "common_split", "stage_common"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
@@ -393,10 +394,49 @@ def stage_common(
             block_table_tensor=step.device(p + "block_table_tensor"),
             slot_mapping=step.device(p + "slot_mapping"),
             positions=step.device(p + "positions"),
-            **host,
+            **{k: v for k, v in host.items() if k[0] != "_"},  # "_memo": per-step shared derivations
         )
 
     return Staged(step, host, make)
+
+
+def common_split(
+    host: dict[str, Any],
+    *,
+    decode_threshold: int = 1,
+    require_uniform: bool = False,
+    treat_short_extends_as_decodes: bool = True,
+) -> SplitCounts:
+    """:func:`attnmeta.host.split.split_decodes_and_prefills` of a staged common metadata's host part.
+
+    Backends staged into one step share the result: it is computed once per step and flag set and
+    kept in ``host`` (the per-step dict of :func:`stage_common`'s ``Staged.host``), so it can never
+    outlive the step. The inputs were validated when the step was staged, so the compiled split runs
+    directly.
+
+    Parameters
+    ----------
+    host : dict
+        ``Staged[CommonAttentionMetadata].host``.
+    decode_threshold, require_uniform, treat_short_extends_as_decodes
+        As for :func:`~attnmeta.host.split.split_decodes_and_prefills` (``is_prefilling`` comes from
+        ``host``).
+
+    Returns
+    -------
+    SplitCounts
+        ``(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)``.
+    """
+    key = ("split", decode_threshold, require_uniform, treat_short_extends_as_decodes)
+    memo: dict[Any, SplitCounts] = host.setdefault("_memo", {})
+    found = memo.get(key)
+    if found is None:
+        nd, np_, ndt, npt = _split_nb(
+            host["query_start_loc_cpu"], host["num_actual_tokens"], host["max_query_len"], decode_threshold,
+            require_uniform, treat_short_extends_as_decodes, host["is_prefilling"],
+        )
+        found = memo[key] = SplitCounts(int(nd), int(np_), int(ndt), int(npt))
+    return found
 
 
 def build_common(spec: BatchSpec, stager: Stager, **kwargs: Any) -> CommonAttentionMetadata:

@@ -29,8 +29,7 @@ import torch
 
 from attnmeta._fields import MetadataBase, Staged
 from attnmeta.host.flash_attn import causal_per_request, dcp_context_kv_lens, max_dcp_context_kv_len
-from attnmeta.host.split import split_decodes_and_prefills
-from attnmeta.metadata import CommonAttentionMetadata, stage_common
+from attnmeta.metadata import CommonAttentionMetadata, common_split, stage_common
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager, Step
 
@@ -186,9 +185,7 @@ def stage(
     p = options.prefix + "."
     prof = step.profile
     kw: dict[str, Any] = {"capacity": prof.max_num_reqs} if prof is not None else {}
-    split = split_decodes_and_prefills(
-        qsl, num_tokens=T, max_query_len=h["max_query_len"], decode_threshold=options.decode_threshold
-    )
+    split = common_split(h, decode_threshold=options.decode_threshold)
     dcp = dcp_host = None
     max_dcp = 0
     if options.dcp_world_size > 1:

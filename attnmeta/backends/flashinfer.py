@@ -80,15 +80,16 @@ import torch
 
 from attnmeta._fields import MetadataBase, Staged
 from attnmeta.host.flash_attn import dcp_context_kv_lens
-from attnmeta.host.paged import (
+from attnmeta.host.paged import (  # private kernels: inputs were validated when common was staged
+    _layout_nb,
+    _num_pages_nb,
     num_pages,
     paged_kv_indptr,
     paged_kv_last_page_len,
     paged_kv_layout,
-    rebase_indptr,
 )
-from attnmeta.host.split import SplitCounts, split_decodes_and_prefills
-from attnmeta.metadata import CommonAttentionMetadata, stage_common
+from attnmeta.host.split import SplitCounts
+from attnmeta.metadata import CommonAttentionMetadata, common_split, stage_common
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import CapacityError, Stager, Step
 
@@ -371,10 +372,7 @@ def stage(
     kw_r: dict[str, Any] = {"capacity": req_cap} if req_cap is not None else {}
     kw_p: dict[str, Any] = {"capacity": prof.max_num_pages} if prof is not None else {}
     if options.causal:
-        split = split_decodes_and_prefills(
-            qsl, num_tokens=T, max_query_len=h["max_query_len"], decode_threshold=options.decode_threshold,
-            require_uniform=options.require_uniform,
-        )
+        split = common_split(h, decode_threshold=options.decode_threshold, require_uniform=options.require_uniform)
     else:
         split = SplitCounts(0, B, 0, T)
     D, P = split.num_decodes, split.num_prefills
@@ -387,14 +385,35 @@ def stage(
     else:
         kv = sl
 
-    total = num_pages(kv, page)
-    indptr_full = _alloc_indptr(step, p + "paged_kv_indptr", B, req_cap)
+    code, _row, total = _num_pages_nb(kv, page)
+    if code:
+        num_pages(kv, page)  # raises the detailed error
+    total = int(total)
+    icap = None if req_cap is None else req_cap + 1  # indptrs stage their full capacity in graph mode
+    specs: tuple[tuple[str, Any, Any, int | None, Any], ...] = (
+        (p + "paged_kv_indptr", B + 1 if icap is None else icap, np.int32, icap, 0),
+        (p + "paged_kv_last_page_len", B, np.int32, req_cap, 0),
+        (p + "qo_indptr_prefill", P + 1 if icap is None else icap, np.int32, icap, 0),
+    )
+    if options.indices == "host":
+        specs += ((p + "paged_kv_indices", total, np.int32, kw_p.get("capacity"), 0),)
+    elif prof is not None:
+        if total > prof.max_num_pages:
+            raise CapacityError(
+                f"{p}paged_kv_indices: needs {total} pages but its graph-mode capacity is "
+                f"{prof.max_num_pages} (StaticProfile.max_num_pages)"
+            )
+        # Reserve the fixed device buffer the gather writes into; nothing of it is staged.
+        specs += ((p + "paged_kv_indices", 0, np.int32, prof.max_num_pages, 0),)
+    views = step.alloc_group(specs)
+    indptr_full, last, qo_full = views[0], views[1], views[2]
     indptr = indptr_full[: B + 1]
-    last = step.alloc(p + "paged_kv_last_page_len", B, np.int32, fill=0, **kw_r)
     indices: np.ndarray | None = None
     if options.indices == "host":
-        indices = step.alloc(p + "paged_kv_indices", total, np.int32, fill=0, **kw_p)
-        paged_kv_layout(kv, bt, page, indptr_out=indptr, indices_out=indices, last_page_len_out=last)
+        indices = views[3]
+        code, _, _ = _layout_nb(kv, bt, page, indptr, indices, last)
+        if code:  # only for an inconsistent block table: re-run the validating wrapper for its message
+            paged_kv_layout(kv, bt, page, indptr_out=indptr, indices_out=indices, last_page_len_out=last)
     else:
         if B and -(-int(kv.max()) // page) > bt.shape[1]:
             i = int(np.argmax(kv))
@@ -402,21 +421,13 @@ def stage(
                 f"block_table: row {i} needs cdiv(kv_lens[{i}]={int(kv[i])}, page_size={page}) pages but the "
                 f"staged table has {bt.shape[1]} columns (request {i})"
             )
-        if prof is not None:
-            if total > prof.max_num_pages:
-                raise CapacityError(
-                    f"{p}paged_kv_indices: needs {total} pages but its graph-mode capacity is "
-                    f"{prof.max_num_pages} (StaticProfile.max_num_pages)"
-                )
-            # Reserve the fixed device buffer the gather writes into; nothing of it is staged.
-            step.alloc(p + "paged_kv_indices", 0, np.int32, fill=0, **kw_p)
         paged_kv_indptr(kv, page, out=indptr)
         paged_kv_last_page_len(kv, page, out=last)
-    indptr_full[B + 1 :] = indptr[B]
-
-    qo_full = _alloc_indptr(step, p + "qo_indptr_prefill", P, req_cap)
-    rebase_indptr(qsl, D, B, out=qo_full[: P + 1])
-    qo_full[P + 1 :] = qo_full[P]
+    if icap is not None:
+        indptr_full[B + 1 :] = indptr[B]
+    np.subtract(qsl[D : B + 1], qsl[D], out=qo_full[: P + 1])
+    if icap is not None:
+        qo_full[P + 1 :] = qo_full[P]
     qo_prefill = qo_full[: P + 1]
 
     scalars = {
