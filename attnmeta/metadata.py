@@ -418,9 +418,12 @@ def common_split(
     ----------
     host : dict
         ``Staged[CommonAttentionMetadata].host``.
-    decode_threshold, require_uniform, treat_short_extends_as_decodes
-        As for :func:`~attnmeta.host.split.split_decodes_and_prefills` (``is_prefilling`` comes from
-        ``host``).
+    decode_threshold : int, default 1
+        Longest query that counts as a decode.
+    require_uniform : bool, default False
+        Decodes must share row 0's query length (zero-length padding rows allowed).
+    treat_short_extends_as_decodes : bool, default True
+        When False, rows still prefilling are prefills (``is_prefilling`` comes from ``host``).
 
     Returns
     -------
