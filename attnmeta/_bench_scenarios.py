@@ -270,7 +270,40 @@ def mixed_common(device: torch.device, quick: bool) -> list[Case]:
     return _scenario_common("mixed-common", [(spec.num_reqs, spec)], device)
 
 
+def staging(device: torch.device, quick: bool) -> list[Case]:
+    """Eight prepared int32/int64 arrays (a step's worth, ~20 KB) moved to the device three ways: one
+    packed pinned copy through a Stager, eight per-call pinned uploads, eight ``torch.as_tensor(np,
+    device=...)`` blocking uploads (the reference)."""
+    from attnmeta.staging import Stager
+
+    rng = np.random.default_rng(5)
+    arrays = [rng.integers(0, 1 << 20, size=n).astype(dt) for n, dt in
+              [(257, np.int32), (256, np.int32), (256, np.int32), (1024, np.int64), (1024, np.int64),
+               (256, np.int32), (2048, np.int32), (256, np.int32)]]
+    specs = tuple((f"a{i}", a.shape[0], a.dtype, None, 0) for i, a in enumerate(arrays))
+    stager = Stager(device)
+    ups = {"attnmeta": Uploads(), "reference": Uploads(), "per-tensor": Uploads()}
+
+    def attnmeta_step() -> Any:
+        with stager.step() as step:
+            for view, a in zip(step.alloc_group(specs), arrays):
+                np.copyto(view, a)
+        ups["attnmeta"].copies += step.stats.copies
+        ups["attnmeta"].bytes += step.stats.bytes
+        return [step.device(s[0]) for s in specs]
+
+    raw = _raw_uploader(device, ups["reference"])
+    per = _uploader(device, ups["per-tensor"])
+    case = Case("staging-8-arrays", len(arrays), {
+        "attnmeta": attnmeta_step,
+        "reference": lambda: [raw(a) for a in arrays],
+        "per-tensor": lambda: [per(a) for a in arrays],
+    }, ups, stager)
+    return [case]
+
+
 SCENARIOS: dict[str, Callable[[torch.device, bool], list[Case]]] = {
+    "staging": staging,
     "decode": decode,
     "mixed": mixed,
     "spec-decode-k3": spec_decode,
