@@ -158,9 +158,21 @@ def run_bench(
     progress: bool = True,
 ) -> list[BenchRow]:
     """Run the scenarios and return one :class:`BenchRow` per (scenario, batch, path)."""
-    from attnmeta._bench_scenarios import SCENARIOS
 
     dev = torch.device(device)
+    # Host-side metadata work is single-threaded in an engine; torch's intra-op pool only adds jitter
+    # (and, on a loaded machine, spinning threads) to the tiny ops all three paths run.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(dev, scenarios, quick, reps, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(dev: torch.device, scenarios: list[str] | None, quick: bool, reps: int | None, progress: bool) -> list[BenchRow]:
+    from attnmeta._bench_scenarios import SCENARIOS
+
     chosen = scenarios or list(SCENARIOS)
     unknown = [s for s in chosen if s not in SCENARIOS]
     if unknown:
