@@ -92,22 +92,27 @@ def _progress(msg: str, enabled: bool) -> None:
 
 @contextmanager
 def _profile_counts(device: torch.device) -> Iterator[dict[str, int]]:
-    """On CUDA: count H2D/D2H memcpys, their bytes and synchronising runtime calls from a trace."""
-    from torch.profiler import ProfilerActivity, profile
+    """On CUDA: count H2D/D2H memcpys and the synchronising runtime calls the host issued inside the
+    block, from a torch.profiler trace (the profiler's own flush at the end is outside the region)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     out: dict[str, int] = {}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        yield out
+        with record_function("attnmeta.bench.region"):
+            yield out
         torch.cuda.synchronize(device)
+    events = prof.events()
+    region = next(e for e in events if e.name == "attnmeta.bench.region")
+    lo, hi = region.time_range.start, region.time_range.end
     h2d = d2h = syncs = 0
-    for e in prof.events():
+    for e in events:
         n = e.name
         if "Memcpy HtoD" in n:
             h2d += 1
         elif "Memcpy DtoH" in n:
             d2h += 1
-        if n in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize") or (
-            n == "cudaMemcpy"
+        if n in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy") and (
+            lo <= e.time_range.start <= hi
         ):
             syncs += 1
     out.update(h2d=h2d, d2h=d2h, syncs=syncs)
