@@ -270,6 +270,13 @@ def mixed_common(device: torch.device, quick: bool) -> list[Case]:
     return _scenario_common("mixed-common", [(spec.num_reqs, spec)], device)
 
 
+def _mamba2_prefill(device: torch.device, quick: bool) -> list[Case]:
+    """The whole Mamba2 prefill-step build at 1..1024 prefills (chunk 256; see attnmeta._bench_mamba2)."""
+    from attnmeta._bench_mamba2 import mamba2_cases
+
+    return mamba2_cases(device, quick)
+
+
 def staging(device: torch.device, quick: bool) -> list[Case]:
     """Eight prepared int32/int64 arrays (a step's worth, ~20 KB) moved to the device three ways: one
     packed pinned copy through a Stager, eight per-call pinned uploads, eight ``torch.as_tensor(np,
@@ -307,6 +314,7 @@ SCENARIOS: dict[str, Callable[[torch.device, bool], list[Case]]] = {
     "decode": decode,
     "mixed": mixed,
     "spec-decode-k3": spec_decode,
+    "mamba2-prefill": _mamba2_prefill,
     "fast-prefill": fast_prefill,
     "local-attention": local_attention,
     "decode-common": decode_common,

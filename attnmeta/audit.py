@@ -45,9 +45,93 @@ def _flash_attn(spec: BatchSpec, step: Step, rng: np.random.Generator) -> Any:
     return flash_attn.stage(stage_common(spec, step), step, opts)
 
 
+def _flashinfer(spec: BatchSpec, step: Step, rng: np.random.Generator) -> Any:
+    from attnmeta.backends import flashinfer
+
+    dcp = rng.random() < 0.3
+    opts = flashinfer.FlashInferOptions(
+        decode_threshold=int(rng.integers(1, 5)), require_uniform=bool(rng.random() < 0.5),
+        indices="device" if rng.random() < 0.5 else "host", dcp_world_size=2 if dcp else 1,
+        dcp_rank=int(rng.integers(0, 2)) if dcp else 0,
+    )
+    return flashinfer.stage(stage_common(spec, step), step, opts)
+
+
+def _fast_prefill(spec: BatchSpec, step: Step, rng: np.random.Generator) -> Any:
+    from attnmeta.backends import fast_prefill
+
+    q = spec.num_scheduled_tokens.astype(np.int64)
+    ends = np.cumsum(q)
+    cnt = np.minimum(rng.integers(1, 4, q.shape[0]), q)  # the last cnt_i tokens of each request
+    starts = np.cumsum(cnt) - cnt
+    li = (np.repeat(ends - cnt, cnt) + np.arange(int(cnt.sum())) - np.repeat(starts, cnt)).astype(np.int32)
+    opts = fast_prefill.FastPrefillOptions(num_logits_padded=li.shape[0] + int(rng.integers(0, 4)))
+    return fast_prefill.stage(stage_common(spec, step), step, li if li.size else None, opts)
+
+
+def _local_attn(spec: BatchSpec, step: Step, rng: np.random.Generator) -> Any:
+    from attnmeta.backends import local_attn
+
+    opts = local_attn.LocalAttnOptions(attn_chunk_size=spec.block_size * int(rng.integers(1, 5)),
+                                       block_table="device" if rng.random() < 0.5 else "host")
+    return local_attn.stage(stage_common(spec, step), step, opts)
+
+
+def _cascade(spec: BatchSpec, step: Step, rng: np.random.Generator) -> Any:
+    from attnmeta.backends import cascade
+
+    opts = cascade.CascadeOptions(num_query_heads=8, num_kv_heads=int(rng.choice([1, 8])), num_sms=132)
+    return cascade.stage(stage_common(spec, step), step, int(rng.integers(0, 64)), opts)
+
+
+def _mamba_common(spec: BatchSpec, step: Step, options: Any) -> Any:
+    from attnmeta.backends import mamba2
+
+    return stage_common(spec, step, block_table_columns=mamba2.block_table_columns(spec, options))
+
+
+def _mamba2(spec: BatchSpec, step: Step, rng: np.random.Generator) -> Any:
+    from attnmeta.backends import mamba2
+    from attnmeta.host.mamba import CheckpointConfig
+
+    align = rng.random() < 0.5
+    k = int(rng.integers(0, 4))
+    bs = spec.block_size
+    ckpt = CheckpointConfig(hash_block_size=int(rng.choice([1, bs])), cache_hit_alignment_tokens=bs,
+                            mamba_block_size=bs, checkpoint_alignment=1) if align and rng.random() < 0.7 else None
+    opts = mamba2.Mamba2Options(
+        chunk_size=int(rng.choice([8, 16, 64, 256])), cache_mode="align" if align else "none",
+        num_speculative_tokens=k, checkpoint=ckpt, logical_chunks=bool(rng.random() < 0.5),
+        token_seq_idx=bool(rng.random() < 0.5), needs_causal_conv1d_metadata=bool(rng.random() < 0.8),
+    )
+    accepted = rng.integers(1, k + 2, size=spec.num_reqs).astype(np.int32) if k and rng.random() < 0.7 else None
+    return mamba2.stage(_mamba_common(spec, step, opts), step, opts, num_accepted_tokens=accepted)
+
+
+def _mamba1(spec: BatchSpec, step: Step, rng: np.random.Generator) -> Any:
+    from attnmeta.backends import mamba1
+
+    opts = mamba1.Mamba1Options(cache_mode="align" if rng.random() < 0.5 else "none")
+    return mamba1.stage(_mamba_common(spec, step, opts), step, opts)
+
+
+def _linear_attn(spec: BatchSpec, step: Step, rng: np.random.Generator) -> Any:
+    from attnmeta.backends import linear_attn
+
+    opts = linear_attn.LinearAttnOptions(cache_mode="align" if rng.random() < 0.5 else "none")
+    return linear_attn.stage(_mamba_common(spec, step, opts), step, opts)
+
+
 BUILDERS: dict[str, Callable[[BatchSpec, Step, np.random.Generator], Any]] = {
     "common": _common,
     "flash_attn": _flash_attn,
+    "flashinfer": _flashinfer,
+    "fast_prefill": _fast_prefill,
+    "local_attn": _local_attn,
+    "cascade": _cascade,
+    "mamba2": _mamba2,
+    "mamba1": _mamba1,
+    "linear_attn": _linear_attn,
 }
 """Builder name -> function staging that builder's metadata for a spec into a step."""
 

@@ -1,0 +1,206 @@
+"""Bench cases of the Mamba2 prefill-step build, for ``python -m attnmeta bench`` and benchmarks/bench_mamba2.py.
+
+One case per batch size (number of prefills); every path performs one whole step, from the host
+description to device tensors:
+
+- ``attnmeta``: :func:`attnmeta.stage_common` + :func:`attnmeta.backends.mamba2.stage` into one
+  step (host derivation in numba, written into the pinned slot), the step's ONE copy, then the
+  metadata objects;
+- ``reference``: the engine's way (vLLM 0.33.0's ``BaseMambaAttentionMetadataBuilder`` +
+  ``Mamba2AttentionMetadataBuilder.build``): raw inputs uploaded, the common fields and
+  ``has_initial_states_p`` / ``query_start_loc_p`` / state indices computed on the device, the
+  classification on host tensors, the causal-conv1d metadata and the chunk layout by per-request
+  Python loops over CPU tensors (:mod:`attnmeta.testing.reference`), each list uploaded on its own;
+- ``per-tensor``: attnmeta's host arrays (the same kernels), each uploaded through its own freshly
+  pinned tensor.
+
+The workload (:func:`prefill_step_spec`): ``P`` prefills of 1..2048 new tokens; every second one
+continues a cached context of 1..8192 tokens that is not a multiple of the chunk size (256), block
+size 16, ``Mamba2Options(chunk_size=256)`` (``"none"`` cache mode, causal-conv1d metadata on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from attnmeta._workloads import mixed_spec
+from attnmeta.bench import Case, Uploads
+from attnmeta.spec import BatchSpec
+
+__all__ = ["CHUNK_SIZE", "OPTIONS", "SIZES", "mamba2_cases", "prefill_step_spec", "prefill_step_specs"]
+
+CHUNK_SIZE = 256
+"""SSD chunk size of the workload."""
+SIZES = (1, 16, 64, 256, 1024)
+"""Numbers of prefills benchmarked (``quick``: the first three)."""
+
+
+def _options() -> Any:
+    from attnmeta.backends.mamba2 import Mamba2Options
+
+    return Mamba2Options(chunk_size=CHUNK_SIZE)
+
+
+OPTIONS = _options()
+"""The builder options of every path."""
+
+
+def prefill_step_spec(rng: np.random.Generator, num_prefills: int) -> BatchSpec:
+    """A prefill-only step: ``num_prefills`` prompts of 1..2048 new tokens, every second continuing
+    an unaligned context of 1..8192 tokens (:func:`attnmeta._workloads.mixed_spec` without decodes)."""
+    return mixed_spec(rng, prefills=num_prefills, decodes=0, chunk=CHUNK_SIZE, max_prompt=2048, max_context=8192)
+
+
+def prefill_step_specs(quick: bool) -> list[BatchSpec]:
+    """The steps of :func:`mamba2_cases`, in order (fixed seed): one per size of :data:`SIZES`."""
+    rng = np.random.default_rng(0)
+    return [prefill_step_spec(rng, p) for p in (SIZES[:3] if quick else SIZES)]
+
+
+def _pinned_uploader(device: torch.device, counter: Uploads) -> Callable[[np.ndarray], torch.Tensor]:
+    """One freshly pinned tensor and one non-blocking copy per array (``async_tensor_h2d`` style)."""
+    pin = device.type == "cuda"
+
+    def up(a: np.ndarray) -> torch.Tensor:
+        counter.add(a)
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if pin:
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.clone()
+
+    return up
+
+
+def _raw_uploader(device: torch.device, counter: Uploads) -> Callable[[np.ndarray], torch.Tensor]:
+    """The engine's upload of raw inputs: ``torch.as_tensor(array, device=...)`` (blocking H2D)."""
+
+    def up(a: np.ndarray) -> torch.Tensor:
+        counter.add(a)
+        return torch.as_tensor(a, device=device)
+
+    return up
+
+
+def _list_uploader(device: torch.device, counter: Uploads) -> Callable[[list[int], torch.dtype], torch.Tensor]:
+    """vLLM 0.33.0's ``async_tensor_h2d``: a Python list into a pinned tensor, then a non-blocking copy."""
+    pin = device.type == "cuda"
+
+    def up(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype, pin_memory=pin)
+        counter.add(t)
+        return t.to(device, non_blocking=True)
+
+    return up
+
+
+def _case(spec: BatchSpec, device: torch.device) -> Case:
+    from attnmeta.backends import mamba2
+    from attnmeta.host import layout
+    from attnmeta.host.chunks import chunk_metadata
+    from attnmeta.host.conv1d import causal_conv1d_metadata
+    from attnmeta.host.mamba import classify_mamba_rows, mamba_state_indices
+    from attnmeta.host.split import split_decodes_and_prefills
+    from attnmeta.metadata import stage_common
+    from attnmeta.staging import Stager
+    from attnmeta.testing import reference as ref
+
+    opts = OPTIONS
+    cols = mamba2.block_table_columns(spec, opts)
+    stager = Stager(device)
+    ups = {"attnmeta": Uploads(), "reference": Uploads(), "per-tensor": Uploads()}
+    B, T, bs, C = spec.padded_num_reqs, spec.padded_num_tokens, spec.block_size, opts.chunk_size
+    assert spec.num_prompt_tokens is not None
+    prompt = spec.num_prompt_tokens
+    table = np.ascontiguousarray(spec.block_table[:, :cols])
+
+    def attnmeta_step() -> Any:
+        with stager.step() as step:
+            staged = mamba2.stage(stage_common(spec, step, block_table_columns=cols), step, opts)
+        ups["attnmeta"].copies += step.stats.copies
+        ups["attnmeta"].bytes += step.stats.bytes
+        return staged.result()
+
+    raw = _raw_uploader(device, ups["reference"])
+    lists = _list_uploader(device, ups["reference"])
+    c_cpu, q_cpu = torch.from_numpy(spec.num_computed_tokens), torch.from_numpy(spec.num_scheduled_tokens)
+    prompt_cpu = torch.from_numpy(prompt)
+
+    def reference_step() -> Any:
+        # the runner: raw inputs uploaded, common fields on the device, host copies of qsl / lengths
+        c, q, bt = raw(spec.num_computed_tokens), raw(spec.num_scheduled_tokens), raw(table)
+        qsl, seq_lens = ref.ref_query_start_loc(q, B), ref.ref_seq_lens(c, q, B)
+        positions, slot_mapping = ref.ref_token_layout(c, q, bt, bs, T)
+        qsl_cpu = ref.ref_query_start_loc(q_cpu, B)
+        ub_cpu = ref.ref_seq_lens(c_cpu, q_cpu, B)
+        isp_cpu = ref.ref_is_prefilling(c_cpu, prompt_cpu, B)
+        # the Mamba2 builder (6.3, 6.7)
+        isp, _ = ref.ref_classify_mamba_rows(qsl_cpu, ub_cpu, isp_cpu)
+        D, P, Dt, _Pt = ref.ref_split_decodes_and_prefills(qsl_cpu, T, spec.max_query_len, 1, False, False, isp)
+        si = ref.ref_mamba_state_indices(bt, seq_lens, mamba_block_size=bs, mode="none", num_state_columns=1)
+        out: dict[str, Any] = {"positions": positions, "slot_mapping": slot_mapping,
+                               "state_indices_tensor_d": si[:D], "state_indices_tensor_p": si[D:, 0]}
+        if P > 0:
+            nc = seq_lens - torch.diff(qsl)
+            out["query_start_loc_p"] = qsl[-P - 1 :] - Dt
+            out["has_initial_states_p"] = nc[B - P : B] > 0
+            conv = ref.ref_causal_conv1d_metadata(qsl_cpu[-P - 1 :] - Dt, device=device)
+            ups["reference"].add(conv["mlist"])
+            ups["reference"].add(conv["offsetlist"])
+            nc_p_cpu, qsl_p_cpu = ref.ref_prefill_cpu_metadata(qsl_cpu, ub_cpu, B, P, Dt)
+            out["prep_initial_states"] = bool(torch.any(nc_p_cpu > 0).item())
+            cu, sidx, last, _ck = ref.ref_chunk_metadata_lists(C, nc_p_cpu, qsl_p_cpu)
+            out["cu_chunk_seqlen_p"] = lists(cu, torch.int32)
+            out["seq_idx_p"] = lists(sidx, torch.int32)
+            out["last_chunk_indices_p"] = lists(last, torch.int32)
+            out["batch_ptr"] = conv["batch_ptr"]
+        return out
+
+    per = _pinned_uploader(device, ups["per-tensor"])
+    c_np, q_np = spec.num_computed_tokens, spec.num_scheduled_tokens
+
+    def per_tensor_step() -> Any:
+        qsl = layout.query_start_loc(q_np, num_reqs_padded=B)
+        sl = layout.seq_lens(c_np, q_np, num_reqs_padded=B)
+        pos, slots = layout.token_layout(c_np, q_np, spec.block_table, bs, num_tokens_padded=T)
+        isp, _ = classify_mamba_rows(qsl, sl, layout.is_prefilling(c_np, prompt, num_reqs_padded=B))
+        split = split_decodes_and_prefills(qsl, num_tokens=T, max_query_len=spec.max_query_len,
+                                           treat_short_extends_as_decodes=False, is_prefilling=isp)
+        D, P = split.num_decodes, split.num_prefills
+        si = mamba_state_indices(table, sl, mamba_block_size=bs, mode="none", num_state_columns=1)
+        host = {"query_start_loc": qsl, "seq_lens": sl, "block_table": table, "positions": pos,
+                "slot_mapping": slots, "state_indices_tensor_d": si[:D], "state_indices_tensor_p": si[D:, 0]}
+        if P > 0:
+            nc_p, qsl_p = layout.prefill_cpu_metadata(qsl, sl, num_reqs=B, num_prefills=P,
+                                                      num_decode_tokens=split.num_decode_tokens)
+            cm = chunk_metadata(C, nc_p, qsl_p)
+            conv = causal_conv1d_metadata(qsl_p)
+            host.update(query_start_loc_p=qsl_p, has_initial_states_p=nc_p > 0, cu_chunk_seqlen_p=cm.cu_chunk_seqlens,
+                        seq_idx_p=cm.seq_idx, last_chunk_indices_p=cm.last_chunk_indices, batch_ptr=conv.batch_ptr,
+                        token_chunk_offset_ptr=conv.token_chunk_offset_ptr)
+        return {k: per(v) for k, v in host.items()}
+
+    return Case("mamba2-prefill", spec.num_reqs,
+                {"attnmeta": attnmeta_step, "reference": reference_step, "per-tensor": per_tensor_step},
+                ups, stager)
+
+
+def mamba2_cases(device: torch.device, quick: bool) -> list[Case]:
+    """The ``mamba2-prefill`` scenario: one :class:`attnmeta.bench.Case` per number of prefills.
+
+    Parameters
+    ----------
+    device : torch.device
+        Where the device tensors live (``cuda`` or ``cpu``).
+    quick : bool
+        Only 1, 16 and 64 prefills.
+
+    Returns
+    -------
+    list of attnmeta.bench.Case
+        Paths ``"attnmeta"``, ``"reference"`` and ``"per-tensor"``, each performing one whole step.
+    """
+    return [_case(spec, torch.device(device)) for spec in prefill_step_specs(quick)]

@@ -1,0 +1,166 @@
+"""Benchmark: the whole Mamba2 prefill-step build, attnmeta vs the engine's per-request loops.
+
+For 1, 16, 64, 256 and 1024 prefills (chunk size 256, 1..2048 new tokens per prompt, every second
+prompt continuing an unaligned context of 1..8192 tokens; see :mod:`attnmeta._bench_mamba2`) three
+paths build the same metadata, from the host description to device tensors, in the same process:
+
+- ``attnmeta``: ``stage_common`` + ``mamba2.stage`` into one step on a :class:`attnmeta.Stager`,
+  the step's ONE copy, then ``result()`` (the metadata objects);
+- ``reference``: vLLM 0.33.0's way: raw uploads, device-side common fields and
+  ``has_initial_states_p`` / state indices, and per-request Python loops over torch CPU tensors for
+  the classification, the causal-conv1d metadata and the chunk layout, each list uploaded on its own;
+- ``per-tensor``: attnmeta's host kernels, each array uploaded through its own pinned tensor.
+
+The paths run interleaved in rounds so machine noise hits all of them alike. Reported per path:
+median and p99 host microseconds per step over all samples, the best per-round median (robust to
+other load on a shared machine), H2D copies and host reads of device data ("syncs") per step. A
+breakdown splits attnmeta's step into the common metadata alone and the Mamba2 increment
+(``mamba2.stage`` + its ``result()``).
+
+Run: ``python benchmarks/bench_mamba2.py`` (``--quick`` for 1-64 prefills and fewer samples,
+``--device cuda`` on a GPU machine; absolute times are only meaningful on the machine that produced
+them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+
+if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attnmeta import BatchSpec, Stager, stage_common
+from attnmeta._bench_mamba2 import OPTIONS, mamba2_cases, prefill_step_specs
+from attnmeta.backends import mamba2
+from attnmeta.bench import _count
+
+TARGET_US = 30.0
+TARGET_PREFILLS = 256
+PATHS = ("attnmeta", "reference", "per-tensor")
+
+
+def _sample(fn: Callable[[], object], calls: int, out: list[float]) -> None:
+    clock = time.perf_counter_ns
+    for _ in range(calls):
+        t0 = clock()
+        fn()
+        out.append((clock() - t0) / 1e3)
+
+
+def _estimate(fn: Callable[[], object]) -> float:
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return max(time.perf_counter() - t0, 1e-6)
+
+
+def time_paths(fns: dict[str, Callable[[], object]], rounds: int, budget_s: float) -> dict[str, dict[str, float]]:
+    """Interleaved rounds; per path: median / p99 over all samples and the best per-round median."""
+    calls = {n: max(3, min(500, int(budget_s / len(fns) / rounds / _estimate(f)))) for n, f in fns.items()}
+    for n, f in fns.items():  # warm-up
+        for _ in range(min(20, calls[n])):
+            f()
+    samples: dict[str, list[float]] = {n: [] for n in fns}
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for n, f in fns.items():
+            start = len(samples[n])
+            _sample(f, calls[n], samples[n])
+            best[n] = min(best[n], float(np.median(samples[n][start:])))
+    return {n: {"med": float(np.median(s)), "p99": float(np.percentile(s, 99)), "best": best[n], "n": len(s)}
+            for n, s in samples.items()}
+
+
+def breakdown(spec: BatchSpec, device: torch.device, rounds: int, budget_s: float) -> dict[str, float]:
+    """attnmeta's step split into the common metadata alone and the Mamba2 increment."""
+    stager = Stager(device)
+    cols = mamba2.block_table_columns(spec, OPTIONS)
+
+    def common_only() -> object:
+        with stager.step() as step:
+            staged = stage_common(spec, step, block_table_columns=cols)
+        return staged.result()
+
+    def full() -> object:
+        with stager.step() as step:
+            staged = mamba2.stage(stage_common(spec, step, block_table_columns=cols), step, OPTIONS)
+        return staged.result()
+
+    stage_t: list[float] = []
+    result_t: list[float] = []
+
+    def mamba_only() -> object:  # times mamba2.stage and its result() inside a whole step
+        with stager.step() as step:
+            common = stage_common(spec, step, block_table_columns=cols)
+            t0 = time.perf_counter_ns()
+            staged = mamba2.stage(common, step, OPTIONS)
+            stage_t.append((time.perf_counter_ns() - t0) / 1e3)
+        common.result()
+        t0 = time.perf_counter_ns()
+        out = staged.result()
+        result_t.append((time.perf_counter_ns() - t0) / 1e3)
+        return out
+
+    t = time_paths({"common": common_only, "full": full, "mamba": mamba_only}, rounds, budget_s)
+    return {"common": t["common"]["med"], "full": t["full"]["med"], "increment": t["full"]["med"] - t["common"]["med"],
+            "stage": float(np.median(stage_t)), "result": float(np.median(result_t))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1-64 prefills, fewer samples")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds per size (default 10)")
+    args = parser.parse_args()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.set_num_threads(1)  # the reference's tiny CPU ops only suffer from intra-op threads
+    budget = 1.5 if args.quick else 6.0
+    jit = "off (NUMBA_DISABLE_JIT=1)" if os.environ.get("NUMBA_DISABLE_JIT") == "1" else "on"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(f"Mamba2 prefill-step build on {device} ({name}) | chunk 256, prompts 1..2048, contexts 0..8192")
+    print(f"python {platform.python_version()}, numpy {np.__version__}, numba {numba.__version__} (jit {jit}), "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
+    head = (f"{'prefills':>8} {'tokens':>8} {'path':<10} | {'median':>9} {'p99':>9} {'best':>9} | "
+            f"{'vs ref':>7} | {'H2D':>4} {'syncs':>5}")
+    print(head)
+    print("-" * len(head))
+    parts: list[tuple[int, dict[str, float]]] = []
+    at_target: float | None = None
+    for case, spec in zip(mamba2_cases(device, args.quick), prefill_step_specs(args.quick)):
+        res = time_paths({p: case.paths[p] for p in PATHS}, args.rounds, budget)
+        ref_med = res["reference"]["med"]
+        for p in PATHS:
+            r = res[p]
+            counts = _count(case, p, device, 3)
+            speed = "      -" if p == "reference" else f"{ref_med / r['med']:6.1f}x"
+            print(f"{case.batch:>8} {spec.num_tokens:>8} {p:<10} | {r['med']:>9.1f} {r['p99']:>9.1f} "
+                  f"{r['best']:>9.1f} | {speed} | {counts.h2d:>4.0f} {counts.syncs:>5.0f}")
+        parts.append((case.batch, breakdown(spec, device, max(3, args.rounds // 2), budget / 2)))
+        if case.batch == TARGET_PREFILLS:
+            at_target = res["attnmeta"]["med"]
+    print("times: host microseconds per step (median and p99 over all samples; best = lowest per-round median)")
+    print()
+    print("attnmeta breakdown (medians, us): common metadata alone | whole step | Mamba2 increment "
+          "(= whole - common) | mamba2.stage | mamba2 result()")
+    for p, b in parts:
+        print(f"{p:>8} prefills: {b['common']:>9.1f} | {b['full']:>9.1f} | {b['increment']:>9.1f} | "
+              f"{b['stage']:>7.1f} | {b['result']:>7.1f}")
+    if at_target is not None:
+        verdict = "meets" if at_target <= TARGET_US else "misses"
+        print(f"\ntarget: attnmeta's whole build <= {TARGET_US:.0f} us at {TARGET_PREFILLS} prefills: "
+              f"{at_target:.1f} us ({verdict} it)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,665 @@
+"""Mamba2 / Mamba1 / linear-attention metadata (vllm-semantics.md 6) against vLLM-style device references.
+
+The reference (:func:`_vllm_reference`) rebuilds every field the way vLLM 0.33.0's builder does:
+host classification and split on CPU tensors, state indices gathered from the *device* block table
+with the *device* ``seq_lens``, ``has_initial_states_p`` and ``query_start_loc_p`` computed on the
+device, the chunk layout by the per-request loop, the causal-conv1d metadata and the checkpoints by
+their reference loops. attnmeta's host path must equal it bit for bit (values, dtypes, shapes, None).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import event, example, given
+from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
+
+from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
+from attnmeta.backends import flash_attn, linear_attn, mamba1, mamba2
+from attnmeta.backends.mamba2 import (
+    LinearAttnOptions,
+    Mamba1Options,
+    Mamba2Metadata,
+    Mamba2Options,
+    MambaMetadata,
+    block_table_columns,
+)
+from attnmeta.host.mamba import CheckpointConfig
+from attnmeta.staging import CapacityError
+from attnmeta.sync import no_device_sync
+from attnmeta.testing.assertions import assert_matches_device
+from attnmeta.testing.reference import (
+    ref_causal_conv1d_metadata,
+    ref_checkpoint_chunk_index,
+    ref_chunk_metadata,
+    ref_classify_mamba_rows,
+    ref_is_prefilling,
+    ref_logical_chunks,
+    ref_mamba_state_indices,
+    ref_prefill_checkpoints,
+    ref_prefill_cpu_metadata,
+    ref_query_start_loc,
+    ref_seq_lens,
+    ref_split_decodes_and_prefills,
+    ref_token_seq_idx,
+)
+from attnmeta.testing.strategies import PrefillCheckpointCase, batch_specs, prefill_checkpoint_cases
+
+I32 = np.int32
+_STAGERS: dict[str, Stager] = {}
+
+
+def _stager(device: torch.device | str) -> Stager:
+    key = str(device)
+    if key not in _STAGERS:
+        _STAGERS[key] = Stager(device)
+    return _STAGERS[key]
+
+
+def _spec(c: list[int], q: list[int], prompt: list[int] | None = None, *, bs: int = 16, width: int | None = None,
+          **kw: Any) -> BatchSpec:
+    """Rows ``c``/``q``; request r's blocks are ``r * 100 + [0, 1, ...]`` (``width`` columns)."""
+    n = len(c)
+    w = width or max(1, max((ci + qi + bs - 1) // bs for ci, qi in zip(c, q))) if n else 1
+    table = (np.arange(n, dtype=I32)[:, None] * 100 + np.arange(w, dtype=I32)[None, :]).astype(I32)
+    return BatchSpec(num_computed_tokens=np.array(c, I32), num_scheduled_tokens=np.array(q, I32),
+                     num_prompt_tokens=None if prompt is None else np.array(prompt, I32),
+                     block_table=table, block_size=bs, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# the vLLM-style reference
+# ------------------------------------------------------------------------------------------------
+
+
+def _pad(x: np.ndarray, rows: int, value: int) -> np.ndarray:
+    out = np.full(rows, value, dtype=x.dtype)
+    out[: x.shape[0]] = x
+    return out
+
+
+def _vllm_reference(
+    spec: BatchSpec, options: Mamba2Options, accepted: np.ndarray | None, device: torch.device
+) -> dict[str, Any]:
+    """Every Mamba2 field as vLLM 0.33.0 computes it, from device tensors (syncs and all)."""
+    B, T, n = spec.padded_num_reqs, spec.padded_num_tokens, spec.num_reqs
+    c, q = spec.num_computed_tokens, spec.num_scheduled_tokens
+    k = options.num_speculative_tokens
+    C = options.chunk_size
+    bs_m = options.mamba_block_size or spec.block_size
+    # the runner's host tensors (CAM *_cpu fields)
+    qsl_cpu = ref_query_start_loc(torch.from_numpy(q), B)
+    ub = spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else c + q
+    ub_cpu = torch.from_numpy(_pad(ub.astype(I32), B, 0))
+    if spec.num_prompt_tokens is not None:
+        isp_cpu = ref_is_prefilling(torch.from_numpy(c), torch.from_numpy(spec.num_prompt_tokens), B)
+    else:
+        isp_cpu = torch.zeros(B, dtype=torch.bool)
+    drafts_cpu = None
+    if spec.num_draft_tokens is not None:
+        d = spec.num_draft_tokens
+        drafts_cpu = torch.from_numpy(_pad(np.where(q == d + 1, d, -1).astype(I32), B, -1))
+    # the runner's device tensors (CAM device fields), uploaded
+    qsl = ref_query_start_loc(torch.from_numpy(q).to(device), B)
+    seq_lens = ref_seq_lens(torch.from_numpy(c).to(device), torch.from_numpy(q).to(device), B)
+    W = block_table_columns(spec, options)
+    table_np = np.zeros((B, W), I32)
+    w = min(W, spec.block_table.shape[1])
+    table_np[:n, :w] = spec.block_table[:n, :w]
+    table = torch.from_numpy(table_np).to(device)
+
+    # 6.3 step 1-4: classification and split, on the host
+    thr = 1 + k if k > 0 else 1
+    isp2, _ = ref_classify_mamba_rows(qsl_cpu, ub_cpu, isp_cpu, drafts_cpu if k > 0 else None)
+    D, P, Dt, Pt = ref_split_decodes_and_prefills(qsl_cpu, T, spec.max_query_len, thr, False, False, isp2)
+    # 6.3 step 5: state indices from the device block table and device seq_lens
+    si = ref_mamba_state_indices(table, seq_lens, mamba_block_size=bs_m, mode=options.cache_mode,
+                                 num_state_columns=1 + k)
+    out: dict[str, Any] = {
+        "num_decodes": D, "num_prefills": P, "num_decode_tokens": Dt, "num_prefill_tokens": Pt, "num_reqs": B,
+        "state_indices_tensor_d": si[:D, : 1 + k], "state_indices_tensor_p": si[D:, 0],
+        "seq_lens": seq_lens, "query_start_loc_d": None, "num_accepted_tokens": None,
+        "has_initial_states_p": None, "query_start_loc_p": None, "batch_ptr": None, "token_chunk_offset_ptr": None,
+        "prep_initial_states": False, "cu_chunk_seqlen_p": None, "seq_idx_p": None, "last_chunk_indices_p": None,
+        "checkpoint_chunk_idx": None, "checkpoint": None, "chunk_indices_p": None, "chunk_offsets_p": None,
+        "token_seq_idx_p": None, "conv": None, "chunk_size": C,
+    }
+    # 6.3 step 6: spec decode
+    if D > 0 and k > 0:
+        qsl_d = qsl[: D + 1]
+        out["query_start_loc_d"] = qsl_d
+        if accepted is None:
+            out["num_accepted_tokens"] = torch.diff(qsl_d)
+        else:
+            full = torch.from_numpy(_pad(accepted.astype(I32), B, 1)).to(device)  # the runner's buffer
+            out["num_accepted_tokens"] = full[:D]
+    # 6.3 step 7 and 6.7: prefills
+    if P > 0:
+        nc = seq_lens - torch.diff(qsl)
+        out["query_start_loc_p"] = qsl[-P - 1 :] - Dt
+        out["has_initial_states_p"] = nc[B - P : B] > 0
+        if options.needs_causal_conv1d_metadata:
+            out["conv"] = ref_causal_conv1d_metadata(qsl_cpu[-P - 1 :] - Dt, device=device)
+            out["batch_ptr"] = out["conv"]["batch_ptr"]
+            out["token_chunk_offset_ptr"] = out["conv"]["token_chunk_offset_ptr"]
+        nc_p_cpu, qsl_p_cpu = ref_prefill_cpu_metadata(qsl_cpu, ub_cpu, B, P, Dt)
+        out["prep_initial_states"] = bool(torch.any(nc_p_cpu > 0).item())
+        offsets = None
+        if options.checkpoint is not None:
+            ck = ref_prefill_checkpoints(ub_cpu[B - P :], torch.diff(qsl_p_cpu), table[B - P :],
+                                         config=options.checkpoint, device=device)
+            out["checkpoint"] = ck
+            offsets = None if ck is None else ck[0].cpu().tolist()
+        cu, sidx, last, ckidx = ref_chunk_metadata(C, nc_p_cpu, qsl_p_cpu, offsets, device=device)
+        out["cu_chunk_seqlen_p"], out["seq_idx_p"], out["last_chunk_indices_p"] = cu, sidx, last
+        out["checkpoint_chunk_idx"] = ref_checkpoint_chunk_index(ckidx.cpu().tolist(), device=device)
+        if options.logical_chunks:
+            out["chunk_indices_p"], out["chunk_offsets_p"] = ref_logical_chunks(out["query_start_loc_p"], C)
+        if options.token_seq_idx:
+            out["token_seq_idx_p"] = ref_token_seq_idx(out["query_start_loc_p"], num_tokens_padded=Pt,
+                                                       consecutive=options.consecutive_seq_ids)
+    return out
+
+
+def _same(actual: torch.Tensor | None, expected: torch.Tensor | None, name: str) -> None:
+    """Device field vs reference tensor: both None, or equal dtype, shape and values."""
+    if actual is None or expected is None:
+        assert actual is None and expected is None, f"{name}: {actual!r} vs reference {expected!r}"
+        return
+    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
+    assert tuple(actual.shape) == tuple(expected.shape), f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.equal(actual.cpu(), expected.cpu()), f"{name}: {actual.cpu()} != {expected.cpu()}"
+
+
+_DEVICE_COMPARED = (
+    "state_indices_tensor_d", "state_indices_tensor_p", "seq_lens", "query_start_loc_d", "num_accepted_tokens",
+    "has_initial_states_p", "query_start_loc_p", "batch_ptr", "token_chunk_offset_ptr", "cu_chunk_seqlen_p",
+    "seq_idx_p", "last_chunk_indices_p", "checkpoint_chunk_idx", "chunk_indices_p", "chunk_offsets_p",
+    "token_seq_idx_p",
+)
+
+
+def _check_against_reference(m: Mamba2Metadata, ref: dict[str, Any]) -> None:
+    for name in ("num_decodes", "num_prefills", "num_decode_tokens", "num_prefill_tokens", "num_reqs",
+                 "prep_initial_states", "chunk_size"):
+        assert getattr(m, name) == ref[name], f"{name}: {getattr(m, name)} != {ref[name]}"
+    for name in _DEVICE_COMPARED:
+        _same(getattr(m, name), ref[name], name)
+        host = getattr(m, name + "_cpu")
+        assert_matches_device(host, ref[name], name + "_cpu")
+    conv = ref["conv"]
+    if conv is None:
+        assert m.nums_dict is None and m.conv1d_nums_cpu is None and m.conv1d_num_programs_total == 0
+    else:
+        assert_matches_device(m.conv1d_nums_cpu, conv["nums"], "nums")
+        assert_matches_device(m.conv1d_mlist_cpu, conv["mlist"], "mlist")
+        assert_matches_device(m.conv1d_offsetlist_cpu, conv["offsetlist"], "offsetlist")
+        assert m.conv1d_num_programs_total == conv["tot"] and m.conv1d_max_num_programs == conv["max_num_programs"]
+        assert m.nums_dict is not None and m.nums_dict[8]["tot"] == conv["tot"]
+        assert m.nums_dict[8]["batch_ptr"] is m.batch_ptr
+    ck = ref["checkpoint"]
+    if ck is None:
+        assert m.checkpoint_meta is None
+    else:
+        meta = m.checkpoint_meta
+        assert meta is not None
+        for name, r in zip(("offsets", "cols", "state_indices"), ck):
+            _same(getattr(meta, name), r, "checkpoint." + name)
+            assert_matches_device(getattr(meta, name + "_cpu"), r, "checkpoint." + name + "_cpu")
+        assert meta.first_row == m.num_reqs - m.num_prefills
+    assert m.num_chunks == (0 if ref["seq_idx_p"] is None else ref["seq_idx_p"].shape[0])
+
+
+# ------------------------------------------------------------------------------------------------
+# the five worked examples of vllm-semantics.md 6.5, through the backend
+# ------------------------------------------------------------------------------------------------
+
+
+def _build(spec: BatchSpec, options: Mamba2Options, device: torch.device | str = "cpu",
+           accepted: np.ndarray | None = None) -> Mamba2Metadata:
+    with no_device_sync(devices={torch.device(device).type}):
+        m = mamba2.build(spec, _stager(device), options, num_accepted_tokens=accepted)
+    _check_against_reference(m, _vllm_reference(spec, options, accepted, torch.device(device)))
+    if not currently_in_test_context():
+        return m
+    # what the example exercised (hypothesis --hypothesis-show-statistics)
+    event(f"prefills: {'0' if m.num_prefills == 0 else '1-8' if m.num_prefills <= 8 else '>8'}")
+    if m.checkpoint_meta is not None:
+        event("checkpoint")
+    if m.query_start_loc_d is not None:
+        event("spec decode with decodes")
+    if m.cu_chunk_seqlen_p_cpu is not None and (np.diff(m.cu_chunk_seqlen_p_cpu) == 0).any():
+        event("zero-length chunk")
+    if m.last_chunk_indices_p_cpu is not None and m.last_chunk_indices_p_cpu[0] == -1:
+        event("last_chunk_indices -1")
+    return m
+
+
+def _chunks(m: Mamba2Metadata) -> tuple[list[int], list[int], list[int]]:
+    assert m.cu_chunk_seqlen_p_cpu is not None and m.seq_idx_p_cpu is not None
+    assert m.last_chunk_indices_p_cpu is not None
+    return m.cu_chunk_seqlen_p_cpu.tolist(), m.seq_idx_p_cpu.tolist(), m.last_chunk_indices_p_cpu.tolist()
+
+
+def test_table_65_realigning_chunk(device: torch.device) -> None:
+    # A decode first (its token is subtracted from query_start_loc_p), then c=[5,0], q=[10,3], C=8.
+    m = _build(_spec([30, 5, 0], [1, 10, 3], [10, 40, 3]), Mamba2Options(chunk_size=8), device)
+    assert (m.num_decodes, m.num_prefills, m.num_decode_tokens) == (1, 2, 1)
+    assert m.query_start_loc_p_cpu is not None and m.query_start_loc_p_cpu.tolist() == [0, 10, 13]
+    assert _chunks(m) == ([0, 3, 10, 13], [0, 0, 1], [1, 2])
+    assert m.checkpoint_chunk_idx is None
+
+
+def test_table_65_zero_token_rows(device: torch.device) -> None:
+    # Two zero-token prompt rows, aligned (c=0) and unaligned (c=3): one zero-length chunk, last=[-1, 0].
+    m = _build(_spec([0, 3], [0, 0], [5, 9]), Mamba2Options(chunk_size=8), device)
+    assert (m.num_decodes, m.num_prefills) == (0, 2)
+    assert _chunks(m) == ([0, 0], [1], [-1, 0])
+    assert m.has_initial_states_p_cpu is not None and m.has_initial_states_p_cpu.tolist() == [False, True]
+
+
+CKPT_CFG = CheckpointConfig(hash_block_size=2, cache_hit_alignment_tokens=4, mamba_block_size=4,
+                            checkpoint_alignment=2, drop_eagle_block=True)
+
+
+def test_table_65_checkpoint(device: torch.device) -> None:
+    # c=2, q=9, C=4: the config puts the checkpoint at position 4 (offset 2): segments [2,4) and [4,11).
+    opts = Mamba2Options(chunk_size=4, mamba_block_size=4, cache_mode="align", checkpoint=CKPT_CFG)
+    m = _build(_spec([2], [9], [20], bs=4, width=4), opts, device)
+    assert _chunks(m) == ([0, 2, 6, 9], [0, 0, 0], [2])
+    assert m.checkpoint_chunk_idx_cpu is not None and m.checkpoint_chunk_idx_cpu.tolist() == [0]
+    ck = m.checkpoint_meta
+    assert ck is not None
+    # column cdiv(11, 4) - 2 = 1 of request 0's blocks [0, 1, 2, 3]
+    assert (ck.offsets_cpu.tolist(), ck.cols_cpu.tolist(), ck.state_indices_cpu.tolist()) == ([2], [1], [1])
+    assert ck.query_lens_cpu.tolist() == [9] and ck.first_row == 0
+
+
+def test_table_65_aligned_upstream_case(device: torch.device) -> None:
+    opts = Mamba2Options(chunk_size=256)
+    m = _build(_spec([0, 256, 512], [256, 512, 256], [256, 2000, 2000]), opts, device)
+    assert _chunks(m) == ([0, 256, 512, 768, 1024], [0, 1, 1, 2], [0, 2, 3])
+    assert m.has_initial_states_p_cpu is not None and m.has_initial_states_p_cpu.tolist() == [False, True, True]
+
+
+def test_table_65_no_prefills(device: torch.device) -> None:
+    # P = 0: vLLM computes no chunk metadata (the host layout would be cu=[0]); every prefill field is None.
+    m = _build(_spec([7, 9], [1, 1], [3, 3]), Mamba2Options(chunk_size=8, logical_chunks=True, token_seq_idx=True),
+               device)
+    assert (m.num_decodes, m.num_prefills, m.num_chunks, m.prep_initial_states) == (2, 0, 0, False)
+    for name in ("cu_chunk_seqlen_p", "seq_idx_p", "last_chunk_indices_p", "query_start_loc_p",
+                 "has_initial_states_p", "batch_ptr", "chunk_indices_p", "token_seq_idx_p"):
+        assert getattr(m, name) is None, name
+    assert m.state_indices_tensor_p.shape == (0,)  # split from one gather: empty, not None
+    assert m.state_indices_tensor_d_cpu.tolist() == [[0], [100]]
+
+
+# ------------------------------------------------------------------------------------------------
+# section-13 corner cases
+# ------------------------------------------------------------------------------------------------
+
+
+def test_padding_rows_at_the_end_with_token_padding(device: torch.device) -> None:
+    spec = _spec([37, 77, 0], [1, 40, 33], [20, 300, 33], num_reqs_padded=6, num_tokens_padded=96)
+    m = _build(spec, Mamba2Options(chunk_size=16, token_seq_idx=True, logical_chunks=True), device)
+    # the padding rows follow the first prefill: they are prefills (zero-token, aligned: no chunk)
+    assert (m.num_decodes, m.num_prefills, m.num_decode_tokens, m.num_prefill_tokens) == (1, 5, 1, 95)
+    assert m.query_start_loc_p_cpu is not None and m.query_start_loc_p_cpu.tolist() == [0, 40, 73, 73, 73, 73]
+    assert _chunks(m)[2] == [3, 6, 6, 6, 6]
+    assert m.state_indices_tensor_p_cpu.tolist() == [100, 200, 0, 0, 0]
+    assert m.token_seq_idx_p_cpu is not None
+    assert m.token_seq_idx_p_cpu[73:].tolist() == [-1] * 22 and m.token_seq_idx_p_cpu[39:41].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(("rem", "cu"), [(0, [0, 8, 16, 20]), (1, [0, 7, 15, 20]), (7, [0, 1, 9, 17, 20])])
+def test_context_mod_chunk_size(device: torch.device, rem: int, cu: list[int]) -> None:
+    # c = 3C + rem, 20 new tokens, C = 8: a realigning chunk of C - rem tokens unless rem == 0
+    m = _build(_spec([24 + rem], [20], [100]), Mamba2Options(chunk_size=8), device)
+    assert _chunks(m)[0] == cu
+
+
+def test_query_smaller_than_the_realignment_gap(device: torch.device) -> None:
+    # c=5, C=8: 3 tokens to realign, but only 2 scheduled -> one 2-token chunk; the next row aligned.
+    m = _build(_spec([5, 16], [2, 9], [50, 50]), Mamba2Options(chunk_size=8), device)
+    assert _chunks(m) == ([0, 2, 10, 11], [0, 1, 1], [0, 2])
+
+
+def test_uniform_spec_batch_with_padding(device: torch.device) -> None:
+    # 3 spec-decode rows of 1 + 2 tokens, padded to 5 rows / 12 tokens: every row decodes (D == B).
+    spec = _spec([9, 17, 33], [3, 3, 3], [4, 4, 4], num_reqs_padded=5, num_tokens_padded=12,
+                 num_draft_tokens=np.array([2, 2, 2], I32), width=8)
+    opts = Mamba2Options(chunk_size=8, cache_mode="align", mamba_block_size=16, num_speculative_tokens=2)
+    m = _build(spec, opts, device, accepted=np.array([3, 1, 2], I32))
+    assert (m.num_decodes, m.num_prefills, m.num_decode_tokens) == (5, 0, 12)
+    assert m.query_start_loc_d_cpu is not None and m.query_start_loc_d_cpu.tolist() == [0, 3, 6, 9, 9, 9]
+    assert m.num_accepted_tokens_cpu is not None and m.num_accepted_tokens_cpu.tolist() == [3, 1, 2, 1, 1]
+    # align: s = 12, 20, 36 -> start 0, 1, 2; padding rows read column 0 of a zero row
+    assert m.state_indices_tensor_d_cpu.tolist() == [[0, 1, 2], [101, 102, 103], [202, 203, 204], [0, 0, 0],
+                                                     [0, 0, 0]]
+    m2 = _build(spec, opts, device)  # no counts: diff(query_start_loc_d), 0 for the padding rows (vLLM)
+    assert m2.num_accepted_tokens_cpu is not None and m2.num_accepted_tokens_cpu.tolist() == [3, 3, 3, 0, 0]
+
+
+def test_short_extends_and_one_token_stateful_prefills_move_to_decode(device: torch.device) -> None:
+    # rows: decode; one-token prompt chunk with state (moves); draft-padded prompt tail q == d + 1
+    # (moves under spec decode); a short extend q=2 <= thr that is still prefilling (prefill: the
+    # split does not treat short extends as decodes); a fresh prefill.
+    spec = _spec([20, 6, 8, 5, 0], [1, 1, 3, 2, 4], [10, 30, 30, 30, 4],
+                 num_draft_tokens=np.array([0, 0, 2, 0, 0], I32))
+    m = _build(spec, Mamba2Options(chunk_size=8, num_speculative_tokens=2), device)
+    assert (m.num_decodes, m.num_prefills, m.num_decode_tokens, m.num_prefill_tokens) == (3, 2, 5, 6)
+    assert m.num_accepted_tokens_cpu is not None and m.num_accepted_tokens_cpu.tolist() == [1, 1, 3]
+    # without spec decode the draft-padded tail stays a prefill (thr 1, drafts ignored)
+    m1 = _build(spec, Mamba2Options(chunk_size=8), device)
+    assert (m1.num_decodes, m1.num_prefills) == (2, 3)
+    one = mamba1.build(spec, _stager(device))
+    assert (one.num_decodes, one.num_prefills) == (2, 3)
+    la = linear_attn.build(spec, _stager(device))  # no moves, short extends are decodes: split at q > 1
+    assert (la.num_decodes, la.num_prefills) == (2, 3)
+
+
+def test_max_query_len_one(device: torch.device) -> None:
+    # All q == 1: rows still prefilling without prior state stay prefills (vLLM skips the shortcut).
+    spec = _spec([4, 0, 3], [1, 1, 1], [2, 1, 9])
+    m = _build(spec, Mamba2Options(chunk_size=8), device)
+    # row 1: first prompt token (no state) -> prefill; row 2 has state and q == 1 -> moved, but it
+    # comes after the first prefill so it is a prefill row anyway
+    assert (m.num_decodes, m.num_prefills) == (1, 2)
+    la = linear_attn.build(spec, _stager(device))
+    assert (la.num_decodes, la.num_prefills, la.num_decode_tokens) == (3, 0, 3)
+
+
+def test_table_too_narrow_names_the_fix() -> None:
+    spec = _spec([9], [3], [1], bs=4, width=3)
+    opts = Mamba2Options(cache_mode="align", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="block_table_columns"), Stager("cpu").step() as step:
+        mamba2.stage(stage_common(spec, step), step, opts)
+    m = mamba2.build(spec, Stager("cpu"), opts)  # build stages the columns it needs (zero-filled past the spec)
+    assert m.state_indices_tensor_d_cpu.tolist() == [[2, 0, 0]]
+
+
+def test_bad_options_fail_fast() -> None:
+    spec = _spec([3], [4], [9])
+    cases: list[tuple[Mamba2Options, str]] = [
+        (Mamba2Options(chunk_size=0), "chunk_size"),
+        (Mamba2Options(cache_mode="all"), "cache_mode"),  # type: ignore[arg-type]
+        (Mamba2Options(num_speculative_tokens=-1), "num_speculative_tokens"),
+        (Mamba2Options(checkpoint=CKPT_CFG), "cache_mode='align'"),
+        (Mamba2Options(cache_mode="align", checkpoint=CKPT_CFG, mamba_block_size=8), "mamba_block_size"),
+    ]
+    for opts, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            mamba2.build(spec, Stager("cpu"), opts)
+    with pytest.raises(ValueError, match="spec decode is off"):
+        mamba2.build(spec, Stager("cpu"), Mamba2Options(), num_accepted_tokens=np.array([1], I32))
+    with pytest.raises(ValueError, match="num_accepted_tokens"):
+        mamba2.build(spec, Stager("cpu"), Mamba2Options(num_speculative_tokens=1),
+                     num_accepted_tokens=np.array([1, 1, 1], I32))
+
+
+def test_host_views_are_read_only_and_repr_shows_no_values() -> None:
+    spec = _spec([30, 5, 0], [1, 10, 3], [10, 40, 3])
+    m = mamba2.build(spec, Stager("cpu"), Mamba2Options(chunk_size=8, logical_chunks=True))
+    for name in m._HOST_FIELDS:
+        v = getattr(m, name)
+        if v is not None:
+            assert not v.flags.writeable, name
+    r = repr(m)
+    assert "cu_chunk_seqlen_p=(4,) int32 cpu" in r and "[0, 3" not in r
+    assert "cu_chunk_seqlen_p_cpu" in m.describe()
+    assert isinstance(m, MambaMetadata) and m.write_pos_d is None
+
+
+# ------------------------------------------------------------------------------------------------
+# hypothesis: every field equals the vLLM-style device reference
+# ------------------------------------------------------------------------------------------------
+
+_CHUNK_SIZES = st.sampled_from([8, 64, 256, 2048])
+
+
+@st.composite
+def _checkpoint_configs(draw: st.DrawFn, bs_m: int) -> CheckpointConfig:
+    hb = draw(st.sampled_from([d for d in (1, 2, 4, 16) if bs_m % d == 0]))
+    return CheckpointConfig(
+        hash_block_size=hb, cache_hit_alignment_tokens=hb * draw(st.sampled_from([1, 2])), mamba_block_size=bs_m,
+        checkpoint_alignment=draw(st.sampled_from([None, 1, hb])), num_hash_lookahead_tokens=draw(st.integers(0, 3)),
+        drop_eagle_block=draw(st.booleans()),
+    )
+
+
+@st.composite
+def _options(draw: st.DrawFn, block_size: int) -> Mamba2Options:
+    align = draw(st.booleans())
+    bs_m = draw(st.sampled_from([block_size, 4, 16]))
+    ckpt = draw(st.one_of(st.none(), _checkpoint_configs(bs_m))) if align else None
+    consecutive = draw(st.booleans())
+    return Mamba2Options(
+        chunk_size=draw(_CHUNK_SIZES), mamba_block_size=bs_m, cache_mode="align" if align else "none",
+        num_speculative_tokens=draw(st.integers(0, 3)), checkpoint=ckpt,
+        needs_causal_conv1d_metadata=draw(st.booleans()), logical_chunks=draw(st.booleans()),
+        token_seq_idx=draw(st.booleans()), consecutive_seq_ids=consecutive,
+    )
+
+
+@given(spec=batch_specs(max_reqs=10, max_query_len=40, max_context_len=300, long_prefills=True,
+                        max_long_prefill_len=600), data=st.data())
+def test_random_batches_match_the_vllm_reference(device: torch.device, spec: BatchSpec, data: st.DataObject) -> None:
+    opts = data.draw(_options(spec.block_size))
+    accepted = None
+    if opts.num_speculative_tokens and data.draw(st.booleans()):
+        rows = data.draw(st.sampled_from([spec.num_reqs, spec.padded_num_reqs]))
+        accepted = np.array(data.draw(st.lists(st.integers(1, 4), min_size=rows, max_size=rows)), I32)
+    _build(spec, opts, device, accepted)
+
+
+@st.composite
+def _prefill_batches(draw: st.DrawFn) -> tuple[BatchSpec, Mamba2Options]:
+    """Engine-ordered batches (decodes, then prefills) with 0-128 prefill rows whose contexts are
+    multiples of C, a multiple plus 1 or C-1, or random, plus zero-token rows and padding."""
+    C = draw(_CHUNK_SIZES)
+    bs = draw(st.sampled_from([4, 16]))
+    decodes = draw(st.lists(st.integers(1, 3 * C), max_size=8))
+    ctx = st.tuples(st.integers(0, 3), st.sampled_from([0, 1, C - 1, -1]), st.integers(0, C - 1)).map(
+        lambda t: t[0] * C + (t[2] if t[1] == -1 else t[1]))
+    prefills = draw(st.lists(st.tuples(ctx, st.integers(0, 3 * C if C <= 64 else C // 2)), max_size=128))
+    c = decodes + [p[0] for p in prefills]
+    q = [1] * len(decodes) + [p[1] for p in prefills]
+    prompt = [max(1, x // 2) for x in decodes] + [p[0] + p[1] + 1 for p in prefills]
+    n = len(c)
+    pad_rows, pad_tokens = draw(st.integers(0, 3)), draw(st.integers(0, 9))
+    w = max([(ci + qi + bs - 1) // bs for ci, qi in zip(c, q)], default=1) + 2
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    spec = BatchSpec(
+        num_computed_tokens=np.array(c, I32), num_scheduled_tokens=np.array(q, I32),
+        num_prompt_tokens=np.array(prompt, I32), block_table=rng.integers(0, 10_000, (n, max(w, 1)), dtype=I32),
+        block_size=bs, num_reqs_padded=n + pad_rows, num_tokens_padded=sum(q) + pad_tokens,
+    )
+    align = draw(st.booleans())
+    ckpt = draw(st.one_of(st.none(), _checkpoint_configs(bs))) if align else None
+    opts = Mamba2Options(chunk_size=C, cache_mode="align" if align else "none", checkpoint=ckpt,
+                         logical_chunks=draw(st.booleans()), token_seq_idx=draw(st.booleans()))
+    return spec, opts
+
+
+@given(case=_prefill_batches())
+@example(case=(_spec([0, 3, 5, 7], [0, 0, 2, 0], [1, 9, 9, 9], bs=4), Mamba2Options(chunk_size=8)))
+def test_prefill_layouts_match_the_vllm_reference(device: torch.device, case: tuple[BatchSpec, Mamba2Options]) -> None:
+    _build(*case, device)
+
+
+@given(case=prefill_checkpoint_cases(max_prefills=16), chunk_size=st.sampled_from([4, 8, 64]), decode=st.booleans())
+def test_checkpoint_batches_match_the_vllm_reference(
+    device: torch.device, case: PrefillCheckpointCase, chunk_size: int, decode: bool
+) -> None:
+    """Batches whose prefill rows often have a valid checkpoint (6.8), optionally after a decode row."""
+    s, q = case.seq_lens_upper_bound_p, case.query_lens_p
+    c, prompt = s - q, s + 1  # every row is still prefilling
+    bs = case.config.mamba_block_size
+    table = np.zeros((s.shape[0], max(case.block_table_p.shape[1], -(-8 // bs))), I32)
+    table[:, : case.block_table_p.shape[1]] = case.block_table_p
+    if decode:  # a decode row first (7 cached tokens, one new one, prompt done)
+        c, q, prompt = (np.concatenate([[x], y]) for x, y in ((7, c), (1, q), (1, prompt)))
+        table = np.concatenate([np.full((1, table.shape[1]), 9, I32), table])
+    spec = BatchSpec(num_computed_tokens=c.astype(I32), num_scheduled_tokens=q.astype(I32),
+                     num_prompt_tokens=prompt.astype(I32), block_table=table, block_size=bs)
+    _build(spec, Mamba2Options(chunk_size=chunk_size, cache_mode="align", checkpoint=case.config), device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Mamba1 and linear attention: the shared code, checked against the same reference
+# ------------------------------------------------------------------------------------------------
+
+
+@given(spec=batch_specs(max_reqs=8, max_query_len=24, max_context_len=200), align=st.booleans())
+def test_mamba1_and_linear_attn_match_the_reference(device: torch.device, spec: BatchSpec, align: bool) -> None:
+    mode = "align" if align else "none"
+    with no_device_sync(devices={device.type}):
+        m1 = mamba1.build(spec, _stager(device), Mamba1Options(cache_mode=mode))
+        la = linear_attn.build(spec, _stager(device), LinearAttnOptions(cache_mode=mode))
+    # Mamba1 = the Mamba2 reference with thr 1, no spec decode, no chunk fields
+    ref = _vllm_reference(spec, Mamba2Options(cache_mode=mode), None, device)
+    for name in ("num_decodes", "num_prefills", "num_decode_tokens", "num_prefill_tokens", "num_reqs"):
+        assert getattr(m1, name) == ref[name], name
+    for name in ("state_indices_tensor_d", "state_indices_tensor_p", "seq_lens", "has_initial_states_p",
+                 "query_start_loc_p", "batch_ptr", "token_chunk_offset_ptr"):
+        _same(getattr(m1, name), ref[name], name)
+        assert_matches_device(getattr(m1, name + "_cpu"), ref[name], name + "_cpu")
+    assert m1.query_start_loc_d is None and m1.num_accepted_tokens is None
+    assert not hasattr(m1, "cu_chunk_seqlen_p")
+    # linear attention: plain split at threshold 1, column 0 of the state indices of every row
+    B = spec.padded_num_reqs
+    qsl = ref_query_start_loc(torch.from_numpy(spec.num_scheduled_tokens).to(device), B)
+    split = ref_split_decodes_and_prefills(qsl.cpu(), spec.padded_num_tokens, spec.max_query_len, 1)
+    assert (la.num_decodes, la.num_prefills, la.num_decode_tokens, la.num_prefill_tokens) == split
+    _same(la.state_indices_tensor, torch.cat([ref["state_indices_tensor_d"][:, 0], ref["state_indices_tensor_p"]]),
+          "state_indices_tensor")
+    assert la.query_start_loc is la.common.query_start_loc and la.seq_lens is la.common.seq_lens
+
+
+# ------------------------------------------------------------------------------------------------
+# graph mode, meta device, one copy
+# ------------------------------------------------------------------------------------------------
+
+PROFILE = StaticProfile(max_num_reqs=8, max_num_tokens=128, max_blocks_per_req=16, block_size=4, chunk_size=8)
+PREFILL = _spec([9, 5, 0, 13], [1, 10, 3, 30], [4, 40, 3, 60], bs=4, width=16)
+DECODE = _spec([9, 11], [3, 3], [4, 4], bs=4, width=12, num_reqs_padded=4, num_tokens_padded=12,
+               num_draft_tokens=np.array([2, 2], I32))
+GRAPH_OPTS = Mamba2Options(chunk_size=8, cache_mode="align", num_speculative_tokens=2, logical_chunks=True,
+                           token_seq_idx=True, checkpoint=CheckpointConfig(1, 4, 4, 1))
+_FULL = ("state_indices_tensor_d", "num_accepted_tokens", "state_indices_tensor_p", "query_start_loc_p",
+         "has_initial_states_p", "batch_ptr", "token_chunk_offset_ptr", "cu_chunk_seqlen_p", "seq_idx_p",
+         "last_chunk_indices_p", "chunk_indices_p", "chunk_offsets_p", "token_seq_idx_p", "checkpoint_offsets",
+         "checkpoint_state_indices", "checkpoint_cols", "checkpoint_chunk_idx")
+_SENTINEL = {"state_indices_tensor_d": 0, "num_accepted_tokens": 1, "state_indices_tensor_p": 0,
+             "has_initial_states_p": False, "batch_ptr": -1, "token_chunk_offset_ptr": -1, "seq_idx_p": -1,
+             "last_chunk_indices_p": -1, "chunk_indices_p": 0, "chunk_offsets_p": 0, "token_seq_idx_p": -1,
+             "checkpoint_offsets": 0, "checkpoint_state_indices": 0, "checkpoint_cols": -1,
+             "checkpoint_chunk_idx": 0}
+
+
+def test_graph_mode_fixed_addresses_sentinels_and_values() -> None:
+    stager = Stager("cpu", profile=PROFILE)
+    addresses: dict[str, int] | None = None
+    for spec in (PREFILL, DECODE, PREFILL, DECODE):
+        with stager.step() as step:
+            staged = mamba2.stage(stage_common(spec, step), step, GRAPH_OPTS)
+        m = staged.result()
+        eager = mamba2.build(spec, Stager("cpu"), GRAPH_OPTS)  # the same values, eager
+        if spec is DECODE:
+            assert m.num_prefills == 0 and m.num_decodes == 4  # 6.9 applies: D == B
+        full = {n: step.device_full("mamba2." + n) for n in _FULL}
+        now = {n: t.data_ptr() for n, t in full.items()}
+        addresses = addresses or now
+        assert now == addresses
+        ck = m.num_prefills if m.checkpoint_meta is not None else 0
+        used = {"state_indices_tensor_d": m.num_decodes, "num_accepted_tokens": m.num_decodes,
+                "batch_ptr": m.conv1d_num_programs_total, "token_chunk_offset_ptr": m.conv1d_num_programs_total,
+                "seq_idx_p": m.num_chunks, "token_seq_idx_p": m.num_prefill_tokens,
+                "chunk_indices_p": 0 if m.chunk_indices_p is None else m.chunk_indices_p.shape[0],
+                "checkpoint_offsets": ck, "checkpoint_state_indices": ck, "checkpoint_cols": ck,
+                "checkpoint_chunk_idx": ck}
+        used["chunk_offsets_p"] = used["chunk_indices_p"]
+        for name, fill in _SENTINEL.items():
+            assert full[name][used.get(name, m.num_prefills):].eq(fill).all(), name
+        for name in ("query_start_loc_p", "cu_chunk_seqlen_p"):  # tails repeat the last value
+            t = getattr(m, name)
+            last = 0 if t is None else int(t[-1])
+            assert full[name][0 if t is None else t.shape[0]:].eq(last).all(), name
+        assert full["batch_ptr"].shape == (2 * max(1024, 128 // 8 + 8),)
+        assert full["cu_chunk_seqlen_p"].shape == (PROFILE.max_num_chunks + 1,)
+        tot = m.conv1d_num_programs_total
+        for name in _DEVICE_COMPARED:
+            a, b = getattr(m, name), getattr(eager, name)
+            if name in ("batch_ptr", "token_chunk_offset_ptr") and a is not None:  # graph: capacity length
+                a, b = a[:tot], b[:tot]
+            _same(a, b, name)
+        if spec is DECODE:
+            assert m.state_indices_tensor_d.data_ptr() == full["state_indices_tensor_d"].data_ptr()
+            assert m.query_start_loc_d is not None and m.query_start_loc_d.tolist() == [0, 3, 6, 6, 6]
+
+
+def test_graph_mode_chunk_size_must_match_the_profile() -> None:
+    with pytest.raises(ValueError, match=r"StaticProfile\.chunk_size"), \
+            Stager("cpu", profile=PROFILE).step() as step:
+        mamba2.stage(stage_common(PREFILL, step), step, Mamba2Options(chunk_size=16))
+
+
+def test_graph_mode_too_narrow_profile() -> None:
+    narrow = StaticProfile(max_num_reqs=8, max_num_tokens=128, max_blocks_per_req=3, block_size=4, chunk_size=8)
+    with pytest.raises(ValueError, match="max_blocks_per_req"), Stager("cpu", profile=narrow).step() as step:
+        mamba2.stage(stage_common(DECODE, step), step, GRAPH_OPTS)
+    with pytest.raises(CapacityError):  # the common metadata refuses batches beyond the profile first
+        mamba2.build(_spec([0] * 9, [1] * 9, [9] * 9, bs=4, width=12), Stager("cpu", profile=PROFILE), GRAPH_OPTS)
+
+
+@pytest.mark.parametrize("profile", [None, PROFILE], ids=["eager", "graph"])
+def test_meta_device_builds_pass_the_audit(profile: StaticProfile | None) -> None:
+    stager = Stager("meta", profile=profile)
+    for spec in (PREFILL, DECODE, _spec([0, 3], [0, 0], [5, 9], bs=4, width=12)):
+        with no_device_sync():
+            m = mamba2.build(spec, stager, GRAPH_OPTS)
+            mamba1.build(spec, stager)
+            linear_attn.build(spec, stager)
+        assert m.state_indices_tensor_d.device.type == "meta"
+        if m.cu_chunk_seqlen_p is not None:
+            assert m.cu_chunk_seqlen_p.shape == (m.num_chunks + 1,)
+
+
+@pytest.mark.parametrize("profile", [None, PROFILE], ids=["eager", "graph"])
+def test_one_copy_for_common_and_every_mamba_builder(profile: StaticProfile | None) -> None:
+    stager = Stager("cpu", profile=profile)
+    for spec in (PREFILL, DECODE):
+        with stager.step() as step:
+            cols = None if profile is not None else block_table_columns(spec, GRAPH_OPTS)
+            common = stage_common(spec, step, block_table_columns=cols)
+            m2 = mamba2.stage(common, step, GRAPH_OPTS)
+            m1 = mamba1.stage(common, step)
+            la = linear_attn.stage(common, step)
+            fa = flash_attn.stage(common, step)
+        assert step.stats.copies == 1
+        assert m2.result().seq_lens is fa.result().seq_lens is m1.result().seq_lens
+        assert la.result().state_indices_tensor.shape == (spec.padded_num_reqs,)
+
+
+@pytest.mark.gpu
+def test_cuda_builds_are_sync_free_graph_stable_and_equal_to_cpu(cuda_device: torch.device) -> None:
+    """On the GPU machine: pinned one-copy builds under the CUDA sync audit, fixed graph addresses,
+    and the same values as an eager CPU build."""
+    stager = Stager(cuda_device, profile=PROFILE)
+    address = None
+    for spec in (PREFILL, DECODE, PREFILL):
+        with no_device_sync(devices={"cuda"}):
+            m = mamba2.build(spec, stager, GRAPH_OPTS)
+        cpu = mamba2.build(spec, Stager("cpu"), GRAPH_OPTS)
+        torch.cuda.synchronize(cuda_device)
+        for name in _DEVICE_COMPARED:
+            a, b = getattr(m, name), getattr(cpu, name)
+            if name in ("batch_ptr", "token_chunk_offset_ptr") and a is not None:
+                a, b = a[: m.conv1d_num_programs_total], b[: m.conv1d_num_programs_total]
+            _same(a, b, name)
+        address = address or m.state_indices_tensor_d.data_ptr()
+        assert m.state_indices_tensor_d.data_ptr() == address
