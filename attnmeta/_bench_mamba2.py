@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnmeta._bench_scenarios import _raw_uploader, _uploader
 from attnmeta._workloads import mixed_spec
 from attnmeta.bench import Case, Uploads
 from attnmeta.spec import BatchSpec
@@ -59,30 +60,6 @@ def prefill_step_specs(quick: bool) -> list[BatchSpec]:
     """The steps of :func:`mamba2_cases`, in order (fixed seed): one per size of :data:`SIZES`."""
     rng = np.random.default_rng(0)
     return [prefill_step_spec(rng, p) for p in (SIZES[:3] if quick else SIZES)]
-
-
-def _pinned_uploader(device: torch.device, counter: Uploads) -> Callable[[np.ndarray], torch.Tensor]:
-    """One freshly pinned tensor and one non-blocking copy per array (``async_tensor_h2d`` style)."""
-    pin = device.type == "cuda"
-
-    def up(a: np.ndarray) -> torch.Tensor:
-        counter.add(a)
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        if pin:
-            return t.pin_memory().to(device, non_blocking=True)
-        return t.clone()
-
-    return up
-
-
-def _raw_uploader(device: torch.device, counter: Uploads) -> Callable[[np.ndarray], torch.Tensor]:
-    """The engine's upload of raw inputs: ``torch.as_tensor(array, device=...)`` (blocking H2D)."""
-
-    def up(a: np.ndarray) -> torch.Tensor:
-        counter.add(a)
-        return torch.as_tensor(a, device=device)
-
-    return up
 
 
 def _list_uploader(device: torch.device, counter: Uploads) -> Callable[[list[int], torch.dtype], torch.Tensor]:
@@ -159,7 +136,7 @@ def _case(spec: BatchSpec, device: torch.device) -> Case:
             out["batch_ptr"] = conv["batch_ptr"]
         return out
 
-    per = _pinned_uploader(device, ups["per-tensor"])
+    per = _uploader(device, ups["per-tensor"])
     c_np, q_np = spec.num_computed_tokens, spec.num_scheduled_tokens
 
     def per_tensor_step() -> Any:

@@ -100,7 +100,7 @@ def _profile_counts(device: torch.device) -> Iterator[dict[str, int]]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("attnmeta.bench.region"):
             yield out
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)  # benchmark harness, outside every measured step: drains the queue
     events = prof.events()
     region = next(e for e in events if e.name == "attnmeta.bench.region")
     lo, hi = region.time_range.start, region.time_range.end
@@ -124,7 +124,7 @@ def _count(case: Case, path: str, device: torch.device, steps: int) -> _Counts:
     up = case.uploads[path]
     up.copies = up.bytes = 0
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)  # benchmark harness, outside every measured step: drains the queue
         with _profile_counts(device) as prof:
             for _ in range(steps):
                 fn()

@@ -11,20 +11,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnmeta.staging.stager import _NP_TO_TORCH as _STAGEABLE
 from attnmeta.testing._oracle import oracle
 
 __all__ = ["assert_host_equal", "assert_matches_device", "numpy_dtype_of", "torch_dtype_of"]
 
-_NP_TO_TORCH: dict[np.dtype, torch.dtype] = {
-    np.dtype(np.bool_): torch.bool,
-    np.dtype(np.int8): torch.int8,
-    np.dtype(np.uint8): torch.uint8,
-    np.dtype(np.int16): torch.int16,
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.float32): torch.float32,
-    np.dtype(np.float64): torch.float64,
-}
+# One dtype table for the project (the stager's), plus float64 for comparing float references.
+_NP_TO_TORCH: dict[np.dtype, torch.dtype] = {**_STAGEABLE, np.dtype(np.float64): torch.float64}
 _TORCH_TO_NP = {v: k for k, v in _NP_TO_TORCH.items()}
 
 
