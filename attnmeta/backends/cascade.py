@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from attnmeta._fields import MetadataBase, Staged
-from attnmeta.backends.flashinfer import _alloc_indptr
+from attnmeta.backends._shared import alloc_indptr, require_same_step
 from attnmeta.host.cascade import cascade_arrays, cascade_prefix_len, use_cascade_attention
 from attnmeta.host.paged import num_pages, paged_kv_layout
 from attnmeta.metadata import CommonAttentionMetadata, stage_common
@@ -209,11 +209,7 @@ def stage(
     attnmeta.staging.CapacityError
         Graph mode: a capacity of the profile is exceeded.
     """
-    if common.step is not step:
-        raise ValueError(
-            "common: staged in another step; stage the common metadata and this backend into the same step "
-            "(their device views come from one upload)"
-        )
+    require_same_step(common, step)
     h = common.host
     B, B_real, bs = h["num_reqs"], h["num_real_reqs"], h["block_size"]
     qsl, sl, nc, bt = h["query_start_loc_cpu"], h["seq_lens_cpu"], h["num_computed_tokens_cpu"], h["block_table_cpu"]
@@ -263,7 +259,7 @@ def stage(
 
     suffix_table = bt[:, nb:]
     req_cap = prof.max_num_reqs if prof is not None else None
-    indptr_full = _alloc_indptr(step, p + "suffix_paged_kv_indptr", B, req_cap)
+    indptr_full = alloc_indptr(step, p + "suffix_paged_kv_indptr", B, req_cap)
     kw_r: dict[str, Any] = {"capacity": req_cap, "fill": 0} if graph else {}
     kw_p: dict[str, Any] = {"capacity": prof.max_num_pages, "fill": 0} if prof is not None else {}
     last = step.alloc(p + "suffix_paged_kv_last_page_len", B, np.int32, **kw_r)

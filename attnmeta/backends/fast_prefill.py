@@ -66,7 +66,7 @@ import torch
 
 from attnmeta._checks import as_host_array
 from attnmeta._fields import MetadataBase, Staged
-from attnmeta.backends.flashinfer import _alloc_indptr
+from attnmeta.backends._shared import alloc_indptr, require_same_step
 from attnmeta.host.fast_prefill import fast_prefill_query_start_loc, max_logits_per_req, pad_logits_indices
 from attnmeta.metadata import CommonAttentionMetadata, stage_common
 from attnmeta.spec import BatchSpec
@@ -173,11 +173,7 @@ def stage(
     attnmeta.staging.CapacityError
         Graph mode: ``num_logits_padded`` above ``profile.max_num_tokens``.
     """
-    if common.step is not step:
-        raise ValueError(
-            "common: staged in another step; stage the common metadata and this backend into the same step "
-            "(their device views come from one upload)"
-        )
+    require_same_step(common, step)
     h = common.host
     prof = step.profile
     p = options.prefix + "."
@@ -211,7 +207,7 @@ def stage(
         fast_prefill_query_start_loc(qsl, li)  # still validate the indices (a tiny host temporary)
         return _wrap(step, common, li_padded, p, L, applied=False)
     req_cap = prof.max_num_reqs if prof is not None else None
-    fqsl_full = _alloc_indptr(step, p + "query_start_loc", B, req_cap)
+    fqsl_full = alloc_indptr(step, p + "query_start_loc", B, req_cap)
     fqsl = fast_prefill_query_start_loc(qsl, li, out=fqsl_full[: B + 1])  # validates the indices too
     fqsl_full[B + 1 :] = fqsl[B]
     kw_t: dict[str, Any] = {"capacity": prof.max_num_tokens} if prof is not None else {}

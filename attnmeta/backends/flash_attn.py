@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from attnmeta._fields import MetadataBase, Staged
+from attnmeta.backends._shared import require_same_step
 from attnmeta.host.flash_attn import causal_per_request, dcp_context_kv_lens, max_dcp_context_kv_len
 from attnmeta.metadata import CommonAttentionMetadata, common_split, stage_common
 from attnmeta.spec import BatchSpec
@@ -179,6 +180,7 @@ def stage(
     ValueError
         Bad DCP layout or per-request ``causal`` of the wrong length.
     """
+    require_same_step(common, step)
     h = common.host
     qsl, sl = h["query_start_loc_cpu"], h["seq_lens_cpu"]
     B, T = h["num_reqs"], h["num_actual_tokens"]
@@ -196,16 +198,14 @@ def stage(
         dcp = p + "dcp_context_kv_lens"
     causal = h["causal"] if options.causal is None else options.causal
     causal_host = None
-    all_causal = True
     if not isinstance(causal, bool | np.bool_):
         flags = np.asarray(causal)
         n_real = h["num_real_reqs"]
         if flags.shape != (n_real,):
             raise ValueError(f"causal: expected one flag per real request ({n_real}), got shape {flags.shape}")
         causal_host = step.alloc(p + "causal", B, np.int32, fill=1, **kw)
-        causal_host[B:] = 1
         causal_per_request(flags, out=causal_host[:n_real])
-        causal_host[n_real:] = 1
+        causal_host[n_real:] = 1  # padding rows: causal
         all_causal = bool(causal_host.all())
     else:
         all_causal = bool(causal)

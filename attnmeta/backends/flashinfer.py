@@ -79,6 +79,7 @@ import numpy as np
 import torch
 
 from attnmeta._fields import MetadataBase, Staged
+from attnmeta.backends._shared import require_same_step
 from attnmeta.host.flash_attn import dcp_context_kv_lens
 from attnmeta.host.paged import (  # private kernels: inputs were validated when common was staged
     _layout_nb,
@@ -286,20 +287,6 @@ def _max_len(indptr: np.ndarray, start: int, stop: int) -> int:
     return int((indptr[start + 1 : stop + 1] - indptr[start:stop]).max())
 
 
-def _alloc_indptr(step: Step, name: str, rows: int, capacity: int | None) -> np.ndarray:
-    """Stage an indptr for ``rows`` rows; returns its *full* host view.
-
-    Eager mode: ``rows + 1`` entries. Graph mode (``capacity`` rows): all ``capacity + 1`` entries,
-    because the sentinel (the last value, repeated) depends on the data; the caller fills
-    ``full[:rows + 1]`` and then ``full[rows + 1:] = full[rows]``.
-    """
-    if capacity is None:
-        return step.alloc(name, rows + 1, np.int32)
-    if rows > capacity:
-        raise CapacityError(f"{name}: needs {rows + 1} entries but its graph-mode capacity is {capacity + 1}")
-    return step.alloc(name, capacity + 1, np.int32, capacity=capacity + 1)
-
-
 def _check_options(options: FlashInferOptions) -> None:
     if options.indices not in ("host", "device"):
         raise ValueError(f"FlashInferOptions.indices: must be 'host' or 'device', got {options.indices!r}")
@@ -357,11 +344,7 @@ def stage(
     attnmeta.staging.CapacityError
         Graph mode: more pages than ``profile.max_num_pages``.
     """
-    if common.step is not step:
-        raise ValueError(
-            "common: staged in another step; stage the common metadata and this backend into the same step "
-            "(their device views come from one upload)"
-        )
+    require_same_step(common, step)
     _check_options(options)
     h = common.host
     qsl, sl, bt = h["query_start_loc_cpu"], h["seq_lens_cpu"], h["block_table_cpu"]

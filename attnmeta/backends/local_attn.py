@@ -77,7 +77,7 @@ import numpy as np
 import torch
 
 from attnmeta._fields import MetadataBase, Staged
-from attnmeta.backends.flashinfer import _alloc_indptr
+from attnmeta.backends._shared import alloc_indptr, require_same_step
 from attnmeta.host.local_attn import local_virtual_batches, num_virtual_reqs
 from attnmeta.metadata import CommonAttentionMetadata, stage_common
 from attnmeta.profile import StaticProfile
@@ -275,11 +275,7 @@ def stage(
     attnmeta.staging.CapacityError
         Graph mode: more virtual rows than :func:`max_virtual_reqs` (cannot happen within the profile).
     """
-    if common.step is not step:
-        raise ValueError(
-            "common: staged in another step; stage the common metadata and this backend into the same step "
-            "(their device views come from one upload)"
-        )
+    require_same_step(common, step)
     mode = options.block_table
     if mode not in ("host", "device"):
         raise ValueError(f"LocalAttnOptions.block_table: must be 'host' or 'device', got {mode!r}")
@@ -298,7 +294,7 @@ def stage(
         raise CapacityError(f"{p}: {V} virtual rows exceed the graph-mode capacity {cap}")
     kw: dict[str, Any] = {"capacity": cap} if cap is not None else {}
     ppl = A // bs
-    qsl_full = _alloc_indptr(step, p + "query_start_loc", V, cap)
+    qsl_full = alloc_indptr(step, p + "query_start_loc", V, cap)
     k = step.alloc(p + "seq_lens", V, np.int32, fill=0, **kw)
     table: np.ndarray | None = None
     if mode == "host":

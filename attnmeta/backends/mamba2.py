@@ -73,6 +73,7 @@ import numpy as np
 import torch
 
 from attnmeta._fields import MetadataBase, Staged
+from attnmeta.backends._shared import require_same_step
 from attnmeta.host.chunks import (
     checkpoint_chunk_index_tensor_values,
     chunk_metadata,
@@ -1036,6 +1037,7 @@ def stage(
     attnmeta.staging.CapacityError
         Graph mode: the step exceeds a profile capacity.
     """
+    require_same_step(common, step)
     h = common.host
     bs_m = _mamba_block_size(options, h["block_size"])
     C, k = _check_mamba2(options, bs_m, step)
@@ -1245,6 +1247,7 @@ def stage_mamba1(
     attnmeta.staging.CapacityError
         Graph mode: the step exceeds a profile capacity.
     """
+    require_same_step(common, step)
     h = common.host
     _check_mode(options.cache_mode, "Mamba1Options")
     bs_m = _mamba_block_size(options, h["block_size"])
@@ -1325,6 +1328,7 @@ def stage_linear_attn(
     attnmeta.staging.CapacityError
         Graph mode: the step exceeds a profile capacity.
     """
+    require_same_step(common, step)
     h = common.host
     _check_mode(options.cache_mode, "LinearAttnOptions")
     bs_m = _mamba_block_size(options, h["block_size"])
