@@ -33,11 +33,11 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from attnmeta._fields import MetadataBase, Staged
-from attnmeta.host.common import common_layout
+from attnmeta._fields import MetadataBase, Staged, fast_constructor
+from attnmeta.host.common import _common_nb, _common_packed_nb
 from attnmeta.host.split import SplitCounts, _split_nb
 from attnmeta.spec import BatchSpec
-from attnmeta.staging import Stager, Step
+from attnmeta.staging import CapacityError, FieldGroup, Stager, Step
 
 __all__ = ["CommonAttentionMetadata", "build_common", "common_split", "stage_common"]
 
@@ -47,9 +47,9 @@ class CommonAttentionMetadata(MetadataBase):
     """Per-step metadata shared by every attention-like layer of one KV-cache group.
 
     Device tensors are views into a step's device arena, valid for kernels enqueued on the commit
-    stream after the step commits. Host arrays are views into the step's pinned slot (read-only);
-    they stay valid until the stager reuses that slot (``num_slots`` steps later): copy them if you
-    keep them longer.
+    stream after the step commits. Host arrays are read-only views into the step's pinned slot (the
+    host-only ones into buffers that belong to that slot); they stay valid until the stager reuses
+    that slot (``num_slots`` steps later): copy them if you keep them longer.
 
     Examples
     --------
@@ -118,9 +118,10 @@ class CommonAttentionMetadata(MetadataBase):
     """(num_reqs, max_blocks) int32, device. Physical block ids; padding rows 0 (NULL_BLOCK_ID)."""
     slot_mapping: torch.Tensor
     """(num_actual_tokens,) int64, device. KV slot of each token; padding (and non-local, under
-    context parallelism) tokens -1 (PAD_SLOT_ID)."""
+    context parallelism) tokens -1 (PAD_SLOT_ID). ``(0,)`` when staged with ``token_arrays=False``."""
     positions: torch.Tensor
-    """(num_actual_tokens,) int64, device. Absolute position of each token; padding tokens 0."""
+    """(num_actual_tokens,) int64, device. Absolute position of each token; padding tokens 0. ``(0,)``
+    when staged with ``token_arrays=False``."""
     # ---- host fields
     query_start_loc_cpu: np.ndarray
     """(num_reqs + 1,) int32, host. Twin of ``query_start_loc``."""
@@ -260,12 +261,43 @@ class CommonAttentionMetadata(MetadataBase):
             )
         for name, rows in (("block_table_tensor", B), ("slot_mapping", T), ("seq_lens", B), ("positions", T)):
             got = getattr(self, name).shape[0]
+            if got == 0 and name in ("slot_mapping", "positions"):
+                continue  # not computed (token_arrays=False)
             if got < rows:
                 raise ValueError(f"{name}: {got} rows < required {rows}")
         for dev, host in self._TWINS:
             d, h = getattr(self, dev), getattr(self, host)
             if tuple(d.shape) != h.shape:
                 raise ValueError(f"{dev} shape {tuple(d.shape)} != its host twin {host} shape {h.shape}")
+
+
+_new_common = fast_constructor(CommonAttentionMetadata)
+_NAMES: dict[str, tuple[str, ...]] = {}  # prefix -> staged field names
+_I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
+_EMPTY_I32 = np.zeros(0, np.int32)
+
+
+def _host_only(group: FieldGroup, key: tuple[Any, ...], Bp: int, Tp: int, W: int) -> tuple[Any, ...]:
+    """Per-group state of :func:`stage_common`: the host-only buffer and every array view handed out.
+
+    Returns ``(offsets, dims, host_only_bytes, qsl, upper, computed, prefilling, drafts)``: the
+    arguments of :func:`attnmeta.host.common._common_packed_nb` and read-only views.
+    """
+    has_d, has_p, has_ub, bs, cp, tokens = key
+    a4 = (4 * Bp + 63) // 64 * 64
+    hbuf = np.zeros(3 * a4 + Bp, np.uint8)
+    ub, nc, ddt = (hbuf[i * a4 : i * a4 + 4 * Bp].view(np.int32) for i in range(3))
+    pre = hbuf[3 * a4 : 3 * a4 + Bp].view(np.bool_)
+    frozen = []
+    for a in (ub, nc, pre, ddt):
+        a.flags.writeable = False  # the kernel writes through the byte buffer, never through these
+        frozen.append(a)
+    qsl_full = group.host[0]
+    offsets = np.array([f.offset for f in group.fields] + [0, a4, 2 * a4, 3 * a4], np.int64)
+    ws, rank, il = (1, 0, 1) if cp is None else (cp.world_size, cp.rank, cp.interleave)
+    dims = np.array([Bp, Tp, W, qsl_full.shape[0], bs, ws, rank, il, has_p, has_d, has_ub, tokens], np.int64)
+    return (offsets, dims, hbuf, group.frozen[0][: Bp + 1], frozen[0], frozen[1], frozen[2],
+            frozen[3] if has_d else None)
 
 
 def stage_common(
@@ -275,6 +307,7 @@ def stage_common(
     prefix: str = "common",
     causal: bool = True,
     block_table_columns: int | None = None,
+    token_arrays: bool = True,
 ) -> Staged[CommonAttentionMetadata]:
     """Derive the common metadata of ``spec`` on the host, writing straight into ``step``'s pinned slot.
 
@@ -292,12 +325,18 @@ def stage_common(
         Columns of ``block_table_tensor``. Default: eager mode, the most blocks any request uses (at
         least 1; ``cdiv(seq_len, block_size * world_size)`` under context parallelism, where one column
         holds a block on every rank); graph mode, ``profile.max_blocks_per_req``.
+    token_arrays : bool, default True
+        Compute and stage the per-token ``slot_mapping`` and ``positions``. ``False`` is vLLM's
+        ``SlotMappingMode.NONE`` for KV-cache groups whose layers read neither (Mamba, linear
+        attention): both fields (and their host twins) are then empty, ``(0,)``, and a step of ``T``
+        tokens stages ``16 * T`` fewer bytes.
 
     Returns
     -------
     Staged[CommonAttentionMetadata]
-        ``.host`` is the :class:`CommonAttentionMetadata` field dict of host values (for other builders
-        in the same step); ``.result()`` after the commit gives the metadata.
+        ``.host`` is the :class:`CommonAttentionMetadata` field dict of host values plus ``num_pages``
+        (:attr:`BatchSpec.num_pages`), for other builders in the same step; ``.result()`` after the
+        commit gives the metadata.
 
     Raises
     ------
@@ -305,96 +344,108 @@ def stage_common(
         Graph mode: the batch exceeds a profile capacity.
     """
     B, T = spec.num_reqs, spec.num_tokens
-    Bp, Tp = spec.padded_num_reqs, spec.padded_num_tokens
+    Bp = B if spec.num_reqs_padded is None else spec.num_reqs_padded
+    Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
     bs = spec.block_size
     prof = step.profile
     graph = prof is not None
     cp = spec.context_parallel
-    span = bs * (1 if cp is None else cp.world_size)  # tokens per block-table column (section 4)
+    span = bs if cp is None else bs * cp.world_size  # tokens per block-table column (section 4)
     need = -(-spec.max_exact_seq_len // span)
     if block_table_columns is None:
-        if graph:
-            assert prof is not None
-            block_table_columns = prof.max_blocks_per_req
-        else:
-            block_table_columns = max(1, need)
+        block_table_columns = prof.max_blocks_per_req if prof is not None else max(1, need)
     W = block_table_columns
     if need > W:
-        from attnmeta.staging import CapacityError
-
         raise CapacityError(
             f"block_table_tensor: a request needs {need} blocks but only {W} columns are staged "
             f"(block_table_columns / StaticProfile.max_blocks_per_req)"
         )
-    p = prefix + "."
-    if graph:
-        assert prof is not None
+    Tt = Tp if token_arrays else 0  # rows of the per-token arrays
+    names = _NAMES.get(prefix)
+    if names is None:
+        names = _NAMES[prefix] = tuple(f"{prefix}.{n}" for n in CommonAttentionMetadata._DEVICE_FIELDS)
+    if prof is not None:
         if prof.block_size != bs:
             raise ValueError(f"block_size: the spec's {bs} != StaticProfile.block_size={prof.block_size}")
         if Bp > prof.max_num_reqs or Tp > prof.max_num_tokens:
-            from attnmeta.staging import CapacityError
-
             raise CapacityError(
                 f"batch of {Bp} rows / {Tp} tokens exceeds the profile (max_num_reqs={prof.max_num_reqs}, "
                 f"max_num_tokens={prof.max_num_tokens})"
             )
-        qcap: int | None = prof.max_num_reqs + 1
+        R, Q = prof.max_num_reqs, prof.max_num_tokens
         # query_start_loc's sentinel is data-dependent (it repeats the total): stage the full capacity.
-        rcap: int | None = prof.max_num_reqs
-        tcap: int | None = prof.max_num_tokens
-        qrows = prof.max_num_reqs + 1
+        specs: tuple[tuple[str, Any, Any, int | None, Any], ...] = (
+            (names[0], R + 1, _I32, R + 1, 0),
+            (names[1], Bp, _I32, R, 0),
+            (names[2], (Bp, W), _I32, R, 0),
+            (names[3], Tt, _I64, Q, -1),
+            (names[4], Tt, _I64, Q, 0),
+        )
     else:
-        qcap = rcap = tcap = None
-        qrows = Bp + 1
-    qsl_full, sl, bt, sm, pos = step.alloc_group((
-        (p + "query_start_loc", qrows, np.int32, qcap, 0),
-        (p + "seq_lens", Bp, np.int32, rcap, 0),
-        (p + "block_table_tensor", (Bp, W), np.int32, rcap, 0),
-        (p + "slot_mapping", Tp, np.int64, tcap, -1),
-        (p + "positions", Tp, np.int64, tcap, 0),
-    ))
-    qsl = qsl_full[: Bp + 1] if graph else qsl_full
-    # Host-only fields: never staged.
-    ub = np.empty(Bp, np.int32)
-    nc = np.empty(Bp, np.int32)
-    pre = np.empty(Bp, np.bool_)
-    ddt = np.empty(Bp, np.int32) if spec.num_draft_tokens is not None else None
-    common_layout(
-        spec, query_start_loc=qsl_full, seq_lens=sl, block_table=bt, positions=pos, slot_mapping=sm,
-        seq_lens_upper_bound=ub, num_computed_tokens=nc, is_prefilling=pre, num_decode_draft_tokens=ddt,
-    )
+        specs = (
+            (names[0], Bp + 1, _I32, None, 0),
+            (names[1], Bp, _I32, None, 0),
+            (names[2], (Bp, W), _I32, None, 0),
+            (names[3], Tt, _I64, None, -1),
+            (names[4], Tt, _I64, None, 0),
+        )
+    group = step.alloc_fields(specs)
+    prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
+    has_d = drafts is not None
+    # Host-only arrays (never staged) and the read-only views handed out live with the group: built
+    # once per slot and layout (and kind of spec), rewritten every step like the slot itself.
+    key = (has_d, prompt is not None, upper is not None, bs, cp, token_arrays)
+    cached = group.extras.get(key)
+    if cached is None:
+        cached = group.extras[key] = _host_only(group, key, Bp, Tp, W)
+    offsets, dims, hbuf, qsl_ro, ub_ro, nc_ro, pre_ro, ddt_ro = cached
+    args = (spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
+            _EMPTY_I32 if prompt is None else prompt, _EMPTY_I32 if drafts is None else drafts,
+            _EMPTY_I32 if upper is None else upper)
+    if group.buf is not None:
+        status = _common_packed_nb(*args, group.buf, hbuf, offsets, dims)
+    else:  # the slot grew while the group was reserved: write the fields through their own views
+        a4 = int(offsets[6])
+        ub, nc, ddt = (hbuf[i * a4 : i * a4 + 4 * Bp].view(np.int32) for i in range(3))
+        qsl_w, sl_w, bt_w, sm_w, pos_w = group.host
+        status = _common_nb(
+            *args[:3], bs, int(dims[5]), int(dims[6]), int(dims[7]), args[3], prompt is not None, args[4], has_d,
+            args[5], upper is not None, token_arrays, qsl_w, sl_w, bt_w, pos_w, sm_w, ub, nc,
+            hbuf[3 * a4 : 3 * a4 + Bp].view(np.bool_), ddt,
+        )
+    if status:  # unreachable for a validated spec (kept as a guard)
+        raise ValueError(f"stage_common: internal status {status}; the spec is inconsistent")
+    _sl_ro, bt_ro, sm_ro, pos_ro = group.frozen[1:]
+    max_query_len, max_seq_len = spec.max_query_len, spec.max_seq_len
     host: dict[str, Any] = {
-        "query_start_loc_cpu": qsl,
-        "seq_lens_cpu": sl,
-        "seq_lens_cpu_upper_bound": ub,
-        "num_computed_tokens_cpu": nc,
-        "block_table_cpu": bt,
-        "slot_mapping_cpu": sm,
-        "positions_cpu": pos,
-        "is_prefilling": pre,
-        "num_decode_draft_tokens_cpu": ddt,
+        "query_start_loc_cpu": qsl_ro,
+        "seq_lens_cpu": _sl_ro,
+        "seq_lens_cpu_upper_bound": ub_ro,
+        "num_computed_tokens_cpu": nc_ro,
+        "block_table_cpu": bt_ro,
+        "slot_mapping_cpu": sm_ro,
+        "positions_cpu": pos_ro,
+        "is_prefilling": pre_ro,
+        "num_decode_draft_tokens_cpu": ddt_ro,
         "num_reqs": Bp,
         "num_actual_tokens": Tp,
-        "max_query_len": spec.max_query_len,
-        "max_seq_len": spec.max_seq_len,
+        "max_query_len": max_query_len,
+        "max_seq_len": max_seq_len,
         "block_size": bs,
         "causal": causal,
         "num_real_reqs": B,
         "num_real_tokens": T,
+        "num_pages": spec.num_pages,
     }
 
     def make() -> CommonAttentionMetadata:
-        qd = step.device(p + "query_start_loc")
-        for a in (qsl, sl, bt, sm, pos, ub, nc, pre, ddt):  # this step's own view objects: freeze them
-            if a is not None:
-                a.flags.writeable = False
-        return CommonAttentionMetadata(
-            query_start_loc=qd[: Bp + 1] if graph else qd,
-            seq_lens=step.device(p + "seq_lens"),
-            block_table_tensor=step.device(p + "block_table_tensor"),
-            slot_mapping=step.device(p + "slot_mapping"),
-            positions=step.device(p + "positions"),
-            **{k: v for k, v in host.items() if k[0] != "_"},  # "_memo": per-step shared derivations
+        qd, sld, btd, smd, posd = group.device(step)
+        if graph:
+            qd = qd[: Bp + 1]
+        return _new_common(
+            qd, sld, btd, smd, posd,
+            qsl_ro, _sl_ro, ub_ro, nc_ro, bt_ro, sm_ro, pos_ro, pre_ro, ddt_ro,
+            Bp, Tp, max_query_len, max_seq_len, bs, causal, B, T,
         )
 
     return Staged(step, host, make)
@@ -430,6 +481,13 @@ def common_split(
     SplitCounts
         ``(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)``.
     """
+    if treat_short_extends_as_decodes and host["max_query_len"] <= decode_threshold and (
+        not require_uniform or decode_threshold <= 1
+    ):  # every row decodes (the split's first rule): no pass over the rows needed
+        every = host.get("_all_decodes")
+        if every is None:
+            every = host["_all_decodes"] = SplitCounts(host["num_reqs"], 0, host["num_actual_tokens"], 0)
+        return every
     key = ("split", decode_threshold, require_uniform, treat_short_extends_as_decodes)
     memo: dict[Any, SplitCounts] = host.setdefault("_memo", {})
     found = memo.get(key)

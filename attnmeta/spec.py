@@ -52,15 +52,17 @@ _NEG_C, _NEG_Q, _SEQ_OVF, _TOT_OVF, _NARROW, _NEG_BLOCK, _NEG_P, _NEG_D, _DRAFTS
 
 @njit
 def _validate_nb(
-    c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int,
+    c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int, bs: int,
     prompt: np.ndarray, has_p: bool, drafts: np.ndarray, has_d: bool, ub: np.ndarray, has_ub: bool,
     res: np.ndarray,
 ) -> int:
     """One pass over requests (and their used block-table columns): every rule of BatchSpec.
 
-    Returns a status code (0 = valid) and writes ``res = [row, col, total, max_q, max_seq, max_ub]``.
+    Returns a status code (0 = valid) and writes
+    ``res = [row, col, total, max_q, max_seq, max_ub, pages]`` (``pages``: sum of ``cdiv(seq, bs)``).
     """
     total = np.int64(0)
+    pages = np.int64(0)
     max_q = np.int64(0)
     max_seq = np.int64(0)
     max_ub = np.int64(0)
@@ -79,6 +81,7 @@ def _validate_nb(
         total += qi
         if total > INT32_MAX:
             return _TOT_OVF
+        pages += (seq + bs - 1) // bs
         need = (seq + span - 1) // span
         if need > width:
             return _NARROW
@@ -106,6 +109,7 @@ def _validate_nb(
     res[3] = max_q
     res[4] = max_seq
     res[5] = max_ub
+    res[6] = pages
     return 0
 
 
@@ -224,6 +228,9 @@ class BatchSpec:
     """``max(seq_lens_upper_bound)`` over real rows: an upper bound under async spec decode."""
     max_exact_seq_len: int = dataclasses.field(init=False)
     """``max(num_computed_tokens + num_scheduled_tokens)`` over real rows (0 for an empty batch)."""
+    num_pages: int = dataclasses.field(init=False)
+    """``sum(cdiv(num_computed_tokens + num_scheduled_tokens, block_size))`` over real rows: the KV
+    pages of the batch (FlashInfer's ``paged_kv_indptr[-1]`` without decode context parallelism)."""
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -250,9 +257,9 @@ class BatchSpec:
         drafts = _opt(self.num_draft_tokens, "num_draft_tokens", n)
         ub = _opt(self.seq_lens_upper_bound, "seq_lens_upper_bound", n)
         span = bs * (1 if cp is None else cp.world_size)  # tokens per block-table column
-        res = np.zeros(6, np.int64)
+        res = np.zeros(7, np.int64)
         code = _validate_nb(
-            c, q, bt, span,
+            c, q, bt, span, bs,
             prompt if prompt is not None else _EMPTY, prompt is not None,
             drafts if drafts is not None else _EMPTY, drafts is not None,
             ub if ub is not None else _EMPTY, ub is not None,
@@ -260,7 +267,7 @@ class BatchSpec:
         )
         if code:
             _raise_invalid(code, int(res[0]), int(res[1]), c, q, bt, bs, span, prompt, drafts, ub)
-        total, max_q, max_seq, max_ub = (int(v) for v in res[2:6])
+        total, max_q, max_seq, max_ub, pages = res[2:7].tolist()
         rp = self.num_reqs_padded
         if rp is not None and (not isinstance(rp, int | np.integer) or int(rp) < n):
             raise ValueError(f"num_reqs_padded: {rp!r} < num_reqs={n}; padding can only add rows")
@@ -283,6 +290,7 @@ class BatchSpec:
         s(self, "max_query_len", max_q)
         s(self, "max_exact_seq_len", max_seq)
         s(self, "max_seq_len", max_ub if ub is not None else max_seq)
+        s(self, "num_pages", pages)
 
     @property
     def padded_num_reqs(self) -> int:

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 import torch
 
-from attnmeta._fields import MetadataBase, Staged
+from attnmeta._fields import MetadataBase, Staged, fast_constructor
 from attnmeta.backends._shared import require_same_step
 from attnmeta.host.flash_attn import causal_per_request, dcp_context_kv_lens, max_dcp_context_kv_len
 from attnmeta.metadata import CommonAttentionMetadata, common_split, stage_common
@@ -156,6 +156,9 @@ class FlashAttentionMetadata(MetadataBase):
     """FA3 AOT schedule: not produced (see the module docstring)."""
 
 
+_new_fa = fast_constructor(FlashAttentionMetadata)
+
+
 def stage(
     common: Staged[CommonAttentionMetadata], step: Step, options: FlashAttnOptions = FlashAttnOptions()
 ) -> Staged[FlashAttentionMetadata]:
@@ -182,12 +185,29 @@ def stage(
     """
     require_same_step(common, step)
     h = common.host
+    T = h["num_actual_tokens"]
+    split = common_split(h, decode_threshold=options.decode_threshold)
+    causal = h["causal"] if options.causal is None else options.causal
+    max_splits = options.max_num_splits
+    if options.dcp_world_size == 1 and (causal is True or causal is False):  # the common case: nothing staged
+
+        def make() -> FlashAttentionMetadata:
+            cm = common.result()
+            return _new_fa(
+                cm, cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping, None, None,
+                cm.query_start_loc_cpu, cm.seq_lens_cpu, None, None,
+                T, cm.max_query_len, cm.max_seq_len, causal,
+                split.num_decodes, split.num_prefills, split.num_decode_tokens, split.num_prefill_tokens,
+                0, max_splits, None,
+            )
+
+        return Staged(step, {"split": split}, make)
+
     qsl, sl = h["query_start_loc_cpu"], h["seq_lens_cpu"]
-    B, T = h["num_reqs"], h["num_actual_tokens"]
+    B = h["num_reqs"]
     p = options.prefix + "."
     prof = step.profile
     kw: dict[str, Any] = {"capacity": prof.max_num_reqs} if prof is not None else {}
-    split = common_split(h, decode_threshold=options.decode_threshold)
     dcp = dcp_host = None
     max_dcp = 0
     if options.dcp_world_size > 1:
@@ -196,7 +216,6 @@ def stage(
                             options.dcp_interleave, out=dcp_host)
         max_dcp = max_dcp_context_kv_len(h["max_seq_len"], options.dcp_world_size, options.dcp_interleave)
         dcp = p + "dcp_context_kv_lens"
-    causal = h["causal"] if options.causal is None else options.causal
     causal_host = None
     if not isinstance(causal, bool | np.bool_):
         flags = np.asarray(causal)
@@ -209,37 +228,24 @@ def stage(
         all_causal = bool(causal_host.all())
     else:
         all_causal = bool(causal)
+    if dcp_host is not None:
+        dcp_host.flags.writeable = False  # this step's own view: handed out read-only
+    if causal_host is not None:
+        causal_host.flags.writeable = False
 
-    def make() -> FlashAttentionMetadata:
+    def make_general() -> FlashAttentionMetadata:
         cm = common.result()
-        for a in (dcp_host, causal_host):
-            if a is not None:
-                a.flags.writeable = False
-        return FlashAttentionMetadata(
-            common=cm,
-            query_start_loc=cm.query_start_loc,
-            seq_lens=cm.seq_lens,
-            block_table=cm.block_table_tensor,
-            slot_mapping=cm.slot_mapping,
-            dcp_context_kv_lens=step.device(dcp) if dcp is not None else None,
-            causal_tensor=step.device(p + "causal") if causal_host is not None else None,
-            query_start_loc_cpu=cm.query_start_loc_cpu,
-            seq_lens_cpu=cm.seq_lens_cpu,
-            dcp_context_kv_lens_cpu=dcp_host,
-            causal_cpu=causal_host,
-            num_actual_tokens=T,
-            max_query_len=h["max_query_len"],
-            max_seq_len=h["max_seq_len"],
-            causal=all_causal,
-            num_decode_reqs=split.num_decodes,
-            num_prefill_reqs=split.num_prefills,
-            num_decode_tokens=split.num_decode_tokens,
-            num_prefill_tokens=split.num_prefill_tokens,
-            max_dcp_context_kv_len=max_dcp,
-            max_num_splits=options.max_num_splits,
+        return _new_fa(
+            cm, cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping,
+            step.device(dcp) if dcp is not None else None,
+            step.device(p + "causal") if causal_host is not None else None,
+            cm.query_start_loc_cpu, cm.seq_lens_cpu, dcp_host, causal_host,
+            T, cm.max_query_len, cm.max_seq_len, all_causal,
+            split.num_decodes, split.num_prefills, split.num_decode_tokens, split.num_prefill_tokens,
+            max_dcp, max_splits, None,
         )
 
-    return Staged(step, {"split": split}, make)
+    return Staged(step, {"split": split}, make_general)
 
 
 def build(spec: BatchSpec, stager: Stager, options: FlashAttnOptions = FlashAttnOptions()) -> FlashAttentionMetadata:

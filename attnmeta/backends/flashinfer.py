@@ -78,11 +78,11 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import numpy as np
 import torch
 
-from attnmeta._fields import MetadataBase, Staged
+from attnmeta._fields import MetadataBase, Staged, fast_constructor
 from attnmeta.backends._shared import require_same_step
 from attnmeta.host.flash_attn import dcp_context_kv_lens
 from attnmeta.host.paged import (  # private kernels: inputs were validated when common was staged
-    _layout_nb,
+    _flashinfer_nb,
     _num_pages_nb,
     num_pages,
     paged_kv_indptr,
@@ -248,6 +248,20 @@ class FlashInferMetadata(MetadataBase):
     """``"host"`` or ``"device"``: where ``paged_kv_indices`` was gathered."""
 
 
+_new_fi = fast_constructor(FlashInferMetadata)
+
+
+def _bucket(n: int) -> int:
+    """``n`` rounded up to one of 8 steps per power of two (at most 12.5% more; at least 64)."""
+    if n <= 64:
+        return 64
+    step = 1 << (n.bit_length() - 4)
+    return (n + step - 1) // step * step
+_STAGED = ("paged_kv_indptr", "paged_kv_last_page_len", "qo_indptr_prefill", "paged_kv_indices", "kv_lens")
+_NAMES: dict[str, tuple[str, ...]] = {}  # prefix -> staged field names
+_I32 = np.dtype(np.int32)
+
+
 def host_tensor(array: np.ndarray) -> torch.Tensor:
     """A torch tensor sharing a host array's memory, for APIs that take host tensors (``plan()``).
 
@@ -287,12 +301,19 @@ def _max_len(indptr: np.ndarray, start: int, stop: int) -> int:
     return int((indptr[start + 1 : stop + 1] - indptr[start:stop]).max())
 
 
+_CHECKED: set[FlashInferOptions] = set()  # options already validated (a NamedTuple of hashables)
+
+
 def _check_options(options: FlashInferOptions) -> None:
+    if options in _CHECKED:
+        return
     if options.indices not in ("host", "device"):
         raise ValueError(f"FlashInferOptions.indices: must be 'host' or 'device', got {options.indices!r}")
     w, r = options.dcp_world_size, options.dcp_rank
     if not (isinstance(w, int) and w >= 1 and isinstance(r, int) and 0 <= r < w):
         raise ValueError(f"FlashInferOptions: need dcp_world_size >= 1 and 0 <= dcp_rank < dcp_world_size, got {w}, {r}")
+    if len(_CHECKED) < 256:
+        _CHECKED.add(options)
 
 
 def _gather_indices(
@@ -344,16 +365,19 @@ def stage(
     attnmeta.staging.CapacityError
         Graph mode: more pages than ``profile.max_num_pages``.
     """
-    require_same_step(common, step)
+    if common.step is not step:
+        require_same_step(common, step)  # raises
     _check_options(options)
     h = common.host
     qsl, sl, bt = h["query_start_loc_cpu"], h["seq_lens_cpu"], h["block_table_cpu"]
     B, T, page = h["num_reqs"], h["num_actual_tokens"], h["block_size"]
-    p = options.prefix + "."
+    names = _NAMES.get(options.prefix)
+    if names is None:
+        names = _NAMES[options.prefix] = tuple(f"{options.prefix}.{n}" for n in _STAGED)
+    n_indptr, n_last, n_qo, n_indices, n_kv = names
     prof = step.profile
     req_cap = prof.max_num_reqs if prof is not None else None
-    kw_r: dict[str, Any] = {"capacity": req_cap} if req_cap is not None else {}
-    kw_p: dict[str, Any] = {"capacity": prof.max_num_pages} if prof is not None else {}
+    host_indices = options.indices == "host"
     if options.causal:
         split = common_split(h, decode_threshold=options.decode_threshold, require_uniform=options.require_uniform)
     else:
@@ -362,41 +386,59 @@ def stage(
 
     dcp = options.dcp_world_size > 1
     if dcp:
-        kv = step.alloc(p + "kv_lens", B, np.int32, fill=0, **kw_r)
+        kv = step.alloc(n_kv, B, np.int32, fill=0, capacity=req_cap)
         dcp_context_kv_lens(sl, np.diff(qsl).astype(np.int32), options.dcp_world_size, options.dcp_rank,
                             options.dcp_interleave, num_decodes=D, out=kv)
+        code, _row, total = _num_pages_nb(kv, page)
+        if code:
+            num_pages(kv, page)  # raises the detailed error
+        total = int(total)
     else:
         kv = sl
-
-    code, _row, total = _num_pages_nb(kv, page)
-    if code:
-        num_pages(kv, page)  # raises the detailed error
-    total = int(total)
-    icap = None if req_cap is None else req_cap + 1  # indptrs stage their full capacity in graph mode
-    specs: tuple[tuple[str, Any, Any, int | None, Any], ...] = (
-        (p + "paged_kv_indptr", B + 1 if icap is None else icap, np.int32, icap, 0),
-        (p + "paged_kv_last_page_len", B, np.int32, req_cap, 0),
-        (p + "qo_indptr_prefill", P + 1 if icap is None else icap, np.int32, icap, 0),
-    )
-    if options.indices == "host":
-        specs += ((p + "paged_kv_indices", total, np.int32, kw_p.get("capacity"), 0),)
-    elif prof is not None:
-        if total > prof.max_num_pages:
-            raise CapacityError(
-                f"{p}paged_kv_indices: needs {total} pages but its graph-mode capacity is "
-                f"{prof.max_num_pages} (StaticProfile.max_num_pages)"
-            )
-        # Reserve the fixed device buffer the gather writes into; nothing of it is staged.
-        specs += ((p + "paged_kv_indices", 0, np.int32, prof.max_num_pages, 0),)
-    views = step.alloc_group(specs)
-    indptr_full, last, qo_full = views[0], views[1], views[2]
-    indptr = indptr_full[: B + 1]
-    indices: np.ndarray | None = None
-    if options.indices == "host":
-        indices = views[3]
-        code, _, _ = _layout_nb(kv, bt, page, indptr, indices, last)
-        if code:  # only for an inconsistent block table: re-run the validating wrapper for its message
-            paged_kv_layout(kv, bt, page, indptr_out=indptr, indices_out=indices, last_page_len_out=last)
+        total = h["num_pages"]  # sum(cdiv(seq_lens, page)), from the spec's validation pass
+    if prof is not None and total > prof.max_num_pages:
+        raise CapacityError(
+            f"{n_indices}: needs {total} pages but its graph-mode capacity is {prof.max_num_pages} "
+            f"(StaticProfile.max_num_pages)"
+        )
+    idx_group = None
+    if req_cap is None:
+        if host_indices:
+            # The page count changes almost every step; staging the indices with a bucketed row count
+            # (<= 12.5% slack, never read) keeps the group's layout, so its cached views, stable.
+            fixed = step.alloc_fields(((n_indptr, B + 1, _I32, None, 0), (n_last, B, _I32, None, 0),
+                                       (n_qo, P + 1, _I32, None, 0), (n_indices, _bucket(total), _I32, None, 0)))
+            idx_group = fixed
+        else:
+            fixed = step.alloc_fields(((n_indptr, B + 1, _I32, None, 0), (n_last, B, _I32, None, 0),
+                                       (n_qo, P + 1, _I32, None, 0)))
+    else:  # graph mode: the indptrs stage their full capacity (their sentinel repeats the last value)
+        assert prof is not None
+        fixed = step.alloc_fields(((n_indptr, req_cap + 1, _I32, req_cap + 1, 0), (n_last, B, _I32, req_cap, 0),
+                                   (n_qo, req_cap + 1, _I32, req_cap + 1, 0)))
+        if host_indices:  # exactly ``total`` rows: the rest of the fixed buffer is refilled with the sentinel
+            idx_group = step.alloc_fields(((n_indices, total, _I32, prof.max_num_pages, 0),))
+        else:  # reserve the fixed device buffer the gather writes into; nothing is staged
+            step.alloc(n_indices, 0, np.int32, capacity=prof.max_num_pages)
+    indptr_full, last, qo_full = fixed.host[:3]
+    views = fixed.extras.get("views")
+    if views is None:
+        views = fixed.extras["views"] = (fixed.frozen[0][: B + 1], fixed.frozen[1], fixed.frozen[2][: P + 1])
+    indptr_ro, last_ro, qo_ro = views
+    indices_ro: np.ndarray | None = None
+    idx_views = None
+    if idx_group is not None:
+        idx_views = idx_group.extras.get("indices")
+        if idx_views is None or idx_views[0] != total:
+            i = len(idx_group.fields) - 1
+            idx_views = idx_group.extras["indices"] = (total, idx_group.host[i][:total], idx_group.frozen[i][:total],
+                                                       None)
+        indices_ro = idx_views[2]
+        code, _r, _c, mdq, mpq, mkv = _flashinfer_nb(kv, bt, page, qsl, D, indptr_full, idx_views[1], last, qo_full)
+        if code:  # an inconsistent block table: the validating wrapper raises the detailed error
+            paged_kv_layout(kv, bt, page, indptr_out=indptr_full[: B + 1], indices_out=idx_views[1],
+                            last_page_len_out=last)
+            raise AssertionError("unreachable")  # pragma: no cover
     else:
         if B and -(-int(kv.max()) // page) > bt.shape[1]:
             i = int(np.argmax(kv))
@@ -404,65 +446,67 @@ def stage(
                 f"block_table: row {i} needs cdiv(kv_lens[{i}]={int(kv[i])}, page_size={page}) pages but the "
                 f"staged table has {bt.shape[1]} columns (request {i})"
             )
-        paged_kv_indptr(kv, page, out=indptr)
+        paged_kv_indptr(kv, page, out=indptr_full[: B + 1])
         paged_kv_last_page_len(kv, page, out=last)
-    if icap is not None:
-        indptr_full[B + 1 :] = indptr[B]
-    np.subtract(qsl[D : B + 1], qsl[D], out=qo_full[: P + 1])
-    if icap is not None:
+        indptr_full[B + 1 :] = indptr_full[B]
+        np.subtract(qsl[D : B + 1], qsl[D], out=qo_full[: P + 1])
         qo_full[P + 1 :] = qo_full[P]
-    qo_prefill = qo_full[: P + 1]
-
-    scalars = {
+        mdq, mpq, mkv = _max_len(qsl, 0, D), _max_len(qsl, D, B), (int(kv.max()) if B else 0)
+    kv_ro = kv
+    if dcp:
+        kv_ro = kv.view()
+        kv_ro.flags.writeable = False
+    qo_dec_ro = qsl[: D + 1]
+    causal = bool(options.causal)
+    host: dict[str, Any] = {
+        "split": split,
+        "paged_kv_indptr_cpu": indptr_ro,
+        "paged_kv_indices_cpu": indices_ro,
+        "paged_kv_last_page_len_cpu": last_ro,
+        "kv_lens_cpu": kv_ro,
+        "qo_indptr_decode_cpu": qo_dec_ro,
+        "qo_indptr_prefill_cpu": qo_ro,
         "num_decodes": D,
         "num_prefills": P,
         "num_decode_tokens": split.num_decode_tokens,
         "num_prefill_tokens": split.num_prefill_tokens,
         "num_pages": total,
         "page_size": page,
-        "max_decode_query_len": _max_len(qsl, 0, D),
-        "max_prefill_query_len": _max_len(qsl, D, B),
-        "max_kv_len": int(kv.max()) if B else 0,
-        "causal": bool(options.causal),
+        "max_decode_query_len": mdq,
+        "max_prefill_query_len": mpq,
+        "max_kv_len": mkv,
+        "causal": causal,
         "indices": options.indices,
-    }
-    host: dict[str, Any] = {
-        "split": split,
-        "paged_kv_indptr_cpu": indptr,
-        "paged_kv_indices_cpu": indices,
-        "paged_kv_last_page_len_cpu": last,
-        "kv_lens_cpu": kv,
-        "qo_indptr_decode_cpu": qsl[: D + 1],
-        "qo_indptr_prefill_cpu": qo_prefill,
-        **scalars,
     }
 
     def make() -> FlashInferMetadata:
         cm = common.result()
-        indptr_d = step.device(p + "paged_kv_indptr")[: B + 1]
-        if options.indices == "host":
-            indices_d = step.device(p + "paged_kv_indices")
+        full_d = fixed.device(step)  # raises if the step has not committed or has expired
+        dev = fixed.extras.get("device")
+        if dev is None:
+            indptr_d, last_d, qo_d = full_d[:3]
+            dev = fixed.extras["device"] = (indptr_d[: B + 1] if req_cap is not None else indptr_d, last_d,
+                                            qo_d[: P + 1] if req_cap is not None else qo_d)
+        indptr_d, last_d, qo_d = dev
+        indices_d: torch.Tensor
+        if idx_group is not None:
+            assert idx_views is not None
+            cached_d = idx_views[3]
+            if cached_d is None:  # the device slice of this group's indices, cached with its length
+                full_idx = idx_group.device(step)[-1]
+                cached_d = full_idx[:total] if full_idx.shape[0] != total else full_idx
+                idx_group.extras["indices"] = (*idx_views[:3], cached_d)
+            indices_d = cached_d
         else:
-            fixed = step.device_full(p + "paged_kv_indices") if prof is not None else None
-            indices_d = _gather_indices(indptr_d, cm.block_table_tensor, total, fixed)
-        for a in (indptr_full, indptr, last, qo_full, qo_prefill, kv, indices):
-            if a is not None:
-                a.flags.writeable = False
-        return FlashInferMetadata(
-            common=cm,
-            paged_kv_indptr=indptr_d,
-            paged_kv_indices=indices_d,
-            paged_kv_last_page_len=step.device(p + "paged_kv_last_page_len"),
-            kv_lens=step.device(p + "kv_lens") if dcp else cm.seq_lens,
-            qo_indptr_decode=cm.query_start_loc[: D + 1],
-            qo_indptr_prefill=step.device(p + "qo_indptr_prefill")[: P + 1],
-            paged_kv_indptr_cpu=indptr,
-            paged_kv_indices_cpu=indices,
-            paged_kv_last_page_len_cpu=last,
-            kv_lens_cpu=kv,
-            qo_indptr_decode_cpu=cm.query_start_loc_cpu[: D + 1],
-            qo_indptr_prefill_cpu=qo_prefill,
-            **scalars,
+            fixed_out = step.device_full(n_indices) if prof is not None else None
+            indices_d = _gather_indices(indptr_d, cm.block_table_tensor, total, fixed_out)
+        qd = cm.query_start_loc
+        return _new_fi(
+            cm, indptr_d, indices_d, last_d, step.device(n_kv) if dcp else cm.seq_lens,
+            qd if D == B and req_cap is None else qd[: D + 1], qo_d,
+            indptr_ro, indices_ro, last_ro, kv_ro, qo_dec_ro, qo_ro,
+            D, P, split.num_decode_tokens, split.num_prefill_tokens, total, page, mdq, mpq, mkv, causal,
+            options.indices,
         )
 
     return Staged(step, host, make)

@@ -19,6 +19,7 @@ import numpy as np
 
 from attnmeta._numba import njit
 from attnmeta.host.layout import (
+    _TOO_NARROW,
     _is_prefilling_nb,
     _query_start_loc_nb,
     _seq_lens_nb,
@@ -44,6 +45,7 @@ def _common_nb(
     has_drafts: bool,
     upper: np.ndarray,
     has_upper: bool,
+    do_tokens: bool,
     qsl: np.ndarray,
     seq_lens: np.ndarray,
     bt: np.ndarray,
@@ -57,13 +59,23 @@ def _common_nb(
     n = q.shape[0]
     status = _query_start_loc_nb(q, qsl)[0]
     status |= _seq_lens_nb(c, q, seq_lens)[0]
-    status |= _token_layout_nb(c, q, table, block_size, world_size, rank, interleave, True, True, positions, slots)[0]
     w = min(bt.shape[1], table.shape[1])
     for i in range(n):
+        src = table[i]  # 1-D row views: the copy loop vectorizes
+        dst = bt[i]
         for j in range(w):
-            bt[i, j] = table[i, j]
-        for j in range(w, bt.shape[1]):
-            bt[i, j] = 0
+            dst[j] = src[j]
+        for j in range(w, dst.shape[0]):
+            dst[j] = 0
+    # The slot mapping reads the rows just copied (in cache) rather than the spec's wide table; a
+    # staged table narrower than a request's blocks falls back to the spec's.
+    if do_tokens:
+        code = _token_layout_nb(c, q, bt, block_size, world_size, rank, interleave, True, True, positions, slots)[0]
+        if code == _TOO_NARROW:
+            code = _token_layout_nb(c, q, table, block_size, world_size, rank, interleave, True, True, positions,
+                                    slots)[0]
+        status |= code
+    for i in range(n):
         ub[i] = upper[i] if has_upper else seq_lens[i]
         nc[i] = c[i]
         if has_drafts:
@@ -80,6 +92,47 @@ def _common_nb(
     else:
         pre[:] = False
     return status
+
+
+@njit
+def _common_packed_nb(
+    c: np.ndarray,
+    q: np.ndarray,
+    table: np.ndarray,
+    prompt: np.ndarray,
+    drafts: np.ndarray,
+    upper: np.ndarray,
+    staged: np.ndarray,
+    host_only: np.ndarray,
+    offsets: np.ndarray,
+    dims: np.ndarray,
+) -> int:
+    """:func:`_common_nb` with its outputs addressed inside two byte buffers (fewer arguments to box).
+
+    ``staged`` (the pinned slot) holds, at the byte offsets ``offsets[0:5]``, query_start_loc
+    (``dims[3]`` int32), seq_lens (``Bp`` int32), block_table (``Bp x W`` int32), slot_mapping and
+    positions (``Tp`` int64 each); ``host_only`` holds, at ``offsets[5:9]``, seq_lens_upper_bound,
+    num_computed_tokens, num_decode_draft_tokens (``Bp`` int32 each) and is_prefilling (``Bp`` bool).
+    ``dims = [Bp, Tp, W, qsl rows, block_size, world_size, rank, interleave, has_prompt, has_drafts,
+    has_upper, token arrays]``; without token arrays (``dims[11] == 0``) slot_mapping and positions
+    are empty and not computed.
+    """
+    Bp, Tp, W, nq = dims[0], dims[1], dims[2], dims[3]
+    o = offsets
+    qsl = staged[o[0] : o[0] + 4 * nq].view(np.int32)
+    sl = staged[o[1] : o[1] + 4 * Bp].view(np.int32)
+    bt = staged[o[2] : o[2] + 4 * Bp * W].view(np.int32).reshape(Bp, W)
+    Tt = Tp if dims[11] != 0 else 0
+    sm = staged[o[3] : o[3] + 8 * Tt].view(np.int64)
+    pos = staged[o[4] : o[4] + 8 * Tt].view(np.int64)
+    ub = host_only[o[5] : o[5] + 4 * Bp].view(np.int32)
+    nc = host_only[o[6] : o[6] + 4 * Bp].view(np.int32)
+    ddt = host_only[o[7] : o[7] + 4 * Bp].view(np.int32)
+    pre = host_only[o[8] : o[8] + Bp].view(np.bool_)
+    return _common_nb(
+        c, q, table, dims[4], dims[5], dims[6], dims[7], prompt, dims[8] != 0, drafts, dims[9] != 0, upper,
+        dims[10] != 0, dims[11] != 0, qsl, sl, bt, pos, sm, ub, nc, pre, ddt,
+    )
 
 
 _EMPTY_I32 = np.zeros(0, np.int32)
@@ -158,6 +211,7 @@ def common_layout(
         has_d,
         spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else _EMPTY_I32,
         spec.seq_lens_upper_bound is not None,
+        True,
         query_start_loc,
         seq_lens,
         block_table,

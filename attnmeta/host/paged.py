@@ -232,6 +232,51 @@ def _layout_nb(
     return _OK, 0, 0
 
 
+@njit
+def _flashinfer_nb(
+    kv: np.ndarray,
+    block_table: np.ndarray,
+    page_size: int,
+    qsl: np.ndarray,
+    num_decodes: int,
+    indptr_full: np.ndarray,
+    indices: np.ndarray,
+    last: np.ndarray,
+    qo_full: np.ndarray,
+) -> tuple[int, int, int, int, int, int]:
+    """A FlashInfer builder's whole host pass in one call (the backend's inputs are pre-validated).
+
+    :func:`_layout_nb` into ``indptr_full[:B + 1]`` / ``indices`` / ``last``; the rebased prefill
+    query indptr ``qo_full[:P + 1] = qsl[D:] - qsl[D]``; tails of the full-capacity (graph-mode)
+    indptrs repeat their last value. Returns ``(code, row, col, max decode query, max prefill query,
+    max kv)`` (``code`` as :func:`_layout_nb`; the maxima are 0 over an empty range).
+    """
+    B = kv.shape[0]
+    D = num_decodes
+    code, row, col = _layout_nb(kv, block_table, page_size, indptr_full[: B + 1], indices, last)
+    if code:
+        return code, row, col, 0, 0, 0
+    for i in range(B + 1, indptr_full.shape[0]):
+        indptr_full[i] = indptr_full[B]
+    base = qsl[D]
+    P = B - D
+    for i in range(P + 1):
+        qo_full[i] = qsl[D + i] - base
+    for i in range(P + 1, qo_full.shape[0]):
+        qo_full[i] = qo_full[P]
+    mdq = 0
+    mpq = 0
+    mkv = 0
+    for i in range(B):
+        ql = qsl[i + 1] - qsl[i]
+        if i < D:
+            mdq = max(mdq, ql)
+        else:
+            mpq = max(mpq, ql)
+        mkv = max(mkv, kv[i])
+    return _OK, 0, 0, mdq, mpq, mkv
+
+
 # --------------------------------------------------------------------------------------------------
 # public wrappers
 # --------------------------------------------------------------------------------------------------

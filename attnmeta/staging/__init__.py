@@ -3,6 +3,7 @@
 from attnmeta.staging.helpers import DeviceIndexCache, pad_out
 from attnmeta.staging.stager import (
     CapacityError,
+    FieldGroup,
     Stager,
     StagerStats,
     Step,
@@ -14,6 +15,7 @@ from attnmeta.staging.stager import (
 __all__ = [
     "CapacityError",
     "DeviceIndexCache",
+    "FieldGroup",
     "Stager",
     "StagerStats",
     "Step",

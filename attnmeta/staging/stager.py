@@ -49,6 +49,7 @@ from attnmeta.profile import StaticProfile
 
 __all__ = [
     "CapacityError",
+    "FieldGroup",
     "Stager",
     "StagerStats",
     "Step",
@@ -103,7 +104,8 @@ class StepStats(NamedTuple):
     copies : int
         H2D copies issued by the commit (1, or 0 for an empty step).
     bytes : int
-        Bytes moved by that copy.
+        Bytes of staged data the copy carried (in eager mode the copy itself is rounded up to whole
+        4 KiB pages, never past the slot).
     waits : int
         1 if beginning the step had to wait for the slot's previous copy, else 0.
     wait_seconds : float
@@ -183,9 +185,78 @@ class _Slot:
         self.dirty_rows: dict[str, int] = {}  # graph mode: rows not holding the sentinel
         self.typed: dict[np.dtype, torch.Tensor] = {}  # eager mode: typed views of device_arena
         self.views: dict[tuple[Any, ...], torch.Tensor] = {}  # eager mode: device views by (offset, dtype, shape)
-        self.copy_pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eager: (device, host) slices by size
-        # alloc_group cache: (start offset, specs) -> (fields, end offset, host bytes they live in)
-        self.groups: dict[tuple[Any, ...], tuple[list[_Field], int, np.ndarray | None]] = {}
+        self.copy_pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, host) slices by copy size
+        # alloc_fields cache: (start offset, specs) -> the FieldGroup laid out there on this slot
+        self.groups: dict[tuple[Any, ...], FieldGroup] = {}
+
+
+_MAX_CACHED_GROUPS = 512  # per slot; the cache is dropped (and rebuilt on demand) when it outgrows this
+
+
+class FieldGroup:
+    """Fields reserved together by :meth:`Step.alloc_fields`, cached per ring slot and layout.
+
+    A step that repeats an earlier step's shapes on the same slot gets the *same* group back, with
+    the same view objects: staging a group then costs one dictionary lookup, and the device views,
+    read-only host views and any per-group values a builder caches in :attr:`extras` are built once
+    per slot and layout instead of once per step.
+
+    Attributes
+    ----------
+    names : tuple of str
+        The field names, in the order they were requested.
+    host : list of numpy.ndarray
+        Writable host views into the slot's pinned bytes, one per field, ``(rows, *row_shape)``.
+        Write the step's values here before the commit. Do not hand these out: later steps on the
+        same slot write into the same memory.
+    frozen : list of numpy.ndarray
+        Read-only views of the same memory (what metadata objects expose as host twins).
+    buf : numpy.ndarray or None
+        The uint8 host bytes every field was carved from (field ``i`` starts at byte
+        ``fields[i].offset``), for kernels that address the fields inside one buffer; ``None`` in the
+        rare step where the slot grew while the group was reserved (use :attr:`host` then).
+    extras : dict
+        Free per-group storage for builders (e.g. host-only arrays of the group's shapes, derived
+        read-only slices); it lives exactly as long as the group's layout on this slot.
+    """
+
+    __slots__ = ("_device", "buf", "buf_map", "end", "extras", "field_map", "fields", "frozen", "host", "names")
+
+    def __init__(self, fields: list[_Field], views: list[np.ndarray], end: int, buf: np.ndarray | None) -> None:
+        self.fields = fields
+        self.names = tuple(f.name for f in fields)
+        self.host = views
+        frozen = []
+        for v in views:
+            r = v.view()
+            r.flags.writeable = False
+            frozen.append(r)
+        self.frozen = frozen
+        self.end = end
+        self.buf = buf
+        self.field_map = {f.name: f for f in fields}
+        self.buf_map = dict.fromkeys(self.names, buf)
+        self.extras: dict[Any, Any] = {}
+        self._device: list[torch.Tensor] | None = None
+
+    def device(self, step: Step) -> list[torch.Tensor]:
+        """The device views of the group's fields for ``step`` (which reserved the group), in order.
+
+        Raises
+        ------
+        StepNotCommittedError, StepExpiredError
+            As :meth:`Step.device`.
+        """
+        if step._generation >= 0 and (step._slot.generation == step._generation or step._stager.graph_mode):
+            d = self._device
+            if d is None:
+                d = self._device = [step._view(f, f.rows) for f in self.fields]
+            return d
+        step.device(self.names[0])  # raises the right error
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def __repr__(self) -> str:
+        return f"FieldGroup({', '.join(self.names)})"
 
 
 class Stager:
@@ -306,6 +377,7 @@ class Stager:
         self._graph_views = {}
         for s in self._slots:
             s.groups = {}
+            s.copy_pairs = {}  # they slice the old arena
         for slot in self._slots:
             assert slot.host_np is not None
             if slot.host_np.shape[0] < self._layout_bytes:
@@ -411,11 +483,15 @@ class Stager:
                     dst[:nbytes].copy_(slot.host[:nbytes], non_blocking=True)
                     slot.event.record(self._stream)
             else:
-                pair = slot.copy_pairs.get(nbytes) if not self.graph_mode else None
+                # Eager mode copies whole 4 KiB pages (never past the slot): the (device, host) slice
+                # pair of each length is cached, and rounding keeps that cache small.
+                size = nbytes if self.graph_mode else min((nbytes + 4095) & ~4095, slot.host_np.shape[0])
+                pair = slot.copy_pairs.get(size)
                 if pair is None:
-                    pair = (dst[:nbytes], slot.host[:nbytes])
-                    if not self.graph_mode:
-                        slot.copy_pairs[nbytes] = pair
+                    pair = (dst[:size], slot.host[:size])
+                    if len(slot.copy_pairs) >= _MAX_CACHED_GROUPS:
+                        slot.copy_pairs.clear()
+                    slot.copy_pairs[size] = pair
                 pair[0].copy_(pair[1], non_blocking=True)
                 if self._cuda:
                     slot.event.record(torch.cuda.current_stream(self.device))
@@ -446,8 +522,15 @@ class Step:
     Obtain it from :meth:`Stager.step`. Not thread-safe; one open step per stager.
     """
 
+    __slots__ = (
+        "_bufs", "_committed", "_fields", "_generation", "_grew", "_slot", "_stager", "_stats", "_used", "_wait_s",
+        "_waits", "host_fields", "profile",
+    )
+
     def __init__(self, stager: Stager, slot: _Slot, waits: int, wait_s: float) -> None:
         self._stager = stager
+        self.profile: StaticProfile | None = stager.profile
+        """The stager's profile in graph mode, else ``None``."""
         self._slot = slot
         self._fields: dict[str, _Field] = {}
         self._used = 0
@@ -462,11 +545,6 @@ class Step:
         """Host-only values recorded with :meth:`host_only` (never staged to the device)."""
 
     # ------------------------------------------------------------------ staging
-    @property
-    def profile(self) -> StaticProfile | None:
-        """The stager's profile in graph mode, else ``None``."""
-        return self._stager.profile
-
     @property
     def device_type(self) -> str:
         """``"cuda"``, ``"cpu"`` or ``"meta"``."""
@@ -556,37 +634,64 @@ class Step:
         self._bufs[name] = slot.host_np  # the bytes this view writes into (see _commit: migrations)
         return st._host_view(slot, staged, rows)
 
-    def alloc_group(self, specs: tuple[tuple[str, Any, Any, int | None, Any], ...]) -> list[np.ndarray]:
-        """:meth:`alloc` for several fields at once: ``specs`` is a tuple of
-        ``(name, shape, dtype, capacity, fill)``. Returns the host views in order.
+    def alloc_fields(self, specs: tuple[tuple[str, Any, Any, int | None, Any], ...]) -> FieldGroup:
+        """Reserve several fields at once and return them as a cached :class:`FieldGroup`.
 
-        The layout of a group is cached per slot, keyed by the specs and where the group starts, so a
-        step that repeats an earlier step's shapes (steady-state decoding, graph-mode padding) reuses
-        the field records instead of re-deriving them: the per-step staging overhead of a builder
-        becomes one dictionary lookup plus one numpy view per field.
+        ``specs`` is a tuple of ``(name, shape, dtype, capacity, fill)`` as for :meth:`alloc`. The
+        group's layout is cached per slot, keyed by the specs and where the group starts, so a step that
+        repeats an earlier step's shapes on the same slot (steady-state decoding, graph-mode padding)
+        gets the same group back: one dictionary lookup instead of re-deriving offsets and views.
+
+        Parameters
+        ----------
+        specs : tuple of (str, int or tuple, dtype, int or None, scalar)
+            One entry per field; ``specs`` must be hashable (tuples and numpy dtypes are).
+
+        Returns
+        -------
+        FieldGroup
+            ``.host`` are the writable host views (write the step's values there), ``.frozen``
+            read-only views of the same memory, ``.device(step)`` the device views after the commit.
+
+        Raises
+        ------
+        ValueError
+            A field of the group is already staged in this step.
+        CapacityError
+            As :meth:`alloc`.
         """
-        st = self._stager
+        if self._committed:
+            raise RuntimeError("alloc_fields() after the step committed")
         slot = self._slot
         key = (self._used, specs)
         hit = slot.groups.get(key)
-        if hit is not None and hit[2] is slot.host_np and not self._committed:
-            fields, end, buf = hit
+        if hit is not None and hit.buf is slot.host_np:
             own = self._fields
-            if not any(f.name in own for f in fields):
-                bufs = self._bufs
-                views = []
-                for f in fields:
-                    own[f.name] = f
-                    bufs[f.name] = buf
-                    # Fresh view objects every step: a caller may freeze (writeable=False) what it got.
-                    views.append(np.ndarray((f.rows, *f.row_shape), f.dtype, buf, f.offset))  # type: ignore[arg-type]
-                if not st.graph_mode:
-                    self._used = end
-                return views
-        views = [self.alloc(n, s, d, capacity=c, fill=fl) for (n, s, d, c, fl) in specs]
+            if own.keys().isdisjoint(hit.field_map):
+                own.update(hit.field_map)
+                self._bufs.update(hit.buf_map)
+                if not self._stager.graph_mode:
+                    self._used = hit.end
+                return hit
+        views = [self.alloc(n, sh, d, capacity=c, fill=fl) for (n, sh, d, c, fl) in specs]
+        bufs = {id(self._bufs[n]) for (n, *_rest) in specs}
+        # ``buf`` is None when the slot grew while the group was carved (its fields live in two buffers)
+        buf = self._bufs[specs[0][0]] if len(bufs) == 1 and specs else None
+        group = FieldGroup([self._fields[n] for (n, *_rest) in specs], views, self._used, buf)
         if not self._grew:
-            slot.groups[key] = ([self._fields[n] for (n, *_rest) in specs], self._used, slot.host_np)
-        return views
+            if len(slot.groups) >= _MAX_CACHED_GROUPS:
+                slot.groups.clear()
+            slot.groups[key] = group
+        return group
+
+    def alloc_group(self, specs: tuple[tuple[str, Any, Any, int | None, Any], ...]) -> list[np.ndarray]:
+        """:meth:`alloc` for several fields at once: ``specs`` is a tuple of
+        ``(name, shape, dtype, capacity, fill)``. Returns fresh writable host views, in order.
+
+        Uses the cached layout of :meth:`alloc_fields`; builders that want the cached views too (device
+        and read-only host views built once per slot and layout) call :meth:`alloc_fields` directly.
+        """
+        return [v.view() for v in self.alloc_fields(specs).host]  # fresh objects, the same bytes
 
     def stage(self, name: str, values: Any, dtype: npt.DTypeLike | None = None, **kw: Any) -> np.ndarray:
         """Copy ``values`` (a numpy array) into a new field; returns the host view. See :meth:`alloc`."""
@@ -701,6 +806,8 @@ class Step:
             acc *= d
         strides.reverse()
         v = typed.as_strided(shape, (acc, *strides), f.offset // f.dtype.itemsize)
+        if len(views) >= 4 * _MAX_CACHED_GROUPS:
+            views.clear()
         views[key] = v
         return v
 

@@ -341,6 +341,77 @@ def test_block_table_columns_option(device: torch.device) -> None:
         build_common(DOC_SPEC, eager_stager(device), block_table_columns=1)
 
 
+@given(spec=SPECS)
+@example(spec=RICH_SPEC)
+@example(spec=EMPTY_PADDED)
+def test_without_token_arrays(device: torch.device, spec: BatchSpec) -> None:
+    """``token_arrays=False`` (SlotMappingMode.NONE): the per-token arrays are empty and not staged;
+    every other field equals the full build's, and 16 bytes per token fewer move."""
+    stager = eager_stager(device)
+    with stager.step() as step:
+        staged = stage_common(spec, step, token_arrays=False)
+    lean = staged.result()
+    with stager.step() as full_step:
+        staged_full = stage_common(spec, full_step)
+    full = staged_full.result()
+    for name in ("slot_mapping", "positions"):
+        assert tuple(getattr(lean, name).shape) == (0,) and getattr(lean, name + "_cpu").shape == (0,)
+    for name in CommonAttentionMetadata._HOST_FIELDS:
+        if name not in ("slot_mapping_cpu", "positions_cpu"):
+            a, b = getattr(lean, name), getattr(full, name)
+            assert (a is None and b is None) or np.array_equal(a, b), name
+    for name in ("query_start_loc", "seq_lens", "block_table_tensor"):
+        assert_matches_device(getattr(lean, name), getattr(full, name))
+    assert lean.num_actual_tokens == full.num_actual_tokens
+    assert step.stats.bytes <= full_step.stats.bytes - 16 * spec.padded_num_tokens + 2 * 64
+    lean.validate()
+
+
+def test_without_token_arrays_graph_mode() -> None:
+    stager = Stager("cpu", profile=PROFILE)
+    with stager.step() as step:
+        stage_common(DOC_SPEC, step)
+    with stager.step() as step:
+        staged = stage_common(DOC_SPEC, step, token_arrays=False)
+    lean = staged.result()
+    assert lean.slot_mapping.shape == (0,) and lean.query_start_loc_cpu.tolist() == [0, 1, 2, 6, 6]
+    # the fixed buffers are back to their sentinels past the (empty) staged rows
+    assert (step.device_full("common.slot_mapping") == -1).all()
+    assert (step.device_full("common.positions") == 0).all()
+
+
+@pytest.mark.parametrize("num_slots", [2, 3])
+def test_cached_layouts_across_slot_reuse(device: torch.device, num_slots: int) -> None:
+    """Steady state reuses each slot's cached layout, views and metadata plumbing: a long run of steps
+    with the same shapes but changing values must still give every step its own values."""
+    stager = Stager(device, num_slots=num_slots)
+    rng = np.random.default_rng(0)
+    table = rng.integers(0, 1000, size=(4, 8)).astype(I32)
+    for i in range(4 * num_slots + 1):
+        c = rng.integers(0, 20, size=4).astype(I32)
+        spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=np.ones(4, I32), block_table=table,
+                         block_size=4, num_reqs_padded=5)
+        with stager.step() as step:
+            staged = stage_common(spec, step, block_table_columns=8)
+        cm = staged.result()
+        check_common(cm, spec, device, 8)
+        assert stager.stats.steps == i + 1
+
+
+def test_narrow_staged_table_still_maps_slots() -> None:
+    """A staged table narrower than the spec's is refused before any kernel runs; the host kernel
+    itself, given a narrow output table, falls back to the spec's table for the slot mapping."""
+    from attnmeta.host.common import common_layout
+
+    spec = BatchSpec(num_computed_tokens=[6], num_scheduled_tokens=[2], block_table=[[3, 4]], block_size=4)
+    bufs = dict(query_start_loc=np.empty(2, I32), seq_lens=np.empty(1, I32), block_table=np.empty((1, 1), I32),
+                positions=np.empty(2, I64), slot_mapping=np.empty(2, I64), seq_lens_upper_bound=np.empty(1, I32),
+                num_computed_tokens=np.empty(1, I32), is_prefilling=np.empty(1, np.bool_),
+                num_decode_draft_tokens=None)
+    common_layout(spec, **bufs)
+    assert bufs["slot_mapping"].tolist() == [18, 19] and bufs["block_table"].tolist() == [[3]]
+
+
 # --------------------------------------------------------------------------------------------------
 # graph mode
 # --------------------------------------------------------------------------------------------------
@@ -653,3 +724,29 @@ def test_several_prefixes_share_one_copy(device: torch.device) -> None:
     check_common(cb.replace(causal=True), RICH_SPEC, device, 3)
     check_common(cc, dcp_spec(1, 2), device, 2)
     assert cb.causal is False and ca.causal is True
+
+
+def _metadata_classes() -> list[type]:
+    from attnmeta.backends import cascade, fast_prefill, flash_attn, flashinfer, local_attn, mamba2
+
+    mods = (metadata, cascade, fast_prefill, flash_attn, flashinfer, local_attn, mamba2)
+    return sorted({c for m in mods for c in vars(m).values()
+                   if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == m.__name__},
+                  key=lambda c: c.__qualname__)
+
+
+@pytest.mark.parametrize("cls", _metadata_classes(), ids=lambda c: c.__name__)
+def test_fast_constructor_makes_ordinary_frozen_instances(cls: type) -> None:
+    """The builders' positional constructor gives the same object the dataclass __init__ would."""
+    from attnmeta._fields import fast_constructor
+
+    names = [f.name for f in dataclasses.fields(cls)]
+    values = [object() for _ in names]
+    made = fast_constructor(cls)(*values)
+    assert type(made) is cls
+    for n, v in zip(names, values):
+        assert getattr(made, n) is v, n
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(made, names[0], 1)
+    reference = cls(**dict(zip(names, values)))
+    assert [getattr(reference, n) for n in names] == [getattr(made, n) for n in names]

@@ -258,3 +258,61 @@ def test_pad_out() -> None:
     assert dst.tolist() == [[1, 1], [0, 0], [0, 0], [0, 0]]
     with pytest.raises(ValueError, match="cannot place"):
         pad_out(torch.ones(5, 2, dtype=torch.int32), dst, 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# alloc_fields: layouts cached per slot
+# --------------------------------------------------------------------------------------------------
+
+_GROUP = (("g.a", 3, np.dtype(np.int32), None, 0), ("g.b", (2, 2), np.dtype(np.int64), None, 0))
+
+
+@pytest.mark.parametrize("num_slots", [2, 3])
+def test_alloc_fields_reuses_the_slot_layout_and_views(num_slots: int) -> None:
+    stager = Stager("cpu", num_slots=num_slots)
+    groups = []
+    for i in range(3 * num_slots):
+        with stager.step() as step:
+            g = step.alloc_fields(_GROUP)
+            g.host[0][:] = [i, i + 1, i + 2]
+            g.host[1][:] = i
+        assert step.device("g.a").tolist() == [i, i + 1, i + 2]  # each step its own values
+        assert g.device(step)[1].tolist() == [[i, i], [i, i]]
+        assert not g.frozen[0].flags.writeable and g.frozen[0].tolist() == [i, i + 1, i + 2]
+        groups.append(g)
+    # the same slot and layout give back the same group (views built once per slot)
+    assert all(groups[i] is groups[i + num_slots] for i in range(2 * num_slots))
+    assert len({id(g) for g in groups}) == num_slots
+
+
+def test_alloc_fields_other_shapes_other_group_and_errors() -> None:
+    stager = Stager("cpu")
+    with stager.step() as step:
+        g1 = step.alloc_fields(_GROUP)
+        with pytest.raises(ValueError, match="staged twice"):
+            step.alloc_fields(_GROUP)
+    with pytest.raises(StepNotCommittedError):
+        g1.device(stager.step())  # another step, not committed
+    stager._open = None
+    for _ in range(2):
+        with stager.step():
+            pass
+    with stager.step() as step:
+        g2 = step.alloc_fields((("g.a", 4, np.dtype(np.int32), None, 0),))
+    assert g2 is not g1 and g2.host[0].shape == (4,)
+    with pytest.raises(StepExpiredError):
+        for _ in range(3):
+            with stager.step():
+                pass
+        g2.device(step)
+
+
+def test_alloc_fields_when_the_slot_grows_mid_group() -> None:
+    """A group whose fields straddle a slot growth has no single buffer; it still commits right."""
+    stager = Stager("cpu", initial_bytes=64)
+    with stager.step() as step:
+        g = step.alloc_fields((("x", 8, np.dtype(np.int32), None, 0), ("y", 64, np.dtype(np.int64), None, 0)))
+        g.host[0][:] = 7
+        g.host[1][:] = np.arange(64)
+    assert g.buf is None
+    assert step.device("x").tolist() == [7] * 8 and step.device("y").tolist() == list(range(64))
