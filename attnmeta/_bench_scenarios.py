@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnmeta._workloads import decode_spec, mixed_spec
+from attnmeta._workloads import advance, decode_spec, mixed_spec
+from attnmeta.backends import flash_attn, flashinfer
 from attnmeta.bench import Case, Uploads
 from attnmeta.spec import BatchSpec
 
@@ -49,9 +50,11 @@ def _raw_uploader(device: torch.device, counter: Uploads) -> Callable[[np.ndarra
 
 # ------------------------------------------------------------------------------------ batches
 # ------------------------------------------------------------------------------------ paths
-def _common_paths(spec: BatchSpec, device: torch.device, stage_extra: Callable[[Any, Any], Any] | None,
-                  ref_extra: Callable[[dict[str, torch.Tensor], Callable[[np.ndarray], torch.Tensor]], Any] | None,
-                  host_extra: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None) -> Case:
+def _common_paths(specs: list[BatchSpec], device: torch.device, stage_extra: Callable[[Any, Any], Any] | None,
+                  ref_extra: Callable[[BatchSpec], Callable[..., Any]] | None,
+                  host_extra: Callable[[BatchSpec], Callable[..., Any]] | None) -> Case:
+    """One :class:`Case` whose paths each perform one whole step; successive calls of a path walk
+    through ``specs`` in a cycle (one spec: the same step every time)."""
     from attnmeta.host import layout
     from attnmeta.metadata import stage_common
     from attnmeta.staging import Stager
@@ -59,20 +62,29 @@ def _common_paths(spec: BatchSpec, device: torch.device, stage_extra: Callable[[
 
     stager = Stager(device)
     ups = {"attnmeta": Uploads(), "reference": Uploads(), "per-tensor": Uploads()}
+    steps = [(s, ref_extra(s) if ref_extra is not None else None, host_extra(s) if host_extra is not None else None)
+             for s in specs]
+    n = len(steps)
+    at = {"attnmeta": 0, "reference": 0, "per-tensor": 0}
 
-    def attnmeta_step() -> Any:
+    def next_step(path: str) -> tuple[BatchSpec, Any, Any]:
+        i = at[path]
+        at[path] = (i + 1) % n
+        return steps[i]
+
+    def attnmeta_step() -> Any:  # copies and bytes: counted from stager.stats by the harness
+        spec = next_step("attnmeta")[0]
         with stager.step() as step:
             common = stage_common(spec, step)
             extra = stage_extra(common, step) if stage_extra is not None else None
-        ups["attnmeta"].copies += step.stats.copies
-        ups["attnmeta"].bytes += step.stats.bytes
         out = common.result()
         return out if extra is None else (out, extra.result())
 
     raw = _raw_uploader(device, ups["reference"])
-    W = int(-(-spec.max_seq_len // spec.block_size)) if spec.num_reqs else 1
 
     def reference_step() -> Any:
+        spec, r_extra, _ = next_step("reference")
+        W = int(-(-spec.max_seq_len // spec.block_size)) if spec.num_reqs else 1
         c, q = raw(spec.num_computed_tokens), raw(spec.num_scheduled_tokens)
         bt = raw(np.ascontiguousarray(spec.block_table[:, :W]))
         Bp, Tp = spec.padded_num_reqs, spec.padded_num_tokens
@@ -82,13 +94,15 @@ def _common_paths(spec: BatchSpec, device: torch.device, stage_extra: Callable[[
             "block_table": bt,
         }
         fields["positions"], fields["slot_mapping"] = ref.ref_token_layout(c, q, bt, spec.block_size, Tp)
-        if ref_extra is not None:
-            return ref_extra(fields, raw)
+        if r_extra is not None:
+            return r_extra(fields, raw)
         return fields
 
     per = _uploader(device, ups["per-tensor"])
 
     def per_tensor_step() -> Any:
+        spec, _, h_extra = next_step("per-tensor")
+        W = int(-(-spec.max_seq_len // spec.block_size)) if spec.num_reqs else 1
         c, q = spec.num_computed_tokens, spec.num_scheduled_tokens
         Bp, Tp = spec.padded_num_reqs, spec.padded_num_tokens
         host = {
@@ -98,39 +112,47 @@ def _common_paths(spec: BatchSpec, device: torch.device, stage_extra: Callable[[
         }
         host["positions"], host["slot_mapping"] = layout.token_layout(
             c, q, spec.block_table, spec.block_size, num_tokens_padded=Tp)
-        if host_extra is not None:
-            host.update(host_extra(host))
+        if h_extra is not None:
+            host.update(h_extra(host))
         return {k: per(v) for k, v in host.items()}
 
-    return Case("", spec.num_reqs, {"attnmeta": attnmeta_step, "reference": reference_step,
-                                    "per-tensor": per_tensor_step}, ups, stager)
+    return Case("", specs[0].num_reqs, {"attnmeta": attnmeta_step, "reference": reference_step,
+                                        "per-tensor": per_tensor_step}, ups, stager)
 
 
-def _scenario(name: str, specs: list[tuple[int, BatchSpec]], device: torch.device,
+def _scenario(name: str, specs: list[tuple[int, BatchSpec | list[BatchSpec]]], device: torch.device,
               stage_extra: Callable[[Any, Any], Any] | None = None,
-              ref_extra: Callable[[BatchSpec], Callable[[dict[str, torch.Tensor], Callable[[np.ndarray], torch.Tensor]], Any]] | None = None,
-              host_extra: Callable[[BatchSpec], Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]] | None = None,
+              ref_extra: Callable[[BatchSpec], Callable[..., Any]] | None = None,
+              host_extra: Callable[[BatchSpec], Callable[..., Any]] | None = None,
               ) -> list[Case]:
     cases = []
     for batch, spec in specs:
-        case = _common_paths(spec, device, stage_extra,
-                             ref_extra(spec) if ref_extra is not None else None,
-                             host_extra(spec) if host_extra is not None else None)
+        case = _common_paths(spec if isinstance(spec, list) else [spec], device, stage_extra, ref_extra, host_extra)
         case.scenario, case.batch = name, batch
         cases.append(case)
     return cases
 
 
-def _scenario_common(name: str, specs: list[tuple[int, BatchSpec]], device: torch.device) -> list[Case]:
+def _scenario_common(name: str, specs: list[tuple[int, BatchSpec | list[BatchSpec]]], device: torch.device,
+                     ) -> list[Case]:
     return _scenario(name, specs, device)
 
 
 # ---- FlashAttention + FlashInfer (decode, spec decode)
 def _stage_fa_fi(common: Any, step: Any) -> Any:
-    from attnmeta.backends import flash_attn, flashinfer
+    return _Both(flash_attn.stage(common, step), flashinfer.stage(common, step))
 
-    flash_attn.stage(common, step)
-    return flashinfer.stage(common, step)
+
+class _Both:
+    """Two staged builders of one step; ``result()`` finishes both (the bench builds every object)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Any, b: Any) -> None:
+        self.a, self.b = a, b
+
+    def result(self) -> tuple[Any, Any]:
+        return self.a.result(), self.b.result()
 
 
 def _ref_fa_fi(spec: BatchSpec) -> Callable[[dict[str, torch.Tensor], Callable[[np.ndarray], torch.Tensor]], Any]:
@@ -160,21 +182,26 @@ def _host_fa_fi(spec: BatchSpec) -> Callable[[dict[str, np.ndarray]], dict[str, 
     return extra
 
 
+DECODE_STEPS = 64
+"""Successive decode steps each decode case cycles through (contexts grow by one token a step)."""
+
+
 def decode(device: torch.device, quick: bool) -> list[Case]:
     """A decode step: common + FlashAttention + FlashInfer metadata in one copy; batch 1..1024,
-    contexts uniform in [1, 2048), a 2048-column block table, page size 16."""
+    contexts uniform in [1, 2048) growing by one token each step (:data:`DECODE_STEPS` successive
+    steps, cycled), a 2048-column block table, page size 16."""
     rng = np.random.default_rng(0)
     sizes = [1, 8, 64] if quick else [1, 8, 64, 256, 1024]
-    return _scenario("decode", [(b, decode_spec(b, rng)) for b in sizes], device, _stage_fa_fi, _ref_fa_fi,
-                     _host_fa_fi)
+    return _scenario("decode", [(b, advance(decode_spec(b, rng), DECODE_STEPS)) for b in sizes], device,
+                     _stage_fa_fi, _ref_fa_fi, _host_fa_fi)
 
 
 def spec_decode(device: torch.device, quick: bool) -> list[Case]:
     """Spec decode with k = 3 drafts per request (4 query tokens each), FlashAttention + FlashInfer."""
     rng = np.random.default_rng(2)
     sizes = [8, 64] if quick else [8, 64, 256]
-    return _scenario("spec-decode-k3", [(b, decode_spec(b, rng, drafts=3)) for b in sizes], device,
-                     _stage_fa_fi, _ref_fa_fi, _host_fa_fi)
+    return _scenario("spec-decode-k3", [(b, advance(decode_spec(b, rng, drafts=3), DECODE_STEPS)) for b in sizes],
+                     device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi)
 
 
 def mixed(device: torch.device, quick: bool) -> list[Case]:
@@ -257,10 +284,12 @@ def local_attention(device: torch.device, quick: bool) -> list[Case]:
 
     return _scenario("local-attention", [(spec.num_reqs, spec)], device, stage_extra, ref_extra, host_extra)
 def decode_common(device: torch.device, quick: bool) -> list[Case]:
-    """Common metadata only, decode batches of 1..1024 (2048-column table, page 16)."""
+    """Common metadata only, decode batches of 1..1024 (2048-column table, page 16), contexts growing
+    one token a step as in :func:`decode`."""
     rng = np.random.default_rng(0)
     sizes = [1, 8, 64] if quick else [1, 8, 64, 256, 1024]
-    return _scenario_common("decode-common", [(b, decode_spec(b, rng)) for b in sizes], device)
+    return _scenario_common("decode-common", [(b, advance(decode_spec(b, rng), DECODE_STEPS)) for b in sizes],
+                            device)
 
 
 def mixed_common(device: torch.device, quick: bool) -> list[Case]:
@@ -295,8 +324,6 @@ def staging(device: torch.device, quick: bool) -> list[Case]:
         with stager.step() as step:
             for view, a in zip(step.alloc_group(specs), arrays):
                 np.copyto(view, a)
-        ups["attnmeta"].copies += step.stats.copies
-        ups["attnmeta"].bytes += step.stats.bytes
         return [step.device(s[0]) for s in specs]
 
     raw = _raw_uploader(device, ups["reference"])

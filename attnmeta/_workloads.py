@@ -10,7 +10,7 @@ import numpy as np
 
 from attnmeta.spec import BatchSpec
 
-__all__ = ["KINDS", "decode_spec", "mixed_spec", "random_spec"]
+__all__ = ["KINDS", "advance", "decode_spec", "mixed_spec", "random_spec"]
 
 KINDS = ("decode", "prefill", "mixed", "spec_decode", "chunked", "padded")
 
@@ -35,6 +35,22 @@ def decode_spec(
         block_table=_table(rng, batch, table_width),
         block_size=block_size,
     )
+
+
+def advance(spec: BatchSpec, steps: int) -> list[BatchSpec]:
+    """``spec`` and the ``steps - 1`` decode steps after it: every request's context grows by its
+    scheduled tokens each step (same block table, prompts, drafts), as in a real decode loop, so the
+    step-to-step data and sizes (pages, longest sequence) change as they would in an engine."""
+    out = [spec]
+    c = spec.num_computed_tokens
+    for _ in range(steps - 1):
+        c = (c + spec.num_scheduled_tokens).astype(np.int32)
+        out.append(BatchSpec(
+            num_computed_tokens=c, num_scheduled_tokens=spec.num_scheduled_tokens,
+            num_prompt_tokens=spec.num_prompt_tokens, num_draft_tokens=spec.num_draft_tokens,
+            block_table=spec.block_table, block_size=spec.block_size,
+        ))
+    return out
 
 
 def mixed_spec(

@@ -1,0 +1,87 @@
+"""Steady-state decode step: common + FlashAttention + FlashInfer metadata, staged in one copy.
+
+The issue #6 measurement. For batch 1, 64, 256 and 1024 (2048-column block table, page size 16,
+contexts uniform in [1, 2048) that grow by one token each step, cycling through 64 successive
+steps) it times whole steps of the three paths of ``python -m attnmeta bench --scenario decode``:
+
+- ``attnmeta``: BatchSpec -> ``stage_common`` + ``flash_attn.stage`` + ``flashinfer.stage`` into one
+  step, the step's one copy, then all three metadata objects (``.result()``);
+- ``reference``: the device-side reference computations from raw uploads (the engines' way);
+- ``per-tensor``: attnmeta's host arrays, each uploaded through its own freshly pinned tensor.
+
+Unlike the bench CLI, which interleaves blocks of 16 steps of each path (so the first steps of a
+block run with the caches another path left behind), each path here runs in rounds of ``--steps``
+consecutive steps, the way an engine's loop calls it; rounds of the paths alternate, so a drift
+of the machine hits all paths alike. A round's median is one sample; the table gives the median
+over rounds, the best round (robust on a shared machine whose speed changes from second to second)
+and the p99 over every step. Garbage collection is off while timing (an engine tunes its GC; a
+collection in a 25 us window would only measure the collector).
+
+Run: ``python benchmarks/bench_decode.py [--device cpu|cuda] [--rounds 10] [--steps 400]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attnmeta._bench_scenarios import decode
+
+TARGETS = {1: 25.0, 64: None, 256: 50.0, 1024: 150.0}
+"""Issue #6 targets (median host microseconds) by batch size."""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rounds", type=int, default=10, help="rounds per path and batch size")
+    ap.add_argument("--steps", type=int, default=400, help="consecutive steps per round")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dev = torch.device(args.device)
+    print(f"# {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"device {dev}, {args.rounds} rounds x {args.steps} steps, {time.strftime('%Y-%m-%d')}")
+    print(f"{'batch':>6} {'path':<11} {'median us':>10} {'best round':>11} {'p99 us':>8} {'target':>7}")
+    cases = [c for c in decode(dev, quick=False) if c.batch in TARGETS]
+    for case in cases:
+        samples: dict[str, list[float]] = {p: [] for p in case.paths}
+        every: dict[str, list[float]] = {p: [] for p in case.paths}
+        for fn in case.paths.values():  # warm-up (compilation, slot layouts, caches)
+            for _ in range(50):
+                fn()
+        gc.disable()
+        try:
+            for _ in range(args.rounds):
+                for path, fn in case.paths.items():
+                    steps = args.steps if path == "attnmeta" else max(args.steps // 10, 20)
+                    ts = np.empty(steps)
+                    for i in range(steps):
+                        t0 = time.perf_counter_ns()
+                        fn()
+                        ts[i] = (time.perf_counter_ns() - t0) / 1e3
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize(dev)  # harness only, between rounds: drain the queue
+                    samples[path].append(float(np.median(ts[steps // 10:])))
+                    every[path].extend(ts.tolist())
+        finally:
+            gc.enable()
+        for path in case.paths:
+            s = np.array(samples[path])
+            target = TARGETS[case.batch]
+            print(f"{case.batch:>6} {path:<11} {np.median(s):>10.1f} {s.min():>11.1f} "
+                  f"{np.percentile(every[path], 99):>8.1f} {'' if target is None or path != 'attnmeta' else target:>7}")
+
+
+if __name__ == "__main__":
+    main()
