@@ -7,7 +7,7 @@ runs under ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call r
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import pytest
@@ -167,3 +167,18 @@ def test_cuda_graph_replay_after_later_commits() -> None:
             eager = _checksum(list(views.values()), weights)
             mismatches += (out != eager).to(torch.int64)
     assert int(mismatches.item()) == 0
+
+
+def test_commit_fences_on_whichever_stream_is_current() -> None:
+    """The stager caches the current-stream object between commits; switching streams must still record
+    each commit's event on the stream that is current at that commit (else the fence would be wrong)."""
+    stager = Stager("cuda", num_slots=2)
+    side = torch.cuda.Stream()
+    for i in range(6):
+        ctx = torch.cuda.stream(side) if i % 2 else nullcontext()
+        with ctx:
+            with stager.step() as step:
+                step.alloc("x", 4, np.int32)[:] = i
+            expected = side if i % 2 else torch.cuda.current_stream()
+            assert stager._current_stream() == expected
+            assert step.device("x").sum().item() == 4 * i  # read on the same stream, after the copy
