@@ -374,22 +374,21 @@ def stage_common(
             )
         R, Q = prof.max_num_reqs, prof.max_num_tokens
         # query_start_loc's sentinel is data-dependent (it repeats the total): stage the full capacity.
-        specs: tuple[tuple[str, Any, Any, int | None, Any], ...] = (
+        group = step.alloc_fields((
             (names[0], R + 1, _I32, R + 1, 0),
             (names[1], Bp, _I32, R, 0),
             (names[2], (Bp, W), _I32, R, 0),
             (names[3], Tt, _I64, Q, -1),
             (names[4], Tt, _I64, Q, 0),
-        )
+        ))
     else:
-        specs = (
+        group = step.alloc_fields(lambda: (
             (names[0], Bp + 1, _I32, None, 0),
             (names[1], Bp, _I32, None, 0),
             (names[2], (Bp, W), _I32, None, 0),
             (names[3], Tt, _I64, None, -1),
             (names[4], Tt, _I64, None, 0),
-        )
-    group = step.alloc_fields(specs)
+        ), (names, Bp, Tp, W, Tt))
     prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
     has_d = drafts is not None
     # Host-only arrays (never staged) and the read-only views handed out live with the group: built

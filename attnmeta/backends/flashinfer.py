@@ -406,8 +406,10 @@ def stage(
         if host_indices:
             # The page count changes almost every step; staging the indices with a bucketed row count
             # (<= 12.5% slack, never read) keeps the group's layout, so its cached views, stable.
-            fixed = step.alloc_fields(((n_indptr, B + 1, _I32, None, 0), (n_last, B, _I32, None, 0),
-                                       (n_qo, P + 1, _I32, None, 0), (n_indices, _bucket(total), _I32, None, 0)))
+            rows = _bucket(total)
+            fixed = step.alloc_fields(lambda: ((n_indptr, B + 1, _I32, None, 0), (n_last, B, _I32, None, 0),
+                                               (n_qo, P + 1, _I32, None, 0), (n_indices, rows, _I32, None, 0)),
+                                      (names, B, P, rows))
             idx_group = fixed
         else:
             fixed = step.alloc_fields(((n_indptr, B + 1, _I32, None, 0), (n_last, B, _I32, None, 0),

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -658,7 +659,10 @@ class Step:
         self._bufs[name] = slot.host_np  # the bytes this view writes into (see _commit: migrations)
         return st._host_view(slot, staged, rows)
 
-    def alloc_fields(self, specs: tuple[tuple[str, Any, Any, int | None, Any], ...]) -> FieldGroup:
+    def alloc_fields(
+        self, specs: tuple[tuple[str, Any, Any, int | None, Any], ...] | Callable[[], tuple[Any, ...]],
+        key: Any = None,
+    ) -> FieldGroup:
         """Reserve several fields at once and return them as a cached :class:`FieldGroup`.
 
         ``specs`` is a tuple of ``(name, shape, dtype, capacity, fill)`` as for :meth:`alloc`. The
@@ -668,8 +672,14 @@ class Step:
 
         Parameters
         ----------
-        specs : tuple of (str, int or tuple, dtype, int or None, scalar)
-            One entry per field; ``specs`` must be hashable (tuples and numpy dtypes are).
+        specs : tuple of (str, int or tuple, dtype, int or None, scalar), or a callable returning one
+            One entry per field; ``specs`` must be hashable (tuples and numpy dtypes are). With
+            ``key``, a callable may stand in for the tuple: it is called only when the layout is not
+            cached yet.
+        key : hashable, optional
+            A cheap value that determines ``specs`` uniquely (e.g. the builder's name and its row
+            counts): the cache is then keyed by ``key`` instead of by the whole ``specs`` tuple,
+            saving the per-step construction and hashing of the nested tuple.
 
         Returns
         -------
@@ -687,8 +697,8 @@ class Step:
         if self._committed:
             raise RuntimeError("alloc_fields() after the step committed")
         slot = self._slot
-        key = (self._used, specs)
-        hit = slot.groups.get(key)
+        ck = (self._used, specs if key is None else key)
+        hit = slot.groups.get(ck)
         if hit is not None and hit.buf is slot.host_np:
             own = self._fields
             if own.keys().isdisjoint(hit.field_map):
@@ -697,6 +707,8 @@ class Step:
                 if not self._stager.graph_mode:
                     self._used = hit.end
                 return hit
+        if callable(specs):
+            specs = specs()
         views = [self.alloc(n, sh, d, capacity=c, fill=fl) for (n, sh, d, c, fl) in specs]
         bufs = {id(self._bufs[n]) for (n, *_rest) in specs}
         # ``buf`` is None when the slot grew while the group was carved (its fields live in two buffers)
@@ -705,7 +717,7 @@ class Step:
         if not self._grew:
             if len(slot.groups) >= _MAX_CACHED_GROUPS:
                 slot.groups.clear()
-            slot.groups[key] = group
+            slot.groups[ck] = group
         return group
 
     def alloc_group(self, specs: tuple[tuple[str, Any, Any, int | None, Any], ...]) -> list[np.ndarray]:
