@@ -52,7 +52,8 @@ def _raw_uploader(device: torch.device, counter: Uploads) -> Callable[[np.ndarra
 # ------------------------------------------------------------------------------------ paths
 def _common_paths(specs: list[BatchSpec], device: torch.device, stage_extra: Callable[[Any, Any], Any] | None,
                   ref_extra: Callable[[BatchSpec], Callable[..., Any]] | None,
-                  host_extra: Callable[[BatchSpec], Callable[..., Any]] | None) -> Case:
+                  host_extra: Callable[[BatchSpec], Callable[..., Any]] | None,
+                  common_kwargs: dict[str, Any] | None = None) -> Case:
     """One :class:`Case` whose paths each perform one whole step; successive calls of a path walk
     through ``specs`` in a cycle (one spec: the same step every time)."""
     from attnmeta.host import layout
@@ -66,6 +67,7 @@ def _common_paths(specs: list[BatchSpec], device: torch.device, stage_extra: Cal
              for s in specs]
     n = len(steps)
     at = {"attnmeta": 0, "reference": 0, "per-tensor": 0}
+    kw = common_kwargs or {}
 
     def next_step(path: str) -> tuple[BatchSpec, Any, Any]:
         i = at[path]
@@ -75,7 +77,7 @@ def _common_paths(specs: list[BatchSpec], device: torch.device, stage_extra: Cal
     def attnmeta_step() -> Any:  # copies and bytes: counted from stager.stats by the harness
         spec = next_step("attnmeta")[0]
         with stager.step() as step:
-            common = stage_common(spec, step)
+            common = stage_common(spec, step, **kw)
             extra = stage_extra(common, step) if stage_extra is not None else None
         out = common.result()
         return out if extra is None else (out, extra.result())
@@ -124,10 +126,12 @@ def _scenario(name: str, specs: list[tuple[int, BatchSpec | list[BatchSpec]]], d
               stage_extra: Callable[[Any, Any], Any] | None = None,
               ref_extra: Callable[[BatchSpec], Callable[..., Any]] | None = None,
               host_extra: Callable[[BatchSpec], Callable[..., Any]] | None = None,
+              common_kwargs: dict[str, Any] | None = None,
               ) -> list[Case]:
     cases = []
     for batch, spec in specs:
-        case = _common_paths(spec if isinstance(spec, list) else [spec], device, stage_extra, ref_extra, host_extra)
+        case = _common_paths(spec if isinstance(spec, list) else [spec], device, stage_extra, ref_extra, host_extra,
+                             common_kwargs)
         case.scenario, case.batch = name, batch
         cases.append(case)
     return cases
@@ -139,6 +143,9 @@ def _scenario_common(name: str, specs: list[tuple[int, BatchSpec | list[BatchSpe
 
 
 # ---- FlashAttention + FlashInfer (decode, spec decode)
+_PAGED = {"paged_kv": True}  # a FlashInfer builder follows: the common pass builds the page table too
+
+
 def _stage_fa_fi(common: Any, step: Any) -> Any:
     return _Both(flash_attn.stage(common, step), flashinfer.stage(common, step))
 
@@ -193,7 +200,7 @@ def decode(device: torch.device, quick: bool) -> list[Case]:
     rng = np.random.default_rng(0)
     sizes = [1, 8, 64] if quick else [1, 8, 64, 256, 1024]
     return _scenario("decode", [(b, advance(decode_spec(b, rng), DECODE_STEPS)) for b in sizes], device,
-                     _stage_fa_fi, _ref_fa_fi, _host_fa_fi)
+                     _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
 
 
 def spec_decode(device: torch.device, quick: bool) -> list[Case]:
@@ -201,14 +208,14 @@ def spec_decode(device: torch.device, quick: bool) -> list[Case]:
     rng = np.random.default_rng(2)
     sizes = [8, 64] if quick else [8, 64, 256]
     return _scenario("spec-decode-k3", [(b, advance(decode_spec(b, rng, drafts=3), DECODE_STEPS)) for b in sizes],
-                     device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi)
+                     device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
 
 
 def mixed(device: torch.device, quick: bool) -> list[Case]:
     """64 prefills up to 2k tokens (half with unaligned cached context) + 192 decodes; FA + FlashInfer."""
     rng = np.random.default_rng(1)
     spec = mixed_spec(rng, prefills=8 if quick else 64, decodes=24 if quick else 192)
-    return _scenario("mixed", [(spec.num_reqs, spec)], device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi)
+    return _scenario("mixed", [(spec.num_reqs, spec)], device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
 
 
 # ---- KV-sharing fast prefill

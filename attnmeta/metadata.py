@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from attnmeta._fields import MetadataBase, Staged, fast_constructor
-from attnmeta.host.common import _common_nb, _common_packed_nb
+from attnmeta.host.common import _common_nb, _common_packed_nb, _paged_from_staged_nb
 from attnmeta.host.split import SplitCounts, _split_nb
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import CapacityError, FieldGroup, Stager, Step
@@ -273,6 +273,16 @@ class CommonAttentionMetadata(MetadataBase):
 
 _new_common = fast_constructor(CommonAttentionMetadata)
 _NAMES: dict[str, tuple[str, ...]] = {}  # prefix -> staged field names
+_PAGED = ("paged_kv_indptr", "paged_kv_last_page_len", "paged_kv_indices")  # staged with paged_kv=True
+
+
+def _bucket(n: int) -> int:
+    """``n`` rounded up to one of 8 steps per power of two (at most 12.5% more; at least 64): a row
+    count for fields whose exact length changes almost every step, so their layout stays cached."""
+    if n <= 64:
+        return 64
+    step = 1 << (n.bit_length() - 4)
+    return (n + step - 1) // step * step
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
 _EMPTY_I32 = np.zeros(0, np.int32)
 
@@ -283,7 +293,7 @@ def _host_only(group: FieldGroup, key: tuple[Any, ...], Bp: int, Tp: int, W: int
     Returns ``(offsets, dims, host_only_bytes, qsl, upper, computed, prefilling, drafts)``: the
     arguments of :func:`attnmeta.host.common._common_packed_nb` and read-only views.
     """
-    has_d, has_p, has_ub, bs, cp, tokens = key
+    has_d, has_p, has_ub, bs, cp, tokens, paged = key
     a4 = (4 * Bp + 63) // 64 * 64
     hbuf = np.zeros(3 * a4 + Bp, np.uint8)
     ub, nc, ddt = (hbuf[i * a4 : i * a4 + 4 * Bp].view(np.int32) for i in range(3))
@@ -293,9 +303,11 @@ def _host_only(group: FieldGroup, key: tuple[Any, ...], Bp: int, Tp: int, W: int
         a.flags.writeable = False  # the kernel writes through the byte buffer, never through these
         frozen.append(a)
     qsl_full = group.host[0]
-    offsets = np.array([f.offset for f in group.fields] + [0, a4, 2 * a4, 3 * a4], np.int64)
+    fo = [f.offset for f in group.fields]
+    offsets = np.array([*fo[:5], 0, a4, 2 * a4, 3 * a4, *fo[5:]], np.int64)
     ws, rank, il = (1, 0, 1) if cp is None else (cp.world_size, cp.rank, cp.interleave)
-    dims = np.array([Bp, Tp, W, qsl_full.shape[0], bs, ws, rank, il, has_p, has_d, has_ub, tokens], np.int64)
+    dims = np.array([Bp, Tp, W, qsl_full.shape[0], bs, ws, rank, il, has_p, has_d, has_ub, tokens, paged,
+                     group.fields[7].rows if paged else 0], np.int64)
     return (offsets, dims, hbuf, group.frozen[0][: Bp + 1], frozen[0], frozen[1], frozen[2],
             frozen[3] if has_d else None)
 
@@ -308,6 +320,7 @@ def stage_common(
     causal: bool = True,
     block_table_columns: int | None = None,
     token_arrays: bool = True,
+    paged_kv: bool = False,
 ) -> Staged[CommonAttentionMetadata]:
     """Derive the common metadata of ``spec`` on the host, writing straight into ``step``'s pinned slot.
 
@@ -330,6 +343,13 @@ def stage_common(
         ``SlotMappingMode.NONE`` for KV-cache groups whose layers read neither (Mamba, linear
         attention): both fields (and their host twins) are then empty, ``(0,)``, and a step of ``T``
         tokens stages ``16 * T`` fewer bytes.
+    paged_kv : bool, default False
+        Also build FlashInfer's paged-KV arrays (``paged_kv_indptr``, ``paged_kv_indices``,
+        ``paged_kv_last_page_len``, page size = block size) in the same compiled pass, from the block
+        table rows just staged (still in cache), and stage them with the common fields. A FlashInfer
+        builder staged into the same step (:func:`attnmeta.backends.flashinfer.stage`, default options)
+        then reuses them instead of a pass of its own. Eager mode without context parallelism only
+        (elsewhere it is ignored and the backend builds its own).
 
     Returns
     -------
@@ -363,7 +383,7 @@ def stage_common(
     Tt = Tp if token_arrays else 0  # rows of the per-token arrays
     names = _NAMES.get(prefix)
     if names is None:
-        names = _NAMES[prefix] = tuple(f"{prefix}.{n}" for n in CommonAttentionMetadata._DEVICE_FIELDS)
+        names = _NAMES[prefix] = tuple(f"{prefix}.{n}" for n in (*CommonAttentionMetadata._DEVICE_FIELDS, *_PAGED))
     if prof is not None:
         if prof.block_size != bs:
             raise ValueError(f"block_size: the spec's {bs} != StaticProfile.block_size={prof.block_size}")
@@ -382,18 +402,32 @@ def stage_common(
             (names[4], Tt, _I64, Q, 0),
         ))
     else:
-        group = step.alloc_fields(lambda: (
-            (names[0], Bp + 1, _I32, None, 0),
-            (names[1], Bp, _I32, None, 0),
-            (names[2], (Bp, W), _I32, None, 0),
-            (names[3], Tt, _I64, None, -1),
-            (names[4], Tt, _I64, None, 0),
-        ), (names, Bp, Tp, W, Tt))
+        paged_rows = _bucket(spec.num_pages) if paged_kv and cp is None else 0
+        paged = paged_rows > 0
+        if paged:
+            group = step.alloc_fields(lambda: (
+                (names[0], Bp + 1, _I32, None, 0),
+                (names[1], Bp, _I32, None, 0),
+                (names[2], (Bp, W), _I32, None, 0),
+                (names[3], Tt, _I64, None, -1),
+                (names[4], Tt, _I64, None, 0),
+                (names[5], Bp + 1, _I32, None, 0),
+                (names[6], Bp, _I32, None, 0),
+                (names[7], paged_rows, _I32, None, 0),  # bucketed: <= 12.5% slack, never read
+            ), (names, Bp, Tp, W, Tt, paged_rows))
+        else:
+            group = step.alloc_fields(lambda: (
+                (names[0], Bp + 1, _I32, None, 0),
+                (names[1], Bp, _I32, None, 0),
+                (names[2], (Bp, W), _I32, None, 0),
+                (names[3], Tt, _I64, None, -1),
+                (names[4], Tt, _I64, None, 0),
+            ), (names, Bp, Tp, W, Tt))
     prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
     has_d = drafts is not None
     # Host-only arrays (never staged) and the read-only views handed out live with the group: built
     # once per slot and layout (and kind of spec), rewritten every step like the slot itself.
-    key = (has_d, prompt is not None, upper is not None, bs, cp, token_arrays)
+    key = (has_d, prompt is not None, upper is not None, bs, cp, token_arrays, len(group.fields) > 5)
     cached = group.extras.get(key)
     if cached is None:
         cached = group.extras[key] = _host_only(group, key, Bp, Tp, W)
@@ -406,15 +440,17 @@ def stage_common(
     else:  # the slot grew while the group was reserved: write the fields through their own views
         a4 = int(offsets[6])
         ub, nc, ddt = (hbuf[i * a4 : i * a4 + 4 * Bp].view(np.int32) for i in range(3))
-        qsl_w, sl_w, bt_w, sm_w, pos_w = group.host
+        qsl_w, sl_w, bt_w, sm_w, pos_w = group.host[:5]
         status = _common_nb(
             *args[:3], bs, int(dims[5]), int(dims[6]), int(dims[7]), args[3], prompt is not None, args[4], has_d,
             args[5], upper is not None, token_arrays, qsl_w, sl_w, bt_w, pos_w, sm_w, ub, nc,
             hbuf[3 * a4 : 3 * a4 + Bp].view(np.bool_), ddt,
         )
+        if len(group.host) > 5:
+            status |= _paged_from_staged_nb(sl_w, bt_w, bs, group.host[5], group.host[7], group.host[6])
     if status:  # unreachable for a validated spec (kept as a guard)
         raise ValueError(f"stage_common: internal status {status}; the spec is inconsistent")
-    _sl_ro, bt_ro, sm_ro, pos_ro = group.frozen[1:]
+    _sl_ro, bt_ro, sm_ro, pos_ro = group.frozen[1:5]
     max_query_len, max_seq_len = spec.max_query_len, spec.max_seq_len
     host: dict[str, Any] = {
         "query_start_loc_cpu": qsl_ro,
@@ -435,10 +471,17 @@ def stage_common(
         "num_real_reqs": B,
         "num_real_tokens": T,
         "num_pages": spec.num_pages,
+        "max_exact_seq_len": spec.max_exact_seq_len,
     }
+    if len(group.fields) > 5:  # paged_kv: what a FlashInfer builder of this step reuses
+        total = spec.num_pages
+        pv = group.extras.get("paged")
+        if pv is None or pv[3] != total:
+            pv = group.extras["paged"] = (group.frozen[5], group.frozen[6], group.frozen[7][:total], total)
+        host["_paged"] = (*pv, group)
 
     def make() -> CommonAttentionMetadata:
-        qd, sld, btd, smd, posd = group.device(step)
+        qd, sld, btd, smd, posd = group.device(step)[:5]
         if graph:
             qd = qd[: Bp + 1]
         return _new_common(

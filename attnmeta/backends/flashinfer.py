@@ -90,7 +90,7 @@ from attnmeta.host.paged import (  # private kernels: inputs were validated when
     paged_kv_layout,
 )
 from attnmeta.host.split import SplitCounts
-from attnmeta.metadata import CommonAttentionMetadata, common_split, stage_common
+from attnmeta.metadata import CommonAttentionMetadata, _bucket, common_split, stage_common
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import CapacityError, Stager, Step
 
@@ -251,12 +251,6 @@ class FlashInferMetadata(MetadataBase):
 _new_fi = fast_constructor(FlashInferMetadata)
 
 
-def _bucket(n: int) -> int:
-    """``n`` rounded up to one of 8 steps per power of two (at most 12.5% more; at least 64)."""
-    if n <= 64:
-        return 64
-    step = 1 << (n.bit_length() - 4)
-    return (n + step - 1) // step * step
 _STAGED = ("paged_kv_indptr", "paged_kv_last_page_len", "qo_indptr_prefill", "paged_kv_indices", "kv_lens")
 _NAMES: dict[str, tuple[str, ...]] = {}  # prefix -> staged field names
 _I32 = np.dtype(np.int32)
@@ -385,6 +379,9 @@ def stage(
     D, P = split.num_decodes, split.num_prefills
 
     dcp = options.dcp_world_size > 1
+    paged = h.get("_paged")
+    if paged is not None and not dcp and host_indices:
+        return _stage_reusing_common(common, step, options, split, paged, n_qo)
     if dcp:
         kv = step.alloc(n_kv, B, np.int32, fill=0, capacity=req_cap)
         dcp_context_kv_lens(sl, np.diff(qsl).astype(np.int32), options.dcp_world_size, options.dcp_rank,
@@ -509,6 +506,69 @@ def stage(
             indptr_ro, indices_ro, last_ro, kv_ro, qo_dec_ro, qo_ro,
             D, P, split.num_decode_tokens, split.num_prefill_tokens, total, page, mdq, mpq, mkv, causal,
             options.indices,
+        )
+
+    return Staged(step, host, make)
+
+
+def _stage_reusing_common(
+    common: Staged[CommonAttentionMetadata], step: Step, options: FlashInferOptions, split: SplitCounts,
+    paged: tuple[Any, ...], n_qo: str,
+) -> Staged[FlashInferMetadata]:
+    """:func:`stage` when the common metadata was staged with ``paged_kv=True`` (eager mode): the
+    paged-KV arrays are the common's (built in its pass); only the prefill query indptr is left, and
+    with no prefill row it is ``query_start_loc[:1] == [0]``, a view."""
+    h = common.host
+    indptr_ro, last_ro, indices_ro, total, group = paged
+    qsl = h["query_start_loc_cpu"]
+    B, page = h["num_reqs"], h["block_size"]
+    D, P = split.num_decodes, split.num_prefills
+    qo_group = None
+    if P == 0:
+        qo_ro = qsl[:1]
+        mdq, mpq = h["max_query_len"], 0
+    else:
+        qo_group = step.alloc_fields(((n_qo, P + 1, _I32, None, 0),))
+        np.subtract(qsl[D : B + 1], qsl[D], out=qo_group.host[0])
+        qo_ro = qo_group.frozen[0]
+        mdq, mpq = _max_len(qsl, 0, D), _max_len(qsl, D, B)
+    mkv = h["max_exact_seq_len"]
+    qo_dec_ro = qsl[: D + 1] if D < B else qsl
+    causal = bool(options.causal)
+    host: dict[str, Any] = {
+        "split": split,
+        "paged_kv_indptr_cpu": indptr_ro,
+        "paged_kv_indices_cpu": indices_ro,
+        "paged_kv_last_page_len_cpu": last_ro,
+        "kv_lens_cpu": h["seq_lens_cpu"],
+        "qo_indptr_decode_cpu": qo_dec_ro,
+        "qo_indptr_prefill_cpu": qo_ro,
+        "num_decodes": D,
+        "num_prefills": P,
+        "num_decode_tokens": split.num_decode_tokens,
+        "num_prefill_tokens": split.num_prefill_tokens,
+        "num_pages": total,
+        "page_size": page,
+        "max_decode_query_len": mdq,
+        "max_prefill_query_len": mpq,
+        "max_kv_len": mkv,
+        "causal": causal,
+        "indices": "host",
+    }
+
+    def make() -> FlashInferMetadata:
+        cm = common.result()
+        d = group.device(step)  # raises if the step has not committed or has expired
+        extras = group.extras
+        cached = extras.get("fi_device")
+        if cached is None or cached[0] != total:
+            cached = extras["fi_device"] = (total, d[7][:total], cm.query_start_loc[:1])
+        qd = cm.query_start_loc
+        return _new_fi(
+            cm, d[5], cached[1], d[6], cm.seq_lens,
+            qd if D == B else qd[: D + 1], cached[2] if qo_group is None else qo_group.device(step)[0],
+            indptr_ro, indices_ro, last_ro, h["seq_lens_cpu"], qo_dec_ro, qo_ro,
+            D, P, split.num_decode_tokens, split.num_prefill_tokens, total, page, mdq, mpq, mkv, causal, "host",
         )
 
     return Staged(step, host, make)

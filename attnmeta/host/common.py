@@ -114,8 +114,11 @@ def _common_packed_nb(
     positions (``Tp`` int64 each); ``host_only`` holds, at ``offsets[5:9]``, seq_lens_upper_bound,
     num_computed_tokens, num_decode_draft_tokens (``Bp`` int32 each) and is_prefilling (``Bp`` bool).
     ``dims = [Bp, Tp, W, qsl rows, block_size, world_size, rank, interleave, has_prompt, has_drafts,
-    has_upper, token arrays]``; without token arrays (``dims[11] == 0``) slot_mapping and positions
-    are empty and not computed.
+    has_upper, token arrays, paged, indices rows]``; without token arrays (``dims[11] == 0``)
+    slot_mapping and positions are empty and not computed. With ``paged`` (``dims[12] != 0``) the
+    staged bytes also hold, at ``offsets[9:12]``, FlashInfer's paged_kv_indptr (``Bp + 1``),
+    paged_kv_last_page_len (``Bp``) and paged_kv_indices (``dims[13]`` int32 rows, the page count
+    first), filled by :func:`_paged_from_staged_nb` (page size = block size).
     """
     Bp, Tp, W, nq = dims[0], dims[1], dims[2], dims[3]
     o = offsets
@@ -129,10 +132,47 @@ def _common_packed_nb(
     nc = host_only[o[6] : o[6] + 4 * Bp].view(np.int32)
     ddt = host_only[o[7] : o[7] + 4 * Bp].view(np.int32)
     pre = host_only[o[8] : o[8] + Bp].view(np.bool_)
-    return _common_nb(
+    status = _common_nb(
         c, q, table, dims[4], dims[5], dims[6], dims[7], prompt, dims[8] != 0, drafts, dims[9] != 0, upper,
         dims[10] != 0, dims[11] != 0, qsl, sl, bt, pos, sm, ub, nc, pre, ddt,
     )
+    if dims[12] != 0:  # the paged-KV layout, from the rows just staged (still in cache)
+        indptr = staged[o[9] : o[9] + 4 * (Bp + 1)].view(np.int32)
+        last = staged[o[10] : o[10] + 4 * Bp].view(np.int32)
+        indices = staged[o[11] : o[11] + 4 * dims[13]].view(np.int32)
+        status |= _paged_from_staged_nb(sl, bt, dims[4], indptr, indices, last)
+    return status
+
+
+@njit
+def _paged_from_staged_nb(
+    seq_lens: np.ndarray, bt: np.ndarray, page_size: int, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray
+) -> int:
+    """FlashInfer's paged-KV arrays of every row from the staged block table (vllm-semantics.md 8).
+
+    ``indptr = [0, cumsum(cdiv(seq_lens, page))]``, ``indices`` row after row the first
+    ``cdiv(seq_lens_i, page)`` ids of row ``i``, ``last`` the tokens in each row's last page (0 for
+    an empty row). ``indices`` may be longer than the page count (its tail is left as it is).
+    Returns 1 if a row needs more pages than ``bt`` has columns or ``indices`` is too short, else 0.
+    """
+    t = np.int64(0)
+    indptr[0] = 0
+    w = bt.shape[1]
+    cap = indices.shape[0]
+    for i in range(seq_lens.shape[0]):
+        s = np.int64(seq_lens[i])
+        nb = (s + page_size - 1) // page_size
+        if nb > w or t + nb > cap:
+            return 1
+        src = bt[i]
+        dst = indices[t : t + nb]  # 1-D slices: the copy vectorizes
+        for j in range(nb):
+            dst[j] = src[j]
+        t += nb
+        indptr[i + 1] = t
+        r = s % page_size
+        last[i] = page_size if (r == 0 and s != 0) else r
+    return 0
 
 
 _EMPTY_I32 = np.zeros(0, np.int32)

@@ -143,15 +143,23 @@ _DCP = st.sampled_from([(1, 0, 1), (2, 0, 1), (2, 1, 2), (4, 3, 1), (4, 1, 4)])
     mode=st.sampled_from(["host", "device"]),
     dcp=_DCP,
     causal=st.booleans(),
+    paged=st.booleans(),
 )
 def test_matches_device_reference(
     device: torch.device, spec: BatchSpec, threshold: int, uniform: bool, mode: str, dcp: tuple[int, int, int],
-    causal: bool,
+    causal: bool, paged: bool,
 ) -> None:
+    """Every field against the references; ``paged``: the common staged with ``paged_kv=True``, whose
+    arrays the builder reuses (default host-indices options without DCP) or ignores (the rest)."""
     opts = FlashInferOptions(decode_threshold=threshold, require_uniform=uniform, indices=mode,  # type: ignore[arg-type]
                              dcp_world_size=dcp[0], dcp_rank=dcp[1], dcp_interleave=dcp[2], causal=causal)
     with no_device_sync(devices={device.type}):
-        fi = flashinfer.build(spec, _stager(device), opts)
+        if paged:
+            with _stager(device).step() as step:
+                staged = flashinfer.stage(stage_common(spec, step, paged_kv=True), step, opts)
+            fi = staged.result()
+        else:
+            fi = flashinfer.build(spec, _stager(device), opts)
     qsl, sl, table = _device_inputs(spec, device)
     rows, tokens = spec.padded_num_reqs, spec.padded_num_tokens
     if causal:
@@ -285,3 +293,25 @@ def test_common_from_another_step_is_rejected() -> None:
     for stage in stages:
         with pytest.raises(ValueError, match="staged in another step"), stager.step() as step:
             stage(step)
+
+
+def test_paged_kv_common_is_reused_and_moves_in_the_one_copy(device: torch.device) -> None:
+    """With ``stage_common(paged_kv=True)`` the builder stages nothing of its own for a decode batch and
+    hands out the common's arrays; the values equal a build without it."""
+    spec = _spec([5, 7, 30], [1, 1, 1], [[10, 11, 0, 0, 0, 0, 0, 0], [20, 21, 0, 0, 0, 0, 0, 0],
+                                         [1, 2, 3, 4, 5, 6, 7, 8]], 4, num_reqs_padded=4)
+    stager = Stager(device)
+    for _ in range(4):  # steady state: cached layouts on every slot
+        with stager.step() as step:
+            common = stage_common(spec, step, paged_kv=True)
+            staged = flashinfer.stage(common, step)
+        assert step.stats.copies == 1
+        assert not any(name.startswith("flashinfer.") for name in step._fields)
+        fi = staged.result()
+        plain = flashinfer.build(spec, Stager(device))
+        for name in ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "kv_lens",
+                     "qo_indptr_decode", "qo_indptr_prefill"):
+            assert torch.equal(getattr(fi, name), getattr(plain, name)), name
+            assert np.array_equal(getattr(fi, name + "_cpu"), getattr(plain, name + "_cpu")), name
+        assert fi.paged_kv_indices_cpu.tolist() == [10, 11, 20, 21, 1, 2, 3, 4, 5, 6, 7, 8]
+        assert (fi.num_pages, fi.max_kv_len, fi.max_decode_query_len, fi.num_decodes) == (12, 31, 1, 4)
