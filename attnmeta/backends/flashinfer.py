@@ -331,8 +331,12 @@ def _gather_indices(
     return out[:total]
 
 
+_DEFAULT_OPTIONS = FlashInferOptions()
+_DEFAULT_QO = f"{_DEFAULT_OPTIONS.prefix}.qo_indptr_prefill"
+
+
 def stage(
-    common: Staged[CommonAttentionMetadata], step: Step, options: FlashInferOptions = FlashInferOptions()
+    common: Staged[CommonAttentionMetadata], step: Step, options: FlashInferOptions = _DEFAULT_OPTIONS
 ) -> Staged[FlashInferMetadata]:
     """Derive FlashInfer metadata from the staged common metadata, staging into the same step.
 
@@ -361,8 +365,11 @@ def stage(
     """
     if common.step is not step:
         require_same_step(common, step)  # raises
-    _check_options(options)
     h = common.host
+    if options is _DEFAULT_OPTIONS and "_paged" in h:  # the steady-state decode path, nothing to check
+        split = common_split(h, decode_threshold=1, require_uniform=True)
+        return _stage_reusing_common(common, step, options, split, h["_paged"], _DEFAULT_QO)
+    _check_options(options)
     qsl, sl, bt = h["query_start_loc_cpu"], h["seq_lens_cpu"], h["block_table_cpu"]
     B, T, page = h["num_reqs"], h["num_actual_tokens"], h["block_size"]
     names = _NAMES.get(options.prefix)

@@ -474,7 +474,7 @@ class Stager:
         self._open = step
         return step
 
-    def _commit(self, step: Step) -> StepStats:
+    def _commit(self, step: Step) -> None:
         slot = step._slot
         assert slot.host is not None and slot.host_np is not None
         if step._grew:
@@ -524,12 +524,11 @@ class Stager:
         slot.generation += 1
         step._generation = slot.generation
         self._open = None
-        st = StepStats(slot.index, copies, nbytes, step._waits, step._wait_s, step._grew)
+        step._raw_stats = (slot.index, copies, nbytes)  # StepStats is built on demand (Step.stats)
         s = self.stats
         s.steps += 1
         s.copies += copies
         s.bytes += nbytes
-        return st
 
     def _abandon(self, step: Step) -> None:
         self._open = None
@@ -548,7 +547,8 @@ class Step:
     """
 
     __slots__ = (
-        "_bufs", "_committed", "_fields", "_generation", "_grew", "_slot", "_stager", "_stats", "_used", "_wait_s",
+        "_bufs", "_committed", "_fields", "_generation", "_grew", "_raw_stats", "_slot", "_stager", "_stats", "_used",
+        "_wait_s",
         "_waits", "host_fields", "profile",
     )
 
@@ -565,6 +565,7 @@ class Step:
         self._committed = False
         self._generation = -1
         self._stats: StepStats | None = None
+        self._raw_stats: tuple[int, int, int] | None = None
         self._bufs: dict[str, np.ndarray | None] = {}  # field -> host bytes its view was carved from
         self.host_fields: dict[str, Any] = {}
         """Host-only values recorded with :meth:`host_only` (never staged to the device)."""
@@ -755,9 +756,9 @@ class Step:
         """Issue the step's one non-blocking H2D copy and record its fence event."""
         if self._committed:
             raise RuntimeError("Step.commit(): already committed")
-        self._stats = self._stager._commit(self)
+        self._stager._commit(self)
         self._committed = True
-        return self._stats
+        return self.stats
 
     def abandon(self) -> None:
         """Drop the step without copying (its slot is free for the next step)."""
@@ -774,9 +775,13 @@ class Step:
     @property
     def stats(self) -> StepStats:
         """This step's :class:`StepStats` (after commit)."""
-        if self._stats is None:
-            raise StepNotCommittedError("Step.stats: the step has not committed yet")
-        return self._stats
+        st = self._stats
+        if st is None:
+            raw = self._raw_stats
+            if raw is None:
+                raise StepNotCommittedError("Step.stats: the step has not committed yet")
+            st = self._stats = StepStats(raw[0], raw[1], raw[2], self._waits, self._wait_s, self._grew)
+        return st
 
     def device(self, name: str) -> torch.Tensor:
         """The device view of ``name``: ``(rows, *row_shape)``, valid for work enqueued after the commit.
@@ -854,7 +859,8 @@ class Step:
         if self._committed:
             return
         if exc_type is None:
-            self.commit()
+            self._stager._commit(self)  # Step.commit without building the StepStats
+            self._committed = True
         else:
             self.abandon()
 
