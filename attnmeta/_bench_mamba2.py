@@ -3,9 +3,9 @@
 One case per batch size (number of prefills); every path performs one whole step, from the host
 description to device tensors:
 
-- ``attnmeta``: :func:`attnmeta.stage_common` + :func:`attnmeta.backends.mamba2.stage` into one
-  step (host derivation in numba, written into the pinned slot), the step's ONE copy, then the
-  metadata objects;
+- ``attnmeta``: :func:`attnmeta.stage_common` (``token_arrays=False``) +
+  :func:`attnmeta.backends.mamba2.stage` into one step (host derivation in numba, written into the
+  pinned slot), the step's ONE copy, then the metadata objects;
 - ``reference``: the engine's way (vLLM 0.33.0's ``BaseMambaAttentionMetadataBuilder`` +
   ``Mamba2AttentionMetadataBuilder.build``): raw inputs uploaded, the common fields and
   ``has_initial_states_p`` / ``query_start_loc_p`` / state indices computed on the device, the
@@ -15,8 +15,21 @@ description to device tensors:
   pinned tensor.
 
 The workload (:func:`prefill_step_spec`): ``P`` prefills of 1..2048 new tokens; every second one
-continues a cached context of 1..8192 tokens that is not a multiple of the chunk size (256), block
-size 16, ``Mamba2Options(chunk_size=256)`` (``"none"`` cache mode, causal-conv1d metadata on).
+continues a cached context of 1..8192 tokens that is not a multiple of the chunk size (256);
+``Mamba2Options(chunk_size=256)`` (``"none"`` cache mode, causal-conv1d metadata on).
+
+The step is what vLLM builds for a **Mamba KV-cache group**, on every path:
+
+- the group's block table holds one state block per request (``mamba_cache_mode="none"``: the
+  state lives in column 0, vllm-semantics.md 5.10). The spec says so with a block size of
+  :data:`MAMBA_BLOCK_SIZE` tokens, at least the longest sequence, so every request has exactly one
+  block-table column (``block_table_columns`` is 1). The SSD chunk size is independent of it:
+  ``Mamba2Options.chunk_size`` (256) sets the chunks, and ``mamba_block_size`` (unset: the
+  common block size) only matters in ``"align"`` mode;
+- the group uses ``SlotMappingMode.NONE`` (vllm-semantics.md 4): no per-token ``positions`` /
+  ``slot_mapping`` are computed or uploaded, since Mamba layers read neither. attnmeta stages the
+  common metadata with ``stage_common(..., token_arrays=False)``; the reference and per-tensor
+  paths skip them too.
 """
 
 from __future__ import annotations
@@ -32,10 +45,13 @@ from attnmeta._workloads import mixed_spec
 from attnmeta.bench import Case, Uploads
 from attnmeta.spec import BatchSpec
 
-__all__ = ["CHUNK_SIZE", "OPTIONS", "SIZES", "mamba2_cases", "prefill_step_spec", "prefill_step_specs"]
+__all__ = ["CHUNK_SIZE", "MAMBA_BLOCK_SIZE", "OPTIONS", "SIZES", "mamba2_cases", "prefill_step_spec", "prefill_step_specs"]
 
 CHUNK_SIZE = 256
 """SSD chunk size of the workload."""
+MAMBA_BLOCK_SIZE = 16384
+"""Block size of the Mamba group's block table: at least the longest sequence (2048 new + 8192 cached
+tokens), so one block (one state slot, column 0) per request."""
 SIZES = (1, 16, 64, 256, 1024)
 """Numbers of prefills benchmarked (``quick``: the first three)."""
 
@@ -52,8 +68,10 @@ OPTIONS = _options()
 
 def prefill_step_spec(rng: np.random.Generator, num_prefills: int) -> BatchSpec:
     """A prefill-only step: ``num_prefills`` prompts of 1..2048 new tokens, every second continuing
-    an unaligned context of 1..8192 tokens (:func:`attnmeta._workloads.mixed_spec` without decodes)."""
-    return mixed_spec(rng, prefills=num_prefills, decodes=0, chunk=CHUNK_SIZE, max_prompt=2048, max_context=8192)
+    an unaligned context of 1..8192 tokens (:func:`attnmeta._workloads.mixed_spec` without decodes),
+    with a Mamba group's block table (one state block per request, :data:`MAMBA_BLOCK_SIZE`)."""
+    return mixed_spec(rng, prefills=num_prefills, decodes=0, chunk=CHUNK_SIZE, max_prompt=2048, max_context=8192,
+                      block_size=MAMBA_BLOCK_SIZE)
 
 
 def prefill_step_specs(quick: bool) -> list[BatchSpec]:
@@ -96,7 +114,7 @@ def _case(spec: BatchSpec, device: torch.device) -> Case:
 
     def attnmeta_step() -> Any:
         with stager.step() as step:
-            staged = mamba2.stage(stage_common(spec, step, block_table_columns=cols), step, opts)
+            staged = mamba2.stage(stage_common(spec, step, block_table_columns=cols, token_arrays=False), step, opts)
         ups["attnmeta"].copies += step.stats.copies
         ups["attnmeta"].bytes += step.stats.bytes
         return staged.result()
@@ -107,10 +125,10 @@ def _case(spec: BatchSpec, device: torch.device) -> Case:
     prompt_cpu = torch.from_numpy(prompt)
 
     def reference_step() -> Any:
-        # the runner: raw inputs uploaded, common fields on the device, host copies of qsl / lengths
+        # the runner: raw inputs uploaded, common fields on the device, host copies of qsl / lengths;
+        # a Mamba group (SlotMappingMode.NONE) computes no positions / slot_mapping
         c, q, bt = raw(spec.num_computed_tokens), raw(spec.num_scheduled_tokens), raw(table)
         qsl, seq_lens = ref.ref_query_start_loc(q, B), ref.ref_seq_lens(c, q, B)
-        positions, slot_mapping = ref.ref_token_layout(c, q, bt, bs, T)
         qsl_cpu = ref.ref_query_start_loc(q_cpu, B)
         ub_cpu = ref.ref_seq_lens(c_cpu, q_cpu, B)
         isp_cpu = ref.ref_is_prefilling(c_cpu, prompt_cpu, B)
@@ -118,8 +136,7 @@ def _case(spec: BatchSpec, device: torch.device) -> Case:
         isp, _ = ref.ref_classify_mamba_rows(qsl_cpu, ub_cpu, isp_cpu)
         D, P, Dt, _Pt = ref.ref_split_decodes_and_prefills(qsl_cpu, T, spec.max_query_len, 1, False, False, isp)
         si = ref.ref_mamba_state_indices(bt, seq_lens, mamba_block_size=bs, mode="none", num_state_columns=1)
-        out: dict[str, Any] = {"positions": positions, "slot_mapping": slot_mapping,
-                               "state_indices_tensor_d": si[:D], "state_indices_tensor_p": si[D:, 0]}
+        out: dict[str, Any] = {"state_indices_tensor_d": si[:D], "state_indices_tensor_p": si[D:, 0]}
         if P > 0:
             nc = seq_lens - torch.diff(qsl)
             out["query_start_loc_p"] = qsl[-P - 1 :] - Dt
@@ -142,14 +159,13 @@ def _case(spec: BatchSpec, device: torch.device) -> Case:
     def per_tensor_step() -> Any:
         qsl = layout.query_start_loc(q_np, num_reqs_padded=B)
         sl = layout.seq_lens(c_np, q_np, num_reqs_padded=B)
-        pos, slots = layout.token_layout(c_np, q_np, spec.block_table, bs, num_tokens_padded=T)
         isp, _ = classify_mamba_rows(qsl, sl, layout.is_prefilling(c_np, prompt, num_reqs_padded=B))
         split = split_decodes_and_prefills(qsl, num_tokens=T, max_query_len=spec.max_query_len,
                                            treat_short_extends_as_decodes=False, is_prefilling=isp)
         D, P = split.num_decodes, split.num_prefills
         si = mamba_state_indices(table, sl, mamba_block_size=bs, mode="none", num_state_columns=1)
-        host = {"query_start_loc": qsl, "seq_lens": sl, "block_table": table, "positions": pos,
-                "slot_mapping": slots, "state_indices_tensor_d": si[:D], "state_indices_tensor_p": si[D:, 0]}
+        host = {"query_start_loc": qsl, "seq_lens": sl, "block_table": table,  # no positions / slot_mapping
+                "state_indices_tensor_d": si[:D], "state_indices_tensor_p": si[D:, 0]}
         if P > 0:
             nc_p, qsl_p = layout.prefill_cpu_metadata(qsl, sl, num_reqs=B, num_prefills=P,
                                                       num_decode_tokens=split.num_decode_tokens)

@@ -40,6 +40,23 @@ The state indices read block-table columns ``start_i .. start_i + k`` (``k`` spe
 with a profile whose ``max_blocks_per_req`` covers them. A table that is too narrow is a
 ``ValueError`` naming the row, never a silent clip.
 
+The per-step cost
+-----------------
+In eager mode (no profile), without checkpoints, logical chunks or per-token ``seq_idx``, the
+Mamba2 and Mamba1 builders take a fast path: ONE ``Step.alloc_fields`` of a layout that is known
+before any pass over the rows (``B`` rows for every per-row field, so decode / prefill fields are
+views of their first ``D`` / ``P`` rows; bucketed bounds from ``B`` and ``num_actual_tokens`` for the
+chunk and causal-conv1d fields, so steps whose counts wobble keep the layout), ONE compiled call
+(:func:`attnmeta.host.mamba._mamba_fill_packed_nb`) that classifies, splits and writes every array
+straight into the step's pinned bytes (host-only arrays into a buffer that lives with the cached
+field group), exact-length views cached per group and step shape, and the result built with a
+positional constructor. The ``-1`` tails of ``batch_ptr`` / ``token_chunk_offset_ptr`` are written
+only where the slot does not already hold them from its previous step. Every other configuration
+takes the general path; both produce the same values (the property tests check both against the
+vLLM-style reference). With the causal-conv1d metadata on, the two pointer arrays
+(``2 * max(1024, tot)`` int32 each, ``tot`` about ``num_prefill_tokens / 8``) and the int64
+``mlist`` are most of a large prefill step's bytes.
+
 Graph mode
 ----------
 With a :class:`~attnmeta.profile.StaticProfile` every device field has a fixed address and capacity
@@ -67,14 +84,17 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 import torch
 
-from attnmeta._fields import MetadataBase, Staged
+from attnmeta._fields import MetadataBase, Staged, fast_constructor
 from attnmeta.backends._shared import require_same_step
+from attnmeta.host import mamba as _hm
 from attnmeta.host.chunks import (
+    ChunkMetadata,
     checkpoint_chunk_index_tensor_values,
     chunk_metadata,
     logical_chunks,
@@ -89,6 +109,8 @@ from attnmeta.host.layout import _prefill_cpu_metadata_nb, prefill_cpu_metadata
 from attnmeta.host.mamba import (
     CheckpointConfig,
     _classify_nb,
+    _mamba_fill_nb,
+    _mamba_fill_packed_nb,
     _state_indices_nb,
     classify_mamba_rows,
     mamba_state_indices,
@@ -97,7 +119,7 @@ from attnmeta.host.mamba import (
 from attnmeta.host.split import SplitCounts, _split_nb
 from attnmeta.metadata import CommonAttentionMetadata, common_split, stage_common
 from attnmeta.spec import BatchSpec
-from attnmeta.staging import CapacityError, Stager, Step
+from attnmeta.staging import CapacityError, FieldGroup, Stager, Step
 
 __all__ = [
     "LinearAttentionMetadata",
@@ -612,17 +634,26 @@ def _spec_tokens(options: AnyMambaOptions) -> int:
 _CHECKED: dict[tuple[Any, ...], tuple[int, int]] = {}
 """Options already validated, by ``(options, mamba block size, profile chunk size)`` (immutable values
 only, so an entry can never go stale): steady-state steps skip re-validation."""
+_LAST_CHECKED: tuple[Any, ...] = (None, 0, None, (0, 0))
+"""The last options object validated (``options, bs_m, profile chunk size, result``): a step that passes
+the same object skips hashing it (the reference keeps its id from being reused)."""
 
 
 def _check_mamba2(options: Mamba2Options, bs_m: int, step: Step) -> tuple[int, int]:
     """Validate the Mamba2 options; returns ``(chunk_size, k)``."""
+    global _LAST_CHECKED
     prof = step.profile
-    key = (options, bs_m, None if prof is None else prof.chunk_size)
+    pcs = None if prof is None else prof.chunk_size
+    last = _LAST_CHECKED
+    if options is last[0] and bs_m == last[1] and pcs == last[2]:  # the same options object as last step
+        return last[3]  # type: ignore[no-any-return]
+    key = (options, bs_m, pcs)
     try:
         hit = _CHECKED.get(key)
     except TypeError:  # an unhashable field: validate (and fail) below
         hit = None
     if hit is not None:
+        _LAST_CHECKED = (options, bs_m, pcs, hit)
         return hit
     cs = _positive_int(options.chunk_size, "Mamba2Options.chunk_size")
     _check_mode(options.cache_mode, "Mamba2Options")
@@ -648,6 +679,7 @@ def _check_mamba2(options: Mamba2Options, bs_m: int, step: Step) -> tuple[int, i
         )
     if len(_CHECKED) < 64:
         _CHECKED[key] = (cs, k)
+    _LAST_CHECKED = (options, bs_m, pcs, (cs, k))
     return cs, k
 
 
@@ -989,6 +1021,411 @@ def _host_dict(b: _Base, views: dict[str, np.ndarray]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------
+# the fast path: eager mode without checkpoints / logical chunks / per-token seq_idx
+# ------------------------------------------------------------------------------------------------
+#
+# ONE alloc_fields of a layout known before any pass over the rows (B rows per row field; bounds,
+# bucketed, on the chunk and causal-conv1d counts from B and num_actual_tokens), ONE compiled call
+# that classifies, splits and writes every array straight into the group's pinned bytes (host-only
+# arrays into a buffer that lives with the group), views cached per group and step shape, and the
+# result built with a positional constructor. The general path handles every other option; the
+# property tests run both against the vLLM reference.
+
+_new_m2 = fast_constructor(Mamba2Metadata)
+_new_m1 = fast_constructor(Mamba1Metadata)
+_FAST_FIELDS = (
+    "state_indices_tensor_d", "num_accepted_tokens", "state_indices_tensor_p", "query_start_loc_p",
+    "has_initial_states_p", "cu_chunk_seqlen_p", "seq_idx_p", "last_chunk_indices_p", "batch_ptr",
+    "token_chunk_offset_ptr",
+)
+_FAST_OFFSET = (
+    _hm.FILL_O_SI_D, _hm.FILL_O_ACC, _hm.FILL_O_SI_P, _hm.FILL_O_QSL_P, _hm.FILL_O_INIT, _hm.FILL_O_CU,
+    _hm.FILL_O_SIDX, _hm.FILL_O_LAST, _hm.FILL_O_BP, _hm.FILL_O_OP,
+)
+_SpecTuple = tuple[tuple[str, Any, np.dtype, None, int], ...]
+_FAST_SPECS: dict[tuple[Any, ...], _SpecTuple] = {}
+_BOUNDS: dict[tuple[int, int, int, int], tuple[int, int]] = {}
+_new_split = tuple.__new__
+
+
+class _FastConfig(NamedTuple):
+    """What the fast path needs of validated options (cached per options object)."""
+
+    options: Any
+    mamba2: bool
+    chunk_size: int
+    k: int
+    mamba_block_size: int | None
+    align: bool
+    flags: int
+    """Bit 0: causal-conv1d metadata; bit 1: chunk metadata."""
+    prefix: str
+
+
+_FAST_CONFIGS: dict[int, _FastConfig] = {}
+"""Fast-path configs by ``id(options)``; each holds its options object, so the id is not reused while
+the entry lives (a step passing the same options object skips validation)."""
+
+
+def _fast_config(options: Mamba2Options | Mamba1Options, step: Step, block_size: int) -> _FastConfig | None:
+    """The fast-path config of ``options`` (validated), or None when the general path must run:
+    graph mode, checkpoints, logical chunks, per-token ``seq_idx``."""
+    if step.profile is not None:
+        return None
+    cfg = _FAST_CONFIGS.get(id(options))
+    if cfg is not None and cfg.options is options:
+        return cfg
+    m2 = isinstance(options, Mamba2Options)
+    if m2:
+        assert isinstance(options, Mamba2Options)
+        if options.checkpoint is not None or options.logical_chunks or options.token_seq_idx:
+            return None
+        C, k = _check_mamba2(options, _mamba_block_size(options, block_size), step)
+    else:
+        _check_mode(options.cache_mode, "Mamba1Options")
+        _mamba_block_size(options, block_size)
+        C, k = 1, 0
+    mbs = options.mamba_block_size
+    cfg = _FastConfig(options, m2, C, k, None if mbs is None else int(mbs), options.cache_mode == "align",
+                      (1 if options.needs_causal_conv1d_metadata else 0) | (2 if m2 else 0), options.prefix)
+    if len(_FAST_CONFIGS) >= 64:
+        _FAST_CONFIGS.clear()
+    _FAST_CONFIGS[id(options)] = cfg
+    return cfg
+
+
+def _bucket(n: int) -> int:
+    """``n`` rounded up to a multiple of 64 and of 1/32 of its power of two (at most 64 rows or 3.1%
+    more), so a field sized by a bound keeps its layout (and its cached views) while the bound wobbles
+    by a few percent; finer than the usual 8 steps per power of two because these fields are large and
+    every staged row is copied."""
+    step = max(64, 1 << max(n.bit_length() - 6, 0))
+    return max(64, (n + step - 1) // step * step)
+
+
+def _bounds(B: int, T: int, chunk_size: int, flags: int) -> tuple[int, int]:
+    """Rows to stage for the chunk fields and the causal-conv1d pointers of a step of ``B`` rows and
+    ``T`` tokens (``flags``: bit 0 conv1d, bit 1 chunks), bucketed:
+    :func:`~attnmeta.host.chunks.max_num_chunks` of ``T`` tokens in ``B`` rows, and
+    ``2 * max(1024, min(T, T // 8 + B))`` (the programs number ``sum(cdiv(q, 8))`` over at most ``B``
+    rows of ``T`` tokens)."""
+    key = (B, T, chunk_size, flags)
+    hit = _BOUNDS.get(key)
+    if hit is None:
+        nb = _bucket(min(T + B, T // chunk_size + 2 * B)) if flags & 2 else 0
+        mb = _bucket(2 * max(1024, min(T, T // _CONV1D_BLOCK_M + B))) if flags & 1 else 0
+        if len(_BOUNDS) >= 4096:
+            _BOUNDS.clear()
+        hit = _BOUNDS[key] = (nb, mb)
+    return hit
+
+
+def _fast_specs(key: tuple[Any, ...]) -> _SpecTuple:
+    """The ``alloc_fields`` specs of a fast-path layout ``(prefix, B, ncols, acc, prefills, nb, mb)``
+    (``nb`` / ``mb``: chunk / causal-conv1d rows, 0 without them); cached, since the stager hashes the
+    tuple every step."""
+    prefix, B, ncols, acc, pre, nb, mb = key
+    rows: dict[str, Any] = {"state_indices_tensor_d": (B, ncols), "state_indices_tensor_p": B}
+    if acc:
+        rows["num_accepted_tokens"] = B
+    if pre:
+        rows.update(query_start_loc_p=B + 1, has_initial_states_p=B)
+        if nb:
+            rows.update(cu_chunk_seqlen_p=nb + 1, seq_idx_p=nb, last_chunk_indices_p=B)
+        if mb:
+            rows.update(batch_ptr=mb, token_chunk_offset_ptr=mb)
+    specs = tuple((f"{prefix}.{n}", rows[n], _BOOL if n == "has_initial_states_p" else _I32, None, 0)
+                  for n in _FAST_FIELDS if n in rows)
+    if len(_FAST_SPECS) >= 1024:
+        _FAST_SPECS.clear()
+    _FAST_SPECS[key] = specs
+    return specs
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+class _Fast:
+    """Fast-path state of one :class:`~attnmeta.staging.FieldGroup` (one ring slot and layout) and
+    builder configuration, kept in the group's ``extras``: the host-only buffer (the fill kernel's
+    parameters first) and every view handed out.
+
+    The host-only arrays (``num_computed_tokens_p``, the causal-conv1d ``nums`` / ``mlist``, the
+    all ``-1`` checkpoint chunk list, ``is_prefilling`` after the moves) live in ``hbuf``, which
+    belongs to the group as the staged bytes belong to the slot: a step's arrays stay valid until the
+    stager reuses its slot.
+    """
+
+    __slots__ = ("cbuf", "ckpt", "dv", "full", "hbuf", "hv", "mlist", "moved", "nc", "nums", "prm", "qd", "ring",
+                 "src", "tail", "warm")
+
+    def __init__(self, group: FieldGroup, key: tuple[Any, ...], chunk_size: int, bs_m: int, align: bool,
+                 acc_mode: int) -> None:
+        prefix, B, ncols, _acc, _pre, nb, mb = key
+        n0 = len(prefix) + 1
+        at = {f.name[n0:]: i for i, f in enumerate(group.fields)}
+        a4, a8 = (4 * B + 63) // 64 * 64, (8 * B + 63) // 64 * 64
+        o_nc = 8 * _hm.FILL_PARAMS
+        o_nums, o_ckpt, o_moved = o_nc + a4, o_nc + 2 * a4, o_nc + 2 * a4 + a8
+        o_mlist = o_moved + (B + 63) // 64 * 64
+        hbuf = self.hbuf = np.zeros(o_mlist + 8 * (mb // 2), np.uint8)
+        prm = self.prm = hbuf[:o_nc].view(np.int64)
+        for name, o in zip(_FAST_FIELDS, _FAST_OFFSET):
+            prm[o] = group.fields[at[name]].offset if name in at else -1
+        prm[_hm.FILL_B], prm[_hm.FILL_NCOLS], prm[_hm.FILL_THRESHOLD], prm[_hm.FILL_ACC] = B, ncols, ncols, acc_mode
+        prm[_hm.FILL_CHUNK], prm[_hm.FILL_BSM], prm[_hm.FILL_ALIGN] = chunk_size, bs_m, align
+        prm[_hm.FILL_CONV], prm[_hm.FILL_CHUNKS], prm[_hm.FILL_MB], prm[_hm.FILL_NB] = mb > 0, nb > 0, mb, nb
+        prm[_hm.FILL_H_NC], prm[_hm.FILL_H_NUMS], prm[_hm.FILL_H_MLIST], prm[_hm.FILL_H_MOVED] = (
+            o_nc, o_nums, o_mlist, o_moved)
+        self.nc = _read_only(hbuf[o_nc : o_nc + 4 * B].view(np.int32))
+        self.nums = _read_only(hbuf[o_nums : o_nums + 4 * B].view(np.int32))
+        ckpt = hbuf[o_ckpt : o_ckpt + 8 * B].view(np.int64)
+        ckpt[:] = -1  # ChunkMetadata.checkpoint_chunk_idx without checkpoints; never rewritten
+        self.ckpt = _read_only(ckpt)
+        self.moved = _read_only(hbuf[o_moved : o_moved + B].view(np.bool_))
+        self.mlist = _read_only(hbuf[o_mlist:].view(np.int64))
+        fz = group.frozen
+        # read-only views of the staged rows, in _FAST_FIELDS order (None: not staged)
+        self.full: tuple[Any, ...] = tuple(fz[at[n]] if n in at else None for n in _FAST_FIELDS)
+        self.src: tuple[Any, ...] = (None, None)  # the common's (qsl, ub) views the packed kernel was set up for
+        self.cbuf: np.ndarray | None = None  # ... and the common's host-only bytes (None: explicit arrays)
+        self.tail = (0, 0)  # batch_ptr / token_chunk_offset_ptr rows [lo, hi) known to hold -1 ...
+        self.ring = -1  # ... as of the step with this ring stamp (-1: unknown)
+        self.warm = False  # whether every slot of the stager has committed (_ring_stamp >= 0)
+        self.hv: tuple[Any, ...] = (-1, -1, -1)  # per-step host views, by (D, num_chunks, tot)
+        self.dv: tuple[Any, ...] = (None, -1, -1, -1)  # per-step device views, by (group views, D, n, tot)
+        self.qd: tuple[Any, ...] = (None, None, None, -1)  # query_start_loc_d: views of the common's, by D
+
+    def locate(self, h: dict[str, Any], buf: np.ndarray | None) -> None:
+        """Point the packed kernel at the common metadata's host arrays, or (``cbuf = None``) fall back
+        to passing them explicitly when they do not live in the slot / one host-only buffer."""
+        qsl, ub = h["query_start_loc_cpu"], h["seq_lens_cpu_upper_bound"]
+        self.src = (qsl, ub)
+        self.cbuf = None
+        sl, bt, isp, dr = h["seq_lens_cpu"], h["block_table_cpu"], h["is_prefilling"], h["num_decode_draft_tokens_cpu"]
+        cbuf = ub.base
+        if (buf is None or not isinstance(cbuf, np.ndarray) or cbuf.dtype != np.uint8 or cbuf.ndim != 1
+                or any(a.base is not buf or not a.flags.c_contiguous for a in (qsl, sl, bt))
+                or isp.base is not cbuf or (dr is not None and dr.base is not cbuf)
+                or not (ub.flags.c_contiguous and isp.flags.c_contiguous and (dr is None or dr.flags.c_contiguous))):
+            return
+        b0, c0 = _address(buf), _address(cbuf)
+        prm = self.prm
+        prm[_hm.FILL_C_QSL], prm[_hm.FILL_C_SL], prm[_hm.FILL_C_BT] = (_address(a) - b0 for a in (qsl, sl, bt))
+        prm[_hm.FILL_C_W] = bt.shape[1]
+        prm[_hm.FILL_C_UB], prm[_hm.FILL_C_ISP] = _address(ub) - c0, _address(isp) - c0
+        prm[_hm.FILL_C_DRAFTS] = -1 if dr is None else _address(dr) - c0
+        self.cbuf = cbuf
+
+    def host_views(self, D: int, n: int, tot: int) -> tuple[Any, ...]:
+        """The host views of a step shape: ``(D, n, tot, *fields in _FAST_FIELDS order,
+        num_computed_tokens_p, nums, mlist, offsetlist, staged, chunk_metadata)``."""
+        si_d, acc, si_p, qsl_p, init, cu, sidx, last, bp, op = self.full
+        P = si_p.shape[0] - D
+        total = 2 * max(1024, tot)
+        pre = P > 0
+        exact: tuple[Any, ...] = (
+            si_d[:D], acc[:D] if D and acc is not None else None, si_p[:P],
+            qsl_p[: P + 1] if pre and qsl_p is not None else None, init[:P] if pre and init is not None else None,
+            cu[: n + 1] if pre and cu is not None else None, sidx[:n] if pre and sidx is not None else None,
+            last[:P] if pre and last is not None else None,
+            bp[:total] if pre and bp is not None else None, op[:total] if pre and op is not None else None,
+        )
+        conv = exact[8] is not None
+        cm = None if exact[5] is None else ChunkMetadata(exact[5], exact[6], exact[7], self.ckpt[:P], n)
+        staged = types.MappingProxyType({k: v for k, v in zip(_FAST_FIELDS, exact) if v is not None})
+        self.hv = (D, n, tot, *exact, self.nc[:P] if pre else None, self.nums[:P] if conv else None,
+                   self.mlist[:tot] if conv else None, exact[9][:tot] if conv else None, staged, cm)
+        return self.hv
+
+    def device_views(self, dev: list[torch.Tensor], hv: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The device views of the step shape of host views ``hv``: ``(dev, D, n, tot, *fields in
+        _FAST_FIELDS order)``."""
+        out: list[Any] = [dev, *hv[:3]]
+        it = iter(dev)
+        for i in range(len(_FAST_FIELDS)):
+            t = None if self.full[i] is None else next(it)
+            v = hv[3 + i]
+            out.append(None if v is None or t is None else t if t.shape[0] == v.shape[0] else t[: v.shape[0]])
+        self.dv = tuple(out)
+        return self.dv
+
+
+def _ring_stamp(step: Step) -> int:
+    """How many steps the stager has begun (its ``slot_reuses``), or -1 while a ring slot has never
+    committed (until then not every begin is counted).
+
+    The bytes of a group were last written by the step with stamp ``s`` if the current step's stamp
+    is ``s + num_slots``: the ring visits its slots in order, so no other step (committed or
+    abandoned) touched this slot in between. The fast path uses it to skip rewriting the
+    causal-conv1d ``-1`` tails the slot still holds, as the stager's graph mode tracks the rows that
+    still hold a field's sentinel.
+    """
+    stager = step._stager
+    for slot in stager._slots:
+        if not slot.generation:
+            return -1
+    return stager.stats.slot_reuses
+
+
+def _accepted_input(values: Any, num_reqs: int, num_real: int) -> np.ndarray:
+    """``num_accepted_tokens`` validated as :func:`_accepted_rows` does (one count per real request
+    or per row)."""
+    from attnmeta._checks import as_host_array
+
+    a = as_host_array(values, "num_accepted_tokens", dtype=np.int32)
+    if a.shape[0] not in (num_real, num_reqs):
+        raise ValueError(
+            f"num_accepted_tokens: expected one count per real request ({num_real}) or per row ({num_reqs}), "
+            f"got shape {a.shape}"
+        )
+    return a
+
+
+def _scatter(group: FieldGroup, tmp: np.ndarray) -> None:
+    """Copy fields written at their slot offsets into ``tmp`` to the group's own views (the rare step
+    in which the slot grew while the group was reserved, so its fields live in two buffers)."""
+    for f, view in zip(group.fields, group.host):
+        view.reshape(-1).view(np.uint8)[:] = tmp[f.offset : f.offset + f.rows * f.row_bytes]
+
+
+def _raise_fill_error(status: int, h: dict[str, Any], k: int, bs_m: int, align: bool) -> None:
+    """Re-run the validating code on the first bad row the fill kernel reported, for its message."""
+    enc = -1 - status
+    row, code = enc // 8, enc % 8
+    qsl, ub, bt, sl, B = (h["query_start_loc_cpu"], h["seq_lens_cpu_upper_bound"], h["block_table_cpu"],
+                          h["seq_lens_cpu"], h["num_reqs"])
+    mode = "align" if align else "none"
+    if code in (_hm.FILL_E_QSL, _hm.FILL_E_DRAFTS):
+        classify_mamba_rows(qsl, ub, h["is_prefilling"], h["num_decode_draft_tokens_cpu"] if k else None)
+    elif code == _hm.FILL_E_TABLE_D:  # decode rows before ``row`` fit their 1 + k columns
+        _state_indices(bt[: row + 1], sl[: row + 1], bs_m, mode, 1 + k, np.empty((row + 1, 1 + k), np.int32))
+    elif code == _hm.FILL_E_TABLE_P:  # every row before ``row`` fits one column
+        _state_indices(bt[: row + 1], sl[: row + 1], bs_m, mode, 1, np.empty((row + 1, 1), np.int32))
+    elif code == _hm.FILL_E_CONTEXT:
+        prefill_cpu_metadata(qsl, ub, num_reqs=B, num_prefills=B - row, num_decode_tokens=int(qsl[row]))
+    raise AssertionError(f"mamba fill: internal status {status} (row {row})")  # pragma: no cover
+
+
+def _stage_fast(
+    common: Staged[CommonAttentionMetadata], step: Step, cfg: _FastConfig, num_accepted_tokens: Any
+) -> Staged[Any]:
+    """:func:`stage` / :func:`stage_mamba1` in eager mode without checkpoints, logical chunks or
+    per-token ``seq_idx``: one ``alloc_fields``, one fill kernel, cached views."""
+    h = common.host
+    B, T, isp = h["num_reqs"], h["num_actual_tokens"], h["is_prefilling"]
+    k = cfg.k
+    thr = 1 + k
+    C = cfg.chunk_size
+    # Prefill rows are possible when a query is longer than the threshold or a row still prefills;
+    # a step that cannot have any stages no prefill fields.
+    pre = h["max_query_len"] > thr or bool(isp.any())
+    nb, mb = _bounds(B, T, C, cfg.flags) if pre else (0, 0)
+    acc_mode = (1 if num_accepted_tokens is None else 2) if k else 0
+    key = (cfg.prefix, B, thr, acc_mode != 0, pre, nb, mb)
+    specs = _FAST_SPECS.get(key)
+    group = step.alloc_fields(specs if specs is not None else _fast_specs(key))
+    bs_m = cfg.mamba_block_size or h["block_size"]
+    ekey = (C, bs_m, cfg.align, acc_mode)
+    fs = group.extras.get(ekey)
+    if fs is None:
+        fs = group.extras[ekey] = _Fast(group, key, C, bs_m, cfg.align, acc_mode)
+    buf = group.buf
+    lo = hi = stamp = 0
+    if mb:
+        if fs.warm:
+            stamp = step._stager.stats.slot_reuses
+        else:
+            stamp = _ring_stamp(step)
+            fs.warm = stamp >= 0
+        if fs.ring >= 0 and stamp - fs.ring == step._stager.num_slots and buf is not None:
+            lo, hi = fs.tail
+        fs.ring = -1  # unknown until the kernel has written the tails
+    acc_in = _NO_DRAFTS if num_accepted_tokens is None else _accepted_input(num_accepted_tokens, B, h["num_real_reqs"])
+    src = fs.src
+    if src[0] is not h["query_start_loc_cpu"] or src[1] is not h["seq_lens_cpu_upper_bound"]:
+        fs.locate(h, buf)
+    if fs.cbuf is not None and buf is not None:
+        status, num_moved, D, Dt, tot, n, prep = _mamba_fill_packed_nb(buf, fs.cbuf, fs.hbuf, acc_in, T, lo, hi)
+    else:
+        dr = h["num_decode_draft_tokens_cpu"] if k else None
+        target = buf if buf is not None else np.empty(group.end, np.uint8)
+        status, num_moved, D, Dt, tot, n, prep = _mamba_fill_nb(
+            h["query_start_loc_cpu"], h["seq_lens_cpu_upper_bound"], isp, _NO_DRAFTS if dr is None else dr,
+            h["seq_lens_cpu"], h["block_table_cpu"], acc_in, target, fs.hbuf, T, lo, hi)
+        if buf is None and not status:
+            _scatter(group, target)
+    if status:
+        _raise_fill_error(status, h, k, bs_m, cfg.align)
+    if mb and fs.warm and buf is not None:
+        fs.tail, fs.ring = (tot, 2 * max(1024, tot)), stamp
+    hv = fs.hv
+    if hv[0] != D or hv[1] != n or hv[2] != tot:
+        hv = fs.host_views(D, n, tot)
+    P = B - D
+    split = _new_split(SplitCounts, (D, P, Dt, T - Dt))
+    conv = hv[11] is not None
+    host = {"split": split, "is_prefilling": fs.moved if num_moved else isp, "num_computed_tokens_p_cpu": hv[13],
+            "query_start_loc_p_cpu": hv[6], "staged": hv[17]}
+
+    def views() -> tuple[tuple[Any, ...], Any, Any, Any]:
+        """The device views, ``query_start_loc_d`` (device and host) and ``nums_dict``."""
+        dev = group.device(step)  # raises if the step has not committed or its slot was reused
+        dv = fs.dv
+        if dv[0] is not dev or dv[1] != D or dv[2] != n or dv[3] != tot:
+            dv = fs.device_views(dev, hv)
+        qd = None
+        if D and hv[4] is not None:  # spec decode with decodes: query_start_loc_d, a view of the common's
+            qd = fs.qd
+            cm_qsl = common.result().query_start_loc
+            if qd[0] is not cm_qsl or qd[3] != D:
+                qd = fs.qd = (cm_qsl, cm_qsl[: D + 1], common.host["query_start_loc_cpu"][: D + 1], D)
+        nums_dict = None
+        if conv:
+            nums_dict = {_CONV1D_BLOCK_M: {
+                "nums": hv[14], "tot": tot, "mlist": hv[15], "mlist_len": tot, "offsetlist": hv[16],
+                "batch_ptr": dv[12], "token_chunk_offset_ptr": dv[13],
+            }}
+        return dv, None if qd is None else qd[1], None if qd is None else qd[2], nums_dict
+
+    M = 2 * max(1024, tot) if conv else 0
+    Pt = T - Dt
+    if not cfg.mamba2:
+
+        def make1() -> Mamba1Metadata:
+            cm = common.result()
+            dv, _qd, _qd_h, nums_dict = views()
+            return _new_m1(
+                cm, P, Pt, D, Dt, cm.num_reqs, tot, M, dv[8], dv[7], dv[6], dv[4], None, None, cm.seq_lens,
+                dv[12], dv[13], hv[7], hv[6], hv[5], hv[3], None, None, cm.seq_lens_cpu, hv[11], hv[12],
+                hv[13], hv[14], hv[15], hv[16], nums_dict, None, None, None, None, None,
+            )
+
+        return Staged(step, host, make1)
+    host["chunk_metadata"], host["checkpoints"] = hv[18], None
+
+    def make2() -> Mamba2Metadata:
+        cm = common.result()
+        dv, qd, qd_h, nums_dict = views()
+        return _new_m2(
+            cm, P, Pt, D, Dt, cm.num_reqs, tot, M, dv[8], dv[7], dv[6], dv[4], qd, dv[5], cm.seq_lens,
+            dv[12], dv[13], hv[7], hv[6], hv[5], hv[3], qd_h, hv[4], cm.seq_lens_cpu, hv[11], hv[12],
+            hv[13], hv[14], hv[15], hv[16], nums_dict, None, None, None, None, None,
+            prep, C, n, dv[9], dv[10], dv[11], None, None, None, None,
+            hv[8], hv[9], hv[10], None, None, None, None, None,
+        )
+
+    return Staged(step, host, make2)
+
+
+# ------------------------------------------------------------------------------------------------
 # Mamba2
 # ------------------------------------------------------------------------------------------------
 
@@ -1024,7 +1461,8 @@ def stage(
         (:class:`~attnmeta.host.split.SplitCounts`), ``is_prefilling`` after the moves,
         ``num_computed_tokens_p_cpu``, ``query_start_loc_p_cpu``, ``chunk_metadata``
         (:class:`~attnmeta.host.chunks.ChunkMetadata` or None), ``checkpoints`` and ``staged`` (the
-        staged host views by field name), for other builders of the same step.
+        staged host views by field name; a read-only mapping of exact-length views on the fast path,
+        see "The per-step cost"), for other builders of the same step.
 
     Raises
     ------
@@ -1037,7 +1475,14 @@ def stage(
     attnmeta.staging.CapacityError
         Graph mode: the step exceeds a profile capacity.
     """
-    require_same_step(common, step)
+    if common.step is not step:
+        require_same_step(common, step)  # raises
+    cfg = _fast_config(options, step, common.host["block_size"])
+    if cfg is not None:
+        if num_accepted_tokens is not None and cfg.k == 0:
+            raise ValueError(
+                "num_accepted_tokens: given, but spec decode is off (Mamba2Options.num_speculative_tokens == 0)")
+        return _stage_fast(common, step, cfg, num_accepted_tokens)
     h = common.host
     bs_m = _mamba_block_size(options, h["block_size"])
     C, k = _check_mamba2(options, bs_m, step)
@@ -1251,6 +1696,9 @@ def stage_mamba1(
     h = common.host
     _check_mode(options.cache_mode, "Mamba1Options")
     bs_m = _mamba_block_size(options, h["block_size"])
+    cfg = _fast_config(options, step, h["block_size"])
+    if cfg is not None:
+        return _stage_fast(common, step, cfg, None)
     b = _base(common, threshold=1, moves=True, spec_tokens=0,
               conv1d=bool(options.needs_causal_conv1d_metadata), num_accepted_tokens=None)
     plan = _Plan(options.prefix)

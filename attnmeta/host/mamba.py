@@ -7,6 +7,12 @@
   placeholder drafts.
 - :func:`prefill_checkpoints`: the "align"-mode prefill checkpoints (6.8): the offset into each
   prefill's query where a checkpoint state is exported, its block-table column and its state index.
+- ``_mamba_fill_nb`` / ``_mamba_fill_packed_nb`` (private): the whole per-step Mamba2 / Mamba1
+  builder derivation in one compiled pass (classification, split, state indices, prefill query starts
+  and contexts, causal-conv1d programs, chunk-aligned layout), writing into staging bytes at byte
+  offsets the builder passes in a parameter vector; used by :mod:`attnmeta.backends.mamba2`, checked
+  field by field against the public functions here and in :mod:`attnmeta.host.chunks` /
+  :mod:`attnmeta.host.conv1d`.
 
 All numpy in, numpy out, compiled with numba; never imports torch.
 
@@ -288,6 +294,308 @@ def classify_mamba_rows(
             f"that are not draft-decode rows"
         )
     return res, status > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# the fused Mamba2 / Mamba1 builder kernels (used by attnmeta.backends.mamba2)
+
+
+# Parameters of _mamba_fill_nb: an int64 vector at the start of the host-only buffer ``hbuf`` (so
+# the call boxes few arguments): sizes and flags, then the byte offsets of the staged fields in
+# ``buf`` and of the host-only arrays in ``hbuf``. Internal to attnmeta.backends.mamba2.
+FILL_B, FILL_NCOLS, FILL_THRESHOLD, FILL_CHUNK, FILL_BSM, FILL_ALIGN, FILL_CONV, FILL_CHUNKS = range(8)
+FILL_ACC, FILL_MB, FILL_NB = range(8, 11)
+(FILL_O_SI_D, FILL_O_ACC, FILL_O_SI_P, FILL_O_QSL_P, FILL_O_INIT, FILL_O_CU, FILL_O_SIDX, FILL_O_LAST, FILL_O_BP,
+ FILL_O_OP, FILL_H_NC, FILL_H_NUMS, FILL_H_MLIST, FILL_H_MOVED) = range(16, 30)
+# where _mamba_fill_packed_nb finds the common metadata's host arrays: byte offsets into the slot
+# bytes (qsl, seq_lens, block table and its width) and into the common's host-only bytes
+(FILL_C_QSL, FILL_C_SL, FILL_C_BT, FILL_C_W, FILL_C_UB, FILL_C_ISP, FILL_C_DRAFTS) = range(32, 39)
+FILL_PARAMS = 40
+CONV1D_BLOCK_M = 8
+"""vLLM's ``BLOCK_M`` of the causal-conv1d programs (the only value it uses)."""
+
+# status codes of _mamba_fill_nb, encoded as ``-1 - (row * 8 + code)``
+FILL_E_QSL = 1  # a decreasing query_start_loc (classification)
+FILL_E_DRAFTS = 2  # a draft count below -1 (classification)
+FILL_E_TABLE_D = 3  # a decode row's state columns fall outside the block table (or s < 0)
+FILL_E_TABLE_P = 4  # a prefill row's state column falls outside the block table (or s < 0)
+FILL_E_CONTEXT = 5  # a prefill row's seq_lens_upper_bound < its query length
+FILL_E_CAPACITY = 6  # a staged buffer is smaller than the step needs (a bad bound: a bug)
+
+
+@njit
+def _state_start(s: int, block_size: int, align: bool) -> int:
+    if not align:
+        return 0
+    start = (s - 1) // block_size
+    return start if start > 0 else 0
+
+
+@njit
+def _fill_minus_one(a: np.ndarray, b: np.ndarray, start: int, stop: int) -> None:
+    """``a[start:stop] = b[start:stop] = -1`` (1-D slices: the loops vectorize)."""
+    if stop > start:
+        seg = a[start:stop]
+        for t in range(stop - start):
+            seg[t] = -1
+        seg = b[start:stop]
+        for t in range(stop - start):
+            seg[t] = -1
+
+
+@njit
+def _mamba_fill_nb(
+    qsl: np.ndarray,
+    ub: np.ndarray,
+    is_prefilling: np.ndarray,
+    drafts: np.ndarray,
+    sl: np.ndarray,
+    bt: np.ndarray,
+    accepted: np.ndarray,
+    buf: np.ndarray,
+    hbuf: np.ndarray,
+    num_tokens: int,
+    tail_lo: int,
+    tail_hi: int,
+) -> tuple[int, int, int, int, int, int, bool]:
+    """One step of the Mamba2 (and Mamba1) builder in one pass: classification, split and every
+    per-step array, written straight into staging bytes.
+
+    Inputs are the common metadata's host ``query_start_loc_cpu``, ``seq_lens_cpu_upper_bound``,
+    ``is_prefilling``, ``num_decode_draft_tokens_cpu`` (empty without spec decode), ``seq_lens_cpu``
+    (exact) and ``block_table_cpu`` (``B`` rows), and ``num_actual_tokens``. The parameters (sizes,
+    flags, byte offsets: the ``FILL_*`` indices) are the int64 vector at the start of ``hbuf``.
+
+    1. Classification (6.3 step 3, as :func:`_classify_nb`; the flags after the moves go to
+       ``hbuf``) and split (step 4): the first row with ``q > threshold`` or still prefilling after
+       the moves, which is ``split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)``
+       (5.1: with ``require_uniform=False`` its first-row and shortcut rules give the same
+       boundary). ``D`` decodes, then ``P = B - D`` prefills.
+    2. Into ``buf`` (fields staged for ``B`` rows; the first ``D`` / ``P`` are written):
+       ``state_indices_tensor_d`` ``(B, ncols)`` (5.10: ``bt[i, start_i + j]``),
+       ``num_accepted_tokens`` (``FILL_ACC`` 1: ``diff(qsl[:D + 1])``; 2: ``accepted[i]``, 1 past its
+       end), ``state_indices_tensor_p`` (column ``start_i`` of the prefill rows),
+       ``query_start_loc_p`` (``qsl[D:] - qsl[D]``), ``has_initial_states_p`` and, in ``hbuf``,
+       ``num_computed_tokens_p = ub[D:] - q`` (6.4).
+    3. With ``FILL_CONV``: ``batch_ptr`` / ``token_chunk_offset_ptr`` (5.8; ``-1`` from ``tot`` to
+       ``2 * max(1024, tot)``, except rows ``[tail_lo, tail_hi)`` that the caller knows already hold
+       ``-1``) and, in ``hbuf``, ``nums`` (int32) and ``mlist`` (int64). One 1-D slice per row and
+       array, so every fill loop vectorizes.
+    4. With ``FILL_CHUNKS``: ``cu_chunk_seqlen_p`` / ``seq_idx_p`` / ``last_chunk_indices_p``, the
+       chunk-aligned layout of :func:`attnmeta.host.chunks.chunk_metadata` without checkpoints (6.5).
+
+    The causal-conv1d and chunk fields hold ``FILL_MB`` / ``FILL_NB`` rows, bounds that the caller
+    derives from ``B`` and ``num_tokens``; rows past what the step needs are not written.
+
+    Returns ``(status, num_moved, D, num_decode_tokens, tot, num_chunks, prep_initial_states)``;
+    ``status`` is 0 or ``-1 - (row * 8 + code)`` (``FILL_E_*``), unreachable for staged common
+    metadata.
+    """
+    prm = hbuf[: 8 * FILL_PARAMS].view(np.int64)
+    B = prm[FILL_B]
+    threshold = prm[FILL_THRESHOLD]
+    o = prm[FILL_H_MOVED]
+    moved = hbuf[o : o + B].view(np.bool_)
+    # ---- classification and split
+    has_drafts = drafts.shape[0] > 0
+    num_moved = 0
+    D = B
+    for i in range(B):
+        qh = int(qsl[i + 1]) - int(qsl[i])
+        if qh < 0:
+            return -1 - (i * 8 + FILL_E_QSL), 0, 0, 0, 0, 0, False
+        p = is_prefilling[i]
+        d = -1
+        if has_drafts:
+            d = int(drafts[i])
+            if d < -1:
+                return -1 - (i * 8 + FILL_E_DRAFTS), 0, 0, 0, 0, 0, False
+        if p and int(ub[i]) > qh and (qh == 1 or (d >= 0 and qh == d + 1)):
+            num_moved += 1  # a stateful one-token chunk, or a prompt tail padded with drafts
+            p = False
+        moved[i] = p
+        if D == B and (qh > threshold or p):
+            D = i
+    P = B - D
+    dt = int(qsl[D]) if P else num_tokens
+    # ---- decode rows: 1 + k state columns
+    ncols = prm[FILL_NCOLS]
+    bsm = prm[FILL_BSM]
+    align = prm[FILL_ALIGN] != 0
+    width = bt.shape[1]
+    o = prm[FILL_O_SI_D]
+    si_d = buf[o : o + 4 * D * ncols].view(np.int32)
+    for i in range(D):
+        s = int(sl[i])
+        start = _state_start(s, bsm, align)
+        if s < 0 or start + ncols > width:
+            return -1 - (i * 8 + FILL_E_TABLE_D), 0, 0, 0, 0, 0, False
+        for j in range(ncols):
+            si_d[i * ncols + j] = bt[i, start + j]
+    acc_mode = prm[FILL_ACC]
+    if acc_mode != 0:
+        o = prm[FILL_O_ACC]
+        acc = buf[o : o + 4 * D].view(np.int32)
+        if acc_mode == 1:
+            for i in range(D):
+                acc[i] = qsl[i + 1] - qsl[i]
+        else:
+            na = accepted.shape[0]
+            for i in range(D):
+                acc[i] = accepted[i] if i < na else 1
+    # ---- prefill rows: column start_i of their state indices
+    o = prm[FILL_O_SI_P]
+    si_p = buf[o : o + 4 * P].view(np.int32)
+    for j in range(P):
+        r = D + j
+        s = int(sl[r])
+        start = _state_start(s, bsm, align)
+        if s < 0 or start + 1 > width:
+            return -1 - (r * 8 + FILL_E_TABLE_P), 0, 0, 0, 0, 0, False
+        si_p[j] = bt[r, start]
+    if P == 0:
+        return 0, num_moved, D, dt, 0, 0, False
+    if prm[FILL_O_QSL_P] < 0:  # the caller staged no prefill fields
+        return -1 - (D * 8 + FILL_E_CAPACITY), 0, 0, 0, 0, 0, False
+    # ---- prefill query starts, contexts, initial-state flags (6.4)
+    o = prm[FILL_O_QSL_P]
+    qsl_p = buf[o : o + 4 * (P + 1)].view(np.int32)
+    o = prm[FILL_O_INIT]
+    init = buf[o : o + P].view(np.bool_)
+    o = prm[FILL_H_NC]
+    nc = hbuf[o : o + 4 * P].view(np.int32)
+    qsl_p[0] = 0
+    prep = False
+    for j in range(P):
+        lo = int(qsl[D + j])
+        hi = int(qsl[D + j + 1])
+        qsl_p[j + 1] = hi - dt
+        c = int(ub[D + j]) - (hi - lo)
+        if c < 0:
+            return -1 - ((D + j) * 8 + FILL_E_CONTEXT), 0, 0, 0, 0, 0, False
+        nc[j] = c
+        init[j] = c > 0
+        if c > 0:
+            prep = True
+    # ---- causal-conv1d programs (5.8)
+    tot = 0
+    if prm[FILL_CONV] != 0:
+        mb = prm[FILL_MB]
+        o = prm[FILL_O_BP]
+        bp = buf[o : o + 4 * mb].view(np.int32)
+        o = prm[FILL_O_OP]
+        op = buf[o : o + 4 * mb].view(np.int32)
+        o = prm[FILL_H_NUMS]
+        nums = hbuf[o : o + 4 * P].view(np.int32)
+        o = prm[FILL_H_MLIST]
+        mlist = hbuf[o : o + 8 * (mb // 2)].view(np.int64)
+        k = 0
+        for j in range(P):
+            m = (int(qsl[D + j + 1]) - int(qsl[D + j]) + CONV1D_BLOCK_M - 1) // CONV1D_BLOCK_M
+            nums[j] = m
+            if 2 * (k + m) > mb:
+                return -1 - ((D + j) * 8 + FILL_E_CAPACITY), 0, 0, 0, 0, 0, False
+            seg = bp[k : k + m]
+            for t in range(m):
+                seg[t] = j
+            seg = op[k : k + m]
+            for t in range(m):
+                seg[t] = t
+            seg64 = mlist[k : k + m]
+            for t in range(m):
+                seg64[t] = j
+            k += m
+        tot = k
+        total = 2 * max(1024, tot)
+        if total > mb:
+            return -1 - FILL_E_CAPACITY, 0, 0, 0, 0, 0, False
+        # -1 on [tot, total), except [tail_lo, tail_hi) which the caller knows already holds -1
+        _fill_minus_one(bp, op, tot, min(total, tail_lo))
+        _fill_minus_one(bp, op, max(tot, tail_hi), total)
+    # ---- the chunk-aligned SSD layout (6.5), as _chunk_layout_packed_nb
+    count = 0
+    if prm[FILL_CHUNKS] != 0:
+        C = prm[FILL_CHUNK]
+        nb = prm[FILL_NB]
+        o = prm[FILL_O_CU]
+        cu = buf[o : o + 4 * (nb + 1)].view(np.int32)
+        o = prm[FILL_O_SIDX]
+        sidx = buf[o : o + 4 * nb].view(np.int32)
+        o = prm[FILL_O_LAST]
+        last = buf[o : o + 4 * P].view(np.int32)
+        pow2 = (C & (C - 1)) == 0
+        shift = 0
+        while (1 << shift) < C:
+            shift += 1
+        mask = C - 1
+        pos = 0
+        for j in range(P):
+            c = int(nc[j])
+            end = int(qsl_p[j + 1])
+            n = end - pos
+            # a row emits at most min(n // C + 2, n + 1) chunks; the caller's bound sums exactly that
+            most = (n >> shift if pow2 else n // C) + 2
+            if n + 1 < most:
+                most = n + 1
+            if count + most > nb:
+                return -1 - ((D + j) * 8 + FILL_E_CAPACITY), 0, 0, 0, 0, 0, False
+            rem = c & mask if pow2 else c % C
+            if rem != 0:  # realigning chunk of min(C - c % C, n) tokens
+                first = C - rem
+                if first > n:
+                    first = n
+                cu[count] = pos
+                sidx[count] = j
+                count += 1
+                pos += first
+                n -= first
+            # then cdiv(n, C) chunks of C tokens, the last one partial (1-D slices: vectorizes)
+            nfull = (n + mask) >> shift if pow2 else (n + mask) // C
+            seg = cu[count : count + nfull]
+            for t in range(nfull):
+                seg[t] = pos + t * C
+            seg = sidx[count : count + nfull]
+            for t in range(nfull):
+                seg[t] = j
+            count += nfull
+            pos = end
+            last[j] = count - 1
+        cu[count] = pos
+    return 0, num_moved, D, dt, tot, count, prep
+
+
+@njit
+def _mamba_fill_packed_nb(
+    buf: np.ndarray,
+    cbuf: np.ndarray,
+    hbuf: np.ndarray,
+    accepted: np.ndarray,
+    num_tokens: int,
+    tail_lo: int,
+    tail_hi: int,
+) -> tuple[int, int, int, int, int, int, bool]:
+    """:func:`_mamba_fill_nb` with the common metadata's host arrays addressed inside the slot bytes
+    ``buf`` (``query_start_loc_cpu``, ``seq_lens_cpu``, ``block_table_cpu``) and the common's
+    host-only bytes ``cbuf`` (``seq_lens_cpu_upper_bound``, ``is_prefilling``, and
+    ``num_decode_draft_tokens_cpu`` unless ``FILL_C_DRAFTS`` is -1), at the byte offsets of the
+    ``FILL_C_*`` parameters: six fewer arrays to box per call.
+    """
+    prm = hbuf[: 8 * FILL_PARAMS].view(np.int64)
+    B = prm[FILL_B]
+    W = prm[FILL_C_W]
+    o = prm[FILL_C_QSL]
+    qsl = buf[o : o + 4 * (B + 1)].view(np.int32)
+    o = prm[FILL_C_SL]
+    sl = buf[o : o + 4 * B].view(np.int32)
+    o = prm[FILL_C_BT]
+    bt = buf[o : o + 4 * B * W].view(np.int32).reshape(B, W)
+    o = prm[FILL_C_UB]
+    ub = cbuf[o : o + 4 * B].view(np.int32)
+    o = prm[FILL_C_ISP]
+    isp = cbuf[o : o + B].view(np.bool_)
+    o = prm[FILL_C_DRAFTS]
+    drafts = cbuf[o : o + 4 * B].view(np.int32) if o >= 0 else cbuf[0:0].view(np.int32)
+    return _mamba_fill_nb(qsl, ub, isp, drafts, sl, bt, accepted, buf, hbuf, num_tokens, tail_lo, tail_hi)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ their reference loops. attnmeta's host path must equal it bit for bit (values, d
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -28,10 +29,11 @@ from attnmeta.backends.mamba2 import (
     MambaMetadata,
     block_table_columns,
 )
-from attnmeta.host.mamba import CheckpointConfig
+from attnmeta.host.mamba import CheckpointConfig, classify_mamba_rows
+from attnmeta.host.split import split_decodes_and_prefills
 from attnmeta.staging import CapacityError
 from attnmeta.sync import no_device_sync
-from attnmeta.testing.assertions import assert_matches_device
+from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
 from attnmeta.testing.reference import (
     ref_causal_conv1d_metadata,
     ref_checkpoint_chunk_index,
@@ -538,6 +540,167 @@ def test_mamba1_and_linear_attn_match_the_reference(device: torch.device, spec: 
     _same(la.state_indices_tensor, torch.cat([ref["state_indices_tensor_d"][:, 0], ref["state_indices_tensor_p"]]),
           "state_indices_tensor")
     assert la.query_start_loc is la.common.query_start_loc and la.seq_lens is la.common.seq_lens
+
+
+# ------------------------------------------------------------------------------------------------
+# the fast path (eager, no checkpoints / logical chunks / per-token seq_idx): cached layouts reused
+# across steps, trusted causal-conv1d tails, SlotMappingMode.NONE
+# ------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def _fast_options(draw: st.DrawFn, block_size: int) -> Mamba2Options:
+    """Options the fast path takes (eager mode)."""
+    return Mamba2Options(
+        chunk_size=draw(st.sampled_from([8, 64, 256, 6])), mamba_block_size=draw(st.sampled_from([None, 4, 16])),
+        cache_mode=draw(st.sampled_from(["none", "align"])), num_speculative_tokens=draw(st.integers(0, 3)),
+        needs_causal_conv1d_metadata=draw(st.booleans()),
+    )
+
+
+@given(spec=batch_specs(max_reqs=12, max_query_len=40, max_context_len=300, long_prefills=True,
+                        max_long_prefill_len=600), data=st.data())
+def test_fast_path_matches_the_vllm_reference(device: torch.device, spec: BatchSpec, data: st.DataObject) -> None:
+    opts = data.draw(_fast_options(spec.block_size))
+    accepted = None
+    if opts.num_speculative_tokens and data.draw(st.booleans()):
+        rows = data.draw(st.sampled_from([spec.num_reqs, spec.padded_num_reqs]))
+        accepted = np.array(data.draw(st.lists(st.integers(1, 4), min_size=rows, max_size=rows)), I32)
+    _build(spec, opts, device, accepted)
+    # the host part for other builders of the step: the split and is_prefilling after the moves
+    with _stager("cpu").step() as step:
+        common = stage_common(spec, step, block_table_columns=block_table_columns(spec, opts), token_arrays=False)
+        staged = mamba2.stage(common, step, opts, num_accepted_tokens=accepted)
+    h = common.host
+    k = opts.num_speculative_tokens
+    isp, _ = classify_mamba_rows(h["query_start_loc_cpu"], h["seq_lens_cpu_upper_bound"], h["is_prefilling"],
+                                 h["num_decode_draft_tokens_cpu"] if k else None)
+    assert_host_equal(staged.host["is_prefilling"], isp)
+    assert tuple(staged.host["split"]) == tuple(split_decodes_and_prefills(
+        h["query_start_loc_cpu"], num_tokens=h["num_actual_tokens"], max_query_len=h["max_query_len"],
+        decode_threshold=1 + k, treat_short_extends_as_decodes=False, is_prefilling=isp))
+    m = staged.result()
+    for name, view in staged.host["staged"].items():
+        assert_host_equal(view, getattr(m, name + "_cpu"))
+
+
+def _same_shape_specs(rng: np.random.Generator, count: int, B: int, T: int) -> list[BatchSpec]:
+    """``count`` steps of ``B`` rows and ``T`` tokens with different values: 0-2 decodes, then
+    prefills (some continuing an unaligned context, some zero-length); every other one without
+    prompt lengths (no row is still prefilling: the split is by query length alone). The block tables
+    have ``cdiv(T + 700, 16)`` columns, enough for any row: stage them all (a fixed width)."""
+    out = []
+    for i in range(count):
+        nd = int(rng.integers(0, 3))
+        cuts = np.sort(rng.integers(0, T - nd + 1, B - nd - 1))
+        qp = np.diff(np.concatenate([[0], cuts, [T - nd]]))
+        q = np.concatenate([np.ones(nd, np.int64), qp]).astype(I32)
+        c = np.concatenate([rng.integers(1, 500, nd), np.where(rng.random(B - nd) < 0.5, 0, rng.integers(1, 700, B - nd))])
+        prompt = np.concatenate([np.minimum(c[:nd], 3), c[nd:] + qp + 5]).astype(I32)
+        table = rng.integers(0, 10_000, (B, -(-(T + 700) // 16)), dtype=I32)  # any row's blocks
+        out.append(BatchSpec(num_computed_tokens=c.astype(I32), num_scheduled_tokens=q, block_table=table, block_size=16,
+                             num_prompt_tokens=prompt if i % 2 == 0 else None))
+    return out
+
+
+@pytest.mark.parametrize("num_slots", [2, 3])
+def test_cached_layouts_give_every_step_its_own_values(num_slots: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps repeating one shape reuse each slot's field group, views and trusted -1 tails; each step's
+    metadata stays exact (and intact until its slot is reused), also after an abandoned step and a
+    step of other builders on the same slot wrote over the group's bytes."""
+    tails: list[tuple[int, int]] = []
+    fill = mamba2._mamba_fill_packed_nb
+
+    def spy(*args: Any) -> Any:
+        tails.append((args[-2], args[-1]))
+        return fill(*args)
+
+    monkeypatch.setattr(mamba2, "_mamba_fill_packed_nb", spy)
+    rng = np.random.default_rng(7)
+    specs = _same_shape_specs(rng, 30, B=9, T=700)
+    other = _same_shape_specs(rng, 1, B=5, T=300)[0]
+    opts = Mamba2Options(chunk_size=8, cache_mode="align", num_speculative_tokens=1, mamba_block_size=16)
+    cols, other_cols = specs[0].block_table.shape[1], other.block_table.shape[1]
+    stager = Stager("cpu", num_slots=num_slots)
+    live: list[tuple[Mamba2Metadata, dict[str, Any]]] = []
+    addresses = set()
+    for i, spec in enumerate(specs):
+        if i in (11, 19):  # an abandoned step of another shape, then other builders, on the next slots
+            with pytest.raises(RuntimeError), stager.step() as step:
+                mamba2.stage(stage_common(other, step, block_table_columns=other_cols, token_arrays=False), step, opts)
+                raise RuntimeError("abandon")
+            with stager.step() as step:
+                fa = flash_attn.stage(stage_common(other, step, block_table_columns=other_cols), step)
+            fa.result()
+            live = []  # those two steps reused slots: the older steps' metadata has expired
+        with stager.step() as step:
+            staged = mamba2.stage(stage_common(spec, step, block_table_columns=cols, token_arrays=False), step, opts)
+        m = staged.result()
+        ref = _vllm_reference(spec, opts, None, torch.device("cpu"))
+        _check_against_reference(m, ref)
+        live = [*live[-(num_slots - 1):], (m, ref)] if num_slots > 1 else [(m, ref)]
+        for old, old_ref in live:  # the steps whose slots were not reused since stay intact
+            _check_against_reference(old, old_ref)
+        if m.batch_ptr is not None:
+            addresses.add(m.batch_ptr.data_ptr())
+    assert len(addresses) <= num_slots + 1  # one field group per slot (the other shape's slot aside)
+    assert any(hi > 0 for _lo, hi in tails)  # some steps trusted the -1 the slot already held
+
+
+def test_growing_slots_keep_the_fast_path_exact() -> None:
+    """Slots that grow mid-step (fields in two buffers, or the common's in the old one) take the
+    explicit-array kernel and still give exact values."""
+    rng = np.random.default_rng(3)
+    opts = Mamba2Options(chunk_size=8)
+    stager = Stager("cpu", num_slots=2, initial_bytes=64)
+    for B, T in ((3, 40), (6, 300), (12, 900), (20, 4000), (6, 300)):
+        spec = _same_shape_specs(rng, 1, B=B, T=T)[0]
+        with stager.step() as step:
+            staged = mamba2.stage(stage_common(spec, step, block_table_columns=spec.block_table.shape[1],
+                                               token_arrays=False), step, opts)
+        _check_against_reference(staged.result(), _vllm_reference(spec, opts, None, torch.device("cpu")))
+    assert stager.stats.grows > 0
+
+
+@given(spec=batch_specs(max_reqs=8, max_query_len=40, max_context_len=300), conv=st.booleans())
+def test_slot_mapping_mode_none_gives_the_same_mamba_fields(spec: BatchSpec, conv: bool) -> None:
+    """``stage_common(..., token_arrays=False)`` (vLLM's SlotMappingMode.NONE for Mamba groups)
+    changes no Mamba field: they never read positions or the slot mapping."""
+    opts = Mamba2Options(chunk_size=8, needs_causal_conv1d_metadata=conv)
+    cols = block_table_columns(spec, opts)
+    out = []
+    for tokens in (True, False):
+        with _stager("cpu").step() as step:
+            common = stage_common(spec, step, block_table_columns=cols, token_arrays=tokens)
+            m2, m1 = mamba2.stage(common, step, opts), mamba1.stage(common, step, Mamba1Options(
+                needs_causal_conv1d_metadata=conv))
+        out.append((m2.result(), m1.result()))
+    assert out[1][0].common.slot_mapping.shape == (0,) and out[1][0].common.positions.shape == (0,)
+    for a, b in zip(out[0], out[1]):
+        for f in dataclasses.fields(a):
+            if f.name == "common":
+                continue
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            if isinstance(x, torch.Tensor):
+                _same(x, y, f.name)
+            elif isinstance(x, np.ndarray):
+                assert_host_equal(x, y)
+            elif isinstance(x, dict):
+                assert x.keys() == y.keys() and x[8]["tot"] == y[8]["tot"], f.name
+            else:
+                assert x == y, f.name
+
+
+def test_fast_path_names_the_fix_for_a_too_narrow_prefill_row() -> None:
+    # align mode with a mamba block (4) smaller than the common block size (16): the prefill row's
+    # state column (s=20 -> column 4) is past the 2 columns stage_common stages by default
+    spec = _spec([0], [20], [40], bs=16, width=8)
+    opts = Mamba2Options(chunk_size=8, cache_mode="align", mamba_block_size=4)
+    with pytest.raises(ValueError, match="block_table_columns"), Stager("cpu").step() as step:
+        mamba2.stage(stage_common(spec, step), step, opts)
+    m = mamba2.build(spec, Stager("cpu"), opts)
+    assert m.state_indices_tensor_p_cpu.tolist() == [4]
+
 
 
 # ------------------------------------------------------------------------------------------------
