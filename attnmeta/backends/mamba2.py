@@ -1164,7 +1164,7 @@ class _Fast:
     """
 
     __slots__ = ("cbuf", "ckpt", "dv", "full", "hbuf", "hv", "mlist", "moved", "nc", "nums", "prm", "qd", "ring",
-                 "src", "tail", "warm")
+                 "src", "tail")
 
     def __init__(self, group: FieldGroup, key: tuple[Any, ...], chunk_size: int, bs_m: int, align: bool,
                  acc_mode: int) -> None:
@@ -1198,7 +1198,6 @@ class _Fast:
         self.cbuf: np.ndarray | None = None  # ... and the common's host-only bytes (None: explicit arrays)
         self.tail = (0, 0)  # batch_ptr / token_chunk_offset_ptr rows [lo, hi) known to hold -1 ...
         self.ring = -1  # ... as of the step with this ring stamp (-1: unknown)
-        self.warm = False  # whether every slot of the stager has committed (_ring_stamp >= 0)
         self.hv: tuple[Any, ...] = (-1, -1, -1)  # per-step host views, by (D, num_chunks, tot)
         self.dv: tuple[Any, ...] = (None, -1, -1, -1)  # per-step device views, by (group views, D, n, tot)
         self.qd: tuple[Any, ...] = (None, None, None, -1)  # query_start_loc_d: views of the common's, by D
@@ -1256,23 +1255,6 @@ class _Fast:
             out.append(None if v is None or t is None else t if t.shape[0] == v.shape[0] else t[: v.shape[0]])
         self.dv = tuple(out)
         return self.dv
-
-
-def _ring_stamp(step: Step) -> int:
-    """How many steps the stager has begun (its ``slot_reuses``), or -1 while a ring slot has never
-    committed (until then not every begin is counted).
-
-    The bytes of a group were last written by the step with stamp ``s`` if the current step's stamp
-    is ``s + num_slots``: the ring visits its slots in order, so no other step (committed or
-    abandoned) touched this slot in between. The fast path uses it to skip rewriting the
-    causal-conv1d ``-1`` tails the slot still holds, as the stager's graph mode tracks the rows that
-    still hold a field's sentinel.
-    """
-    stager = step._stager
-    for slot in stager._slots:
-        if not slot.generation:
-            return -1
-    return stager.stats.slot_reuses
 
 
 def _accepted_input(values: Any, num_reqs: int, num_real: int) -> np.ndarray:
@@ -1340,11 +1322,9 @@ def _stage_fast(
     buf = group.buf
     lo = hi = stamp = 0
     if mb:
-        if fs.warm:
-            stamp = step._stager.stats.slot_reuses
-        else:
-            stamp = _ring_stamp(step)
-            fs.warm = stamp >= 0
+        # The bytes this group's tails occupy were last written by the step begun num_slots ago on this
+        # slot (ring order); if that step wrote them with this group, they still hold its -1 tails.
+        stamp = step._stager.stats.steps_begun
         if fs.ring >= 0 and stamp - fs.ring == step._stager.num_slots and buf is not None:
             lo, hi = fs.tail
         fs.ring = -1  # unknown until the kernel has written the tails
@@ -1364,7 +1344,7 @@ def _stage_fast(
             _scatter(group, target)
     if status:
         _raise_fill_error(status, h, k, bs_m, cfg.align)
-    if mb and fs.warm and buf is not None:
+    if mb and buf is not None:
         fs.tail, fs.ring = (tot, 2 * max(1024, tot)), stamp
     hv = fs.hv
     if hv[0] != D or hv[1] != n or hv[2] != tot:

@@ -146,6 +146,10 @@ class StagerStats:
     """Times a slot or arena had to grow (eager mode) or the layout changed before freeze."""
     slot_reuses: int = 0
     """Steps that began on a slot used before (every step after the first ``num_slots``)."""
+    steps_begun: int = 0
+    """Steps begun, committed or abandoned. Slots are visited in ring order, so the step that begins
+    when this reads ``n`` uses the slot that the step begun at ``n - num_slots`` used, and no step in
+    between touched it (a builder may rely on bytes that step left in the slot)."""
 
 
 class _Field:
@@ -467,8 +471,10 @@ class Stager:
             raise RuntimeError("Stager.step(): the previous step has neither committed nor been abandoned")
         slot = self._slots[self._next]
         self._next = (self._next + 1) % self.num_slots
+        st = self.stats
+        st.steps_begun += 1
         if slot.generation:
-            self.stats.slot_reuses += 1
+            st.slot_reuses += 1
         waits, wait_s = self._wait_slot(slot)
         step = Step(self, slot, waits, wait_s)
         self._open = step

@@ -316,3 +316,17 @@ def test_alloc_fields_when_the_slot_grows_mid_group() -> None:
         g.host[1][:] = np.arange(64)
     assert g.buf is None
     assert step.device("x").tolist() == [7] * 8 and step.device("y").tolist() == list(range(64))
+
+
+def test_steps_begun_counts_every_step_in_ring_order() -> None:
+    stager = Stager("cpu", num_slots=3)
+    slots = []
+    for i in range(7):
+        step = stager.step()
+        slots.append(step._slot.index)
+        if i % 3 == 1:
+            step.abandon()
+        else:
+            step.commit()
+        assert stager.stats.steps_begun == i + 1
+    assert slots == [0, 1, 2, 0, 1, 2, 0]  # the step begun at n uses the slot of the step begun at n - 3
