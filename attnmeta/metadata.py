@@ -403,26 +403,21 @@ def stage_common(
         ))
     else:
         paged_rows = _bucket(spec.num_pages) if paged_kv and cp is None else 0
-        paged = paged_rows > 0
-        if paged:
-            group = step.alloc_fields(lambda: (
+
+        def eager_specs() -> tuple[tuple[str, Any, Any, int | None, Any], ...]:
+            base: tuple[tuple[str, Any, Any, int | None, Any], ...] = (
                 (names[0], Bp + 1, _I32, None, 0),
                 (names[1], Bp, _I32, None, 0),
                 (names[2], (Bp, W), _I32, None, 0),
                 (names[3], Tt, _I64, None, -1),
                 (names[4], Tt, _I64, None, 0),
-                (names[5], Bp + 1, _I32, None, 0),
-                (names[6], Bp, _I32, None, 0),
-                (names[7], paged_rows, _I32, None, 0),  # bucketed: <= 12.5% slack, never read
-            ), (names, Bp, Tp, W, Tt, paged_rows))
-        else:
-            group = step.alloc_fields(lambda: (
-                (names[0], Bp + 1, _I32, None, 0),
-                (names[1], Bp, _I32, None, 0),
-                (names[2], (Bp, W), _I32, None, 0),
-                (names[3], Tt, _I64, None, -1),
-                (names[4], Tt, _I64, None, 0),
-            ), (names, Bp, Tp, W, Tt))
+            )
+            if not paged_rows:
+                return base
+            return (*base, (names[5], Bp + 1, _I32, None, 0), (names[6], Bp, _I32, None, 0),
+                    (names[7], paged_rows, _I32, None, 0))  # bucketed: <= 12.5% slack, never read
+
+        group = step.alloc_fields(eager_specs, (names, Bp, Tp, W, Tt, paged_rows))
     prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
     has_d = drafts is not None
     # Host-only arrays (never staged) and the read-only views handed out live with the group: built

@@ -464,26 +464,8 @@ def stage(
         kv_ro.flags.writeable = False
     qo_dec_ro = qsl[: D + 1]
     causal = bool(options.causal)
-    host: dict[str, Any] = {
-        "split": split,
-        "paged_kv_indptr_cpu": indptr_ro,
-        "paged_kv_indices_cpu": indices_ro,
-        "paged_kv_last_page_len_cpu": last_ro,
-        "kv_lens_cpu": kv_ro,
-        "qo_indptr_decode_cpu": qo_dec_ro,
-        "qo_indptr_prefill_cpu": qo_ro,
-        "num_decodes": D,
-        "num_prefills": P,
-        "num_decode_tokens": split.num_decode_tokens,
-        "num_prefill_tokens": split.num_prefill_tokens,
-        "num_pages": total,
-        "page_size": page,
-        "max_decode_query_len": mdq,
-        "max_prefill_query_len": mpq,
-        "max_kv_len": mkv,
-        "causal": causal,
-        "indices": options.indices,
-    }
+    host = _host_dict(split, indptr_ro, indices_ro, last_ro, kv_ro, qo_dec_ro, qo_ro, total, page, mdq, mpq, mkv,
+                      causal, options.indices)
 
     def make() -> FlashInferMetadata:
         cm = common.result()
@@ -518,6 +500,34 @@ def stage(
     return Staged(step, host, make)
 
 
+def _host_dict(
+    split: SplitCounts, indptr: np.ndarray, indices: np.ndarray | None, last: np.ndarray, kv: np.ndarray,
+    qo_decode: np.ndarray, qo_prefill: np.ndarray, total: int, page: int, mdq: int, mpq: int, mkv: int,
+    causal: bool, indices_mode: str,
+) -> dict[str, Any]:
+    """``Staged[FlashInferMetadata].host``: the split, the host arrays and the scalars."""
+    return {
+        "split": split,
+        "paged_kv_indptr_cpu": indptr,
+        "paged_kv_indices_cpu": indices,
+        "paged_kv_last_page_len_cpu": last,
+        "kv_lens_cpu": kv,
+        "qo_indptr_decode_cpu": qo_decode,
+        "qo_indptr_prefill_cpu": qo_prefill,
+        "num_decodes": split.num_decodes,
+        "num_prefills": split.num_prefills,
+        "num_decode_tokens": split.num_decode_tokens,
+        "num_prefill_tokens": split.num_prefill_tokens,
+        "num_pages": total,
+        "page_size": page,
+        "max_decode_query_len": mdq,
+        "max_prefill_query_len": mpq,
+        "max_kv_len": mkv,
+        "causal": causal,
+        "indices": indices_mode,
+    }
+
+
 def _stage_reusing_common(
     common: Staged[CommonAttentionMetadata], step: Step, options: FlashInferOptions, split: SplitCounts,
     paged: tuple[Any, ...], n_qo: str,
@@ -542,26 +552,8 @@ def _stage_reusing_common(
     mkv = h["max_exact_seq_len"]
     qo_dec_ro = qsl[: D + 1] if D < B else qsl
     causal = bool(options.causal)
-    host: dict[str, Any] = {
-        "split": split,
-        "paged_kv_indptr_cpu": indptr_ro,
-        "paged_kv_indices_cpu": indices_ro,
-        "paged_kv_last_page_len_cpu": last_ro,
-        "kv_lens_cpu": h["seq_lens_cpu"],
-        "qo_indptr_decode_cpu": qo_dec_ro,
-        "qo_indptr_prefill_cpu": qo_ro,
-        "num_decodes": D,
-        "num_prefills": P,
-        "num_decode_tokens": split.num_decode_tokens,
-        "num_prefill_tokens": split.num_prefill_tokens,
-        "num_pages": total,
-        "page_size": page,
-        "max_decode_query_len": mdq,
-        "max_prefill_query_len": mpq,
-        "max_kv_len": mkv,
-        "causal": causal,
-        "indices": "host",
-    }
+    host = _host_dict(split, indptr_ro, indices_ro, last_ro, h["seq_lens_cpu"], qo_dec_ro, qo_ro, total, page, mdq,
+                      mpq, mkv, causal, "host")
 
     def make() -> FlashInferMetadata:
         cm = common.result()

@@ -701,7 +701,9 @@ def block_table_columns(spec: BatchSpec, options: AnyMambaOptions) -> int:
     -------
     int
         ``max(1, cdiv(max_seq_len, block_size), max_i(start_i) + 1 + k)`` over the real rows, with
-        exact sequence lengths.
+        exact sequence lengths; with prefill checkpoints also the checkpoint column
+        ``cdiv(s, mamba_block_size) - 2`` of the longest upper-bound length ``s`` (plus one), as far
+        as the spec's table reaches.
 
     Raises
     ------
@@ -725,7 +727,10 @@ def block_table_columns(spec: BatchSpec, options: AnyMambaOptions) -> int:
     s = int(spec.max_exact_seq_len)
     used = -(-s // bs)
     start = max((s - 1) // bs_m, 0) if options.cache_mode == "align" else 0
-    return max(1, used, start + 1 + k)
+    # Prefill checkpoints (6.8) read column cdiv(s, bs_m) - 2 with s the *upper-bound* length.
+    ckpt = getattr(options, "checkpoint", None)
+    ckpt_cols = max(0, -(-int(spec.max_seq_len) // bs_m) - 1) if ckpt is not None else 0
+    return max(1, used, start + 1 + k, min(ckpt_cols, int(spec.block_table.shape[1])))
 
 
 def _state_indices(bt: np.ndarray, sl: np.ndarray, bs_m: int, mode: str, ncols: int, out: np.ndarray) -> None:

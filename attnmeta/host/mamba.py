@@ -712,7 +712,8 @@ def _gather(block_table_p: Any, cols: np.ndarray, out: np.ndarray | None) -> np.
     if bad >= 0:
         raise ValueError(
             f"block_table_p: prefill row {bad} has its checkpoint in column {int(cols[bad])} but the "
-            f"table has {bt.shape[1]} columns"
+            f"table has {bt.shape[1]} columns (checkpoints use the upper-bound sequence length: the block "
+            f"table must cover seq_lens_upper_bound, whose blocks the engine has allocated)"
         )
     return res
 

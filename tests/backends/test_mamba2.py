@@ -447,15 +447,19 @@ def _options(draw: st.DrawFn, block_size: int) -> Mamba2Options:
     )
 
 
+def _draw_accepted(spec: BatchSpec, opts: Any, data: st.DataObject) -> np.ndarray | None:
+    """Spec decode: sometimes ``num_accepted_tokens`` (one per real request or per row), else None."""
+    if opts.num_speculative_tokens and data.draw(st.booleans()):
+        rows = data.draw(st.sampled_from([spec.num_reqs, spec.padded_num_reqs]))
+        return np.array(data.draw(st.lists(st.integers(1, 4), min_size=rows, max_size=rows)), I32)
+    return None
+
+
 @given(spec=batch_specs(max_reqs=10, max_query_len=40, max_context_len=300, long_prefills=True,
                         max_long_prefill_len=600), data=st.data())
 def test_random_batches_match_the_vllm_reference(device: torch.device, spec: BatchSpec, data: st.DataObject) -> None:
     opts = data.draw(_options(spec.block_size))
-    accepted = None
-    if opts.num_speculative_tokens and data.draw(st.booleans()):
-        rows = data.draw(st.sampled_from([spec.num_reqs, spec.padded_num_reqs]))
-        accepted = np.array(data.draw(st.lists(st.integers(1, 4), min_size=rows, max_size=rows)), I32)
-    _build(spec, opts, device, accepted)
+    _build(spec, opts, device, _draw_accepted(spec, opts, data))
 
 
 @st.composite
@@ -562,10 +566,7 @@ def _fast_options(draw: st.DrawFn, block_size: int) -> Mamba2Options:
                         max_long_prefill_len=600), data=st.data())
 def test_fast_path_matches_the_vllm_reference(device: torch.device, spec: BatchSpec, data: st.DataObject) -> None:
     opts = data.draw(_fast_options(spec.block_size))
-    accepted = None
-    if opts.num_speculative_tokens and data.draw(st.booleans()):
-        rows = data.draw(st.sampled_from([spec.num_reqs, spec.padded_num_reqs]))
-        accepted = np.array(data.draw(st.lists(st.integers(1, 4), min_size=rows, max_size=rows)), I32)
+    accepted = _draw_accepted(spec, opts, data)
     _build(spec, opts, device, accepted)
     # the host part for other builders of the step: the split and is_prefilling after the moves
     with _stager("cpu").step() as step:
@@ -826,3 +827,23 @@ def test_cuda_builds_are_sync_free_graph_stable_and_equal_to_cpu(cuda_device: to
             _same(a, b, name)
         address = address or m.state_indices_tensor_d.data_ptr()
         assert m.state_indices_tensor_d.data_ptr() == address
+
+
+def test_checkpoints_of_an_optimistic_upper_bound_read_the_columns_it_allocated() -> None:
+    """Regression (found by the CI's random batches): a prefill's checkpoint column comes from its
+    upper-bound length; the builder stages that column when the spec's table has it, and names the
+    upper bound when it does not. The strategy now draws tables covering the upper bound."""
+    opts = Mamba2Options(chunk_size=8, mamba_block_size=1, cache_mode="align",
+                         checkpoint=CheckpointConfig(hash_block_size=1, cache_hit_alignment_tokens=1,
+                                                     mamba_block_size=1, checkpoint_alignment=1,
+                                                     num_hash_lookahead_tokens=0, drop_eagle_block=False),
+                         needs_causal_conv1d_metadata=False)
+    table = np.array([[11, 12, 0, 0, 0]] * 8 + [[21, 22, 23, 24, 25]], I32)
+    kw = dict(num_computed_tokens=np.ones(9, I32), num_scheduled_tokens=np.array([1] * 8 + [2], I32),
+              block_size=1, num_draft_tokens=np.array([0] * 8 + [1], I32),
+              seq_lens_upper_bound=np.array([2] * 8 + [5], I32))
+    m = _build(BatchSpec(block_table=table, **kw), opts)  # checked field by field against the reference
+    assert m.checkpoint_meta is not None and m.checkpoint_meta.cols_cpu.tolist() == [3]
+    assert m.checkpoint_meta.state_indices_cpu.tolist() == [24]
+    with pytest.raises(ValueError, match="must cover seq_lens_upper_bound"):
+        mamba2.build(BatchSpec(block_table=table[:, :3], **kw), _stager("cpu"), opts)

@@ -19,7 +19,8 @@ Shape legend
 ------------
 - ``num_reqs``: real requests of the drawn batch; ``num_reqs_padded`` with CUDA-graph padding rows.
 - ``num_tokens`` / ``num_tokens_padded``: real tokens / with padding tokens.
-- ``max_blocks_per_req``: block-table width, at least what the longest sequence needs.
+- ``max_blocks_per_req``: block-table width, at least what the longest sequence needs (its optimistic
+  upper bound, when one is drawn: the engine allocated those blocks).
 """
 
 from __future__ import annotations
@@ -239,18 +240,20 @@ def batch_specs(
                 num_tokens_padded = num_tokens + draw(pad_tokens)
             total_rows = n if num_reqs_padded is None else num_reqs_padded
 
+            upper = None
+            if draw(with_upper_bound):
+                upper = (seq + np.array([r.optimism for r in rows], dtype=np.int64)).astype(np.int32)
+
             bs = draw(block_sizes)
             _check(isinstance(bs, int) and bs >= 1, f"block_sizes drew {bs!r}; block sizes must be positive ints")
-            need = (seq + bs - 1) // bs
+            # An engine has allocated blocks for every token it scheduled, the optimistic ones included:
+            # the real block ids cover the upper bound; columns past it hold the filler.
+            need = ((seq if upper is None else np.maximum(seq, upper)) + bs - 1) // bs
             width = max(1, int(need.max()) if n else 0) + draw(extra_block_columns)
             rng = np.random.default_rng(draw(seeds))
             table = rng.integers(0, max_block_id, size=(total_rows, width), endpoint=True, dtype=np.int32)
             table[n:] = 0
             table[:n][np.arange(width)[None, :] >= need[:, None]] = draw(fillers)
-
-            upper = None
-            if draw(with_upper_bound):
-                upper = (seq + np.array([r.optimism for r in rows], dtype=np.int64)).astype(np.int32)
 
             cp = None
             if draw(with_context_parallel):
