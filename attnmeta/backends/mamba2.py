@@ -1329,8 +1329,8 @@ def _stage_fast(
     if mb:
         # The bytes this group's tails occupy were last written by the step begun num_slots ago on this
         # slot (ring order); if that step wrote them with this group, they still hold its -1 tails.
-        stamp = step._stager.stats.steps_begun
-        if fs.ring >= 0 and stamp - fs.ring == step._stager.num_slots and buf is not None:
+        stamp = step.stager.stats.steps_begun
+        if fs.ring >= 0 and stamp - fs.ring == step.stager.num_slots and buf is not None:
             lo, hi = fs.tail
         fs.ring = -1  # unknown until the kernel has written the tails
     acc_in = _NO_DRAFTS if num_accepted_tokens is None else _accepted_input(num_accepted_tokens, B, h["num_real_reqs"])

@@ -578,6 +578,11 @@ class Step:
 
     # ------------------------------------------------------------------ staging
     @property
+    def stager(self) -> Stager:
+        """The :class:`Stager` this step belongs to."""
+        return self._stager
+
+    @property
     def device_type(self) -> str:
         """``"cuda"``, ``"cpu"`` or ``"meta"``."""
         return self._stager.device.type
