@@ -32,6 +32,7 @@ import numpy as np
 
 from attnmeta._checks import as_host_array, check_out
 from attnmeta._numba import njit
+from attnmeta.host.chunks import _chunk_layout_nb
 
 __all__ = [
     "CheckpointConfig",
@@ -512,7 +513,7 @@ def _mamba_fill_nb(
         # -1 on [tot, total), except [tail_lo, tail_hi) which the caller knows already holds -1
         _fill_minus_one(bp, op, tot, min(total, tail_lo))
         _fill_minus_one(bp, op, max(tot, tail_hi), total)
-    # ---- the chunk-aligned SSD layout (6.5), as _chunk_layout_packed_nb
+    # ---- the chunk-aligned SSD layout (6.5)
     count = 0
     if prm[FILL_CHUNKS] != 0:
         C = prm[FILL_CHUNK]
@@ -523,44 +524,11 @@ def _mamba_fill_nb(
         sidx = buf[o : o + 4 * nb].view(np.int32)
         o = prm[FILL_O_LAST]
         last = buf[o : o + 4 * P].view(np.int32)
-        pow2 = (C & (C - 1)) == 0
-        shift = 0
-        while (1 << shift) < C:
-            shift += 1
-        mask = C - 1
-        pos = 0
-        for j in range(P):
-            c = int(nc[j])
-            end = int(qsl_p[j + 1])
-            n = end - pos
-            # a row emits at most min(n // C + 2, n + 1) chunks; the caller's bound sums exactly that
-            most = (n >> shift if pow2 else n // C) + 2
-            if n + 1 < most:
-                most = n + 1
-            if count + most > nb:
-                return -1 - ((D + j) * 8 + FILL_E_CAPACITY), 0, 0, 0, 0, 0, False
-            rem = c & mask if pow2 else c % C
-            if rem != 0:  # realigning chunk of min(C - c % C, n) tokens
-                first = C - rem
-                if first > n:
-                    first = n
-                cu[count] = pos
-                sidx[count] = j
-                count += 1
-                pos += first
-                n -= first
-            # then cdiv(n, C) chunks of C tokens, the last one partial (1-D slices: vectorizes)
-            nfull = (n + mask) >> shift if pow2 else (n + mask) // C
-            seg = cu[count : count + nfull]
-            for t in range(nfull):
-                seg[t] = pos + t * C
-            seg = sidx[count : count + nfull]
-            for t in range(nfull):
-                seg[t] = j
-            count += nfull
-            pos = end
-            last[j] = count - 1
-        cu[count] = pos
+        # The one chunking kernel of host/chunks.py (no checkpoint offsets). Its per-row checkpoint
+        # index output (-1 here) goes to ``last``, which the same row then overwrites with its last chunk.
+        count = _chunk_layout_nb(C, nc, qsl_p, nc[:0], False, cu, sidx, last, last)
+        if count < 0 or count > nb:  # unreachable: the inputs are validated and nb is an upper bound
+            return -1 - (D * 8 + FILL_E_CAPACITY), 0, 0, 0, 0, 0, False
     return 0, num_moved, D, dt, tot, count, prep
 
 
