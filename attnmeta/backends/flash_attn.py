@@ -189,63 +189,50 @@ def stage(
     split = common_split(h, decode_threshold=options.decode_threshold)
     causal = h["causal"] if options.causal is None else options.causal
     max_splits = options.max_num_splits
-    if options.dcp_world_size == 1 and (causal is True or causal is False):  # the common case: nothing staged
-
-        def make() -> FlashAttentionMetadata:
-            cm = common.result()
-            return _new_fa(
-                cm, cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping, None, None,
-                cm.query_start_loc_cpu, cm.seq_lens_cpu, None, None,
-                T, cm.max_query_len, cm.max_seq_len, causal,
-                split.num_decodes, split.num_prefills, split.num_decode_tokens, split.num_prefill_tokens,
-                0, max_splits, None,
-            )
-
-        return Staged(step, {"split": split}, make)
-
-    qsl, sl = h["query_start_loc_cpu"], h["seq_lens_cpu"]
-    B = h["num_reqs"]
-    p = options.prefix + "."
-    prof = step.profile
-    kw: dict[str, Any] = {"capacity": prof.max_num_reqs} if prof is not None else {}
-    dcp = dcp_host = None
+    dcp = dcp_host = causal_host = None
+    causal_name = ""
     max_dcp = 0
-    if options.dcp_world_size > 1:
-        dcp_host = step.alloc(p + "dcp_context_kv_lens", B, np.int32, fill=0, **kw)
-        dcp_context_kv_lens(sl, np.diff(qsl).astype(np.int32), options.dcp_world_size, options.dcp_rank,
-                            options.dcp_interleave, out=dcp_host)
-        max_dcp = max_dcp_context_kv_len(h["max_seq_len"], options.dcp_world_size, options.dcp_interleave)
-        dcp = p + "dcp_context_kv_lens"
-    causal_host = None
-    if not isinstance(causal, bool | np.bool_):
-        flags = np.asarray(causal)
-        n_real = h["num_real_reqs"]
-        if flags.shape != (n_real,):
-            raise ValueError(f"causal: expected one flag per real request ({n_real}), got shape {flags.shape}")
-        causal_host = step.alloc(p + "causal", B, np.int32, fill=1, **kw)
-        causal_per_request(flags, out=causal_host[:n_real])
-        causal_host[n_real:] = 1  # padding rows: causal
-        all_causal = bool(causal_host.all())
-    else:
-        all_causal = bool(causal)
-    if dcp_host is not None:
-        dcp_host.flags.writeable = False  # this step's own view: handed out read-only
-    if causal_host is not None:
-        causal_host.flags.writeable = False
+    all_causal = causal
+    if options.dcp_world_size > 1 or not (causal is True or causal is False):  # else nothing is staged
+        qsl, sl = h["query_start_loc_cpu"], h["seq_lens_cpu"]
+        B = h["num_reqs"]
+        p = options.prefix + "."
+        prof = step.profile
+        kw: dict[str, Any] = {"capacity": prof.max_num_reqs} if prof is not None else {}
+        if options.dcp_world_size > 1:
+            dcp = p + "dcp_context_kv_lens"
+            dcp_host = step.alloc(dcp, B, np.int32, fill=0, **kw)
+            dcp_context_kv_lens(sl, np.diff(qsl).astype(np.int32), options.dcp_world_size, options.dcp_rank,
+                                options.dcp_interleave, out=dcp_host)
+            max_dcp = max_dcp_context_kv_len(h["max_seq_len"], options.dcp_world_size, options.dcp_interleave)
+            dcp_host.flags.writeable = False  # this step's own view: handed out read-only
+        if not isinstance(causal, bool | np.bool_):
+            flags = np.asarray(causal)
+            n_real = h["num_real_reqs"]
+            if flags.shape != (n_real,):
+                raise ValueError(f"causal: expected one flag per real request ({n_real}), got shape {flags.shape}")
+            causal_name = p + "causal"
+            causal_host = step.alloc(causal_name, B, np.int32, fill=1, **kw)
+            causal_per_request(flags, out=causal_host[:n_real])
+            causal_host[n_real:] = 1  # padding rows: causal
+            all_causal = bool(causal_host.all())
+            causal_host.flags.writeable = False
+        else:
+            all_causal = bool(causal)
 
-    def make_general() -> FlashAttentionMetadata:
+    def make() -> FlashAttentionMetadata:
         cm = common.result()
         return _new_fa(
             cm, cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping,
             step.device(dcp) if dcp is not None else None,
-            step.device(p + "causal") if causal_host is not None else None,
+            step.device(causal_name) if causal_host is not None else None,
             cm.query_start_loc_cpu, cm.seq_lens_cpu, dcp_host, causal_host,
             T, cm.max_query_len, cm.max_seq_len, all_causal,
             split.num_decodes, split.num_prefills, split.num_decode_tokens, split.num_prefill_tokens,
             max_dcp, max_splits, None,
         )
 
-    return Staged(step, {"split": split}, make_general)
+    return Staged(step, {"split": split}, make)
 
 
 def build(spec: BatchSpec, stager: Stager, options: FlashAttnOptions = FlashAttnOptions()) -> FlashAttentionMetadata:
