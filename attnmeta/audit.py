@@ -54,6 +54,8 @@ def _flashinfer(spec: BatchSpec, step: Step, rng: np.random.Generator) -> Any:
         indices="device" if rng.random() < 0.5 else "host", dcp_world_size=2 if dcp else 1,
         dcp_rank=int(rng.integers(0, 2)) if dcp else 0,
     )
+    if rng.random() < 0.5:  # the steady-state decode path: the page table built by the common pass
+        return flashinfer.stage(stage_common(spec, step, paged_kv=True), step)
     return flashinfer.stage(stage_common(spec, step), step, opts)
 
 
