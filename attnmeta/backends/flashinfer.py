@@ -559,13 +559,18 @@ def _stage_reusing_common(
         cm = common.result()
         d = group.device(step)  # raises if the step has not committed or has expired
         extras = group.extras
+        qd = cm.query_start_loc
+        # Views cached with the group: the page indices by page count (it changes about every step),
+        # the empty prefill part by the common's device view (it does not).
         cached = extras.get("fi_device")
         if cached is None or cached[0] != total:
-            cached = extras["fi_device"] = (total, d[7][:total], cm.query_start_loc[:1])
-        qd = cm.query_start_loc
+            cached = extras["fi_device"] = (total, d[7][:total])
+        qo0 = extras.get("fi_qo0")
+        if qo0 is None or qo0[0] is not qd:
+            qo0 = extras["fi_qo0"] = (qd, qd[:1])
         return _new_fi(
             cm, d[5], cached[1], d[6], cm.seq_lens,
-            qd if D == B else qd[: D + 1], cached[2] if qo_group is None else qo_group.device(step)[0],
+            qd if D == B else qd[: D + 1], qo0[1] if qo_group is None else qo_group.device(step)[0],
             indptr_ro, indices_ro, last_ro, h["seq_lens_cpu"], qo_dec_ro, qo_ro,
             D, P, split.num_decode_tokens, split.num_prefill_tokens, total, page, mdq, mpq, mkv, causal, "host",
         )

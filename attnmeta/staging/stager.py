@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -47,6 +48,7 @@ import numpy.typing as npt
 import torch
 
 from attnmeta.profile import StaticProfile
+from attnmeta.staging import _driver
 
 __all__ = [
     "CapacityError",
@@ -94,6 +96,10 @@ class CapacityError(ValueError):
 # The current stream's (id, device index, device type) without building a Stream object; None if
 # this torch build lacks the private binding (then torch.cuda.current_stream is used every commit).
 _GET_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
+# Depths of torch's dispatch / function mode stacks: while either is non-empty (the sync audit), the
+# commit's copy goes through torch so the modes see it.
+_DISPATCH_DEPTH = torch._C._len_torch_dispatch_stack
+_FUNCTION_DEPTH = torch._C._len_torch_function_stack
 
 
 def _align(n: int) -> int:
@@ -182,7 +188,7 @@ class _Slot:
 
     __slots__ = (
         "copy_pairs", "device_arena", "dirty_rows", "event", "generation", "groups", "host", "host_np", "index",
-        "typed", "views",
+        "ptrs", "typed", "views",
     )
 
     def __init__(self, index: int) -> None:
@@ -192,6 +198,7 @@ class _Slot:
         self.device_arena: torch.Tensor | None = None
         self.event: Any = None
         self.generation = 0
+        self.ptrs = (0, 0)  # eager CUDA: (device arena, pinned host) addresses for the driver copy
         self.dirty_rows: dict[str, int] = {}  # graph mode: rows not holding the sentinel
         self.typed: dict[np.dtype, torch.Tensor] = {}  # eager mode: typed views of device_arena
         self.views: dict[tuple[Any, ...], torch.Tensor] = {}  # eager mode: device views by (offset, dtype, shape)
@@ -336,6 +343,14 @@ class Stager:
         self._graph_views: dict[tuple[Any, ...], torch.Tensor] = {}
         self._copy_end = 0  # graph mode: bytes a commit must copy (high-water mark of non-sentinel data)
         self._full_copy_pending = True
+        self._stream_handle = 0
+        # Eager CUDA commits go through the driver API when it is available (attnmeta.staging._driver);
+        # the pinned slots then outlive this stager until their last copies complete.
+        self._driver = _driver.load() if self._cuda and not self.graph_mode else None
+        if self._driver is not None and _GET_CURRENT_STREAM is not None:
+            weakref.finalize(self, _driver.retire, self._slots).atexit = False  # at exit nothing is reused
+        else:
+            self._driver = None
         for slot in self._slots:
             self._alloc_slot(slot, max(_align(initial_bytes), _ALIGN))
             if self._cuda:
@@ -350,6 +365,8 @@ class Stager:
         slot.host, slot.host_np = self._alloc_host(nbytes)
         if not self.graph_mode:
             slot.device_arena = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            if self._cuda:
+                slot.ptrs = (slot.device_arena.data_ptr(), slot.host.data_ptr())
 
     def _grow_slot(self, slot: _Slot, need: int) -> np.ndarray:
         """Eager mode: grow ``slot`` to hold ``need`` bytes; returns the old host bytes.
@@ -363,6 +380,8 @@ class Stager:
         logger.info("attnmeta.staging: growing slot %d to %d bytes (outside steady state)", slot.index, new_size)
         slot.host, slot.host_np = self._alloc_host(new_size)
         slot.device_arena = torch.empty(new_size, dtype=torch.uint8, device=self.device)
+        if self._cuda:
+            slot.ptrs = (slot.device_arena.data_ptr(), slot.host.data_ptr())
         slot.typed = {}
         slot.views = {}
         slot.groups = {}
@@ -446,6 +465,7 @@ class Stager:
         if key != self._stream_key:
             self._stream_key = key
             self._stream_obj = torch.cuda.current_stream(self.device)
+            self._stream_handle = self._stream_obj.cuda_stream
         return self._stream_obj
 
     def _wait_slot(self, slot: _Slot) -> tuple[int, float]:
@@ -471,6 +491,8 @@ class Stager:
             raise RuntimeError("Stager.step(): the previous step has neither committed nor been abandoned")
         slot = self._slots[self._next]
         self._next = (self._next + 1) % self.num_slots
+        if _driver._RETIRED:
+            _driver.purge()
         st = self.stats
         st.steps_begun += 1
         if slot.generation:
@@ -517,15 +539,16 @@ class Stager:
                 # Eager mode copies whole 4 KiB pages (never past the slot): the (device, host) slice
                 # pair of each length is cached, and rounding keeps that cache small.
                 size = nbytes if self.graph_mode else min((nbytes + 4095) & ~4095, slot.host_np.shape[0])
-                pair = slot.copy_pairs.get(size)
-                if pair is None:
-                    pair = (dst[:size], slot.host[:size])
-                    if len(slot.copy_pairs) >= _MAX_CACHED_GROUPS:
-                        slot.copy_pairs.clear()
-                    slot.copy_pairs[size] = pair
-                pair[0].copy_(pair[1], non_blocking=True)
-                if self._cuda:
-                    slot.event.record(self._current_stream())
+                if self._driver is None or not self._driver_copy(slot, size):
+                    pair = slot.copy_pairs.get(size)
+                    if pair is None:
+                        pair = (dst[:size], slot.host[:size])
+                        if len(slot.copy_pairs) >= _MAX_CACHED_GROUPS:
+                            slot.copy_pairs.clear()
+                        slot.copy_pairs[size] = pair
+                    pair[0].copy_(pair[1], non_blocking=True)
+                    if self._cuda:
+                        slot.event.record(self._current_stream())
             copies = 1
         slot.generation += 1
         step._generation = slot.generation
@@ -535,6 +558,26 @@ class Stager:
         s.steps += 1
         s.copies += copies
         s.bytes += nbytes
+
+    def _driver_copy(self, slot: _Slot, size: int) -> bool:
+        """Eager CUDA commit through the driver: the copy on the current stream, then the slot's fence.
+
+        Returns False (nothing enqueued, the caller uses torch) while a torch dispatch or function
+        mode is active (the sync audit must see the copy), before the slot's event exists (torch
+        creates it on its first record) or when the driver reports any error for the copy.
+        """
+        ev = slot.event.cuda_event
+        if not ev or _DISPATCH_DEPTH() or _FUNCTION_DEPTH():
+            return False
+        self._current_stream()
+        drv = self._driver
+        assert drv is not None
+        handle = self._stream_handle
+        if drv.copy(slot.ptrs[0], slot.ptrs[1], size, handle):
+            return False
+        if drv.record(ev, handle):
+            slot.event.record(self._stream_obj)  # the copy is enqueued; fence it the torch way
+        return True
 
     def _abandon(self, step: Step) -> None:
         self._open = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import numpy as np
 import pytest
@@ -182,3 +183,109 @@ def test_commit_fences_on_whichever_stream_is_current() -> None:
             expected = side if i % 2 else torch.cuda.current_stream()
             assert stager._current_stream() == expected
             assert step.device("x").sum().item() == 4 * i  # read on the same stream, after the copy
+
+
+class _CountingDriver:
+    """Stands in for ``attnmeta.staging._driver.Driver``: counts calls, delegates or fails on demand."""
+
+    def __init__(self, real: Any, fail_copy: bool = False) -> None:
+        self.real, self.fail_copy = real, fail_copy
+        self.copies = self.records = 0
+
+    def copy(self, dst: int, src: int, n: int, stream: int) -> int:
+        self.copies += 1
+        return 1 if self.fail_copy else int(self.real.copy(dst, src, n, stream))
+
+    def record(self, event: int, stream: int) -> int:
+        self.records += 1
+        return int(self.real.record(event, stream))
+
+
+def _driver_steps(stager: Stager, steps: int, seed: int) -> int:
+    """``steps`` random steps on ``stager`` (GPU held behind now and then); returns corrupted steps."""
+    dev = stager.device
+    rng = np.random.default_rng(seed)
+    weights = torch.arange(1, 4096 + 1, dtype=torch.int64, device=dev)
+    log = torch.zeros(steps, dtype=torch.int64, device=dev)
+    expected = np.zeros(steps, dtype=np.uint64)
+    with sync_error_mode():
+        for i in range(steps):
+            if i % 8 == 0:
+                torch.cuda._sleep(1_000_000)
+            data = _random_fields(rng)
+            with stager.step() as step:
+                for name, arr in data.items():
+                    step.alloc(name, arr.shape, arr.dtype)[...] = arr
+            expected[i] = np.uint64(_host_checksum(list(data.values())))
+            log[i : i + 1].copy_(_checksum([step.device(n) for n in data], weights).view(1))
+    return int((log.cpu().numpy().astype(np.uint64) != expected).sum())
+
+
+def test_eager_commits_go_through_the_driver_and_land_intact() -> None:
+    from attnmeta.staging import _driver
+
+    if _driver.load() is None:
+        pytest.skip("libcuda could not be loaded, or ATTNMETA_DRIVER_COPY=0")
+    stager = Stager("cuda", num_slots=3)
+    assert stager._driver is not None
+    spy = _CountingDriver(stager._driver)
+    stager._driver = spy  # type: ignore[assignment]
+    assert _driver_steps(stager, 600, seed=5) == 0
+    # every commit but each slot's first (torch creates the slot's event on its first record)
+    assert spy.copies == spy.records == 600 - 3
+    assert stager.stats.copies == 600
+
+
+def test_a_failing_driver_copy_falls_back_to_torch() -> None:
+    from attnmeta.staging import _driver
+
+    if _driver.load() is None:
+        pytest.skip("libcuda could not be loaded, or ATTNMETA_DRIVER_COPY=0")
+    stager = Stager("cuda", num_slots=2)
+    spy = _CountingDriver(stager._driver, fail_copy=True)
+    stager._driver = spy  # type: ignore[assignment]
+    assert _driver_steps(stager, 200, seed=6) == 0
+    assert spy.copies == 200 - 2 and spy.records == 0
+
+
+def test_the_sync_audit_sees_the_commit_as_a_torch_copy() -> None:
+    """Under the audit's dispatch/function modes the commit must not bypass torch (else the audit
+    could not check the copy)."""
+    from attnmeta.staging import _driver
+    from attnmeta.sync import no_device_sync
+
+    if _driver.load() is None:
+        pytest.skip("libcuda could not be loaded, or ATTNMETA_DRIVER_COPY=0")
+    stager = Stager("cuda", num_slots=2)
+    spy = _CountingDriver(stager._driver)
+    stager._driver = spy  # type: ignore[assignment]
+    for i in range(6):
+        with no_device_sync(), stager.step() as step:
+            step.alloc("x", 8, np.int32)[:] = i
+        assert int(step.device("x").sum().item()) == 8 * i
+    assert spy.copies == 0
+
+
+def test_a_collected_stager_keeps_its_pinned_slots_until_their_copies_complete() -> None:
+    import gc
+
+    from attnmeta.staging import _driver
+
+    if _driver.load() is None:
+        pytest.skip("libcuda could not be loaded, or ATTNMETA_DRIVER_COPY=0")
+    torch.cuda.synchronize()
+    _driver.purge()
+    assert not _driver._RETIRED
+    stager = Stager("cuda", num_slots=2)
+    for i in range(4):
+        with stager.step() as step:
+            step.alloc("x", 1 << 16, np.int32)[:] = i
+    torch.cuda._sleep(50_000_000)  # the GPU is far behind: the last copies are still queued ...
+    with stager.step() as step:
+        step.alloc("x", 1 << 16, np.int32)[:] = 9
+    del stager, step
+    gc.collect()
+    assert len(_driver._RETIRED) >= 1  # ... so the collected stager's pinned slots are retired, not freed
+    torch.cuda.synchronize()
+    _driver.purge()
+    assert not _driver._RETIRED

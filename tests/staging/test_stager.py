@@ -330,3 +330,44 @@ def test_steps_begun_counts_every_step_in_ring_order() -> None:
             step.commit()
         assert stager.stats.steps_begun == i + 1
     assert slots == [0, 1, 2, 0, 1, 2, 0]  # the step begun at n uses the slot of the step begun at n - 3
+
+
+# ---- the driver fast path's bookkeeping (attnmeta.staging._driver); the copies themselves are
+# tested on the GPU machine (tests/gpu/test_staging_cuda.py)
+class _FakeEvent:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _FakeSlot:
+    def __init__(self, done: bool | None, generation: int = 1) -> None:
+        self.event = None if done is None else _FakeEvent(done)
+        self.host = object()
+        self.generation = generation
+
+
+def test_driver_copy_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnmeta.staging import _driver
+
+    monkeypatch.setattr(_driver, "_LOADED", [])
+    monkeypatch.setenv("ATTNMETA_DRIVER_COPY", "0")
+    assert _driver.load() is None
+    assert Stager("cpu")._driver is None  # and never on a CPU (or meta) device
+
+
+def test_retired_pinned_slots_live_until_their_last_copy_completed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnmeta.staging import _driver
+
+    monkeypatch.setattr(_driver, "_RETIRED", [])
+    pending, done, unused, no_event = _FakeSlot(False), _FakeSlot(True), _FakeSlot(False, 0), _FakeSlot(None)
+    _driver.retire([pending, done, unused, no_event])
+    assert [host for _, host in _driver._RETIRED] == [pending.host]  # completed / never copied: released
+    _driver.purge()
+    assert len(_driver._RETIRED) == 1
+    assert pending.event is not None
+    pending.event.done = True
+    _driver.purge()
+    assert _driver._RETIRED == []
