@@ -45,7 +45,10 @@ from attnmeta._workloads import mixed_spec
 from attnmeta.bench import Case, Uploads
 from attnmeta.spec import BatchSpec
 
-__all__ = ["CHUNK_SIZE", "MAMBA_BLOCK_SIZE", "OPTIONS", "SIZES", "mamba2_cases", "prefill_step_spec", "prefill_step_specs"]
+__all__ = [
+    "CHUNK_SIZE", "MAMBA_BLOCK_SIZE", "OPTIONS", "SIZES", "WALK", "mamba2_cases", "prefill_step_spec",
+    "prefill_step_specs", "prefill_step_walks",
+]
 
 CHUNK_SIZE = 256
 """SSD chunk size of the workload."""
@@ -74,10 +77,25 @@ def prefill_step_spec(rng: np.random.Generator, num_prefills: int) -> BatchSpec:
                       block_size=MAMBA_BLOCK_SIZE)
 
 
+WALK = 16
+"""Distinct steps per size that the bench paths walk in turn: consecutive prefill steps of an engine
+differ, so a bench repeating one step would time caches (views, slot layouts, ``-1`` tails) that a
+real loop misses."""
+
+
 def prefill_step_specs(quick: bool) -> list[BatchSpec]:
-    """The steps of :func:`mamba2_cases`, in order (fixed seed): one per size of :data:`SIZES`."""
+    """One step per size of :data:`SIZES` (fixed seed): the first step of each walk of
+    :func:`prefill_step_walks`."""
     rng = np.random.default_rng(0)
     return [prefill_step_spec(rng, p) for p in (SIZES[:3] if quick else SIZES)]
+
+
+def prefill_step_walks(quick: bool) -> list[list[BatchSpec]]:
+    """Per size of :data:`SIZES`, :data:`WALK` distinct steps of that many prefills (fixed seeds),
+    starting with the step of :func:`prefill_step_specs`."""
+    rng = np.random.default_rng(1)
+    return [[first, *(prefill_step_spec(rng, first.num_reqs) for _ in range(WALK - 1))]
+            for first in prefill_step_specs(quick)]
 
 
 def _list_uploader(device: torch.device, counter: Uploads) -> Callable[[list[int], torch.dtype], torch.Tensor]:
@@ -92,7 +110,8 @@ def _list_uploader(device: torch.device, counter: Uploads) -> Callable[[list[int
     return up
 
 
-def _case(spec: BatchSpec, device: torch.device) -> Case:
+def _case(specs: list[BatchSpec], device: torch.device) -> Case:
+    """One bench case: every path walks ``specs`` (distinct steps of one size) in turn."""
     from attnmeta.backends import mamba2
     from attnmeta.host import layout
     from attnmeta.host.chunks import chunk_metadata
@@ -104,27 +123,39 @@ def _case(spec: BatchSpec, device: torch.device) -> Case:
     from attnmeta.testing import reference as ref
 
     opts = OPTIONS
-    cols = mamba2.block_table_columns(spec, opts)
     stager = Stager(device)
     ups = {"attnmeta": Uploads(), "reference": Uploads(), "per-tensor": Uploads()}
-    B, T, bs, C = spec.padded_num_reqs, spec.padded_num_tokens, spec.block_size, opts.chunk_size
-    assert spec.num_prompt_tokens is not None
-    prompt = spec.num_prompt_tokens
-    table = np.ascontiguousarray(spec.block_table[:, :cols])
+    C = opts.chunk_size
+    n = len(specs)
+    cols = [mamba2.block_table_columns(s, opts) for s in specs]
+    tables = [np.ascontiguousarray(s.block_table[:, :w]) for s, w in zip(specs, cols)]
+    at = {"attnmeta": 0, "reference": 0, "per-tensor": 0}  # each path's position in the walk
+
+    def nxt(path: str) -> int:
+        i = at[path]
+        at[path] = (i + 1) % n
+        return i
 
     def attnmeta_step() -> Any:
+        i = nxt("attnmeta")
         with stager.step() as step:
-            staged = mamba2.stage(stage_common(spec, step, block_table_columns=cols, token_arrays=False), step, opts)
+            staged = mamba2.stage(stage_common(specs[i], step, block_table_columns=cols[i], token_arrays=False), step,
+                                  opts)
         ups["attnmeta"].copies += step.stats.copies
         ups["attnmeta"].bytes += step.stats.bytes
         return staged.result()
 
     raw = _raw_uploader(device, ups["reference"])
     lists = _list_uploader(device, ups["reference"])
-    c_cpu, q_cpu = torch.from_numpy(spec.num_computed_tokens), torch.from_numpy(spec.num_scheduled_tokens)
-    prompt_cpu = torch.from_numpy(prompt)
+    host_t = [(torch.from_numpy(s.num_computed_tokens), torch.from_numpy(s.num_scheduled_tokens),
+               torch.from_numpy(s.num_prompt_tokens)) for s in specs if s.num_prompt_tokens is not None]
+    assert len(host_t) == n, "the Mamba2 bench specs carry prompt lengths"
 
     def reference_step() -> Any:
+        i = nxt("reference")
+        spec, table = specs[i], tables[i]
+        c_cpu, q_cpu, prompt_cpu = host_t[i]
+        B, T, bs = spec.padded_num_reqs, spec.padded_num_tokens, spec.block_size
         # the runner: raw inputs uploaded, common fields on the device, host copies of qsl / lengths;
         # a Mamba group (SlotMappingMode.NONE) computes no positions / slot_mapping
         c, q, bt = raw(spec.num_computed_tokens), raw(spec.num_scheduled_tokens), raw(table)
@@ -154,9 +185,13 @@ def _case(spec: BatchSpec, device: torch.device) -> Case:
         return out
 
     per = _uploader(device, ups["per-tensor"])
-    c_np, q_np = spec.num_computed_tokens, spec.num_scheduled_tokens
 
     def per_tensor_step() -> Any:
+        i = nxt("per-tensor")
+        spec, table = specs[i], tables[i]
+        c_np, q_np, prompt = spec.num_computed_tokens, spec.num_scheduled_tokens, spec.num_prompt_tokens
+        assert prompt is not None
+        B, T, bs = spec.padded_num_reqs, spec.padded_num_tokens, spec.block_size
         qsl = layout.query_start_loc(q_np, num_reqs_padded=B)
         sl = layout.seq_lens(c_np, q_np, num_reqs_padded=B)
         isp, _ = classify_mamba_rows(qsl, sl, layout.is_prefilling(c_np, prompt, num_reqs_padded=B))
@@ -176,7 +211,7 @@ def _case(spec: BatchSpec, device: torch.device) -> Case:
                         token_chunk_offset_ptr=conv.token_chunk_offset_ptr)
         return {k: per(v) for k, v in host.items()}
 
-    return Case("mamba2-prefill", spec.num_reqs,
+    return Case("mamba2-prefill", specs[0].num_reqs,
                 {"attnmeta": attnmeta_step, "reference": reference_step, "per-tensor": per_tensor_step},
                 ups, stager)
 
@@ -194,6 +229,8 @@ def mamba2_cases(device: torch.device, quick: bool) -> list[Case]:
     Returns
     -------
     list of attnmeta.bench.Case
-        Paths ``"attnmeta"``, ``"reference"`` and ``"per-tensor"``, each performing one whole step.
+        Paths ``"attnmeta"``, ``"reference"`` and ``"per-tensor"``, each performing one whole step;
+        each path walks the :data:`WALK` distinct steps of its size (:func:`prefill_step_walks`) in
+        turn.
     """
-    return [_case(spec, torch.device(device)) for spec in prefill_step_specs(quick)]
+    return [_case(walk, torch.device(device)) for walk in prefill_step_walks(quick)]

@@ -417,7 +417,9 @@ def stage_common(
             return (*base, (names[5], Bp + 1, _I32, None, 0), (names[6], Bp, _I32, None, 0),
                     (names[7], paged_rows, _I32, None, 0))  # bucketed: <= 12.5% slack, never read
 
-        group = step.alloc_fields(eager_specs, (names, Bp, Tp, W, Tt, paged_rows))
+        # The layout depends on the token count only through the per-token rows (Tt): without them
+        # (token_arrays=False) steps of any length share one cached layout per row count.
+        group = step.alloc_fields(eager_specs, (names, Bp, W, Tt, paged_rows))
     prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
     has_d = drafts is not None
     # Host-only arrays (never staged) and the read-only views handed out live with the group: built

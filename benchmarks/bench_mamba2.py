@@ -21,8 +21,9 @@ breakdown splits attnmeta's step into the common metadata alone and the Mamba2 i
 
 Run: ``python benchmarks/bench_mamba2.py`` (``--quick`` for 1-64 prefills and fewer samples,
 ``--device cuda`` on a GPU machine, ``--steady`` for attnmeta's step alone in a steady loop, the
-protocol of the <= 30 us target; absolute times are only meaningful on the machine that produced
-them).
+protocol of the <= 30 us target, both repeating one step and walking 16 distinct steps of each size;
+absolute times are only meaningful on the machine that produced them). Every path of the
+interleaved comparison walks the same 16 distinct steps per size (:data:`attnmeta._bench_mamba2.WALK`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnmeta import BatchSpec, Stager, stage_common
-from attnmeta._bench_mamba2 import OPTIONS, mamba2_cases, prefill_step_specs
+from attnmeta._bench_mamba2 import OPTIONS, WALK, mamba2_cases, prefill_step_specs, prefill_step_walks
 from attnmeta.backends import mamba2
 from attnmeta.bench import _count
 
@@ -121,15 +122,21 @@ def breakdown(spec: BatchSpec, device: torch.device, rounds: int, budget_s: floa
             "stage": float(np.median(stage_t)), "result": float(np.median(result_t))}
 
 
-def steady(spec: BatchSpec, device: torch.device, steps: int, reps: int) -> tuple[float, float]:
-    """attnmeta's step alone, one stager in a loop (the issue's protocol): ``reps`` blocks of ``steps``
-    steps with the garbage collector off; returns the best block median and that block's p99."""
+def steady(walk: list[BatchSpec], device: torch.device, steps: int, reps: int) -> tuple[float, float]:
+    """attnmeta's step alone, one stager in a loop (the issue's protocol), walking the steps of
+    ``walk`` in turn: ``reps`` blocks of ``steps`` steps with the garbage collector off; returns the
+    best block median and that block's p99. A one-step ``walk`` repeats one step (every per-shape
+    cache hits); a walk of distinct steps is what an engine's loop does."""
     stager = Stager(device)
-    cols = mamba2.block_table_columns(spec, OPTIONS)
+    cols = [mamba2.block_table_columns(spec, OPTIONS) for spec in walk]
+    at = [0]
 
     def one() -> object:
+        i = at[0]
+        at[0] = (i + 1) % len(walk)
         with stager.step() as step:
-            staged = mamba2.stage(stage_common(spec, step, block_table_columns=cols, token_arrays=False), step, OPTIONS)
+            staged = mamba2.stage(stage_common(walk[i], step, block_table_columns=cols[i], token_arrays=False), step,
+                                  OPTIONS)
         return staged.result()
 
     for _ in range(50):
@@ -162,10 +169,15 @@ def main() -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.set_num_threads(1)  # the reference's tiny CPU ops only suffer from intra-op threads
     if args.steady:
-        print(f"{'prefills':>8} {'tokens':>8} | {'best median':>11} {'p99':>9}  (us per step, attnmeta)")
-        for spec in prefill_step_specs(args.quick):
-            med, p99 = steady(spec, device, 1000 if spec.num_reqs <= 256 else 200, 5)
-            print(f"{spec.num_reqs:>8} {spec.num_tokens:>8} | {med:>11.1f} {p99:>9.1f}", flush=True)
+        print(f"attnmeta's step alone, us per step (best block median and its p99): one step repeated | "
+              f"a walk of {WALK} distinct steps of the size (what an engine's loop does)")
+        print(f"{'prefills':>8} {'tokens':>8} | {'repeated':>9} {'p99':>9} | {'walk':>9} {'p99':>9}")
+        for walk in prefill_step_walks(args.quick):
+            steps = 1000 if walk[0].num_reqs <= 256 else 200
+            med1, p991 = steady(walk[:1], device, steps, 5)
+            med, p99 = steady(walk, device, steps, 5)
+            print(f"{walk[0].num_reqs:>8} {walk[0].num_tokens:>8} | {med1:>9.1f} {p991:>9.1f} | {med:>9.1f} {p99:>9.1f}",
+                  flush=True)
         return
     budget = 1.5 if args.quick else 6.0
     jit = "off (NUMBA_DISABLE_JIT=1)" if os.environ.get("NUMBA_DISABLE_JIT") == "1" else "on"

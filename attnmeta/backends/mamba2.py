@@ -1168,8 +1168,8 @@ class _Fast:
     stager reuses its slot.
     """
 
-    __slots__ = ("cbuf", "ckpt", "dv", "full", "hbuf", "hv", "mlist", "moved", "nc", "nums", "prm", "qd", "ring",
-                 "src", "tail")
+    __slots__ = ("cbuf", "ckpt", "dfull", "dlen", "dv", "dview", "full", "hbuf", "hd", "hn", "ht", "hv", "mlist",
+                 "moved", "nc", "nums", "prm", "qd", "ring", "src", "tail")
 
     def __init__(self, group: FieldGroup, key: tuple[Any, ...], chunk_size: int, bs_m: int, align: bool,
                  acc_mode: int) -> None:
@@ -1203,8 +1203,14 @@ class _Fast:
         self.cbuf: np.ndarray | None = None  # ... and the common's host-only bytes (None: explicit arrays)
         self.tail = (0, 0)  # batch_ptr / token_chunk_offset_ptr rows [lo, hi) known to hold -1 ...
         self.ring = -1  # ... as of the step with this ring stamp (-1: unknown)
-        self.hv: tuple[Any, ...] = (-1, -1, -1)  # per-step host views, by (D, num_chunks, tot)
+        self.hv: tuple[Any, ...] = (-1, -1, -1)  # per-step host views, by (D, num_chunks, tot) ...
+        self.hd: tuple[Any, ...] = (-1,)  # ... assembled from the views sized by D, ...
+        self.hn: tuple[Any, ...] = (-1, False)  # ... by the chunk count ...
+        self.ht: tuple[Any, ...] = (-1, False)  # ... and by the conv1d program count
         self.dv: tuple[Any, ...] = (None, -1, -1, -1)  # per-step device views, by (group views, D, n, tot)
+        self.dlen: list[int] = []  # per field: rows of its cached device view (dview), from the full view (dfull)
+        self.dview: list[Any] = []
+        self.dfull: list[Any] = []
         self.qd: tuple[Any, ...] = (None, None, None, -1)  # query_start_loc_d: views of the common's, by D
 
     def locate(self, h: dict[str, Any], buf: np.ndarray | None) -> None:
@@ -1230,36 +1236,75 @@ class _Fast:
 
     def host_views(self, D: int, n: int, tot: int) -> tuple[Any, ...]:
         """The host views of a step shape: ``(D, n, tot, *fields in _FAST_FIELDS order,
-        num_computed_tokens_p, nums, mlist, offsetlist, staged, chunk_metadata)``."""
+        num_computed_tokens_p, nums, mlist, offsetlist, staged, chunk_metadata)``.
+
+        Built from three cached parts, each rebuilt only when its own count changed: the views sized
+        by the decode / prefill split (``D``), by the chunk count (``n``) and by the conv1d program
+        count (``tot``). A prefill step of an engine changes ``n`` and ``tot`` nearly every step and
+        the split far less often.
+        """
         si_d, acc, si_p, qsl_p, init, cu, sidx, last, bp, op = self.full
         P = si_p.shape[0] - D
-        total = 2 * max(1024, tot)
         pre = P > 0
-        exact: tuple[Any, ...] = (
-            si_d[:D], acc[:D] if D and acc is not None else None, si_p[:P],
-            qsl_p[: P + 1] if pre and qsl_p is not None else None, init[:P] if pre and init is not None else None,
-            cu[: n + 1] if pre and cu is not None else None, sidx[:n] if pre and sidx is not None else None,
-            last[:P] if pre and last is not None else None,
-            bp[:total] if pre and bp is not None else None, op[:total] if pre and op is not None else None,
-        )
-        conv = exact[8] is not None
-        cm = None if exact[5] is None else ChunkMetadata(exact[5], exact[6], exact[7], self.ckpt[:P], n)
+        hd = self.hd
+        if hd[0] != D:
+            hd = self.hd = (
+                D, si_d[:D], acc[:D] if D and acc is not None else None, si_p[:P],
+                qsl_p[: P + 1] if pre and qsl_p is not None else None, init[:P] if pre and init is not None else None,
+                last[:P] if pre and last is not None else None, self.nc[:P] if pre else None,
+                self.nums[:P] if pre and bp is not None else None, self.ckpt[:P],
+            )
+        hn = self.hn
+        if hn[0] != n or hn[1] != pre:
+            hn = self.hn = (n, pre, cu[: n + 1] if pre and cu is not None else None,
+                            sidx[:n] if pre and sidx is not None else None)
+        ht = self.ht
+        if ht[0] != tot or ht[1] != pre:
+            total = 2 * max(1024, tot)
+            conv = pre and bp is not None
+            ht = self.ht = (tot, pre, bp[:total] if conv else None, op[:total] if pre and op is not None else None,
+                            self.mlist[:tot] if conv else None, op[:tot] if conv else None)
+        exact = (hd[1], hd[2], hd[3], hd[4], hd[5], hn[2], hn[3], hd[6], ht[2], ht[3])
+        cm = None if hn[2] is None else ChunkMetadata(hn[2], hn[3], hd[6], hd[9], n)
         staged = types.MappingProxyType({k: v for k, v in zip(_FAST_FIELDS, exact) if v is not None})
-        self.hv = (D, n, tot, *exact, self.nc[:P] if pre else None, self.nums[:P] if conv else None,
-                   self.mlist[:tot] if conv else None, exact[9][:tot] if conv else None, staged, cm)
+        self.hv = (D, n, tot, *exact, hd[7], hd[8], ht[4], ht[5], staged, cm)
         return self.hv
 
     def device_views(self, dev: list[torch.Tensor], hv: tuple[Any, ...]) -> tuple[Any, ...]:
         """The device views of the step shape of host views ``hv``: ``(dev, D, n, tot, *fields in
-        _FAST_FIELDS order)``."""
+        _FAST_FIELDS order)``.
+
+        A torch view costs ~1-2 us of host time, and consecutive steps change only some lengths
+        (the chunk and conv1d counts of a prefill step; the decode count of a mixed one): a field
+        whose length did not change keeps the view of the previous shape (lengths are compared as
+        Python ints, ``Tensor.shape`` is not free either).
+        """
+        if self.dv[0] is not dev:
+            self.dlen = [-1] * len(_FAST_FIELDS)
+            self.dview = [None] * len(_FAST_FIELDS)
+            self.dfull = [None if f is None else t for f, t in zip(self.full, _fill_none(self.full, dev))]
+        dlen, dview, dfull = self.dlen, self.dview, self.dfull
         out: list[Any] = [dev, *hv[:3]]
-        it = iter(dev)
         for i in range(len(_FAST_FIELDS)):
-            t = None if self.full[i] is None else next(it)
             v = hv[3 + i]
-            out.append(None if v is None or t is None else t if t.shape[0] == v.shape[0] else t[: v.shape[0]])
+            t = dfull[i]
+            if v is None or t is None:
+                out.append(None)
+                continue
+            rows = v.shape[0]
+            if dlen[i] != rows:
+                dlen[i] = rows
+                dview[i] = t if self.full[i].shape[0] == rows else t[:rows]
+            out.append(dview[i])
         self.dv = tuple(out)
         return self.dv
+
+
+def _fill_none(full: tuple[Any, ...], dev: list[torch.Tensor]) -> list[Any]:
+    """``dev`` (the staged fields' device views, in order) spread over ``full``'s positions (None
+    where a field of _FAST_FIELDS is not staged)."""
+    it = iter(dev)
+    return [None if f is None else next(it) for f in full]
 
 
 def _accepted_input(values: Any, num_reqs: int, num_real: int) -> np.ndarray:

@@ -648,6 +648,33 @@ def test_cached_layouts_give_every_step_its_own_values(num_slots: int, monkeypat
     assert any(hi > 0 for _lo, hi in tails)  # some steps trusted the -1 the slot already held
 
 
+@pytest.mark.parametrize("num_slots", [2, 3])
+def test_a_walk_of_distinct_steps_gives_every_step_its_own_values(num_slots: int) -> None:
+    """An engine's consecutive prefill steps differ in tokens, chunks, conv1d programs and split: the
+    views cached per field (rebuilt only where a count changed) must give each step its own exact
+    values, and older steps whose slot was not reused stay intact. The common metadata of these
+    steps (no per-token arrays) keeps one cached layout per row count, whatever the token count."""
+    rng = np.random.default_rng(11)
+    specs = [s for B, T in ((9, 700), (9, 650), (9, 700), (5, 300), (9, 90), (9, 700), (5, 320), (9, 710))
+             for s in _same_shape_specs(rng, 3, B=B, T=T)]
+    opts = Mamba2Options(chunk_size=8, cache_mode="align", num_speculative_tokens=1, mamba_block_size=16)
+    cols = max(s.block_table.shape[1] for s in specs)  # one staged width (narrower tables are zero-extended)
+    stager = Stager("cpu", num_slots=num_slots)
+    live: list[tuple[Mamba2Metadata, dict[str, Any]]] = []
+    for spec in specs:
+        with stager.step() as step:
+            staged = mamba2.stage(stage_common(spec, step, block_table_columns=cols, token_arrays=False), step, opts)
+        m = staged.result()
+        ref = _vllm_reference(spec, opts, None, torch.device("cpu"))
+        _check_against_reference(m, ref)
+        live = [*live[-(num_slots - 1):], (m, ref)]
+        for old, old_ref in live:
+            _check_against_reference(old, old_ref)
+    for slot in stager._slots:  # common layouts by row count (9 or 5), not one per token count (7 of them)
+        common = {k[1] for k in slot.groups if isinstance(k[1], tuple) and k[1][0][0] == "common.query_start_loc"}
+        assert 1 <= len(common) <= 2
+
+
 def test_growing_slots_keep_the_fast_path_exact() -> None:
     """Slots that grow mid-step (fields in two buffers, or the common's in the old one) take the
     explicit-array kernel and still give exact values."""
