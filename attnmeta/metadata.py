@@ -287,7 +287,7 @@ _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
 _EMPTY_I32 = np.zeros(0, np.int32)
 
 
-def _host_only(group: FieldGroup, key: tuple[Any, ...], Bp: int, Tp: int, W: int) -> tuple[Any, ...]:
+def _host_only(group: FieldGroup, key: tuple[Any, ...], Bp: int, W: int) -> tuple[Any, ...]:
     """Per-group state of :func:`stage_common`: the host-only buffer and every array view handed out.
 
     Returns ``(offsets, dims, host_only_bytes, qsl, upper, computed, prefilling, drafts)``: the
@@ -306,7 +306,8 @@ def _host_only(group: FieldGroup, key: tuple[Any, ...], Bp: int, Tp: int, W: int
     fo = [f.offset for f in group.fields]
     offsets = np.array([*fo[:5], 0, a4, 2 * a4, 3 * a4, *fo[5:]], np.int64)
     ws, rank, il = (1, 0, 1) if cp is None else (cp.world_size, cp.rank, cp.interleave)
-    dims = np.array([Bp, Tp, W, qsl_full.shape[0], bs, ws, rank, il, has_p, has_d, has_ub, tokens, paged,
+    Tr = group.fields[3].rows  # staged per-token rows: Tp in graph mode, bucketed in eager mode
+    dims = np.array([Bp, Tr, W, qsl_full.shape[0], bs, ws, rank, il, has_p, has_d, has_ub, tokens, paged,
                      group.fields[7].rows if paged else 0], np.int64)
     return (offsets, dims, hbuf, group.frozen[0][: Bp + 1], frozen[0], frozen[1], frozen[2],
             frozen[3] if has_d else None)
@@ -403,23 +404,27 @@ def stage_common(
         ))
     else:
         paged_rows = _bucket(spec.num_pages) if paged_kv and cp is None else 0
+        # The per-token fields are staged at a bucketed row count (<= 12.5% slack, padded like the
+        # padding tokens) and handed out as exact-length views: a step's token count changes almost
+        # every step in a mixed batch, and a layout per count would rebuild the group every step.
+        Tc = _bucket(Tt) if Tt else 0
 
         def eager_specs() -> tuple[tuple[str, Any, Any, int | None, Any], ...]:
             base: tuple[tuple[str, Any, Any, int | None, Any], ...] = (
                 (names[0], Bp + 1, _I32, None, 0),
                 (names[1], Bp, _I32, None, 0),
                 (names[2], (Bp, W), _I32, None, 0),
-                (names[3], Tt, _I64, None, -1),
-                (names[4], Tt, _I64, None, 0),
+                (names[3], Tc, _I64, None, -1),
+                (names[4], Tc, _I64, None, 0),
             )
             if not paged_rows:
                 return base
             return (*base, (names[5], Bp + 1, _I32, None, 0), (names[6], Bp, _I32, None, 0),
                     (names[7], paged_rows, _I32, None, 0))  # bucketed: <= 12.5% slack, never read
 
-        # The layout depends on the token count only through the per-token rows (Tt): without them
-        # (token_arrays=False) steps of any length share one cached layout per row count.
-        group = step.alloc_fields(eager_specs, (names, Bp, W, Tt, paged_rows))
+        # The layout depends on the token count only through the bucketed per-token rows (Tc): without
+        # them (token_arrays=False) steps of any length share one cached layout per row count.
+        group = step.alloc_fields(eager_specs, (names, Bp, W, Tc, paged_rows))
     prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
     has_d = drafts is not None
     # Host-only arrays (never staged) and the read-only views handed out live with the group: built
@@ -427,7 +432,7 @@ def stage_common(
     key = (has_d, prompt is not None, upper is not None, bs, cp, token_arrays, len(group.fields) > 5)
     cached = group.extras.get(key)
     if cached is None:
-        cached = group.extras[key] = _host_only(group, key, Bp, Tp, W)
+        cached = group.extras[key] = _host_only(group, key, Bp, W)
     offsets, dims, hbuf, qsl_ro, ub_ro, nc_ro, pre_ro, ddt_ro = cached
     args = (spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
             _EMPTY_I32 if prompt is None else prompt, _EMPTY_I32 if drafts is None else drafts,
@@ -448,6 +453,12 @@ def stage_common(
     if status:  # unreachable for a validated spec (kept as a guard)
         raise ValueError(f"stage_common: internal status {status}; the spec is inconsistent")
     _sl_ro, bt_ro, sm_ro, pos_ro = group.frozen[1:5]
+    exact_tokens = group.fields[3].rows == Tt
+    if not exact_tokens:  # bucketed per-token rows: exact views, cached by token count
+        tv = group.extras.get("tokens")
+        if tv is None or tv[0] != Tt:
+            tv = group.extras["tokens"] = (Tt, sm_ro[:Tt], pos_ro[:Tt])
+        sm_ro, pos_ro = tv[1], tv[2]
     max_query_len, max_seq_len = spec.max_query_len, spec.max_seq_len
     host: dict[str, Any] = {
         "query_start_loc_cpu": qsl_ro,
@@ -478,9 +489,15 @@ def stage_common(
         host["_paged"] = (*pv, group)
 
     def make() -> CommonAttentionMetadata:
-        qd, sld, btd, smd, posd = group.device(step)[:5]
+        dev = group.device(step)
+        qd, sld, btd, smd, posd = dev[:5]
         if graph:
             qd = qd[: Bp + 1]
+        elif not exact_tokens:
+            tv = group.extras.get("tokens_device")
+            if tv is None or tv[0] is not dev or tv[1] != Tt:
+                tv = group.extras["tokens_device"] = (dev, Tt, smd[:Tt], posd[:Tt])
+            smd, posd = tv[2], tv[3]
         return _new_common(
             qd, sld, btd, smd, posd,
             qsl_ro, _sl_ro, ub_ro, nc_ro, bt_ro, sm_ro, pos_ro, pre_ro, ddt_ro,

@@ -398,6 +398,35 @@ def test_cached_layouts_across_slot_reuse(device: torch.device, num_slots: int) 
         assert stager.stats.steps == i + 1
 
 
+def test_token_counts_share_a_layout_and_get_exact_views(device: torch.device) -> None:
+    """The per-token fields are staged at a bucketed row count: steps of one row count and table
+    width but different token counts (a mixed batch changes its count every step) reuse one cached
+    layout per slot, and each step's token arrays are exact-length views holding its own values."""
+    stager = Stager(device, num_slots=2)
+    rng = np.random.default_rng(4)
+    table = rng.integers(0, 1000, size=(4, 64)).astype(I32)
+    steps = []
+    totals = [66, 70, 130, 140, 68, 135, 71, 141, 69, 133, 67, 138]  # two buckets per slot: 72 and 144
+    for i, total in enumerate(totals):
+        cut = np.sort(rng.choice(np.arange(1, total), size=3, replace=False))
+        q = np.diff(np.concatenate([[0], cut, [total]])).astype(I32)
+        c = rng.integers(0, 400, size=4).astype(I32)
+        spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=table, block_size=16,
+                         num_tokens_padded=total + i % 2)
+        with stager.step() as step:
+            staged = stage_common(spec, step, block_table_columns=64)
+        cm = staged.result()
+        assert cm.slot_mapping.shape[0] == cm.positions_cpu.shape[0] == spec.padded_num_tokens
+        check_common(cm, spec, device, 64)
+        steps.append((cm, spec))
+        if len(steps) > 1:  # the other slot's step is intact
+            check_common(*steps[-2], device, 64)
+    for j, slot in enumerate(stager._slots):  # one layout per bucket of token counts, not one per count
+        layouts = {k[1] for k in slot.groups if isinstance(k[1], tuple) and k[1][0][0] == "common.query_start_loc"}
+        counts = {spec.padded_num_tokens for _, spec in steps[j::2]}
+        assert len(layouts) == len({metadata._bucket(t) for t in counts}) < len(counts)
+
+
 def test_narrow_staged_table_still_maps_slots() -> None:
     """A staged table narrower than the spec's is refused before any kernel runs; the host kernel
     itself, given a narrow output table, falls back to the spec's table for the slot mapping."""
