@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from attnmeta._fields import MetadataBase, Staged, fast_constructor
-from attnmeta.host.common import _common_nb, _common_packed_nb
+from attnmeta.host.common import _common_nb, _common_packed_nb, _paged_from_staged_nb
 from attnmeta.host.split import SplitCounts, _split_nb
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import CapacityError, FieldGroup, Stager, Step
@@ -443,13 +443,13 @@ def stage_common(
         a4 = int(offsets[6])
         ub, nc, ddt = (hbuf[i * a4 : i * a4 + 4 * Bp].view(np.int32) for i in range(3))
         qsl_w, sl_w, bt_w, sm_w, pos_w = group.host[:5]
-        paged = len(group.host) > 5
-        indptr_w, last_w, indices_w = group.host[5:8] if paged else (_EMPTY_I32,) * 3
         status = _common_nb(
             *args[:3], bs, int(dims[5]), int(dims[6]), int(dims[7]), args[3], prompt is not None, args[4], has_d,
             args[5], upper is not None, token_arrays, qsl_w, sl_w, bt_w, pos_w, sm_w, ub, nc,
-            hbuf[3 * a4 : 3 * a4 + Bp].view(np.bool_), ddt, paged, indptr_w, indices_w, last_w,
+            hbuf[3 * a4 : 3 * a4 + Bp].view(np.bool_), ddt,
         )
+        if len(group.host) > 5:
+            status |= _paged_from_staged_nb(sl_w, bt_w, bs, group.host[5], group.host[7], group.host[6])
     if status:  # unreachable for a validated spec (kept as a guard)
         raise ValueError(f"stage_common: internal status {status}; the spec is inconsistent")
     _sl_ro, bt_ro, sm_ro, pos_ro = group.frozen[1:5]

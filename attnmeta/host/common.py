@@ -19,10 +19,7 @@ import numpy as np
 
 from attnmeta._numba import njit
 from attnmeta.host.layout import (
-    _NEG_BLOCK,
-    _OUT_TOO_SHORT,
     _TOO_NARROW,
-    PAD_SLOT_ID,
     _is_prefilling_nb,
     _query_start_loc_nb,
     _seq_lens_nb,
@@ -31,156 +28,6 @@ from attnmeta.host.layout import (
 from attnmeta.spec import BatchSpec
 
 __all__ = ["common_layout"]
-
-
-@njit
-def _div(x: np.int64, d: np.int64, shift: np.int64) -> np.int64:
-    """``x // d`` for ``x >= 0``: a shift when ``d == 1 << shift`` (``shift >= 0``), else a division.
-    Block sizes are nearly always powers of two, and a 64-bit division costs tens of cycles."""
-    return x >> shift if shift >= 0 else x // d
-
-
-@njit
-def _common_one_pass_nb(
-    c: np.ndarray,
-    q: np.ndarray,
-    table: np.ndarray,
-    block_size: int,
-    prompt: np.ndarray,
-    has_prompt: bool,
-    drafts: np.ndarray,
-    has_drafts: bool,
-    upper: np.ndarray,
-    has_upper: bool,
-    do_tokens: bool,
-    qsl: np.ndarray,
-    seq_lens: np.ndarray,
-    bt: np.ndarray,
-    positions: np.ndarray,
-    slots: np.ndarray,
-    ub: np.ndarray,
-    nc: np.ndarray,
-    pre: np.ndarray,
-    ddt: np.ndarray,
-    paged: bool,
-    indptr: np.ndarray,
-    indices: np.ndarray,
-    last: np.ndarray,
-) -> int:
-    """:func:`_common_nb` without context parallelism: the per-row scalars in simple (vectorizable)
-    loops, then ONE pass over the block table in which each row is copied and everything that reads
-    it (its tokens' slot mapping, its pages of the paged-KV layout) is derived while the row is in L1,
-    instead of one pass per output re-reading the staged table. On the H200 machine's host this cut
-    the kernel at 1024 decode rows (2048-column table) from 99 to 85 us (best of 20 interleaved
-    rounds, same process); on the 2-core AMD machine the two are within its noise, 4-9 us apart.
-
-    With ``paged``, FlashInfer's page table (vllm-semantics.md 8, page size = block size):
-    ``indptr = [0, cumsum(cdiv(seq_lens, page))]``; ``indices`` row after row the first
-    ``cdiv(seq_lens_i, page)`` ids of the row just staged; ``last`` the tokens in each row's last page
-    (0 for an empty row); the tail of ``indices`` past the page count is left as it is.
-
-    Returns 0, or the first error: a :mod:`attnmeta.host.layout` status code, or
-    :data:`_PAGED_OVERFLOW` when a row needs more pages than ``bt`` has columns or ``indices`` rows.
-    """
-    n = q.shape[0]
-    Bp, W = bt.shape[0], bt.shape[1]
-    w = min(W, table.shape[1])
-    bs = np.int64(block_size)
-    shift = np.int64(-1)  # log2(block_size) when a power of two
-    for k in range(63):
-        if np.int64(1) << k == bs:
-            shift = np.int64(k)
-    # Pass 1: the per-row scalars (checked by the layout kernels).
-    status = _query_start_loc_nb(q, qsl)[0]
-    status |= _seq_lens_nb(c, q, seq_lens)[0]
-    if status:
-        return status
-    acc = np.int64(qsl[n])
-    for i in range(n):
-        ub[i] = upper[i] if has_upper else seq_lens[i]
-        nc[i] = c[i]
-        if has_drafts:
-            ddt[i] = drafts[i] if q[i] == drafts[i] + 1 else -1
-    for i in range(n, Bp):
-        ub[i] = 0
-        nc[i] = 0
-        if has_drafts:
-            ddt[i] = -1
-    if has_prompt:
-        status = _is_prefilling_nb(c, prompt, pre)[0]
-        if status:
-            return status
-    else:
-        pre[:] = False
-    cap_t = positions.shape[0] if do_tokens else 0
-    if do_tokens and acc > cap_t:
-        return _OUT_TOO_SHORT
-    # Pass 2: each block-table row, then what reads it.
-    cap_p = indices.shape[0]
-    t = np.int64(0)
-    pt = np.int64(0)
-    if paged:
-        indptr[0] = 0
-    for i in range(n):
-        src = table[i]  # 1-D row views: the copy loops vectorize
-        dst = bt[i]
-        for j in range(w):
-            dst[j] = src[j]
-        for j in range(w, W):
-            dst[j] = 0
-        ci = np.int64(c[i])
-        qi = np.int64(q[i])
-        si = ci + qi
-        if do_tokens and qi > 0:
-            # Walk the blocks (no division per token) of the row just staged, or of the spec's wider
-            # row when the staged table is narrower than this request's blocks.
-            lc = _div(si - 1, bs, shift)  # the last block-table column the new tokens use
-            narrow = lc >= W
-            if narrow and lc >= src.shape[0]:
-                return _TOO_NARROW
-            col = _div(ci, bs, shift)
-            off = ci - col * bs
-            blk = np.int64(src[col] if narrow else dst[col])
-            if blk < 0:
-                return _NEG_BLOCK
-            base = blk * bs
-            for k in range(qi):
-                positions[t + k] = ci + k
-                slots[t + k] = base + off
-                off += 1
-                if off == bs and k + 1 < qi:
-                    off = np.int64(0)
-                    col += 1
-                    blk = np.int64(src[col] if narrow else dst[col])
-                    if blk < 0:
-                        return _NEG_BLOCK
-                    base = blk * bs
-        t += qi
-        if paged:
-            nb = _div(si + bs - 1, bs, shift)
-            if nb > W or pt + nb > cap_p:
-                return _PAGED_OVERFLOW
-            pages = indices[pt : pt + nb]
-            for j in range(nb):
-                pages[j] = dst[j]
-            pt += nb
-            indptr[i + 1] = pt
-            r = si - (nb - 1) * bs if si else np.int64(0)
-            last[i] = bs if (r == 0 and si != 0) else r
-    for i in range(n, Bp):
-        for j in range(W):
-            bt[i, j] = 0
-        if paged:
-            indptr[i + 1] = pt
-            last[i] = 0
-    for j in range(t, cap_t):
-        positions[j] = 0
-        slots[j] = PAD_SLOT_ID
-    return 0
-
-
-_PAGED_OVERFLOW = 64
-"""Status of :func:`_common_one_pass_nb`: the paged-KV layout does not fit (beyond the layout codes)."""
 
 
 @njit
@@ -208,18 +55,7 @@ def _common_nb(
     nc: np.ndarray,
     pre: np.ndarray,
     ddt: np.ndarray,
-    paged: bool,
-    indptr: np.ndarray,
-    indices: np.ndarray,
-    last: np.ndarray,
 ) -> int:
-    if world_size == 1:
-        return _common_one_pass_nb(
-            c, q, table, block_size, prompt, has_prompt, drafts, has_drafts, upper, has_upper, do_tokens, qsl,
-            seq_lens, bt, positions, slots, ub, nc, pre, ddt, paged, indptr, indices, last,
-        )
-    if paged:  # the paged-KV layout is built without context parallelism only
-        return _PAGED_OVERFLOW
     n = q.shape[0]
     status = _query_start_loc_nb(q, qsl)[0]
     status |= _seq_lens_nb(c, q, seq_lens)[0]
@@ -282,7 +118,7 @@ def _common_packed_nb(
     slot_mapping and positions are empty and not computed. With ``paged`` (``dims[12] != 0``) the
     staged bytes also hold, at ``offsets[9:12]``, FlashInfer's paged_kv_indptr (``Bp + 1``),
     paged_kv_last_page_len (``Bp``) and paged_kv_indices (``dims[13]`` int32 rows, the page count
-    first), filled in the block-table pass of :func:`_common_one_pass_nb` (page size = block size).
+    first), filled by :func:`_paged_from_staged_nb` (page size = block size).
     """
     Bp, Tp, W, nq = dims[0], dims[1], dims[2], dims[3]
     o = offsets
@@ -296,17 +132,47 @@ def _common_packed_nb(
     nc = host_only[o[6] : o[6] + 4 * Bp].view(np.int32)
     ddt = host_only[o[7] : o[7] + 4 * Bp].view(np.int32)
     pre = host_only[o[8] : o[8] + Bp].view(np.bool_)
-    paged = dims[12] != 0
-    if paged:
+    status = _common_nb(
+        c, q, table, dims[4], dims[5], dims[6], dims[7], prompt, dims[8] != 0, drafts, dims[9] != 0, upper,
+        dims[10] != 0, dims[11] != 0, qsl, sl, bt, pos, sm, ub, nc, pre, ddt,
+    )
+    if dims[12] != 0:  # the paged-KV layout, from the rows just staged (still in cache)
         indptr = staged[o[9] : o[9] + 4 * (Bp + 1)].view(np.int32)
         last = staged[o[10] : o[10] + 4 * Bp].view(np.int32)
         indices = staged[o[11] : o[11] + 4 * dims[13]].view(np.int32)
-    else:
-        indptr = last = indices = staged[:0].view(np.int32)
-    return _common_nb(
-        c, q, table, dims[4], dims[5], dims[6], dims[7], prompt, dims[8] != 0, drafts, dims[9] != 0, upper,
-        dims[10] != 0, dims[11] != 0, qsl, sl, bt, pos, sm, ub, nc, pre, ddt, paged, indptr, indices, last,
-    )
+        status |= _paged_from_staged_nb(sl, bt, dims[4], indptr, indices, last)
+    return status
+
+
+@njit
+def _paged_from_staged_nb(
+    seq_lens: np.ndarray, bt: np.ndarray, page_size: int, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray
+) -> int:
+    """FlashInfer's paged-KV arrays of every row from the staged block table (vllm-semantics.md 8).
+
+    ``indptr = [0, cumsum(cdiv(seq_lens, page))]``, ``indices`` row after row the first
+    ``cdiv(seq_lens_i, page)`` ids of row ``i``, ``last`` the tokens in each row's last page (0 for
+    an empty row). ``indices`` may be longer than the page count (its tail is left as it is).
+    Returns 1 if a row needs more pages than ``bt`` has columns or ``indices`` is too short, else 0.
+    """
+    t = np.int64(0)
+    indptr[0] = 0
+    w = bt.shape[1]
+    cap = indices.shape[0]
+    for i in range(seq_lens.shape[0]):
+        s = np.int64(seq_lens[i])
+        nb = (s + page_size - 1) // page_size
+        if nb > w or t + nb > cap:
+            return 1
+        src = bt[i]
+        dst = indices[t : t + nb]  # 1-D slices: the copy vectorizes
+        for j in range(nb):
+            dst[j] = src[j]
+        t += nb
+        indptr[i + 1] = t
+        r = s % page_size
+        last[i] = page_size if (r == 0 and s != 0) else r
+    return 0
 
 
 _EMPTY_I32 = np.zeros(0, np.int32)
@@ -395,10 +261,6 @@ def common_layout(
         num_computed_tokens,
         is_prefilling,
         num_decode_draft_tokens if num_decode_draft_tokens is not None else _EMPTY_I32,
-        False,
-        _EMPTY_I32,
-        _EMPTY_I32,
-        _EMPTY_I32,
     )
     if status:  # unreachable for a validated spec and correctly sized buffers
         raise ValueError(f"common_layout: internal status {status}; the spec or a buffer is inconsistent")
