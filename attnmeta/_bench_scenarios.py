@@ -211,11 +211,21 @@ def spec_decode(device: torch.device, quick: bool) -> list[Case]:
                      device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
 
 
-def mixed(device: torch.device, quick: bool) -> list[Case]:
-    """64 prefills up to 2k tokens (half with unaligned cached context) + 192 decodes; FA + FlashInfer."""
+MIXED_STEPS = 16
+"""Distinct mixed steps the ``mixed`` and ``mixed-common`` paths walk in turn (an engine's mixed
+steps differ in token count, longest sequence and page count every step)."""
+
+
+def _mixed_walk(quick: bool) -> list[BatchSpec]:
     rng = np.random.default_rng(1)
-    spec = mixed_spec(rng, prefills=8 if quick else 64, decodes=24 if quick else 192)
-    return _scenario("mixed", [(spec.num_reqs, spec)], device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
+    return [mixed_spec(rng, prefills=8 if quick else 64, decodes=24 if quick else 192) for _ in range(MIXED_STEPS)]
+
+
+def mixed(device: torch.device, quick: bool) -> list[Case]:
+    """64 prefills up to 2k tokens (half with unaligned cached context) + 192 decodes; FA + FlashInfer;
+    :data:`MIXED_STEPS` distinct such steps, walked in turn."""
+    walk = _mixed_walk(quick)
+    return _scenario("mixed", [(walk[0].num_reqs, walk)], device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
 
 
 # ---- KV-sharing fast prefill
@@ -300,10 +310,9 @@ def decode_common(device: torch.device, quick: bool) -> list[Case]:
 
 
 def mixed_common(device: torch.device, quick: bool) -> list[Case]:
-    """Common metadata of the mixed batch (64 prefills, 192 decodes)."""
-    rng = np.random.default_rng(1)
-    spec = mixed_spec(rng, prefills=8 if quick else 64, decodes=24 if quick else 192)
-    return _scenario_common("mixed-common", [(spec.num_reqs, spec)], device)
+    """Common metadata of the mixed batch (64 prefills, 192 decodes), :data:`MIXED_STEPS` distinct steps."""
+    walk = _mixed_walk(quick)
+    return _scenario_common("mixed-common", [(walk[0].num_reqs, walk)], device)
 
 
 def _mamba2_prefill(device: torch.device, quick: bool) -> list[Case]:

@@ -10,7 +10,9 @@ A :class:`Stager` belongs to one device and is driven by one thread at a time. I
 
 :meth:`Step.commit` issues **exactly one** non-blocking H2D copy that covers everything the step
 staged, on the commit stream (the current stream unless one was given), then records an event on that
-stream. A slot's pinned memory is rewritten only after the event recorded after its last copy has
+stream. On CUDA, eager commits on the current stream make both calls through the driver API when it
+is available (:mod:`attnmeta.staging._driver`: the same copy and event, less host time), and through
+torch otherwise. A slot's pinned memory is rewritten only after the event recorded after its last copy has
 completed: before a step begins on a slot the stager queries that event and, only if the GPU is still
 behind, waits for it (counted in :attr:`StagerStats.waits`). With ``num_slots >= 2`` the host never
 waits in steady state unless it runs ``num_slots - 1`` steps ahead of the GPU.
