@@ -1,0 +1,121 @@
+"""Where a step's host time goes: per-phase medians of the decode step and the Mamba2 prefill step.
+
+Decode (batch 1, 64, 256, 1024; the 64-step walk of ``bench_decode.py``): ``step`` (``Stager.step``),
+``common`` (``stage_common(paged_kv=True)``), ``fa`` / ``fi`` (``flash_attn.stage`` /
+``flashinfer.stage``), ``commit``, then the three ``result()`` calls. Mamba2 (16 and 256 prefills,
+one step repeated): ``step``, ``common`` (``token_arrays=False``), ``mamba`` (``mamba2.stage``),
+``commit``, ``result``. Each phase is timed with ``perf_counter_ns`` around it (the timer calls add
+~0.1 us per phase); the table shows the round (of 5) with the lowest sum of phase medians.
+
+Run: ``python benchmarks/bench_phases.py [--device cuda|cpu]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attnmeta._bench_mamba2 import OPTIONS, prefill_step_specs
+from attnmeta._workloads import advance, decode_spec
+from attnmeta.backends import flash_attn, flashinfer, mamba2
+from attnmeta.metadata import stage_common
+from attnmeta.staging import Stager
+
+
+def best_round(rounds: int, steps: int, warm: int, one: Callable[[int], list[int]], names: list[str],
+               device: torch.device) -> dict[str, float]:
+    """Per-phase medians of the round with the lowest sum; ``one(i)`` returns the phase timestamps."""
+    best: dict[str, float] | None = None
+    for _ in range(rounds):
+        per: dict[str, list[float]] = {k: [] for k in names}
+        for i in range(steps):
+            ts = one(i)
+            if i >= warm:
+                for k, a, b in zip(names, ts, ts[1:]):
+                    per[k].append((b - a) / 1e3)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # harness only, between rounds
+        med = {k: float(np.median(v)) for k, v in per.items()}
+        if best is None or sum(med.values()) < sum(best.values()):
+            best = med
+    assert best is not None
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    torch.set_num_threads(1)
+    pc = time.perf_counter_ns
+    print(f"# per-phase host us (medians, best of 5 rounds), device {dev}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}")
+    gc.disable()
+    try:
+        for b in (1, 64, 256, 1024):
+            specs = advance(decode_spec(b, np.random.default_rng(0)), 64)
+            st = Stager(dev)
+
+            def decode_step(i: int, st: Stager = st, specs: list = specs) -> list[int]:  # type: ignore[type-arg]
+                t0 = pc()
+                step = st.step()
+                t1 = pc()
+                c = stage_common(specs[i % 64], step, paged_kv=True)
+                t2 = pc()
+                fa = flash_attn.stage(c, step)
+                t3 = pc()
+                fi = flashinfer.stage(c, step)
+                t4 = pc()
+                step.commit()
+                t5 = pc()
+                c.result()
+                t6 = pc()
+                fa.result()
+                t7 = pc()
+                fi.result()
+                return [t0, t1, t2, t3, t4, t5, t6, t7, pc()]
+
+            names = ["step", "common", "fa", "fi", "commit", "common.result", "fa.result", "fi.result"]
+            med = best_round(5, 600, 100, decode_step, names, dev)
+            print(f"decode batch {b:>4}: " + " ".join(f"{k} {v:.1f}" for k, v in med.items())
+                  + f" | sum {sum(med.values()):.1f}", flush=True)
+        for spec in prefill_step_specs(False):
+            if spec.num_reqs not in (16, 256):
+                continue
+            cols = mamba2.block_table_columns(spec, OPTIONS)
+            st = Stager(dev)
+
+            def mamba_step(i: int, st: Stager = st, spec: object = spec, cols: int = cols) -> list[int]:
+                t0 = pc()
+                step = st.step()
+                t1 = pc()
+                c = stage_common(spec, step, block_table_columns=cols, token_arrays=False)  # type: ignore[arg-type]
+                t2 = pc()
+                m = mamba2.stage(c, step, OPTIONS)
+                t3 = pc()
+                step.commit()
+                t4 = pc()
+                m.result()
+                return [t0, t1, t2, t3, t4, pc()]
+
+            med = best_round(5, 300, 30, mamba_step, ["step", "common", "mamba", "commit", "result"], dev)
+            print(f"mamba2 {spec.num_reqs:>4} prefills: " + " ".join(f"{k} {v:.1f}" for k, v in med.items())
+                  + f" | sum {sum(med.values()):.1f}", flush=True)
+    finally:
+        gc.enable()
+
+
+if __name__ == "__main__":
+    main()
