@@ -102,6 +102,7 @@ _GET_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
 # commit's copy goes through torch so the modes see it.
 _DISPATCH_DEPTH = torch._C._len_torch_dispatch_stack
 _FUNCTION_DEPTH = torch._C._len_torch_function_stack
+_CURRENT_DEVICE: Any = getattr(torch._C, "_cuda_getDevice", lambda: -2)  # -2: never a stager's device index
 
 
 def _align(n: int) -> int:
@@ -565,12 +566,13 @@ class Stager:
         """Eager CUDA commit through the driver: the copy on the current stream, then the slot's fence.
 
         Returns False (nothing enqueued, the caller uses torch) while a torch dispatch or function
-        mode is active (the sync audit must see the copy), before the slot's event exists (torch
+        mode is active (the sync audit must see the copy), while another CUDA device is current (the
+        driver call would run in that device's context), before the slot's event exists (torch
         creates it on its first record) or when the driver reports any error for the copy.
         """
         ev = slot.event.cuda_event
-        if not ev or _DISPATCH_DEPTH() or _FUNCTION_DEPTH():
-            return False
+        if not ev or _DISPATCH_DEPTH() or _FUNCTION_DEPTH() or _CURRENT_DEVICE() != self._device_index:
+            return False  # (the driver call runs in the current device's context)
         self._current_stream()
         drv = self._driver
         assert drv is not None

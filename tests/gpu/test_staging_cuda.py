@@ -289,3 +289,19 @@ def test_a_collected_stager_keeps_its_pinned_slots_until_their_copies_complete()
     torch.cuda.synchronize()
     _driver.purge()
     assert not _driver._RETIRED
+
+
+def test_no_driver_copy_while_another_device_is_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver call runs in the current device's context: with another device current the commit
+    goes through torch (which switches devices itself)."""
+    from attnmeta.staging import _driver
+    from attnmeta.staging import stager as stager_mod
+
+    if _driver.load() is None:
+        pytest.skip("libcuda could not be loaded, or ATTNMETA_DRIVER_COPY=0")
+    stager = Stager("cuda", num_slots=2)
+    spy = _CountingDriver(stager._driver)
+    stager._driver = spy  # type: ignore[assignment]
+    monkeypatch.setattr(stager_mod, "_CURRENT_DEVICE", lambda: stager._device_index + 1)
+    assert _driver_steps(stager, 40, seed=8) == 0
+    assert spy.copies == 0
