@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+import weakref
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
@@ -1169,7 +1170,7 @@ class _Fast:
     """
 
     __slots__ = ("cbuf", "ckpt", "dfull", "dlen", "dv", "dview", "full", "hbuf", "hd", "hn", "ht", "hv", "mlist",
-                 "moved", "nc", "nums", "prm", "qd", "ring", "src", "tail")
+                 "moved", "nc", "nums", "obp", "oop", "prm", "qd", "src")
 
     def __init__(self, group: FieldGroup, key: tuple[Any, ...], chunk_size: int, bs_m: int, align: bool,
                  acc_mode: int) -> None:
@@ -1201,8 +1202,8 @@ class _Fast:
         self.full: tuple[Any, ...] = tuple(fz[at[n]] if n in at else None for n in _FAST_FIELDS)
         self.src: tuple[Any, ...] = (None, None)  # the common's (qsl, ub) views the packed kernel was set up for
         self.cbuf: np.ndarray | None = None  # ... and the common's host-only bytes (None: explicit arrays)
-        self.tail = (0, 0)  # batch_ptr / token_chunk_offset_ptr rows [lo, hi) known to hold -1 ...
-        self.ring = -1  # ... as of the step with this ring stamp (-1: unknown)
+        self.obp = int(prm[_hm.FILL_O_BP])  # byte offsets of batch_ptr / token_chunk_offset_ptr (-1: none)
+        self.oop = int(prm[_hm.FILL_O_OP])
         self.hv: tuple[Any, ...] = (-1, -1, -1)  # per-step host views, by (D, num_chunks, tot) ...
         self.hd: tuple[Any, ...] = (-1,)  # ... assembled from the views sized by D, ...
         self.hn: tuple[Any, ...] = (-1, False)  # ... by the chunk count ...
@@ -1346,6 +1347,54 @@ def _raise_fill_error(status: int, h: dict[str, Any], k: int, bs_m: int, align: 
     raise AssertionError(f"mamba fill: internal status {status} (row {row})")  # pragma: no cover
 
 
+# Per stager: ring stamp -> (weak reference to the slot's host bytes, byte ranges of them that hold -1
+# after that step's causal-conv1d tails were written). A step reads the record of the step begun
+# num_slots before it, the slot's previous use (StagerStats.steps_begun: ring order, and no step in
+# between touches the slot); within a step, the rows of a field group are written by its owner only,
+# so the -1 rows that record places inside this step's conv1d arrays still hold -1, whichever layout
+# the earlier step had.
+_NEG_TAILS: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, list[tuple[int, int]]]]] = weakref.WeakKeyDictionary()
+
+
+def _stamp(step: Step) -> int:
+    """The ring stamp of ``step`` (``StagerStats.steps_begun`` when it began)."""
+    return int(step.stager.stats.steps_begun)
+
+
+def _neg_record(step: Step) -> dict[int, tuple[Any, list[tuple[int, int]]]]:
+    rec = _NEG_TAILS.get(step.stager)
+    if rec is None:
+        rec = _NEG_TAILS[step.stager] = {}
+    return rec
+
+
+def _known_rows(ranges: list[tuple[int, int]], offset: int, rows: int) -> tuple[int, int]:
+    """The longest run of int32 rows ``[lo, hi)`` of an array at byte ``offset`` (``rows`` long) that
+    lies inside one of the byte ``ranges``; ``(0, 0)`` if none."""
+    best = (0, 0)
+    for a, b in ranges:
+        lo = max(0, -(-(a - offset) // 4))
+        hi = min(rows, (b - offset) // 4)
+        if hi - lo > best[1] - best[0]:
+            best = (lo, hi)
+    return best
+
+
+def _note_tails(rec: dict[int, tuple[Any, list[tuple[int, int]]]], stamp: int, buf: np.ndarray, fs: _Fast, tot: int,
+                num_slots: int) -> None:
+    """Record that rows ``[tot, 2 * max(1024, tot))`` of both conv1d arrays now hold -1."""
+    total = 2 * max(1024, tot)
+    ranges = [(fs.obp + 4 * tot, fs.obp + 4 * total), (fs.oop + 4 * tot, fs.oop + 4 * total)]
+    cur = rec.get(stamp)
+    if cur is not None and cur[0]() is buf:
+        cur[1].extend(ranges)
+    else:
+        rec[stamp] = (weakref.ref(buf), ranges)
+    if len(rec) > 2 * num_slots:  # only the last num_slots steps can still be read
+        for old in [k for k in rec if k <= stamp - num_slots]:
+            del rec[old]
+
+
 def _stage_fast(
     common: Staged[CommonAttentionMetadata], step: Step, cfg: _FastConfig, num_accepted_tokens: Any
 ) -> Staged[Any]:
@@ -1370,32 +1419,31 @@ def _stage_fast(
     if fs is None:
         fs = group.extras[ekey] = _Fast(group, key, C, bs_m, cfg.align, acc_mode)
     buf = group.buf
-    lo = hi = stamp = 0
-    if mb:
-        # The bytes this group's tails occupy were last written by the step begun num_slots ago on this
-        # slot (ring order); if that step wrote them with this group, they still hold its -1 tails.
-        stamp = step.stager.stats.steps_begun
-        if fs.ring >= 0 and stamp - fs.ring == step.stager.num_slots and buf is not None:
-            lo, hi = fs.tail
-        fs.ring = -1  # unknown until the kernel has written the tails
+    known = (0, 0, 0, 0)
+    rec = None
+    if mb and buf is not None:
+        rec = _neg_record(step)
+        prev = rec.get(_stamp(step) - step.stager.num_slots)
+        if prev is not None and prev[0]() is buf:
+            known = (*_known_rows(prev[1], fs.obp, mb), *_known_rows(prev[1], fs.oop, mb))
     acc_in = _NO_DRAFTS if num_accepted_tokens is None else _accepted_input(num_accepted_tokens, B, h["num_real_reqs"])
     src = fs.src
     if src[0] is not h["query_start_loc_cpu"] or src[1] is not h["seq_lens_cpu_upper_bound"]:
         fs.locate(h, buf)
     if fs.cbuf is not None and buf is not None:
-        status, num_moved, D, Dt, tot, n, prep = _mamba_fill_packed_nb(buf, fs.cbuf, fs.hbuf, acc_in, T, lo, hi)
+        status, num_moved, D, Dt, tot, n, prep = _mamba_fill_packed_nb(buf, fs.cbuf, fs.hbuf, acc_in, T, *known)
     else:
         dr = h["num_decode_draft_tokens_cpu"] if k else None
         target = buf if buf is not None else np.empty(group.end, np.uint8)
         status, num_moved, D, Dt, tot, n, prep = _mamba_fill_nb(
             h["query_start_loc_cpu"], h["seq_lens_cpu_upper_bound"], isp, _NO_DRAFTS if dr is None else dr,
-            h["seq_lens_cpu"], h["block_table_cpu"], acc_in, target, fs.hbuf, T, lo, hi)
+            h["seq_lens_cpu"], h["block_table_cpu"], acc_in, target, fs.hbuf, T, *known)
         if buf is None and not status:
             _scatter(group, target)
     if status:
         _raise_fill_error(status, h, k, bs_m, cfg.align)
-    if mb and buf is not None:
-        fs.tail, fs.ring = (tot, 2 * max(1024, tot)), stamp
+    if rec is not None and buf is not None and D < B:  # (without prefill rows the kernel writes no conv1d rows)
+        _note_tails(rec, _stamp(step), buf, fs, tot, step.stager.num_slots)
     hv = fs.hv
     if hv[0] != D or hv[1] != n or hv[2] != tot:
         hv = fs.host_views(D, n, tot)

@@ -333,15 +333,14 @@ def _state_start(s: int, block_size: int, align: bool) -> int:
 
 
 @njit
-def _fill_minus_one(a: np.ndarray, b: np.ndarray, start: int, stop: int) -> None:
-    """``a[start:stop] = b[start:stop] = -1`` (1-D slices: the loops vectorize)."""
-    if stop > start:
-        seg = a[start:stop]
-        for t in range(stop - start):
-            seg[t] = -1
-        seg = b[start:stop]
-        for t in range(stop - start):
-            seg[t] = -1
+def _fill_minus_one(a: np.ndarray, start: int, stop: int, known_lo: int, known_hi: int) -> None:
+    """``a[start:stop] = -1`` except rows ``[known_lo, known_hi)``, which already hold -1 (1-D slices:
+    the loops vectorize)."""
+    for lo, hi in ((start, min(stop, known_lo)), (max(start, known_hi), stop)):
+        if hi > lo:
+            seg = a[lo:hi]
+            for t in range(hi - lo):
+                seg[t] = -1
 
 
 @njit
@@ -356,8 +355,10 @@ def _mamba_fill_nb(
     buf: np.ndarray,
     hbuf: np.ndarray,
     num_tokens: int,
-    tail_lo: int,
-    tail_hi: int,
+    bp_lo: int,
+    bp_hi: int,
+    op_lo: int,
+    op_hi: int,
 ) -> tuple[int, int, int, int, int, int, bool]:
     """One step of the Mamba2 (and Mamba1) builder in one pass: classification, split and every
     per-step array, written straight into staging bytes.
@@ -379,8 +380,8 @@ def _mamba_fill_nb(
        ``query_start_loc_p`` (``qsl[D:] - qsl[D]``), ``has_initial_states_p`` and, in ``hbuf``,
        ``num_computed_tokens_p = ub[D:] - q`` (6.4).
     3. With ``FILL_CONV``: ``batch_ptr`` / ``token_chunk_offset_ptr`` (5.8; ``-1`` from ``tot`` to
-       ``2 * max(1024, tot)``, except rows ``[tail_lo, tail_hi)`` that the caller knows already hold
-       ``-1``) and, in ``hbuf``, ``nums`` (int32) and ``mlist`` (int64). One 1-D slice per row and
+       ``2 * max(1024, tot)``, except rows ``[bp_lo, bp_hi)`` / ``[op_lo, op_hi)`` that the caller
+       knows already hold ``-1``) and, in ``hbuf``, ``nums`` (int32) and ``mlist`` (int64). One 1-D slice per row and
        array, so every fill loop vectorizes.
     4. With ``FILL_CHUNKS``: ``cu_chunk_seqlen_p`` / ``seq_idx_p`` / ``last_chunk_indices_p``, the
        chunk-aligned layout of :func:`attnmeta.host.chunks.chunk_metadata` without checkpoints (6.5).
@@ -510,9 +511,9 @@ def _mamba_fill_nb(
         total = 2 * max(1024, tot)
         if total > mb:
             return -1 - FILL_E_CAPACITY, 0, 0, 0, 0, 0, False
-        # -1 on [tot, total), except [tail_lo, tail_hi) which the caller knows already holds -1
-        _fill_minus_one(bp, op, tot, min(total, tail_lo))
-        _fill_minus_one(bp, op, max(tot, tail_hi), total)
+        # -1 on [tot, total), except the rows the caller knows already hold -1
+        _fill_minus_one(bp, tot, total, bp_lo, bp_hi)
+        _fill_minus_one(op, tot, total, op_lo, op_hi)
     # ---- the chunk-aligned SSD layout (6.5)
     count = 0
     if prm[FILL_CHUNKS] != 0:
@@ -539,8 +540,10 @@ def _mamba_fill_packed_nb(
     hbuf: np.ndarray,
     accepted: np.ndarray,
     num_tokens: int,
-    tail_lo: int,
-    tail_hi: int,
+    bp_lo: int,
+    bp_hi: int,
+    op_lo: int,
+    op_hi: int,
 ) -> tuple[int, int, int, int, int, int, bool]:
     """:func:`_mamba_fill_nb` with the common metadata's host arrays addressed inside the slot bytes
     ``buf`` (``query_start_loc_cpu``, ``seq_lens_cpu``, ``block_table_cpu``) and the common's
@@ -563,7 +566,7 @@ def _mamba_fill_packed_nb(
     isp = cbuf[o : o + B].view(np.bool_)
     o = prm[FILL_C_DRAFTS]
     drafts = cbuf[o : o + 4 * B].view(np.int32) if o >= 0 else cbuf[0:0].view(np.int32)
-    return _mamba_fill_nb(qsl, ub, isp, drafts, sl, bt, accepted, buf, hbuf, num_tokens, tail_lo, tail_hi)
+    return _mamba_fill_nb(qsl, ub, isp, drafts, sl, bt, accepted, buf, hbuf, num_tokens, bp_lo, bp_hi, op_lo, op_hi)
 
 
 # --------------------------------------------------------------------------------------------------

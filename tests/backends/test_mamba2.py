@@ -609,11 +609,11 @@ def test_cached_layouts_give_every_step_its_own_values(num_slots: int, monkeypat
     """Steps repeating one shape reuse each slot's field group, views and trusted -1 tails; each step's
     metadata stays exact (and intact until its slot is reused), also after an abandoned step and a
     step of other builders on the same slot wrote over the group's bytes."""
-    tails: list[tuple[int, int]] = []
+    tails: list[tuple[int, int, int, int]] = []
     fill = mamba2._mamba_fill_packed_nb
 
     def spy(*args: Any) -> Any:
-        tails.append((args[-2], args[-1]))
+        tails.append(tuple(args[-4:]))
         return fill(*args)
 
     monkeypatch.setattr(mamba2, "_mamba_fill_packed_nb", spy)
@@ -645,15 +645,24 @@ def test_cached_layouts_give_every_step_its_own_values(num_slots: int, monkeypat
         if m.batch_ptr is not None:
             addresses.add(m.batch_ptr.data_ptr())
     assert len(addresses) <= num_slots + 1  # one field group per slot (the other shape's slot aside)
-    assert any(hi > 0 for _lo, hi in tails)  # some steps trusted the -1 the slot already held
+    assert any(bp_hi > 0 and op_hi > 0 for _a, bp_hi, _b, op_hi in tails)  # some steps trusted the slot's -1
 
 
 @pytest.mark.parametrize("num_slots", [2, 3])
-def test_a_walk_of_distinct_steps_gives_every_step_its_own_values(num_slots: int) -> None:
+def test_a_walk_of_distinct_steps_gives_every_step_its_own_values(num_slots: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine's consecutive prefill steps differ in tokens, chunks, conv1d programs and split: the
     views cached per field (rebuilt only where a count changed) must give each step its own exact
-    values, and older steps whose slot was not reused stay intact. The common metadata of these
-    steps (no per-token arrays) keeps one cached layout per row count, whatever the token count."""
+    values, and older steps whose slot was not reused stay intact; the conv1d -1 rows a slot's
+    previous step left are trusted across layouts. The common metadata of these steps (no per-token
+    arrays) keeps one cached layout per row count, whatever the token count."""
+    trusted: list[tuple[int, int, int, int]] = []
+    fill = mamba2._mamba_fill_packed_nb
+
+    def spy(*args: Any) -> Any:
+        trusted.append(tuple(args[-4:]))
+        return fill(*args)
+
+    monkeypatch.setattr(mamba2, "_mamba_fill_packed_nb", spy)
     rng = np.random.default_rng(11)
     specs = [s for B, T in ((9, 700), (9, 650), (9, 700), (5, 300), (9, 90), (9, 700), (5, 320), (9, 710))
              for s in _same_shape_specs(rng, 3, B=B, T=T)]
@@ -670,9 +679,36 @@ def test_a_walk_of_distinct_steps_gives_every_step_its_own_values(num_slots: int
         live = [*live[-(num_slots - 1):], (m, ref)]
         for old, old_ref in live:
             _check_against_reference(old, old_ref)
+    per_slot = [{k for k in slot.groups if isinstance(k[1], tuple) and isinstance(k[1][0], tuple)
+                 and str(k[1][0][0]).endswith("state_indices_tensor_d")} for slot in stager._slots]
+    assert max(len(layouts) for layouts in per_slot) >= 2  # the walk changes the layout on a slot ...
+    assert sum(bp_hi > bp_lo and op_hi > op_lo for bp_lo, bp_hi, op_lo, op_hi in trusted) >= len(specs) // 2  # ... and trusts
     for slot in stager._slots:  # common layouts by row count (9 or 5), not one per token count (7 of them)
         common = {k[1] for k in slot.groups if isinstance(k[1], tuple) and k[1][0][0] == "common.query_start_loc"}
         assert 1 <= len(common) <= 2
+
+
+def test_a_step_without_prefill_rows_vouches_for_no_conv1d_rows() -> None:
+    """Regression: a step whose rows all end up decodes (one-token chunks of still-prefilling rows
+    move to the decode side) keeps the conv1d fields but writes none of their rows; the rows the
+    slot's earlier prefill step filled with programs must not be trusted to hold -1 afterwards."""
+    opts = Mamba2Options(chunk_size=8)
+    table = np.arange(4 * 64, dtype=I32).reshape(4, 64)
+
+    def spec(c: list[int], q: list[int], prompt: list[int]) -> BatchSpec:
+        return BatchSpec(num_computed_tokens=np.array(c, I32), num_scheduled_tokens=np.array(q, I32),
+                         num_prompt_tokens=np.array(prompt, I32), block_table=table, block_size=16)
+
+    big = spec([0] * 4, [40] * 4, [50] * 4)  # 20 conv1d programs
+    moved = spec([5] * 4, [1] * 4, [50] * 4)  # every row a one-token chunk of a prefill: P == 0
+    small = spec([0] * 4, [8] * 4, [50] * 4)  # 4 programs: rows 4..19 must be -1 again
+    stager = Stager("cpu", num_slots=2)
+    for s_ in (big, small, moved, small, small, small):  # slot 0 sees big, moved, small
+        with stager.step() as step:
+            staged = mamba2.stage(stage_common(s_, step, block_table_columns=block_table_columns(s_, opts),
+                                               token_arrays=False), step, opts)
+        m = staged.result()
+        _check_against_reference(m, _vllm_reference(s_, opts, None, torch.device("cpu")))
 
 
 def test_growing_slots_keep_the_fast_path_exact() -> None:

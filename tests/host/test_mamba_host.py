@@ -304,8 +304,8 @@ def _fill_cases(draw: st.DrawFn) -> dict[str, Any]:
     accepted = rng.integers(1, 5, draw(st.sampled_from([n, B])), dtype=np.int32) if acc_mode == 2 else np.zeros(0, np.int32)
     return {"qsl": qsl, "ub": sl.copy(), "isp": isp, "drafts": drafts, "sl": sl, "bt": bt, "accepted": accepted,
             "T": T, "k": k, "C": draw(st.sampled_from([4, 8, 6, 256])), "bsm": bsm, "align": align,
-            "conv": draw(st.booleans()), "acc_mode": acc_mode, "tail": draw(st.tuples(st.integers(0, 5000),
-                                                                                    st.integers(0, 5000)))}
+            "conv": draw(st.booleans()), "acc_mode": acc_mode,
+            "tails": draw(st.tuples(*[st.tuples(st.integers(0, 5000), st.integers(0, 5000))] * 2))}
 
 
 def _untouched(buf: np.ndarray, lo: int, hi: int, what: str) -> None:
@@ -320,14 +320,14 @@ def test_fused_kernel_matches_the_host_functions(case: dict[str, Any]) -> None:
     nb = max_num_chunks(T, B, C)
     mb = 2 * max(1024, min(T, T // 8 + B)) if case["conv"] else 0
     buf, hbuf, where = _fill_buffers(B, ncols, C, bsm, align, case["acc_mode"], nb, mb)
-    # rows [lo, hi) of the two pointers already hold -1 (the builder's knowledge of the slot)
-    lo, hi = sorted(min(t, mb) for t in case["tail"])
-    for name in ("bp", "op"):
+    # rows [lo, hi) of each pointer array already hold -1 (the builder's knowledge of the slot)
+    known = [tuple(sorted(min(t, mb) for t in tail)) for tail in case["tails"]]
+    for name, (lo, hi) in zip(("bp", "op"), known):
         o = where[name][0]
         buf[o + 4 * lo : o + 4 * hi].view(np.int32)[:] = -1
     snapshot = buf.copy()
     status, num_moved, D, Dt, tot, nchunks, prep = hm._mamba_fill_nb(
-        qsl, ub, isp, drafts, sl, bt, case["accepted"], buf, hbuf, T, lo, hi)
+        qsl, ub, isp, drafts, sl, bt, case["accepted"], buf, hbuf, T, *known[0], *known[1])
     assert status == 0
 
     def field(name: str, dtype: Any, count: int) -> np.ndarray:
@@ -413,7 +413,7 @@ def test_fused_kernel_matches_the_host_functions(case: dict[str, Any]) -> None:
         prm[hm.FILL_C_DRAFTS] = c_dr
     else:
         prm[hm.FILL_C_DRAFTS] = -1
-    got = hm._mamba_fill_packed_nb(ibuf, cbuf, hbuf2, case["accepted"], T, lo, hi)
+    got = hm._mamba_fill_packed_nb(ibuf, cbuf, hbuf2, case["accepted"], T, *known[0], *known[1])
     assert got == (status, num_moved, D, Dt, tot, nchunks, prep)
     assert (ibuf[: buf.shape[0]] == buf).all()
     assert (hbuf2[8 * hm.FILL_PARAMS :] == hbuf[8 * hm.FILL_PARAMS :]).all()
@@ -424,5 +424,5 @@ def test_fused_kernel_reports_a_too_narrow_table() -> None:
     B, ncols = 1, 1
     buf, hbuf, _ = _fill_buffers(B, ncols, 8, 4, True, 0, max_num_chunks(20, 1, 8), 2048)
     status = hm._mamba_fill_nb(i32([0, 20]), i32([20]), np.array([True]), np.zeros(0, np.int32), i32([20]),
-                               np.zeros((1, 2), np.int32), np.zeros(0, np.int32), buf, hbuf, 20, 0, 0)[0]
+                               np.zeros((1, 2), np.int32), np.zeros(0, np.int32), buf, hbuf, 20, 0, 0, 0, 0)[0]
     assert status == -1 - (0 * 8 + hm.FILL_E_TABLE_P)
