@@ -604,19 +604,26 @@ def _same_shape_specs(rng: np.random.Generator, count: int, B: int, T: int) -> l
     return out
 
 
+def _spy_known_rows(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int, int]]:
+    """Record, per call of the packed fill kernel, the rows it was told already hold -1:
+    ``(batch_ptr lo, hi, token_chunk_offset_ptr lo, hi)``."""
+    calls: list[tuple[int, int, int, int]] = []
+    fill = mamba2._mamba_fill_packed_nb
+
+    def spy(*args: Any) -> Any:
+        calls.append(tuple(args[-4:]))
+        return fill(*args)
+
+    monkeypatch.setattr(mamba2, "_mamba_fill_packed_nb", spy)
+    return calls
+
+
 @pytest.mark.parametrize("num_slots", [2, 3])
 def test_cached_layouts_give_every_step_its_own_values(num_slots: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps repeating one shape reuse each slot's field group, views and trusted -1 tails; each step's
     metadata stays exact (and intact until its slot is reused), also after an abandoned step and a
     step of other builders on the same slot wrote over the group's bytes."""
-    tails: list[tuple[int, int, int, int]] = []
-    fill = mamba2._mamba_fill_packed_nb
-
-    def spy(*args: Any) -> Any:
-        tails.append(tuple(args[-4:]))
-        return fill(*args)
-
-    monkeypatch.setattr(mamba2, "_mamba_fill_packed_nb", spy)
+    tails = _spy_known_rows(monkeypatch)
     rng = np.random.default_rng(7)
     specs = _same_shape_specs(rng, 30, B=9, T=700)
     other = _same_shape_specs(rng, 1, B=5, T=300)[0]
@@ -655,14 +662,7 @@ def test_a_walk_of_distinct_steps_gives_every_step_its_own_values(num_slots: int
     values, and older steps whose slot was not reused stay intact; the conv1d -1 rows a slot's
     previous step left are trusted across layouts. The common metadata of these steps (no per-token
     arrays) keeps one cached layout per row count, whatever the token count."""
-    trusted: list[tuple[int, int, int, int]] = []
-    fill = mamba2._mamba_fill_packed_nb
-
-    def spy(*args: Any) -> Any:
-        trusted.append(tuple(args[-4:]))
-        return fill(*args)
-
-    monkeypatch.setattr(mamba2, "_mamba_fill_packed_nb", spy)
+    trusted = _spy_known_rows(monkeypatch)
     rng = np.random.default_rng(11)
     specs = [s for B, T in ((9, 700), (9, 650), (9, 700), (5, 300), (9, 90), (9, 700), (5, 320), (9, 710))
              for s in _same_shape_specs(rng, 3, B=B, T=T)]

@@ -62,18 +62,18 @@ def _host_checksum(arrs: list[np.ndarray]) -> int:
     return total & ((1 << 64) - 1)
 
 
-def _run_race(steps: int, fencing: bool, num_slots: int, hold_every: int) -> int:
-    """Build ``steps`` random steps while the GPU is held behind; return the number of corrupted steps."""
-    dev = torch.device("cuda")
-    rng = np.random.default_rng(1234)
-    stager = Stager(dev, num_slots=num_slots, _unsafe_disable_fencing=not fencing)
+def _corrupted_steps(stager: Stager, steps: int, seed: int, hold_every: int, sleep_cycles: int) -> int:
+    """Build ``steps`` random steps on ``stager`` while the GPU is held behind every ``hold_every``
+    steps; return the number of steps whose device data differs from what the host staged."""
+    dev = stager.device
+    rng = np.random.default_rng(seed)
     weights = torch.arange(1, 4096 + 1, dtype=torch.int64, device=dev)
     log = torch.zeros(steps, dtype=torch.int64, device=dev)
     expected = np.zeros(steps, dtype=np.uint64)
     with sync_error_mode():
         for i in range(steps):
             if i % hold_every == 0:
-                torch.cuda._sleep(2_000_000)  # ~1 ms: the host runs many steps ahead
+                torch.cuda._sleep(sleep_cycles)  # the host runs many steps ahead
             data = _random_fields(rng)
             with stager.step() as step:
                 for name, arr in data.items():
@@ -82,6 +82,11 @@ def _run_race(steps: int, fencing: bool, num_slots: int, hold_every: int) -> int
             log[i : i + 1].copy_(_checksum([step.device(n) for n in data], weights).view(1))
     got = log.cpu().numpy().astype(np.uint64)  # one sync, after the audited loop
     return int((got != expected).sum())
+
+
+def _run_race(steps: int, fencing: bool, num_slots: int, hold_every: int) -> int:
+    stager = Stager(torch.device("cuda"), num_slots=num_slots, _unsafe_disable_fencing=not fencing)
+    return _corrupted_steps(stager, steps, 1234, hold_every, 2_000_000)  # ~1 ms holds
 
 
 def test_race_free_with_fencing_under_a_held_stream() -> None:
@@ -202,23 +207,7 @@ class _CountingDriver:
 
 
 def _driver_steps(stager: Stager, steps: int, seed: int) -> int:
-    """``steps`` random steps on ``stager`` (GPU held behind now and then); returns corrupted steps."""
-    dev = stager.device
-    rng = np.random.default_rng(seed)
-    weights = torch.arange(1, 4096 + 1, dtype=torch.int64, device=dev)
-    log = torch.zeros(steps, dtype=torch.int64, device=dev)
-    expected = np.zeros(steps, dtype=np.uint64)
-    with sync_error_mode():
-        for i in range(steps):
-            if i % 8 == 0:
-                torch.cuda._sleep(1_000_000)
-            data = _random_fields(rng)
-            with stager.step() as step:
-                for name, arr in data.items():
-                    step.alloc(name, arr.shape, arr.dtype)[...] = arr
-            expected[i] = np.uint64(_host_checksum(list(data.values())))
-            log[i : i + 1].copy_(_checksum([step.device(n) for n in data], weights).view(1))
-    return int((log.cpu().numpy().astype(np.uint64) != expected).sum())
+    return _corrupted_steps(stager, steps, seed, 8, 1_000_000)
 
 
 def test_eager_commits_go_through_the_driver_and_land_intact() -> None:
