@@ -143,6 +143,7 @@ __all__ = [
 _NULL_BLOCK_ID = 0
 _CONV1D_BLOCK_M = 8
 _NO_DRAFTS = np.zeros(0, np.int32)
+_NO_MLIST = np.zeros(0, np.int64)  # the fill kernel's mlist argument when no conv1d fields are staged
 _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
 _BOOL = np.dtype(np.bool_)
@@ -1180,23 +1181,21 @@ class _Fast:
         a4, a8 = (4 * B + 63) // 64 * 64, (8 * B + 63) // 64 * 64
         o_nc = 8 * _hm.FILL_PARAMS
         o_nums, o_ckpt, o_moved = o_nc + a4, o_nc + 2 * a4, o_nc + 2 * a4 + a8
-        o_mlist = o_moved + (B + 63) // 64 * 64
-        hbuf = self.hbuf = np.zeros(o_mlist + 8 * (mb // 2), np.uint8)
+        hbuf = self.hbuf = np.zeros(o_moved + (B + 63) // 64 * 64, np.uint8)
         prm = self.prm = hbuf[:o_nc].view(np.int64)
         for name, o in zip(_FAST_FIELDS, _FAST_OFFSET):
             prm[o] = group.fields[at[name]].offset if name in at else -1
         prm[_hm.FILL_B], prm[_hm.FILL_NCOLS], prm[_hm.FILL_THRESHOLD], prm[_hm.FILL_ACC] = B, ncols, ncols, acc_mode
         prm[_hm.FILL_CHUNK], prm[_hm.FILL_BSM], prm[_hm.FILL_ALIGN] = chunk_size, bs_m, align
         prm[_hm.FILL_CONV], prm[_hm.FILL_CHUNKS], prm[_hm.FILL_MB], prm[_hm.FILL_NB] = mb > 0, nb > 0, mb, nb
-        prm[_hm.FILL_H_NC], prm[_hm.FILL_H_NUMS], prm[_hm.FILL_H_MLIST], prm[_hm.FILL_H_MOVED] = (
-            o_nc, o_nums, o_mlist, o_moved)
+        prm[_hm.FILL_H_NC], prm[_hm.FILL_H_NUMS], prm[_hm.FILL_H_MOVED] = o_nc, o_nums, o_moved
         self.nc = _read_only(hbuf[o_nc : o_nc + 4 * B].view(np.int32))
         self.nums = _read_only(hbuf[o_nums : o_nums + 4 * B].view(np.int32))
         ckpt = hbuf[o_ckpt : o_ckpt + 8 * B].view(np.int64)
         ckpt[:] = -1  # ChunkMetadata.checkpoint_chunk_idx without checkpoints; never rewritten
         self.ckpt = _read_only(ckpt)
         self.moved = _read_only(hbuf[o_moved : o_moved + B].view(np.bool_))
-        self.mlist = _read_only(hbuf[o_mlist:].view(np.int64))
+        self.mlist: tuple[Any, Any] = (None, None)  # (the slot's shared mlist buffer, its read-only twin)
         fz = group.frozen
         # read-only views of the staged rows, in _FAST_FIELDS order (None: not staged)
         self.full: tuple[Any, ...] = tuple(fz[at[n]] if n in at else None for n in _FAST_FIELDS)
@@ -1207,7 +1206,7 @@ class _Fast:
         self.hv: tuple[Any, ...] = (-1, -1, -1)  # per-step host views, by (D, num_chunks, tot) ...
         self.hd: tuple[Any, ...] = (-1,)  # ... assembled from the views sized by D, ...
         self.hn: tuple[Any, ...] = (-1, False)  # ... by the chunk count ...
-        self.ht: tuple[Any, ...] = (-1, False)  # ... and by the conv1d program count
+        self.ht: tuple[Any, ...] = (-1, False, None, None, None, None, None)  # ... and by the conv1d program count
         self.dv: tuple[Any, ...] = (None, -1, -1, -1)  # per-step device views, by (group views, D, n, tot)
         self.dlen: list[int] = []  # per field: rows of its cached device view (dview), from the full view (dfull)
         self.dview: list[Any] = []
@@ -1260,11 +1259,12 @@ class _Fast:
             hn = self.hn = (n, pre, cu[: n + 1] if pre and cu is not None else None,
                             sidx[:n] if pre and sidx is not None else None)
         ht = self.ht
-        if ht[0] != tot or ht[1] != pre:
+        mlist = self.mlist[1]
+        if ht[0] != tot or ht[1] != pre or ht[6] is not mlist:
             total = 2 * max(1024, tot)
             conv = pre and bp is not None
             ht = self.ht = (tot, pre, bp[:total] if conv else None, op[:total] if pre and op is not None else None,
-                            self.mlist[:tot] if conv else None, op[:tot] if conv else None)
+                            mlist[:tot] if conv else None, op[:tot] if conv else None, mlist)
         exact = (hd[1], hd[2], hd[3], hd[4], hd[5], hn[2], hn[3], hd[6], ht[2], ht[3])
         cm = None if hn[2] is None else ChunkMetadata(hn[2], hn[3], hd[6], hd[9], n)
         staged = types.MappingProxyType({k: v for k, v in zip(_FAST_FIELDS, exact) if v is not None})
@@ -1356,6 +1356,29 @@ def _raise_fill_error(status: int, h: dict[str, Any], k: int, bs_m: int, align: 
 _NEG_TAILS: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, list[tuple[int, int]]]]] = weakref.WeakKeyDictionary()
 
 
+# Per stager: one int64 ``mlist`` buffer per ring slot and builder prefix (KV-cache group), shared by
+# every layout that prefix stages on that slot: a step's mlist lives as long as the slot's other host
+# arrays (until the slot is reused). One per layout would hold ~8 bytes per conv1d program for every
+# cached layout.
+_MLISTS: weakref.WeakKeyDictionary[Any, dict[tuple[int, str], Any]] = weakref.WeakKeyDictionary()
+
+
+def _slot_mlist(step: Step, prefix: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The shared ``mlist`` buffer of ``step``'s slot and ``prefix`` (at least ``rows`` int64) and its
+    read-only twin; grown geometrically (a new buffer: views handed out by the slot's earlier steps
+    keep the old one)."""
+    stager = step.stager
+    per_slot = _MLISTS.get(stager)
+    if per_slot is None:
+        per_slot = _MLISTS[stager] = {}
+    key = (_stamp(step) % stager.num_slots, prefix)
+    cur: tuple[np.ndarray, np.ndarray] | None = per_slot.get(key)
+    if cur is None or cur[0].shape[0] < rows:
+        buf = np.zeros(max(rows, 2 * (0 if cur is None else cur[0].shape[0])), np.int64)
+        cur = per_slot[key] = (buf, _read_only(buf))
+    return cur
+
+
 def _stamp(step: Step) -> int:
     """The ring stamp of ``step`` (``StagerStats.steps_begun`` when it began)."""
     return int(step.stager.stats.steps_begun)
@@ -1426,18 +1449,21 @@ def _stage_fast(
         prev = rec.get(_stamp(step) - step.stager.num_slots)
         if prev is not None and prev[0]() is buf:
             known = (*_known_rows(prev[1], fs.obp, mb), *_known_rows(prev[1], fs.oop, mb))
+    if mb:
+        fs.mlist = _slot_mlist(step, cfg.prefix, mb // 2)
+    mlist = fs.mlist[0] if mb else _NO_MLIST
     acc_in = _NO_DRAFTS if num_accepted_tokens is None else _accepted_input(num_accepted_tokens, B, h["num_real_reqs"])
     src = fs.src
     if src[0] is not h["query_start_loc_cpu"] or src[1] is not h["seq_lens_cpu_upper_bound"]:
         fs.locate(h, buf)
     if fs.cbuf is not None and buf is not None:
-        status, num_moved, D, Dt, tot, n, prep = _mamba_fill_packed_nb(buf, fs.cbuf, fs.hbuf, acc_in, T, *known)
+        status, num_moved, D, Dt, tot, n, prep = _mamba_fill_packed_nb(buf, fs.cbuf, fs.hbuf, mlist, acc_in, T, *known)
     else:
         dr = h["num_decode_draft_tokens_cpu"] if k else None
         target = buf if buf is not None else np.empty(group.end, np.uint8)
         status, num_moved, D, Dt, tot, n, prep = _mamba_fill_nb(
             h["query_start_loc_cpu"], h["seq_lens_cpu_upper_bound"], isp, _NO_DRAFTS if dr is None else dr,
-            h["seq_lens_cpu"], h["block_table_cpu"], acc_in, target, fs.hbuf, T, *known)
+            h["seq_lens_cpu"], h["block_table_cpu"], acc_in, target, fs.hbuf, mlist, T, *known)
         if buf is None and not status:
             _scatter(group, target)
     if status:
@@ -1445,7 +1471,7 @@ def _stage_fast(
     if rec is not None and buf is not None and D < B:  # (without prefill rows the kernel writes no conv1d rows)
         _note_tails(rec, _stamp(step), buf, fs, tot, step.stager.num_slots)
     hv = fs.hv
-    if hv[0] != D or hv[1] != n or hv[2] != tot:
+    if hv[0] != D or hv[1] != n or hv[2] != tot or fs.ht[6] is not fs.mlist[1]:
         hv = fs.host_views(D, n, tot)
     P = B - D
     split = _new_split(SplitCounts, (D, P, Dt, T - Dt))

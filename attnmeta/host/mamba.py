@@ -307,7 +307,7 @@ def classify_mamba_rows(
 FILL_B, FILL_NCOLS, FILL_THRESHOLD, FILL_CHUNK, FILL_BSM, FILL_ALIGN, FILL_CONV, FILL_CHUNKS = range(8)
 FILL_ACC, FILL_MB, FILL_NB = range(8, 11)
 (FILL_O_SI_D, FILL_O_ACC, FILL_O_SI_P, FILL_O_QSL_P, FILL_O_INIT, FILL_O_CU, FILL_O_SIDX, FILL_O_LAST, FILL_O_BP,
- FILL_O_OP, FILL_H_NC, FILL_H_NUMS, FILL_H_MLIST, FILL_H_MOVED) = range(16, 30)
+ FILL_O_OP, FILL_H_NC, FILL_H_NUMS, FILL_H_MOVED) = range(16, 29)
 # where _mamba_fill_packed_nb finds the common metadata's host arrays: byte offsets into the slot
 # bytes (qsl, seq_lens, block table and its width) and into the common's host-only bytes
 (FILL_C_QSL, FILL_C_SL, FILL_C_BT, FILL_C_W, FILL_C_UB, FILL_C_ISP, FILL_C_DRAFTS) = range(32, 39)
@@ -354,6 +354,7 @@ def _mamba_fill_nb(
     accepted: np.ndarray,
     buf: np.ndarray,
     hbuf: np.ndarray,
+    mlist: np.ndarray,
     num_tokens: int,
     bp_lo: int,
     bp_hi: int,
@@ -381,8 +382,9 @@ def _mamba_fill_nb(
        ``num_computed_tokens_p = ub[D:] - q`` (6.4).
     3. With ``FILL_CONV``: ``batch_ptr`` / ``token_chunk_offset_ptr`` (5.8; ``-1`` from ``tot`` to
        ``2 * max(1024, tot)``, except rows ``[bp_lo, bp_hi)`` / ``[op_lo, op_hi)`` that the caller
-       knows already hold ``-1``) and, in ``hbuf``, ``nums`` (int32) and ``mlist`` (int64). One 1-D slice per row and
-       array, so every fill loop vectorizes.
+       knows already hold ``-1``), ``nums`` (int32, in ``hbuf``) and ``mlist`` (int64, the caller's
+       array of at least ``FILL_MB // 2`` rows: the builder shares one per ring slot). One 1-D slice
+       per row and array, so every fill loop vectorizes.
     4. With ``FILL_CHUNKS``: ``cu_chunk_seqlen_p`` / ``seq_idx_p`` / ``last_chunk_indices_p``, the
        chunk-aligned layout of :func:`attnmeta.host.chunks.chunk_metadata` without checkpoints (6.5).
 
@@ -489,8 +491,8 @@ def _mamba_fill_nb(
         op = buf[o : o + 4 * mb].view(np.int32)
         o = prm[FILL_H_NUMS]
         nums = hbuf[o : o + 4 * P].view(np.int32)
-        o = prm[FILL_H_MLIST]
-        mlist = hbuf[o : o + 8 * (mb // 2)].view(np.int64)
+        if mlist.shape[0] < mb // 2:
+            return -1 - (D * 8 + FILL_E_CAPACITY), 0, 0, 0, 0, 0, False
         k = 0
         for j in range(P):
             m = (int(qsl[D + j + 1]) - int(qsl[D + j]) + CONV1D_BLOCK_M - 1) // CONV1D_BLOCK_M
@@ -538,6 +540,7 @@ def _mamba_fill_packed_nb(
     buf: np.ndarray,
     cbuf: np.ndarray,
     hbuf: np.ndarray,
+    mlist: np.ndarray,
     accepted: np.ndarray,
     num_tokens: int,
     bp_lo: int,
@@ -566,7 +569,8 @@ def _mamba_fill_packed_nb(
     isp = cbuf[o : o + B].view(np.bool_)
     o = prm[FILL_C_DRAFTS]
     drafts = cbuf[o : o + 4 * B].view(np.int32) if o >= 0 else cbuf[0:0].view(np.int32)
-    return _mamba_fill_nb(qsl, ub, isp, drafts, sl, bt, accepted, buf, hbuf, num_tokens, bp_lo, bp_hi, op_lo, op_hi)
+    return _mamba_fill_nb(qsl, ub, isp, drafts, sl, bt, accepted, buf, hbuf, mlist, num_tokens, bp_lo, bp_hi, op_lo,
+                          op_hi)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -711,6 +711,27 @@ def test_a_step_without_prefill_rows_vouches_for_no_conv1d_rows() -> None:
         _check_against_reference(m, _vllm_reference(s_, opts, None, torch.device("cpu")))
 
 
+def test_two_kv_groups_in_one_step_keep_their_own_mlist() -> None:
+    """The host ``mlist`` buffer is shared per ring slot and builder prefix: two Mamba2 groups staged
+    into one step, whose splits differ, each keep their own programs; and a long run of steps holds
+    at most one buffer per slot and prefix."""
+    table = np.arange(4 * 8, dtype=I32).reshape(4, 8)
+    spec = BatchSpec(num_computed_tokens=np.array([30, 30, 0, 0], I32), num_scheduled_tokens=np.array([2, 2, 40, 30], I32),
+                     num_draft_tokens=np.array([1, 1, 0, 0], I32), block_table=table, block_size=16)
+    plain = Mamba2Options(chunk_size=8)  # threshold 1: four prefill rows, 11 programs
+    spec_k1 = Mamba2Options(chunk_size=8, num_speculative_tokens=1, prefix="mamba2_mtp")  # two decodes, 9 programs
+    stager = Stager("cpu", num_slots=2)
+    for _ in range(5):
+        with stager.step() as step:
+            common = stage_common(spec, step, block_table_columns=8, token_arrays=False)
+            a, b = mamba2.stage(common, step, plain), mamba2.stage(common, step, spec_k1)
+        ma, mb_ = a.result(), b.result()
+        assert ma.conv1d_num_programs_total == 11 and mb_.conv1d_num_programs_total == 9
+        _check_against_reference(ma, _vllm_reference(spec, plain, None, torch.device("cpu")))
+        _check_against_reference(mb_, _vllm_reference(spec, spec_k1, None, torch.device("cpu")))
+    assert len(mamba2._MLISTS[stager]) == 2 * 2  # slots x prefixes
+
+
 def test_growing_slots_keep_the_fast_path_exact() -> None:
     """Slots that grow mid-step (fields in two buffers, or the common's in the old one) take the
     explicit-array kernel and still give exact values."""

@@ -250,7 +250,8 @@ def _fill_buffers(
     B: int, ncols: int, C: int, bsm: int, align: bool, acc_mode: int, nb: int, mb: int
 ) -> tuple[np.ndarray, np.ndarray, dict[str, tuple[int, int]]]:
     """Staged bytes ``buf`` (every field, guard bytes between them) and host-only bytes ``hbuf``
-    (parameters first), laid out as attnmeta.backends.mamba2 does; returns the byte ranges."""
+    (parameters first), laid out as attnmeta.backends.mamba2 does; returns the byte ranges. The
+    kernel's ``mlist`` is a separate array (:func:`_mlist_buffer`)."""
     sizes = {"si_d": 4 * B * ncols, "acc": 4 * B, "si_p": 4 * B, "qsl_p": 4 * (B + 1), "init": B,
              "cu": 4 * (nb + 1), "sidx": 4 * nb, "last": 4 * B, "bp": 4 * mb, "op": 4 * mb}
     where: dict[str, tuple[int, int]] = {}
@@ -262,8 +263,7 @@ def _fill_buffers(
     o_nc = 8 * hm.FILL_PARAMS
     o_nums = o_nc + _align64(4 * B)
     o_moved = o_nums + _align64(4 * B)
-    o_mlist = o_moved + _align64(B)
-    hbuf = np.zeros(o_mlist + 8 * (mb // 2), np.uint8)
+    hbuf = np.zeros(o_moved + _align64(B), np.uint8)
     prm = hbuf[:o_nc].view(np.int64)
     for name, idx in (("si_d", hm.FILL_O_SI_D), ("acc", hm.FILL_O_ACC), ("si_p", hm.FILL_O_SI_P),
                       ("qsl_p", hm.FILL_O_QSL_P), ("init", hm.FILL_O_INIT), ("cu", hm.FILL_O_CU),
@@ -272,9 +272,14 @@ def _fill_buffers(
     prm[hm.FILL_B], prm[hm.FILL_NCOLS], prm[hm.FILL_THRESHOLD], prm[hm.FILL_ACC] = B, ncols, ncols, acc_mode
     prm[hm.FILL_CHUNK], prm[hm.FILL_BSM], prm[hm.FILL_ALIGN] = C, bsm, align
     prm[hm.FILL_CONV], prm[hm.FILL_CHUNKS], prm[hm.FILL_MB], prm[hm.FILL_NB] = mb > 0, nb > 0, mb, nb
-    prm[hm.FILL_H_NC], prm[hm.FILL_H_NUMS], prm[hm.FILL_H_MLIST], prm[hm.FILL_H_MOVED] = o_nc, o_nums, o_mlist, o_moved
-    where.update(nc=(o_nc, 4 * B), nums=(o_nums, 4 * B), moved=(o_moved, B), mlist=(o_mlist, 8 * (mb // 2)))
+    prm[hm.FILL_H_NC], prm[hm.FILL_H_NUMS], prm[hm.FILL_H_MOVED] = o_nc, o_nums, o_moved
+    where.update(nc=(o_nc, 4 * B), nums=(o_nums, 4 * B), moved=(o_moved, B))
     return buf, hbuf, where
+
+
+def _mlist_buffer(mb: int) -> np.ndarray:
+    """The kernel's ``mlist`` output: ``mb // 2`` int64 rows, then guard rows it must not write."""
+    return np.full(mb // 2 + 8, -77, np.int64)
 
 
 @st.composite
@@ -320,6 +325,7 @@ def test_fused_kernel_matches_the_host_functions(case: dict[str, Any]) -> None:
     nb = max_num_chunks(T, B, C)
     mb = 2 * max(1024, min(T, T // 8 + B)) if case["conv"] else 0
     buf, hbuf, where = _fill_buffers(B, ncols, C, bsm, align, case["acc_mode"], nb, mb)
+    mlist = _mlist_buffer(mb)
     # rows [lo, hi) of each pointer array already hold -1 (the builder's knowledge of the slot)
     known = [tuple(sorted(min(t, mb) for t in tail)) for tail in case["tails"]]
     for name, (lo, hi) in zip(("bp", "op"), known):
@@ -327,12 +333,14 @@ def test_fused_kernel_matches_the_host_functions(case: dict[str, Any]) -> None:
         buf[o + 4 * lo : o + 4 * hi].view(np.int32)[:] = -1
     snapshot = buf.copy()
     status, num_moved, D, Dt, tot, nchunks, prep = hm._mamba_fill_nb(
-        qsl, ub, isp, drafts, sl, bt, case["accepted"], buf, hbuf, T, *known[0], *known[1])
+        qsl, ub, isp, drafts, sl, bt, case["accepted"], buf, hbuf, mlist, T, *known[0], *known[1])
     assert status == 0
 
     def field(name: str, dtype: Any, count: int) -> np.ndarray:
+        if name == "mlist":
+            return mlist[:count]
         o = where[name][0]
-        arr = hbuf if name in ("nc", "nums", "moved", "mlist") else buf
+        arr = hbuf if name in ("nc", "nums", "moved") else buf
         return arr[o : o + np.dtype(dtype).itemsize * count].view(dtype)
 
     # classification and split
@@ -381,12 +389,13 @@ def test_fused_kernel_matches_the_host_functions(case: dict[str, Any]) -> None:
             assert_host_equal(field("op", np.int32, M), conv.token_chunk_offset_ptr)
             written.update(bp=4 * M, op=4 * M)
     # nothing written outside each field's used prefix (the pointers' trusted rows stay as they were)
+    assert (mlist[mb // 2 :] == -77).all(), "mlist: written past its rows"
     for name, (o, size) in where.items():
-        if name in ("nc", "nums", "moved", "mlist"):
+        if name in ("nc", "nums", "moved"):
             continue
         w = written.get(name, 0)
         assert (buf[o + w : o + size] == snapshot[o + w : o + size]).all(), f"{name}: written past its used rows"
-    gaps = sorted(where[n] for n in where if n not in ("nc", "nums", "moved", "mlist"))
+    gaps = sorted(where[n] for n in where if n not in ("nc", "nums", "moved"))
     _untouched(buf, 0, gaps[0][0], "leading guard")
     for (o, size), (o2, _s) in itertools.pairwise(gaps):
         _untouched(buf, o + size, o2, "guard")
@@ -413,8 +422,10 @@ def test_fused_kernel_matches_the_host_functions(case: dict[str, Any]) -> None:
         prm[hm.FILL_C_DRAFTS] = c_dr
     else:
         prm[hm.FILL_C_DRAFTS] = -1
-    got = hm._mamba_fill_packed_nb(ibuf, cbuf, hbuf2, case["accepted"], T, *known[0], *known[1])
+    mlist2 = _mlist_buffer(mb)
+    got = hm._mamba_fill_packed_nb(ibuf, cbuf, hbuf2, mlist2, case["accepted"], T, *known[0], *known[1])
     assert got == (status, num_moved, D, Dt, tot, nchunks, prep)
+    assert (mlist2[:tot] == mlist[:tot]).all()
     assert (ibuf[: buf.shape[0]] == buf).all()
     assert (hbuf2[8 * hm.FILL_PARAMS :] == hbuf[8 * hm.FILL_PARAMS :]).all()
 
@@ -424,5 +435,6 @@ def test_fused_kernel_reports_a_too_narrow_table() -> None:
     B, ncols = 1, 1
     buf, hbuf, _ = _fill_buffers(B, ncols, 8, 4, True, 0, max_num_chunks(20, 1, 8), 2048)
     status = hm._mamba_fill_nb(i32([0, 20]), i32([20]), np.array([True]), np.zeros(0, np.int32), i32([20]),
-                               np.zeros((1, 2), np.int32), np.zeros(0, np.int32), buf, hbuf, 20, 0, 0, 0, 0)[0]
+                               np.zeros((1, 2), np.int32), np.zeros(0, np.int32), buf, hbuf, _mlist_buffer(2048), 20,
+                               0, 0, 0, 0)[0]
     assert status == -1 - (0 * 8 + hm.FILL_E_TABLE_P)
