@@ -3,14 +3,16 @@
 A step's one H2D copy is a ``cuMemcpyHtoDAsync`` from the pinned slot to the slot's device arena on
 the commit stream, followed by ``cuEventRecord`` of the slot's fence event: exactly what
 ``Tensor.copy_(non_blocking=True)`` and ``Event.record`` enqueue, minus torch's argument parsing,
-dispatch and host-allocator bookkeeping. On the H200 machine (2026-11-29) a 4 KiB copy cost 6.4 us
-through ``copy_`` and 2.1 us through the driver; an event record 1.0 and 0.6 us
-(``python benchmarks/bench_commit.py``, best of 7 blocks of calls; whole steps there too).
+dispatch and host-allocator bookkeeping. On two H200 hosts (2026-11-29) a 4 KiB copy cost 6.4 and
+4.2 us through ``copy_``, 3.3 and 2.6 us through the driver; an event record 1.5 / 1.0 us through
+torch, 1.3 / 0.8 us through the driver (``python benchmarks/bench_commit.py``, best of 7 blocks of
+calls; whole steps there too).
 
 The fast path is an optimisation only, never a requirement:
 
-- it is off where ``libcuda`` cannot be loaded, with ``ATTNMETA_DRIVER_COPY=0``, and while a torch
-  dispatch mode is active (the sync audit), so audits see every copy as a torch op;
+- it is off where ``libcuda`` cannot be loaded, with ``ATTNMETA_DRIVER_COPY=0``, while another CUDA
+  device is current, and while a torch dispatch or function mode is active (the sync audit), so
+  audits see every copy as a torch op;
 - any non-zero driver status (no current context on this thread, another device current, ...)
   makes the caller fall back to the torch calls for that commit.
 
