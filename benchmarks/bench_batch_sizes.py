@@ -25,8 +25,8 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from attnmeta._bench_scenarios import _stage_fa_fi
 from attnmeta._workloads import advance, decode_spec
-from attnmeta.backends import flash_attn, flashinfer
 from attnmeta.metadata import stage_common
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager
@@ -42,10 +42,10 @@ def best_median(specs: list[BatchSpec], device: torch.device) -> tuple[float, li
         for i in range(512):
             spec = specs[i % len(specs)]
             t0 = pc()
-            with stager.step() as step:
+            with stager.step() as step:  # the decode step of bench_decode.py / `attnmeta bench --scenario decode`
                 c = stage_common(spec, step, paged_kv=True)
-                fa, fi = flash_attn.stage(c, step), flashinfer.stage(c, step)
-            c.result(), fa.result(), fi.result()
+                both = _stage_fa_fi(c, step)
+            c.result(), both.result()
             ts.append((pc() - t0) / 1e3)
         if device.type == "cuda":
             torch.cuda.synchronize()  # harness only, between rounds

@@ -85,7 +85,6 @@ from __future__ import annotations
 
 import dataclasses
 import types
-import weakref
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
@@ -1347,48 +1346,34 @@ def _raise_fill_error(status: int, h: dict[str, Any], k: int, bs_m: int, align: 
     raise AssertionError(f"mamba fill: internal status {status} (row {row})")  # pragma: no cover
 
 
-# Per stager: ring stamp -> (weak reference to the slot's host bytes, byte ranges of them that hold -1
-# after that step's causal-conv1d tails were written). A step reads the record of the step begun
-# num_slots before it, the slot's previous use (StagerStats.steps_begun: ring order, and no step in
-# between touches the slot); within a step, the rows of a field group are written by its owner only,
-# so the -1 rows that record places inside this step's conv1d arrays still hold -1, whichever layout
-# the earlier step had.
-_NEG_TAILS: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, list[tuple[int, int]]]]] = weakref.WeakKeyDictionary()
-
-
-# Per stager: one int64 ``mlist`` buffer per ring slot and builder prefix (KV-cache group), shared by
-# every layout that prefix stages on that slot: a step's mlist lives as long as the slot's other host
-# arrays (until the slot is reused). One per layout would hold ~8 bytes per conv1d program for every
-# cached layout.
-_MLISTS: weakref.WeakKeyDictionary[Any, dict[tuple[int, str], Any]] = weakref.WeakKeyDictionary()
+# Builder state kept with the ring slot (Step.slot_extras, emptied when the slot's memory is
+# reallocated):
+# - "mamba.mlist", prefix -> one int64 ``mlist`` buffer per KV-cache group, shared by every layout
+#   that group stages on the slot: a step's mlist lives as long as the slot's other host arrays
+#   (until the slot is reused); one per layout would hold ~8 bytes per conv1d program per layout;
+# - "mamba.neg" -> ring stamp -> byte ranges of the slot that hold -1 after that step's causal-conv1d
+#   tails were written. A step reads the record of the slot's previous use (begun num_slots before
+#   it; no step in between touches the slot); within a step, the rows of a field group are written
+#   by its owner only, so the -1 rows that record places inside this step's conv1d arrays still
+#   hold -1, whichever layout the earlier step had.
 
 
 def _slot_mlist(step: Step, prefix: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
     """The shared ``mlist`` buffer of ``step``'s slot and ``prefix`` (at least ``rows`` int64) and its
     read-only twin; grown geometrically (a new buffer: views handed out by the slot's earlier steps
     keep the old one)."""
-    stager = step.stager
-    per_slot = _MLISTS.get(stager)
-    if per_slot is None:
-        per_slot = _MLISTS[stager] = {}
-    key = (_stamp(step) % stager.num_slots, prefix)
-    cur: tuple[np.ndarray, np.ndarray] | None = per_slot.get(key)
+    key = ("mamba.mlist", prefix)
+    ex = step.slot_extras
+    cur: tuple[np.ndarray, np.ndarray] | None = ex.get(key)
     if cur is None or cur[0].shape[0] < rows:
         buf = np.zeros(max(rows, 2 * (0 if cur is None else cur[0].shape[0])), np.int64)
-        cur = per_slot[key] = (buf, _read_only(buf))
+        cur = ex[key] = (buf, _read_only(buf))
     return cur
 
 
 def _stamp(step: Step) -> int:
     """The ring stamp of ``step`` (``StagerStats.steps_begun`` when it began)."""
     return int(step.stager.stats.steps_begun)
-
-
-def _neg_record(step: Step) -> dict[int, tuple[Any, list[tuple[int, int]]]]:
-    rec = _NEG_TAILS.get(step.stager)
-    if rec is None:
-        rec = _NEG_TAILS[step.stager] = {}
-    return rec
 
 
 def _known_rows(ranges: list[tuple[int, int]], offset: int, rows: int) -> tuple[int, int]:
@@ -1403,19 +1388,12 @@ def _known_rows(ranges: list[tuple[int, int]], offset: int, rows: int) -> tuple[
     return best
 
 
-def _note_tails(rec: dict[int, tuple[Any, list[tuple[int, int]]]], stamp: int, buf: np.ndarray, fs: _Fast, tot: int,
-                num_slots: int) -> None:
+def _note_tails(rec: dict[int, list[tuple[int, int]]], stamp: int, fs: _Fast, tot: int, num_slots: int) -> None:
     """Record that rows ``[tot, 2 * max(1024, tot))`` of both conv1d arrays now hold -1."""
     total = 2 * max(1024, tot)
-    ranges = [(fs.obp + 4 * tot, fs.obp + 4 * total), (fs.oop + 4 * tot, fs.oop + 4 * total)]
-    cur = rec.get(stamp)
-    if cur is not None and cur[0]() is buf:
-        cur[1].extend(ranges)
-    else:
-        rec[stamp] = (weakref.ref(buf), ranges)
-    if len(rec) > 2 * num_slots:  # only the last num_slots steps can still be read
-        for old in [k for k in rec if k <= stamp - num_slots]:
-            del rec[old]
+    rec.setdefault(stamp, []).extend(((fs.obp + 4 * tot, fs.obp + 4 * total), (fs.oop + 4 * tot, fs.oop + 4 * total)))
+    for old in [k for k in rec if k < stamp - num_slots]:  # steps read the slot's previous use only
+        del rec[old]
 
 
 def _stage_fast(
@@ -1445,10 +1423,10 @@ def _stage_fast(
     known = (0, 0, 0, 0)
     rec = None
     if mb and buf is not None:
-        rec = _neg_record(step)
+        rec = step.slot_extras.setdefault("mamba.neg", {})
         prev = rec.get(_stamp(step) - step.stager.num_slots)
-        if prev is not None and prev[0]() is buf:
-            known = (*_known_rows(prev[1], fs.obp, mb), *_known_rows(prev[1], fs.oop, mb))
+        if prev is not None:
+            known = (*_known_rows(prev, fs.obp, mb), *_known_rows(prev, fs.oop, mb))
     if mb:
         fs.mlist = _slot_mlist(step, cfg.prefix, mb // 2)
     mlist = fs.mlist[0] if mb else _NO_MLIST
@@ -1468,8 +1446,8 @@ def _stage_fast(
             _scatter(group, target)
     if status:
         _raise_fill_error(status, h, k, bs_m, cfg.align)
-    if rec is not None and buf is not None and D < B:  # (without prefill rows the kernel writes no conv1d rows)
-        _note_tails(rec, _stamp(step), buf, fs, tot, step.stager.num_slots)
+    if rec is not None and D < B:  # (without prefill rows the kernel writes no conv1d rows)
+        _note_tails(rec, _stamp(step), fs, tot, step.stager.num_slots)
     hv = fs.hv
     if hv[0] != D or hv[1] != n or hv[2] != tot or fs.ht[6] is not fs.mlist[1]:
         hv = fs.host_views(D, n, tot)

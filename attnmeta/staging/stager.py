@@ -190,8 +190,8 @@ class _Slot:
     """One ring slot: pinned host bytes, (eager) its device arena, and the fence event."""
 
     __slots__ = (
-        "copy_pairs", "device_arena", "dirty_rows", "event", "generation", "groups", "host", "host_np", "index",
-        "ptrs", "typed", "views",
+        "copy_pairs", "device_arena", "dirty_rows", "event", "extras", "generation", "groups", "host", "host_np",
+        "index", "ptrs", "typed", "views",
     )
 
     def __init__(self, index: int) -> None:
@@ -208,6 +208,7 @@ class _Slot:
         self.copy_pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, host) slices by copy size
         # alloc_fields cache: (start offset, specs) -> the FieldGroup laid out there on this slot
         self.groups: dict[tuple[Any, ...], FieldGroup] = {}
+        self.extras: dict[Any, Any] = {}  # Step.slot_extras: builders' state for this slot's bytes
 
 
 _MAX_CACHED_GROUPS = 512  # per slot; the cache is dropped (and rebuilt on demand) when it outgrows this
@@ -388,6 +389,7 @@ class Stager:
         slot.typed = {}
         slot.views = {}
         slot.groups = {}
+        slot.extras = {}
         slot.copy_pairs = {}
         self.stats.grows += 1
         return old_host
@@ -412,6 +414,7 @@ class Stager:
         self._graph_views = {}
         for s in self._slots:
             s.groups = {}
+            s.extras = {}
             s.copy_pairs = {}  # they slice the old arena
         for slot in self._slots:
             assert slot.host_np is not None
@@ -573,7 +576,7 @@ class Stager:
         ev = slot.event.cuda_event
         if not ev or _DISPATCH_DEPTH() or _FUNCTION_DEPTH() or _CURRENT_DEVICE() != self._device_index:
             return False  # (the driver call runs in the current device's context)
-        self._current_stream()
+        self._current_stream()  # refreshes _stream_handle if the current stream changed
         drv = self._driver
         assert drv is not None
         handle = self._stream_handle
@@ -628,6 +631,14 @@ class Step:
     def stager(self) -> Stager:
         """The :class:`Stager` this step belongs to."""
         return self._stager
+
+    @property
+    def slot_extras(self) -> dict[Any, Any]:
+        """State a builder keeps with this step's ring slot, across the slot's uses (what it knows
+        about bytes it left in the slot, buffers whose lifetime is the slot's). The stager never
+        reads it, and empties it whenever it reallocates the slot's memory. Slots are used in ring
+        order: the step begun at ``stats.steps_begun - num_slots`` was this slot's previous use."""
+        return self._slot.extras
 
     @property
     def device_type(self) -> str:

@@ -371,3 +371,22 @@ def test_retired_pinned_slots_live_until_their_last_copy_completed(monkeypatch: 
     pending.event.done = True
     _driver.purge()
     assert _driver._RETIRED == []
+
+
+def test_slot_extras_follow_the_ring_and_empty_when_the_slot_grows() -> None:
+    """Step.slot_extras is the builders' per-slot state: the same dict on every use of a slot, never
+    shared between slots, and emptied when the stager reallocates the slot's memory."""
+    stager = Stager("cpu", num_slots=2, initial_bytes=64)
+    seen = []
+    for i in range(4):
+        with stager.step() as step:
+            step.alloc("x", 4, np.int32)[:] = i
+            seen.append(step.slot_extras)
+            step.slot_extras.setdefault("uses", []).append(i)
+    assert seen[0] is seen[2] and seen[1] is seen[3] and seen[0] is not seen[1]
+    assert seen[0]["uses"] == [0, 2] and seen[1]["uses"] == [1, 3]
+    with stager.step() as step:  # slot 0 again, now growing past its 64 bytes
+        assert step.slot_extras["uses"] == [0, 2]
+        step.alloc("big", 1 << 12, np.int32)[:] = 0
+        assert step.slot_extras == {}
+    assert stager.stats.grows >= 1
