@@ -480,6 +480,8 @@ def stage_common(
         "num_real_tokens": T,
         "num_pages": spec.num_pages,
         "max_exact_seq_len": spec.max_exact_seq_len,
+        # The group and its kernel state: what attnmeta.backends.fused replays a cached step from.
+        "_group": (group, cached),
     }
     if len(group.fields) > 5:  # paged_kv: what a FlashInfer builder of this step reuses
         total = spec.num_pages

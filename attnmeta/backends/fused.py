@@ -1,0 +1,304 @@
+"""One call per step for the common, FlashAttention and FlashInfer metadata of an engine's loop.
+
+:class:`FusedStepBuilder` does what an engine's step does with the composable API::
+
+    with stager.step() as step:
+        common = stage_common(spec, step, paged_kv=True)
+        fa = flash_attn.stage(common, step)
+        fi = flashinfer.stage(common, step)
+    common, fa, fi = common.result(), fa.result(), fi.result()
+
+and returns the same three objects, field for field, from the same single copy. What it saves is the
+Python around the compiled pass: the composable path builds, per step, three ``Staged`` objects,
+their closures, three host dicts, a split and a field group lookup, which on the H200 hosts cost more
+host time than the compiled pass and the copy together at small batches (docs/benchmarks.md).
+
+Replay
+------
+A decode step (every row's query at most one token, the split's first rule), built in eager mode
+without context parallelism and with the backends' default options (FlashAttention: any
+``max_num_splits``, ``causal`` a bool or None), is **replayed** once the builder has seen its layout
+on the step's ring slot: same padded and real row and token counts, same block-table width, same
+bucket of page counts, same block size, same optional spec arrays. A replay runs the common pass's
+compiled kernel into the slot (it rewrites every staged byte of the layout, so nothing depends on
+what the slot held), commits, and builds the three objects from the slot's cached views, with the
+step's own scalars (``max_seq_len``, the page count and its ``paged_kv_indices`` views,
+``max_kv_len``). Every other step, and the first step of each layout on each slot, goes through the
+composable builders on the same step and records the layout for later replays.
+
+A replay is the composable path's output by construction (the same kernel writes the same bytes;
+the objects carry the views the composable path caches for that slot and layout), and the tests
+check it field by field against the composable builders on walks of decode, mixed and padded steps
+(tests/backends/test_fused.py).
+
+Shape legend
+------------
+As in :mod:`attnmeta.metadata`, :mod:`attnmeta.backends.flash_attn` and
+:mod:`attnmeta.backends.flashinfer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from attnmeta.backends import flash_attn as _fa
+from attnmeta.backends import flashinfer as _fi
+from attnmeta.backends.flash_attn import FlashAttentionMetadata, FlashAttnOptions, _new_fa
+from attnmeta.backends.flashinfer import FlashInferMetadata, FlashInferOptions, _new_fi
+from attnmeta.host.common import _common_packed_nb
+from attnmeta.metadata import CommonAttentionMetadata, _bucket, _new_common, stage_common
+from attnmeta.spec import BatchSpec
+from attnmeta.staging import Stager
+
+__all__ = ["FusedStats", "FusedStep", "FusedStepBuilder"]
+
+_DEFAULT_FI = FlashInferOptions()
+_EMPTY = np.zeros(0, np.int32)
+_MAX_RECORDS = 512  # per ring slot; dropped (and re-recorded on demand) when a slot outgrows this
+
+
+def _index(cls: type, name: str) -> int:
+    return [f.name for f in dataclasses.fields(cls)].index(name)
+
+
+_CM_MAX_SEQ = _index(CommonAttentionMetadata, "max_seq_len")
+_FA_MAX_SEQ = _index(FlashAttentionMetadata, "max_seq_len")
+_FI_INDICES = _index(FlashInferMetadata, "paged_kv_indices")
+_FI_INDICES_CPU = _index(FlashInferMetadata, "paged_kv_indices_cpu")
+_FI_PAGES = _index(FlashInferMetadata, "num_pages")
+_FI_MAX_KV = _index(FlashInferMetadata, "max_kv_len")
+
+
+class FusedStep(NamedTuple):
+    """The metadata of one step built by :meth:`FusedStepBuilder.build`.
+
+    Device tensors are views into the step's device arena (one copy), valid for kernels enqueued on
+    the commit stream after the build; host arrays are read-only views into the step's pinned slot,
+    valid until the stager reuses the slot (``num_slots`` steps later), as for every builder.
+    """
+
+    common: CommonAttentionMetadata
+    """The common metadata (``stage_common``'s fields, with FlashInfer's page table staged alongside)."""
+    flash_attn: FlashAttentionMetadata | None
+    """FlashAttention varlen metadata, or None when the builder was made with ``flash_attn=None``."""
+    flashinfer: FlashInferMetadata | None
+    """FlashInfer paged-KV metadata, or None when the builder was made with ``flashinfer=None``."""
+
+
+@dataclasses.dataclass(slots=True)
+class FusedStats:
+    """Counts over a :class:`FusedStepBuilder`'s life (for monitoring and benchmarks)."""
+
+    steps: int = 0
+    """Steps built."""
+    replayed: int = 0
+    """Steps replayed from a recorded layout (the rest ran the composable builders)."""
+
+
+class _Record:
+    """A recorded layout on one ring slot: the kernel's buffers, the step's size, object templates."""
+
+    __slots__ = ("args", "buf", "cm", "end", "fa", "fi", "idx_cpu", "idx_dev", "total")
+
+    def __init__(self, buf: np.ndarray, end: int, args: tuple[Any, ...], cm: list[Any], fa: list[Any] | None,
+                 fi: list[Any] | None, idx_cpu: Any, idx_dev: Any, total: int) -> None:
+        self.buf = buf  # the slot's pinned bytes when recorded (a slot that grew has new ones)
+        self.end = end  # bytes the step staged
+        self.args = args  # (staged bytes, host-only bytes, offsets, dims) of _common_packed_nb
+        self.cm, self.fa, self.fi = cm, fa, fi  # positional constructor arguments of the three objects
+        self.idx_cpu, self.idx_dev = idx_cpu, idx_dev  # full (bucketed) page-index views
+        self.total = total  # the page count the templates' index views have
+
+
+class FusedStepBuilder:
+    """Builds a step's common + FlashAttention + FlashInfer metadata in one call and one copy.
+
+    Parameters
+    ----------
+    stager : Stager
+        Owns the pinned ring; every :meth:`build` is one step of it (begun and committed inside).
+    flash_attn : FlashAttnOptions, True or None, default True
+        Options of the FlashAttention metadata (True: the defaults); None builds none.
+    flashinfer : FlashInferOptions, True or None, default True
+        Options of the FlashInfer metadata (True: the defaults); None builds none. With the default
+        options the common pass also builds the page table (``stage_common(paged_kv=True)``).
+    causal : bool, default True
+        ``CommonAttentionMetadata.causal``.
+    prefix : str, default "common"
+        Namespace of the common metadata's staged fields.
+
+    Examples
+    --------
+    >>> from attnmeta import BatchSpec, Stager
+    >>> builder = FusedStepBuilder(Stager("cpu"))
+    >>> spec = BatchSpec(num_computed_tokens=[5, 17], num_scheduled_tokens=[1, 1],
+    ...                  block_table=[[3, 4, 0, 0, 0], [7, 8, 9, 1, 2]], block_size=4)
+    >>> for _ in range(4):  # the 4th step replays the layout the 1st recorded on ring slot 0
+    ...     common, fa, fi = builder.build(spec)
+    >>> fi.paged_kv_indices_cpu.tolist(), fa.max_seq_len, common.slot_mapping_cpu.tolist()
+    ([3, 4, 7, 8, 9, 1, 2], 18, [17, 9])
+    >>> builder.stats
+    FusedStats(steps=4, replayed=1)
+    """
+
+    def __init__(
+        self,
+        stager: Stager,
+        *,
+        flash_attn: FlashAttnOptions | bool | None = True,
+        flashinfer: FlashInferOptions | bool | None = True,
+        causal: bool = True,
+        prefix: str = "common",
+    ) -> None:
+        fa = FlashAttnOptions() if flash_attn is True else flash_attn or None
+        fi = FlashInferOptions() if flashinfer is True else flashinfer or None
+        if fa is not None and not isinstance(fa, FlashAttnOptions):
+            raise TypeError(f"flash_attn: expected FlashAttnOptions, True or None, got {type(fa).__name__}")
+        if fi is not None and not isinstance(fi, FlashInferOptions):
+            raise TypeError(f"flashinfer: expected FlashInferOptions, True or None, got {type(fi).__name__}")
+        self._stager = stager
+        self._fa_opts: FlashAttnOptions | None = fa
+        self._fi_opts: FlashInferOptions | None = fi
+        self._causal = bool(causal)
+        self._prefix = prefix
+        self._paged = fi is not None and fi == _DEFAULT_FI  # the common pass builds FlashInfer's page table
+        fa_plain = fa is None or (fa.dcp_world_size == 1 and fa.decode_threshold >= 1
+                                  and (fa.causal is None or isinstance(fa.causal, bool)))
+        # Which steps can replay: eager mode, default FlashInfer options, FlashAttention staging nothing.
+        self._replay = not stager.graph_mode and fa_plain and (fi is None or self._paged)
+        self._records: list[dict[tuple[Any, ...], _Record]] = [{} for _ in range(stager.num_slots)]
+        self.stats = FusedStats()
+
+    @property
+    def stager(self) -> Stager:
+        """The :class:`Stager` every step goes through."""
+        return self._stager
+
+    def build(self, spec: BatchSpec) -> FusedStep:
+        """One step: stage ``spec``'s metadata, commit it (one copy), return the objects.
+
+        Parameters
+        ----------
+        spec : BatchSpec
+            The step (reordered: decodes first, as FlashInfer requires).
+
+        Returns
+        -------
+        FusedStep
+            ``(common, flash_attn, flashinfer)``; a backend built with None is None.
+
+        Raises
+        ------
+        ValueError, attnmeta.staging.CapacityError
+            As :func:`attnmeta.stage_common` and the backends' ``stage`` functions. The step is then
+            abandoned (nothing copied) and the stager is ready for the next one.
+        """
+        stats = self.stats
+        stats.steps += 1
+        if not self._replay or spec.max_query_len > 1 or spec.context_parallel is not None:
+            return self._compose(spec, self._stager.step(), None)
+        B, T, bs = spec.num_reqs, spec.num_tokens, spec.block_size
+        Bp = B if spec.num_reqs_padded is None else spec.num_reqs_padded
+        Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
+        exact = spec.max_exact_seq_len
+        total = spec.num_pages
+        prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
+        # Everything the layout and the objects' per-layout fields depend on (max_query_len is T > 0 here).
+        key = (Bp, B, Tp, T, max(1, -(-exact // bs)), _bucket(total) if self._paged else 0, bs,
+               prompt is None, drafts is None, upper is None)
+        st = self._stager
+        step = st.step()
+        slot = step._slot
+        rec = self._records[slot.index].get(key)
+        if rec is None or rec.buf is not slot.host_np:
+            return self._compose(spec, step, key)
+        try:
+            status = _common_packed_nb(
+                spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
+                _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
+                _EMPTY if upper is None else upper, *rec.args,
+            )
+            if status:  # unreachable for a validated spec (kept as a guard, as in stage_common)
+                raise ValueError(f"FusedStepBuilder: internal status {status}; the spec is inconsistent")
+            step._used = rec.end
+            st._commit(step)
+        except BaseException:
+            step.abandon()
+            raise
+        step._committed = True
+        stats.replayed += 1
+        max_seq = spec.max_seq_len
+        a = rec.cm
+        a[_CM_MAX_SEQ] = max_seq
+        cm = _new_common(*a)
+        fa = fi = None
+        if rec.fa is not None:
+            b = rec.fa
+            b[0] = cm
+            b[_FA_MAX_SEQ] = max_seq
+            fa = _new_fa(*b)
+        if rec.fi is not None:
+            c = rec.fi
+            c[0] = cm
+            if total != rec.total:  # the page count changed: its index views (cached while it does not)
+                rec.total = total
+                c[_FI_INDICES] = rec.idx_dev[:total]
+                c[_FI_INDICES_CPU] = rec.idx_cpu[:total]
+                c[_FI_PAGES] = total
+            c[_FI_MAX_KV] = exact
+            fi = _new_fi(*c)
+        return FusedStep(cm, fa, fi)
+
+    def _compose(self, spec: BatchSpec, step: Any, key: tuple[Any, ...] | None) -> FusedStep:
+        """The composable builders on ``step`` (begun by the caller); records the layout under ``key``."""
+        try:
+            staged = stage_common(spec, step, prefix=self._prefix, causal=self._causal, paged_kv=self._paged)
+            fa_staged = _fa.stage(staged, step, self._fa_opts) if self._fa_opts is not None else None
+            fi_staged = _fi.stage(staged, step, self._fi_opts) if self._fi_opts is not None else None
+            step._stager._commit(step)
+        except BaseException:
+            step.abandon()
+            raise
+        step._committed = True
+        cm = staged.result()
+        fa = fa_staged.result() if fa_staged is not None else None
+        fi = fi_staged.result() if fi_staged is not None else None
+        if key is not None:
+            self._record(step, key, staged.host, cm, fa, fi)
+        return FusedStep(cm, fa, fi)
+
+    def _record(self, step: Any, key: tuple[Any, ...], host: dict[str, Any], cm: CommonAttentionMetadata,
+                fa: FlashAttentionMetadata | None, fi: FlashInferMetadata | None) -> None:
+        """Keep what a replay of this step's layout on its slot needs (if the step can be replayed)."""
+        group, state = host["_group"]
+        slot = step._slot
+        if step._grew or group.buf is not slot.host_np or step._used != group.end:
+            return  # the slot grew during the step, or a backend staged fields of its own
+        idx_cpu = idx_dev = None
+        if fi is not None:
+            if len(group.fields) <= 5:
+                return  # the page table is not the common pass's (not the default options)
+            idx_cpu, idx_dev = group.frozen[7], group.device(step)[7]
+        offsets, dims, hbuf = state[:3]
+        records = self._records[slot.index]
+        if len(records) >= _MAX_RECORDS:
+            records.clear()
+        records[key] = _Record(
+            slot.host_np, group.end, (group.buf, hbuf, offsets, dims), _values(cm),
+            _values(fa) if fa is not None else None, _values(fi) if fi is not None else None,
+            idx_cpu, idx_dev, fi.num_pages if fi is not None else -1,
+        )
+
+    def __repr__(self) -> str:
+        parts = [f"flash_attn={self._fa_opts is not None}", f"flashinfer={self._fi_opts is not None}",
+                 f"replay={'on' if self._replay else 'off'}", f"steps={self.stats.steps}",
+                 f"replayed={self.stats.replayed}"]
+        return f"FusedStepBuilder({', '.join(parts)})"
+
+
+def _values(obj: Any) -> list[Any]:
+    """A metadata object's field values in declaration order (its positional constructor's arguments)."""
+    return [getattr(obj, f.name) for f in dataclasses.fields(obj)]

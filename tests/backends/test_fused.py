@@ -1,0 +1,217 @@
+"""FusedStepBuilder: field for field the composable builders' output, on walks that replay layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
+from attnmeta._workloads import advance, decode_spec, mixed_spec
+from attnmeta.backends import flash_attn, flashinfer
+from attnmeta.backends.flash_attn import FlashAttnOptions
+from attnmeta.backends.flashinfer import FlashInferOptions
+from attnmeta.backends.fused import FusedStep, FusedStepBuilder
+from attnmeta.sync import no_device_sync
+from attnmeta.testing.strategies import batch_specs
+
+
+def _composed(spec: BatchSpec, stager: Stager, fa_opts: Any, fi_opts: Any, paged: bool) -> FusedStep:
+    """What FusedStepBuilder must equal: the composable builders on one step."""
+    with stager.step() as step:
+        common = stage_common(spec, step, paged_kv=paged)
+        fa = flash_attn.stage(common, step, fa_opts) if fa_opts is not None else None
+        fi = flashinfer.stage(common, step, fi_opts) if fi_opts is not None else None
+    return FusedStep(common.result(), fa.result() if fa is not None else None, fi.result() if fi is not None else None)
+
+
+def _assert_same(got: Any, want: Any, path: str) -> None:
+    """Every field equal: values, dtypes, shapes, devices, read-only flags; scalars by value and type."""
+    if want is None:
+        assert got is None, path
+        return
+    assert type(got) is type(want), path
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        where = f"{path}.{f.name}"
+        if dataclasses.is_dataclass(b):
+            _assert_same(a, b, where)
+        elif isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor), where
+            assert (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device), where
+            assert torch.equal(a.cpu(), b.cpu()), where  # test-only read-back
+        elif isinstance(b, np.ndarray):
+            assert isinstance(a, np.ndarray), where
+            assert (a.shape, a.dtype, a.flags.writeable) == (b.shape, b.dtype, b.flags.writeable), where
+            assert np.array_equal(a, b), where
+        else:
+            assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _check_walk(specs: list[BatchSpec], device: torch.device, fa_opts: Any = FlashAttnOptions(),
+                fi_opts: Any = FlashInferOptions(), **stager_kw: Any) -> FusedStepBuilder:
+    builder = FusedStepBuilder(Stager(device, **stager_kw), flash_attn=fa_opts, flashinfer=fi_opts)
+    ref = Stager(device, **stager_kw)
+    paged = fi_opts is not None and fi_opts == FlashInferOptions()
+    kept: list[tuple[FusedStep, FusedStep]] = []
+    for i, spec in enumerate(specs):
+        got = builder.build(spec)
+        want = _composed(spec, ref, fa_opts, fi_opts, paged)
+        for name, a, b in zip(FusedStep._fields, got, want):
+            _assert_same(a, b, f"step {i} {name}")
+        kept = [*kept, (got, want)][-(builder.stager.num_slots - 1):]
+        for j, (old_got, old_want) in enumerate(kept):  # earlier steps' objects are still intact
+            _assert_same(old_got.common, old_want.common, f"step {i}, kept {j}")
+    assert builder.stats.steps == len(specs)
+    return builder
+
+
+def _decode_walk(batch: int, steps: int, seed: int = 0, **kw: Any) -> list[BatchSpec]:
+    return advance(decode_spec(batch, np.random.default_rng(seed), **kw), steps)
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_decode_walk_replays_and_matches(device: torch.device, batch: int) -> None:
+    builder = _check_walk(_decode_walk(batch, 24, max_context=200, table_width=32), device)
+    # Each slot's first step of a layout composes; the page-count bucket and the block-table width
+    # change now and then as contexts grow. Most steps replay.
+    assert builder.stats.replayed >= 12, builder.stats
+
+
+def test_padded_and_empty_rows_replay(device: torch.device) -> None:
+    """CUDA-graph padding rows and zero-query rows (max_query_len <= 1) take the replay path."""
+    table = np.arange(4 * 6, dtype=np.int32).reshape(4, 6)
+    specs = [BatchSpec(num_computed_tokens=[5 + i % 2, 0, 9 + i % 2], num_scheduled_tokens=[1, 0, 1], block_table=table[:3],
+                       block_size=4, num_reqs_padded=4, num_tokens_padded=4) for i in range(8)]
+    specs += [BatchSpec(num_computed_tokens=[], num_scheduled_tokens=[], block_table=np.zeros((0, 1), np.int32),
+                        block_size=4)] * 4
+    builder = _check_walk(specs, device)
+    assert builder.stats.replayed == 5 + 1  # 8 padded steps and 4 empty ones on 3 slots
+
+
+def test_optional_spec_arrays_are_part_of_the_layout(device: torch.device) -> None:
+    """Steps of one shape with and without prompt lengths, upper bounds and (zero) draft counts: a
+    layout recorded without an optional array must not replay a step that has it, or the reverse."""
+    base = _decode_walk(5, 1, max_context=60, table_width=8)[0]
+    c, q, bt = base.num_computed_tokens, base.num_scheduled_tokens, base.block_table
+    variants = [
+        {},
+        {"num_prompt_tokens": np.minimum(c, 4) + 1},
+        {"seq_lens_upper_bound": c + q + 2},
+        {"num_draft_tokens": np.zeros_like(q)},
+        {"num_prompt_tokens": c + 5, "seq_lens_upper_bound": c + q},
+    ]
+    specs = [BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=bt, block_size=base.block_size, **v)
+             for _ in range(4) for v in variants]
+    builder = _check_walk(specs, device)
+    assert builder.stats.replayed > 0
+
+
+def test_real_rows_and_tokens_are_part_of_the_layout(device: torch.device) -> None:
+    """Padded to the same rows (and staged token rows), steps with fewer real rows or fewer real tokens differ only
+    in ``num_real_reqs``, ``num_real_tokens`` or ``num_actual_tokens`` (and the values): each must get its own."""
+    table = np.arange(3 * 4, dtype=np.int32).reshape(3, 4) + 1
+    shapes = [([6, 2, 9], [1, 0, 1], 4), ([9, 2], [1, 1], 4), ([6, 2, 9], [1, 1, 1], 4), ([6, 2, 9], [0, 0, 0], 4),
+              ([6, 2, 9], [1, 0, 1], 8)]  # (the same block-table width and page bucket throughout)
+    specs = [BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=table[: len(c)], block_size=4,
+                       num_reqs_padded=4, num_tokens_padded=tp) for _ in range(4) for c, q, tp in shapes]
+    builder = _check_walk(specs, device)
+    assert builder.stats.replayed > 0
+
+
+def test_block_size_is_part_of_the_layout(device: torch.device) -> None:
+    """Block sizes 4 and 8 with the same block-table width (2 columns): slot mapping, page size and
+    last-page lengths differ."""
+    table = np.array([[3, 5], [7, 2]], np.int32)
+    specs = [BatchSpec(num_computed_tokens=[bs + 1, bs + 2], num_scheduled_tokens=[1, 1], block_table=table,
+                       block_size=bs) for _ in range(4) for bs in (4, 8)]
+    builder = _check_walk(specs, device)
+    assert builder.stats.replayed > 0
+
+
+def test_mixed_steps_between_decodes_do_not_disturb_replays(device: torch.device) -> None:
+    rng = np.random.default_rng(3)
+    decodes = _decode_walk(16, 12, seed=4, max_context=300, table_width=64)
+    mixed = [mixed_spec(rng, prefills=3, decodes=5, max_prompt=40, max_context=300) for _ in range(4)]
+    specs = [*decodes[:6], mixed[0], *decodes[6:8], mixed[1], mixed[2], *decodes[8:], mixed[3], *decodes[:3]]
+    builder = _check_walk(specs, device)
+    assert 0 < builder.stats.replayed < len(specs)
+
+
+def test_slot_growth_invalidates_recorded_layouts(device: torch.device) -> None:
+    """A slot that grows gets new bytes; a layout recorded on the old bytes must be recorded again."""
+    small = _decode_walk(4, 8, seed=5, max_context=100, table_width=16)
+    big = _decode_walk(96, 4, seed=6, max_context=4000, table_width=256)
+    builder = _check_walk([*small, *big, *small, *small], device, initial_bytes=4096)
+    assert builder.stager.stats.grows > 0
+
+
+@pytest.mark.parametrize("which", ["flash_attn", "flashinfer"])
+def test_one_backend_only(device: torch.device, which: str) -> None:
+    fa = FlashAttnOptions() if which == "flash_attn" else None
+    fi = FlashInferOptions() if which == "flashinfer" else None
+    builder = _check_walk(_decode_walk(8, 10, max_context=100, table_width=16), device, fa, fi)
+    assert builder.stats.replayed > 0
+    out = builder.build(_decode_walk(8, 1, max_context=100, table_width=16)[0])
+    assert (out.flash_attn is None, out.flashinfer is None) == (fa is None, fi is None)
+
+
+@pytest.mark.parametrize("fa_opts, fi_opts", [
+    (FlashAttnOptions(max_num_splits=4), FlashInferOptions(indices="device")),
+    (FlashAttnOptions(dcp_world_size=2, dcp_rank=1), FlashInferOptions(dcp_world_size=2, dcp_rank=1)),
+    (FlashAttnOptions(causal=False), FlashInferOptions(decode_threshold=2, require_uniform=False)),
+])
+def test_other_options_compose_every_step(device: torch.device, fa_opts: Any, fi_opts: Any) -> None:
+    builder = _check_walk(_decode_walk(6, 6, max_context=100, table_width=16), device, fa_opts, fi_opts)
+    replays_allowed = fi_opts == FlashInferOptions() or fi_opts is None
+    assert (builder.stats.replayed > 0) == (replays_allowed and fa_opts.dcp_world_size == 1)
+
+
+def test_graph_mode_composes_every_step(device: torch.device) -> None:
+    prof = StaticProfile(max_num_reqs=8, max_num_tokens=16, max_blocks_per_req=16, block_size=16)
+    builder = _check_walk(_decode_walk(6, 6, max_context=100, table_width=16), device, profile=prof)
+    assert builder.stats.replayed == 0
+
+
+@given(walk=st.lists(st.tuples(batch_specs(max_reqs=6, max_query_len=3, max_context_len=80,
+                                           kinds=("decode", "empty", "prefill", "spec_decode")), st.integers(1, 4)),
+                     min_size=1, max_size=5))
+def test_random_walks_match_the_composable_builders(walk: list[tuple[BatchSpec, int]]) -> None:
+    """Steps drawn at random (decode-only ones replay), each repeated 1-4 times so layouts recur on
+    every ring slot, interleaved: every field of every step equals the composable builders'."""
+    specs = [spec for spec, times in walk for _ in range(times)]
+    specs += [spec for spec, _ in walk]  # and once more each, in order, after every slot has seen them
+    _check_walk(specs, torch.device("cpu"))
+
+
+def test_a_failed_step_is_abandoned_and_the_stager_goes_on() -> None:
+    builder = FusedStepBuilder(Stager("cpu"), flash_attn=FlashAttnOptions(causal=np.ones(5, bool)))
+    spec = _decode_walk(3, 1)[0]
+    with pytest.raises(ValueError, match="one flag per real request"):
+        builder.build(spec)
+    assert builder.stager.stats.steps == 0
+    ok = FusedStepBuilder(builder.stager).build(spec)
+    assert ok.common.num_reqs == 3 and builder.stager.stats.steps == 1
+
+
+def test_bad_options_fail_fast() -> None:
+    with pytest.raises(TypeError, match="flash_attn: expected FlashAttnOptions"):
+        FusedStepBuilder(Stager("cpu"), flash_attn="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="flashinfer: expected FlashInferOptions"):
+        FusedStepBuilder(Stager("cpu"), flashinfer=FlashAttnOptions())  # type: ignore[arg-type]
+
+
+def test_one_copy_per_step_and_no_sync_on_meta() -> None:
+    builder = FusedStepBuilder(Stager("meta"))
+    specs = _decode_walk(5, 8, max_context=100, table_width=16)
+    with no_device_sync():
+        for spec in specs:
+            builder.build(spec)
+    assert builder.stats.replayed > 0
+    assert builder.stager.stats.copies == len(specs)
+    assert "replay=on" in repr(builder)
