@@ -19,7 +19,7 @@ from attnmeta.backends import flash_attn, flashinfer
 from attnmeta.bench import Case, Uploads
 from attnmeta.spec import BatchSpec
 
-__all__ = ["SCENARIOS"]
+__all__ = ["SCENARIOS", "decode_walks"]
 
 
 
@@ -197,10 +197,15 @@ def decode(device: torch.device, quick: bool) -> list[Case]:
     """A decode step: common + FlashAttention + FlashInfer metadata in one copy; batch 1..1024,
     contexts uniform in [1, 2048) growing by one token each step (:data:`DECODE_STEPS` successive
     steps, cycled), a 2048-column block table, page size 16."""
+    return _scenario("decode", decode_walks(quick), device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
+
+
+def decode_walks(quick: bool) -> list[tuple[int, list[BatchSpec]]]:
+    """``(batch, steps)`` of the :func:`decode` scenario: :data:`DECODE_STEPS` successive decode steps
+    per batch size (the same specs every call)."""
     rng = np.random.default_rng(0)
     sizes = [1, 8, 64] if quick else [1, 8, 64, 256, 1024]
-    return _scenario("decode", [(b, advance(decode_spec(b, rng), DECODE_STEPS)) for b in sizes], device,
-                     _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
+    return [(b, advance(decode_spec(b, rng), DECODE_STEPS)) for b in sizes]
 
 
 def spec_decode(device: torch.device, quick: bool) -> list[Case]:

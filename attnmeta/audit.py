@@ -2,7 +2,8 @@
 
 :func:`register_builtin_targets` registers one :func:`attnmeta.sync.register_audit_target` per
 builder; each target builds that builder's metadata for every batch kind of
-:data:`attnmeta._workloads.KINDS` on the given device, in one step per batch. The test suite runs all
+:data:`attnmeta._workloads.KINDS` on the given device, in one step per batch (a builder that runs its
+own steps, :data:`LOOP_BUILDERS`, in as many steps as it takes to replay). The test suite runs all
 of them under the audit on ``meta`` (tests/sync/test_builders_audited.py), and a new backend module
 that is not registered here fails that test.
 """
@@ -20,7 +21,7 @@ from attnmeta.metadata import stage_common
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager, Step
 
-__all__ = ["BUILDERS", "register_builtin_targets", "run_audit_cli"]
+__all__ = ["BUILDERS", "LOOP_BUILDERS", "register_builtin_targets", "run_audit_cli"]
 
 _STAGERS: dict[str, Stager] = {}
 
@@ -137,15 +138,41 @@ BUILDERS: dict[str, Callable[[BatchSpec, Step, np.random.Generator], Any]] = {
 }
 """Builder name -> function staging that builder's metadata for a spec into a step."""
 
+LOOP_BUILDERS: dict[str, Callable[[Stager, BatchSpec], Any]] = {}
+"""Builder name -> function running one whole step of a builder that begins and commits its own steps
+(:class:`attnmeta.backends.fused.FusedStepBuilder`); filled below."""
+
+_FUSED: dict[int, Any] = {}  # id(stager) -> its FusedStepBuilder (the stagers live in _STAGERS)
+
+
+def _fused(stager: Stager, spec: BatchSpec) -> Any:
+    from attnmeta.backends.fused import FusedStepBuilder
+
+    builder = _FUSED.get(id(stager))
+    if builder is None or builder.stager is not stager:
+        builder = _FUSED[id(stager)] = FusedStepBuilder(stager)
+    # One more step than the ring has slots: the last one replays the layout the first recorded.
+    for _ in range(stager.num_slots + 1):
+        out = builder.build(spec)
+    return out
+
+
+LOOP_BUILDERS["fused"] = _fused
+
 
 def _target(name: str) -> Callable[[torch.device, int], None]:
-    stage = BUILDERS[name]
+    loop = LOOP_BUILDERS.get(name)
+    stage = BUILDERS.get(name)
 
     def run(device: torch.device, seed: int) -> None:
         rng = np.random.default_rng(seed)
         stager = _stager(device)
         for kind in KINDS:
             spec = random_spec(rng, kind)
+            if loop is not None:
+                loop(stager, spec)
+                continue
+            assert stage is not None
             with stager.step() as step:
                 staged = stage(spec, step, rng)
             staged.result()
@@ -155,12 +182,14 @@ def _target(name: str) -> Callable[[torch.device, int], None]:
 
 
 def register_builtin_targets() -> list[str]:
-    """Register (or re-register) every builder of :data:`BUILDERS` as an audit target; returns names."""
+    """Register (or re-register) every builder of :data:`BUILDERS` and :data:`LOOP_BUILDERS` as an
+    audit target; returns the names."""
     from attnmeta.sync import register_audit_target
 
-    for name in BUILDERS:
+    names = [*BUILDERS, *LOOP_BUILDERS]
+    for name in names:
         register_audit_target(name, _target(name), replace=True)
-    return list(BUILDERS)
+    return names
 
 
 def run_audit_cli(*, device: str | None, batches: int) -> int:

@@ -7,7 +7,10 @@ steps) it times whole steps of the three paths of ``python -m attnmeta bench --s
 - ``attnmeta``: BatchSpec -> ``stage_common`` + ``flash_attn.stage`` + ``flashinfer.stage`` into one
   step, the step's one copy, then all three metadata objects (``.result()``);
 - ``reference``: the device-side reference computations from raw uploads (the engines' way);
-- ``per-tensor``: attnmeta's host arrays, each uploaded through its own freshly pinned tensor.
+- ``per-tensor``: attnmeta's host arrays, each uploaded through its own freshly pinned tensor;
+- ``fused``: :class:`attnmeta.backends.fused.FusedStepBuilder` on a stager of its own: the same three
+  objects (field for field) from one call per step, which replays the layout recorded on the step's
+  ring slot instead of running the composable builders' Python.
 
 Unlike the bench CLI, which interleaves blocks of 16 steps of each path (so the first steps of a
 block run with the caches another path left behind), each path here runs in rounds of ``--steps``
@@ -28,6 +31,7 @@ import importlib.util
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +40,22 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnmeta._bench_scenarios import decode
+from attnmeta._bench_scenarios import decode, decode_walks
+from attnmeta.backends.fused import FusedStepBuilder
+from attnmeta.staging import Stager
+
+
+def fused_path(specs: list, device: torch.device) -> Callable[[], object]:
+    """One step of the ``fused`` path per call, walking ``specs`` in a cycle."""
+    builder = FusedStepBuilder(Stager(device))
+    at = [0]
+
+    def step() -> object:
+        i = at[0]
+        at[0] = (i + 1) % len(specs)
+        return builder.build(specs[i])
+
+    return step
 
 TARGETS = {1: 25.0, 64: None, 256: 50.0, 1024: 150.0}
 """Issue #6 targets (median host microseconds) by batch size."""
@@ -54,7 +73,9 @@ def main() -> None:
           f"device {dev}, {args.rounds} rounds x {args.steps} steps, {time.strftime('%Y-%m-%d')}")
     print(f"{'batch':>6} {'path':<11} {'median us':>10} {'best round':>11} {'p99 us':>8} {'target':>7}")
     cases = [c for c in decode(dev, quick=False) if c.batch in TARGETS]
+    walks = dict(decode_walks(quick=False))
     for case in cases:
+        case.paths["fused"] = fused_path(walks[case.batch], dev)
         samples: dict[str, list[float]] = {p: [] for p in case.paths}
         every: dict[str, list[float]] = {p: [] for p in case.paths}
         for fn in case.paths.values():  # warm-up (compilation, slot layouts, caches)
@@ -64,7 +85,7 @@ def main() -> None:
         try:
             for _ in range(args.rounds):
                 for path, fn in case.paths.items():
-                    steps = args.steps if path == "attnmeta" else max(args.steps // 10, 20)
+                    steps = args.steps if path in ("attnmeta", "fused") else max(args.steps // 10, 20)
                     ts = np.empty(steps)
                     for i in range(steps):
                         t0 = time.perf_counter_ns()
@@ -80,7 +101,7 @@ def main() -> None:
             s = np.array(samples[path])
             target = TARGETS[case.batch]
             print(f"{case.batch:>6} {path:<11} {np.median(s):>10.1f} {s.min():>11.1f} "
-                  f"{np.percentile(every[path], 99):>8.1f} {'' if target is None or path != 'attnmeta' else target:>7}")
+                  f"{np.percentile(every[path], 99):>8.1f} {'' if target is None or path not in ('attnmeta', 'fused') else target:>7}")
 
 
 if __name__ == "__main__":
