@@ -8,7 +8,7 @@
 #      tests read device results back to compare them, so they run without the session audit), and the
 #      sync suite with the whole session under the audit in CUDA "error" mode;
 #   4. `python -m attnmeta audit` on cuda.
-#   5. benchmarks/bench_decode.py: the steady-state decode step (issue #6) on cuda.
+#   5. benchmarks/bench_decode.py: the steady-state decode step (issue #6) on cuda, composable and fused.
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (writes logs and bench.json into OUTDIR, default ./out;
 #   PARTS is any of "gpu bench suites audit decode", default all; one device call allows 600 s, so a
 #   full run is two calls: PARTS="gpu decode bench" then PARTS="suites audit")
@@ -32,7 +32,7 @@ timeout 120 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu -q -rs -p 
 fi
 if want decode; then
 echo "== 5. steady-state decode step" | tee "$OUT_DIR/bench_decode.txt"
-timeout 150 $PY benchmarks/bench_decode.py --device cuda 2>&1 | tee -a "$OUT_DIR/bench_decode.txt" || status=1
+timeout 200 $PY benchmarks/bench_decode.py --device cuda 2>&1 | tee -a "$OUT_DIR/bench_decode.txt" || status=1
 fi
 if want bench; then
 echo "== 2. bench" | tee "$OUT_DIR/bench.txt"

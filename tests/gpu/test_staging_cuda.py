@@ -294,3 +294,38 @@ def test_no_driver_copy_while_another_device_is_current(monkeypatch: pytest.Monk
     monkeypatch.setattr(stager_mod, "_CURRENT_DEVICE", lambda: stager._device_index + 1)
     assert _driver_steps(stager, 40, seed=8) == 0
     assert spy.copies == 0
+
+
+def test_fused_replays_land_intact_while_the_gpu_is_held() -> None:
+    """FusedStepBuilder on CUDA (replays through the driver copy): 1,500 steps walking decode loops of
+    several sizes and mixed steps, the GPU held behind every 8 steps, all under sync "error" mode;
+    each step's device fields (common and FlashInfer) equal the host twins it handed out."""
+    from attnmeta._workloads import advance, decode_spec, mixed_spec
+    from attnmeta.backends.fused import FusedStepBuilder
+
+    rng = np.random.default_rng(11)
+    walks = [advance(decode_spec(b, rng, max_context=600, table_width=64), 40) for b in (1, 5, 33, 130)]
+    mixed = [mixed_spec(rng, prefills=2, decodes=6, max_prompt=50, max_context=600) for _ in range(3)]
+    builder = FusedStepBuilder(Stager("cuda", num_slots=3))
+    steps = 1_500
+    dev = builder.stager.device
+    weights = torch.arange(1, 1 << 16, dtype=torch.int64, device=dev)
+    log = torch.zeros(steps, dtype=torch.int64, device=dev)
+    expected = np.zeros(steps, dtype=np.uint64)
+    with sync_error_mode():
+        for i in range(steps):
+            if i % 8 == 0:
+                torch.cuda._sleep(1_000_000)
+            spec = mixed[i % 3] if i % 50 == 49 else walks[(i // 100) % 4][i % 40]
+            cm, _fa, fi = builder.build(spec)
+            assert fi is not None
+            host = [cm.query_start_loc_cpu, cm.seq_lens_cpu, cm.block_table_cpu, cm.slot_mapping_cpu,
+                    cm.positions_cpu, fi.paged_kv_indptr_cpu, fi.paged_kv_indices_cpu, fi.paged_kv_last_page_len_cpu]
+            device = [cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping, cm.positions,
+                      fi.paged_kv_indptr, fi.paged_kv_indices, fi.paged_kv_last_page_len]
+            expected[i] = np.uint64(_host_checksum(host))
+            log[i : i + 1].copy_(_checksum(device, weights).view(1))
+    got = log.cpu().numpy().astype(np.uint64)  # one sync, after the audited loop
+    assert int((got != expected).sum()) == 0
+    assert builder.stats.replayed > steps // 2, builder.stats
+    assert builder.stager.stats.copies == steps
