@@ -15,12 +15,17 @@ steps) it times whole steps of the three paths of ``python -m attnmeta bench --s
 Unlike the bench CLI, which interleaves blocks of 16 steps of each path (so the first steps of a
 block run with the caches another path left behind), each path here runs in rounds of ``--steps``
 consecutive steps, the way an engine's loop calls it; rounds of the paths alternate, so a drift
-of the machine hits all paths alike. A round's median is one sample; the table gives the median
-over rounds, the best round (robust on a shared machine whose speed changes from second to second)
-and the p99 over every step. Garbage collection is off while timing (an engine tunes its GC; a
+of the machine hits all paths alike. Each round starts with ``--warm`` untimed steps of its path
+(a tenth of that for the two slow paths): right after the reference path's blocking device work
+the host core runs slower for a while (on the H200 machine the fused path's rounds at batch 256
+measured 60 us in median against 38-39 us in a run without the reference path), and an engine's
+loop never switches paths. A round's median is one sample; the table gives the median over
+rounds, the best round (robust on a shared machine whose speed changes from second to second) and
+the p99 over every timed step. Garbage collection is off while timing (an engine tunes its GC; a
 collection in a 25 us window would only measure the collector).
 
-Run: ``python benchmarks/bench_decode.py [--device cpu|cuda] [--rounds 10] [--steps 400]``.
+Run: ``python benchmarks/bench_decode.py [--device cpu|cuda] [--rounds 10] [--steps 400] [--paths attnmeta,fused]
+[--pin-cpu N]``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import os
 import platform
 import sys
 import time
@@ -66,16 +72,27 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rounds", type=int, default=10, help="rounds per path and batch size")
     ap.add_argument("--steps", type=int, default=400, help="consecutive steps per round")
+    ap.add_argument("--warm", type=int, default=200, help="untimed steps of a path before each of its rounds")
+    ap.add_argument("--paths", default="attnmeta,reference,per-tensor,fused",
+                    help="comma-separated paths to time (default: all four)")
+    ap.add_argument("--pin-cpu", type=int, default=None, metavar="CPU",
+                    help="pin this process to one CPU first (os.sched_setaffinity), as engines pin their "
+                         "scheduler thread; default: let the OS place it")
     args = ap.parse_args()
+    if args.pin_cpu is not None:
+        os.sched_setaffinity(0, {args.pin_cpu})
+    wanted = args.paths.split(",")
     torch.set_num_threads(1)
     dev = torch.device(args.device)
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"device {dev}, {args.rounds} rounds x {args.steps} steps, {time.strftime('%Y-%m-%d')}")
+          f"device {dev}, {args.rounds} rounds x {args.steps} steps, {time.strftime('%Y-%m-%d')}, "
+          f"{'pinned to CPU ' + str(args.pin_cpu) if args.pin_cpu is not None else 'not pinned'}")
     print(f"{'batch':>6} {'path':<11} {'median us':>10} {'best round':>11} {'p99 us':>8} {'target':>7}")
     cases = [c for c in decode(dev, quick=False) if c.batch in TARGETS]
     walks = dict(decode_walks(quick=False))
     for case in cases:
         case.paths["fused"] = fused_path(walks[case.batch], dev)
+        case.paths = {p: fn for p, fn in case.paths.items() if p in wanted}
         samples: dict[str, list[float]] = {p: [] for p in case.paths}
         every: dict[str, list[float]] = {p: [] for p in case.paths}
         for fn in case.paths.values():  # warm-up (compilation, slot layouts, caches)
@@ -85,7 +102,10 @@ def main() -> None:
         try:
             for _ in range(args.rounds):
                 for path, fn in case.paths.items():
-                    steps = args.steps if path in ("attnmeta", "fused") else max(args.steps // 10, 20)
+                    fast = path in ("attnmeta", "fused")
+                    steps = args.steps if fast else max(args.steps // 10, 20)
+                    for _ in range(args.warm if fast else max(args.warm // 10, 2)):
+                        fn()
                     ts = np.empty(steps)
                     for i in range(steps):
                         t0 = time.perf_counter_ns()

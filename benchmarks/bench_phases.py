@@ -4,8 +4,10 @@ Decode (batch 1, 64, 256, 1024; the 64-step walk of ``bench_decode.py``): ``step
 ``common`` (``stage_common(paged_kv=True)``), ``fa`` / ``fi`` (``flash_attn.stage`` /
 ``flashinfer.stage``), ``commit``, then the three ``result()`` calls. Mamba2 (16 and 256 prefills,
 one step repeated): ``step``, ``common`` (``token_arrays=False``), ``mamba`` (``mamba2.stage``),
-``commit``, ``result``. Each phase is timed with ``perf_counter_ns`` around it (the timer calls add
-~0.1 us per phase); the table shows the round (of 5) with the lowest sum of phase medians.
+``commit``, ``result``. The fused decode step (:class:`attnmeta.backends.fused.FusedStepBuilder`, the
+same walk): ``step``, ``kernel``, ``commit``, ``rest`` (see :func:`_fused_phases`). Each phase is
+timed with ``perf_counter_ns`` around it (the timer calls add ~0.1 us per phase); the table shows
+the round (of 5) with the lowest sum of phase medians.
 
 Run: ``python benchmarks/bench_phases.py [--device cuda|cpu]``.
 """
@@ -19,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +31,7 @@ if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without 
 
 from attnmeta._bench_mamba2 import OPTIONS, prefill_step_specs
 from attnmeta._workloads import advance, decode_spec
-from attnmeta.backends import flash_attn, flashinfer, mamba2
+from attnmeta.backends import flash_attn, flashinfer, fused, mamba2
 from attnmeta.metadata import stage_common
 from attnmeta.staging import Stager
 
@@ -51,6 +54,43 @@ def best_round(rounds: int, steps: int, warm: int, one: Callable[[int], list[int
             best = med
     assert best is not None
     return best
+
+
+def _fused_phases(batch: int, dev: torch.device) -> dict[str, float]:
+    """Phases of a FusedStepBuilder step (the decode walk above, replayed): ``step`` (``Stager.step``),
+    ``kernel`` (the common pass's compiled call), ``commit``, ``rest`` (the replay key, the object
+    construction). The three are timed by wrappers installed for this measurement only (~0.1 us each)."""
+    pc = time.perf_counter_ns
+    spent = [0, 0, 0]
+
+    def timed(fn: Callable[..., Any], k: int) -> Callable[..., Any]:
+        def wrapper(*a: Any) -> Any:
+            t = pc()
+            try:
+                return fn(*a)
+            finally:
+                spent[k] += pc() - t
+        return wrapper
+
+    specs = advance(decode_spec(batch, np.random.default_rng(0)), 64)
+    saved = (fused._common_packed_nb, Stager.step, Stager._commit)
+    fused._common_packed_nb = timed(saved[0], 1)  # type: ignore[assignment]
+    Stager.step = timed(saved[1], 0)  # type: ignore[method-assign]
+    Stager._commit = timed(saved[2], 2)  # type: ignore[method-assign]
+    try:
+        builder = fused.FusedStepBuilder(Stager(dev))
+
+        def one(i: int) -> list[int]:
+            spent[:] = [0, 0, 0]
+            t0 = pc()
+            builder.build(specs[i % 64])
+            total = pc() - t0
+            a, k, c = spent
+            return [0, a, a + k, a + k + c, total]
+
+        return best_round(5, 600, 100, one, ["step", "kernel", "commit", "rest"], dev)
+    finally:
+        fused._common_packed_nb, Stager.step, Stager._commit = saved  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -90,6 +130,10 @@ def main() -> None:
             names = ["step", "common", "fa", "fi", "commit", "common.result", "fa.result", "fi.result"]
             med = best_round(5, 600, 100, decode_step, names, dev)
             print(f"decode batch {b:>4}: " + " ".join(f"{k} {v:.1f}" for k, v in med.items())
+                  + f" | sum {sum(med.values()):.1f}", flush=True)
+        for b in (1, 64, 256, 1024):
+            med = _fused_phases(b, dev)
+            print(f"fused  batch {b:>4}: " + " ".join(f"{k} {v:.1f}" for k, v in med.items())
                   + f" | sum {sum(med.values()):.1f}", flush=True)
         for spec in prefill_step_specs(False):
             if spec.num_reqs not in (16, 256):
