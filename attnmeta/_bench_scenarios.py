@@ -8,7 +8,7 @@ each uploaded through its own freshly pinned tensor).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -122,7 +122,7 @@ def _common_paths(specs: list[BatchSpec], device: torch.device, stage_extra: Cal
                                         "per-tensor": per_tensor_step}, ups, stager)
 
 
-def _scenario(name: str, specs: list[tuple[int, BatchSpec | list[BatchSpec]]], device: torch.device,
+def _scenario(name: str, specs: Sequence[tuple[int, BatchSpec | list[BatchSpec]]], device: torch.device,
               stage_extra: Callable[[Any, Any], Any] | None = None,
               ref_extra: Callable[[BatchSpec], Callable[..., Any]] | None = None,
               host_extra: Callable[[BatchSpec], Callable[..., Any]] | None = None,
