@@ -130,6 +130,12 @@ class FusedStepBuilder:
     prefix : str, default "common"
         Namespace of the common metadata's staged fields.
 
+    Notes
+    -----
+    Driven by one thread at a time, like its stager. Other code may use the same stager between
+    builds (other steps, other builders): a replay rewrites every byte of its layout, and a layout
+    recorded on a slot that has since grown (new memory) is recorded again.
+
     Examples
     --------
     >>> from attnmeta import BatchSpec, Stager
