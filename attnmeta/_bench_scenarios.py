@@ -196,8 +196,30 @@ DECODE_STEPS = 64
 def decode(device: torch.device, quick: bool) -> list[Case]:
     """A decode step: common + FlashAttention + FlashInfer metadata in one copy; batch 1..1024,
     contexts uniform in [1, 2048) growing by one token each step (:data:`DECODE_STEPS` successive
-    steps, cycled), a 2048-column block table, page size 16."""
-    return _scenario("decode", decode_walks(quick), device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
+    steps, cycled), a 2048-column block table, page size 16. A fourth path, ``fused``, builds the
+    same objects with :class:`attnmeta.backends.fused.FusedStepBuilder`."""
+    walks = decode_walks(quick)
+    cases = _scenario("decode", walks, device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
+    for case, (_b, specs) in zip(cases, walks):
+        case.paths["fused"], case.stagers["fused"] = _fused_path(specs, device)
+        case.uploads["fused"] = Uploads()
+    return cases
+
+
+def _fused_path(specs: list[BatchSpec], device: torch.device) -> tuple[Callable[[], Any], Any]:
+    """The ``fused`` path: a FusedStepBuilder on a stager of its own, walking ``specs`` in a cycle."""
+    from attnmeta.backends.fused import FusedStepBuilder
+    from attnmeta.staging import Stager
+
+    builder = FusedStepBuilder(Stager(device))
+    at = [0]
+
+    def step() -> Any:
+        i = at[0]
+        at[0] = (i + 1) % len(specs)
+        return builder.build(specs[i])
+
+    return step, builder.stager
 
 
 def decode_walks(quick: bool) -> list[tuple[int, list[BatchSpec]]]:

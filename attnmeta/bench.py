@@ -7,7 +7,9 @@ interleaved repetition by repetition:
 - ``reference``: the device-side reference path of :mod:`attnmeta.testing.reference` (raw inputs
   uploaded, fields computed on the device, host scalars read back with ``.item()`` as engines did);
 - ``per-tensor``: the same host arrays as attnmeta, each uploaded through its own freshly pinned
-  tensor (``async_tensor_h2d`` style, race-free but one allocation and one copy per array).
+  tensor (``async_tensor_h2d`` style, race-free but one allocation and one copy per array);
+- ``fused`` (the ``decode`` scenario only): :class:`attnmeta.backends.fused.FusedStepBuilder` on a
+  stager of its own, the same three metadata objects as ``attnmeta`` from one call per step.
 
 Reported per path: host microseconds per step (median and p99), GPU->CPU syncs per step, H2D copies
 per step, bytes per step, staging waits. On CUDA the syncs and copies come from a torch.profiler
@@ -82,6 +84,13 @@ class Case:
     paths: dict[str, PathFn]
     uploads: dict[str, Uploads]
     stager: Any = None
+    """The ``attnmeta`` path's stager (it counts that path's copies, bytes and waits)."""
+    stagers: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Stagers of further paths that stage through attnmeta (e.g. ``fused``), by path."""
+
+    def stager_of(self, path: str) -> Any:
+        """The stager counting ``path``'s copies, or None for paths that upload per tensor."""
+        return self.stager if path == "attnmeta" else self.stagers.get(path)
 
 
 # --------------------------------------------------------------------------------------- timing
@@ -123,8 +132,9 @@ def _count(case: Case, path: str, device: torch.device, steps: int) -> _Counts:
     fn()  # warm
     up = case.uploads[path]
     up.copies = up.bytes = 0
-    if path == "attnmeta" and case.stager is not None:  # the stager counts its own copies
-        st = case.stager.stats
+    stager = case.stager_of(path)
+    if stager is not None:  # the stager counts its own copies
+        st = stager.stats
         copies0, bytes0 = st.copies, st.bytes
         counts = _count_run(fn, device, steps)
         return _Counts(counts.syncs, (st.copies - copies0) / steps if device.type != "cuda" else counts.h2d,
@@ -217,10 +227,11 @@ def _run(dev: torch.device, scenarios: list[str] | None, quick: bool, reps: int 
     for i, case in enumerate(cases):
         _progress(f"[{i + 1}/{len(cases)}] {case.scenario} batch={case.batch}", progress)
         times = _time_case(case, reps, warmup)
-        waits0 = case.stager.stats.waits if case.stager is not None else 0
+        waits0 = {p: st.stats.waits for p in times if (st := case.stager_of(p)) is not None}
         for path, t in times.items():
             counts = _count(case, path, dev, 3 if quick else 10)
-            waits = (case.stager.stats.waits - waits0) if (case.stager is not None and path == "attnmeta") else 0
+            st = case.stager_of(path)
+            waits = st.stats.waits - waits0[path] if st is not None else 0
             rows.append(BenchRow(case.scenario, case.batch, path, float(np.median(t)),
                                  float(np.percentile(t, 99)), counts.syncs, counts.h2d, counts.bytes, waits, reps))
     _progress("", progress)

@@ -37,7 +37,6 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,22 +45,7 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnmeta._bench_scenarios import decode, decode_walks
-from attnmeta.backends.fused import FusedStepBuilder
-from attnmeta.staging import Stager
-
-
-def fused_path(specs: list, device: torch.device) -> Callable[[], object]:
-    """One step of the ``fused`` path per call, walking ``specs`` in a cycle."""
-    builder = FusedStepBuilder(Stager(device))
-    at = [0]
-
-    def step() -> object:
-        i = at[0]
-        at[0] = (i + 1) % len(specs)
-        return builder.build(specs[i])
-
-    return step
+from attnmeta._bench_scenarios import decode
 
 TARGETS = {1: 25.0, 64: None, 256: 50.0, 1024: 150.0}
 """Issue #6 targets (median host microseconds) by batch size."""
@@ -89,9 +73,7 @@ def main() -> None:
           f"{'pinned to CPU ' + str(args.pin_cpu) if args.pin_cpu is not None else 'not pinned'}")
     print(f"{'batch':>6} {'path':<11} {'median us':>10} {'best round':>11} {'p99 us':>8} {'target':>7}")
     cases = [c for c in decode(dev, quick=False) if c.batch in TARGETS]
-    walks = dict(decode_walks(quick=False))
-    for case in cases:
-        case.paths["fused"] = fused_path(walks[case.batch], dev)
+    for case in cases:  # (the scenario's paths: attnmeta, reference, per-tensor, fused)
         case.paths = {p: fn for p, fn in case.paths.items() if p in wanted}
         samples: dict[str, list[float]] = {p: [] for p in case.paths}
         every: dict[str, list[float]] = {p: [] for p in case.paths}

@@ -37,12 +37,16 @@ def test_bench_quick_runs_and_json_parses(tmp_path: Path, capsys: pytest.Capture
     assert "median us" in table and "attnmeta" in table and "per-tensor" in table
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert {r["path"] for r in rows} == {"attnmeta", "reference", "per-tensor"}
+    assert {r["path"] for r in rows} == {"attnmeta", "reference", "per-tensor", "fused"}
+    assert {r["path"] for r in rows if r["scenario"] == "staging-8-arrays"} == {"attnmeta", "reference", "per-tensor"}
     assert {r["scenario"] for r in rows} == {"decode", "staging-8-arrays"}
+    fused = {r["batch"]: r for r in rows if r["path"] == "fused"}
     for r in rows:
         assert r["median_us"] > 0 and r["p99_us"] >= r["median_us"] * 0.999
-        if r["path"] == "attnmeta":
+        if r["path"] in ("attnmeta", "fused"):
             assert r["h2d_per_step"] == 1.0 and r["syncs_per_step"] == 0.0
+        if r["path"] == "attnmeta" and r["scenario"] == "decode":  # the same step, the same bytes
+            assert fused[r["batch"]]["bytes_per_step"] == r["bytes_per_step"]
         if r["path"] == "reference":
             assert r["syncs_per_step"] > 0
 
