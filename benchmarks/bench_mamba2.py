@@ -20,7 +20,8 @@ breakdown splits attnmeta's step into the common metadata alone and the Mamba2 i
 (``mamba2.stage`` + its ``result()``).
 
 Run: ``python benchmarks/bench_mamba2.py`` (``--quick`` for 1-64 prefills and fewer samples,
-``--device cuda`` on a GPU machine, ``--steady`` for attnmeta's step alone in a steady loop, the
+``--device cuda`` on a GPU machine, ``--floor`` for the memory floor of the format (bytes any
+implementation must write, and their write / copy time), ``--steady`` for attnmeta's step alone in a steady loop, the
 protocol of the <= 30 us target, both repeating one step and walking 16 distinct steps of each size;
 absolute times are only meaningful on the machine that produced them). Every path of the
 interleaved comparison walks the same 16 distinct steps per size (:data:`attnmeta._bench_mamba2.WALK`).
@@ -157,17 +158,66 @@ def steady(walk: list[BatchSpec], device: torch.device, steps: int, reps: int) -
     return best
 
 
+def floor(walk: list[BatchSpec], device: torch.device, reps: int = 2000) -> dict[str, float]:
+    """The memory floor of the vLLM format for ``walk``'s steps, whatever computes it.
+
+    The causal-conv1d metadata alone needs, per program (``cdiv(query_len, 8)`` per prefill), one
+    int32 of ``batch_ptr`` and of ``token_chunk_offset_ptr`` (staged) and one int64 of ``mlist``
+    (host): 16 bytes. ``write_us`` is the time to write that many bytes once (a constant fill, the
+    cheapest write there is), ``copy_us`` the time to copy the step's staged bytes once (what a CPU
+    "device" commit does; on CUDA the DMA costs the host a constant few us instead). Buffers rotate
+    through three sets, as the stager's slots do, so neither is timed cache-warm."""
+    st = Stager(device)
+    programs, staged = [], []
+    for spec in walk:
+        cols = mamba2.block_table_columns(spec, OPTIONS)
+        with st.step() as step:
+            m = mamba2.stage(stage_common(spec, step, block_table_columns=cols, token_arrays=False), step, OPTIONS)
+        meta = m.result()
+        programs.append(meta.conv1d_num_programs_total)
+        staged.append(step.stats.bytes)
+    tot, nbytes = int(np.median(programs)), int(np.median(staged))
+    sets = [(np.empty(2 * tot, np.int32), np.empty(tot, np.int64), np.empty(nbytes, np.uint8), np.empty(nbytes, np.uint8))
+            for _ in range(3)]
+    write, copy = [], []
+    clock = time.perf_counter_ns
+    for i in range(reps):
+        a32, a64, src, dst = sets[i % 3]
+        t0 = clock()
+        a32.fill(i)
+        a64.fill(i)
+        t1 = clock()
+        np.copyto(dst, src)
+        t2 = clock()
+        write.append((t1 - t0) / 1e3)
+        copy.append((t2 - t1) / 1e3)
+    return {"programs": tot, "program_bytes": 16 * tot, "staged_bytes": nbytes,
+            "write_us": float(np.median(write)), "copy_us": float(np.median(copy))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1-64 prefills, fewer samples")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds per size (default 10)")
+    parser.add_argument("--floor", action="store_true",
+                        help="the vLLM format's memory floor per step at each size (see floor())")
     parser.add_argument("--steady", action="store_true",
                         help="attnmeta's path alone in a steady loop: 5 x 1000 steps per size (200 at 1024 "
                              "prefills), best median and its p99")
     args = parser.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.set_num_threads(1)  # the reference's tiny CPU ops only suffer from intra-op threads
+    if args.floor:
+        print("the vLLM format's memory floor per step (medians): causal-conv1d programs, their bytes "
+              "(batch_ptr + token_chunk_offset_ptr + mlist), the step's staged bytes, us to write the program "
+              "bytes once, us to copy the staged bytes once")
+        for walk in prefill_step_walks(args.quick):
+            f = floor(walk, device)
+            print(f"{walk[0].num_reqs:>8} prefills: {f['programs']:>7.0f} programs {f['program_bytes']:>9.0f} B "
+                  f"| staged {f['staged_bytes']:>9.0f} B | write {f['write_us']:>7.1f} us | copy {f['copy_us']:>7.1f} us",
+                  flush=True)
+        return
     if args.steady:
         print(f"attnmeta's step alone, us per step (best block median and its p99): one step repeated | "
               f"a walk of {WALK} distinct steps of the size (what an engine's loop does)")

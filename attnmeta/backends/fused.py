@@ -18,12 +18,12 @@ Replay
 A decode step (every row's query at most one token, the split's first rule), built in eager mode
 without context parallelism and with the backends' default options (FlashAttention: any
 ``max_num_splits``, ``causal`` a bool or None), is **replayed** once the builder has seen its layout
-on the step's ring slot: same padded and real row and token counts, same block-table width, same
-bucket of page counts, same block size, same optional spec arrays. A replay runs the common pass's
-compiled kernel into the slot (it rewrites every staged byte of the layout, so nothing depends on
-what the slot held), commits, and builds the three objects from the slot's cached views, with the
-step's own scalars (``max_seq_len``, the page count and its ``paged_kv_indices`` views,
-``max_kv_len``). Every other step, and the first step of each layout on each slot, goes through the
+on the step's ring slot: same padded row and token counts, same block-table width, same bucket of
+page counts, same block size, same optional spec arrays. A replay runs the common pass's compiled
+kernel into the slot (it rewrites every staged byte of the layout, so nothing depends on what the
+slot held), commits, and builds the three objects from the slot's cached views, with the step's own
+scalars (the real row and token counts, ``max_query_len``, ``max_seq_len``, the page count and its
+``paged_kv_indices`` views, ``max_kv_len``). Every other step, and the first step of each layout on each slot, goes through the
 composable builders on the same step and records the layout for later replays.
 
 A replay is the composable path's output by construction (the same kernel writes the same bytes;
@@ -65,7 +65,12 @@ def _index(cls: type, name: str) -> int:
 
 
 _CM_MAX_SEQ = _index(CommonAttentionMetadata, "max_seq_len")
+_CM_MAX_Q = _index(CommonAttentionMetadata, "max_query_len")
+_CM_REAL_REQS = _index(CommonAttentionMetadata, "num_real_reqs")
+_CM_REAL_TOKENS = _index(CommonAttentionMetadata, "num_real_tokens")
 _FA_MAX_SEQ = _index(FlashAttentionMetadata, "max_seq_len")
+_FA_MAX_Q = _index(FlashAttentionMetadata, "max_query_len")
+_FI_MAX_DQ = _index(FlashInferMetadata, "max_decode_query_len")
 _FI_INDICES = _index(FlashInferMetadata, "paged_kv_indices")
 _FI_INDICES_CPU = _index(FlashInferMetadata, "paged_kv_indices_cpu")
 _FI_PAGES = _index(FlashInferMetadata, "num_pages")
@@ -212,8 +217,10 @@ class FusedStepBuilder:
         exact = spec.max_exact_seq_len
         total = spec.num_pages
         prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
-        # Everything the layout and the objects' per-layout fields depend on (max_query_len is T > 0 here).
-        key = (Bp, B, Tp, T, max(1, -(-exact // bs)), _bucket(total) if self._paged else 0, bs,
+        # Everything the layout and the objects' per-layout fields depend on. The real row and token
+        # counts are not: they only set scalars (and max_query_len, which is T > 0 here), patched below,
+        # so CUDA-graph padded steps of one padded size share a layout whatever their real counts.
+        key = (Bp, Tp, max(1, -(-exact // bs)), _bucket(total) if self._paged else 0, bs,
                prompt is None, drafts is None, upper is None)
         st = self._stager
         step = st.step()
@@ -236,19 +243,24 @@ class FusedStepBuilder:
             raise
         step._committed = True
         stats.replayed += 1
-        max_seq = spec.max_seq_len
+        max_seq, max_q = spec.max_seq_len, spec.max_query_len
         a = rec.cm
         a[_CM_MAX_SEQ] = max_seq
+        a[_CM_MAX_Q] = max_q
+        a[_CM_REAL_REQS] = B
+        a[_CM_REAL_TOKENS] = T
         cm = _new_common(*a)
         fa = fi = None
         if rec.fa is not None:
             b = rec.fa
             b[0] = cm
             b[_FA_MAX_SEQ] = max_seq
+            b[_FA_MAX_Q] = max_q
             fa = _new_fa(*b)
         if rec.fi is not None:
             c = rec.fi
             c[0] = cm
+            c[_FI_MAX_DQ] = max_q
             if total != rec.total:  # the page count changed: its index views (cached while it does not)
                 rec.total = total
                 c[_FI_INDICES] = rec.idx_dev[:total]

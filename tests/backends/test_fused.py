@@ -112,16 +112,17 @@ def test_optional_spec_arrays_are_part_of_the_layout(device: torch.device) -> No
     assert builder.stats.replayed > 0
 
 
-def test_real_rows_and_tokens_are_part_of_the_layout(device: torch.device) -> None:
-    """Padded to the same rows (and staged token rows), steps with fewer real rows or fewer real tokens differ only
-    in ``num_real_reqs``, ``num_real_tokens`` or ``num_actual_tokens`` (and the values): each must get its own."""
+def test_padded_steps_share_a_layout_whatever_their_real_counts(device: torch.device) -> None:
+    """Padded to the same rows, steps with fewer real rows or fewer real tokens replay one layout and
+    differ only in ``num_real_reqs``, ``num_real_tokens``, ``max_query_len`` (and the values); the same
+    real counts padded to more tokens (``num_actual_tokens``) is another layout."""
     table = np.arange(3 * 4, dtype=np.int32).reshape(3, 4) + 1
     shapes = [([6, 2, 9], [1, 0, 1], 4), ([9, 2], [1, 1], 4), ([6, 2, 9], [1, 1, 1], 4), ([6, 2, 9], [0, 0, 0], 4),
               ([6, 2, 9], [1, 0, 1], 8)]  # (the same block-table width and page bucket throughout)
     specs = [BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=table[: len(c)], block_size=4,
                        num_reqs_padded=4, num_tokens_padded=tp) for _ in range(4) for c, q, tp in shapes]
     builder = _check_walk(specs, device)
-    assert builder.stats.replayed > 0
+    assert builder.stats.replayed == len(specs) - 2 * 3  # two layouts (4 and 8 tokens), recorded on 3 slots
 
 
 def test_block_size_is_part_of_the_layout(device: torch.device) -> None:
