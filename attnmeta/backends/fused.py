@@ -15,21 +15,25 @@ host time than the compiled pass and the copy together at small batches (docs/be
 
 Replay
 ------
-A decode step (every row's query at most one token, the split's first rule), built in eager mode
-without context parallelism and with the backends' default options (FlashAttention: any
-``max_num_splits``, ``causal`` a bool or None), is **replayed** once the builder has seen its layout
-on the step's ring slot: same padded row and token counts, same block-table width, same bucket of
-page counts, same block size, same optional spec arrays. A replay runs the common pass's compiled
-kernel into the slot (it rewrites every staged byte of the layout, so nothing depends on what the
-slot held), commits, and builds the three objects from the slot's cached views, with the step's own
-scalars (the real row and token counts, ``max_query_len``, ``max_seq_len``, the page count and its
-``paged_kv_indices`` views, ``max_kv_len``). Every other step, and the first step of each layout on each slot, goes through the
-composable builders on the same step and records the layout for later replays.
+A decode step (every row's query at most one token, the split's first rule), without context
+parallelism and with the backends' default options (FlashAttention: any ``max_num_splits``,
+``causal`` a bool or None), is **replayed** once the builder has seen its layout on the step's ring
+slot: same padded row and token counts, same block-table width, same bucket of page counts (eager
+mode; in graph mode the width is the profile's and the page indices have a fixed capacity), same
+block size, same optional spec arrays. A replay runs the common pass's compiled kernel into the slot
+(and, in graph mode, FlashInfer's, into its fixed buffers), which rewrites every staged byte of the
+layout, so nothing depends on what the slot held; commits (in graph mode with the step's staged
+rows, so the stager refills the sentinels past them exactly as for the composable builders); and
+builds the three objects from the slot's cached views, with the step's own scalars (the real row and
+token counts, ``max_query_len``, ``max_seq_len``, the page count and its ``paged_kv_indices`` views,
+``max_kv_len``). Every other step, and the first step of each layout on each slot, goes through the
+composable builders on the same step and records the layout for later replays; a slot whose memory
+was reallocated, or a graph layout that grew (a new device arena), is recorded again.
 
-A replay is the composable path's output by construction (the same kernel writes the same bytes;
+A replay is the composable path's output by construction (the same kernels write the same bytes;
 the objects carry the views the composable path caches for that slot and layout), and the tests
-check it field by field against the composable builders on walks of decode, mixed and padded steps
-(tests/backends/test_fused.py).
+check it field by field against the composable builders on walks of decode, mixed and padded steps,
+in graph mode every fixed device buffer too (tests/backends/test_fused.py).
 
 Shape legend
 ------------
@@ -49,9 +53,11 @@ from attnmeta.backends import flashinfer as _fi
 from attnmeta.backends.flash_attn import FlashAttentionMetadata, FlashAttnOptions, _new_fa
 from attnmeta.backends.flashinfer import FlashInferMetadata, FlashInferOptions, _new_fi
 from attnmeta.host.common import _common_packed_nb
+from attnmeta.host.paged import _flashinfer_nb
 from attnmeta.metadata import CommonAttentionMetadata, _bucket, _new_common, stage_common
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager
+from attnmeta.staging.stager import _Field
 
 __all__ = ["FusedStats", "FusedStep", "FusedStepBuilder"]
 
@@ -75,6 +81,8 @@ _FI_INDICES = _index(FlashInferMetadata, "paged_kv_indices")
 _FI_INDICES_CPU = _index(FlashInferMetadata, "paged_kv_indices_cpu")
 _FI_PAGES = _index(FlashInferMetadata, "num_pages")
 _FI_MAX_KV = _index(FlashInferMetadata, "max_kv_len")
+_FI_MAX_PQ = _index(FlashInferMetadata, "max_prefill_query_len")
+_I32 = np.dtype(np.int32)
 
 
 class FusedStep(NamedTuple):
@@ -106,7 +114,21 @@ class FusedStats:
 class _Record:
     """A recorded layout on one ring slot: the kernel's buffers, the step's size, object templates."""
 
-    __slots__ = ("args", "buf", "cm", "end", "fa", "fi", "idx_cpu", "idx_dev", "total")
+    __slots__ = (
+        "arena",
+        "args",
+        "buf",
+        "cm",
+        "end",
+        "fa",
+        "fi",
+        "fields",
+        "graph",
+        "idx_cpu",
+        "idx_dev",
+        "idx_field",
+        "total",
+    )
 
     def __init__(self, buf: np.ndarray, end: int, args: tuple[Any, ...], cm: list[Any], fa: list[Any] | None,
                  fi: list[Any] | None, idx_cpu: Any, idx_dev: Any, total: int) -> None:
@@ -114,8 +136,14 @@ class _Record:
         self.end = end  # bytes the step staged
         self.args = args  # (staged bytes, host-only bytes, offsets, dims) of _common_packed_nb
         self.cm, self.fa, self.fi = cm, fa, fi  # positional constructor arguments of the three objects
-        self.idx_cpu, self.idx_dev = idx_cpu, idx_dev  # full (bucketed) page-index views
+        self.idx_cpu, self.idx_dev = idx_cpu, idx_dev  # full (bucketed / capacity) page-index views
         self.total = total  # the page count the templates' index views have
+        # Graph mode only: the arena the device views alias, the step's staged fields (but the page
+        # indices), FlashInfer's kernel arguments, and the page-index field of the current total.
+        self.arena: Any = None
+        self.fields: dict[str, Any] = {}
+        self.graph: tuple[Any, ...] = ()
+        self.idx_field: Any = None
 
 
 class FusedStepBuilder:
@@ -178,8 +206,10 @@ class FusedStepBuilder:
         self._paged = fi is not None and fi == _DEFAULT_FI  # the common pass builds FlashInfer's page table
         fa_plain = fa is None or (fa.dcp_world_size == 1 and fa.decode_threshold >= 1
                                   and (fa.causal is None or isinstance(fa.causal, bool)))
-        # Which steps can replay: eager mode, default FlashInfer options, FlashAttention staging nothing.
-        self._replay = not stager.graph_mode and fa_plain and (fi is None or self._paged)
+        # Which steps can replay: default FlashInfer options, FlashAttention staging nothing. In graph
+        # mode the common pass does not build the page table; FlashInfer's own kernel runs in a replay.
+        self._graph = stager.graph_mode
+        self._replay = fa_plain and (fi is None or fi == _DEFAULT_FI)
         self._records: list[dict[tuple[Any, ...], _Record]] = [{} for _ in range(stager.num_slots)]
         self.stats = FusedStats()
 
@@ -211,6 +241,8 @@ class FusedStepBuilder:
         stats.steps += 1
         if not self._replay or spec.max_query_len > 1 or spec.context_parallel is not None:
             return self._compose(spec, self._stager.step(), None)
+        if self._graph:
+            return self._build_graph(spec)
         B, T, bs = spec.num_reqs, spec.num_tokens, spec.block_size
         Bp = B if spec.num_reqs_padded is None else spec.num_reqs_padded
         Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
@@ -270,6 +302,78 @@ class FusedStepBuilder:
             fi = _new_fi(*c)
         return FusedStep(cm, fa, fi)
 
+    def _build_graph(self, spec: BatchSpec) -> FusedStep:
+        """:meth:`build` of a decode step on a graph-mode stager (fixed addresses and capacities)."""
+        st = self._stager
+        prof = st.profile
+        assert prof is not None
+        B, T, bs = spec.num_reqs, spec.num_tokens, spec.block_size
+        Bp = B if spec.num_reqs_padded is None else spec.num_reqs_padded
+        Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
+        exact, total = spec.max_exact_seq_len, spec.num_pages
+        if (bs != prof.block_size or Bp > prof.max_num_reqs or Tp > prof.max_num_tokens
+                or total > prof.max_num_pages or -(-exact // bs) > prof.max_blocks_per_req):
+            return self._compose(spec, st.step(), None)  # raises the builders' errors
+        prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
+        key = (Bp, Tp, prompt is None, drafts is None, upper is None)
+        step = st.step()
+        slot = step._slot
+        rec = self._records[slot.index].get(key)
+        if rec is None or rec.buf is not slot.host_np or rec.arena is not st._graph_arena:
+            return self._compose(spec, step, key)
+        try:
+            status = _common_packed_nb(
+                spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
+                _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
+                _EMPTY if upper is None else upper, *rec.args,
+            )
+            fields = rec.fields
+            if rec.fi is not None:
+                kv, bt, qsl, indptr, last, qo = rec.graph
+                code, _row, _col, mdq, mpq, mkv = _flashinfer_nb(kv, bt, bs, qsl, Bp, indptr, rec.idx_cpu[1][:total],
+                                                                  last, qo)
+                status |= code
+                f = rec.idx_field
+                if f.rows != total:  # the page-index field staged with this step's row count
+                    f = rec.idx_field = _Field(f.name, f.offset, _I32, (), total, f.capacity, f.fill)
+                fields = {**fields, f.name: f}
+            if status:  # unreachable for a validated spec (kept as a guard, as in stage_common)
+                raise ValueError(f"FusedStepBuilder: internal status {status}; the spec is inconsistent")
+            step._fields = fields
+            st._commit(step)
+        except BaseException:
+            step.abandon()
+            raise
+        step._committed = True
+        self.stats.replayed += 1
+        max_seq, max_q = spec.max_seq_len, spec.max_query_len
+        a = rec.cm
+        a[_CM_MAX_SEQ] = max_seq
+        a[_CM_MAX_Q] = max_q
+        a[_CM_REAL_REQS] = B
+        a[_CM_REAL_TOKENS] = T
+        cm = _new_common(*a)
+        fa = fi = None
+        if rec.fa is not None:
+            b = rec.fa
+            b[0] = cm
+            b[_FA_MAX_SEQ] = max_seq
+            b[_FA_MAX_Q] = max_q
+            fa = _new_fa(*b)
+        if rec.fi is not None:
+            c = rec.fi
+            c[0] = cm
+            if total != rec.total:
+                rec.total = total
+                c[_FI_INDICES] = rec.idx_dev[:total]
+                c[_FI_INDICES_CPU] = rec.idx_cpu[0][:total]
+                c[_FI_PAGES] = total
+            c[_FI_MAX_DQ] = mdq
+            c[_FI_MAX_PQ] = mpq
+            c[_FI_MAX_KV] = mkv
+            fi = _new_fi(*c)
+        return FusedStep(cm, fa, fi)
+
     def _compose(self, spec: BatchSpec, step: Any, key: tuple[Any, ...] | None) -> FusedStep:
         """The composable builders on ``step`` (begun by the caller); records the layout under ``key``."""
         try:
@@ -285,7 +389,10 @@ class FusedStepBuilder:
         fa = fa_staged.result() if fa_staged is not None else None
         fi = fi_staged.result() if fi_staged is not None else None
         if key is not None:
-            self._record(step, key, staged.host, cm, fa, fi)
+            if self._graph:
+                self._record_graph(step, key, staged.host, cm, fa, fi)
+            else:
+                self._record(step, key, staged.host, cm, fa, fi)
         return FusedStep(cm, fa, fi)
 
     def _record(self, step: Any, key: tuple[Any, ...], host: dict[str, Any], cm: CommonAttentionMetadata,
@@ -309,6 +416,43 @@ class FusedStepBuilder:
             _values(fa) if fa is not None else None, _values(fi) if fi is not None else None,
             idx_cpu, idx_dev, fi.num_pages if fi is not None else -1,
         )
+
+    def _record_graph(self, step: Any, key: tuple[Any, ...], host: dict[str, Any], cm: CommonAttentionMetadata,
+                      fa: FlashAttentionMetadata | None, fi: FlashInferMetadata | None) -> None:
+        """:meth:`_record` in graph mode: also the step's staged fields and FlashInfer's own buffers."""
+        group, state = host["_group"]
+        slot = step._slot
+        st = step._stager
+        if step._grew or group.buf is not slot.host_np:
+            return  # the layout changed during the step
+        fields = dict(step._fields)
+        idx_cpu = idx_dev = idx_field = None
+        graph: tuple[Any, ...] = ()
+        if fi is not None:
+            names = _fi._NAMES[self._fi_opts.prefix] if self._fi_opts is not None else ()
+            n_indptr, n_last, n_qo, n_indices = names[:4]
+            if set(fields) != {*group.names, n_indptr, n_last, n_qo, n_indices}:
+                return  # a backend staged fields of its own
+            idx_field = fields.pop(n_indices)
+            full = _Field(n_indices, idx_field.offset, _I32, (), idx_field.capacity, idx_field.capacity, idx_field.fill)
+            writable = st._host_view(slot, full, full.capacity)
+            frozen = writable.view()
+            frozen.flags.writeable = False
+            idx_cpu, idx_dev = (frozen, writable), step._view(full, full.capacity)
+            views = [st._host_view(slot, fields[n], fields[n].rows) for n in (n_indptr, n_last, n_qo)]
+            graph = (host["seq_lens_cpu"], host["block_table_cpu"], host["query_start_loc_cpu"], *views)
+        elif set(fields) != set(group.names):
+            return
+        offsets, dims, hbuf = state[:3]
+        records = self._records[slot.index]
+        if len(records) >= _MAX_RECORDS:
+            records.clear()
+        rec = records[key] = _Record(
+            slot.host_np, group.end, (group.buf, hbuf, offsets, dims), _values(cm),
+            _values(fa) if fa is not None else None, _values(fi) if fi is not None else None,
+            idx_cpu, idx_dev, fi.num_pages if fi is not None else -1,
+        )
+        rec.arena, rec.fields, rec.graph, rec.idx_field = st._graph_arena, fields, graph, idx_field
 
     def __repr__(self) -> str:
         parts = [f"flash_attn={self._fa_opts is not None}", f"flashinfer={self._fi_opts is not None}",

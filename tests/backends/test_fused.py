@@ -17,6 +17,7 @@ from attnmeta.backends import flash_attn, flashinfer
 from attnmeta.backends.flash_attn import FlashAttnOptions
 from attnmeta.backends.flashinfer import FlashInferOptions
 from attnmeta.backends.fused import FusedStep, FusedStepBuilder
+from attnmeta.staging import CapacityError
 from attnmeta.sync import no_device_sync
 from attnmeta.testing.strategies import batch_specs
 
@@ -53,21 +54,31 @@ def _assert_same(got: Any, want: Any, path: str) -> None:
             assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
 
 
-def _check_walk(specs: list[BatchSpec], device: torch.device, fa_opts: Any = FlashAttnOptions(),
+def _check_walk(specs: list[Any], device: torch.device, fa_opts: Any = FlashAttnOptions(),
                 fi_opts: Any = FlashInferOptions(), **stager_kw: Any) -> FusedStepBuilder:
     builder = FusedStepBuilder(Stager(device, **stager_kw), flash_attn=fa_opts, flashinfer=fi_opts)
     ref = Stager(device, **stager_kw)
     paged = fi_opts is not None and fi_opts == FlashInferOptions()
     kept: list[tuple[FusedStep, FusedStep]] = []
     for i, spec in enumerate(specs):
+        if callable(spec):  # a step of other code on both stagers, between builds
+            spec(builder.stager)
+            spec(ref)
+            continue
         got = builder.build(spec)
         want = _composed(spec, ref, fa_opts, fi_opts, paged)
         for name, a, b in zip(FusedStep._fields, got, want):
             _assert_same(a, b, f"step {i} {name}")
+        if ref.graph_mode:  # every field's whole fixed buffer, the bytes kernels in CUDA graphs read
+            mine, theirs = builder.stager, ref
+            assert list(mine._layout) == list(theirs._layout)
+            for name, f in theirs._layout.items():
+                lo, hi = f.offset, f.offset + f.nbytes
+                assert torch.equal(mine._graph_arena[lo:hi].cpu(), theirs._graph_arena[lo:hi].cpu()), f"step {i}: {name}"
         kept = [*kept, (got, want)][-(builder.stager.num_slots - 1):]
         for j, (old_got, old_want) in enumerate(kept):  # earlier steps' objects are still intact
             _assert_same(old_got.common, old_want.common, f"step {i}, kept {j}")
-    assert builder.stats.steps == len(specs)
+    assert builder.stats.steps == sum(not callable(s) for s in specs)
     return builder
 
 
@@ -173,21 +184,68 @@ def test_other_options_compose_every_step(device: torch.device, fa_opts: Any, fi
     assert (builder.stats.replayed > 0) == (replays_allowed and fa_opts.dcp_world_size == 1)
 
 
-def test_graph_mode_composes_every_step(device: torch.device) -> None:
+@pytest.mark.parametrize("fi_opts", [FlashInferOptions(), None])
+def test_graph_mode_replays_and_matches_arena_and_all(device: torch.device, fi_opts: Any) -> None:
+    """Graph mode (fixed addresses, sentinels past each field's rows): decode walks of two padded
+    sizes and a mixed step in between; every field and the whole device arena equal the composable
+    builders' after every step."""
+    prof = StaticProfile(max_num_reqs=16, max_num_tokens=64, max_blocks_per_req=160, block_size=16)
+    rng = np.random.default_rng(8)
+    small = _decode_walk(3, 10, seed=1, max_context=100, table_width=16)
+    big = [BatchSpec(num_computed_tokens=s.num_computed_tokens, num_scheduled_tokens=s.num_scheduled_tokens,
+                     block_table=s.block_table, block_size=16, num_reqs_padded=16, num_tokens_padded=16)
+           for s in _decode_walk(11, 10, seed=2, max_context=200, table_width=16)]
+    mixed = mixed_spec(rng, prefills=2, decodes=3, max_prompt=20, max_context=100)
+    specs = [*small, *big[:5], mixed, *small[:4], *big[5:], *small[4:]]
+    builder = _check_walk(specs, device, FlashAttnOptions(), fi_opts, profile=prof)
+    assert builder.stats.replayed >= len(specs) // 2, builder.stats
+
+
+def test_graph_layout_growth_invalidates_recorded_layouts(device: torch.device) -> None:
+    """Another builder adds a field to the graph layout after layouts were recorded: the stager
+    re-creates its device arena, so the recorded device views are stale and must be recorded anew."""
     prof = StaticProfile(max_num_reqs=8, max_num_tokens=16, max_blocks_per_req=16, block_size=16)
-    builder = _check_walk(_decode_walk(6, 6, max_context=100, table_width=16), device, profile=prof)
-    assert builder.stats.replayed == 0
+
+    def other_field(stager: Stager) -> None:
+        with stager.step() as step:
+            step.alloc("other.field", 3, np.int32, capacity=8)[:] = 7
+
+    walk = _decode_walk(4, 12, seed=3, max_context=100, table_width=16)
+    builder = _check_walk([*walk[:6], other_field, *walk[6:]], device, profile=prof)
+    assert builder.stats.replayed > 0
+
+
+def test_graph_mode_capacity_errors_still_raise() -> None:
+    prof = StaticProfile(max_num_reqs=4, max_num_tokens=8, max_blocks_per_req=4, block_size=16)
+    builder = FusedStepBuilder(Stager("cpu", profile=prof))
+    fits = _decode_walk(2, 1, max_context=40, table_width=8)[0]
+    for _ in range(5):  # the first step lays the fields out (nothing recorded), the next three record
+        builder.build(fits)
+    assert builder.stats.replayed == 1
+    with pytest.raises(CapacityError):  # a request needs 5 blocks; the profile holds 4 per request
+        builder.build(BatchSpec(num_computed_tokens=[70], num_scheduled_tokens=[1], block_table=[list(range(8))],
+                                block_size=16))
+    with pytest.raises(CapacityError):  # 6 rows; the profile holds 4
+        builder.build(_decode_walk(6, 1, max_context=40, table_width=8)[0])
+    builder.build(fits)  # the stager goes on
+    assert builder.stager.stats.steps == 6
 
 
 @given(walk=st.lists(st.tuples(batch_specs(max_reqs=6, max_query_len=3, max_context_len=80,
-                                           kinds=("decode", "empty", "prefill", "spec_decode")), st.integers(1, 4)),
-                     min_size=1, max_size=5))
-def test_random_walks_match_the_composable_builders(walk: list[tuple[BatchSpec, int]]) -> None:
+                                           kinds=("decode", "empty", "prefill", "spec_decode"),
+                                           block_sizes=st.just(16)), st.integers(1, 4)),
+                     min_size=1, max_size=5),
+       graph=st.booleans())
+def test_random_walks_match_the_composable_builders(walk: list[tuple[BatchSpec, int]], graph: bool) -> None:
     """Steps drawn at random (decode-only ones replay), each repeated 1-4 times so layouts recur on
-    every ring slot, interleaved: every field of every step equals the composable builders'."""
+    every ring slot, interleaved, in eager and in graph mode: every field of every step (and in graph
+    mode every fixed buffer) equals the composable builders'."""
     specs = [spec for spec, times in walk for _ in range(times)]
     specs += [spec for spec, _ in walk]  # and once more each, in order, after every slot has seen them
-    _check_walk(specs, torch.device("cpu"))
+    kw: dict[str, Any] = {}
+    if graph:  # capacities that fit every drawn batch (6 requests, 3 tokens each, padding, contexts <= 80)
+        kw["profile"] = StaticProfile(max_num_reqs=16, max_num_tokens=64, max_blocks_per_req=32, block_size=16)
+    _check_walk(specs, torch.device("cpu"), **kw)
 
 
 def test_a_failed_step_is_abandoned_and_the_stager_goes_on() -> None:
