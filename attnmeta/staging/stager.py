@@ -520,15 +520,18 @@ class Stager:
                     lo, hi = f.offset, f.offset + f.rows * f.row_bytes
                     slot.host_np[lo:hi] = buf[lo:hi]
         if self.graph_mode:
+            fields, dirty_rows, end = step._fields, slot.dirty_rows, self._copy_end
             for name, f in self._layout.items():
-                staged = step._fields.get(name)
+                staged = fields.get(name)
                 rows = staged.rows if staged is not None else 0
-                dirty = slot.dirty_rows.get(name, 0)
-                if dirty > rows:
-                    self._fill_rows(slot, f, rows, dirty)
-                slot.dirty_rows[name] = rows
-                self._copy_end = max(self._copy_end, f.offset + rows * f.row_bytes)
-            nbytes = self._layout_bytes if self._full_copy_pending else self._copy_end
+                if dirty_rows.get(name, 0) > rows:  # rows this slot staged before: back to the sentinel
+                    self._fill_rows(slot, f, rows, dirty_rows[name])
+                dirty_rows[name] = rows
+                e = f.offset + rows * f.row_bytes
+                if e > end:
+                    end = e
+            self._copy_end = end
+            nbytes = self._layout_bytes if self._full_copy_pending else end
             self._full_copy_pending = False
             dst = self._graph_arena
         else:
