@@ -12,18 +12,22 @@ from attnmeta.bench import BenchRow, _plot
 
 
 def markdown(rows: list[BenchRow]) -> str:
-    """One Markdown table: per (scenario, batch) the three paths side by side, with speedups."""
+    """One Markdown table: per (scenario, batch) the paths side by side, with speedups over attnmeta's
+    composable path (and a ``fused`` column where the scenario has that path)."""
     by = {(r.scenario, r.batch, r.path): r for r in rows}
     keys = sorted({(r.scenario, r.batch) for r in rows}, key=lambda k: ([r.scenario for r in rows].index(k[0]), k[1]))
-    out = ["| scenario | batch | attnmeta median / p99 us | per-tensor median / p99 us | reference median / p99 us "
-           "| vs per-tensor | vs reference | syncs/step (attnmeta, per-tensor, ref) | H2D/step (a, p, r) | KB/step |",
-           "|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+    out = ["| scenario | batch | attnmeta median / p99 us | fused median / p99 us | per-tensor median / p99 us "
+           "| reference median / p99 us | vs per-tensor | vs reference | syncs/step (attnmeta, per-tensor, ref) "
+           "| H2D/step (a, p, r) | KB/step |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     for s, b in keys:
         a, p, r = (by.get((s, b, x)) for x in ("attnmeta", "per-tensor", "reference"))
         if a is None or p is None or r is None:
             continue
+        f = by.get((s, b, "fused"))
+        fused = "-" if f is None else f"{f.median_us:.0f} / {f.p99_us:.0f}"
         out.append(
-            f"| {s} | {b} | {a.median_us:.0f} / {a.p99_us:.0f} | {p.median_us:.0f} / {p.p99_us:.0f} | "
+            f"| {s} | {b} | {a.median_us:.0f} / {a.p99_us:.0f} | {fused} | {p.median_us:.0f} / {p.p99_us:.0f} | "
             f"{r.median_us:.0f} / {r.p99_us:.0f} | {p.median_us / a.median_us:.1f}x | {r.median_us / a.median_us:.1f}x | "
             f"{a.syncs_per_step:g}, {p.syncs_per_step:g}, {r.syncs_per_step:g} | "
             f"{a.h2d_per_step:g}, {p.h2d_per_step:g}, {r.h2d_per_step:g} | {a.bytes_per_step / 1024:.1f} |"
