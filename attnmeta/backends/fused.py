@@ -81,7 +81,6 @@ _FI_INDICES = _index(FlashInferMetadata, "paged_kv_indices")
 _FI_INDICES_CPU = _index(FlashInferMetadata, "paged_kv_indices_cpu")
 _FI_PAGES = _index(FlashInferMetadata, "num_pages")
 _FI_MAX_KV = _index(FlashInferMetadata, "max_kv_len")
-_FI_MAX_PQ = _index(FlashInferMetadata, "max_prefill_query_len")
 _I32 = np.dtype(np.int32)
 
 
@@ -136,10 +135,11 @@ class _Record:
         self.end = end  # bytes the step staged
         self.args = args  # (staged bytes, host-only bytes, offsets, dims) of _common_packed_nb
         self.cm, self.fa, self.fi = cm, fa, fi  # positional constructor arguments of the three objects
-        self.idx_cpu, self.idx_dev = idx_cpu, idx_dev  # full (bucketed / capacity) page-index views
+        self.idx_cpu, self.idx_dev = idx_cpu, idx_dev  # read-only full page-index views (bucketed / capacity)
         self.total = total  # the page count the templates' index views have
         # Graph mode only: the arena the device views alias, the step's staged fields (but the page
-        # indices), FlashInfer's kernel arguments, and the page-index field of the current total.
+        # indices), FlashInfer's kernel arguments (the page indices writable at full capacity last),
+        # and the page-index field of the current total.
         self.arena: Any = None
         self.fields: dict[str, Any] = {}
         self.graph: tuple[Any, ...] = ()
@@ -275,32 +275,7 @@ class FusedStepBuilder:
             raise
         step._committed = True
         stats.replayed += 1
-        max_seq, max_q = spec.max_seq_len, spec.max_query_len
-        a = rec.cm
-        a[_CM_MAX_SEQ] = max_seq
-        a[_CM_MAX_Q] = max_q
-        a[_CM_REAL_REQS] = B
-        a[_CM_REAL_TOKENS] = T
-        cm = _new_common(*a)
-        fa = fi = None
-        if rec.fa is not None:
-            b = rec.fa
-            b[0] = cm
-            b[_FA_MAX_SEQ] = max_seq
-            b[_FA_MAX_Q] = max_q
-            fa = _new_fa(*b)
-        if rec.fi is not None:
-            c = rec.fi
-            c[0] = cm
-            c[_FI_MAX_DQ] = max_q
-            if total != rec.total:  # the page count changed: its index views (cached while it does not)
-                rec.total = total
-                c[_FI_INDICES] = rec.idx_dev[:total]
-                c[_FI_INDICES_CPU] = rec.idx_cpu[:total]
-                c[_FI_PAGES] = total
-            c[_FI_MAX_KV] = exact
-            fi = _new_fi(*c)
-        return FusedStep(cm, fa, fi)
+        return _emit(rec, spec, total, spec.max_query_len, exact)
 
     def _build_graph(self, spec: BatchSpec) -> FusedStep:
         """:meth:`build` of a decode step on a graph-mode stager (fixed addresses and capacities)."""
@@ -321,6 +296,7 @@ class FusedStepBuilder:
         rec = self._records[slot.index].get(key)
         if rec is None or rec.buf is not slot.host_np or rec.arena is not st._graph_arena:
             return self._compose(spec, step, key)
+        mdq = mkv = 0
         try:
             status = _common_packed_nb(
                 spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
@@ -329,9 +305,8 @@ class FusedStepBuilder:
             )
             fields = rec.fields
             if rec.fi is not None:
-                kv, bt, qsl, indptr, last, qo = rec.graph
-                code, _row, _col, mdq, mpq, mkv = _flashinfer_nb(kv, bt, bs, qsl, Bp, indptr, rec.idx_cpu[1][:total],
-                                                                  last, qo)
+                kv, bt, qsl, indptr, last, qo, indices = rec.graph
+                code, _row, _col, mdq, _mpq, mkv = _flashinfer_nb(kv, bt, bs, qsl, Bp, indptr, indices[:total], last, qo)
                 status |= code
                 f = rec.idx_field
                 if f.rows != total:  # the page-index field staged with this step's row count
@@ -346,33 +321,7 @@ class FusedStepBuilder:
             raise
         step._committed = True
         self.stats.replayed += 1
-        max_seq, max_q = spec.max_seq_len, spec.max_query_len
-        a = rec.cm
-        a[_CM_MAX_SEQ] = max_seq
-        a[_CM_MAX_Q] = max_q
-        a[_CM_REAL_REQS] = B
-        a[_CM_REAL_TOKENS] = T
-        cm = _new_common(*a)
-        fa = fi = None
-        if rec.fa is not None:
-            b = rec.fa
-            b[0] = cm
-            b[_FA_MAX_SEQ] = max_seq
-            b[_FA_MAX_Q] = max_q
-            fa = _new_fa(*b)
-        if rec.fi is not None:
-            c = rec.fi
-            c[0] = cm
-            if total != rec.total:
-                rec.total = total
-                c[_FI_INDICES] = rec.idx_dev[:total]
-                c[_FI_INDICES_CPU] = rec.idx_cpu[0][:total]
-                c[_FI_PAGES] = total
-            c[_FI_MAX_DQ] = mdq
-            c[_FI_MAX_PQ] = mpq
-            c[_FI_MAX_KV] = mkv
-            fi = _new_fi(*c)
-        return FusedStep(cm, fa, fi)
+        return _emit(rec, spec, total, mdq, mkv)
 
     def _compose(self, spec: BatchSpec, step: Any, key: tuple[Any, ...] | None) -> FusedStep:
         """The composable builders on ``step`` (begun by the caller); records the layout under ``key``."""
@@ -438,9 +387,9 @@ class FusedStepBuilder:
             writable = st._host_view(slot, full, full.capacity)
             frozen = writable.view()
             frozen.flags.writeable = False
-            idx_cpu, idx_dev = (frozen, writable), step._view(full, full.capacity)
+            idx_cpu, idx_dev = frozen, step._view(full, full.capacity)
             views = [st._host_view(slot, fields[n], fields[n].rows) for n in (n_indptr, n_last, n_qo)]
-            graph = (host["seq_lens_cpu"], host["block_table_cpu"], host["query_start_loc_cpu"], *views)
+            graph = (host["seq_lens_cpu"], host["block_table_cpu"], host["query_start_loc_cpu"], *views, writable)
         elif set(fields) != set(group.names):
             return
         offsets, dims, hbuf = state[:3]
@@ -459,6 +408,39 @@ class FusedStepBuilder:
                  f"replay={'on' if self._replay else 'off'}", f"steps={self.stats.steps}",
                  f"replayed={self.stats.replayed}"]
         return f"FusedStepBuilder({', '.join(parts)})"
+
+
+def _emit(rec: _Record, spec: BatchSpec, total: int, mdq: int, mkv: int) -> FusedStep:
+    """The three objects of a replayed step: ``rec``'s templates with the step's own scalars (and,
+    when the page count changed, its page-index views). ``mdq`` / ``mkv``: FlashInfer's longest
+    decode query and longest KV length (a replayed step has no prefill rows)."""
+    B, T = spec.num_reqs, spec.num_tokens
+    max_seq, max_q = spec.max_seq_len, spec.max_query_len
+    a = rec.cm
+    a[_CM_MAX_SEQ] = max_seq
+    a[_CM_MAX_Q] = max_q
+    a[_CM_REAL_REQS] = B
+    a[_CM_REAL_TOKENS] = T
+    cm = _new_common(*a)
+    fa = fi = None
+    if rec.fa is not None:
+        b = rec.fa
+        b[0] = cm
+        b[_FA_MAX_SEQ] = max_seq
+        b[_FA_MAX_Q] = max_q
+        fa = _new_fa(*b)
+    if rec.fi is not None:
+        c = rec.fi
+        c[0] = cm
+        if total != rec.total:  # the page count changed: its index views (cached while it does not)
+            rec.total = total
+            c[_FI_INDICES] = rec.idx_dev[:total]
+            c[_FI_INDICES_CPU] = rec.idx_cpu[:total]
+            c[_FI_PAGES] = total
+        c[_FI_MAX_DQ] = mdq
+        c[_FI_MAX_KV] = mkv
+        fi = _new_fi(*c)
+    return FusedStep(cm, fa, fi)
 
 
 def _values(obj: Any) -> list[Any]:
