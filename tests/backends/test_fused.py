@@ -105,10 +105,14 @@ def test_padded_and_empty_rows_replay(device: torch.device) -> None:
     assert builder.stats.replayed == 5 + 1  # 8 padded steps and 4 empty ones on 3 slots
 
 
-def test_optional_spec_arrays_are_part_of_the_layout(device: torch.device) -> None:
+_GRAPH = [None, StaticProfile(max_num_reqs=8, max_num_tokens=16, max_blocks_per_req=8, block_size=4)]
+
+
+@pytest.mark.parametrize("profile", _GRAPH, ids=["eager", "graph"])
+def test_optional_spec_arrays_are_part_of_the_layout(device: torch.device, profile: Any) -> None:
     """Steps of one shape with and without prompt lengths, upper bounds and (zero) draft counts: a
     layout recorded without an optional array must not replay a step that has it, or the reverse."""
-    base = _decode_walk(5, 1, max_context=60, table_width=8)[0]
+    base = _decode_walk(5, 1, max_context=30, table_width=8, block_size=4)[0]
     c, q, bt = base.num_computed_tokens, base.num_scheduled_tokens, base.block_table
     variants = [
         {},
@@ -119,21 +123,26 @@ def test_optional_spec_arrays_are_part_of_the_layout(device: torch.device) -> No
     ]
     specs = [BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=bt, block_size=base.block_size, **v)
              for _ in range(4) for v in variants]
-    builder = _check_walk(specs, device)
+    builder = _check_walk(specs, device, profile=profile)
     assert builder.stats.replayed > 0
 
 
-def test_padded_steps_share_a_layout_whatever_their_real_counts(device: torch.device) -> None:
+@pytest.mark.parametrize("profile", _GRAPH, ids=["eager", "graph"])
+def test_padded_steps_share_a_layout_whatever_their_real_counts(device: torch.device, profile: Any) -> None:
     """Padded to the same rows, steps with fewer real rows or fewer real tokens replay one layout and
     differ only in ``num_real_reqs``, ``num_real_tokens``, ``max_query_len`` (and the values); the same
     real counts padded to more tokens (``num_actual_tokens``) is another layout."""
     table = np.arange(3 * 4, dtype=np.int32).reshape(3, 4) + 1
-    shapes = [([6, 2, 9], [1, 0, 1], 4), ([9, 2], [1, 1], 4), ([6, 2, 9], [1, 1, 1], 4), ([6, 2, 9], [0, 0, 0], 4),
-              ([6, 2, 9], [1, 0, 1], 8)]  # (the same block-table width and page bucket throughout)
+    shapes = [([6, 2, 9], [1, 0, 1], 4, 4), ([9, 2], [1, 1], 4, 4), ([6, 2, 9], [1, 1, 1], 4, 4),
+              ([6, 2, 9], [0, 0, 0], 4, 4), ([6, 2, 9], [1, 0, 1], 4, 8), ([6, 2, 9], [1, 0, 1], 5, 4)]
+    # (the same block-table width and page bucket throughout)
     specs = [BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=table[: len(c)], block_size=4,
-                       num_reqs_padded=4, num_tokens_padded=tp) for _ in range(4) for c, q, tp in shapes]
-    builder = _check_walk(specs, device)
-    assert builder.stats.replayed == len(specs) - 2 * 3  # two layouts (4 and 8 tokens), recorded on 3 slots
+                       num_reqs_padded=bp, num_tokens_padded=tp) for _ in range(4) for c, q, bp, tp in shapes]
+    builder = _check_walk(specs, device, profile=profile)
+    # Three layouts: 4 rows and 4 tokens (shapes 0-3, on all 3 slots), 4 rows and 8 tokens (shape 4,
+    # always slot 1), 5 rows and 4 tokens (shape 5, always slot 2): 5 steps compose, the rest replay.
+    # In graph mode the first step lays the fields out and records nothing: one more composes.
+    assert builder.stats.replayed == len(specs) - 5 - (profile is not None)
 
 
 def test_block_size_is_part_of_the_layout(device: torch.device) -> None:
