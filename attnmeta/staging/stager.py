@@ -10,9 +10,9 @@ A :class:`Stager` belongs to one device and is driven by one thread at a time. I
 
 :meth:`Step.commit` issues **exactly one** non-blocking H2D copy that covers everything the step
 staged, on the commit stream (the current stream unless one was given), then records an event on that
-stream. On CUDA, eager commits on the current stream make both calls through the driver API when it
-is available (:mod:`attnmeta.staging._driver`: the same copy and event, less host time), and through
-torch otherwise. A slot's pinned memory is rewritten only after the event recorded after its last copy has
+stream. On CUDA, commits on the current stream (eager and graph mode) make both calls through the
+driver API when it is available (:mod:`attnmeta.staging._driver`: the same copy and event, less host
+time), and through torch otherwise. A slot's pinned memory is rewritten only after the event recorded after its last copy has
 completed: before a step begins on a slot the stager queries that event and, only if the GPU is still
 behind, waits for it (counted in :attr:`StagerStats.waits`). With ``num_slots >= 2`` the host never
 waits in steady state unless it runs ``num_slots - 1`` steps ahead of the GPU.
@@ -201,7 +201,7 @@ class _Slot:
         self.device_arena: torch.Tensor | None = None
         self.event: Any = None
         self.generation = 0
-        self.ptrs = (0, 0)  # eager CUDA: (device arena, pinned host) addresses for the driver copy
+        self.ptrs = (0, 0)  # CUDA: (device arena, pinned host) addresses for the driver copy (graph mode: the one arena)
         self.dirty_rows: dict[str, int] = {}  # graph mode: rows not holding the sentinel
         self.typed: dict[np.dtype, torch.Tensor] = {}  # eager mode: typed views of device_arena
         self.views: dict[tuple[Any, ...], torch.Tensor] = {}  # eager mode: device views by (offset, dtype, shape)
@@ -348,9 +348,9 @@ class Stager:
         self._copy_end = 0  # graph mode: bytes a commit must copy (high-water mark of non-sentinel data)
         self._full_copy_pending = True
         self._stream_handle = 0
-        # Eager CUDA commits go through the driver API when it is available (attnmeta.staging._driver);
+        # CUDA commits go through the driver API when it is available (attnmeta.staging._driver);
         # the pinned slots then outlive this stager until their last copies complete.
-        self._driver = _driver.load() if self._cuda and not self.graph_mode else None
+        self._driver = _driver.load() if self._cuda else None
         if self._driver is not None and _GET_CURRENT_STREAM is not None:
             weakref.finalize(self, _driver.retire, self._slots).atexit = False  # at exit nothing is reused
         else:
@@ -371,6 +371,8 @@ class Stager:
             slot.device_arena = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             if self._cuda:
                 slot.ptrs = (slot.device_arena.data_ptr(), slot.host.data_ptr())
+        elif self._cuda:  # graph mode: every slot copies into the one arena (its address: _graph_reserve)
+            slot.ptrs = (0, slot.host.data_ptr())
 
     def _grow_slot(self, slot: _Slot, need: int) -> np.ndarray:
         """Eager mode: grow ``slot`` to hold ``need`` bytes; returns the old host bytes.
@@ -410,6 +412,7 @@ class Stager:
         self.stats.grows += 1
         # Re-create arenas at the new size; existing content is sentinel-refilled below.
         self._graph_arena = torch.empty(self._layout_bytes, dtype=torch.uint8, device=self.device)
+        arena_ptr = self._graph_arena.data_ptr() if self._cuda else 0
         self._graph_typed = {}
         self._graph_views = {}
         for s in self._slots:
@@ -426,6 +429,9 @@ class Stager:
                 slot.host_np[: old.shape[0]] = old
             self._fill_rows(slot, f, 0, capacity)
             slot.dirty_rows[name] = 0
+            if self._cuda:
+                assert slot.host is not None
+                slot.ptrs = (arena_ptr, slot.host.data_ptr())
         self._full_copy_pending = True
         return f
 
@@ -569,7 +575,8 @@ class Stager:
         s.bytes += nbytes
 
     def _driver_copy(self, slot: _Slot, size: int) -> bool:
-        """Eager CUDA commit through the driver: the copy on the current stream, then the slot's fence.
+        """CUDA commit through the driver: the copy on the current stream (into the slot's arena, or in
+        graph mode the one arena), then the slot's fence.
 
         Returns False (nothing enqueued, the caller uses torch) while a torch dispatch or function
         mode is active (the sync audit must see the copy), while another CUDA device is current (the
