@@ -281,6 +281,19 @@ def _plot(rows: list[BenchRow], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def script_device(doc: str | None) -> torch.device:
+    """The device of a benchmark script that takes only ``--device`` (cuda if present, else cpu),
+    from its command line; also sets torch to one intra-op thread, as an engine's host loop runs.
+
+    ``doc``: the script's module docstring (its first line describes ``--help``).
+    """
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    return torch.device(args.device)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register the ``bench`` sub-command's options."""
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")

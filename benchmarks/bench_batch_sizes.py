@@ -16,7 +16,6 @@ Run: ``python benchmarks/bench_batch_sizes.py [--device cpu|cuda]``.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib.util
 import sys
@@ -32,6 +31,7 @@ if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without 
 from attnmeta._bench_scenarios import _stage_fa_fi
 from attnmeta._workloads import advance, decode_spec
 from attnmeta.backends.fused import FusedStepBuilder
+from attnmeta.bench import script_device
 from attnmeta.metadata import stage_common
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager
@@ -73,11 +73,7 @@ def padded(spec: BatchSpec, multiple: int = 8) -> BatchSpec:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args()
-    dev = torch.device(args.device)
-    torch.set_num_threads(1)
+    dev = script_device(__doc__)
     one = advance(decode_spec(256, np.random.default_rng(0)), 64)
     walks = [advance(decode_spec(b, np.random.default_rng(b)), 8) for b in range(200, 264)]
     many = [w[i] for i in range(8) for w in walks]

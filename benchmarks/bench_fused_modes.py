@@ -14,7 +14,6 @@ Run: ``python benchmarks/bench_fused_modes.py [--device cuda|cpu]``.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib.util
 import sys
@@ -33,6 +32,7 @@ from attnmeta import StaticProfile, stage_common
 from attnmeta._bench_scenarios import decode_walks
 from attnmeta.backends import flash_attn, flashinfer
 from attnmeta.backends.fused import FusedStepBuilder
+from attnmeta.bench import script_device
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager
 
@@ -70,11 +70,7 @@ def best_median(fn: Callable[[BatchSpec], Any], specs: list[BatchSpec], device: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args()
-    dev = torch.device(args.device)
-    torch.set_num_threads(1)
+    dev = script_device(__doc__)
     print(f"# decode step, device {dev}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
           "best of 3 round medians (us)")
     print(f"{'batch':>6} {'eager composable':>17} {'eager fused':>12} {'graph composable':>17} {'graph fused':>12}")

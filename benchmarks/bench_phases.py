@@ -14,7 +14,6 @@ Run: ``python benchmarks/bench_phases.py [--device cuda|cpu]``.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib.util
 import sys
@@ -32,6 +31,7 @@ if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without 
 from attnmeta._bench_mamba2 import OPTIONS, prefill_step_specs
 from attnmeta._workloads import advance, decode_spec
 from attnmeta.backends import flash_attn, flashinfer, fused, mamba2
+from attnmeta.bench import script_device
 from attnmeta.metadata import stage_common
 from attnmeta.staging import Stager
 
@@ -94,11 +94,7 @@ def _fused_phases(batch: int, dev: torch.device) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args()
-    dev = torch.device(args.device)
-    torch.set_num_threads(1)
+    dev = script_device(__doc__)
     pc = time.perf_counter_ns
     print(f"# per-phase host us (medians, best of 5 rounds), device {dev}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}")
