@@ -488,7 +488,7 @@ def stage_common(
         pv = group.extras.get("paged")
         if pv is None or pv[3] != total:
             pv = group.extras["paged"] = (group.frozen[5], group.frozen[6], group.frozen[7][:total], total)
-        host["_paged"] = (*pv, group)
+        host["_paged"] = pv
 
     def make() -> CommonAttentionMetadata:
         dev = group.device(step)

@@ -536,7 +536,8 @@ def _stage_reusing_common(
     paged-KV arrays are the common's (built in its pass); only the prefill query indptr is left, and
     with no prefill row it is ``query_start_loc[:1] == [0]``, a view."""
     h = common.host
-    indptr_ro, last_ro, indices_ro, total, group = paged
+    indptr_ro, last_ro, indices_ro, total = paged
+    group = h["_group"][0]  # the common's group: the paged fields are its last three
     qsl = h["query_start_loc_cpu"]
     B, page = h["num_reqs"], h["block_size"]
     D, P = split.num_decodes, split.num_prefills

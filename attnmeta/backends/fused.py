@@ -57,7 +57,6 @@ from attnmeta.host.paged import _flashinfer_nb
 from attnmeta.metadata import CommonAttentionMetadata, _bucket, _new_common, stage_common
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager
-from attnmeta.staging.stager import _Field
 
 __all__ = ["FusedStats", "FusedStep", "FusedStepBuilder"]
 
@@ -81,7 +80,6 @@ _FI_INDICES = _index(FlashInferMetadata, "paged_kv_indices")
 _FI_INDICES_CPU = _index(FlashInferMetadata, "paged_kv_indices_cpu")
 _FI_PAGES = _index(FlashInferMetadata, "num_pages")
 _FI_MAX_KV = _index(FlashInferMetadata, "max_kv_len")
-_I32 = np.dtype(np.int32)
 
 
 class FusedStep(NamedTuple):
@@ -111,39 +109,25 @@ class FusedStats:
 
 
 class _Record:
-    """A recorded layout on one ring slot: the kernel's buffers, the step's size, object templates."""
+    """A recorded layout on one ring slot: the kernel's buffers, the step's size, object templates.
 
-    __slots__ = (
-        "arena",
-        "args",
-        "buf",
-        "cm",
-        "end",
-        "fa",
-        "fi",
-        "fields",
-        "graph",
-        "idx_cpu",
-        "idx_dev",
-        "idx_field",
-        "total",
-    )
+    Kept in the slot's :attr:`~attnmeta.staging.Step.slot_extras`, which the stager empties when it
+    reallocates the slot's memory (eager growth) or re-creates the graph arena: a record never
+    outlives the bytes and views it names.
+    """
 
-    def __init__(self, buf: np.ndarray, end: int, args: tuple[Any, ...], cm: list[Any], fa: list[Any] | None,
+    __slots__ = ("args", "cm", "end", "fa", "fi", "fields", "graph", "idx_cpu", "idx_dev", "total")
+
+    def __init__(self, end: int, fields: dict[str, Any], args: tuple[Any, ...], cm: list[Any], fa: list[Any] | None,
                  fi: list[Any] | None, idx_cpu: Any, idx_dev: Any, total: int) -> None:
-        self.buf = buf  # the slot's pinned bytes when recorded (a slot that grew has new ones)
-        self.end = end  # bytes the step staged
+        self.end, self.fields = end, fields  # what the step staged (Step._restage's arguments)
         self.args = args  # (staged bytes, host-only bytes, offsets, dims) of _common_packed_nb
         self.cm, self.fa, self.fi = cm, fa, fi  # positional constructor arguments of the three objects
         self.idx_cpu, self.idx_dev = idx_cpu, idx_dev  # read-only full page-index views (bucketed / capacity)
         self.total = total  # the page count the templates' index views have
-        # Graph mode only: the arena the device views alias, the step's staged fields (but the page
-        # indices), FlashInfer's kernel arguments (the page indices writable at full capacity last),
-        # and the page-index field of the current total.
-        self.arena: Any = None
-        self.fields: dict[str, Any] = {}
+        # Graph mode only: FlashInfer's kernel arguments (the page indices writable at full capacity)
+        # and the page indices' field name (``fields`` holds it at the current page count).
         self.graph: tuple[Any, ...] = ()
-        self.idx_field: Any = None
 
 
 class FusedStepBuilder:
@@ -210,7 +194,7 @@ class FusedStepBuilder:
         # mode the common pass does not build the page table; FlashInfer's own kernel runs in a replay.
         self._graph = stager.graph_mode
         self._replay = fa_plain and (fi is None or fi == _DEFAULT_FI)
-        self._records: list[dict[tuple[Any, ...], _Record]] = [{} for _ in range(stager.num_slots)]
+        self._token = object()  # this builder's key in each slot's extras
         self.stats = FusedStats()
 
     @property
@@ -254,11 +238,9 @@ class FusedStepBuilder:
         # so CUDA-graph padded steps of one padded size share a layout whatever their real counts.
         key = (Bp, Tp, max(1, -(-exact // bs)), _bucket(total) if self._paged else 0, bs,
                prompt is None, drafts is None, upper is None)
-        st = self._stager
-        step = st.step()
-        slot = step._slot
-        rec = self._records[slot.index].get(key)
-        if rec is None or rec.buf is not slot.host_np:
+        step = self._stager.step()
+        rec = self._records(step).get(key)
+        if rec is None:
             return self._compose(spec, step, key)
         try:
             status = _common_packed_nb(
@@ -268,12 +250,11 @@ class FusedStepBuilder:
             )
             if status:  # unreachable for a validated spec (kept as a guard, as in stage_common)
                 raise ValueError(f"FusedStepBuilder: internal status {status}; the spec is inconsistent")
-            step._used = rec.end
-            st._commit(step)
+            step._restage(rec.end, rec.fields)
+            step._finish()
         except BaseException:
             step.abandon()
             raise
-        step._committed = True
         stats.replayed += 1
         return _emit(rec, spec, total, spec.max_query_len, exact)
 
@@ -292,9 +273,8 @@ class FusedStepBuilder:
         prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
         key = (Bp, Tp, prompt is None, drafts is None, upper is None)
         step = st.step()
-        slot = step._slot
-        rec = self._records[slot.index].get(key)
-        if rec is None or rec.buf is not slot.host_np or rec.arena is not st._graph_arena:
+        rec = self._records(step).get(key)
+        if rec is None:
             return self._compose(spec, step, key)
         mdq = mkv = 0
         try:
@@ -303,23 +283,20 @@ class FusedStepBuilder:
                 _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
                 _EMPTY if upper is None else upper, *rec.args,
             )
-            fields = rec.fields
             if rec.fi is not None:
-                kv, bt, qsl, indptr, last, qo, indices = rec.graph
+                kv, bt, qsl, indptr, last, qo, indices, n_indices = rec.graph
                 code, _row, _col, mdq, _mpq, mkv = _flashinfer_nb(kv, bt, bs, qsl, Bp, indptr, indices[:total], last, qo)
                 status |= code
-                f = rec.idx_field
-                if f.rows != total:  # the page-index field staged with this step's row count
-                    f = rec.idx_field = _Field(f.name, f.offset, _I32, (), total, f.capacity, f.fill)
-                fields = {**fields, f.name: f}
+                f = rec.fields[n_indices]
+                if f.rows != total:  # the page indices are staged with this step's page count
+                    rec.fields[n_indices] = f.with_rows(total)
             if status:  # unreachable for a validated spec (kept as a guard, as in stage_common)
                 raise ValueError(f"FusedStepBuilder: internal status {status}; the spec is inconsistent")
-            step._fields = fields
-            st._commit(step)
+            step._restage(rec.end, rec.fields)
+            step._finish()
         except BaseException:
             step.abandon()
             raise
-        step._committed = True
         self.stats.replayed += 1
         return _emit(rec, spec, total, mdq, mkv)
 
@@ -329,79 +306,68 @@ class FusedStepBuilder:
             staged = stage_common(spec, step, prefix=self._prefix, causal=self._causal, paged_kv=self._paged)
             fa_staged = _fa.stage(staged, step, self._fa_opts) if self._fa_opts is not None else None
             fi_staged = _fi.stage(staged, step, self._fi_opts) if self._fi_opts is not None else None
-            step._stager._commit(step)
+            step._finish()
         except BaseException:
             step.abandon()
             raise
-        step._committed = True
         cm = staged.result()
         fa = fa_staged.result() if fa_staged is not None else None
         fi = fi_staged.result() if fi_staged is not None else None
         if key is not None:
-            if self._graph:
-                self._record_graph(step, key, staged.host, cm, fa, fi)
-            else:
-                self._record(step, key, staged.host, cm, fa, fi)
+            self._record(step, key, staged.host, cm, fa, fi)
         return FusedStep(cm, fa, fi)
+
+    def _records(self, step: Any) -> dict[tuple[Any, ...], _Record]:
+        """This builder's recorded layouts on ``step``'s ring slot, by key."""
+        extras = step.slot_extras
+        records: dict[tuple[Any, ...], _Record] | None = extras.get(self._token)
+        if records is None:
+            records = extras[self._token] = {}
+        return records
 
     def _record(self, step: Any, key: tuple[Any, ...], host: dict[str, Any], cm: CommonAttentionMetadata,
                 fa: FlashAttentionMetadata | None, fi: FlashInferMetadata | None) -> None:
-        """Keep what a replay of this step's layout on its slot needs (if the step can be replayed)."""
-        group, state = host["_group"]
-        slot = step._slot
-        if step._grew or group.buf is not slot.host_np or step._used != group.end:
-            return  # the slot grew during the step, or a backend staged fields of its own
-        idx_cpu = idx_dev = None
-        if fi is not None:
-            if len(group.fields) <= 5:
-                return  # the page table is not the common pass's (not the default options)
-            idx_cpu, idx_dev = group.frozen[7], group.device(step)[7]
-        offsets, dims, hbuf = state[:3]
-        records = self._records[slot.index]
-        if len(records) >= _MAX_RECORDS:
-            records.clear()
-        records[key] = _Record(
-            slot.host_np, group.end, (group.buf, hbuf, offsets, dims), _values(cm),
-            _values(fa) if fa is not None else None, _values(fi) if fi is not None else None,
-            idx_cpu, idx_dev, fi.num_pages if fi is not None else -1,
-        )
+        """Keep what a replay of this committed step's layout on its slot needs, unless the layout
+        changed during the step or a backend staged fields of its own (those steps always compose).
 
-    def _record_graph(self, step: Any, key: tuple[Any, ...], host: dict[str, Any], cm: CommonAttentionMetadata,
-                      fa: FlashAttentionMetadata | None, fi: FlashInferMetadata | None) -> None:
-        """:meth:`_record` in graph mode: also the step's staged fields and FlashInfer's own buffers."""
+        Eager mode: FlashInfer's page table is the common group's last three fields. Graph mode: it is
+        FlashInfer's own fields; a replay reruns its kernel into their fixed buffers, and stages the
+        page indices with each step's page count.
+        """
+        if step.stats.grew:
+            return  # the slot's memory (eager) or the graph layout changed during the step
         group, state = host["_group"]
-        slot = step._slot
-        st = step._stager
-        if step._grew or group.buf is not slot.host_np:
-            return  # the layout changed during the step
-        fields = dict(step._fields)
-        idx_cpu = idx_dev = idx_field = None
+        fields = dict(step._fields)  # the record's own: a graph replay updates the page indices' rows
+        idx_cpu = idx_dev = None
         graph: tuple[Any, ...] = ()
-        if fi is not None:
-            names = _fi._NAMES[self._fi_opts.prefix] if self._fi_opts is not None else ()
-            n_indptr, n_last, n_qo, n_indices = names[:4]
-            if set(fields) != {*group.names, n_indptr, n_last, n_qo, n_indices}:
-                return  # a backend staged fields of its own
-            idx_field = fields.pop(n_indices)
-            full = _Field(n_indices, idx_field.offset, _I32, (), idx_field.capacity, idx_field.capacity, idx_field.fill)
-            writable = st._host_view(slot, full, full.capacity)
-            frozen = writable.view()
-            frozen.flags.writeable = False
-            idx_cpu, idx_dev = frozen, step._view(full, full.capacity)
-            views = [st._host_view(slot, fields[n], fields[n].rows) for n in (n_indptr, n_last, n_qo)]
-            graph = (host["seq_lens_cpu"], host["block_table_cpu"], host["query_start_loc_cpu"], *views, writable)
-        elif set(fields) != set(group.names):
-            return
+        if not self._graph:
+            if set(fields) != set(group.names) or (fi is not None and len(group.fields) <= 5):
+                return
+            if fi is not None:
+                idx_cpu, idx_dev = group.frozen[7], group.device(step)[7]
+        else:
+            fi_names = _fi._NAMES[self._fi_opts.prefix][:4] if fi is not None and self._fi_opts is not None else ()
+            if set(fields) != {*group.names, *fi_names}:
+                return
+            if fi is not None:
+                n_indptr, n_last, n_qo, n_indices = fi_names
+                writable = step.host_full(n_indices)
+                idx_cpu = writable.view()
+                idx_cpu.flags.writeable = False
+                idx_dev = step.device_full(n_indices)
+                views = [step.host(n) for n in (n_indptr, n_last, n_qo)]
+                graph = (host["seq_lens_cpu"], host["block_table_cpu"], host["query_start_loc_cpu"], *views, writable,
+                         n_indices)
         offsets, dims, hbuf = state[:3]
-        records = self._records[slot.index]
+        records = self._records(step)
         if len(records) >= _MAX_RECORDS:
             records.clear()
         rec = records[key] = _Record(
-            slot.host_np, group.end, (group.buf, hbuf, offsets, dims), _values(cm),
+            step.stats.bytes if not self._graph else group.end, fields, (group.buf, hbuf, offsets, dims), _values(cm),
             _values(fa) if fa is not None else None, _values(fi) if fi is not None else None,
             idx_cpu, idx_dev, fi.num_pages if fi is not None else -1,
         )
-        rec.arena, rec.fields, rec.graph, rec.idx_field = st._graph_arena, fields, graph, idx_field
+        rec.graph = graph
 
     def __repr__(self) -> str:
         parts = [f"flash_attn={self._fa_opts is not None}", f"flashinfer={self._fi_opts is not None}",

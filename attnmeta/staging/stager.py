@@ -185,6 +185,13 @@ class _Field:
     def nbytes(self) -> int:
         return self.row_bytes * self.capacity
 
+    def with_rows(self, rows: int) -> _Field:
+        """Graph mode: the same field (fixed offset and capacity) staged with ``rows`` rows."""
+        f = _Field.__new__(_Field)
+        f.name, f.offset, f.dtype, f.row_shape = self.name, self.offset, self.dtype, self.row_shape
+        f.rows, f.capacity, f.fill, f.row_bytes = rows, self.capacity, self.fill, self.row_bytes
+        return f
+
 
 class _Slot:
     """One ring slot: pinned host bytes, (eager) its device arena, and the fence event."""
@@ -901,6 +908,15 @@ class Step:
         f = st._layout[name]
         return self._view(f, f.capacity)
 
+    def host_full(self, name: str) -> np.ndarray:
+        """Graph mode: the full-capacity writable host view of ``name`` in this step's pinned slot
+        (the host twin of :meth:`device_full`; rows past this step's length hold the sentinel)."""
+        st = self._stager
+        if not st.graph_mode:
+            raise RuntimeError("host_full(): only graph mode has fixed capacities")
+        f = st._layout[name]
+        return st._host_view(self._slot, f, f.capacity)
+
     def _view(self, f: _Field, rows: int) -> torch.Tensor:
         """A device view of ``rows`` rows of ``f``; cached per arena by (offset, dtype, shape).
 
@@ -938,10 +954,22 @@ class Step:
         if self._committed:
             return
         if exc_type is None:
-            self._stager._commit(self)  # Step.commit without building the StepStats
-            self._committed = True
+            self._finish()
         else:
             self.abandon()
+
+    def _finish(self) -> None:
+        """:meth:`commit` without building the :class:`StepStats` (builders that own the step)."""
+        self._stager._commit(self)
+        self._committed = True
+
+    def _restage(self, end: int, fields: dict[str, _Field]) -> None:
+        """Stage ``fields`` (ending at byte ``end``) without handing out views: the caller has written
+        every byte of them into this step's slot itself, replaying a layout it staged on this slot
+        before (:class:`attnmeta.backends.fused.FusedStepBuilder`). The commit then copies them, and in
+        graph mode refills the sentinels past their rows, exactly as for views handed out."""
+        self._fields = fields
+        self._used = end
 
     def __repr__(self) -> str:
         state = "committed" if self.committed else "open"

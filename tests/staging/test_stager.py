@@ -169,6 +169,19 @@ def test_graph_mode_fixed_addresses_and_sentinels() -> None:
         ptrs = now
 
 
+def test_graph_mode_host_full_is_the_host_twin_of_device_full() -> None:
+    """``host_full`` is the slot's whole fixed buffer: this step's rows, then the sentinel the commit
+    refilled (rows a previous step on the slot staged included); eager mode has no fixed capacity."""
+    stager = Stager("cpu", profile=PROFILE, num_slots=2)
+    for rows in (5, 1, 2, 1):  # the 4th step reuses the 2nd one's slot, which held 1 row
+        with stager.step() as step:
+            step.alloc("slot_mapping", rows, np.int64, capacity=8, fill=-1)[:] = rows
+        assert step.host_full("slot_mapping").tolist() == step.device_full("slot_mapping").tolist()
+        assert step.host_full("slot_mapping").tolist() == [rows] * rows + [-1] * (8 - rows)
+    with Stager("cpu").step() as step, pytest.raises(RuntimeError, match="only graph mode"):
+        step.host_full("slot_mapping")
+
+
 def test_graph_mode_capacity_errors() -> None:
     stager = Stager("cpu", profile=PROFILE)
     with stager.step() as step:
