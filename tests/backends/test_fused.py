@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import doctest
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
 from attnmeta._workloads import advance, decode_spec, mixed_spec
-from attnmeta.backends import flash_attn, flashinfer
+from attnmeta.backends import flash_attn, flashinfer, fused
 from attnmeta.backends.flash_attn import FlashAttnOptions
 from attnmeta.backends.flashinfer import FlashInferOptions
 from attnmeta.backends.fused import FusedStep, FusedStepBuilder
@@ -283,3 +284,12 @@ def test_one_copy_per_step_and_no_sync_on_meta() -> None:
     assert builder.stats.replayed > 0
     assert builder.stager.stats.copies == len(specs)
     assert "replay=on" in repr(builder)
+
+
+def test_docstring_example() -> None:
+    runner = doctest.DocTestRunner()
+    tests = doctest.DocTestFinder(recurse=False).find(FusedStepBuilder, "FusedStepBuilder", globs=dict(vars(fused)))
+    assert tests and tests[0].examples
+    for t in tests:
+        runner.run(t)
+    assert runner.failures == 0
