@@ -21,8 +21,9 @@ parallelism and with the backends' default options (FlashAttention: any ``max_nu
 slot: same padded row and token counts, same block-table width, same bucket of page counts (eager
 mode; in graph mode the width is the profile's and the page indices have a fixed capacity), same
 block size, same optional spec arrays. A replay runs the common pass's compiled kernel into the slot
-(and, in graph mode, FlashInfer's, into its fixed buffers), which rewrites every staged byte of the
-layout, so nothing depends on what the slot held; commits (in graph mode with the step's staged
+(in graph mode with FlashInfer's page table and its prefill query indptr addressed in FlashInfer's
+fixed buffers, so that one pass writes them too, from the block-table rows it has just staged),
+which rewrites every staged byte of the layout, so nothing depends on what the slot held; commits (in graph mode with the step's staged
 rows, so the stager refills the sentinels past them exactly as for the composable builders); and
 builds the three objects from the slot's cached views, with the step's own scalars (the real row and
 token counts, ``max_query_len``, ``max_seq_len``, the page count and its ``paged_kv_indices`` views,
@@ -53,7 +54,6 @@ from attnmeta.backends import flashinfer as _fi
 from attnmeta.backends.flash_attn import FlashAttentionMetadata, FlashAttnOptions, _new_fa
 from attnmeta.backends.flashinfer import FlashInferMetadata, FlashInferOptions, _new_fi
 from attnmeta.host.common import _common_packed_nb
-from attnmeta.host.paged import _flashinfer_nb
 from attnmeta.metadata import CommonAttentionMetadata, _bucket, _new_common, stage_common
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager
@@ -125,9 +125,8 @@ class _Record:
         self.cm, self.fa, self.fi = cm, fa, fi  # positional constructor arguments of the three objects
         self.idx_cpu, self.idx_dev = idx_cpu, idx_dev  # read-only full page-index views (bucketed / capacity)
         self.total = total  # the page count the templates' index views have
-        # Graph mode only: FlashInfer's kernel arguments (the page indices writable at full capacity)
-        # and the page indices' field name (``fields`` holds it at the current page count).
-        self.graph: tuple[Any, ...] = ()
+        # Graph mode only: the page indices' field name (``fields`` holds it at the current page count).
+        self.graph: str = ""
 
 
 class FusedStepBuilder:
@@ -191,7 +190,8 @@ class FusedStepBuilder:
         fa_plain = fa is None or (fa.dcp_world_size == 1 and fa.decode_threshold >= 1
                                   and (fa.causal is None or isinstance(fa.causal, bool)))
         # Which steps can replay: default FlashInfer options, FlashAttention staging nothing. In graph
-        # mode the common pass does not build the page table; FlashInfer's own kernel runs in a replay.
+        # mode a composed step's common pass does not build the page table (FlashInfer's kernel does,
+        # into its fixed buffers); a replay's common pass writes it there itself (see _record).
         self._graph = stager.graph_mode
         self._replay = fa_plain and (fi is None or fi == _DEFAULT_FI)
         self._token = object()  # this builder's key in each slot's extras
@@ -276,17 +276,16 @@ class FusedStepBuilder:
         rec = self._records(step).get(key)
         if rec is None:
             return self._compose(spec, step, key)
-        mdq = mkv = 0
         try:
+            # With FlashInfer, the record's kernel arguments address its page table and prefill query
+            # indptr in its fixed buffers (see _record): one pass writes every staged byte.
             status = _common_packed_nb(
                 spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
                 _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
                 _EMPTY if upper is None else upper, *rec.args,
             )
             if rec.fi is not None:
-                kv, bt, qsl, indptr, last, qo, indices, n_indices = rec.graph
-                code, _row, _col, mdq, _mpq, mkv = _flashinfer_nb(kv, bt, bs, qsl, Bp, indptr, indices[:total], last, qo)
-                status |= code
+                n_indices = rec.graph
                 f = rec.fields[n_indices]
                 if f.rows != total:  # the page indices are staged with this step's page count
                     rec.fields[n_indices] = f.with_rows(total)
@@ -298,7 +297,9 @@ class FusedStepBuilder:
             step.abandon()
             raise
         self.stats.replayed += 1
-        return _emit(rec, spec, total, mdq, mkv)
+        # Every row is a decode row (FlashInfer's split of a replayed step): its longest decode query
+        # and longest KV length are the spec's maxima (padding rows are 0 and 0).
+        return _emit(rec, spec, total, spec.max_query_len, exact)
 
     def _compose(self, spec: BatchSpec, step: Any, key: tuple[Any, ...] | None) -> FusedStep:
         """The composable builders on ``step`` (begun by the caller); records the layout under ``key``."""
@@ -331,7 +332,8 @@ class FusedStepBuilder:
         changed during the step or a backend staged fields of its own (those steps always compose).
 
         Eager mode: FlashInfer's page table is the common group's last three fields. Graph mode: it is
-        FlashInfer's own fields; a replay reruns its kernel into their fixed buffers, and stages the
+        FlashInfer's own fields; the record's kernel arguments address them (and the prefill query
+        indptr) in their fixed buffers, so a replay's one pass writes them, and a replay stages the
         page indices with each step's page count.
         """
         if step.stats.grew:
@@ -339,7 +341,8 @@ class FusedStepBuilder:
         group, state = host["_group"]
         fields = dict(step._fields)  # the record's own: a graph replay updates the page indices' rows
         idx_cpu = idx_dev = None
-        graph: tuple[Any, ...] = ()
+        offsets, dims, hbuf = state[:3]
+        n_graph = ""
         if not self._graph:
             if set(fields) != set(group.names) or (fi is not None and len(group.fields) <= 5):
                 return
@@ -350,15 +353,24 @@ class FusedStepBuilder:
             if set(fields) != {*group.names, *fi_names}:
                 return
             if fi is not None:
-                n_indptr, n_last, n_qo, n_indices = fi_names
-                writable = step.host_full(n_indices)
-                idx_cpu = writable.view()
+                n_indices = fi_names[3]
+                # The common kernel's own copy of its arguments, with its paged-KV outputs addressed in
+                # FlashInfer's fixed buffers: the indptr at full capacity (the tail repeats the page
+                # count, its sentinel), the last-page lengths, the indices (up to their capacity), and
+                # the prefill query indptr, all zeros in a decode-only step (its sentinel repeats 0).
+                f_indptr, f_last, f_qo, f_idx = (fields[n] for n in fi_names)
+                buf = group.buf
+                if (buf is None or f_indptr.rows != f_indptr.capacity or f_qo.rows != f_qo.capacity
+                        or any(step.host_full(f.name).ctypes.data != buf.ctypes.data + f.offset
+                               for f in (f_indptr, f_last, f_qo, f_idx))):
+                    return  # (not seen: graph mode stages both indptrs whole, in the slot's one buffer)
+                idx_cpu = step.host_full(n_indices).view()
                 idx_cpu.flags.writeable = False
                 idx_dev = step.device_full(n_indices)
-                views = [step.host(n) for n in (n_indptr, n_last, n_qo)]
-                graph = (host["seq_lens_cpu"], host["block_table_cpu"], host["query_start_loc_cpu"], *views, writable,
-                         n_indices)
-        offsets, dims, hbuf = state[:3]
+                offsets, dims = offsets.copy(), dims.copy()
+                offsets[9:13] = (f_indptr.offset, f_last.offset, f_idx.offset, f_qo.offset)
+                dims[12:16] = (1, f_idx.capacity, f_indptr.rows, f_qo.rows)
+                n_graph = n_indices
         records = self._records(step)
         if len(records) >= _MAX_RECORDS:
             records.clear()
@@ -367,7 +379,7 @@ class FusedStepBuilder:
             _values(fa) if fa is not None else None, _values(fi) if fi is not None else None,
             idx_cpu, idx_dev, fi.num_pages if fi is not None else -1,
         )
-        rec.graph = graph
+        rec.graph = n_graph
 
     def __repr__(self) -> str:
         parts = [f"flash_attn={self._fa_opts is not None}", f"flashinfer={self._fi_opts is not None}",

@@ -114,11 +114,14 @@ def _common_packed_nb(
     positions (``Tp`` int64 each); ``host_only`` holds, at ``offsets[5:9]``, seq_lens_upper_bound,
     num_computed_tokens, num_decode_draft_tokens (``Bp`` int32 each) and is_prefilling (``Bp`` bool).
     ``dims = [Bp, Tp, W, qsl rows, block_size, world_size, rank, interleave, has_prompt, has_drafts,
-    has_upper, token arrays, paged, indices rows]``; without token arrays (``dims[11] == 0``)
-    slot_mapping and positions are empty and not computed. With ``paged`` (``dims[12] != 0``) the
-    staged bytes also hold, at ``offsets[9:12]``, FlashInfer's paged_kv_indptr (``Bp + 1``),
-    paged_kv_last_page_len (``Bp``) and paged_kv_indices (``dims[13]`` int32 rows, the page count
-    first), filled by :func:`_paged_from_staged_nb` (page size = block size).
+    has_upper, token arrays, paged, indices rows, indptr rows, zero rows]``; without token arrays
+    (``dims[11] == 0``) slot_mapping and positions are empty and not computed. With ``paged``
+    (``dims[12] != 0``) the staged bytes also hold, at ``offsets[9:12]``, FlashInfer's
+    paged_kv_indptr (``dims[14] >= Bp + 1`` rows; those past ``Bp`` repeat the page count, a
+    graph-mode sentinel), paged_kv_last_page_len (``Bp``) and paged_kv_indices (``dims[13]`` int32
+    rows, the page count first), filled by :func:`_paged_from_staged_nb` (page size = block size),
+    and at ``offsets[12]`` ``dims[15]`` int32 zeros (a decode-only step's prefill query indptr at
+    graph-mode capacity; 0 rows elsewhere).
     """
     Bp, Tp, W, nq = dims[0], dims[1], dims[2], dims[3]
     o = offsets
@@ -137,10 +140,16 @@ def _common_packed_nb(
         dims[10] != 0, dims[11] != 0, qsl, sl, bt, pos, sm, ub, nc, pre, ddt,
     )
     if dims[12] != 0:  # the paged-KV layout, from the rows just staged (still in cache)
-        indptr = staged[o[9] : o[9] + 4 * (Bp + 1)].view(np.int32)
+        n_indptr = dims[14]
+        indptr = staged[o[9] : o[9] + 4 * n_indptr].view(np.int32)
         last = staged[o[10] : o[10] + 4 * Bp].view(np.int32)
         indices = staged[o[11] : o[11] + 4 * dims[13]].view(np.int32)
-        status |= _paged_from_staged_nb(sl, bt, dims[4], indptr, indices, last)
+        status |= _paged_from_staged_nb(sl, bt, dims[4], indptr[: Bp + 1], indices, last)
+        for i in range(Bp + 1, n_indptr):
+            indptr[i] = indptr[Bp]
+        zeros = staged[o[12] : o[12] + 4 * dims[15]].view(np.int32)
+        for i in range(zeros.shape[0]):
+            zeros[i] = 0
     return status
 
 
