@@ -24,6 +24,12 @@ rounds, the best round (robust on a shared machine whose speed changes from seco
 the p99 over every timed step. Garbage collection is off while timing (an engine tunes its GC; a
 collection in a 25 us window would only measure the collector).
 
+A fifth row, ``floor``, is not a path: it copies the fused step's staged bytes once per step, from
+one buffer into the next of a ring of as many buffers as the stager has slots (on a CPU device
+twice, as the commit there is a host copy too). Any path that stages those bytes pays at least
+that much, so the row shows how much of a large batch's step is the memory traffic itself, on the
+same machine in the same run (omit it with ``--paths``).
+
 Run: ``python benchmarks/bench_decode.py [--device cpu|cuda] [--rounds 10] [--steps 400] [--paths attnmeta,fused]
 [--pin-cpu N]``.
 """
@@ -37,7 +43,9 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,8 +65,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10, help="rounds per path and batch size")
     ap.add_argument("--steps", type=int, default=400, help="consecutive steps per round")
     ap.add_argument("--warm", type=int, default=200, help="untimed steps of a path before each of its rounds")
-    ap.add_argument("--paths", default="attnmeta,reference,per-tensor,fused",
-                    help="comma-separated paths to time (default: all four)")
+    ap.add_argument("--paths", default="attnmeta,reference,per-tensor,fused,floor",
+                    help="comma-separated paths to time (default: all four, and the memory floor)")
     ap.add_argument("--pin-cpu", type=int, default=None, metavar="CPU",
                     help="pin this process to one CPU first (os.sched_setaffinity), as engines pin their "
                          "scheduler thread; default: let the OS place it")
@@ -80,11 +88,14 @@ def main() -> None:
         for fn in case.paths.values():  # warm-up (compilation, slot layouts, caches)
             for _ in range(50):
                 fn()
+        if "floor" in wanted and "fused" in case.stagers:
+            case.paths["floor"] = _floor(case.stagers["fused"], dev)
+            samples["floor"], every["floor"] = [], []
         gc.disable()
         try:
             for _ in range(args.rounds):
                 for path, fn in case.paths.items():
-                    fast = path in ("attnmeta", "fused")
+                    fast = path in ("attnmeta", "fused", "floor")
                     steps = args.steps if fast else max(args.steps // 10, 20)
                     for _ in range(args.warm if fast else max(args.warm // 10, 2)):
                         fn()
@@ -104,6 +115,25 @@ def main() -> None:
             target = TARGETS[case.batch]
             print(f"{case.batch:>6} {path:<11} {np.median(s):>10.1f} {s.min():>11.1f} "
                   f"{np.percentile(every[path], 99):>8.1f} {'' if target is None or path not in ('attnmeta', 'fused') else target:>7}")
+
+
+def _floor(stager: Any, dev: torch.device) -> Callable[[], None]:
+    """The ``floor`` row: the fused path's staged bytes per step (its stager's mean so far), copied
+    once per call into the next buffer of a ring as deep as the stager's (twice on a CPU device)."""
+    nbytes = max(1, stager.stats.bytes // max(1, stager.stats.steps))
+    src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    ring = [np.empty(nbytes, np.uint8) for _ in range(stager.num_slots)]
+    dev_ring = [np.empty(nbytes, np.uint8) for _ in ring] if dev.type == "cpu" else None
+    at = [0]
+
+    def floor() -> None:
+        k = at[0]
+        at[0] = (k + 1) % len(ring)
+        np.copyto(ring[k], src)
+        if dev_ring is not None:
+            np.copyto(dev_ring[k], ring[k])
+
+    return floor
 
 
 if __name__ == "__main__":
