@@ -231,11 +231,16 @@ def decode_walks(quick: bool) -> list[tuple[int, list[BatchSpec]]]:
 
 
 def spec_decode(device: torch.device, quick: bool) -> list[Case]:
-    """Spec decode with k = 3 drafts per request (4 query tokens each), FlashAttention + FlashInfer."""
+    """Spec decode with k = 3 drafts per request (4 query tokens each), FlashAttention + FlashInfer;
+    with the ``fused`` path of :func:`decode` too."""
     rng = np.random.default_rng(2)
     sizes = [8, 64] if quick else [8, 64, 256]
-    return _scenario("spec-decode-k3", [(b, advance(decode_spec(b, rng, drafts=3), DECODE_STEPS)) for b in sizes],
-                     device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
+    walks = [(b, advance(decode_spec(b, rng, drafts=3), DECODE_STEPS)) for b in sizes]
+    cases = _scenario("spec-decode-k3", walks, device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
+    for case, (_b, specs) in zip(cases, walks):  # spec-decode steps replay too (prefill rows only)
+        case.paths["fused"], case.stagers["fused"] = _fused_path(specs, device)
+        case.uploads["fused"] = Uploads()
+    return cases
 
 
 MIXED_STEPS = 16

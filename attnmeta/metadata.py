@@ -309,7 +309,7 @@ def _host_only(group: FieldGroup, key: tuple[Any, ...], Bp: int, W: int) -> tupl
     ws, rank, il = (1, 0, 1) if cp is None else (cp.world_size, cp.rank, cp.interleave)
     Tr = group.fields[3].rows  # staged per-token rows: Tp in graph mode, bucketed in eager mode
     dims = np.array([Bp, Tr, W, qsl_full.shape[0], bs, ws, rank, il, has_p, has_d, has_ub, tokens, paged,
-                     group.fields[7].rows if paged else 0, Bp + 1, 0], np.int64)
+                     group.fields[7].rows if paged else 0, Bp + 1, 0, 0], np.int64)
     return (offsets, dims, hbuf, group.frozen[0][: Bp + 1], frozen[0], frozen[1], frozen[2],
             frozen[3] if has_d else None)
 

@@ -30,8 +30,11 @@ twice, as the commit there is a host copy too). Any path that stages those bytes
 that much, so the row shows how much of a large batch's step is the memory traffic itself, on the
 same machine in the same run (omit it with ``--paths``).
 
+With ``--spec`` it times the spec-decode scenario of the bench CLI instead (``spec-decode-k3``: 3
+draft tokens a request, batch 8, 64 and 256), which has no issue targets.
+
 Run: ``python benchmarks/bench_decode.py [--device cpu|cuda] [--rounds 10] [--steps 400] [--paths attnmeta,fused]
-[--pin-cpu N]``.
+[--pin-cpu N] [--spec]``.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnmeta._bench_scenarios import decode
+from attnmeta._bench_scenarios import decode, spec_decode
 
 TARGETS = {1: 25.0, 64: None, 256: 50.0, 1024: 150.0}
 """Issue #6 targets (median host microseconds) by batch size."""
@@ -70,6 +73,10 @@ def main() -> None:
     ap.add_argument("--pin-cpu", type=int, default=None, metavar="CPU",
                     help="pin this process to one CPU first (os.sched_setaffinity), as engines pin their "
                          "scheduler thread; default: let the OS place it")
+    ap.add_argument("--spec", action="store_true",
+                    help="time the spec-decode scenario instead (k = 3 drafts, 4 query tokens a row; batch 8, "
+                         "64, 256): with the default decode thresholds its rows are prefill rows, which the "
+                         "fused path replays too")
     args = ap.parse_args()
     if args.pin_cpu is not None:
         os.sched_setaffinity(0, {args.pin_cpu})
@@ -80,7 +87,10 @@ def main() -> None:
           f"device {dev}, {args.rounds} rounds x {args.steps} steps, {time.strftime('%Y-%m-%d')}, "
           f"{'pinned to CPU ' + str(args.pin_cpu) if args.pin_cpu is not None else 'not pinned'}")
     print(f"{'batch':>6} {'path':<11} {'median us':>10} {'best round':>11} {'p99 us':>8} {'target':>7}")
-    cases = [c for c in decode(dev, quick=False) if c.batch in TARGETS]
+    if args.spec:  # spec decode, k = 3 (no issue targets): batch 8, 64, 256
+        cases = spec_decode(dev, quick=False)
+    else:
+        cases = [c for c in decode(dev, quick=False) if c.batch in TARGETS]
     for case in cases:  # (the scenario's paths: attnmeta, reference, per-tensor, fused)
         case.paths = {p: fn for p, fn in case.paths.items() if p in wanted}
         samples: dict[str, list[float]] = {p: [] for p in case.paths}
@@ -112,7 +122,7 @@ def main() -> None:
             gc.enable()
         for path in case.paths:
             s = np.array(samples[path])
-            target = TARGETS[case.batch]
+            target = None if args.spec else TARGETS[case.batch]
             print(f"{case.batch:>6} {path:<11} {np.median(s):>10.1f} {s.min():>11.1f} "
                   f"{np.percentile(every[path], 99):>8.1f} {'' if target is None or path not in ('attnmeta', 'fused') else target:>7}")
 

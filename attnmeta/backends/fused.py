@@ -15,26 +15,41 @@ host time than the compiled pass and the copy together at small batches (docs/be
 
 Replay
 ------
-A decode step (every row's query at most one token, the split's first rule), without context
-parallelism and with the backends' default options (FlashAttention: any ``max_num_splits``,
-``causal`` a bool or None), is **replayed** once the builder has seen its layout on the step's ring
-slot: same padded row and token counts, same block-table width, same bucket of page counts (eager
-mode; in graph mode the width is the profile's and the page indices have a fixed capacity), same
-block size, same optional spec arrays. A replay runs the common pass's compiled kernel into the slot
-(in graph mode with FlashInfer's page table and its prefill query indptr addressed in FlashInfer's
-fixed buffers, so that one pass writes them too, from the block-table rows it has just staged),
-which rewrites every staged byte of the layout, so nothing depends on what the slot held; commits (in graph mode with the step's staged
-rows, so the stager refills the sentinels past them exactly as for the composable builders); and
-builds the three objects from the slot's cached views, with the step's own scalars (the real row and
-token counts, ``max_query_len``, ``max_seq_len``, the page count and its ``paged_kv_indices`` views,
-``max_kv_len``). Every other step, and the first step of each layout on each slot, goes through the
-composable builders on the same step and records the layout for later replays; a slot whose memory
-was reallocated, or a graph layout that grew (a new device arena), is recorded again.
+A step whose split is the same in both backends whatever its values is **replayed** once the
+builder has seen its layout on the step's ring slot. Those are the steps without context
+parallelism, with the backends' default options (FlashAttention: any ``max_num_splits`` and
+``decode_threshold``, ``causal`` a bool or None), that are either
+
+- decode steps: every row's query at most one token, so every row is a decode row (the split's
+  first rule, vllm-semantics.md 5.1); or
+- prefill-only steps: the first row's query is longer than both backends' decode thresholds, so
+  every row is a prefill row (the split's second rule). Spec decode with the default thresholds is
+  one (``1 + k`` query tokens a row), and so is a batch of prefills.
+
+The layout is: which of the two kinds, same padded row and token counts, same block-table width,
+same bucket of page counts (eager mode; in graph mode the width is the profile's and the page
+indices have a fixed capacity), same block size, same optional spec arrays. (In eager mode the
+width is the longest request's block count, so a layout lasts while that count does: about
+``block_size`` steps of plain decoding, ``block_size / (1 + k)`` of spec decoding.)
+
+A replay runs the common pass's compiled kernel into the slot, which rewrites every staged byte of
+the layout, so nothing depends on what the slot held. In graph mode the pass's FlashInfer outputs
+(page table and prefill query indptr) are addressed in FlashInfer's fixed buffers, so that one pass
+writes them too, from the block-table rows it has just staged; in a prefill-only step the prefill
+query indptr is ``query_start_loc`` itself (no row decodes), also written by the pass. The replay
+then commits (in graph mode with the step's staged rows, so the stager refills the sentinels past
+them exactly as for the composable builders) and builds the three objects from the slot's cached
+views, with the step's own scalars: the real row and token counts, ``max_query_len``,
+``max_seq_len``, the page count and its ``paged_kv_indices`` views, FlashInfer's longest decode or
+prefill query and ``max_kv_len``. Every other step, and the first step of each layout on each slot,
+goes through the composable builders on the same step and records the layout for later replays; a
+slot whose memory was reallocated, or a graph layout that grew (a new device arena), is recorded
+again.
 
 A replay is the composable path's output by construction (the same kernels write the same bytes;
 the objects carry the views the composable path caches for that slot and layout), and the tests
-check it field by field against the composable builders on walks of decode, mixed and padded steps,
-in graph mode every fixed device buffer too (tests/backends/test_fused.py).
+check it field by field against the composable builders on walks of decode, spec-decode, prefill,
+mixed and padded steps, in graph mode every fixed device buffer too (tests/backends/test_fused.py).
 
 Shape legend
 ------------
@@ -76,6 +91,7 @@ _CM_REAL_TOKENS = _index(CommonAttentionMetadata, "num_real_tokens")
 _FA_MAX_SEQ = _index(FlashAttentionMetadata, "max_seq_len")
 _FA_MAX_Q = _index(FlashAttentionMetadata, "max_query_len")
 _FI_MAX_DQ = _index(FlashInferMetadata, "max_decode_query_len")
+_FI_MAX_PQ = _index(FlashInferMetadata, "max_prefill_query_len")
 _FI_INDICES = _index(FlashInferMetadata, "paged_kv_indices")
 _FI_INDICES_CPU = _index(FlashInferMetadata, "paged_kv_indices_cpu")
 _FI_PAGES = _index(FlashInferMetadata, "num_pages")
@@ -194,6 +210,11 @@ class FusedStepBuilder:
         # into its fixed buffers); a replay's common pass writes it there itself (see _record).
         self._graph = stager.graph_mode
         self._replay = fa_plain and (fi is None or fi == _DEFAULT_FI)
+        # A step whose first row's query is longer than every backend's decode threshold splits into
+        # prefill rows only, in both backends, whatever its other rows (vllm-semantics.md 5.1): spec
+        # decode with the default thresholds, or a batch of prefills. Such steps replay too.
+        self._prefill_above = max(fa.decode_threshold if fa is not None else 0,
+                                  _DEFAULT_FI.decode_threshold if fi is not None else 0)
         self._token = object()  # this builder's key in each slot's extras
         self.stats = FusedStats()
 
@@ -223,10 +244,17 @@ class FusedStepBuilder:
         """
         stats = self.stats
         stats.steps += 1
-        if not self._replay or spec.max_query_len > 1 or spec.context_parallel is not None:
+        max_q = spec.max_query_len
+        if not self._replay or spec.context_parallel is not None:
+            return self._compose(spec, self._stager.step(), None)
+        if max_q <= 1:
+            kind = 0  # every row decodes, in both backends' splits
+        elif int(spec.num_scheduled_tokens[0]) > self._prefill_above:
+            kind = 1  # every row is a prefill row, in both backends' splits
+        else:
             return self._compose(spec, self._stager.step(), None)
         if self._graph:
-            return self._build_graph(spec)
+            return self._build_graph(spec, kind)
         B, T, bs = spec.num_reqs, spec.num_tokens, spec.block_size
         Bp = B if spec.num_reqs_padded is None else spec.num_reqs_padded
         Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
@@ -234,9 +262,9 @@ class FusedStepBuilder:
         total = spec.num_pages
         prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
         # Everything the layout and the objects' per-layout fields depend on. The real row and token
-        # counts are not: they only set scalars (and max_query_len, which is T > 0 here), patched below,
-        # so CUDA-graph padded steps of one padded size share a layout whatever their real counts.
-        key = (Bp, Tp, max(1, -(-exact // bs)), _bucket(total) if self._paged else 0, bs,
+        # counts are not: they only set scalars (and the longest query), patched below, so CUDA-graph
+        # padded steps of one padded size share a layout whatever their real counts.
+        key = (kind, Bp, Tp, max(1, -(-exact // bs)), _bucket(total) if self._paged else 0, bs,
                prompt is None, drafts is None, upper is None)
         step = self._stager.step()
         rec = self._records(step).get(key)
@@ -256,10 +284,11 @@ class FusedStepBuilder:
             step.abandon()
             raise
         stats.replayed += 1
-        return _emit(rec, spec, total, spec.max_query_len, exact)
+        return _emit(rec, spec, total, kind, exact)
 
-    def _build_graph(self, spec: BatchSpec) -> FusedStep:
-        """:meth:`build` of a decode step on a graph-mode stager (fixed addresses and capacities)."""
+    def _build_graph(self, spec: BatchSpec, kind: int) -> FusedStep:
+        """:meth:`build` of a replayable step (``kind`` 0: decode rows only, 1: prefill rows only) on a
+        graph-mode stager (fixed addresses and capacities)."""
         st = self._stager
         prof = st.profile
         assert prof is not None
@@ -271,7 +300,7 @@ class FusedStepBuilder:
                 or total > prof.max_num_pages or -(-exact // bs) > prof.max_blocks_per_req):
             return self._compose(spec, st.step(), None)  # raises the builders' errors
         prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
-        key = (Bp, Tp, prompt is None, drafts is None, upper is None)
+        key = (kind, Bp, Tp, prompt is None, drafts is None, upper is None)
         step = st.step()
         rec = self._records(step).get(key)
         if rec is None:
@@ -297,9 +326,7 @@ class FusedStepBuilder:
             step.abandon()
             raise
         self.stats.replayed += 1
-        # Every row is a decode row (FlashInfer's split of a replayed step): its longest decode query
-        # and longest KV length are the spec's maxima (padding rows are 0 and 0).
-        return _emit(rec, spec, total, spec.max_query_len, exact)
+        return _emit(rec, spec, total, kind, exact)
 
     def _compose(self, spec: BatchSpec, step: Any, key: tuple[Any, ...] | None) -> FusedStep:
         """The composable builders on ``step`` (begun by the caller); records the layout under ``key``."""
@@ -344,10 +371,21 @@ class FusedStepBuilder:
         offsets, dims, hbuf = state[:3]
         n_graph = ""
         if not self._graph:
-            if set(fields) != set(group.names) or (fi is not None and len(group.fields) <= 5):
+            if fi is not None and len(group.fields) <= 5:
+                return
+            extra = set(fields) - set(group.names)
+            if extra and (fi is None or extra != {_fi._DEFAULT_QO} or len(fields) != len(group.names) + 1):
                 return
             if fi is not None:
                 idx_cpu, idx_dev = group.frozen[7], group.device(step)[7]
+            if extra and fi is not None:  # FlashInfer's prefill query indptr (prefill rows): the kernel writes it
+                f_qo = fields[_fi._DEFAULT_QO]
+                buf = group.buf
+                if buf is None or step.host(f_qo.name).ctypes.data != buf.ctypes.data + f_qo.offset:
+                    return  # (not seen: the slot did not grow, so every field is in its one buffer)
+                offsets, dims = offsets.copy(), dims.copy()
+                offsets[12] = f_qo.offset
+                dims[15:17] = (f_qo.rows, fi.num_decodes)
         else:
             fi_names = _fi._NAMES[self._fi_opts.prefix][:4] if fi is not None and self._fi_opts is not None else ()
             if set(fields) != {*group.names, *fi_names}:
@@ -357,7 +395,7 @@ class FusedStepBuilder:
                 # The common kernel's own copy of its arguments, with its paged-KV outputs addressed in
                 # FlashInfer's fixed buffers: the indptr at full capacity (the tail repeats the page
                 # count, its sentinel), the last-page lengths, the indices (up to their capacity), and
-                # the prefill query indptr, all zeros in a decode-only step (its sentinel repeats 0).
+                # the prefill query indptr of the step's split (its tail repeats its last value).
                 f_indptr, f_last, f_qo, f_idx = (fields[n] for n in fi_names)
                 buf = group.buf
                 if (buf is None or f_indptr.rows != f_indptr.capacity or f_qo.rows != f_qo.capacity
@@ -369,7 +407,7 @@ class FusedStepBuilder:
                 idx_dev = step.device_full(n_indices)
                 offsets, dims = offsets.copy(), dims.copy()
                 offsets[9:13] = (f_indptr.offset, f_last.offset, f_idx.offset, f_qo.offset)
-                dims[12:16] = (1, f_idx.capacity, f_indptr.rows, f_qo.rows)
+                dims[12:17] = (1, f_idx.capacity, f_indptr.rows, f_qo.rows, fi.num_decodes)
                 n_graph = n_indices
         records = self._records(step)
         if len(records) >= _MAX_RECORDS:
@@ -388,10 +426,11 @@ class FusedStepBuilder:
         return f"FusedStepBuilder({', '.join(parts)})"
 
 
-def _emit(rec: _Record, spec: BatchSpec, total: int, mdq: int, mkv: int) -> FusedStep:
+def _emit(rec: _Record, spec: BatchSpec, total: int, kind: int, mkv: int) -> FusedStep:
     """The three objects of a replayed step: ``rec``'s templates with the step's own scalars (and,
-    when the page count changed, its page-index views). ``mdq`` / ``mkv``: FlashInfer's longest
-    decode query and longest KV length (a replayed step has no prefill rows)."""
+    when the page count changed, its page-index views). ``kind``: 0 when every row is a decode row
+    in FlashInfer's split, 1 when every row is a prefill row (so the longest query is the longest
+    decode query, or the longest prefill query); ``mkv``: the longest KV length."""
     B, T = spec.num_reqs, spec.num_tokens
     max_seq, max_q = spec.max_seq_len, spec.max_query_len
     a = rec.cm
@@ -415,7 +454,10 @@ def _emit(rec: _Record, spec: BatchSpec, total: int, mdq: int, mkv: int) -> Fuse
             c[_FI_INDICES] = rec.idx_dev[:total]
             c[_FI_INDICES_CPU] = rec.idx_cpu[:total]
             c[_FI_PAGES] = total
-        c[_FI_MAX_DQ] = mdq
+        if kind:
+            c[_FI_MAX_PQ] = max_q
+        else:
+            c[_FI_MAX_DQ] = max_q
         c[_FI_MAX_KV] = mkv
         fi = _new_fi(*c)
     return FusedStep(cm, fa, fi)

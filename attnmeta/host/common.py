@@ -114,14 +114,15 @@ def _common_packed_nb(
     positions (``Tp`` int64 each); ``host_only`` holds, at ``offsets[5:9]``, seq_lens_upper_bound,
     num_computed_tokens, num_decode_draft_tokens (``Bp`` int32 each) and is_prefilling (``Bp`` bool).
     ``dims = [Bp, Tp, W, qsl rows, block_size, world_size, rank, interleave, has_prompt, has_drafts,
-    has_upper, token arrays, paged, indices rows, indptr rows, zero rows]``; without token arrays
-    (``dims[11] == 0``) slot_mapping and positions are empty and not computed. With ``paged``
+    has_upper, token arrays, paged, indices rows, indptr rows, qo rows, decode rows]``; without token
+    arrays (``dims[11] == 0``) slot_mapping and positions are empty and not computed. With ``paged``
     (``dims[12] != 0``) the staged bytes also hold, at ``offsets[9:12]``, FlashInfer's
     paged_kv_indptr (``dims[14] >= Bp + 1`` rows; those past ``Bp`` repeat the page count, a
     graph-mode sentinel), paged_kv_last_page_len (``Bp``) and paged_kv_indices (``dims[13]`` int32
     rows, the page count first), filled by :func:`_paged_from_staged_nb` (page size = block size),
-    and at ``offsets[12]`` ``dims[15]`` int32 zeros (a decode-only step's prefill query indptr at
-    graph-mode capacity; 0 rows elsewhere).
+    and at ``offsets[12]`` FlashInfer's prefill query indptr of a split with ``D = dims[16]`` decode
+    rows, ``qo[i] = qsl[D + i] - qsl[D]`` for ``i <= Bp - D``, its ``dims[15]`` rows past those
+    repeating the last (0 rows: none).
     """
     Bp, Tp, W, nq = dims[0], dims[1], dims[2], dims[3]
     o = offsets
@@ -147,9 +148,14 @@ def _common_packed_nb(
         status |= _paged_from_staged_nb(sl, bt, dims[4], indptr[: Bp + 1], indices, last)
         for i in range(Bp + 1, n_indptr):
             indptr[i] = indptr[Bp]
-        zeros = staged[o[12] : o[12] + 4 * dims[15]].view(np.int32)
-        for i in range(zeros.shape[0]):
-            zeros[i] = 0
+        qo = staged[o[12] : o[12] + 4 * dims[15]].view(np.int32)
+        if qo.shape[0]:
+            d = dims[16]
+            p = min(Bp - d, qo.shape[0] - 1)
+            for i in range(p + 1):
+                qo[i] = qsl[d + i] - qsl[d]
+            for i in range(p + 1, qo.shape[0]):
+                qo[i] = qo[p]
     return status
 
 

@@ -146,6 +146,64 @@ def test_padded_steps_share_a_layout_whatever_their_real_counts(device: torch.de
     assert builder.stats.replayed == len(specs) - 5 - (profile is not None)
 
 
+_SPEC_GRAPH = [None, StaticProfile(max_num_reqs=8, max_num_tokens=40, max_blocks_per_req=8, block_size=64)]
+
+
+@pytest.mark.parametrize("profile", _SPEC_GRAPH, ids=["eager", "graph"])
+def test_spec_decode_walk_replays_and_matches(device: torch.device, profile: Any) -> None:
+    """Spec decode (4 query tokens a row) with the default decode thresholds: every row is a prefill
+    row for both backends, and such steps replay too (FlashInfer's prefill query indptr written by the
+    common pass). CUDA-graph padding rows (query 0) follow the real rows."""
+    # (64-token blocks: the longest request needs a new block-table column every 16 steps, a new
+    # eager layout; with 16-token blocks that is every 4 steps, and each layout composes once a slot)
+    walk = _decode_walk(5, 24, seed=7, max_context=250, table_width=8, block_size=64, drafts=3)
+    specs: list[Any] = list(walk)
+    if profile is not None:  # padded: 5 real rows of 6, 20 real tokens of 24
+        specs += [dataclasses.replace(s, num_reqs_padded=6, num_tokens_padded=24) for s in walk]
+    builder = _check_walk(specs, device, profile=profile)
+    assert builder.stats.replayed >= len(specs) // 2, builder.stats
+
+
+@pytest.mark.parametrize("profile", _GRAPH, ids=["eager", "graph"])
+def test_prefill_only_steps_replay_whatever_their_rows(device: torch.device, profile: Any) -> None:
+    """Steps whose first row's query exceeds both thresholds are prefill rows only in both splits,
+    whatever the other rows' queries: steps of one layout with different query lengths (and so
+    different query_start_loc, positions, slot mapping and longest query) replay it."""
+    table = np.arange(3 * 6, dtype=np.int32).reshape(3, 6) + 1
+    rows = [([2, 0, 5], [3, 1, 2]), ([4, 1, 0], [2, 2, 2]), ([0, 3, 1], [5, 0, 1]), ([3, 1, 1], [2, 3, 1])]
+    specs = [BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=table, block_size=4,
+                       num_prompt_tokens=[9, 9, 9]) for _ in range(4) for c, q in rows]
+    builder = _check_walk(specs, device, profile=profile)
+    assert builder.stats.replayed == len(specs) - 3 - (profile is not None), builder.stats
+
+
+@pytest.mark.parametrize("profile", _GRAPH, ids=["eager", "graph"])
+def test_decode_and_prefill_only_steps_of_one_shape_are_two_layouts(device: torch.device, profile: Any) -> None:
+    """Same rows, tokens, width and page bucket: a decode step and a prefill-only step (first row 2
+    tokens, a padding-like 0 after) split differently, so each replays only its own layout."""
+    table = np.arange(4 * 3, dtype=np.int32).reshape(4, 3) + 1
+    decode = BatchSpec(num_computed_tokens=[5, 6, 7, 4], num_scheduled_tokens=[1, 1, 1, 1], block_table=table,
+                       block_size=4)
+    prefill = BatchSpec(num_computed_tokens=[5, 6, 7, 4], num_scheduled_tokens=[2, 1, 1, 0], block_table=table,
+                        block_size=4)
+    specs = [decode, prefill] * 6
+    builder = _check_walk(specs, device, profile=profile)
+    assert builder.stats.replayed == len(specs) - 6 - (profile is not None), builder.stats
+
+
+@pytest.mark.parametrize("fa_opts", [FlashAttnOptions(), FlashAttnOptions(decode_threshold=4)])
+def test_steps_with_decode_rows_and_longer_queries_compose(device: torch.device, fa_opts: Any) -> None:
+    """A first row within a backend's decode threshold while a later row is longer than one token: the
+    split depends on every row's query, and such steps always compose (spec decode with a raised
+    FlashAttention threshold is one)."""
+    table = np.arange(2 * 4, dtype=np.int32).reshape(2, 4) + 1
+    q = [[1, 3], [1, 2]] if fa_opts.decode_threshold == 1 else [[4, 4], [3, 4]]
+    specs = [BatchSpec(num_computed_tokens=[5, 6], num_scheduled_tokens=qi, block_table=table, block_size=4)
+             for _ in range(4) for qi in q]
+    builder = _check_walk(specs, device, fa_opts=fa_opts)
+    assert builder.stats.replayed == 0
+
+
 def test_block_size_is_part_of_the_layout(device: torch.device) -> None:
     """Block sizes 4 and 8 with the same block-table width (2 columns): slot mapping, page size and
     last-page lengths differ."""

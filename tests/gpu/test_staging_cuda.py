@@ -338,14 +338,16 @@ def test_no_driver_copy_while_another_device_is_current(monkeypatch: pytest.Monk
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_fused_replays_land_intact_while_the_gpu_is_held(graph: bool) -> None:
     """FusedStepBuilder on CUDA (eager replays through the driver copy; graph mode into the fixed
-    arena): 1,500 steps walking decode loops of several sizes and mixed steps, the GPU held behind
-    every 8 steps, all under sync "error" mode; each step's device fields (common and FlashInfer)
-    equal the host twins it handed out."""
+    arena): 1,500 steps walking decode and spec-decode loops (3 drafts: prefill rows only, which
+    replay too) of several sizes and mixed steps, the GPU held behind every 8 steps, all under sync
+    "error" mode; each step's device fields (common and FlashInfer) equal the host twins it handed
+    out."""
     from attnmeta._workloads import advance, decode_spec, mixed_spec
     from attnmeta.backends.fused import FusedStepBuilder
 
     rng = np.random.default_rng(11)
     walks = [advance(decode_spec(b, rng, max_context=600, table_width=64), 40) for b in (1, 5, 33, 130)]
+    walks += [advance(decode_spec(b, rng, max_context=600, table_width=64, drafts=3), 40) for b in (3, 40)]
     mixed = [mixed_spec(rng, prefills=2, decodes=6, max_prompt=50, max_context=600) for _ in range(3)]
     prof = StaticProfile(max_num_reqs=256, max_num_tokens=1024, max_blocks_per_req=160, block_size=16) if graph else None
     builder = FusedStepBuilder(Stager("cuda", num_slots=3, profile=prof))
@@ -358,13 +360,14 @@ def test_fused_replays_land_intact_while_the_gpu_is_held(graph: bool) -> None:
         for i in range(steps):
             if i % 8 == 0:
                 torch.cuda._sleep(1_000_000)
-            spec = mixed[i % 3] if i % 50 == 49 else walks[(i // 100) % 4][i % 40]
+            spec = mixed[i % 3] if i % 50 == 49 else walks[(i // 100) % len(walks)][i % 40]
             cm, _fa, fi = builder.build(spec)
             assert fi is not None
             host = [cm.query_start_loc_cpu, cm.seq_lens_cpu, cm.block_table_cpu, cm.slot_mapping_cpu,
-                    cm.positions_cpu, fi.paged_kv_indptr_cpu, fi.paged_kv_indices_cpu, fi.paged_kv_last_page_len_cpu]
+                    cm.positions_cpu, fi.paged_kv_indptr_cpu, fi.paged_kv_indices_cpu, fi.paged_kv_last_page_len_cpu,
+                    fi.qo_indptr_prefill_cpu]
             device = [cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping, cm.positions,
-                      fi.paged_kv_indptr, fi.paged_kv_indices, fi.paged_kv_last_page_len]
+                      fi.paged_kv_indptr, fi.paged_kv_indices, fi.paged_kv_last_page_len, fi.qo_indptr_prefill]
             expected[i] = np.uint64(_host_checksum(host))
             log[i : i + 1].copy_(_checksum(device, weights).view(1))
     got = log.cpu().numpy().astype(np.uint64)  # one sync, after the audited loop
