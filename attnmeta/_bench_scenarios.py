@@ -230,12 +230,18 @@ def decode_walks(quick: bool) -> list[tuple[int, list[BatchSpec]]]:
     return [(b, advance(decode_spec(b, rng), DECODE_STEPS)) for b in sizes]
 
 
+def spec_decode_walks(quick: bool) -> list[tuple[int, list[BatchSpec]]]:
+    """``(batch, steps)`` of the :func:`spec_decode` scenario: :data:`DECODE_STEPS` successive steps
+    of 3 draft tokens a request (4 query tokens), per batch size (the same specs every call)."""
+    rng = np.random.default_rng(2)
+    sizes = [8, 64] if quick else [8, 64, 256]
+    return [(b, advance(decode_spec(b, rng, drafts=3), DECODE_STEPS)) for b in sizes]
+
+
 def spec_decode(device: torch.device, quick: bool) -> list[Case]:
     """Spec decode with k = 3 drafts per request (4 query tokens each), FlashAttention + FlashInfer;
     with the ``fused`` path of :func:`decode` too."""
-    rng = np.random.default_rng(2)
-    sizes = [8, 64] if quick else [8, 64, 256]
-    walks = [(b, advance(decode_spec(b, rng, drafts=3), DECODE_STEPS)) for b in sizes]
+    walks = spec_decode_walks(quick)
     cases = _scenario("spec-decode-k3", walks, device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
     for case, (_b, specs) in zip(cases, walks):  # spec-decode steps replay too (prefill rows only)
         case.paths["fused"], case.stagers["fused"] = _fused_path(specs, device)

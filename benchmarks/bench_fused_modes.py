@@ -7,13 +7,17 @@ FlashInfer metadata, each on its own stager: the composable builders (``stage_co
 ``paged_kv=True``, ``flash_attn.stage``, ``flashinfer.stage``, three ``result()``) and
 :class:`attnmeta.backends.fused.FusedStepBuilder`, each in eager and in graph mode (profile: 1024
 requests, 1024 tokens, 136 blocks per request, page 16). Prints the best of 3 round medians (1000
-steps per round after 300 untimed ones), host microseconds.
+steps per round after 300 untimed ones), host microseconds. Then the same four loops on the
+spec-decode walks of ``python -m attnmeta bench --scenario spec-decode-k3`` (3 draft tokens a
+request, batch 8, 64 and 256), whose rows are prefill rows for both backends (graph profile: 160
+blocks per request, as their contexts grow 4 tokens a step).
 
 Run: ``python benchmarks/bench_fused_modes.py [--device cuda|cpu]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import sys
@@ -29,7 +33,7 @@ if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnmeta import StaticProfile, stage_common
-from attnmeta._bench_scenarios import decode_walks
+from attnmeta._bench_scenarios import decode_walks, spec_decode_walks
 from attnmeta.backends import flash_attn, flashinfer
 from attnmeta.backends.fused import FusedStepBuilder
 from attnmeta.bench import script_device
@@ -37,6 +41,8 @@ from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager
 
 PROFILE = StaticProfile(max_num_reqs=1024, max_num_tokens=1024, max_blocks_per_req=2048 // 16 + 8, block_size=16)
+SPEC_PROFILE = dataclasses.replace(PROFILE, max_blocks_per_req=(2048 + 4 * 64) // 16 + 8)
+"""The spec-decode walks' contexts grow 4 tokens a step for 64 steps."""
 
 
 def composable(stager: Stager) -> Callable[[BatchSpec], Any]:
@@ -79,6 +85,14 @@ def main() -> None:
             continue
         row = []
         for profile in (None, PROFILE):
+            row.append(best_median(composable(Stager(dev, profile=profile)), specs, dev))
+            row.append(best_median(FusedStepBuilder(Stager(dev, profile=profile)).build, specs, dev))
+        print(f"{batch:>6} {row[0]:>17.1f} {row[1]:>12.1f} {row[2]:>17.1f} {row[3]:>12.1f}", flush=True)
+    print("# spec decode, 3 drafts a request (4 query tokens; prefill rows for both backends' default "
+          "thresholds)")
+    for batch, specs in spec_decode_walks(quick=False):
+        row = []
+        for profile in (None, SPEC_PROFILE):
             row.append(best_median(composable(Stager(dev, profile=profile)), specs, dev))
             row.append(best_median(FusedStepBuilder(Stager(dev, profile=profile)).build, specs, dev))
         print(f"{batch:>6} {row[0]:>17.1f} {row[1]:>12.1f} {row[2]:>17.1f} {row[3]:>12.1f}", flush=True)
