@@ -5,7 +5,7 @@ Decode (batch 1, 64, 256, 1024; the 64-step walk of ``bench_decode.py``): ``step
 ``flashinfer.stage``), ``commit``, then the three ``result()`` calls. Mamba2 (16 and 256 prefills,
 one step repeated): ``step``, ``common`` (``token_arrays=False``), ``mamba`` (``mamba2.stage``),
 ``commit``, ``result``. The fused decode step (:class:`attnmeta.backends.fused.FusedStepBuilder`, the
-same walk): ``step``, ``kernel``, ``commit``, ``rest`` (see :func:`_fused_phases`). Each phase is
+same walk), eager and in graph mode: ``step``, ``kernel``, ``commit``, ``rest`` (see :func:`_fused_phases`). Each phase is
 timed with ``perf_counter_ns`` around it (the timer calls add ~0.1 us per phase); the table shows
 the round (of 5) with the lowest sum of phase medians.
 
@@ -28,12 +28,16 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from attnmeta import StaticProfile
 from attnmeta._bench_mamba2 import OPTIONS, prefill_step_specs
 from attnmeta._workloads import advance, decode_spec
 from attnmeta.backends import flash_attn, flashinfer, fused, mamba2
 from attnmeta.bench import script_device
 from attnmeta.metadata import stage_common
 from attnmeta.staging import Stager
+
+GRAPH_PROFILE = StaticProfile(max_num_reqs=1024, max_num_tokens=1024, max_blocks_per_req=2048 // 16 + 8, block_size=16)
+"""The graph-mode rows' profile (``bench_fused_modes.py``'s)."""
 
 
 def best_round(rounds: int, steps: int, warm: int, one: Callable[[int], list[int]], names: list[str],
@@ -56,10 +60,12 @@ def best_round(rounds: int, steps: int, warm: int, one: Callable[[int], list[int
     return best
 
 
-def _fused_phases(batch: int, dev: torch.device) -> dict[str, float]:
-    """Phases of a FusedStepBuilder step (the decode walk above, replayed): ``step`` (``Stager.step``),
-    ``kernel`` (the common pass's compiled call), ``commit``, ``rest`` (the replay key, the object
-    construction). The three are timed by wrappers installed for this measurement only (~0.1 us each)."""
+def _fused_phases(batch: int, dev: torch.device, profile: StaticProfile | None = None) -> dict[str, float]:
+    """Phases of a FusedStepBuilder step (the decode walk above, replayed; graph mode with ``profile``):
+    ``step`` (``Stager.step``), ``kernel`` (the compiled calls: the common pass, and FlashInfer's where
+    the package still runs one in a graph-mode replay, as before this script's graph rows existed), ``commit``,
+    ``rest`` (the replay key, the object construction). The three are timed by wrappers installed
+    for this measurement only (~0.1 us each)."""
     pc = time.perf_counter_ns
     spent = [0, 0, 0]
 
@@ -74,11 +80,14 @@ def _fused_phases(batch: int, dev: torch.device) -> dict[str, float]:
 
     specs = advance(decode_spec(batch, np.random.default_rng(0)), 64)
     saved = (fused._common_packed_nb, Stager.step, Stager._commit)
+    fi_kernel = getattr(fused, "_flashinfer_nb", None)  # (an older checkout on PYTHONPATH, for A/B runs)
     fused._common_packed_nb = timed(saved[0], 1)  # type: ignore[assignment]
     Stager.step = timed(saved[1], 0)  # type: ignore[method-assign]
     Stager._commit = timed(saved[2], 2)  # type: ignore[method-assign]
+    if fi_kernel is not None:
+        fused._flashinfer_nb = timed(fi_kernel, 1)  # type: ignore[attr-defined]
     try:
-        builder = fused.FusedStepBuilder(Stager(dev))
+        builder = fused.FusedStepBuilder(Stager(dev, profile=profile))
 
         def one(i: int) -> list[int]:
             spent[:] = [0, 0, 0]
@@ -91,6 +100,8 @@ def _fused_phases(batch: int, dev: torch.device) -> dict[str, float]:
         return best_round(5, 600, 100, one, ["step", "kernel", "commit", "rest"], dev)
     finally:
         fused._common_packed_nb, Stager.step, Stager._commit = saved  # type: ignore[method-assign]
+        if fi_kernel is not None:
+            fused._flashinfer_nb = fi_kernel  # type: ignore[attr-defined]
 
 
 def main() -> None:
@@ -127,10 +138,11 @@ def main() -> None:
             med = best_round(5, 600, 100, decode_step, names, dev)
             print(f"decode batch {b:>4}: " + " ".join(f"{k} {v:.1f}" for k, v in med.items())
                   + f" | sum {sum(med.values()):.1f}", flush=True)
-        for b in (1, 64, 256, 1024):
-            med = _fused_phases(b, dev)
-            print(f"fused  batch {b:>4}: " + " ".join(f"{k} {v:.1f}" for k, v in med.items())
-                  + f" | sum {sum(med.values()):.1f}", flush=True)
+        for profile, mode in ((None, "fused "), (GRAPH_PROFILE, "graph fused")):
+            for b in (1, 64, 256, 1024):
+                med = _fused_phases(b, dev, profile)
+                print(f"{mode} batch {b:>4}: " + " ".join(f"{k} {v:.1f}" for k, v in med.items())
+                      + f" | sum {sum(med.values()):.1f}", flush=True)
         for spec in prefill_step_specs(False):
             if spec.num_reqs not in (16, 256):
                 continue
