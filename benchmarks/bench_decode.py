@@ -9,7 +9,8 @@ steps) it times whole steps of the three paths of ``python -m attnmeta bench --s
 - ``reference``: the device-side reference computations from raw uploads (the engines' way);
 - ``per-tensor``: attnmeta's host arrays, each uploaded through its own freshly pinned tensor;
 - ``fused``: :class:`attnmeta.backends.fused.FusedStepBuilder` on a stager of its own: the same three
-  objects (field for field) from one call per step, which replays the layout recorded on the step's
+  objects (field for field, but for a block table rounded up to a multiple of 8 columns, its default
+  ``table_column_step``) from one call per step, which replays the layout recorded on the step's
   ring slot instead of running the composable builders' Python.
 
 Unlike the bench CLI, which interleaves blocks of 16 steps of each path (so the first steps of a

@@ -3,12 +3,14 @@
 :class:`FusedStepBuilder` does what an engine's step does with the composable API::
 
     with stager.step() as step:
-        common = stage_common(spec, step, paged_kv=True)
+        common = stage_common(spec, step, paged_kv=True, block_table_columns=width)
         fa = flash_attn.stage(common, step)
         fi = flashinfer.stage(common, step)
     common, fa, fi = common.result(), fa.result(), fi.result()
 
-and returns the same three objects, field for field, from the same single copy. What it saves is the
+(``width``: in eager mode the longest request's block count rounded up to a multiple of
+``table_column_step``, 8 by default; with 1 it is ``stage_common``'s default width) and returns the
+same three objects, field for field, from the same single copy. What it saves is the
 Python around the compiled pass: the composable path builds, per step, three ``Staged`` objects,
 their closures, three host dicts, a split and a field group lookup, which on the H200 hosts cost more
 host time than the compiled pass and the copy together at small batches (docs/benchmarks.md).
@@ -28,9 +30,10 @@ parallelism, with the backends' default options (FlashAttention: any ``max_num_s
 
 The layout is: which of the two kinds, same padded row and token counts, same block-table width,
 same bucket of page counts (eager mode; in graph mode the width is the profile's and the page
-indices have a fixed capacity), same block size, same optional spec arrays. (In eager mode the
-width is the longest request's block count, so a layout lasts while that count does: about
-``block_size`` steps of plain decoding, ``block_size / (1 + k)`` of spec decoding.)
+indices have a fixed capacity), same block size, same optional spec arrays. In eager mode the width
+is the longest request's block count rounded up to ``table_column_step`` columns (8 by default),
+so a layout lasts while that does: about ``8 * block_size`` steps of plain decoding, and
+``8 * block_size / (1 + k)`` of spec decoding with ``k`` drafts.
 
 A replay runs the common pass's compiled kernel into the slot, which rewrites every staged byte of
 the layout, so nothing depends on what the slot held. In graph mode the pass's FlashInfer outputs
@@ -161,6 +164,17 @@ class FusedStepBuilder:
         ``CommonAttentionMetadata.causal``.
     prefix : str, default "common"
         Namespace of the common metadata's staged fields.
+    table_column_step : int, default 8
+        Eager mode: stage ``block_table_tensor`` with the longest request's block count rounded up
+        to a multiple of this many columns, i.e. ``stage_common(block_table_columns=...)`` with that
+        width (the columns past a request's blocks are the engine's table's, and no kernel reads
+        them). 1 is ``stage_common``'s default width. The width is part of a replay's layout: each
+        time it changes, a new layout starts and its first step on each ring slot composes, which
+        costs several times a replay (a new layout builds its views). With 1 that happens every time
+        the longest request gets a block (every ``block_size`` steps of decoding, every
+        ``block_size / (1 + k)`` of spec decoding with ``k`` drafts); 8 makes it 8 times rarer for
+        at most 28 more bytes a row (``benchmarks/bench_replay_rate.py``). Graph mode stages the
+        profile's width whatever this is.
 
     Notes
     -----
@@ -190,7 +204,10 @@ class FusedStepBuilder:
         flashinfer: FlashInferOptions | bool | None = True,
         causal: bool = True,
         prefix: str = "common",
+        table_column_step: int = 8,
     ) -> None:
+        if isinstance(table_column_step, bool) or not isinstance(table_column_step, int) or table_column_step < 1:
+            raise ValueError(f"table_column_step: expected an int >= 1, got {table_column_step!r}")
         fa = FlashAttnOptions() if flash_attn is True else flash_attn or None
         fi = FlashInferOptions() if flashinfer is True else flashinfer or None
         if fa is not None and not isinstance(fa, FlashAttnOptions):
@@ -216,6 +233,7 @@ class FusedStepBuilder:
         self._prefill_above = max(fa.decode_threshold if fa is not None else 0,
                                   _DEFAULT_FI.decode_threshold if fi is not None else 0)
         self._token = object()  # this builder's key in each slot's extras
+        self._column_step = table_column_step
         self.stats = FusedStats()
 
     @property
@@ -264,7 +282,8 @@ class FusedStepBuilder:
         # Everything the layout and the objects' per-layout fields depend on. The real row and token
         # counts are not: they only set scalars (and the longest query), patched below, so CUDA-graph
         # padded steps of one padded size share a layout whatever their real counts.
-        key = (kind, Bp, Tp, max(1, -(-exact // bs)), _bucket(total) if self._paged else 0, bs,
+        step_w = self._column_step
+        key = (kind, Bp, Tp, -(-max(1, -(-exact // bs)) // step_w) * step_w, _bucket(total) if self._paged else 0, bs,
                prompt is None, drafts is None, upper is None)
         step = self._stager.step()
         rec = self._records(step).get(key)
@@ -330,8 +349,15 @@ class FusedStepBuilder:
 
     def _compose(self, spec: BatchSpec, step: Any, key: tuple[Any, ...] | None) -> FusedStep:
         """The composable builders on ``step`` (begun by the caller); records the layout under ``key``."""
+        columns = None
+        step_w = self._column_step
+        if step_w > 1 and not self._graph:  # the longest request's columns (section 4), rounded up
+            cp = spec.context_parallel
+            span = spec.block_size * (1 if cp is None else cp.world_size)
+            columns = -(-max(1, -(-spec.max_exact_seq_len // span)) // step_w) * step_w
         try:
-            staged = stage_common(spec, step, prefix=self._prefix, causal=self._causal, paged_kv=self._paged)
+            staged = stage_common(spec, step, prefix=self._prefix, causal=self._causal, paged_kv=self._paged,
+                                  block_table_columns=columns)
             fa_staged = _fa.stage(staged, step, self._fa_opts) if self._fa_opts is not None else None
             fi_staged = _fi.stage(staged, step, self._fi_opts) if self._fi_opts is not None else None
             step._finish()
@@ -421,6 +447,7 @@ class FusedStepBuilder:
 
     def __repr__(self) -> str:
         parts = [f"flash_attn={self._fa_opts is not None}", f"flashinfer={self._fi_opts is not None}",
+                 *([f"table_column_step={self._column_step}"] if self._column_step != 8 else []),
                  f"replay={'on' if self._replay else 'off'}", f"steps={self.stats.steps}",
                  f"replayed={self.stats.replayed}"]
         return f"FusedStepBuilder({', '.join(parts)})"

@@ -23,10 +23,20 @@ from attnmeta.sync import no_device_sync
 from attnmeta.testing.strategies import batch_specs
 
 
-def _composed(spec: BatchSpec, stager: Stager, fa_opts: Any, fi_opts: Any, paged: bool) -> FusedStep:
+def _columns(spec: BatchSpec, column_step: int, graph: bool) -> int | None:
+    """``block_table_columns`` of the composable call that FusedStepBuilder(table_column_step=...) equals."""
+    if column_step == 1 or graph:
+        return None
+    cp = spec.context_parallel
+    span = spec.block_size * (1 if cp is None else cp.world_size)
+    return -(-max(1, -(-spec.max_exact_seq_len // span)) // column_step) * column_step
+
+
+def _composed(spec: BatchSpec, stager: Stager, fa_opts: Any, fi_opts: Any, paged: bool, column_step: int = 1) -> FusedStep:
     """What FusedStepBuilder must equal: the composable builders on one step."""
     with stager.step() as step:
-        common = stage_common(spec, step, paged_kv=paged)
+        common = stage_common(spec, step, paged_kv=paged,
+                              block_table_columns=_columns(spec, column_step, stager.graph_mode))
         fa = flash_attn.stage(common, step, fa_opts) if fa_opts is not None else None
         fi = flashinfer.stage(common, step, fi_opts) if fi_opts is not None else None
     return FusedStep(common.result(), fa.result() if fa is not None else None, fi.result() if fi is not None else None)
@@ -56,8 +66,9 @@ def _assert_same(got: Any, want: Any, path: str) -> None:
 
 
 def _check_walk(specs: list[Any], device: torch.device, fa_opts: Any = FlashAttnOptions(),
-                fi_opts: Any = FlashInferOptions(), **stager_kw: Any) -> FusedStepBuilder:
-    builder = FusedStepBuilder(Stager(device, **stager_kw), flash_attn=fa_opts, flashinfer=fi_opts)
+                fi_opts: Any = FlashInferOptions(), column_step: int = 1, **stager_kw: Any) -> FusedStepBuilder:
+    builder = FusedStepBuilder(Stager(device, **stager_kw), flash_attn=fa_opts, flashinfer=fi_opts,
+                               table_column_step=column_step)
     ref = Stager(device, **stager_kw)
     paged = fi_opts is not None and fi_opts == FlashInferOptions()
     kept: list[tuple[FusedStep, FusedStep]] = []
@@ -67,7 +78,7 @@ def _check_walk(specs: list[Any], device: torch.device, fa_opts: Any = FlashAttn
             spec(ref)
             continue
         got = builder.build(spec)
-        want = _composed(spec, ref, fa_opts, fi_opts, paged)
+        want = _composed(spec, ref, fa_opts, fi_opts, paged, column_step)
         for name, a, b in zip(FusedStep._fields, got, want):
             _assert_same(a, b, f"step {i} {name}")
         if ref.graph_mode:  # every field's whole fixed buffer, the bytes kernels in CUDA graphs read
@@ -303,8 +314,9 @@ def test_graph_mode_capacity_errors_still_raise() -> None:
                                            kinds=("decode", "empty", "prefill", "spec_decode"),
                                            block_sizes=st.just(16)), st.integers(1, 4)),
                      min_size=1, max_size=5),
-       graph=st.booleans())
-def test_random_walks_match_the_composable_builders(walk: list[tuple[BatchSpec, int]], graph: bool) -> None:
+       graph=st.booleans(), column_step=st.sampled_from([1, 4, 8]))
+def test_random_walks_match_the_composable_builders(walk: list[tuple[BatchSpec, int]], graph: bool,
+                                                    column_step: int) -> None:
     """Steps drawn at random (decode-only ones replay), each repeated 1-4 times so layouts recur on
     every ring slot, interleaved, in eager and in graph mode: every field of every step (and in graph
     mode every fixed buffer) equals the composable builders'."""
@@ -313,7 +325,7 @@ def test_random_walks_match_the_composable_builders(walk: list[tuple[BatchSpec, 
     kw: dict[str, Any] = {}
     if graph:  # capacities that fit every drawn batch (6 requests, 3 tokens each, padding, contexts <= 80)
         kw["profile"] = StaticProfile(max_num_reqs=16, max_num_tokens=64, max_blocks_per_req=32, block_size=16)
-    _check_walk(specs, torch.device("cpu"), **kw)
+    _check_walk(specs, torch.device("cpu"), column_step=column_step, **kw)
 
 
 def test_a_failed_step_is_abandoned_and_the_stager_goes_on() -> None:
@@ -326,11 +338,30 @@ def test_a_failed_step_is_abandoned_and_the_stager_goes_on() -> None:
     assert ok.common.num_reqs == 3 and builder.stager.stats.steps == 1
 
 
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_table_column_step_keeps_layouts_while_the_longest_request_grows(device: torch.device, drafts: int) -> None:
+    """Eager mode, 4-token blocks: the longest request needs a new column every 4 steps (every step
+    with 3 drafts), a new layout each time with ``stage_common``'s width (``table_column_step=1``);
+    rounded up to 8 columns (the default) the layouts last 8 times longer. Every field still equals the composable builders' called with the
+    same ``block_table_columns``, a multiple of 8 (the columns past a row's blocks: the engine's)."""
+    # (2 requests: the page count stays in one bucket, <= 64, so only the width changes layouts)
+    walk = _decode_walk(2, 40, seed=9, max_context=60, table_width=64, block_size=4, drafts=drafts)
+    exact = _check_walk(walk, device)
+    rounded = _check_walk(walk, device, column_step=8)
+    assert rounded.stats.replayed > exact.stats.replayed + len(walk) // 4, (exact.stats, rounded.stats)
+    last = rounded.build(walk[-1]).common
+    assert last.block_table_cpu.shape[1] % 8 == 0 and last.block_table_tensor.shape == last.block_table_cpu.shape
+    assert "table_column_step=1" in repr(exact) and "table_column_step" not in repr(rounded)  # 8: the default
+
+
 def test_bad_options_fail_fast() -> None:
     with pytest.raises(TypeError, match="flash_attn: expected FlashAttnOptions"):
         FusedStepBuilder(Stager("cpu"), flash_attn="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="flashinfer: expected FlashInferOptions"):
         FusedStepBuilder(Stager("cpu"), flashinfer=FlashAttnOptions())  # type: ignore[arg-type]
+    for bad in (0, -8, 2.0, True):
+        with pytest.raises(ValueError, match="table_column_step: expected an int >= 1"):
+            FusedStepBuilder(Stager("cpu"), table_column_step=bad)  # type: ignore[arg-type]
 
 
 def test_one_copy_per_step_and_no_sync_on_meta() -> None:
