@@ -45,8 +45,12 @@ def test_bench_quick_runs_and_json_parses(tmp_path: Path, capsys: pytest.Capture
         assert r["median_us"] > 0 and r["p99_us"] >= r["median_us"] * 0.999
         if r["path"] in ("attnmeta", "fused"):
             assert r["h2d_per_step"] == 1.0 and r["syncs_per_step"] == 0.0
-        if r["path"] == "attnmeta" and r["scenario"] == "decode":  # the same step, the same bytes
-            assert fused[r["batch"]]["bytes_per_step"] == r["bytes_per_step"]
+        if r["path"] == "attnmeta" and r["scenario"] == "decode":
+            # The same step; the fused builder's block table is up to 7 columns wider (its default
+            # table_column_step rounds the width up to 8), and the fields after it start up to one
+            # 64-byte alignment later.
+            extra = fused[r["batch"]]["bytes_per_step"] - r["bytes_per_step"]
+            assert 0 <= extra <= 28 * r["batch"] + 64, (r["batch"], extra)
         if r["path"] == "reference":
             assert r["syncs_per_step"] > 0
 
