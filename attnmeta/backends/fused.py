@@ -282,28 +282,13 @@ class FusedStepBuilder:
         # Everything the layout and the objects' per-layout fields depend on. The real row and token
         # counts are not: they only set scalars (and the longest query), patched below, so CUDA-graph
         # padded steps of one padded size share a layout whatever their real counts.
-        step_w = self._column_step
-        key = (kind, Bp, Tp, -(-max(1, -(-exact // bs)) // step_w) * step_w, _bucket(total) if self._paged else 0, bs,
+        key = (kind, Bp, Tp, self._columns(spec), _bucket(total) if self._paged else 0, bs,
                prompt is None, drafts is None, upper is None)
         step = self._stager.step()
         rec = self._records(step).get(key)
         if rec is None:
             return self._compose(spec, step, key)
-        try:
-            status = _common_packed_nb(
-                spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
-                _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
-                _EMPTY if upper is None else upper, *rec.args,
-            )
-            if status:  # unreachable for a validated spec (kept as a guard, as in stage_common)
-                raise ValueError(f"FusedStepBuilder: internal status {status}; the spec is inconsistent")
-            step._restage(rec.end, rec.fields)
-            step._finish()
-        except BaseException:
-            step.abandon()
-            raise
-        stats.replayed += 1
-        return _emit(rec, spec, total, kind, exact)
+        return self._replay_record(spec, step, rec, kind, total, exact)
 
     def _build_graph(self, spec: BatchSpec, kind: int) -> FusedStep:
         """:meth:`build` of a replayable step (``kind`` 0: decode rows only, 1: prefill rows only) on a
@@ -324,19 +309,23 @@ class FusedStepBuilder:
         rec = self._records(step).get(key)
         if rec is None:
             return self._compose(spec, step, key)
+        return self._replay_record(spec, step, rec, kind, total, exact)
+
+    def _replay_record(self, spec: BatchSpec, step: Any, rec: _Record, kind: int, total: int, exact: int) -> FusedStep:
+        """Replay ``rec`` (this slot's record of the step's layout) on ``step``: the common pass's kernel
+        writes every staged byte (in graph mode FlashInfer's too, into its fixed buffers: see
+        :meth:`_record`), the step commits, the objects come from the record's templates."""
+        prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
         try:
-            # With FlashInfer, the record's kernel arguments address its page table and prefill query
-            # indptr in its fixed buffers (see _record): one pass writes every staged byte.
             status = _common_packed_nb(
                 spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
                 _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
                 _EMPTY if upper is None else upper, *rec.args,
             )
-            if rec.fi is not None:
-                n_indices = rec.graph
-                f = rec.fields[n_indices]
-                if f.rows != total:  # the page indices are staged with this step's page count
-                    rec.fields[n_indices] = f.with_rows(total)
+            if rec.graph:  # graph mode: the page indices are staged with this step's page count
+                f = rec.fields[rec.graph]
+                if f.rows != total:
+                    rec.fields[rec.graph] = f.with_rows(total)
             if status:  # unreachable for a validated spec (kept as a guard, as in stage_common)
                 raise ValueError(f"FusedStepBuilder: internal status {status}; the spec is inconsistent")
             step._restage(rec.end, rec.fields)
@@ -347,14 +336,18 @@ class FusedStepBuilder:
         self.stats.replayed += 1
         return _emit(rec, spec, total, kind, exact)
 
+    def _columns(self, spec: BatchSpec) -> int:
+        """Eager mode: ``block_table_tensor``'s columns, the longest request's block count (one column
+        spans ``block_size * world_size`` tokens under context parallelism, vllm-semantics.md 4)
+        rounded up to a multiple of ``table_column_step``."""
+        cp = spec.context_parallel
+        span = spec.block_size * (1 if cp is None else cp.world_size)
+        step_w = self._column_step
+        return -(-max(1, -(-spec.max_exact_seq_len // span)) // step_w) * step_w
+
     def _compose(self, spec: BatchSpec, step: Any, key: tuple[Any, ...] | None) -> FusedStep:
         """The composable builders on ``step`` (begun by the caller); records the layout under ``key``."""
-        columns = None
-        step_w = self._column_step
-        if step_w > 1 and not self._graph:  # the longest request's columns (section 4), rounded up
-            cp = spec.context_parallel
-            span = spec.block_size * (1 if cp is None else cp.world_size)
-            columns = -(-max(1, -(-spec.max_exact_seq_len // span)) // step_w) * step_w
+        columns = self._columns(spec) if self._column_step > 1 and not self._graph else None
         try:
             staged = stage_common(spec, step, prefix=self._prefix, causal=self._causal, paged_kv=self._paged,
                                   block_table_columns=columns)
