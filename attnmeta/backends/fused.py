@@ -63,6 +63,7 @@ As in :mod:`attnmeta.metadata`, :mod:`attnmeta.backends.flash_attn` and
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -483,6 +484,14 @@ def _emit(rec: _Record, spec: BatchSpec, total: int, kind: int, mkv: int) -> Fus
     return FusedStep(cm, fa, fi)
 
 
+_GETTERS: dict[type, Any] = {
+    cls: operator.attrgetter(*(f.name for f in dataclasses.fields(cls)))
+    for cls in (CommonAttentionMetadata, FlashAttentionMetadata, FlashInferMetadata)
+}
+"""Per metadata class, a getter of every field's value in declaration order (``dataclasses.fields``
+rebuilds its tuple on every call, and a new layout records three objects)."""
+
+
 def _values(obj: Any) -> list[Any]:
     """A metadata object's field values in declaration order (its positional constructor's arguments)."""
-    return [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    return list(_GETTERS[type(obj)](obj))
