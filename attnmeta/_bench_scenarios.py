@@ -17,9 +17,11 @@ import torch
 from attnmeta._workloads import advance, decode_spec, mixed_spec
 from attnmeta.backends import flash_attn, flashinfer
 from attnmeta.bench import Case, Uploads
+from attnmeta.metadata import stage_common
+from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec
 
-__all__ = ["SCENARIOS", "decode_walks"]
+__all__ = ["GRAPH_PROFILE", "SCENARIOS", "composable_step", "decode_walks", "spec_decode_walks"]
 
 
 
@@ -199,27 +201,47 @@ def decode(device: torch.device, quick: bool) -> list[Case]:
     steps, cycled), a 2048-column block table, page size 16. A fourth path, ``fused``, builds the
     same objects with :class:`attnmeta.backends.fused.FusedStepBuilder`."""
     walks = decode_walks(quick)
-    cases = _scenario("decode", walks, device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
-    for case, (_b, specs) in zip(cases, walks):
-        case.paths["fused"], case.stagers["fused"] = _fused_path(specs, device)
-        case.uploads["fused"] = Uploads()
-    return cases
+    return _with_fused(_scenario("decode", walks, device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED), walks, device)
 
 
-def _fused_path(specs: list[BatchSpec], device: torch.device) -> tuple[Callable[[], Any], Any]:
-    """The ``fused`` path: a FusedStepBuilder on a stager of its own, walking ``specs`` in a cycle."""
+def _with_fused(cases: list[Case], walks: list[tuple[int, list[BatchSpec]]], device: torch.device) -> list[Case]:
+    """``cases`` with a ``fused`` path each: a FusedStepBuilder on a stager of its own (its copies
+    counted apart), walking the case's specs in a cycle."""
     from attnmeta.backends.fused import FusedStepBuilder
     from attnmeta.staging import Stager
 
-    builder = FusedStepBuilder(Stager(device))
-    at = [0]
+    for case, (_b, specs) in zip(cases, walks):
+        builder = FusedStepBuilder(Stager(device))
+        at = [0]
 
-    def step() -> Any:
-        i = at[0]
-        at[0] = (i + 1) % len(specs)
-        return builder.build(specs[i])
+        def step(builder: FusedStepBuilder = builder, specs: list[BatchSpec] = specs, at: list[int] = at) -> Any:
+            i = at[0]
+            at[0] = (i + 1) % len(specs)
+            return builder.build(specs[i])
 
-    return step, builder.stager
+        case.paths["fused"], case.stagers["fused"], case.uploads["fused"] = step, builder.stager, Uploads()
+    return cases
+
+
+GRAPH_PROFILE = StaticProfile(max_num_reqs=1024, max_num_tokens=1024, max_blocks_per_req=2048 // 16 + 8, block_size=16)
+"""The graph-mode profile of the decode benchmarks (``bench_fused_modes.py``, ``bench_phases.py``): the
+:func:`decode_walks` fit it (1024 requests of 1 token, contexts below 2048 + 64 tokens)."""
+
+
+def composable_step(stager: Any, column_step: int = 1) -> Callable[[BatchSpec], Any]:
+    """One whole step of the composable builders on ``stager`` (``stage_common`` with the page table,
+    FlashAttention, FlashInfer, the three ``result()``), with the block-table width of
+    :func:`attnmeta.backends.fused.table_columns` when ``column_step > 1`` (eager mode)."""
+    from attnmeta.backends.fused import table_columns
+
+    def step_fn(spec: BatchSpec) -> Any:
+        cols = table_columns(spec, column_step) if column_step > 1 else None
+        with stager.step() as step:
+            c = stage_common(spec, step, paged_kv=True, block_table_columns=cols)
+            fa, fi = flash_attn.stage(c, step), flashinfer.stage(c, step)
+        return c.result(), fa.result(), fi.result()
+
+    return step_fn
 
 
 def decode_walks(quick: bool) -> list[tuple[int, list[BatchSpec]]]:
@@ -241,12 +263,9 @@ def spec_decode_walks(quick: bool) -> list[tuple[int, list[BatchSpec]]]:
 def spec_decode(device: torch.device, quick: bool) -> list[Case]:
     """Spec decode with k = 3 drafts per request (4 query tokens each), FlashAttention + FlashInfer;
     with the ``fused`` path of :func:`decode` too."""
-    walks = spec_decode_walks(quick)
+    walks = spec_decode_walks(quick)  # (with the fused path: spec-decode steps replay too)
     cases = _scenario("spec-decode-k3", walks, device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
-    for case, (_b, specs) in zip(cases, walks):  # spec-decode steps replay too (prefill rows only)
-        case.paths["fused"], case.stagers["fused"] = _fused_path(specs, device)
-        case.uploads["fused"] = Uploads()
-    return cases
+    return _with_fused(cases, walks, device)
 
 
 MIXED_STEPS = 16

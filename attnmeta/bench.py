@@ -8,8 +8,9 @@ interleaved repetition by repetition:
   uploaded, fields computed on the device, host scalars read back with ``.item()`` as engines did);
 - ``per-tensor``: the same host arrays as attnmeta, each uploaded through its own freshly pinned
   tensor (``async_tensor_h2d`` style, race-free but one allocation and one copy per array);
-- ``fused`` (the ``decode`` scenario only): :class:`attnmeta.backends.fused.FusedStepBuilder` on a
-  stager of its own, the same three metadata objects as ``attnmeta`` from one call per step.
+- ``fused`` (the ``decode`` and ``spec-decode-k3`` scenarios): :class:`attnmeta.backends.fused.FusedStepBuilder`
+  on a stager of its own, the same three metadata objects as ``attnmeta`` (its block table up to 7
+  columns wider) from one call per step.
 
 Reported per path: host microseconds per step (median and p99), GPU->CPU syncs per step, H2D copies
 per step, bytes per step, staging waits. On CUDA the syncs and copies come from a torch.profiler

@@ -32,27 +32,14 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnmeta import StaticProfile, stage_common
-from attnmeta._bench_scenarios import decode_walks, spec_decode_walks
-from attnmeta.backends import flash_attn, flashinfer
+from attnmeta._bench_scenarios import GRAPH_PROFILE, composable_step, decode_walks, spec_decode_walks
 from attnmeta.backends.fused import FusedStepBuilder
 from attnmeta.bench import script_device
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager
 
-PROFILE = StaticProfile(max_num_reqs=1024, max_num_tokens=1024, max_blocks_per_req=2048 // 16 + 8, block_size=16)
-SPEC_PROFILE = dataclasses.replace(PROFILE, max_blocks_per_req=(2048 + 4 * 64) // 16 + 8)
+SPEC_PROFILE = dataclasses.replace(GRAPH_PROFILE, max_blocks_per_req=(2048 + 4 * 64) // 16 + 8)
 """The spec-decode walks' contexts grow 4 tokens a step for 64 steps."""
-
-
-def composable(stager: Stager) -> Callable[[BatchSpec], Any]:
-    def step_fn(spec: BatchSpec) -> Any:
-        with stager.step() as step:
-            c = stage_common(spec, step, paged_kv=True)
-            fa, fi = flash_attn.stage(c, step), flashinfer.stage(c, step)
-        return c.result(), fa.result(), fi.result()
-
-    return step_fn
 
 
 def best_median(fn: Callable[[BatchSpec], Any], specs: list[BatchSpec], device: torch.device) -> float:
@@ -84,8 +71,8 @@ def main() -> None:
         if batch not in (1, 64, 256, 1024):
             continue
         row = []
-        for profile in (None, PROFILE):
-            row.append(best_median(composable(Stager(dev, profile=profile)), specs, dev))
+        for profile in (None, GRAPH_PROFILE):
+            row.append(best_median(composable_step(Stager(dev, profile=profile)), specs, dev))
             row.append(best_median(FusedStepBuilder(Stager(dev, profile=profile)).build, specs, dev))
         print(f"{batch:>6} {row[0]:>17.1f} {row[1]:>12.1f} {row[2]:>17.1f} {row[3]:>12.1f}", flush=True)
     print("# spec decode, 3 drafts a request (4 query tokens; prefill rows for both backends' default "
@@ -93,7 +80,7 @@ def main() -> None:
     for batch, specs in spec_decode_walks(quick=False):
         row = []
         for profile in (None, SPEC_PROFILE):
-            row.append(best_median(composable(Stager(dev, profile=profile)), specs, dev))
+            row.append(best_median(composable_step(Stager(dev, profile=profile)), specs, dev))
             row.append(best_median(FusedStepBuilder(Stager(dev, profile=profile)).build, specs, dev))
         print(f"{batch:>6} {row[0]:>17.1f} {row[1]:>12.1f} {row[2]:>17.1f} {row[3]:>12.1f}", flush=True)
 

@@ -36,8 +36,10 @@ from attnmeta.bench import script_device
 from attnmeta.metadata import stage_common
 from attnmeta.staging import Stager
 
-GRAPH_PROFILE = StaticProfile(max_num_reqs=1024, max_num_tokens=1024, max_blocks_per_req=2048 // 16 + 8, block_size=16)
-"""The graph-mode rows' profile (``bench_fused_modes.py``'s)."""
+try:
+    from attnmeta._bench_scenarios import GRAPH_PROFILE
+except ImportError:  # an older checkout first on PYTHONPATH (A/B runs, docs/benchmarks.md): its value
+    GRAPH_PROFILE = StaticProfile(max_num_reqs=1024, max_num_tokens=1024, max_blocks_per_req=136, block_size=16)
 
 
 def best_round(rounds: int, steps: int, warm: int, one: Callable[[int], list[int]], names: list[str],

@@ -21,7 +21,6 @@ import gc
 import importlib.util
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,29 +30,15 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnmeta import BatchSpec, StaticProfile, stage_common
+from attnmeta import StaticProfile
+from attnmeta._bench_scenarios import composable_step
 from attnmeta._workloads import advance, decode_spec
-from attnmeta.backends import flash_attn, flashinfer
 from attnmeta.backends.fused import FusedStepBuilder
 from attnmeta.bench import script_device
 from attnmeta.staging import Stager
 
 STEPS = 1000
 BATCH = 256
-
-
-def _composable(stager: Stager, column_step: int) -> Callable[[BatchSpec], Any]:
-    """One composable step (common with the page table, FlashAttention, FlashInfer, three results)."""
-    def step_fn(spec: BatchSpec) -> Any:
-        cols = None
-        if column_step > 1:
-            cols = -(-max(1, -(-spec.max_exact_seq_len // spec.block_size)) // column_step) * column_step
-        with stager.step() as step:
-            c = stage_common(spec, step, paged_kv=True, block_table_columns=cols)
-            fa, fi = flash_attn.stage(c, step), flashinfer.stage(c, step)
-        return c.result(), fa.result(), fi.result()
-
-    return step_fn
 
 
 def main() -> None:
@@ -73,7 +58,7 @@ def main() -> None:
             builder = FusedStepBuilder(Stager(dev, **stager_kw), table_column_step=column_step)
             runs.append((mode, builder.build, builder))
         for mode, column_step in (("composable, exact", 1), ("composable, step 8", 8)):
-            runs.append((mode, _composable(Stager(dev), column_step), None))
+            runs.append((mode, composable_step(Stager(dev), column_step), None))
         for mode, fn, builder in runs:
             fn(specs[0])  # compile outside the walk (the walk's layouts are still all new)
             if builder is not None:

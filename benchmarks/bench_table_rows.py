@@ -12,11 +12,13 @@ the stager's slots):
   the difference is what the wide table's layout costs (cache sets and prefetch, not bytes);
 - ``rows, compare first``: read the destination row and write only if it differs (the table here
   never changes, so nothing is written: the best case of skipping unchanged rows);
-- ``page indices``: FlashInfer's gather from the rows already written;
+- ``page indices``: FlashInfer's page table from the rows already written (attnmeta's own kernel,
+  ``attnmeta.host.common._paged_from_staged_nb``);
 - ``memcpy of the step``: one ``np.copyto`` of the same bytes (rows and indices), the floor.
 
-Prints the best of 5 round medians (2000 calls each), microseconds. These are not attnmeta's kernels
-but loops written like them, to separate the costs; ``bench_phases.py`` times the real pass.
+Prints the best of 5 round medians (2000 calls each), microseconds. The row copies are loops written
+like the common kernel's (which does more in the same pass), to separate the costs;
+``bench_phases.py`` times the real pass.
 
 Run: ``python benchmarks/bench_table_rows.py``.
 """
@@ -37,6 +39,7 @@ if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without 
 
 from attnmeta._numba import njit
 from attnmeta._workloads import decode_spec
+from attnmeta.host.common import _paged_from_staged_nb
 
 RING = 3
 
@@ -68,19 +71,6 @@ def _rows_compare_first(table: np.ndarray, out: np.ndarray) -> int:
     return written
 
 
-@njit
-def _indices(seq_lens: np.ndarray, rows: np.ndarray, page: int, out: np.ndarray) -> int:
-    t = 0
-    for i in range(seq_lens.shape[0]):
-        nb = (seq_lens[i] + page - 1) // page
-        src = rows[i]
-        dst = out[t : t + nb]
-        for j in range(nb):
-            dst[j] = src[j]
-        t += nb
-    return t
-
-
 def _best(fn: Callable[[int], Any]) -> float:
     for k in range(50):
         fn(k)
@@ -105,6 +95,8 @@ def main() -> None:
     narrow = np.ascontiguousarray(table[:, :w])
     rows = [np.zeros((table.shape[0], w), np.int32) for _ in range(RING)]
     idx = [np.zeros(pages, np.int32) for _ in range(RING)]
+    indptr = np.zeros(table.shape[0] + 1, np.int32)
+    last = np.zeros(table.shape[0], np.int32)
     nbytes = rows[0].nbytes + idx[0].nbytes
     src_bytes = np.ones(nbytes, np.uint8)
     flat = [np.zeros(nbytes, np.uint8) for _ in range(RING)]
@@ -114,7 +106,7 @@ def main() -> None:
         ("rows (wide source)", lambda k: _rows(table, rows[k % RING])),
         ("rows (narrow source)", lambda k: _rows(narrow, rows[k % RING])),
         ("rows, compare first", lambda k: _rows_compare_first(table, rows[k % RING])),
-        ("page indices", lambda k: _indices(seq_lens, rows[k % RING], page, idx[k % RING])),
+        ("page indices", lambda k: _paged_from_staged_nb(seq_lens, rows[k % RING], page, indptr, idx[k % RING], last)),
         ("memcpy of the step", lambda k: np.copyto(flat[k % RING], src_bytes)),
     ]
     for name, fn in cases:

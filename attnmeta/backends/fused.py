@@ -77,15 +77,23 @@ from attnmeta.metadata import CommonAttentionMetadata, _bucket, _new_common, sta
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager
 
-__all__ = ["FusedStats", "FusedStep", "FusedStepBuilder"]
+__all__ = ["FusedStats", "FusedStep", "FusedStepBuilder", "table_columns"]
 
 _DEFAULT_FI = FlashInferOptions()
 _EMPTY = np.zeros(0, np.int32)
 _MAX_RECORDS = 512  # per ring slot; dropped (and re-recorded on demand) when a slot outgrows this
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {
+    cls: tuple(f.name for f in dataclasses.fields(cls))
+    for cls in (CommonAttentionMetadata, FlashAttentionMetadata, FlashInferMetadata)
+}
+"""Each metadata class's fields in declaration order (its positional constructor's arguments)."""
+_GETTERS = {cls: operator.attrgetter(*names) for cls, names in _FIELD_NAMES.items()}
+
+
 def _index(cls: type, name: str) -> int:
-    return [f.name for f in dataclasses.fields(cls)].index(name)
+    return _FIELD_NAMES[cls].index(name)
 
 
 _CM_MAX_SEQ = _index(CommonAttentionMetadata, "max_seq_len")
@@ -338,13 +346,8 @@ class FusedStepBuilder:
         return _emit(rec, spec, total, kind, exact)
 
     def _columns(self, spec: BatchSpec) -> int:
-        """Eager mode: ``block_table_tensor``'s columns, the longest request's block count (one column
-        spans ``block_size * world_size`` tokens under context parallelism, vllm-semantics.md 4)
-        rounded up to a multiple of ``table_column_step``."""
-        cp = spec.context_parallel
-        span = spec.block_size * (1 if cp is None else cp.world_size)
-        step_w = self._column_step
-        return -(-max(1, -(-spec.max_exact_seq_len // span)) // step_w) * step_w
+        """Eager mode: ``block_table_tensor``'s columns (:func:`table_columns`)."""
+        return table_columns(spec, self._column_step)
 
     def _compose(self, spec: BatchSpec, step: Any, key: tuple[Any, ...] | None) -> FusedStep:
         """The composable builders on ``step`` (begun by the caller); records the layout under ``key``."""
@@ -484,12 +487,15 @@ def _emit(rec: _Record, spec: BatchSpec, total: int, kind: int, mkv: int) -> Fus
     return FusedStep(cm, fa, fi)
 
 
-_GETTERS: dict[type, Any] = {
-    cls: operator.attrgetter(*(f.name for f in dataclasses.fields(cls)))
-    for cls in (CommonAttentionMetadata, FlashAttentionMetadata, FlashInferMetadata)
-}
-"""Per metadata class, a getter of every field's value in declaration order (``dataclasses.fields``
-rebuilds its tuple on every call, and a new layout records three objects)."""
+def table_columns(spec: BatchSpec, column_step: int = 8) -> int:
+    """The eager-mode ``block_table_columns`` a :class:`FusedStepBuilder` with ``table_column_step``
+    stages for ``spec``: the longest request's block count (one column spans ``block_size *
+    world_size`` tokens under context parallelism, vllm-semantics.md 4), at least 1, rounded up to a
+    multiple of ``column_step``. Pass it to :func:`attnmeta.stage_common` to compose the same
+    objects, or to keep a composable loop's layouts as long (docs/serving.md)."""
+    cp = spec.context_parallel
+    span = spec.block_size * (1 if cp is None else cp.world_size)
+    return -(-max(1, -(-spec.max_exact_seq_len // span)) // column_step) * column_step
 
 
 def _values(obj: Any) -> list[Any]:

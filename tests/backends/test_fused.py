@@ -354,6 +354,23 @@ def test_table_column_step_keeps_layouts_while_the_longest_request_grows(device:
     assert "table_column_step=1" in repr(exact) and "table_column_step" not in repr(rounded)  # 8: the default
 
 
+def test_table_columns_is_the_builders_width() -> None:
+    """``table_columns``: the longest request's blocks (columns of ``block_size * world_size`` tokens
+    under context parallelism), at least 1, rounded up; what a composed step's table has."""
+    from attnmeta.spec import ContextParallel
+
+    table = np.arange(2 * 12, dtype=np.int32).reshape(2, 12)
+    spec = BatchSpec(num_computed_tokens=[40, 3], num_scheduled_tokens=[1, 1], block_table=table, block_size=4)
+    assert (fused.table_columns(spec, 1), fused.table_columns(spec, 8), fused.table_columns(spec)) == (11, 16, 16)
+    cp = dataclasses.replace(spec, context_parallel=ContextParallel(2, 0))
+    assert (fused.table_columns(cp, 1), fused.table_columns(cp, 4)) == (6, 8)  # cdiv(41, 8) = 6
+    empty = BatchSpec(num_computed_tokens=[], num_scheduled_tokens=[], block_table=np.zeros((0, 1), np.int32),
+                      block_size=4)
+    assert (fused.table_columns(empty, 1), fused.table_columns(empty, 8)) == (1, 8)
+    common = FusedStepBuilder(Stager("cpu"), table_column_step=4).build(spec).common
+    assert common.block_table_cpu.shape == (2, fused.table_columns(spec, 4)) == (2, 12)
+
+
 def test_bad_options_fail_fast() -> None:
     with pytest.raises(TypeError, match="flash_attn: expected FlashAttnOptions"):
         FusedStepBuilder(Stager("cpu"), flash_attn="yes")  # type: ignore[arg-type]
