@@ -369,13 +369,22 @@ class Stager:
 
     # ------------------------------------------------------------------ memory
     def _alloc_host(self, nbytes: int) -> tuple[torch.Tensor, np.ndarray]:
-        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        # Pinned memory is resident from the start; pageable memory is touched now (zeros), so a step
+        # that first reaches into a page does not pay the page fault (several us each in a VM).
+        t = (torch.empty if self._pin else torch.zeros)(nbytes, dtype=torch.uint8, pin_memory=self._pin)
         return t, t.numpy()
+
+    def _alloc_arena(self, nbytes: int) -> torch.Tensor:
+        """Device bytes; on the CPU touched now (zeros: no page faults in later steps), elsewhere
+        uninitialised (CUDA memory is resident; meta has none)."""
+        if self.device.type == "cpu":
+            return torch.zeros(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _alloc_slot(self, slot: _Slot, nbytes: int) -> None:
         slot.host, slot.host_np = self._alloc_host(nbytes)
         if not self.graph_mode:
-            slot.device_arena = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            slot.device_arena = self._alloc_arena(nbytes)
             if self._cuda:
                 slot.ptrs = (slot.device_arena.data_ptr(), slot.host.data_ptr())
         elif self._cuda:  # graph mode: every slot copies into the one arena (its address: _graph_reserve)
@@ -392,7 +401,7 @@ class Stager:
         old_host = slot.host_np
         logger.info("attnmeta.staging: growing slot %d to %d bytes (outside steady state)", slot.index, new_size)
         slot.host, slot.host_np = self._alloc_host(new_size)
-        slot.device_arena = torch.empty(new_size, dtype=torch.uint8, device=self.device)
+        slot.device_arena = self._alloc_arena(new_size)
         if self._cuda:
             slot.ptrs = (slot.device_arena.data_ptr(), slot.host.data_ptr())
         slot.typed = {}
@@ -418,7 +427,7 @@ class Stager:
                     name, capacity, row_shape, dtype, self._layout_bytes)
         self.stats.grows += 1
         # Re-create arenas at the new size; existing content is sentinel-refilled below.
-        self._graph_arena = torch.empty(self._layout_bytes, dtype=torch.uint8, device=self.device)
+        self._graph_arena = self._alloc_arena(self._layout_bytes)
         arena_ptr = self._graph_arena.data_ptr() if self._cuda else 0
         self._graph_typed = {}
         self._graph_views = {}
