@@ -301,7 +301,11 @@ class Stager:
     stream : torch.cuda.Stream, optional
         Stream for every commit; default: the current stream at commit time.
     initial_bytes : int, default 1 MiB
-        Initial slot size in eager mode (slots grow geometrically when a step needs more).
+        Initial slot size in eager mode (slots grow geometrically when a step needs more). On the
+        CPU (``device="cpu"``, unpinned host slots) the slot and arena bytes are zeroed when
+        allocated, so they are resident from the start: a later step that first reaches into a page
+        (a new, larger layout) takes no page fault, at the price of resident memory for the whole
+        slot. Pinned slots and CUDA arenas are resident anyway.
 
     Examples
     --------
