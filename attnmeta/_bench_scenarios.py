@@ -21,7 +21,7 @@ from attnmeta.metadata import stage_common
 from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec
 
-__all__ = ["GRAPH_PROFILE", "SCENARIOS", "composable_step", "decode_walks", "spec_decode_walks"]
+__all__ = ["GRAPH_PROFILE", "SCENARIOS", "composable_step", "decode_walks", "fused_step", "spec_decode_walks"]
 
 
 
@@ -207,20 +207,27 @@ def decode(device: torch.device, quick: bool) -> list[Case]:
 def _with_fused(cases: list[Case], walks: list[tuple[int, list[BatchSpec]]], device: torch.device) -> list[Case]:
     """``cases`` with a ``fused`` path each: a FusedStepBuilder on a stager of its own (its copies
     counted apart), walking the case's specs in a cycle."""
+    for case, (_b, specs) in zip(cases, walks):
+        case.paths["fused"], case.stagers["fused"] = fused_step(specs, device)
+        case.uploads["fused"] = Uploads()
+    return cases
+
+
+def fused_step(specs: list[BatchSpec], device: torch.device, threads: int = 1) -> tuple[Callable[[], Any], Any]:
+    """``(step, stager)``: each call of ``step`` builds the next of ``specs`` (cycled) with a
+    :class:`attnmeta.backends.fused.FusedStepBuilder` (``threads``) on a stager of its own."""
     from attnmeta.backends.fused import FusedStepBuilder
     from attnmeta.staging import Stager
 
-    for case, (_b, specs) in zip(cases, walks):
-        builder = FusedStepBuilder(Stager(device))
-        at = [0]
+    builder = FusedStepBuilder(Stager(device), threads=threads)
+    at = [0]
 
-        def step(builder: FusedStepBuilder = builder, specs: list[BatchSpec] = specs, at: list[int] = at) -> Any:
-            i = at[0]
-            at[0] = (i + 1) % len(specs)
-            return builder.build(specs[i])
+    def step() -> Any:
+        i = at[0]
+        at[0] = (i + 1) % len(specs)
+        return builder.build(specs[i])
 
-        case.paths["fused"], case.stagers["fused"], case.uploads["fused"] = step, builder.stager, Uploads()
-    return cases
+    return step, builder.stager
 
 
 GRAPH_PROFILE = StaticProfile(max_num_reqs=1024, max_num_tokens=1024, max_blocks_per_req=2048 // 16 + 8, block_size=16)

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import numba
 
-__all__ = ["njit"]
+__all__ = ["njit", "njit_parallel"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -25,3 +25,12 @@ def njit(fn: F) -> F:
     (integer code only; nothing may be reassociated), ``boundscheck=False``.
     """
     return numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False)(fn)  # type: ignore[return-value]
+
+
+def njit_parallel(fn: F) -> F:
+    """:func:`njit` with ``parallel=True``: ``numba.prange`` loops run on numba's thread pool, with as
+    many threads as ``numba.get_num_threads()`` of the calling thread when the loop starts (set it
+    around the call; a ``numba.set_num_threads`` inside compiled code would make it uncacheable).
+    """
+    return numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False,  # type: ignore[return-value]
+                      parallel=True)(fn)

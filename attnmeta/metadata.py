@@ -309,7 +309,7 @@ def _host_only(group: FieldGroup, key: tuple[Any, ...], Bp: int, W: int) -> tupl
     ws, rank, il = (1, 0, 1) if cp is None else (cp.world_size, cp.rank, cp.interleave)
     Tr = group.fields[3].rows  # staged per-token rows: Tp in graph mode, bucketed in eager mode
     dims = np.array([Bp, Tr, W, qsl_full.shape[0], bs, ws, rank, il, has_p, has_d, has_ub, tokens, paged,
-                     group.fields[7].rows if paged else 0, Bp + 1, 0, 0], np.int64)
+                     group.fields[7].rows if paged else 0, Bp + 1, 0, 0, 0], np.int64)
     return (offsets, dims, hbuf, group.frozen[0][: Bp + 1], frozen[0], frozen[1], frozen[2],
             frozen[3] if has_d else None)
 
@@ -446,7 +446,7 @@ def stage_common(
         qsl_w, sl_w, bt_w, sm_w, pos_w = group.host[:5]
         status = _common_nb(
             *args[:3], bs, int(dims[5]), int(dims[6]), int(dims[7]), args[3], prompt is not None, args[4], has_d,
-            args[5], upper is not None, token_arrays, qsl_w, sl_w, bt_w, pos_w, sm_w, ub, nc,
+            args[5], upper is not None, token_arrays, True, qsl_w, sl_w, bt_w, pos_w, sm_w, ub, nc,
             hbuf[3 * a4 : 3 * a4 + Bp].view(np.bool_), ddt,
         )
         if len(group.host) > 5:

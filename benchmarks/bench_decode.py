@@ -57,7 +57,7 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnmeta._bench_scenarios import decode, spec_decode
+from attnmeta._bench_scenarios import decode, decode_walks, fused_step, spec_decode, spec_decode_walks
 
 TARGETS = {1: 25.0, 64: None, 256: 50.0, 1024: 150.0}
 """Issue #6 targets (median host microseconds) by batch size."""
@@ -78,6 +78,12 @@ def main() -> None:
                     help="time the spec-decode scenario instead (k = 3 drafts, 4 query tokens a row; batch 8, "
                          "64, 256): with the default decode thresholds its rows are prefill rows, which the "
                          "fused path replays too")
+    ap.add_argument("--threads", default="", metavar="N[,M...]",
+                    help="also time FusedStepBuilder(threads=N) as path fused-tN, for each N (numba's thread "
+                         "pool copies the rows of batches of at least PARALLEL_MIN_ROWS requests)")
+    ap.add_argument("--gap-us", type=float, default=0.0, metavar="US",
+                    help="sleep this long before each timed step (not timed), as an engine's host waits "
+                         "for the GPU between steps: caches and idle threads go cold (default 0)")
     args = ap.parse_args()
     if args.pin_cpu is not None:
         os.sched_setaffinity(0, {args.pin_cpu})
@@ -86,14 +92,20 @@ def main() -> None:
     dev = torch.device(args.device)
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"device {dev}, {args.rounds} rounds x {args.steps} steps, {time.strftime('%Y-%m-%d')}, "
-          f"{'pinned to CPU ' + str(args.pin_cpu) if args.pin_cpu is not None else 'not pinned'}")
+          f"{'pinned to CPU ' + str(args.pin_cpu) if args.pin_cpu is not None else 'not pinned'}"
+          f"{f', {args.gap_us:g} us sleep before each step' if args.gap_us else ''}")
     print(f"{'batch':>6} {'path':<11} {'median us':>10} {'best round':>11} {'p99 us':>8} {'target':>7}")
     if args.spec:  # spec decode, k = 3 (no issue targets): batch 8, 64, 256
         cases = spec_decode(dev, quick=False)
     else:
         cases = [c for c in decode(dev, quick=False) if c.batch in TARGETS]
+    threads = [int(t) for t in args.threads.split(",") if t]
+    walks = dict(spec_decode_walks(False) if args.spec else decode_walks(False))
+    gap = args.gap_us / 1e6
     for case in cases:  # (the scenario's paths: attnmeta, reference, per-tensor, fused)
         case.paths = {p: fn for p, fn in case.paths.items() if p in wanted}
+        for t in threads:
+            case.paths[f"fused-t{t}"] = fused_step(walks[case.batch], dev, t)[0]
         samples: dict[str, list[float]] = {p: [] for p in case.paths}
         every: dict[str, list[float]] = {p: [] for p in case.paths}
         for fn in case.paths.values():  # warm-up (compilation, slot layouts, caches)
@@ -106,12 +118,14 @@ def main() -> None:
         try:
             for _ in range(args.rounds):
                 for path, fn in case.paths.items():
-                    fast = path in ("attnmeta", "fused", "floor")
+                    fast = path in ("attnmeta", "floor") or path.startswith("fused")
                     steps = args.steps if fast else max(args.steps // 10, 20)
                     for _ in range(args.warm if fast else max(args.warm // 10, 2)):
                         fn()
                     ts = np.empty(steps)
                     for i in range(steps):
+                        if gap:
+                            time.sleep(gap)
                         t0 = time.perf_counter_ns()
                         fn()
                         ts[i] = (time.perf_counter_ns() - t0) / 1e3
@@ -125,7 +139,7 @@ def main() -> None:
             s = np.array(samples[path])
             target = None if args.spec else TARGETS[case.batch]
             print(f"{case.batch:>6} {path:<11} {np.median(s):>10.1f} {s.min():>11.1f} "
-                  f"{np.percentile(every[path], 99):>8.1f} {'' if target is None or path not in ('attnmeta', 'fused') else target:>7}")
+                  f"{np.percentile(every[path], 99):>8.1f} {'' if target is None or path == 'floor' or path[0] not in 'af' else target:>7}")
 
 
 def _floor(stager: Any, dev: torch.device) -> Callable[[], None]:

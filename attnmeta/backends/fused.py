@@ -66,6 +66,7 @@ import dataclasses
 import operator
 from typing import Any, NamedTuple
 
+import numba
 import numpy as np
 
 from attnmeta.backends import flash_attn as _fa
@@ -77,11 +78,15 @@ from attnmeta.metadata import CommonAttentionMetadata, _bucket, _new_common, sta
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager
 
-__all__ = ["FusedStats", "FusedStep", "FusedStepBuilder", "table_columns"]
+__all__ = ["PARALLEL_MIN_ROWS", "FusedStats", "FusedStep", "FusedStepBuilder", "table_columns"]
 
 _DEFAULT_FI = FlashInferOptions()
 _EMPTY = np.zeros(0, np.int32)
 _MAX_RECORDS = 512  # per ring slot; dropped (and re-recorded on demand) when a slot outgrows this
+PARALLEL_MIN_ROWS = 512
+"""Padded request rows from which a builder made with ``threads > 1`` replays a layout with the
+block-table rows and page indices copied on numba's thread pool (fewer rows: one thread; the thread
+pool's start costs more than the rows)."""
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {
@@ -144,7 +149,7 @@ class _Record:
     outlives the bytes and views it names.
     """
 
-    __slots__ = ("args", "cm", "end", "fa", "fi", "fields", "graph", "idx_cpu", "idx_dev", "total")
+    __slots__ = ("args", "cm", "end", "fa", "fi", "fields", "graph", "idx_cpu", "idx_dev", "threads", "total")
 
     def __init__(self, end: int, fields: dict[str, Any], args: tuple[Any, ...], cm: list[Any], fa: list[Any] | None,
                  fi: list[Any] | None, idx_cpu: Any, idx_dev: Any, total: int) -> None:
@@ -155,6 +160,7 @@ class _Record:
         self.total = total  # the page count the templates' index views have
         # Graph mode only: the page indices' field name (``fields`` holds it at the current page count).
         self.graph: str = ""
+        self.threads = 1  # > 1: the replay's kernel runs its row loops on that many of numba's threads
 
 
 class FusedStepBuilder:
@@ -184,6 +190,14 @@ class FusedStepBuilder:
         ``block_size / (1 + k)`` of spec decoding with ``k`` drafts); 8 makes it 8 times rarer for
         at most 28 more bytes a row (``benchmarks/bench_replay_rate.py``). Graph mode stages the
         profile's width whatever this is.
+    threads : int, default 1
+        Replays of layouts with at least :data:`PARALLEL_MIN_ROWS` padded rows copy the block-table
+        rows and the page indices (the step's two big copies) on this many of numba's threads
+        (``numba.set_num_threads`` around the call; at most ``NUMBA_NUM_THREADS``); the bytes are
+        the same. 1 keeps every step on the calling thread. More threads cut the large steps' host
+        time and use that many cores for it; numba's OpenMP pool keeps its threads spinning for a
+        while after a step, so leave cores for them (docs/benchmarks.md measures 1, 2 and 4 on an
+        H200 host). Steps that compose (a layout's first step on a slot) run on one thread.
 
     Notes
     -----
@@ -214,9 +228,14 @@ class FusedStepBuilder:
         causal: bool = True,
         prefix: str = "common",
         table_column_step: int = 8,
+        threads: int = 1,
     ) -> None:
         if isinstance(table_column_step, bool) or not isinstance(table_column_step, int) or table_column_step < 1:
             raise ValueError(f"table_column_step: expected an int >= 1, got {table_column_step!r}")
+        most = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= most:
+            raise ValueError(f"threads: expected an int in [1, {most}] (numba's thread pool, NUMBA_NUM_THREADS), "
+                             f"got {threads!r}")
         fa = FlashAttnOptions() if flash_attn is True else flash_attn or None
         fi = FlashInferOptions() if flashinfer is True else flashinfer or None
         if fa is not None and not isinstance(fa, FlashAttnOptions):
@@ -243,6 +262,7 @@ class FusedStepBuilder:
                                   _DEFAULT_FI.decode_threshold if fi is not None else 0)
         self._token = object()  # this builder's key in each slot's extras
         self._column_step = table_column_step
+        self._threads = threads
         self.stats = FusedStats()
 
     @property
@@ -326,11 +346,18 @@ class FusedStepBuilder:
         :meth:`_record`), the step commits, the objects come from the record's templates."""
         prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
         try:
-            status = _common_packed_nb(
-                spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
-                _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
-                _EMPTY if upper is None else upper, *rec.args,
-            )
+            if rec.threads > 1:
+                was = numba.get_num_threads()
+                numba.set_num_threads(rec.threads)
+            try:
+                status = _common_packed_nb(
+                    spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
+                    _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
+                    _EMPTY if upper is None else upper, *rec.args,
+                )
+            finally:
+                if rec.threads > 1:
+                    numba.set_num_threads(was)
             if rec.graph:  # graph mode: the page indices are staged with this step's page count
                 f = rec.fields[rec.graph]
                 if f.rows != total:
@@ -432,6 +459,10 @@ class FusedStepBuilder:
                 offsets[9:13] = (f_indptr.offset, f_last.offset, f_idx.offset, f_qo.offset)
                 dims[12:17] = (1, f_idx.capacity, f_indptr.rows, f_qo.rows, fi.num_decodes)
                 n_graph = n_indices
+        threads = self._threads if int(dims[0]) >= PARALLEL_MIN_ROWS else 1
+        if threads > 1:  # the replays' kernel copies the rows on numba's thread pool
+            dims = dims.copy()
+            dims[17] = 1
         records = self._records(step)
         if len(records) >= _MAX_RECORDS:
             records.clear()
@@ -441,10 +472,12 @@ class FusedStepBuilder:
             idx_cpu, idx_dev, fi.num_pages if fi is not None else -1,
         )
         rec.graph = n_graph
+        rec.threads = threads
 
     def __repr__(self) -> str:
         parts = [f"flash_attn={self._fa_opts is not None}", f"flashinfer={self._fi_opts is not None}",
                  *([f"table_column_step={self._column_step}"] if self._column_step != 8 else []),
+                 *([f"threads={self._threads}"] if self._threads != 1 else []),
                  f"replay={'on' if self._replay else 'off'}", f"steps={self.stats.steps}",
                  f"replayed={self.stats.replayed}"]
         return f"FusedStepBuilder({', '.join(parts)})"

@@ -15,9 +15,10 @@ Shape legend
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
-from attnmeta._numba import njit
+from attnmeta._numba import njit, njit_parallel
 from attnmeta.host.layout import (
     _TOO_NARROW,
     _is_prefilling_nb,
@@ -46,6 +47,7 @@ def _common_nb(
     upper: np.ndarray,
     has_upper: bool,
     do_tokens: bool,
+    copy_rows: bool,
     qsl: np.ndarray,
     seq_lens: np.ndarray,
     bt: np.ndarray,
@@ -59,14 +61,15 @@ def _common_nb(
     n = q.shape[0]
     status = _query_start_loc_nb(q, qsl)[0]
     status |= _seq_lens_nb(c, q, seq_lens)[0]
-    w = min(bt.shape[1], table.shape[1])
-    for i in range(n):
-        src = table[i]  # 1-D row views: the copy loop vectorizes
-        dst = bt[i]
-        for j in range(w):
-            dst[j] = src[j]
-        for j in range(w, dst.shape[0]):
-            dst[j] = 0
+    if copy_rows:  # (else the caller copied them: _bt_rows_par_nb)
+        w = min(bt.shape[1], table.shape[1])
+        for i in range(n):
+            src = table[i]  # 1-D row views: the copy loop vectorizes
+            dst = bt[i]
+            for j in range(w):
+                dst[j] = src[j]
+            for j in range(w, dst.shape[0]):
+                dst[j] = 0
     # The slot mapping reads the rows just copied (in cache) rather than the spec's wide table; a
     # staged table narrower than a request's blocks falls back to the spec's.
     if do_tokens:
@@ -114,7 +117,7 @@ def _common_packed_nb(
     positions (``Tp`` int64 each); ``host_only`` holds, at ``offsets[5:9]``, seq_lens_upper_bound,
     num_computed_tokens, num_decode_draft_tokens (``Bp`` int32 each) and is_prefilling (``Bp`` bool).
     ``dims = [Bp, Tp, W, qsl rows, block_size, world_size, rank, interleave, has_prompt, has_drafts,
-    has_upper, token arrays, paged, indices rows, indptr rows, qo rows, decode rows]``; without token
+    has_upper, token arrays, paged, indices rows, indptr rows, qo rows, decode rows, parallel]``; without token
     arrays (``dims[11] == 0``) slot_mapping and positions are empty and not computed. With ``paged``
     (``dims[12] != 0``) the staged bytes also hold, at ``offsets[9:12]``, FlashInfer's
     paged_kv_indptr (``dims[14] >= Bp + 1`` rows; those past ``Bp`` repeat the page count, a
@@ -122,7 +125,9 @@ def _common_packed_nb(
     rows, the page count first), filled by :func:`_paged_from_staged_nb` (page size = block size),
     and at ``offsets[12]`` FlashInfer's prefill query indptr of a split with ``D = dims[16]`` decode
     rows, ``qo[i] = qsl[D + i] - qsl[D]`` for ``i <= Bp - D``, its ``dims[15]`` rows past those
-    repeating the last (0 rows: none).
+    repeating the last (0 rows: none). With ``dims[17] != 0`` the block-table rows and the page
+    indices are copied by ``numba.prange`` loops on numba's thread pool (as many threads as the
+    calling thread's ``numba.get_num_threads()``): the same bytes as the serial loops.
     """
     Bp, Tp, W, nq = dims[0], dims[1], dims[2], dims[3]
     o = offsets
@@ -136,16 +141,25 @@ def _common_packed_nb(
     nc = host_only[o[6] : o[6] + 4 * Bp].view(np.int32)
     ddt = host_only[o[7] : o[7] + 4 * Bp].view(np.int32)
     pre = host_only[o[8] : o[8] + Bp].view(np.bool_)
+    par = dims[17] != 0
+    if par:  # the block-table rows on numba's thread pool (the caller set its size)
+        _bt_rows_par_nb(table, bt, q.shape[0])
     status = _common_nb(
         c, q, table, dims[4], dims[5], dims[6], dims[7], prompt, dims[8] != 0, drafts, dims[9] != 0, upper,
-        dims[10] != 0, dims[11] != 0, qsl, sl, bt, pos, sm, ub, nc, pre, ddt,
+        dims[10] != 0, dims[11] != 0, not par, qsl, sl, bt, pos, sm, ub, nc, pre, ddt,
     )
     if dims[12] != 0:  # the paged-KV layout, from the rows just staged (still in cache)
         n_indptr = dims[14]
         indptr = staged[o[9] : o[9] + 4 * n_indptr].view(np.int32)
         last = staged[o[10] : o[10] + 4 * Bp].view(np.int32)
         indices = staged[o[11] : o[11] + 4 * dims[13]].view(np.int32)
-        status |= _paged_from_staged_nb(sl, bt, dims[4], indptr[: Bp + 1], indices, last)
+        if par:
+            code = _paged_counts_nb(sl, bt.shape[1], dims[4], indptr[: Bp + 1], indices.shape[0], last)
+            if code == 0:
+                _indices_par_nb(bt, indptr, indices, Bp)
+            status |= code
+        else:
+            status |= _paged_from_staged_nb(sl, bt, dims[4], indptr[: Bp + 1], indices, last)
         for i in range(Bp + 1, n_indptr):
             indptr[i] = indptr[Bp]
         qo = staged[o[12] : o[12] + 4 * dims[15]].view(np.int32)
@@ -188,6 +202,53 @@ def _paged_from_staged_nb(
         r = s % page_size
         last[i] = page_size if (r == 0 and s != 0) else r
     return 0
+
+
+@njit_parallel
+def _bt_rows_par_nb(table: np.ndarray, bt: np.ndarray, n: int) -> None:
+    """:func:`_common_nb`'s block-table copy on numba's thread pool: the first ``n`` rows of ``bt``
+    from ``table`` (as many columns as both have), zeros past them; rows past ``n`` are left to
+    :func:`_common_nb` (padding)."""
+    w = min(bt.shape[1], table.shape[1])
+    for i in numba.prange(n):
+        src = table[i]
+        dst = bt[i]
+        for j in range(w):
+            dst[j] = src[j]
+        for j in range(w, dst.shape[0]):
+            dst[j] = 0
+
+
+@njit
+def _paged_counts_nb(seq_lens: np.ndarray, w: int, page_size: int, indptr: np.ndarray, cap: int,
+                     last: np.ndarray) -> int:
+    """:func:`_paged_from_staged_nb` without the page-index copy: ``indptr`` and ``last``, and the
+    same status (1 if a row needs more than ``w`` pages or the pages exceed ``cap``)."""
+    t = np.int64(0)
+    indptr[0] = 0
+    for i in range(seq_lens.shape[0]):
+        s = np.int64(seq_lens[i])
+        nb = (s + page_size - 1) // page_size
+        if nb > w or t + nb > cap:
+            return 1
+        t += nb
+        indptr[i + 1] = t
+        r = s % page_size
+        last[i] = page_size if (r == 0 and s != 0) else r
+    return 0
+
+
+@njit_parallel
+def _indices_par_nb(bt: np.ndarray, indptr: np.ndarray, indices: np.ndarray, n: int) -> None:
+    """The page indices of :func:`_paged_from_staged_nb` on numba's thread pool, from ``indptr``
+    (:func:`_paged_counts_nb`): row ``i``'s first ``indptr[i + 1] - indptr[i]`` block ids."""
+    for i in numba.prange(n):
+        lo = indptr[i]
+        nb = indptr[i + 1] - lo
+        src = bt[i]
+        dst = indices[lo : lo + nb]
+        for j in range(nb):
+            dst[j] = src[j]
 
 
 _EMPTY_I32 = np.zeros(0, np.int32)
@@ -266,6 +327,7 @@ def common_layout(
         has_d,
         spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else _EMPTY_I32,
         spec.seq_lens_upper_bound is not None,
+        True,
         True,
         query_start_loc,
         seq_lens,

@@ -66,9 +66,10 @@ def _assert_same(got: Any, want: Any, path: str) -> None:
 
 
 def _check_walk(specs: list[Any], device: torch.device, fa_opts: Any = FlashAttnOptions(),
-                fi_opts: Any = FlashInferOptions(), column_step: int = 1, **stager_kw: Any) -> FusedStepBuilder:
+                fi_opts: Any = FlashInferOptions(), column_step: int = 1, threads: int = 1,
+                **stager_kw: Any) -> FusedStepBuilder:
     builder = FusedStepBuilder(Stager(device, **stager_kw), flash_attn=fa_opts, flashinfer=fi_opts,
-                               table_column_step=column_step)
+                               table_column_step=column_step, threads=threads)
     ref = Stager(device, **stager_kw)
     paged = fi_opts is not None and fi_opts == FlashInferOptions()
     kept: list[tuple[FusedStep, FusedStep]] = []
@@ -371,6 +372,42 @@ def test_table_columns_is_the_builders_width() -> None:
     assert common.block_table_cpu.shape == (2, fused.table_columns(spec, 4)) == (2, 12)
 
 
+@pytest.mark.parametrize("profile", [None, StaticProfile(max_num_reqs=640, max_num_tokens=2560, max_blocks_per_req=16,
+                                                        block_size=16)], ids=["eager", "graph"])
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_threads_copy_the_same_bytes(device: torch.device, profile: Any, drafts: int,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``threads=2``: replays of layouts with at least PARALLEL_MIN_ROWS rows copy the block-table rows
+    and page indices on numba's thread pool; every field (and in graph mode every fixed buffer) still
+    equals the composable builders', and the calling thread's numba thread count is restored. Smaller
+    layouts never touch the pool."""
+    import numba
+
+    calls: list[int] = []
+    real = numba.set_num_threads
+    monkeypatch.setattr(numba, "set_num_threads", lambda n: (calls.append(n), real(n))[1])
+    before = numba.get_num_threads()
+    rows = fused.PARALLEL_MIN_ROWS + 8
+    # (a 13-column table: the staged width, 16 in both modes, zero-fills columns past the engine's)
+    def junk(stager: Stager) -> None:  # every byte of the next slot overwritten (eager mode)
+        with stager.step() as step:
+            step.alloc("junk", stager._slots[stager._next].host_np.shape[0] // 4, np.int32)[:] = 77
+
+    walk: list[Any] = []
+    for spec in _decode_walk(rows, 4, seed=11, max_context=190, table_width=13, drafts=drafts):
+        # each step on every slot, then (eager mode) junk on every slot, then replays of the step
+        walk += [spec] * 3 + ([junk] * 3 if profile is None else []) + [spec] * 3
+    builder = _check_walk(walk, device, column_step=8, threads=2, profile=profile)
+    assert builder.stats.replayed > 0 and calls[::2] == [2] * builder.stats.replayed and numba.get_num_threads() == before
+    recorded = [r for slot in builder.stager._slots for r in slot.extras[builder._token].values()]
+    assert recorded and all(r.args[3][17] == 1 and r.threads == 2 for r in recorded)  # the kernel's parallel loops
+    calls.clear()
+    small = _check_walk(_decode_walk(8, 8, seed=11, max_context=190, table_width=13, drafts=drafts), device, threads=2,
+                        profile=profile)
+    assert small.stats.replayed > 0 and calls == []
+    assert "threads=2" in repr(builder)
+
+
 def test_bad_options_fail_fast() -> None:
     with pytest.raises(TypeError, match="flash_attn: expected FlashAttnOptions"):
         FusedStepBuilder(Stager("cpu"), flash_attn="yes")  # type: ignore[arg-type]
@@ -379,6 +416,11 @@ def test_bad_options_fail_fast() -> None:
     for bad in (0, -8, 2.0, True):
         with pytest.raises(ValueError, match="table_column_step: expected an int >= 1"):
             FusedStepBuilder(Stager("cpu"), table_column_step=bad)  # type: ignore[arg-type]
+    import numba
+
+    for bad in (0, numba.config.NUMBA_NUM_THREADS + 1, 2.0, True):
+        with pytest.raises(ValueError, match="threads: expected an int in"):
+            FusedStepBuilder(Stager("cpu"), threads=bad)  # type: ignore[arg-type]
 
 
 def test_one_copy_per_step_and_no_sync_on_meta() -> None:

@@ -335,22 +335,24 @@ def test_no_driver_copy_while_another_device_is_current(monkeypatch: pytest.Monk
     assert spy.copies == 0
 
 
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_fused_replays_land_intact_while_the_gpu_is_held(graph: bool) -> None:
+@pytest.mark.parametrize("graph, threads", [(False, 1), (True, 1), (False, 2)], ids=["eager", "graph", "eager-threads"])
+def test_fused_replays_land_intact_while_the_gpu_is_held(graph: bool, threads: int) -> None:
     """FusedStepBuilder on CUDA (eager replays through the driver copy; graph mode into the fixed
-    arena): 1,500 steps walking decode and spec-decode loops (3 drafts: prefill rows only, which
-    replay too) of several sizes and mixed steps, the GPU held behind every 8 steps, all under sync
-    "error" mode; each step's device fields (common and FlashInfer) equal the host twins it handed
-    out."""
+    arena; with ``threads=2`` a 600-request loop whose rows numba's thread pool copies): 1,500 steps
+    walking decode and spec-decode loops (3 drafts: prefill rows only, which replay too) of several
+    sizes and mixed steps, the GPU held behind every 8 steps, all under sync "error" mode; each
+    step's device fields (common and FlashInfer) equal the host twins it handed out."""
     from attnmeta._workloads import advance, decode_spec, mixed_spec
     from attnmeta.backends.fused import FusedStepBuilder
 
     rng = np.random.default_rng(11)
     walks = [advance(decode_spec(b, rng, max_context=600, table_width=64), 40) for b in (1, 5, 33, 130)]
     walks += [advance(decode_spec(b, rng, max_context=600, table_width=64, drafts=3), 40) for b in (3, 40)]
+    if threads > 1:
+        walks += [advance(decode_spec(600, rng, max_context=600, table_width=64), 40)]
     mixed = [mixed_spec(rng, prefills=2, decodes=6, max_prompt=50, max_context=600) for _ in range(3)]
     prof = StaticProfile(max_num_reqs=256, max_num_tokens=1024, max_blocks_per_req=160, block_size=16) if graph else None
-    builder = FusedStepBuilder(Stager("cuda", num_slots=3, profile=prof))
+    builder = FusedStepBuilder(Stager("cuda", num_slots=3, profile=prof), threads=threads)
     steps = 1_500
     dev = builder.stager.device
     weights = torch.arange(1, 1 << 16, dtype=torch.int64, device=dev)
