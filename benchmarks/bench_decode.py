@@ -82,8 +82,11 @@ def main() -> None:
                     help="also time FusedStepBuilder(threads=N) as path fused-tN, for each N (numba's thread "
                          "pool copies the rows of batches of at least PARALLEL_MIN_ROWS requests)")
     ap.add_argument("--gap-us", type=float, default=0.0, metavar="US",
-                    help="sleep this long before each timed step (not timed), as an engine's host waits "
-                         "for the GPU between steps: caches and idle threads go cold (default 0)")
+                    help="wait this long before each timed step (not timed), as an engine's host waits "
+                         "for the GPU between steps (default 0: steps back to back)")
+    ap.add_argument("--gap-mode", choices=("sleep", "spin"), default="sleep",
+                    help="how the gap waits: sleep (the thread idles, as in a blocking GPU wait: its core may "
+                         "slow down or run other work) or spin (busy on the clock, the core stays awake)")
     args = ap.parse_args()
     if args.pin_cpu is not None:
         os.sched_setaffinity(0, {args.pin_cpu})
@@ -93,7 +96,7 @@ def main() -> None:
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"device {dev}, {args.rounds} rounds x {args.steps} steps, {time.strftime('%Y-%m-%d')}, "
           f"{'pinned to CPU ' + str(args.pin_cpu) if args.pin_cpu is not None else 'not pinned'}"
-          f"{f', {args.gap_us:g} us sleep before each step' if args.gap_us else ''}")
+          f"{f', {args.gap_us:g} us {args.gap_mode} before each step' if args.gap_us else ''}")
     print(f"{'batch':>6} {'path':<11} {'median us':>10} {'best round':>11} {'p99 us':>8} {'target':>7}")
     if args.spec:  # spec decode, k = 3 (no issue targets): batch 8, 64, 256
         cases = spec_decode(dev, quick=False)
@@ -102,6 +105,7 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",") if t]
     walks = dict(spec_decode_walks(False) if args.spec else decode_walks(False))
     gap = args.gap_us / 1e6
+    wait = time.sleep if args.gap_mode == "sleep" else _spin
     for case in cases:  # (the scenario's paths: attnmeta, reference, per-tensor, fused)
         case.paths = {p: fn for p, fn in case.paths.items() if p in wanted}
         for t in threads:
@@ -125,7 +129,7 @@ def main() -> None:
                     ts = np.empty(steps)
                     for i in range(steps):
                         if gap:
-                            time.sleep(gap)
+                            wait(gap)
                         t0 = time.perf_counter_ns()
                         fn()
                         ts[i] = (time.perf_counter_ns() - t0) / 1e3
@@ -140,6 +144,13 @@ def main() -> None:
             target = None if args.spec else TARGETS[case.batch]
             print(f"{case.batch:>6} {path:<11} {np.median(s):>10.1f} {s.min():>11.1f} "
                   f"{np.percentile(every[path], 99):>8.1f} {'' if target is None or path == 'floor' or path[0] not in 'af' else target:>7}")
+
+
+def _spin(seconds: float) -> None:
+    """Busy-wait ``seconds`` on the clock (the ``--gap-mode spin`` gap)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def _floor(stager: Any, dev: torch.device) -> Callable[[], None]:

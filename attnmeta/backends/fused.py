@@ -73,7 +73,7 @@ from attnmeta.backends import flash_attn as _fa
 from attnmeta.backends import flashinfer as _fi
 from attnmeta.backends.flash_attn import FlashAttentionMetadata, FlashAttnOptions, _new_fa
 from attnmeta.backends.flashinfer import FlashInferMetadata, FlashInferOptions, _new_fi
-from attnmeta.host.common import _common_packed_nb
+from attnmeta.host.common import _bt_rows_par_nb, _common_packed_nb, _indices_par_nb
 from attnmeta.metadata import CommonAttentionMetadata, _bucket, _new_common, stage_common
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager
@@ -149,7 +149,7 @@ class _Record:
     outlives the bytes and views it names.
     """
 
-    __slots__ = ("args", "cm", "end", "fa", "fi", "fields", "graph", "idx_cpu", "idx_dev", "threads", "total")
+    __slots__ = ("args", "cm", "end", "fa", "fi", "fields", "graph", "idx_cpu", "idx_dev", "par", "threads", "total")
 
     def __init__(self, end: int, fields: dict[str, Any], args: tuple[Any, ...], cm: list[Any], fa: list[Any] | None,
                  fi: list[Any] | None, idx_cpu: Any, idx_dev: Any, total: int) -> None:
@@ -160,7 +160,10 @@ class _Record:
         self.total = total  # the page count the templates' index views have
         # Graph mode only: the page indices' field name (``fields`` holds it at the current page count).
         self.graph: str = ""
-        self.threads = 1  # > 1: the replay's kernel runs its row loops on that many of numba's threads
+        # > 1: a replay copies the block-table rows and page indices on that many of numba's threads,
+        # through ``par``: writable views of the block table, indptr and indices (None without a page table)
+        self.threads = 1
+        self.par: tuple[Any, Any, Any] | None = None
 
 
 class FusedStepBuilder:
@@ -346,17 +349,25 @@ class FusedStepBuilder:
         :meth:`_record`), the step commits, the objects come from the record's templates."""
         prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
         try:
-            if rec.threads > 1:
-                was = numba.get_num_threads()
-                numba.set_num_threads(rec.threads)
-            try:
+            par = rec.par
+            if par is None:
                 status = _common_packed_nb(
                     spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
                     _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
                     _EMPTY if upper is None else upper, *rec.args,
                 )
-            finally:
-                if rec.threads > 1:
+            else:  # the two big copies on numba's thread pool, around the kernel (see _common_packed_nb)
+                was = _pool_threads(rec.threads)
+                try:
+                    _bt_rows_par_nb(spec.block_table, par[0], spec.num_reqs)
+                    status = _common_packed_nb(
+                        spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
+                        _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
+                        _EMPTY if upper is None else upper, *rec.args,
+                    )
+                    if par[2] is not None and not status:
+                        _indices_par_nb(par[0], par[1], par[2], par[0].shape[0])
+                finally:
                     numba.set_num_threads(was)
             if rec.graph:  # graph mode: the page indices are staged with this step's page count
                 f = rec.fields[rec.graph]
@@ -459,10 +470,18 @@ class FusedStepBuilder:
                 offsets[9:13] = (f_indptr.offset, f_last.offset, f_idx.offset, f_qo.offset)
                 dims[12:17] = (1, f_idx.capacity, f_indptr.rows, f_qo.rows, fi.num_decodes)
                 n_graph = n_indices
-        threads = self._threads if int(dims[0]) >= PARALLEL_MIN_ROWS else 1
-        if threads > 1:  # the replays' kernel copies the rows on numba's thread pool
+        threads = self._threads if int(dims[0]) >= PARALLEL_MIN_ROWS and group.buf is not None else 1
+        par = None
+        if threads > 1:  # replays copy the block-table rows and page indices on numba's thread pool
             dims = dims.copy()
             dims[17] = 1
+            buf, (Bp, W) = group.buf, (int(dims[0]), int(dims[2]))
+            bt = buf[offsets[2] : offsets[2] + 4 * Bp * W].view(np.int32).reshape(Bp, W)
+            indptr = indices = None
+            if dims[12]:  # the page table: writable views where the kernel addresses it
+                indptr = buf[offsets[9] : offsets[9] + 4 * (Bp + 1)].view(np.int32)
+                indices = buf[offsets[11] : offsets[11] + 4 * int(dims[13])].view(np.int32)
+            par = (bt, indptr, indices)
         records = self._records(step)
         if len(records) >= _MAX_RECORDS:
             records.clear()
@@ -472,7 +491,7 @@ class FusedStepBuilder:
             idx_cpu, idx_dev, fi.num_pages if fi is not None else -1,
         )
         rec.graph = n_graph
-        rec.threads = threads
+        rec.threads, rec.par = threads, par
 
     def __repr__(self) -> str:
         parts = [f"flash_attn={self._fa_opts is not None}", f"flashinfer={self._fi_opts is not None}",
@@ -529,6 +548,29 @@ def table_columns(spec: BatchSpec, column_step: int = 8) -> int:
     cp = spec.context_parallel
     span = spec.block_size * (1 if cp is None else cp.world_size)
     return -(-max(1, -(-spec.max_exact_seq_len // span)) // column_step) * column_step
+
+
+_POOL_STARTED = False
+
+
+def _pool_threads(n: int) -> int:
+    """Have numba's thread pool run the calling thread's next parallel loops on ``n`` threads; returns
+    the count to restore. The first call starts numba's threading layer, whose OpenMP start changes
+    the thread count torch's CPU ops see: torch's count is put back as it was."""
+    global _POOL_STARTED
+    if not _POOL_STARTED:
+        import torch
+
+        torch_threads = torch.get_num_threads()
+        was = numba.get_num_threads()
+        numba.set_num_threads(n)
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
+        _POOL_STARTED = True
+        return was
+    was = numba.get_num_threads()
+    numba.set_num_threads(n)
+    return was
 
 
 def _values(obj: Any) -> list[Any]:

@@ -125,9 +125,12 @@ def _common_packed_nb(
     rows, the page count first), filled by :func:`_paged_from_staged_nb` (page size = block size),
     and at ``offsets[12]`` FlashInfer's prefill query indptr of a split with ``D = dims[16]`` decode
     rows, ``qo[i] = qsl[D + i] - qsl[D]`` for ``i <= Bp - D``, its ``dims[15]`` rows past those
-    repeating the last (0 rows: none). With ``dims[17] != 0`` the block-table rows and the page
-    indices are copied by ``numba.prange`` loops on numba's thread pool (as many threads as the
-    calling thread's ``numba.get_num_threads()``): the same bytes as the serial loops.
+    repeating the last (0 rows: none). With ``dims[17] != 0`` the caller copies the real rows of the
+    block table before the call (:func:`_bt_rows_par_nb`) and the page indices after it
+    (:func:`_indices_par_nb`, from the indptr this call writes): the same bytes as the serial loops,
+    on numba's thread pool. They are separate calls so that a process that never asks for threads
+    never starts numba's threading layer (its OpenMP start changes the thread count other OpenMP
+    code in the process, torch's CPU ops among them, sees).
     """
     Bp, Tp, W, nq = dims[0], dims[1], dims[2], dims[3]
     o = offsets
@@ -141,9 +144,7 @@ def _common_packed_nb(
     nc = host_only[o[6] : o[6] + 4 * Bp].view(np.int32)
     ddt = host_only[o[7] : o[7] + 4 * Bp].view(np.int32)
     pre = host_only[o[8] : o[8] + Bp].view(np.bool_)
-    par = dims[17] != 0
-    if par:  # the block-table rows on numba's thread pool (the caller set its size)
-        _bt_rows_par_nb(table, bt, q.shape[0])
+    par = dims[17] != 0  # the caller copies the block-table rows before and the page indices after
     status = _common_nb(
         c, q, table, dims[4], dims[5], dims[6], dims[7], prompt, dims[8] != 0, drafts, dims[9] != 0, upper,
         dims[10] != 0, dims[11] != 0, not par, qsl, sl, bt, pos, sm, ub, nc, pre, ddt,
@@ -154,10 +155,7 @@ def _common_packed_nb(
         last = staged[o[10] : o[10] + 4 * Bp].view(np.int32)
         indices = staged[o[11] : o[11] + 4 * dims[13]].view(np.int32)
         if par:
-            code = _paged_counts_nb(sl, bt.shape[1], dims[4], indptr[: Bp + 1], indices.shape[0], last)
-            if code == 0:
-                _indices_par_nb(bt, indptr, indices, Bp)
-            status |= code
+            status |= _paged_counts_nb(sl, bt.shape[1], dims[4], indptr[: Bp + 1], indices.shape[0], last)
         else:
             status |= _paged_from_staged_nb(sl, bt, dims[4], indptr[: Bp + 1], indices, last)
         for i in range(Bp + 1, n_indptr):

@@ -408,6 +408,34 @@ def test_threads_copy_the_same_bytes(device: torch.device, profile: Any, drafts:
     assert "threads=2" in repr(builder)
 
 
+def test_threads_start_numbas_pool_only_when_used_and_keep_torchs_thread_count() -> None:
+    """A fresh process: builders with ``threads=1`` (the default) never start numba's threading layer;
+    one with ``threads=2`` starts it on its first parallel replay, and torch's CPU thread count (which
+    the layer's OpenMP start changes) is as it was. Before the fix, loading the kernel started the layer
+    and torch's CPU ops ran on every core, a spinning second thread beside each copy."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numba.np.ufunc.parallel as par, numpy as np, torch\n"
+        "torch.set_num_threads(1)\n"
+        "from attnmeta._workloads import advance, decode_spec\n"
+        "from attnmeta.backends.fused import PARALLEL_MIN_ROWS, FusedStepBuilder\n"
+        "from attnmeta.staging import Stager\n"
+        "specs = advance(decode_spec(PARALLEL_MIN_ROWS + 8, np.random.default_rng(0), max_context=200,"
+        " table_width=16), 2)\n"
+        "for threads in (1, 2):\n"
+        "    b = FusedStepBuilder(Stager('cpu'), threads=threads)\n"
+        "    for i in range(8):\n"
+        "        b.build(specs[i % 2])\n"
+        "    print(threads, b.stats.replayed > 0, torch.get_num_threads(), par._is_initialized)\n"
+    )
+    env = {**__import__("os").environ, "NUMBA_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["1 True 1 False", "2 True 1 True"], out.stdout
+
+
 def test_bad_options_fail_fast() -> None:
     with pytest.raises(TypeError, match="flash_attn: expected FlashAttnOptions"):
         FusedStepBuilder(Stager("cpu"), flash_attn="yes")  # type: ignore[arg-type]
