@@ -34,8 +34,18 @@ same machine in the same run (omit it with ``--paths``).
 With ``--spec`` it times the spec-decode scenario of the bench CLI instead (``spec-decode-k3``: 3
 draft tokens a request, batch 8, 64 and 256), which has no issue targets.
 
+``--threads 2,4`` adds the paths ``fused-t2`` and ``fused-t4``: ``FusedStepBuilder(threads=N)``,
+whose replays of batches of at least ``PARALLEL_MIN_ROWS`` (512) requests copy the block-table rows
+and page indices on numba's thread pool (those threads keep their cores busy between steps).
+
+``--gap-us 1000`` waits 1 ms before each timed step, untimed, as an engine's host waits for the GPU
+between its steps; ``--gap-mode sleep`` (the default) idles the thread, as a blocking wait does,
+``--gap-mode spin`` keeps it busy on the clock. Back-to-back steps (no gap, the default and the issue
+measurement) run with every cache and predictor warm from the step before; after a gap they do not,
+and every path is slower (docs/benchmarks.md).
+
 Run: ``python benchmarks/bench_decode.py [--device cpu|cuda] [--rounds 10] [--steps 400] [--paths attnmeta,fused]
-[--pin-cpu N] [--spec]``.
+[--pin-cpu N] [--spec] [--threads N,M] [--gap-us US] [--gap-mode sleep|spin]``.
 """
 
 from __future__ import annotations

@@ -85,8 +85,9 @@ _EMPTY = np.zeros(0, np.int32)
 _MAX_RECORDS = 512  # per ring slot; dropped (and re-recorded on demand) when a slot outgrows this
 PARALLEL_MIN_ROWS = 512
 """Padded request rows from which a builder made with ``threads > 1`` replays a layout with the
-block-table rows and page indices copied on numba's thread pool (fewer rows: one thread; the thread
-pool's start costs more than the rows)."""
+block-table rows and page indices copied on numba's thread pool. Fewer rows stay on one thread: on
+an H200 host a 256-request step took 50.8 us on one thread and 57.4 / 59.7 on 2 / 4 (the pool's
+hand-off costs more than it saves there)."""
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {
@@ -196,11 +197,15 @@ class FusedStepBuilder:
     threads : int, default 1
         Replays of layouts with at least :data:`PARALLEL_MIN_ROWS` padded rows copy the block-table
         rows and the page indices (the step's two big copies) on this many of numba's threads
-        (``numba.set_num_threads`` around the call; at most ``NUMBA_NUM_THREADS``); the bytes are
-        the same. 1 keeps every step on the calling thread. More threads cut the large steps' host
-        time and use that many cores for it; numba's OpenMP pool keeps its threads spinning for a
-        while after a step, so leave cores for them (docs/benchmarks.md measures 1, 2 and 4 on an
-        H200 host). Steps that compose (a layout's first step on a slot) run on one thread.
+        (``numba.set_num_threads`` around the calls, at most ``NUMBA_NUM_THREADS``); the bytes are
+        the same. 1 keeps every step on the calling thread and never starts numba's threading layer.
+        The first parallel replay starts it (OpenMP on most installs); its start changes the
+        OpenMP thread count torch's CPU ops see, which the builder puts back. The cost is cores:
+        OpenMP's default wait policy keeps the ``threads - 1`` helpers spinning between steps, so
+        a loop of such steps keeps ``threads`` cores busy the whole time, also while the host waits
+        for the GPU; with ``OMP_WAIT_POLICY=passive`` they sleep, and the wake-up eats the gain. On
+        an H200 host a 1024-request decode step took 142 us on one thread, 127 on 2 and 107 on 4
+        (docs/benchmarks.md). Steps that compose (a layout's first step on a slot) run on one thread.
 
     Notes
     -----
