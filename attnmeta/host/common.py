@@ -182,24 +182,16 @@ def _paged_from_staged_nb(
     an empty row). ``indices`` may be longer than the page count (its tail is left as it is).
     Returns 1 if a row needs more pages than ``bt`` has columns or ``indices`` is too short, else 0.
     """
-    t = np.int64(0)
-    indptr[0] = 0
-    w = bt.shape[1]
-    cap = indices.shape[0]
-    for i in range(seq_lens.shape[0]):
-        s = np.int64(seq_lens[i])
-        nb = (s + page_size - 1) // page_size
-        if nb > w or t + nb > cap:
-            return 1
-        src = bt[i]
-        dst = indices[t : t + nb]  # 1-D slices: the copy vectorizes
-        for j in range(nb):
-            dst[j] = src[j]
-        t += nb
-        indptr[i + 1] = t
-        r = s % page_size
-        last[i] = page_size if (r == 0 and s != 0) else r
-    return 0
+    status = _paged_counts_nb(seq_lens, bt.shape[1], page_size, indptr, indices.shape[0], last)
+    if status == 0:
+        for i in range(seq_lens.shape[0]):
+            lo = indptr[i]
+            nb = indptr[i + 1] - lo
+            src = bt[i]
+            dst = indices[lo : lo + nb]  # 1-D slices: the copy vectorizes
+            for j in range(nb):
+                dst[j] = src[j]
+    return status
 
 
 @njit_parallel
