@@ -36,7 +36,9 @@ so a layout lasts while that does: about ``8 * block_size`` steps of plain decod
 ``8 * block_size / (1 + k)`` of spec decoding with ``k`` drafts.
 
 A replay runs the common pass's compiled kernel into the slot, which rewrites every staged byte of
-the layout, so nothing depends on what the slot held. In graph mode the pass's FlashInfer outputs
+the layout, so nothing depends on what the slot held (a builder made with ``threads > 1`` copies the
+block-table rows and page indices of layouts of :data:`PARALLEL_MIN_ROWS` rows or more on numba's
+thread pool, around the kernel: the same bytes). In graph mode the pass's FlashInfer outputs
 (page table and prefill query indptr) are addressed in FlashInfer's fixed buffers, so that one pass
 writes them too, from the block-table rows it has just staged; in a prefill-only step the prefill
 query indptr is ``query_start_loc`` itself (no row decodes), also written by the pass. The replay
