@@ -113,7 +113,7 @@ def main() -> None:
     else:
         cases = [c for c in decode(dev, quick=False) if c.batch in TARGETS]
     threads = [int(t) for t in args.threads.split(",") if t]
-    walks = dict(spec_decode_walks(False) if args.spec else decode_walks(False))
+    walks = dict(spec_decode_walks(False) if args.spec else decode_walks(False)) if threads else {}
     gap = args.gap_us / 1e6
     wait = time.sleep if args.gap_mode == "sleep" else _spin
     for case in cases:  # (the scenario's paths: attnmeta, reference, per-tensor, fused)

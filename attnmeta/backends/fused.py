@@ -70,6 +70,7 @@ from typing import Any, NamedTuple
 
 import numba
 import numpy as np
+import torch
 
 from attnmeta.backends import flash_attn as _fa
 from attnmeta.backends import flashinfer as _fi
@@ -356,25 +357,20 @@ class FusedStepBuilder:
         :meth:`_record`), the step commits, the objects come from the record's templates."""
         prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
         try:
-            par = rec.par
-            if par is None:
+            par = rec.par  # threads: the two big copies on numba's thread pool, around the kernel
+            was = _pool_threads(rec.threads) if par is not None else 0
+            try:
+                if par is not None:
+                    _bt_rows_par_nb(spec.block_table, par[0], spec.num_reqs)
                 status = _common_packed_nb(
                     spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
                     _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
                     _EMPTY if upper is None else upper, *rec.args,
                 )
-            else:  # the two big copies on numba's thread pool, around the kernel (see _common_packed_nb)
-                was = _pool_threads(rec.threads)
-                try:
-                    _bt_rows_par_nb(spec.block_table, par[0], spec.num_reqs)
-                    status = _common_packed_nb(
-                        spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
-                        _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
-                        _EMPTY if upper is None else upper, *rec.args,
-                    )
-                    if par[2] is not None and not status:
-                        _indices_par_nb(par[0], par[1], par[2], par[0].shape[0])
-                finally:
+                if par is not None and par[2] is not None and not status:
+                    _indices_par_nb(par[0], par[1], par[2], par[0].shape[0])
+            finally:
+                if par is not None:
                     numba.set_num_threads(was)
             if rec.graph:  # graph mode: the page indices are staged with this step's page count
                 f = rec.fields[rec.graph]
@@ -565,18 +561,13 @@ def _pool_threads(n: int) -> int:
     the count to restore. The first call starts numba's threading layer, whose OpenMP start changes
     the thread count torch's CPU ops see: torch's count is put back as it was."""
     global _POOL_STARTED
-    if not _POOL_STARTED:
-        import torch
-
-        torch_threads = torch.get_num_threads()
-        was = numba.get_num_threads()
-        numba.set_num_threads(n)
+    torch_threads = None if _POOL_STARTED else torch.get_num_threads()
+    was = numba.get_num_threads()
+    numba.set_num_threads(n)
+    if torch_threads is not None:
         if torch.get_num_threads() != torch_threads:
             torch.set_num_threads(torch_threads)
         _POOL_STARTED = True
-        return was
-    was = numba.get_num_threads()
-    numba.set_num_threads(n)
     return was
 
 
