@@ -3,6 +3,14 @@
 Every compiled kernel in attnmeta is decorated with :func:`njit` from this module, never with a raw
 ``numba.njit``: caching, ``nogil`` and ``fastmath=False`` are fixed here once (a CI grep enforces it).
 ``NUMBA_DISABLE_JIT=1`` turns every kernel back into plain Python (coverage, pdb).
+
+Editing kernels: numba's on-disk cache (``__pycache__/*.nbi``, ``*.nbc`` next to each source file)
+is checked against the kernel's own file only. A kernel that calls a compiled helper from another
+file (every caller of :mod:`attnmeta._intdiv`, the kernels of :mod:`attnmeta.host.common` calling
+those of :mod:`attnmeta.host.layout`) keeps the helper's old code, inlined, until its own file
+changes. After editing such a helper, run with ``NUMBA_CACHE_DIR`` set to a fresh directory or
+delete the caches (``find attnmeta -name '*.nb[ic]' -delete``). An installed release is unaffected
+(every file is new), and a fresh checkout has no caches.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from attnmeta._intdiv import cdiv_by, mod_by, pow2_shift
 from attnmeta._numba import njit, njit_parallel
 from attnmeta.host.layout import (
     _TOO_NARROW,
@@ -216,14 +217,15 @@ def _paged_counts_nb(seq_lens: np.ndarray, w: int, page_size: int, indptr: np.nd
     same status (1 if a row needs more than ``w`` pages or the pages exceed ``cap``)."""
     t = np.int64(0)
     indptr[0] = 0
+    sh = pow2_shift(page_size)
     for i in range(seq_lens.shape[0]):
         s = np.int64(seq_lens[i])
-        nb = (s + page_size - 1) // page_size
+        nb = cdiv_by(s, page_size, sh)
         if nb > w or t + nb > cap:
             return 1
         t += nb
         indptr[i + 1] = t
-        r = s % page_size
+        r = mod_by(s, page_size, sh)
         last[i] = page_size if (r == 0 and s != 0) else r
     return 0
 

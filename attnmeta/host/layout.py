@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from attnmeta._checks import INT32_MAX, as_host_array, check_out
+from attnmeta._intdiv import div_by, pow2_shift
 from attnmeta._numba import njit
 from attnmeta.spec import ContextParallel
 
@@ -177,6 +178,8 @@ def _token_layout_nb(
     width = block_table.shape[1]
     span = np.int64(block_size) * world_size  # tokens of one virtual block (all ranks)
     stripe = np.int64(world_size) * interleave
+    sh_span = pow2_shift(span)  # shifts instead of divisions for power-of-two sizes (attnmeta._intdiv)
+    sh_bs = pow2_shift(block_size)
     t = np.int64(0)
     for i in range(n):
         ci = np.int64(c[i])
@@ -193,12 +196,12 @@ def _token_layout_nb(
             for k in range(qi):
                 pos_out[t + k] = ci + k
         if do_slot:
-            last_col = (ci + qi - 1) // span
+            last_col = div_by(ci + qi - 1, span, sh_span)
             if last_col >= width:
                 return _TOO_NARROW, i, int(last_col)
             if world_size == 1:
                 # Walk the blocks instead of dividing per token.
-                col = ci // block_size
+                col = div_by(ci, block_size, sh_bs)
                 off = ci - col * block_size
                 blk = np.int64(block_table[i, col])
                 if blk < 0:

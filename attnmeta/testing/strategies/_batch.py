@@ -53,7 +53,7 @@ class _Row(NamedTuple):
     optimism: int  # extra tokens of the optimistic upper bound (async spec decode)
 
 
-_BLOCK_SIZES = st.sampled_from([1, 4, 16])
+_BLOCK_SIZES = st.sampled_from([1, 4, 6, 16])  # 6: kernels divide by other sizes (no shift)
 _FLAGS = st.booleans()
 _NEVER = st.just(False)
 _EXTRA_COLUMNS = st.integers(0, 3)
@@ -137,7 +137,8 @@ def batch_specs(
     max_context_len : int
         Largest context (``num_computed_tokens``) and largest extra prompt beyond a chunk.
     block_sizes : SearchStrategy[int]
-        KV block sizes to draw from.
+        KV block sizes to draw from (default 1, 4, 6 and 16: powers of two, which the kernels divide
+        by with a shift, and one that they divide by with a division).
     kinds : collection of str
         Allowed request kinds (module docstring); e.g. ``["decode"]`` for decode-only batches,
         ``["prefill", "chunked_prefill"]`` for prefill-only ones.
