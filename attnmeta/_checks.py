@@ -22,6 +22,7 @@ __all__ = [
 ]
 
 INT32_MAX = int(np.iinfo(np.int32).max)
+_I32 = np.dtype(np.int32)
 
 
 def reject_tensor(value: Any, name: str) -> None:
@@ -61,7 +62,7 @@ def as_host_array(
     ValueError
         Wrong number of dimensions, wrong length, or values outside ``dtype``'s range.
     """
-    target = np.dtype(dtype)
+    target = _I32 if dtype is np.int32 else np.dtype(dtype)
     if (
         type(value) is np.ndarray
         and value.dtype == target

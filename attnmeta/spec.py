@@ -20,11 +20,13 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from attnmeta._checks import INT32_MAX, as_host_array
+from attnmeta._intdiv import cdiv_by, pow2_shift
 from attnmeta._numba import njit
 
 __all__ = ["BatchSpec", "ContextParallel"]
@@ -46,6 +48,7 @@ class ContextParallel(NamedTuple):
 
 
 _EMPTY = np.zeros(0, np.int32)
+_INT_TYPES = (int, np.integer)
 # _validate_nb status codes
 _NEG_C, _NEG_Q, _SEQ_OVF, _TOT_OVF, _NARROW, _NEG_BLOCK, _NEG_P, _NEG_D, _DRAFTS, _NEG_UB, _UB = range(1, 12)
 
@@ -54,12 +57,13 @@ _NEG_C, _NEG_Q, _SEQ_OVF, _TOT_OVF, _NARROW, _NEG_BLOCK, _NEG_P, _NEG_D, _DRAFTS
 def _validate_nb(
     c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int, bs: int,
     prompt: np.ndarray, has_p: bool, drafts: np.ndarray, has_d: bool, ub: np.ndarray, has_ub: bool,
-    res: np.ndarray,
-) -> int:
+) -> tuple[int, int, int, int, int, int, int, int]:
     """One pass over requests (and their used block-table columns): every rule of BatchSpec.
 
-    Returns a status code (0 = valid) and writes
-    ``res = [row, col, total, max_q, max_seq, max_ub, pages]`` (``pages``: sum of ``cdiv(seq, bs)``).
+    Returns ``(status, row, col, total, max_q, max_seq, max_ub, pages)``: status 0 = valid, else the
+    rule broken at ``row`` (and block-table column ``col``); ``pages`` is the sum of ``cdiv(seq, bs)``.
+    A row's used block ids are checked with a running minimum (no early exit, so the loop
+    vectorizes); only a row whose minimum is negative is searched for the column.
     """
     total = np.int64(0)
     pages = np.int64(0)
@@ -67,50 +71,52 @@ def _validate_nb(
     max_seq = np.int64(0)
     max_ub = np.int64(0)
     width = bt.shape[1]
+    sh_bs = pow2_shift(bs)  # shifts instead of divisions for power-of-two sizes (attnmeta._intdiv)
+    sh_span = pow2_shift(span)
     for i in range(c.shape[0]):
-        res[0] = i
         ci = np.int64(c[i])
         qi = np.int64(q[i])
         if ci < 0:
-            return _NEG_C
+            return _NEG_C, i, 0, 0, 0, 0, 0, 0
         if qi < 0:
-            return _NEG_Q
+            return _NEG_Q, i, 0, 0, 0, 0, 0, 0
         seq = ci + qi
         if seq > INT32_MAX:
-            return _SEQ_OVF
+            return _SEQ_OVF, i, 0, 0, 0, 0, 0, 0
         total += qi
         if total > INT32_MAX:
-            return _TOT_OVF
-        pages += (seq + bs - 1) // bs
-        need = (seq + span - 1) // span
+            return _TOT_OVF, i, 0, 0, 0, 0, 0, 0
+        nb = cdiv_by(seq, bs, sh_bs)
+        pages += nb
+        need = nb if span == bs else cdiv_by(seq, span, sh_span)
         if need > width:
-            return _NARROW
+            return _NARROW, i, 0, 0, 0, 0, 0, 0
+        row = bt[i]
+        low = np.int32(0)
         for j in range(need):
-            if bt[i, j] < 0:
-                res[1] = j
-                return _NEG_BLOCK
+            v = row[j]
+            low = v if v < low else low
+        if low < 0:
+            for j in range(need):
+                if row[j] < 0:
+                    return _NEG_BLOCK, i, j, 0, 0, 0, 0, 0
         if has_p and prompt[i] < 0:
-            return _NEG_P
+            return _NEG_P, i, 0, 0, 0, 0, 0, 0
         if has_d:
             if drafts[i] < 0:
-                return _NEG_D
+                return _NEG_D, i, 0, 0, 0, 0, 0, 0
             if drafts[i] > qi:
-                return _DRAFTS
+                return _DRAFTS, i, 0, 0, 0, 0, 0, 0
         if has_ub:
             u = np.int64(ub[i])
             if u < 0:
-                return _NEG_UB
+                return _NEG_UB, i, 0, 0, 0, 0, 0, 0
             if u < seq:
-                return _UB
+                return _UB, i, 0, 0, 0, 0, 0, 0
             max_ub = max(max_ub, u)
         max_q = max(max_q, qi)
         max_seq = max(max_seq, seq)
-    res[2] = total
-    res[3] = max_q
-    res[4] = max_seq
-    res[5] = max_ub
-    res[6] = pages
-    return 0
+    return 0, 0, 0, int(total), int(max_q), int(max_seq), int(max_ub), int(pages)
 
 
 def _raise_invalid(
@@ -155,13 +161,7 @@ def _raise_invalid(
     )
 
 
-def _opt(value: Any, name: str, n: int) -> np.ndarray | None:
-    if value is None:
-        return None
-    return as_host_array(value, name, length=n)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False, init=False)
 class BatchSpec:
     """Host description of one step; validated on construction.
 
@@ -217,7 +217,7 @@ class BatchSpec:
     num_tokens_padded: int | None = None
     context_parallel: ContextParallel | None = None
 
-    # Derived host scalars (computed in __post_init__, never passed by the caller).
+    # Derived host scalars (computed in __init__, never passed by the caller).
     num_reqs: int = dataclasses.field(init=False)
     """Real requests."""
     num_tokens: int = dataclasses.field(init=False)
@@ -232,18 +232,34 @@ class BatchSpec:
     """``sum(cdiv(num_computed_tokens + num_scheduled_tokens, block_size))`` over real rows: the KV
     pages of the batch (FlashInfer's ``paged_kv_indptr[-1]`` without decode context parallelism)."""
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        num_computed_tokens: npt.ArrayLike,
+        num_scheduled_tokens: npt.ArrayLike,
+        block_table: npt.ArrayLike,
+        block_size: int,
+        num_prompt_tokens: npt.ArrayLike | None = None,
+        num_draft_tokens: npt.ArrayLike | None = None,
+        seq_lens_upper_bound: npt.ArrayLike | None = None,
+        num_reqs_padded: int | None = None,
+        num_tokens_padded: int | None = None,
+        context_parallel: ContextParallel | None = None,
+    ) -> None:
+        # Built once per engine step: every rule is checked, arrays that are already C-contiguous
+        # int32 of the right length are kept as they are, and each field is set once.
         s = object.__setattr__
-        c = as_host_array(self.num_computed_tokens, "num_computed_tokens")
+        c = as_host_array(num_computed_tokens, "num_computed_tokens")
         n = c.shape[0]
-        q = as_host_array(self.num_scheduled_tokens, "num_scheduled_tokens", length=n)
-        if not isinstance(self.block_size, int | np.integer) or int(self.block_size) <= 0:
-            raise ValueError(f"block_size: must be a positive int, got {self.block_size!r}")
-        bs = int(self.block_size)
-        bt = as_host_array(self.block_table, "block_table", ndim=2)
+        q = as_host_array(num_scheduled_tokens, "num_scheduled_tokens", length=n)
+        bs = block_size
+        if not isinstance(bs, _INT_TYPES) or bs <= 0:
+            raise ValueError(f"block_size: must be a positive int, got {bs!r}")
+        bs = int(bs)
+        bt = as_host_array(block_table, "block_table", ndim=2)
         if bt.shape[0] < n:
             raise ValueError(f"block_table: has {bt.shape[0]} rows, need one per request ({n})")
-        cp = self.context_parallel
+        cp = context_parallel
         if cp is not None:
             if not isinstance(cp, ContextParallel):
                 raise TypeError(f"context_parallel: expected ContextParallel, got {type(cp).__name__}")
@@ -253,29 +269,28 @@ class BatchSpec:
                 raise ValueError(
                     f"context_parallel.interleave={cp.interleave} must be >= 1 and divide block_size={bs}"
                 )
-        prompt = _opt(self.num_prompt_tokens, "num_prompt_tokens", n)
-        drafts = _opt(self.num_draft_tokens, "num_draft_tokens", n)
-        ub = _opt(self.seq_lens_upper_bound, "seq_lens_upper_bound", n)
+        prompt = None if num_prompt_tokens is None else as_host_array(num_prompt_tokens, "num_prompt_tokens", length=n)
+        drafts = None if num_draft_tokens is None else as_host_array(num_draft_tokens, "num_draft_tokens", length=n)
+        ub = (None if seq_lens_upper_bound is None
+              else as_host_array(seq_lens_upper_bound, "seq_lens_upper_bound", length=n))
         span = bs * (1 if cp is None else cp.world_size)  # tokens per block-table column
-        res = np.zeros(7, np.int64)
-        code = _validate_nb(
+        code, row, col, total, max_q, max_seq, max_ub, pages = _validate_nb(
             c, q, bt, span, bs,
-            prompt if prompt is not None else _EMPTY, prompt is not None,
-            drafts if drafts is not None else _EMPTY, drafts is not None,
-            ub if ub is not None else _EMPTY, ub is not None,
-            res,
+            _EMPTY if prompt is None else prompt, prompt is not None,
+            _EMPTY if drafts is None else drafts, drafts is not None,
+            _EMPTY if ub is None else ub, ub is not None,
         )
         if code:
-            _raise_invalid(code, int(res[0]), int(res[1]), c, q, bt, bs, span, prompt, drafts, ub)
-        total, max_q, max_seq, max_ub, pages = res[2:7].tolist()
-        rp = self.num_reqs_padded
-        if rp is not None and (not isinstance(rp, int | np.integer) or int(rp) < n):
+            _raise_invalid(code, row, col, c, q, bt, bs, span, prompt, drafts, ub)
+        rp = num_reqs_padded
+        if rp is not None and (not isinstance(rp, _INT_TYPES) or rp < n):
             raise ValueError(f"num_reqs_padded: {rp!r} < num_reqs={n}; padding can only add rows")
-        tp = self.num_tokens_padded
-        if tp is not None and (not isinstance(tp, int | np.integer) or int(tp) < total):
-            raise ValueError(f"num_tokens_padded: {tp!r} < num_tokens={total}; padding can only add tokens")
-        if tp is not None and int(tp) > INT32_MAX:
-            raise ValueError(f"num_tokens_padded: {tp} overflows int32")
+        tp = num_tokens_padded
+        if tp is not None:
+            if not isinstance(tp, _INT_TYPES) or tp < total:
+                raise ValueError(f"num_tokens_padded: {tp!r} < num_tokens={total}; padding can only add tokens")
+            if tp > INT32_MAX:
+                raise ValueError(f"num_tokens_padded: {tp} overflows int32")
         s(self, "num_computed_tokens", c)
         s(self, "num_scheduled_tokens", q)
         s(self, "block_table", bt)
@@ -285,6 +300,7 @@ class BatchSpec:
         s(self, "seq_lens_upper_bound", ub)
         s(self, "num_reqs_padded", None if rp is None else int(rp))
         s(self, "num_tokens_padded", None if tp is None else int(tp))
+        s(self, "context_parallel", cp)
         s(self, "num_reqs", n)
         s(self, "num_tokens", total)
         s(self, "max_query_len", max_q)

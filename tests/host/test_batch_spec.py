@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -182,3 +183,43 @@ def test_strategy_kinds_knobs(spec: BatchSpec) -> None:
     assert (spec.num_scheduled_tokens == 1 + drafts).all()
     assert (spec.num_computed_tokens >= 1).all()
     assert spec.num_reqs_padded is not None and spec.num_tokens_padded is not None
+
+
+@given(data=st.data(), bs=st.sampled_from([1, 2, 3, 4, 6, 16, 48]), world=st.sampled_from([1, 2, 3]))
+def test_scalars_and_block_check_match_a_numpy_oracle(data: st.DataObject, bs: int, world: int) -> None:
+    """Derived scalars and the negative-block rule (only used columns count; the first bad one in row
+    order is named) against numpy, for power-of-two block sizes (shifts) and others (divisions)."""
+    n = data.draw(st.integers(0, 6))
+    c = np.array(data.draw(st.lists(st.integers(0, 200), min_size=n, max_size=n)), np.int32)
+    q = np.array(data.draw(st.lists(st.integers(0, 20), min_size=n, max_size=n)), np.int32)
+    seq = c.astype(np.int64) + q
+    span = bs * world
+    need = -(-seq // span)
+    width = int(need.max(initial=0)) + data.draw(st.integers(0, 2))
+    bt = np.array(data.draw(st.lists(st.integers(-2, 50), min_size=n * width, max_size=n * width)),
+                  np.int32).reshape(n, width)
+    cp = None if world == 1 else ContextParallel(world, data.draw(st.integers(0, world - 1)))
+    used = np.arange(width)[None, :] < need[:, None]
+    bad = np.argwhere((bt < 0) & used)
+    if len(bad):
+        i, j = bad[0]
+        with pytest.raises(ValueError, match=rf"block_table\[{i}, {j}\]={bt[i, j]} is negative"):
+            BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=bt, block_size=bs,
+                      context_parallel=cp)
+        return
+    spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=bt, block_size=np.int64(bs),
+                     context_parallel=cp, num_reqs_padded=np.int64(n + 1))
+    assert (spec.num_reqs, spec.num_tokens, spec.num_pages) == (n, int(q.sum()), int((-(-seq // bs)).sum()))
+    assert (spec.max_query_len, spec.max_exact_seq_len) == (int(q.max(initial=0)), int(seq.max(initial=0)))
+    assert spec.max_seq_len == spec.max_exact_seq_len
+    assert type(spec.block_size) is int and spec.block_size == bs and type(spec.num_reqs_padded) is int
+    assert spec.num_computed_tokens is c and spec.block_table is bt  # kept, not copied
+
+
+def test_replace_revalidates() -> None:
+    """``dataclasses.replace`` builds a new, validated spec from the init fields."""
+    spec = _spec()
+    again = dataclasses.replace(spec, num_reqs_padded=5)
+    assert again.padded_num_reqs == 5 and again.num_pages == spec.num_pages == 2 + 1 + 3
+    with pytest.raises(ValueError, match="num_reqs_padded: 1 < num_reqs=3"):
+        dataclasses.replace(spec, num_reqs_padded=1)
