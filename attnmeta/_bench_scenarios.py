@@ -213,21 +213,34 @@ def _with_fused(cases: list[Case], walks: list[tuple[int, list[BatchSpec]]], dev
     return cases
 
 
-def fused_step(specs: list[BatchSpec], device: torch.device, threads: int = 1) -> tuple[Callable[[], Any], Any]:
+def fused_step(specs: list[BatchSpec], device: torch.device, threads: int = 1,
+               with_spec: bool = False) -> tuple[Callable[[], Any], Any]:
     """``(step, stager)``: each call of ``step`` builds the next of ``specs`` (cycled) with a
-    :class:`attnmeta.backends.fused.FusedStepBuilder` (``threads``) on a stager of its own."""
+    :class:`attnmeta.backends.fused.FusedStepBuilder` (``threads``) on a stager of its own. With
+    ``with_spec`` the step first constructs that :class:`BatchSpec` (validation included) from the
+    spec's arrays, as an engine does each step from its scheduler's arrays."""
     from attnmeta.backends.fused import FusedStepBuilder
     from attnmeta.staging import Stager
 
     builder = FusedStepBuilder(Stager(device), threads=threads)
     at = [0]
+    fields: list[dict[str, Any]] = [dict(num_computed_tokens=s.num_computed_tokens, num_scheduled_tokens=s.num_scheduled_tokens,
+                   num_prompt_tokens=s.num_prompt_tokens, num_draft_tokens=s.num_draft_tokens,
+                   seq_lens_upper_bound=s.seq_lens_upper_bound, block_table=s.block_table,
+                   block_size=s.block_size, num_reqs_padded=s.num_reqs_padded,
+                   num_tokens_padded=s.num_tokens_padded, context_parallel=s.context_parallel) for s in specs]
 
     def step() -> Any:
         i = at[0]
         at[0] = (i + 1) % len(specs)
         return builder.build(specs[i])
 
-    return step, builder.stager
+    def step_with_spec() -> Any:
+        i = at[0]
+        at[0] = (i + 1) % len(specs)
+        return builder.build(BatchSpec(**fields[i]))
+
+    return (step_with_spec if with_spec else step), builder.stager
 
 
 GRAPH_PROFILE = StaticProfile(max_num_reqs=1024, max_num_tokens=1024, max_blocks_per_req=2048 // 16 + 8, block_size=16)

@@ -25,7 +25,12 @@ rounds, the best round (robust on a shared machine whose speed changes from seco
 the p99 over every timed step. Garbage collection is off while timing (an engine tunes its GC; a
 collection in a 25 us window would only measure the collector).
 
-A fifth row, ``floor``, is not a path: it copies the fused step's staged bytes once per step, from
+``fused+spec`` is the fused path with the step's :class:`attnmeta.BatchSpec` constructed (and so
+validated) inside the timed step from the walk's arrays, as an engine constructs one each step
+from its scheduler's arrays; the other attnmeta paths take the walk's ready-made specs. It is
+the whole host cost from raw arrays, which the reference path starts from too.
+
+A last row, ``floor``, is not a path: it copies the fused step's staged bytes once per step, from
 one buffer into the next of a ring of as many buffers as the stager has slots (on a CPU device
 twice, as the commit there is a host copy too). Any path that stages those bytes pays at least
 that much, so the row shows how much of a large batch's step is the memory traffic itself, on the
@@ -79,8 +84,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10, help="rounds per path and batch size")
     ap.add_argument("--steps", type=int, default=400, help="consecutive steps per round")
     ap.add_argument("--warm", type=int, default=200, help="untimed steps of a path before each of its rounds")
-    ap.add_argument("--paths", default="attnmeta,reference,per-tensor,fused,floor",
-                    help="comma-separated paths to time (default: all four, and the memory floor)")
+    ap.add_argument("--paths", default="attnmeta,reference,per-tensor,fused,fused+spec,floor",
+                    help="comma-separated paths to time (default: all five, and the memory floor)")
     ap.add_argument("--pin-cpu", type=int, default=None, metavar="CPU",
                     help="pin this process to one CPU first (os.sched_setaffinity), as engines pin their "
                          "scheduler thread; default: let the OS place it")
@@ -113,11 +118,13 @@ def main() -> None:
     else:
         cases = [c for c in decode(dev, quick=False) if c.batch in TARGETS]
     threads = [int(t) for t in args.threads.split(",") if t]
-    walks = dict(spec_decode_walks(False) if args.spec else decode_walks(False)) if threads else {}
+    walks = dict(spec_decode_walks(False) if args.spec else decode_walks(False)) if threads or "fused+spec" in wanted else {}
     gap = args.gap_us / 1e6
     wait = time.sleep if args.gap_mode == "sleep" else _spin
     for case in cases:  # (the scenario's paths: attnmeta, reference, per-tensor, fused)
         case.paths = {p: fn for p, fn in case.paths.items() if p in wanted}
+        if "fused+spec" in wanted:
+            case.paths["fused+spec"] = fused_step(walks[case.batch], dev, with_spec=True)[0]
         for t in threads:
             case.paths[f"fused-t{t}"] = fused_step(walks[case.batch], dev, t)[0]
         samples: dict[str, list[float]] = {p: [] for p in case.paths}
