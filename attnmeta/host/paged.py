@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attnmeta._checks import INT32_MAX, as_host_array, check_out
+from attnmeta._intdiv import cdiv_by, mod_by, pow2_shift
 from attnmeta._numba import njit
 
 __all__ = [
@@ -143,11 +144,12 @@ def _first_negative(src: np.ndarray, n: int) -> int:
 @njit
 def _num_pages_nb(seq_lens: np.ndarray, page_size: int) -> tuple[int, int, int]:
     total = 0
+    sh = pow2_shift(page_size)
     for i in range(seq_lens.shape[0]):
         s = int(seq_lens[i])
         if s < 0:
             return _NEG_SEQ, i, 0
-        total += (s + page_size - 1) // page_size
+        total += cdiv_by(s, page_size, sh)
         if total > INT32_MAX:
             return _OVERFLOW, i, 0
     return _OK, 0, total
@@ -156,12 +158,13 @@ def _num_pages_nb(seq_lens: np.ndarray, page_size: int) -> tuple[int, int, int]:
 @njit
 def _indptr_nb(seq_lens: np.ndarray, page_size: int, out: np.ndarray) -> tuple[int, int]:
     total = 0
+    sh = pow2_shift(page_size)
     out[0] = 0
     for i in range(seq_lens.shape[0]):
         s = int(seq_lens[i])
         if s < 0:
             return _NEG_SEQ, i
-        total += (s + page_size - 1) // page_size
+        total += cdiv_by(s, page_size, sh)
         if total > INT32_MAX:
             return _OVERFLOW, i
         out[i + 1] = total
@@ -170,11 +173,12 @@ def _indptr_nb(seq_lens: np.ndarray, page_size: int, out: np.ndarray) -> tuple[i
 
 @njit
 def _last_page_len_nb(seq_lens: np.ndarray, page_size: int, out: np.ndarray) -> tuple[int, int]:
+    sh = pow2_shift(page_size)
     for i in range(seq_lens.shape[0]):
         s = int(seq_lens[i])
         if s < 0:
             return _NEG_SEQ, i
-        r = s % page_size
+        r = mod_by(s, page_size, sh)
         out[i] = page_size if (r == 0 and s != 0) else r
     return _OK, 0
 
@@ -212,11 +216,12 @@ def _layout_nb(
     cap = indices.shape[0]
     total = 0
     indptr[0] = 0
+    sh = pow2_shift(page_size)
     for i in range(seq_lens.shape[0]):
         s = int(seq_lens[i])
         if s < 0:
             return _NEG_SEQ, i, 0
-        nb = (s + page_size - 1) // page_size
+        nb = int(cdiv_by(s, page_size, sh))
         if nb > width:
             return _TOO_WIDE, i, 0
         if total + nb > cap:
@@ -225,7 +230,7 @@ def _layout_nb(
             return _NEG_BLOCK, i, _first_negative(block_table[i], nb)
         total += nb
         indptr[i + 1] = total
-        r = s % page_size
+        r = mod_by(s, page_size, sh)
         last[i] = page_size if (r == 0 and s != 0) else r
     if total != cap:
         return _OUT_LEN, seq_lens.shape[0], 0
