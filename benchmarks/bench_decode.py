@@ -22,7 +22,9 @@ the host core runs slower for a while (on the H200 machine the fused path's roun
 measured 60 us in median against 38-39 us in a run without the reference path), and an engine's
 loop never switches paths. A round's median is one sample; the table gives the median over
 rounds, the best round (robust on a shared machine whose speed changes from second to second) and
-the p99 over every timed step. Garbage collection is off while timing (an engine tunes its GC; a
+the p99 over every timed step (which a drift of the machine's speed between rounds raises too) and
+``p99/med``, each round's p99 over its own median, the median over rounds (the steps' own
+jitter, without the drift). Garbage collection is off while timing (an engine tunes its GC; a
 collection in a 25 us window would only measure the collector).
 
 ``fused+spec`` is the fused path with the step's :class:`attnmeta.BatchSpec` constructed (and so
@@ -112,7 +114,7 @@ def main() -> None:
           f"device {dev}, {args.rounds} rounds x {args.steps} steps, {time.strftime('%Y-%m-%d')}, "
           f"{'pinned to CPU ' + str(args.pin_cpu) if args.pin_cpu is not None else 'not pinned'}"
           f"{f', {args.gap_us:g} us {args.gap_mode} before each step' if args.gap_us else ''}")
-    print(f"{'batch':>6} {'path':<11} {'median us':>10} {'best round':>11} {'p99 us':>8} {'target':>7}")
+    print(f"{'batch':>6} {'path':<11} {'median us':>10} {'best round':>11} {'p99 us':>8} {'p99/med':>8} {'target':>7}")
     if args.spec:  # spec decode, k = 3 (no issue targets): batch 8, 64, 256
         cases = spec_decode(dev, quick=False)
     else:
@@ -129,12 +131,13 @@ def main() -> None:
             case.paths[f"fused-t{t}"] = fused_step(walks[case.batch], dev, t)[0]
         samples: dict[str, list[float]] = {p: [] for p in case.paths}
         every: dict[str, list[float]] = {p: [] for p in case.paths}
+        ratios: dict[str, list[float]] = {p: [] for p in case.paths}  # a round's p99 / its median
         for fn in case.paths.values():  # warm-up (compilation, slot layouts, caches)
             for _ in range(50):
                 fn()
         if "floor" in wanted and "fused" in case.stagers:
             case.paths["floor"] = _floor(case.stagers["fused"], dev)
-            samples["floor"], every["floor"] = [], []
+            samples["floor"], every["floor"], ratios["floor"] = [], [], []
         gc.disable()
         try:
             for _ in range(args.rounds):
@@ -152,15 +155,17 @@ def main() -> None:
                         ts[i] = (time.perf_counter_ns() - t0) / 1e3
                     if dev.type == "cuda":
                         torch.cuda.synchronize(dev)  # harness only, between rounds: drain the queue
-                    samples[path].append(float(np.median(ts[steps // 10:])))
+                    med = float(np.median(ts[steps // 10:]))
+                    samples[path].append(med)
                     every[path].extend(ts.tolist())
+                    ratios[path].append(float(np.percentile(ts, 99)) / med)
         finally:
             gc.enable()
         for path in case.paths:
             s = np.array(samples[path])
             target = None if args.spec else TARGETS[case.batch]
             print(f"{case.batch:>6} {path:<11} {np.median(s):>10.1f} {s.min():>11.1f} "
-                  f"{np.percentile(every[path], 99):>8.1f} {'' if target is None or path == 'floor' or path[0] not in 'af' else target:>7}")
+                  f"{np.percentile(every[path], 99):>8.1f} {np.median(ratios[path]):>8.2f} {'' if target is None or path == 'floor' or path[0] not in 'af' else target:>7}")
 
 
 def _spin(seconds: float) -> None:
