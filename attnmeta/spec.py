@@ -58,7 +58,73 @@ def _validate_nb(
     c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int, bs: int,
     prompt: np.ndarray, has_p: bool, drafts: np.ndarray, has_d: bool, ub: np.ndarray, has_ub: bool,
 ) -> tuple[int, int, int, int, int, int, int, int]:
-    """One pass over requests (and their used block-table columns): every rule of BatchSpec.
+    """Every rule of BatchSpec: :func:`_validate_rows_nb`'s result, faster for a valid spec.
+
+    With power-of-two ``bs`` and ``span`` (the usual case), loops without early exits (reductions
+    the compiler vectorizes) decide whether every rule holds and compute the scalars; only when one
+    does not does the row-by-row pass run, to name the first broken rule exactly as it would have.
+    """
+    sh_bs = pow2_shift(bs)
+    sh_span = pow2_shift(span)
+    if sh_bs < 0 or sh_span < 0:
+        return _validate_rows_nb(c, q, bt, span, bs, prompt, has_p, drafts, has_d, ub, has_ub)
+    n = c.shape[0]
+    lo = np.int64(0)  # the smallest count seen (negative: a rule is broken)
+    total = np.int64(0)
+    pages = np.int64(0)
+    max_q = np.int64(0)
+    max_seq = np.int64(0)
+    for i in range(n):
+        ci = np.int64(c[i])
+        qi = np.int64(q[i])
+        seq = ci + qi
+        lo = min(lo, min(ci, qi))
+        total += qi
+        pages += (seq + bs - 1) >> sh_bs
+        max_q = max(max_q, qi)
+        max_seq = max(max_seq, seq)
+    bad = lo < 0 or max_seq > INT32_MAX or total > INT32_MAX or ((max_seq + span - 1) >> sh_span) > bt.shape[1]
+    max_ub = np.int64(0)
+    if not bad:
+        low = np.int32(0)
+        for i in range(n):
+            need = (np.int64(c[i]) + np.int64(q[i]) + span - 1) >> sh_span
+            row = bt[i]
+            for j in range(need):
+                v = row[j]
+                low = v if v < low else low
+        bad = low < 0
+    if not bad and has_p:
+        for i in range(n):
+            lo = min(lo, np.int64(prompt[i]))
+        bad = lo < 0
+    if not bad and has_d:
+        over = np.int64(0)
+        for i in range(n):
+            d = np.int64(drafts[i])
+            lo = min(lo, d)
+            over = max(over, d - np.int64(q[i]))
+        bad = lo < 0 or over > 0
+    if not bad and has_ub:
+        short = np.int64(0)
+        for i in range(n):
+            u = np.int64(ub[i])
+            lo = min(lo, u)
+            short = max(short, np.int64(c[i]) + np.int64(q[i]) - u)
+            max_ub = max(max_ub, u)
+        bad = lo < 0 or short > 0
+    if bad:
+        return _validate_rows_nb(c, q, bt, span, bs, prompt, has_p, drafts, has_d, ub, has_ub)
+    return 0, 0, 0, int(total), int(max_q), int(max_seq), int(max_ub), int(pages)
+
+
+@njit
+def _validate_rows_nb(
+    c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int, bs: int,
+    prompt: np.ndarray, has_p: bool, drafts: np.ndarray, has_d: bool, ub: np.ndarray, has_ub: bool,
+) -> tuple[int, int, int, int, int, int, int, int]:
+    """One pass over requests (and their used block-table columns): every rule of BatchSpec, row by
+    row, stopping at the first broken one.
 
     Returns ``(status, row, col, total, max_q, max_seq, max_ub, pages)``: status 0 = valid, else the
     rule broken at ``row`` (and block-table column ``col``); ``pages`` is the sum of ``cdiv(seq, bs)``.
