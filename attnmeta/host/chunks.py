@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attnmeta._checks import INT32_MAX, as_host_array, check_out, reject_tensor
+from attnmeta._intdiv import pow2_shift
 from attnmeta._numba import njit
 
 __all__ = [
@@ -155,17 +156,6 @@ def _decode_error(status: int) -> tuple[int, int]:
 
 
 @njit
-def _shift_of(chunk_size: int) -> int:
-    """log2(chunk_size) when it is a power of two, else -1 (masks and shifts replace divisions)."""
-    if chunk_size & (chunk_size - 1) != 0:
-        return -1
-    shift = 0
-    while (1 << shift) < chunk_size:
-        shift += 1
-    return shift
-
-
-@njit
 def _chunk_layout_nb(
     chunk_size: int,
     num_computed: np.ndarray,
@@ -189,7 +179,7 @@ def _chunk_layout_nb(
     if qsl[0] != 0:
         return -1 - _E_QSL_START
     cap = min(cu.shape[0] - 1, seq_idx.shape[0])
-    shift = _shift_of(chunk_size)
+    shift = pow2_shift(chunk_size)  # masks and shifts replace divisions when >= 0
     mask = chunk_size - 1
     pos = 0
     count = 0
@@ -287,7 +277,7 @@ def _chunk_layout_packed_nb(
     cu = buf[: cap + 1]
     seq_idx = buf[cap + 1 : 2 * cap + 1]
     last = buf[2 * cap + 1 :]
-    shift = _shift_of(chunk_size)
+    shift = pow2_shift(chunk_size)  # masks and shifts replace divisions when >= 0
     mask = chunk_size - 1
     pos = 0
     count = 0
@@ -331,7 +321,7 @@ def _chunk_count_nb(
     """Validate and count the 6.5 layout in O(P). Returns num_chunks or an error code."""
     if qsl[0] != 0:
         return -1 - _E_QSL_START
-    shift = _shift_of(chunk_size)
+    shift = pow2_shift(chunk_size)  # masks and shifts replace divisions when >= 0
     mask = chunk_size - 1
     count = 0
     for i in range(num_computed.shape[0]):
