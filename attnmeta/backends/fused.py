@@ -153,7 +153,8 @@ class _Record:
     outlives the bytes and views it names.
     """
 
-    __slots__ = ("args", "cm", "end", "fa", "fi", "fields", "graph", "idx_cpu", "idx_dev", "par", "threads", "total")
+    __slots__ = ("args", "cm", "end", "fa", "fi", "fields", "graph", "idx_cpu", "idx_dev", "idx_view", "par", "threads",
+                 "total")
 
     def __init__(self, end: int, fields: dict[str, Any], args: tuple[Any, ...], cm: list[Any], fa: list[Any] | None,
                  fi: list[Any] | None, idx_cpu: Any, idx_dev: Any, total: int) -> None:
@@ -161,6 +162,9 @@ class _Record:
         self.args = args  # (staged bytes, host-only bytes, offsets, dims) of _common_packed_nb
         self.cm, self.fa, self.fi = cm, fa, fi  # positional constructor arguments of the three objects
         self.idx_cpu, self.idx_dev = idx_cpu, idx_dev  # read-only full page-index views (bucketed / capacity)
+        # The record's own device view of the first ``total`` page indices, made at the first replay
+        # whose page count differs from the recorded step's, then resized in place (see _emit).
+        self.idx_view: Any = None
         self.total = total  # the page count the templates' index views have
         # Graph mode only: the page indices' field name (``fields`` holds it at the current page count).
         self.graph: str = ""
@@ -530,7 +534,16 @@ def _emit(rec: _Record, spec: BatchSpec, total: int, kind: int, mkv: int) -> Fus
         c[0] = cm
         if total != rec.total:  # the page count changed: its index views (cached while it does not)
             rec.total = total
-            c[_FI_INDICES] = rec.idx_dev.as_strided((total,), (1,))  # = [:total], at half a slice's cost
+            view = rec.idx_view
+            if view is not None and total <= rec.idx_cpu.shape[0]:
+                # Resized in place: a third of a new view's cost; a size within the storage only changes
+                # the view's shape. Only objects built from this record on this ring slot hold this
+                # tensor, and the slot's earlier steps are past their validity (the stager reused the
+                # slot). The recorded step's own view (the stager's, shared with composed steps) is never
+                # resized.
+                view.resize_(total)
+            else:  # = idx_dev[:total] (as_strided: half a slice's cost), the record's own view
+                rec.idx_view = c[_FI_INDICES] = rec.idx_dev.as_strided((total,), (1,))
             c[_FI_INDICES_CPU] = rec.idx_cpu[:total]
             c[_FI_PAGES] = total
         if kind:

@@ -122,6 +122,29 @@ _GRAPH = [None, StaticProfile(max_num_reqs=8, max_num_tokens=16, max_blocks_per_
 
 
 @pytest.mark.parametrize("profile", _GRAPH, ids=["eager", "graph"])
+def test_page_count_changes_resize_only_the_records_own_index_view(device: torch.device, profile: Any) -> None:
+    """A replay whose page count differs from its slot's last resizes the record's own device view of
+    the page indices in place; the composed step's view (the stager's, shared with composable steps
+    on that slot) keeps its shape, and every step's indices are right (the walk goes up and down)."""
+    table = np.arange(3 * 8, dtype=np.int32).reshape(3, 8)
+    # Page counts 7, 9, 8, 7, 9, ... (block size 4): each ring slot sees a new count at every replay.
+    contexts = [[3, 8, 9], [7, 8, 12], [7, 8, 9], [3, 8, 9]]
+    specs = [BatchSpec(num_computed_tokens=contexts[i % 3 if i % 7 else 3], num_scheduled_tokens=[1, 1, 1],
+                       block_table=table, block_size=4) for i in range(20)]
+    kw = {} if profile is None else {"profile": profile}
+    builder = FusedStepBuilder(Stager(device, **kw))
+    first = [builder.build(spec) for spec in specs[:3]]  # each slot's first step composes
+    shapes = [f.flashinfer.paged_kv_indices.shape for f in first]
+    _check_walk(specs, device, **kw)  # (a builder of its own: every replayed field against the composable path)
+    for spec in specs[3:]:
+        got = builder.build(spec)
+        assert got.flashinfer.paged_kv_indices.shape == (spec.num_pages,)
+        assert got.flashinfer.paged_kv_indices_cpu.shape == (spec.num_pages,)
+        assert [f.flashinfer.paged_kv_indices.shape for f in first] == shapes  # never resized
+    assert builder.stats.replayed >= len(specs) - 6  # (graph mode records again once its arena grows)
+
+
+@pytest.mark.parametrize("profile", _GRAPH, ids=["eager", "graph"])
 def test_optional_spec_arrays_are_part_of_the_layout(device: torch.device, profile: Any) -> None:
     """Steps of one shape with and without prompt lengths, upper bounds and (zero) draft counts: a
     layout recorded without an optional array must not replay a step that has it, or the reverse."""
