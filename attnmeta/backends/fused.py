@@ -124,7 +124,10 @@ class FusedStep(NamedTuple):
 
     Device tensors are views into the step's device arena (one copy), valid for kernels enqueued on
     the commit stream after the build; host arrays are read-only views into the step's pinned slot,
-    valid until the stager reuses the slot (``num_slots`` steps later), as for every builder.
+    valid until the stager reuses the slot (``num_slots`` steps later), as for every builder. A
+    replayed step's objects share their view objects with later replays of the same layout on the
+    same slot; once the slot is reused, ``flashinfer.paged_kv_indices`` may also be resized in place
+    (to the later step's page count), not only rewritten.
     """
 
     common: CommonAttentionMetadata
