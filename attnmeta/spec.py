@@ -28,6 +28,7 @@ import numpy.typing as npt
 from attnmeta._checks import INT32_MAX, as_host_array
 from attnmeta._intdiv import cdiv_by, pow2_shift
 from attnmeta._numba import njit
+from attnmeta._slots import slot_filler
 
 __all__ = ["BatchSpec", "ContextParallel"]
 
@@ -313,8 +314,7 @@ class BatchSpec:
         context_parallel: ContextParallel | None = None,
     ) -> None:
         # Built once per engine step: every rule is checked, arrays that are already C-contiguous
-        # int32 of the right length are kept as they are, and each field is set once.
-        s = object.__setattr__
+        # int32 of the right length are kept as they are, and each field is set once, at the end.
         c = as_host_array(num_computed_tokens, "num_computed_tokens")
         n = c.shape[0]
         q = as_host_array(num_scheduled_tokens, "num_scheduled_tokens", length=n)
@@ -357,22 +357,11 @@ class BatchSpec:
                 raise ValueError(f"num_tokens_padded: {tp!r} < num_tokens={total}; padding can only add tokens")
             if tp > INT32_MAX:
                 raise ValueError(f"num_tokens_padded: {tp} overflows int32")
-        s(self, "num_computed_tokens", c)
-        s(self, "num_scheduled_tokens", q)
-        s(self, "block_table", bt)
-        s(self, "block_size", bs)
-        s(self, "num_prompt_tokens", prompt)
-        s(self, "num_draft_tokens", drafts)
-        s(self, "seq_lens_upper_bound", ub)
-        s(self, "num_reqs_padded", None if rp is None else int(rp))
-        s(self, "num_tokens_padded", None if tp is None else int(tp))
-        s(self, "context_parallel", cp)
-        s(self, "num_reqs", n)
-        s(self, "num_tokens", total)
-        s(self, "max_query_len", max_q)
-        s(self, "max_exact_seq_len", max_seq)
-        s(self, "max_seq_len", max_ub if ub is not None else max_seq)
-        s(self, "num_pages", pages)
+        _fill_spec(  # every field, in declaration order (test_fields_are_set_in_declaration_order)
+            self, c, q, bt, bs, prompt, drafts, ub, None if rp is None else int(rp),
+            None if tp is None else int(tp), cp, n, total, max_q, max_ub if ub is not None else max_seq, max_seq,
+            pages,
+        )
 
     @property
     def padded_num_reqs(self) -> int:
@@ -392,3 +381,7 @@ class BatchSpec:
             f"block_table={self.block_table.shape}, prompts={self.num_prompt_tokens is not None}, "
             f"drafts={self.num_draft_tokens is not None}, context_parallel={self.context_parallel})"
         )
+
+
+_fill_spec = slot_filler(BatchSpec)
+"""Sets every field of a BatchSpec under construction (:func:`attnmeta._slots.slot_filler`)."""

@@ -223,3 +223,22 @@ def test_replace_revalidates() -> None:
     assert again.padded_num_reqs == 5 and again.num_pages == spec.num_pages == 2 + 1 + 3
     with pytest.raises(ValueError, match="num_reqs_padded: 1 < num_reqs=3"):
         dataclasses.replace(spec, num_reqs_padded=1)
+
+
+def test_fields_are_set_in_declaration_order() -> None:
+    """Every field holds its own value (the constructor sets them positionally): values that differ
+    field from field, the upper bound above the exact lengths so max_seq_len != max_exact_seq_len."""
+    c, q = np.array([5, 0, 7], np.int32), np.array([1, 4, 2], np.int32)
+    prompt, drafts, ub = np.array([9, 4, 8], np.int32), np.array([0, 3, 1], np.int32), np.array([30, 4, 11], np.int32)
+    cp = ContextParallel(2, 1)
+    spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=_BT, block_size=4,
+                     num_prompt_tokens=prompt, num_draft_tokens=drafts, seq_lens_upper_bound=ub,
+                     num_reqs_padded=5, num_tokens_padded=11, context_parallel=cp)
+    assert spec.num_computed_tokens is c and spec.num_scheduled_tokens is q and spec.block_table is _BT
+    assert spec.num_prompt_tokens is prompt and spec.num_draft_tokens is drafts and spec.seq_lens_upper_bound is ub
+    assert (spec.block_size, spec.num_reqs_padded, spec.num_tokens_padded, spec.context_parallel) == (4, 5, 11, cp)
+    assert (spec.num_reqs, spec.num_tokens, spec.max_query_len) == (3, 7, 4)
+    assert (spec.max_seq_len, spec.max_exact_seq_len, spec.num_pages) == (30, 9, 2 + 1 + 3)
+    assert type(spec) is BatchSpec
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.num_reqs = 1  # type: ignore[misc]
