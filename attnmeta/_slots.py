@@ -49,19 +49,13 @@ def fast_constructor(cls: type[T]) -> Callable[..., T]:
         ``make(field_0, field_1, ...) -> cls``.
     """
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    twin = _mutable_twin(cls, names)
-    ns: dict[str, Any] = {"_new": object.__new__, "_cls": cls, "_twin": twin}
+    ns: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    stores, twin = _stores(cls, names, ns)
     if twin is not None:
-        body = "".join(f"    o.{n} = {n}\n" for n in names)
-        src = f"def make({', '.join(names)}):\n    o = _new(_twin)\n{body}    o.__class__ = _cls\n    return o\n"
+        src = f"def make({', '.join(names)}):\n    o = _new(_twin)\n{stores}    o.__class__ = _cls\n    return o\n"
     else:
-        lines = []
-        for i, n in enumerate(names):
-            ns[f"_set{i}"] = getattr(cls, n).__set__  # the slot's member descriptor
-            lines.append(f"    _set{i}(o, {n})\n")
-        src = f"def make({', '.join(names)}):\n    o = _new(_cls)\n{''.join(lines)}    return o\n"
-    exec(src, ns)  # generated from the class's own field names
-    make: Callable[..., T] = ns["make"]
+        src = f"def make({', '.join(names)}):\n    o = _new(_cls)\n{stores}    return o\n"
+    make: Callable[..., T] = _compile(src, ns, "make")
     make.__doc__ = f"Positional constructor of {cls.__name__} (fields in declaration order)."
     return make
 
@@ -77,16 +71,28 @@ def slot_filler(cls: type) -> Callable[..., None]:
     called. Nothing in between can raise, so ``obj`` never stays of the twin class.
     """
     names = [f.name for f in dataclasses.fields(cls)]
-    twin = _mutable_twin(cls, names)
-    ns: dict[str, Any] = {"_set": object.__setattr__, "_cls": cls, "_twin": twin}
+    ns: dict[str, Any] = {"_set": object.__setattr__, "_cls": cls}
+    stores, twin = _stores(cls, names, ns)
     if twin is not None:
-        body = "".join(f"    o.{n} = {n}\n" for n in names)
-        src = f"def fill(o, {', '.join(names)}):\n    _set(o, '__class__', _twin)\n{body}    o.__class__ = _cls\n"
-    else:
-        for i, n in enumerate(names):
-            ns[f"_set{i}"] = getattr(cls, n).__set__  # the slot's member descriptor
-        src = f"def fill(o, {', '.join(names)}):\n" + "".join(f"    _set{i}(o, {n})\n" for i, n in enumerate(names))
-    exec(src, ns)  # generated from the class's own field names
-    fill: Callable[..., None] = ns["fill"]
+        stores = f"    _set(o, '__class__', _twin)\n{stores}    o.__class__ = _cls\n"
+    fill: Callable[..., None] = _compile(f"def fill(o, {', '.join(names)}):\n{stores}", ns, "fill")
     fill.__doc__ = f"Set every field of a {cls.__name__} (fields in declaration order)."
     return fill
+
+
+def _stores(cls: type, names: list[str], ns: dict[str, Any]) -> tuple[str, type | None]:
+    """The generated lines that store each of ``names`` into ``o``, and the mutable twin they store
+    through (then ``ns["_twin"]``), or None: then they call each slot's descriptor (put into ``ns``)."""
+    twin = _mutable_twin(cls, names)
+    if twin is not None:
+        ns["_twin"] = twin
+        return "".join(f"    o.{n} = {n}\n" for n in names), twin
+    for i, n in enumerate(names):
+        ns[f"_set{i}"] = getattr(cls, n).__set__  # the slot's member descriptor
+    return "".join(f"    _set{i}(o, {n})\n" for i, n in enumerate(names)), None
+
+
+def _compile(src: str, ns: dict[str, Any], name: str) -> Any:
+    """The function ``name`` defined by ``src`` (generated from a class's own field names) in ``ns``."""
+    exec(src, ns)
+    return ns[name]
