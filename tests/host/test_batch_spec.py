@@ -242,3 +242,20 @@ def test_fields_are_set_in_declaration_order() -> None:
     assert type(spec) is BatchSpec
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.num_reqs = 1  # type: ignore[misc]
+
+
+def test_subclasses_construct_and_keep_their_class() -> None:
+    """A subclass (with or without slots of its own) is built field by field and stays itself."""
+
+    class Plain(BatchSpec):
+        pass
+
+    class Slotted(BatchSpec):
+        __slots__ = ("tag",)
+
+    for cls in (Plain, Slotted):
+        spec = cls(num_computed_tokens=[5, 0, 7], num_scheduled_tokens=[1, 4, 2], block_table=_BT, block_size=4)
+        assert type(spec) is cls
+        assert (spec.num_reqs, spec.num_tokens, spec.max_seq_len, spec.num_pages) == (3, 7, 9, 6)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            spec.num_reqs = 1  # type: ignore[misc]
