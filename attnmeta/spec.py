@@ -363,6 +363,11 @@ class BatchSpec:
             pages,
         )
 
+    def __post_init__(self) -> None:
+        """A dataclass subclass's generated ``__init__`` sets the init fields and calls this: validate
+        them and set the derived fields, as :meth:`__init__` does (``BatchSpec`` itself never calls it)."""
+        BatchSpec.__init__(self, **{name: getattr(self, name) for name in _INIT_FIELDS})
+
     @property
     def padded_num_reqs(self) -> int:
         """Request rows including padding (``num_reqs_padded`` or ``num_reqs``)."""
@@ -385,3 +390,5 @@ class BatchSpec:
 
 _fill_spec = slot_filler(BatchSpec)
 """Sets every field of a BatchSpec under construction (:func:`attnmeta._slots.slot_filler`)."""
+_INIT_FIELDS = tuple(f.name for f in dataclasses.fields(BatchSpec) if f.init)
+"""The constructor's arguments, in declaration order."""

@@ -259,3 +259,21 @@ def test_subclasses_construct_and_keep_their_class() -> None:
         assert (spec.num_reqs, spec.num_tokens, spec.max_seq_len, spec.num_pages) == (3, 7, 9, 6)
         with pytest.raises(dataclasses.FrozenInstanceError):
             spec.num_reqs = 1  # type: ignore[misc]
+
+
+def test_dataclass_subclasses_are_validated_too() -> None:
+    """A dataclass subclass with a field of its own: its generated __init__ ends in BatchSpec's
+    validation (the derived fields are set, bad input still raises)."""
+
+    @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+    class Tagged(BatchSpec):
+        tag: str = "x"
+
+    spec = Tagged(num_computed_tokens=[5, 0, 7], num_scheduled_tokens=[1, 4, 2], block_table=_BT, block_size=4,
+                  tag="step 3")
+    assert type(spec) is Tagged and spec.tag == "step 3"
+    assert (spec.num_reqs, spec.num_tokens, spec.max_seq_len, spec.num_pages) == (3, 7, 9, 6)
+    assert spec.num_computed_tokens.dtype == np.int32
+    with pytest.raises(ValueError, match="num_reqs_padded: 2 < num_reqs=3"):
+        Tagged(num_computed_tokens=[5, 0, 7], num_scheduled_tokens=[1, 4, 2], block_table=_BT, block_size=4,
+               num_reqs_padded=2)
