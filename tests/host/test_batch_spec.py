@@ -277,3 +277,15 @@ def test_dataclass_subclasses_are_validated_too() -> None:
     with pytest.raises(ValueError, match="num_reqs_padded: 2 < num_reqs=3"):
         Tagged(num_computed_tokens=[5, 0, 7], num_scheduled_tokens=[1, 4, 2], block_table=_BT, block_size=4,
                num_reqs_padded=2)
+
+
+def test_pickle_and_copy_keep_every_field() -> None:
+    import copy
+    import pickle
+
+    spec = _spec(num_reqs_padded=4, seq_lens_upper_bound=[7, 4, 9])
+    for again in (pickle.loads(pickle.dumps(spec)), copy.copy(spec), copy.deepcopy(spec)):
+        assert type(again) is BatchSpec
+        for f in dataclasses.fields(BatchSpec):
+            a, b = getattr(again, f.name), getattr(spec, f.name)
+            assert np.array_equal(a, b) if isinstance(b, np.ndarray) else a == b, f.name
