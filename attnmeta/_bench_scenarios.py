@@ -19,7 +19,7 @@ from attnmeta.backends import flash_attn, flashinfer
 from attnmeta.bench import Case, Uploads
 from attnmeta.metadata import stage_common
 from attnmeta.profile import StaticProfile
-from attnmeta.spec import BatchSpec
+from attnmeta.spec import BatchSpec, spec_arguments
 
 __all__ = ["GRAPH_PROFILE", "SCENARIOS", "composable_step", "decode_walks", "fused_step", "spec_decode_walks"]
 
@@ -224,23 +224,14 @@ def fused_step(specs: list[BatchSpec], device: torch.device, threads: int = 1,
 
     builder = FusedStepBuilder(Stager(device), threads=threads)
     at = [0]
-    fields: list[dict[str, Any]] = [dict(num_computed_tokens=s.num_computed_tokens, num_scheduled_tokens=s.num_scheduled_tokens,
-                   num_prompt_tokens=s.num_prompt_tokens, num_draft_tokens=s.num_draft_tokens,
-                   seq_lens_upper_bound=s.seq_lens_upper_bound, block_table=s.block_table,
-                   block_size=s.block_size, num_reqs_padded=s.num_reqs_padded,
-                   num_tokens_padded=s.num_tokens_padded, context_parallel=s.context_parallel) for s in specs]
+    args = [spec_arguments(s) for s in specs] if with_spec else None
 
     def step() -> Any:
         i = at[0]
         at[0] = (i + 1) % len(specs)
-        return builder.build(specs[i])
+        return builder.build(specs[i] if args is None else BatchSpec(**args[i]))
 
-    def step_with_spec() -> Any:
-        i = at[0]
-        at[0] = (i + 1) % len(specs)
-        return builder.build(BatchSpec(**fields[i]))
-
-    return (step_with_spec if with_spec else step), builder.stager
+    return step, builder.stager
 
 
 GRAPH_PROFILE = StaticProfile(max_num_reqs=1024, max_num_tokens=1024, max_blocks_per_req=2048 // 16 + 8, block_size=16)

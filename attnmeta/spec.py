@@ -20,7 +20,7 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -366,7 +366,7 @@ class BatchSpec:
     def __post_init__(self) -> None:
         """A dataclass subclass's generated ``__init__`` sets the init fields and calls this: validate
         them and set the derived fields, as :meth:`__init__` does (``BatchSpec`` itself never calls it)."""
-        BatchSpec.__init__(self, **{name: getattr(self, name) for name in _INIT_FIELDS})
+        BatchSpec.__init__(self, **spec_arguments(self))
 
     @property
     def padded_num_reqs(self) -> int:
@@ -392,3 +392,9 @@ _fill_spec = slot_filler(BatchSpec)
 """Sets every field of a BatchSpec under construction (:func:`attnmeta._slots.slot_filler`)."""
 _INIT_FIELDS = tuple(f.name for f in dataclasses.fields(BatchSpec) if f.init)
 """The constructor's arguments, in declaration order."""
+
+
+def spec_arguments(spec: BatchSpec) -> dict[str, Any]:
+    """The keyword arguments that construct ``spec`` again (its init fields, the host arrays
+    themselves, not copies): what an engine passes each step, for benchmarks and subclasses."""
+    return {name: getattr(spec, name) for name in _INIT_FIELDS}

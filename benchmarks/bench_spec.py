@@ -32,8 +32,7 @@ if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without 
 
 from attnmeta import BatchSpec
 from attnmeta._bench_scenarios import decode_walks
-
-_KEYS = ("num_computed_tokens", "num_scheduled_tokens", "num_prompt_tokens", "block_table", "block_size")
+from attnmeta.spec import spec_arguments
 
 
 def main() -> None:
@@ -46,7 +45,7 @@ def main() -> None:
           f"{args.steps} constructions, arrays {args.kind}, {time.strftime('%Y-%m-%d')}")
     print(f"{'batch':>6} {'median us':>10} {'best round':>11}")
     for batch, walk in decode_walks(False):
-        kws = [{k: getattr(s, k) for k in _KEYS} for s in walk]
+        kws = [spec_arguments(s) for s in walk]
         if args.kind == "int64":
             kws = [{k: (v.astype(np.int64) if isinstance(v, np.ndarray) else v) for k, v in kw.items()} for kw in kws]
         n = len(kws)
