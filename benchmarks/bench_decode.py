@@ -38,6 +38,12 @@ twice, as the commit there is a host copy too). Any path that stages those bytes
 that much, so the row shows how much of a large batch's step is the memory traffic itself, on the
 same machine in the same run (omit it with ``--paths``).
 
+Another, ``jitter``, is not a path either: a fixed amount of pure Python work (a loop of additions),
+its length set before the rounds so that its median matches the fused path's at that batch size. It
+does no memory traffic and calls no driver, so its ``p99 us`` and ``p99/med`` are the machine's own
+jitter for a task of the fused step's length (interrupts, another tenant, clock changes): a floor for
+the p99 rule, measured in the same run (it needs the ``fused`` path; omit it with ``--paths``).
+
 With ``--spec`` it times the spec-decode scenario of the bench CLI instead (``spec-decode-k3``: 3
 draft tokens a request, batch 8, 64 and 256), which has no issue targets.
 
@@ -86,8 +92,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10, help="rounds per path and batch size")
     ap.add_argument("--steps", type=int, default=400, help="consecutive steps per round")
     ap.add_argument("--warm", type=int, default=200, help="untimed steps of a path before each of its rounds")
-    ap.add_argument("--paths", default="attnmeta,reference,per-tensor,fused,fused+spec,floor",
-                    help="comma-separated paths to time (default: all five, and the memory floor)")
+    ap.add_argument("--paths", default="attnmeta,reference,per-tensor,fused,fused+spec,floor,jitter",
+                    help="comma-separated paths to time (default: all five, the memory floor and the jitter "
+                         "floor)")
     ap.add_argument("--pin-cpu", type=int, default=None, metavar="CPU",
                     help="pin this process to one CPU first (os.sched_setaffinity), as engines pin their "
                          "scheduler thread; default: let the OS place it")
@@ -138,11 +145,14 @@ def main() -> None:
         if "floor" in wanted and "fused" in case.stagers:
             case.paths["floor"] = _floor(case.stagers["fused"], dev)
             samples["floor"], every["floor"], ratios["floor"] = [], [], []
+        if "jitter" in wanted and "fused" in case.paths:
+            case.paths["jitter"] = _jitter(_median_us(case.paths["fused"], 400))
+            samples["jitter"], every["jitter"], ratios["jitter"] = [], [], []
         gc.disable()
         try:
             for _ in range(args.rounds):
                 for path, fn in case.paths.items():
-                    fast = path in ("attnmeta", "floor") or path.startswith("fused")
+                    fast = path in ("attnmeta", "floor", "jitter") or path.startswith("fused")
                     steps = args.steps if fast else max(args.steps // 10, 20)
                     for _ in range(args.warm if fast else max(args.warm // 10, 2)):
                         fn()
@@ -173,6 +183,36 @@ def _spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
+
+
+def _median_us(fn: Callable[[], Any], calls: int) -> float:
+    """The median time of ``calls`` consecutive calls of ``fn``, us (garbage collection off)."""
+    ts = np.empty(calls)
+    gc.disable()
+    try:
+        for i in range(calls):
+            t0 = time.perf_counter_ns()
+            fn()
+            ts[i] = time.perf_counter_ns() - t0
+    finally:
+        gc.enable()
+    return float(np.median(ts)) / 1e3
+
+
+def _jitter(target_us: float) -> Callable[[], int]:
+    """The ``jitter`` row: a loop of Python additions whose median time is about ``target_us``
+    (calibrated here, at the machine's present speed), the same work every call."""
+
+    def work(n: int) -> int:
+        x = 0
+        for i in range(n):
+            x += i
+        return x
+
+    probe = 4096
+    per_iter = _median_us(lambda: work(probe), 200) / probe
+    n = max(1, round(target_us / per_iter))
+    return lambda: work(n)
 
 
 def _floor(stager: Any, dev: torch.device) -> Callable[[], None]:
