@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from attnmeta._bench_scenarios import _raw_uploader, _uploader
-from attnmeta._workloads import mixed_spec
+from attnmeta.testing.workloads import mixed_spec
 from attnmeta.bench import Case, Uploads
 from attnmeta.spec import BatchSpec
 
@@ -71,7 +71,7 @@ OPTIONS = _options()
 
 def prefill_step_spec(rng: np.random.Generator, num_prefills: int) -> BatchSpec:
     """A prefill-only step: ``num_prefills`` prompts of 1..2048 new tokens, every second continuing
-    an unaligned context of 1..8192 tokens (:func:`attnmeta._workloads.mixed_spec` without decodes),
+    an unaligned context of 1..8192 tokens (:func:`attnmeta.testing.workloads.mixed_spec` without decodes),
     with a Mamba group's block table (one state block per request, :data:`MAMBA_BLOCK_SIZE`)."""
     return mixed_spec(rng, prefills=num_prefills, decodes=0, chunk=CHUNK_SIZE, max_prompt=2048, max_context=8192,
                       block_size=MAMBA_BLOCK_SIZE)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnmeta._workloads import advance, decode_spec, mixed_spec
+from attnmeta.testing.workloads import advance, decode_spec, mixed_spec
 from attnmeta.backends import flash_attn, flashinfer
 from attnmeta.bench import Case, Uploads
 from attnmeta.metadata import stage_common

@@ -2,7 +2,7 @@
 
 :func:`register_builtin_targets` registers one :func:`attnmeta.sync.register_audit_target` per
 builder; each target builds that builder's metadata for every batch kind of
-:data:`attnmeta._workloads.KINDS` on the given device, in one step per batch (a builder that runs its
+:data:`attnmeta.testing.workloads.KINDS` on the given device, in one step per batch (a builder that runs its
 own steps, :data:`LOOP_BUILDERS`, in as many steps as it takes to replay). The test suite runs all
 of them under the audit on ``meta`` (tests/sync/test_builders_audited.py), and a new backend module
 that is not registered here fails that test.
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnmeta._workloads import KINDS, random_spec
+from attnmeta.testing.workloads import KINDS, random_spec
 from attnmeta.metadata import stage_common
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager, Step

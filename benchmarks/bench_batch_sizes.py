@@ -29,7 +29,7 @@ if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnmeta._bench_scenarios import _stage_fa_fi
-from attnmeta._workloads import advance, decode_spec
+from attnmeta.testing.workloads import advance, decode_spec
 from attnmeta.backends.fused import FusedStepBuilder
 from attnmeta.bench import script_device
 from attnmeta.metadata import stage_common

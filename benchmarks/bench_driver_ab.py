@@ -25,7 +25,7 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnmeta._workloads import advance, decode_spec
+from attnmeta.testing.workloads import advance, decode_spec
 from attnmeta.backends import flash_attn, flashinfer
 from attnmeta.metadata import stage_common
 from attnmeta.staging import Stager

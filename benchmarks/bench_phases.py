@@ -30,7 +30,7 @@ if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without 
 
 from attnmeta import StaticProfile
 from attnmeta._bench_mamba2 import OPTIONS, prefill_step_specs
-from attnmeta._workloads import advance, decode_spec
+from attnmeta.testing.workloads import advance, decode_spec
 from attnmeta.backends import flash_attn, flashinfer, fused, mamba2
 from attnmeta.bench import script_device
 from attnmeta.metadata import stage_common

@@ -38,7 +38,7 @@ if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without 
 
 from attnmeta import BatchSpec, StaticProfile
 from attnmeta._bench_scenarios import composable_step
-from attnmeta._workloads import advance, decode_spec
+from attnmeta.testing.workloads import advance, decode_spec
 from attnmeta.backends.fused import FusedStepBuilder
 from attnmeta.staging import Stager
 

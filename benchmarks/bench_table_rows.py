@@ -38,7 +38,7 @@ if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnmeta._numba import njit
-from attnmeta._workloads import decode_spec
+from attnmeta.testing.workloads import decode_spec
 from attnmeta.host.common import _paged_from_staged_nb
 
 RING = 3

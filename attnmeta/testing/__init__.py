@@ -4,6 +4,7 @@
 - :mod:`attnmeta.testing.reference`: straightforward device-side torch implementations of every host
   derivation (the way engines used to compute metadata, synchronisations included): the oracle.
 - :mod:`attnmeta.testing.assertions`: bit-exact comparison of host results with device tensors.
+- :mod:`attnmeta.testing.workloads`: seeded random batches (numpy only) for audits and benchmarks.
 
 Nothing here is used on the serving path; these modules may read device tensors on the host.
 """

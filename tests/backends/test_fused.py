@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
-from attnmeta._workloads import advance, decode_spec, mixed_spec
+from attnmeta.testing.workloads import advance, decode_spec, mixed_spec
 from attnmeta.backends import flash_attn, flashinfer, fused
 from attnmeta.backends.flash_attn import FlashAttnOptions
 from attnmeta.backends.flashinfer import FlashInferOptions
@@ -442,7 +442,7 @@ def test_threads_start_numbas_pool_only_when_used_and_keep_torchs_thread_count()
     code = (
         "import numba.np.ufunc.parallel as par, numpy as np, torch\n"
         "torch.set_num_threads(1)\n"
-        "from attnmeta._workloads import advance, decode_spec\n"
+        "from attnmeta.testing.workloads import advance, decode_spec\n"
         "from attnmeta.backends.fused import PARALLEL_MIN_ROWS, FusedStepBuilder\n"
         "from attnmeta.staging import Stager\n"
         "specs = advance(decode_spec(PARALLEL_MIN_ROWS + 8, np.random.default_rng(0), max_context=200,"

@@ -228,7 +228,7 @@ def test_eager_commits_go_through_the_driver_and_land_intact() -> None:
 def test_graph_mode_commits_go_through_the_driver_and_land_intact() -> None:
     """Graph mode (one fixed arena for every slot): commits through the driver, including after the
     layout grew (a new arena, new pinned slots); every step's data lands intact under a held GPU."""
-    from attnmeta._workloads import advance, decode_spec
+    from attnmeta.testing.workloads import advance, decode_spec
     from attnmeta.backends.fused import FusedStepBuilder
     from attnmeta.staging import _driver
 
@@ -342,7 +342,7 @@ def test_fused_replays_land_intact_while_the_gpu_is_held(graph: bool, threads: i
     walking decode and spec-decode loops (3 drafts: prefill rows only, which replay too) of several
     sizes and mixed steps, the GPU held behind every 8 steps, all under sync "error" mode; each
     step's device fields (common and FlashInfer) equal the host twins it handed out."""
-    from attnmeta._workloads import advance, decode_spec, mixed_spec
+    from attnmeta.testing.workloads import advance, decode_spec, mixed_spec
     from attnmeta.backends.fused import FusedStepBuilder
 
     rng = np.random.default_rng(11)

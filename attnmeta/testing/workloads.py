@@ -1,7 +1,19 @@
-"""Deterministic random batches for the bench and the audit CLI (numpy only; no hypothesis needed).
+"""Deterministic random batches (numpy only; no hypothesis needed).
 
-The property tests use :mod:`attnmeta.testing.strategies`; these generators exist so that
-``python -m attnmeta bench`` and ``python -m attnmeta audit`` run with runtime dependencies alone.
+Seeded generators of valid :class:`~attnmeta.BatchSpec` objects of the kinds an engine schedules:
+decode walks, mixed batches, and one random batch of each kind in :data:`KINDS`. The sync audit
+(``python -m attnmeta audit``), the benchmarks (``python -m attnmeta bench``, ``benchmarks/*.py``)
+and the tests use them; test suites of their own may too. Property tests that want shrinking use
+:mod:`attnmeta.testing.strategies` instead.
+
+Examples
+--------
+>>> import numpy as np
+>>> from attnmeta.testing.workloads import advance, decode_spec
+>>> walk = advance(decode_spec(2, np.random.default_rng(0), max_context=64), 3)
+>>> [s.num_computed_tokens.tolist() for s in walk] == [
+...     [int(c) + i for c in walk[0].num_computed_tokens] for i in range(3)]
+True
 """
 
 from __future__ import annotations
