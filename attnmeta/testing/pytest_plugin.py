@@ -40,7 +40,8 @@ from typing import Any
 
 import pytest
 
-from attnmeta.sync import SyncAudit, _make_audit, no_device_sync
+from attnmeta.sync import SyncAudit, no_device_sync
+from attnmeta.sync._context import make_audit
 
 __all__ = ["no_sync"]
 
@@ -140,7 +141,7 @@ def _audit_for(item: pytest.Item) -> SyncAudit | None:
                 pytrace=False,
             )
         options.update(marker.kwargs)
-    return _make_audit(
+    return make_audit(
         options["devices"],
         bool(options.get("check_copies", True)),
         str(options.get("cuda_mode", "error")),

@@ -14,9 +14,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import attnmeta.sync as sync_mod
 from attnmeta.sync import (
     DeviceSyncError,
+    _cuda,
+    _dispatch,
+    _state,
     allow_device_sync,
     current_audit,
     no_device_sync,
@@ -236,7 +238,7 @@ class _Counting(TorchDispatchMode):
 
 def test_a_mode_entered_inside_and_left_open_survives() -> None:
     """The audit removes only its own modes, even when another mode sits above them."""
-    if sync_mod._THREAD.depth:
+    if _state.THREAD.depth:
         pytest.skip("an enclosing audit (--attnmeta-sync-audit) keeps the audit's modes installed")
     depth = torch._C._len_torch_dispatch_stack()
     other = _Counting()
@@ -247,7 +249,7 @@ def test_a_mode_entered_inside_and_left_open_survives() -> None:
     try:
         stack = [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
         assert other in stack
-        assert not any(isinstance(m, sync_mod._DispatchAudit) for m in stack)
+        assert not any(isinstance(m, _dispatch.DispatchAudit) for m in stack)
         assert _read() == 3.0  # no audit
         assert other.calls > 0
     finally:
@@ -280,12 +282,12 @@ def fake_cuda_debug_mode(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: modes.append(int(m)))
-    monkeypatch.setattr(sync_mod, "_patch_explicit_syncs", lambda: None)
+    monkeypatch.setattr(_cuda, "patch_explicit_syncs", lambda: None)
     yield modes
 
 
 def _no_enclosing_cuda_audit() -> None:
-    if sync_mod._CudaDebug.users:
+    if _cuda.CudaDebug.users:
         pytest.skip("an enclosing audit (--attnmeta-sync-audit) holds the real CUDA debug mode")
 
 
@@ -304,7 +306,7 @@ def test_cuda_debug_mode_is_reference_counted(fake_cuda_debug_mode: list[int]) -
             pass
         assert fake_cuda_debug_mode == [0, 1]
     assert fake_cuda_debug_mode == [0, 1, 0]  # restored when the count drops to 0
-    assert sync_mod._CudaDebug.users == 0
+    assert _cuda.CudaDebug.users == 0
 
 
 def test_cuda_debug_mode_already_on_is_left_alone(fake_cuda_debug_mode: list[int]) -> None:
@@ -359,7 +361,7 @@ def test_cuda_error_mode_set_by_the_process_is_reraised(monkeypatch: pytest.Monk
         raise RuntimeError("called a synchronizing CUDA operation")
 
     with no_device_sync(cuda_mode="error"):
-        mode = sync_mod._DispatchAudit()
+        mode = _dispatch.DispatchAudit()
         with pytest.raises(DeviceSyncError, match="sync debug mode") as info:
             mode.__torch_dispatch__(raising, (), (torch.ones(1),), {})
         assert isinstance(info.value.__cause__, RuntimeError)
@@ -381,8 +383,8 @@ def test_explicit_synchronize_is_flagged(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     if hasattr(torch, "accelerator"):
         monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: calls.append("acc"))
-    monkeypatch.setattr(sync_mod, "_PATCHED_SYNCS", {})
-    sync_mod._patch_explicit_syncs()
+    monkeypatch.setattr(_cuda, "PATCHED_SYNCS", {})
+    _cuda.patch_explicit_syncs()
     with allow_device_sync():
         torch.cuda.synchronize()  # not armed: passes through
     with no_device_sync():
@@ -400,7 +402,7 @@ def test_explicit_synchronize_is_flagged(monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU tests simulate it)")
 def test_real_cuda_debug_mode_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the dispatch rule for .item() switched off, torch's debug mode still catches it."""
-    monkeypatch.setitem(sync_mod._RULE_CACHE, torch.ops.aten._local_scalar_dense.default, None)
+    monkeypatch.setitem(_dispatch.RULE_CACHE, torch.ops.aten._local_scalar_dense.default, None)
     x = torch.arange(8, device="cuda")
     before = torch.cuda.get_sync_debug_mode()
     results: dict[str, object] = {}
