@@ -20,7 +20,7 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -28,7 +28,6 @@ import numpy.typing as npt
 from attnmeta._checks import INT32_MAX, as_host_array
 from attnmeta._intdiv import cdiv_by, pow2_shift
 from attnmeta._numba import njit
-from attnmeta._slots import slot_filler
 
 __all__ = ["BatchSpec", "ContextParallel"]
 
@@ -37,7 +36,7 @@ class ContextParallel(NamedTuple):
     """Decode/prefill context parallelism (DCP/PCP) layout of the KV cache.
 
     Token ``p`` of a request lives on rank ``(p % (block_size * world_size)) // interleave % world_size``
-    (vllm-semantics.md section 4).
+    (docs/semantics.md, "Context parallelism").
     """
 
     world_size: int
@@ -50,146 +49,150 @@ class ContextParallel(NamedTuple):
 
 _EMPTY = np.zeros(0, np.int32)
 _INT_TYPES = (int, np.integer)
-# _validate_nb status codes
+# _validate_nb status codes: 0 = valid; _INVALID = some rule is broken (``diagnose=False``); else the
+# first broken rule (``diagnose=True``), numbered in the order a row's rules are checked
+_INVALID = -1
 _NEG_C, _NEG_Q, _SEQ_OVF, _TOT_OVF, _NARROW, _NEG_BLOCK, _NEG_P, _NEG_D, _DRAFTS, _NEG_UB, _UB = range(1, 12)
 
 
 @njit
 def _validate_nb(
     c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int, bs: int,
-    prompt: np.ndarray, has_p: bool, drafts: np.ndarray, has_d: bool, ub: np.ndarray, has_ub: bool,
+    prompt: np.ndarray, drafts: np.ndarray, ub: np.ndarray, diagnose: bool,
 ) -> tuple[int, int, int, int, int, int, int, int]:
-    """Every rule of BatchSpec: :func:`_validate_rows_nb`'s result, faster for a valid spec.
+    """Every rule of BatchSpec, and the derived scalars.
 
-    With power-of-two ``bs`` and ``span`` (the usual case), loops without early exits (reductions
-    the compiler vectorizes) decide whether every rule holds and compute the scalars; only when one
-    does not does the row-by-row pass run, to name the first broken rule exactly as it would have.
+    ``prompt``, ``drafts`` and ``ub`` are empty when not given (else they have ``c``'s length: with no
+    rows the two are alike). Returns ``(status, row, col, total, max_q, max_seq, max_ub, pages)``:
+    status 0 = valid, with ``pages`` the sum of ``cdiv(seq, bs)``; else a rule is broken and the
+    scalars mean nothing.
+
+    The rules come in five groups: the counts (``c, q >= 0``; ``c + q`` and the running total of
+    ``q`` fit int32; the table is wide enough: status ``_NEG_C`` to ``_NARROW``), the used block ids,
+    the prompt lengths, the drafts, the upper bounds. The rows are taken in chunks. For each chunk,
+    each group in turn folds the chunk's rows into running minimums, maximums and sums (loops
+    without early exits, which the compiler vectorizes) and then asks its rules of them; the first
+    broken rule ends the pass, so no group reads what an earlier one found broken (a block-table
+    column beyond the table).
+
+    - ``diagnose=False``: one chunk of every row. Status ``_INVALID`` when a rule is broken. The
+      usual call: a spec is valid almost always.
+    - ``diagnose=True``: chunks of one row. Every rule holds for the rows before a chunk (else the
+      pass would have ended there), so a rule the running reductions break is broken by this row:
+      status is the first broken rule of the first broken row (a row's rules asked in status-code
+      order), at ``row`` and, for a negative block id, block-table column ``col``. Slower; run it to
+      name the rule.
     """
-    sh_bs = pow2_shift(bs)
-    sh_span = pow2_shift(span)
-    if sh_bs < 0 or sh_span < 0:
-        return _validate_rows_nb(c, q, bt, span, bs, prompt, has_p, drafts, has_d, ub, has_ub)
     n = c.shape[0]
-    lo = np.int64(0)  # the smallest count seen (negative: a rule is broken)
-    total = np.int64(0)
-    pages = np.int64(0)
-    max_q = np.int64(0)
-    max_seq = np.int64(0)
-    for i in range(n):
-        ci = np.int64(c[i])
-        qi = np.int64(q[i])
-        seq = ci + qi
-        lo = min(lo, min(ci, qi))
-        total += qi
-        pages += (seq + bs - 1) >> sh_bs
-        max_q = max(max_q, qi)
-        max_seq = max(max_seq, seq)
-    bad = lo < 0 or max_seq > INT32_MAX or total > INT32_MAX or ((max_seq + span - 1) >> sh_span) > bt.shape[1]
-    max_ub = np.int64(0)
-    if not bad:
-        low = np.int32(0)
-        for i in range(n):
-            need = (np.int64(c[i]) + np.int64(q[i]) + span - 1) >> sh_span
-            row = bt[i]
-            for j in range(need):
-                v = row[j]
-                low = v if v < low else low
-        bad = low < 0
-    if not bad and has_p:
-        for i in range(n):
-            lo = min(lo, np.int64(prompt[i]))
-        bad = lo < 0
-    if not bad and has_d:
-        over = np.int64(0)
-        for i in range(n):
-            d = np.int64(drafts[i])
-            lo = min(lo, d)
-            over = max(over, d - np.int64(q[i]))
-        bad = lo < 0 or over > 0
-    if not bad and has_ub:
-        short = np.int64(0)
-        for i in range(n):
-            u = np.int64(ub[i])
-            lo = min(lo, u)
-            short = max(short, np.int64(c[i]) + np.int64(q[i]) - u)
-            max_ub = max(max_ub, u)
-        bad = lo < 0 or short > 0
-    if bad:
-        return _validate_rows_nb(c, q, bt, span, bs, prompt, has_p, drafts, has_d, ub, has_ub)
-    return 0, 0, 0, int(total), int(max_q), int(max_seq), int(max_ub), int(pages)
-
-
-@njit
-def _validate_rows_nb(
-    c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int, bs: int,
-    prompt: np.ndarray, has_p: bool, drafts: np.ndarray, has_d: bool, ub: np.ndarray, has_ub: bool,
-) -> tuple[int, int, int, int, int, int, int, int]:
-    """One pass over requests (and their used block-table columns): every rule of BatchSpec, row by
-    row, stopping at the first broken one.
-
-    Returns ``(status, row, col, total, max_q, max_seq, max_ub, pages)``: status 0 = valid, else the
-    rule broken at ``row`` (and block-table column ``col``); ``pages`` is the sum of ``cdiv(seq, bs)``.
-    A row's used block ids are checked with a running minimum (no early exit, so the loop
-    vectorizes); only a row whose minimum is negative is searched for the column.
-    """
-    total = np.int64(0)
-    pages = np.int64(0)
-    max_q = np.int64(0)
-    max_seq = np.int64(0)
-    max_ub = np.int64(0)
     width = bt.shape[1]
-    sh_bs = pow2_shift(bs)  # shifts instead of divisions for power-of-two sizes (attnmeta._intdiv)
+    sh_bs = pow2_shift(bs)  # power-of-two sizes divide by shifts (attnmeta._intdiv)
     sh_span = pow2_shift(span)
+    lo_c = lo_q = lo_p = lo_d = lo_u = np.int64(0)  # running minimums: negative breaks a rule
+    over = short = np.int64(0)  # max(drafts - q), max(c + q - upper bound): positive breaks one
+    low = np.int32(0)  # the smallest used block id
+    total = pages = max_q = max_seq = max_ub = np.int64(0)
+    code = 0
+    row = 0  # (read after the loop)
+    step = 1 if diagnose else max(n, 1)
+    for row in range(0, n, step):
+        # The chunk's rows as views indexed from 0: numba's negative-index wraparound folds away for
+        # an index known to be >= 0, and without it the loops vectorize.
+        end = min(row + step, n)
+        cs, qs = c[row:end], q[row:end]
+        lo_c, lo_q, total, pages, max_q, max_seq = _fold_counts(
+            cs, qs, bs, sh_bs, lo_c, lo_q, total, pages, max_q, max_seq)
+        code = (_NEG_C if lo_c < 0 else _NEG_Q if lo_q < 0 else _SEQ_OVF if max_seq > INT32_MAX
+                else _TOT_OVF if total > INT32_MAX else _NARROW if cdiv_by(max_seq, span, sh_span) > width
+                else 0)
+        if code:
+            break
+        low = _fold_used_blocks(cs, qs, bt[row:end], span, sh_span, low)
+        if low < 0:
+            code = _NEG_BLOCK
+            break
+        if prompt.shape[0]:
+            ps = prompt[row:end]
+            for i in range(ps.shape[0]):
+                lo_p = min(lo_p, np.int64(ps[i]))
+            if lo_p < 0:
+                code = _NEG_P
+                break
+        if drafts.shape[0]:
+            ds = drafts[row:end]
+            for i in range(ds.shape[0]):
+                d = np.int64(ds[i])
+                lo_d = min(lo_d, d)
+                over = max(over, d - np.int64(qs[i]))
+            if lo_d < 0 or over > 0:
+                code = _NEG_D if lo_d < 0 else _DRAFTS
+                break
+        if ub.shape[0]:
+            us = ub[row:end]
+            for i in range(us.shape[0]):
+                u = np.int64(us[i])
+                lo_u = min(lo_u, u)
+                short = max(short, np.int64(cs[i]) + np.int64(qs[i]) - u)
+                max_ub = max(max_ub, u)
+            if lo_u < 0 or short > 0:
+                code = _NEG_UB if lo_u < 0 else _UB
+                break
+    if code == 0:
+        return 0, 0, 0, int(total), int(max_q), int(max_seq), int(max_ub), int(pages)
+    if not diagnose:
+        return _INVALID, 0, 0, 0, 0, 0, 0, 0
+    col = 0
+    if code == _NEG_BLOCK:  # the chunk is the row: its first negative used column
+        while bt[row, col] >= 0:
+            col += 1
+    return code, row, col, 0, 0, 0, 0, 0
+
+
+# The two folds that divide are kernels of their own: compiled alone, each loop is split once on
+# shift-or-divide and then vectorizes; inside the chunk loop of _validate_nb it would not be.
+@njit
+def _fold_counts(
+    c: np.ndarray, q: np.ndarray, bs: int, sh_bs: int,
+    lo_c: np.int64, lo_q: np.int64, total: np.int64, pages: np.int64, max_q: np.int64, max_seq: np.int64,
+) -> tuple[np.int64, np.int64, np.int64, np.int64, np.int64, np.int64]:
+    """The running ``(min c, min q, sum q, sum cdiv(c + q, bs), max q, max(c + q))``, rows folded in."""
     for i in range(c.shape[0]):
         ci = np.int64(c[i])
         qi = np.int64(q[i])
-        if ci < 0:
-            return _NEG_C, i, 0, 0, 0, 0, 0, 0
-        if qi < 0:
-            return _NEG_Q, i, 0, 0, 0, 0, 0, 0
         seq = ci + qi
-        if seq > INT32_MAX:
-            return _SEQ_OVF, i, 0, 0, 0, 0, 0, 0
+        lo_c = min(lo_c, ci)
+        lo_q = min(lo_q, qi)
         total += qi
-        if total > INT32_MAX:
-            return _TOT_OVF, i, 0, 0, 0, 0, 0, 0
-        nb = cdiv_by(seq, bs, sh_bs)
-        pages += nb
-        need = nb if span == bs else cdiv_by(seq, span, sh_span)
-        if need > width:
-            return _NARROW, i, 0, 0, 0, 0, 0, 0
-        row = bt[i]
-        low = np.int32(0)
-        for j in range(need):
-            v = row[j]
-            low = v if v < low else low
-        if low < 0:
-            for j in range(need):
-                if row[j] < 0:
-                    return _NEG_BLOCK, i, j, 0, 0, 0, 0, 0
-        if has_p and prompt[i] < 0:
-            return _NEG_P, i, 0, 0, 0, 0, 0, 0
-        if has_d:
-            if drafts[i] < 0:
-                return _NEG_D, i, 0, 0, 0, 0, 0, 0
-            if drafts[i] > qi:
-                return _DRAFTS, i, 0, 0, 0, 0, 0, 0
-        if has_ub:
-            u = np.int64(ub[i])
-            if u < 0:
-                return _NEG_UB, i, 0, 0, 0, 0, 0, 0
-            if u < seq:
-                return _UB, i, 0, 0, 0, 0, 0, 0
-            max_ub = max(max_ub, u)
+        pages += cdiv_by(seq, bs, sh_bs)
         max_q = max(max_q, qi)
         max_seq = max(max_seq, seq)
-    return 0, 0, 0, int(total), int(max_q), int(max_seq), int(max_ub), int(pages)
+    return lo_c, lo_q, total, pages, max_q, max_seq
+
+
+@njit
+def _fold_used_blocks(
+    c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int, sh_span: int, low: np.int32,
+) -> np.int32:
+    """The running minimum ``low`` of the used block ids (columns ``[0, cdiv(c + q, span))`` of each
+    row of ``bt``), rows folded in."""
+    for i in range(c.shape[0]):
+        row = bt[i]
+        for j in range(cdiv_by(np.int64(c[i]) + np.int64(q[i]), span, sh_span)):
+            v = row[j]
+            low = v if v < low else low
+    return low
 
 
 def _raise_invalid(
-    code: int, i: int, j: int, c: np.ndarray, q: np.ndarray, bt: np.ndarray, bs: int, span: int,
+    c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int, bs: int,
     prompt: np.ndarray | None, drafts: np.ndarray | None, ub: np.ndarray | None,
-) -> None:
+) -> NoReturn:
+    """Raise the ``ValueError`` of the first broken rule of a spec that breaks one (found by
+    :func:`_validate_nb` with ``diagnose=True``): the field, the row, the value and the rule."""
+    code, i, j = _validate_nb(
+        c, q, bt, span, bs, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
+        _EMPTY if ub is None else ub, True,
+    )[:3]
+    assert code > 0, "_raise_invalid called for a valid spec"
     seq = int(c[i]) + int(q[i])
     if code == _NEG_C:
         raise ValueError(f"num_computed_tokens[{i}]={int(c[i])} is negative (request {i}); counts must be >= 0")
@@ -340,14 +343,12 @@ class BatchSpec:
         ub = (None if seq_lens_upper_bound is None
               else as_host_array(seq_lens_upper_bound, "seq_lens_upper_bound", length=n))
         span = bs * (1 if cp is None else cp.world_size)  # tokens per block-table column
-        code, row, col, total, max_q, max_seq, max_ub, pages = _validate_nb(
-            c, q, bt, span, bs,
-            _EMPTY if prompt is None else prompt, prompt is not None,
-            _EMPTY if drafts is None else drafts, drafts is not None,
-            _EMPTY if ub is None else ub, ub is not None,
+        code, _, _, total, max_q, max_seq, max_ub, pages = _validate_nb(
+            c, q, bt, span, bs, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
+            _EMPTY if ub is None else ub, False,  # (diagnose: only when a rule is broken, to name it)
         )
         if code:
-            _raise_invalid(code, row, col, c, q, bt, bs, span, prompt, drafts, ub)
+            _raise_invalid(c, q, bt, span, bs, prompt, drafts, ub)
         rp = num_reqs_padded
         if rp is not None and (not isinstance(rp, _INT_TYPES) or rp < n):
             raise ValueError(f"num_reqs_padded: {rp!r} < num_reqs={n}; padding can only add rows")
@@ -357,11 +358,40 @@ class BatchSpec:
                 raise ValueError(f"num_tokens_padded: {tp!r} < num_tokens={total}; padding can only add tokens")
             if tp > INT32_MAX:
                 raise ValueError(f"num_tokens_padded: {tp} overflows int32")
-        _fill_spec(  # every field, in declaration order (test_fields_are_set_in_declaration_order)
-            self, c, q, bt, bs, prompt, drafts, ub, None if rp is None else int(rp),
-            None if tp is None else int(tp), cp, n, total, max_q, max_ub if ub is not None else max_seq, max_seq,
-            pages,
-        )
+        # Every field is set once, here. A frozen dataclass refuses `self.x = v`, and one
+        # object.__setattr__ call a field is a sizeable part of a small step's construction, so `self`
+        # becomes a _FillableBatchSpec (same slots, same memory layout, no frozen __setattr__) for
+        # plain slot stores, then a BatchSpec again: the stores cannot fail, and the `finally` restores
+        # the class even if an interrupt lands between them. A subclass's instance (another layout)
+        # cannot switch: its fields are stored into a scratch _FillableBatchSpec and copied over, one
+        # object.__setattr__ each.
+        mine = type(self) is BatchSpec
+        o: Any = self if mine else object.__new__(_FillableBatchSpec)
+        if mine:
+            object.__setattr__(self, "__class__", _FillableBatchSpec)
+        try:
+            o.num_computed_tokens = c
+            o.num_scheduled_tokens = q
+            o.block_table = bt
+            o.block_size = bs
+            o.num_prompt_tokens = prompt
+            o.num_draft_tokens = drafts
+            o.seq_lens_upper_bound = ub
+            o.num_reqs_padded = None if rp is None else int(rp)
+            o.num_tokens_padded = None if tp is None else int(tp)
+            o.context_parallel = cp
+            o.num_reqs = n
+            o.num_tokens = total
+            o.max_query_len = max_q
+            o.max_seq_len = max_seq if ub is None else max_ub
+            o.max_exact_seq_len = max_seq
+            o.num_pages = pages
+        finally:
+            if mine:
+                o.__class__ = BatchSpec
+        if not mine:
+            for name in _FIELDS:
+                object.__setattr__(self, name, getattr(o, name))
 
     def __post_init__(self) -> None:
         """A dataclass subclass's generated ``__init__`` sets the init fields and calls this: validate
@@ -388,8 +418,15 @@ class BatchSpec:
         )
 
 
-_fill_spec = slot_filler(BatchSpec)
-"""Sets every field of a BatchSpec under construction (:func:`attnmeta._slots.slot_filler`)."""
+class _FillableBatchSpec:
+    """:class:`BatchSpec`'s slots, writable: the same base and the same slots in the same order, so
+    the same memory layout, and an instance may switch ``__class__`` between the two (``__init__``)."""
+
+    __slots__ = BatchSpec.__slots__
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(BatchSpec))
+"""Every field, in declaration order."""
 _INIT_FIELDS = tuple(f.name for f in dataclasses.fields(BatchSpec) if f.init)
 """The constructor's arguments, in declaration order."""
 

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from attnmeta.spec import BatchSpec, ContextParallel
+from attnmeta._checks import INT32_MAX
+from attnmeta.spec import BatchSpec, ContextParallel, spec_arguments
 from attnmeta.testing.strategies import batch_specs
 
 _BT = np.arange(12, dtype=np.int32).reshape(3, 4)
@@ -82,6 +84,9 @@ def test_negative_block_id_in_used_column() -> None:
     bt = _BT.copy()
     bt[1, 3] = -1  # column 3 of request 1 (seq_len 4) is unused: allowed
     _spec(block_table=bt)
+    bt[0, 1] = -2  # block id 0 is valid: the first negative column is named
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\]=-2 is negative but column 1 holds tokens of request 0"):
+        _spec(block_table=bt)
 
 
 def test_padding_smaller_than_batch() -> None:
@@ -226,8 +231,8 @@ def test_replace_revalidates() -> None:
 
 
 def test_fields_are_set_in_declaration_order() -> None:
-    """Every field holds its own value (the constructor sets them positionally): values that differ
-    field from field, the upper bound above the exact lengths so max_seq_len != max_exact_seq_len."""
+    """Every field holds its own value: values that differ field from field, the upper bound above
+    the exact lengths so max_seq_len != max_exact_seq_len."""
     c, q = np.array([5, 0, 7], np.int32), np.array([1, 4, 2], np.int32)
     prompt, drafts, ub = np.array([9, 4, 8], np.int32), np.array([0, 3, 1], np.int32), np.array([30, 4, 11], np.int32)
     cp = ContextParallel(2, 1)
@@ -289,3 +294,163 @@ def test_pickle_and_copy_keep_every_field() -> None:
         for f in dataclasses.fields(BatchSpec):
             a, b = getattr(again, f.name), getattr(spec, f.name)
             assert np.array_equal(a, b) if isinstance(b, np.ndarray) else a == b, f.name
+
+
+# ------------------------------------------------------------------ which rule is reported first
+def _first_broken_rule(
+    c: list[int], q: list[int], bt: list[list[int]], width: int, bs: int, world: int,
+    prompt: list[int] | None, drafts: list[int] | None, ub: list[int] | None,
+    num_reqs_padded: int | None, num_tokens_padded: int | None,
+) -> str | None:
+    """The reference: BatchSpec's rules on plain ints, row by row, each row's rules in order; the
+    message of the first broken one, or None for a valid spec."""
+    span = bs * world
+    total = 0
+    for i in range(len(c)):
+        seq = c[i] + q[i]
+        if c[i] < 0:
+            return f"num_computed_tokens[{i}]={c[i]} is negative (request {i}); counts must be >= 0"
+        if q[i] < 0:
+            return f"num_scheduled_tokens[{i}]={q[i]} is negative (request {i}); counts must be >= 0"
+        if seq > INT32_MAX:
+            return f"seq_lens[{i}]=num_computed_tokens[{i}]+num_scheduled_tokens[{i}]={seq} overflows int32"
+        total += q[i]
+        if total > INT32_MAX:
+            return f"num_scheduled_tokens: total {sum(q)} overflows int32"
+        need = -(-seq // span)
+        if need > width:
+            what = f"block_size={bs}" if world == 1 else f"block_size*world_size={span}"
+            return (f"block_table: row {i} needs cdiv(seq_len={seq}, {what})={need} blocks but the table has "
+                    f"{width} columns (request {i})")
+        for j in range(need):
+            if bt[i][j] < 0:
+                return (f"block_table[{i}, {j}]={bt[i][j]} is negative but column {j} holds tokens of request {i} "
+                        f"(seq_len {seq}); block ids must be >= 0")
+        if prompt is not None and prompt[i] < 0:
+            return f"num_prompt_tokens[{i}]={prompt[i]} is negative (request {i}); counts must be >= 0"
+        if drafts is not None and drafts[i] < 0:
+            return f"num_draft_tokens[{i}]={drafts[i]} is negative (request {i}); counts must be >= 0"
+        if drafts is not None and drafts[i] > q[i]:
+            return (f"num_draft_tokens[{i}]={drafts[i]} > num_scheduled_tokens[{i}]={q[i]} (request {i}); "
+                    f"drafts are part of the scheduled tokens")
+        if ub is not None and ub[i] < 0:
+            return f"seq_lens_upper_bound[{i}]={ub[i]} is negative (request {i}); counts must be >= 0"
+        if ub is not None and ub[i] < seq:
+            return (f"seq_lens_upper_bound[{i}]={ub[i]} < seq_len={seq} (request {i}); "
+                    f"an upper bound must be >= num_computed_tokens + num_scheduled_tokens")
+    if num_reqs_padded is not None and num_reqs_padded < len(c):
+        return f"num_reqs_padded: {num_reqs_padded} < num_reqs={len(c)}; padding can only add rows"
+    if num_tokens_padded is not None and num_tokens_padded < total:
+        return f"num_tokens_padded: {num_tokens_padded} < num_tokens={total}; padding can only add tokens"
+    return None
+
+
+_BREAKS = ("ub_short", "neg_ub", "drafts_over", "neg_d", "neg_p", "neg_block", "narrow", "big_q", "big_q", "big_c",
+           "neg_q", "neg_c")
+"""The ways :func:`test_first_broken_rule_is_reported` breaks a valid spec (one row each, or the table):
+the later rules first, as hypothesis leans to the first (the earlier rules win often anyway)."""
+
+
+def _int32(x: int) -> int:
+    return max(-INT32_MAX - 1, min(INT32_MAX, x))
+
+
+@given(
+    spec=batch_specs(min_reqs=1, max_reqs=8, with_context_parallel=st.booleans()),
+    scale=st.sampled_from([1, 1, 2**26]),
+    data=st.data(),
+)
+def test_first_broken_rule_is_reported(spec: BatchSpec, scale: int, data: st.DataObject) -> None:
+    """Break random rules at random rows of a valid spec: the ValueError names the first broken rule
+    of the first broken row, as the row-by-row reference says (and a spec still valid constructs).
+    ``scale`` multiplies the block size (a huge one lets the running total overflow before the table
+    is too narrow, and 6 * 2**26 takes the divide path)."""
+    kw = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in spec_arguments(spec).items()}
+    kw["block_size"] = bs = spec.block_size * scale  # (any interleave still divides it)
+    world = 1 if spec.context_parallel is None else spec.context_parallel.world_size
+    n = spec.num_reqs
+    c, q, bt = kw["num_computed_tokens"], kw["num_scheduled_tokens"], kw["block_table"]
+    for rule in data.draw(st.permutations(_BREAKS))[: data.draw(st.integers(1, 3))]:
+        i, k = data.draw(st.integers(0, n - 1)), data.draw(st.integers(1, 3))
+        seq = int(c[i]) + int(q[i])
+        if rule == "neg_c":
+            c[i] = -k
+        elif rule == "neg_q":
+            q[i] = -k
+        elif rule == "big_c":
+            c[i] = INT32_MAX - k
+        elif rule == "big_q":  # (two of them overflow the total)
+            q[i] = data.draw(st.sampled_from([2**30 + k, INT32_MAX - k]))
+        elif rule == "narrow":
+            kw["block_table"] = bt = bt[:, : max(0, bt.shape[1] - k)]
+        elif rule == "neg_block" and bt.shape[1]:  # a used column, or any
+            used = min(bt.shape[1], max(1, -(-seq // (bs * world))))
+            bt[i, data.draw(st.integers(0, used - 1) | st.integers(0, bt.shape[1] - 1))] = -k
+        elif rule == "neg_p":
+            if kw["num_prompt_tokens"] is None:
+                kw["num_prompt_tokens"] = np.zeros(n, np.int32)
+            kw["num_prompt_tokens"][i] = -k
+        elif rule in ("neg_d", "drafts_over"):
+            if kw["num_draft_tokens"] is None:
+                kw["num_draft_tokens"] = np.zeros(n, np.int32)
+            kw["num_draft_tokens"][i] = -k if rule == "neg_d" else _int32(int(q[i]) + k)
+        elif rule in ("neg_ub", "ub_short"):
+            if kw["seq_lens_upper_bound"] is None:
+                kw["seq_lens_upper_bound"] = (c.astype(np.int64) + q).clip(0, INT32_MAX).astype(np.int32)
+            kw["seq_lens_upper_bound"][i] = -k if rule == "neg_ub" else _int32(seq - k)
+    expected = _first_broken_rule(
+        c.tolist(), q.tolist(), bt.tolist(), bt.shape[1], bs, world,
+        *(None if kw[f] is None else kw[f].tolist() for f in ("num_prompt_tokens", "num_draft_tokens",
+                                                              "seq_lens_upper_bound")),
+        kw["num_reqs_padded"], kw["num_tokens_padded"],
+    )
+    event("valid" if expected is None else re.sub(r"-?\d+", "#", expected.split(";")[0]))  # (--hypothesis-show-statistics)
+    if expected is None:
+        again = BatchSpec(**kw)
+        seqs = c.astype(np.int64) + q
+        assert (again.num_tokens, again.max_exact_seq_len) == (int(q.sum()), int(seqs.max()))
+        assert again.num_pages == int((-(-seqs // bs)).sum())
+        return
+    with pytest.raises(ValueError) as err:
+        BatchSpec(**kw)
+    assert str(err.value) == expected
+
+
+def test_rule_precedence_examples() -> None:
+    """Within a row the rules go in order (counts, table width, block ids, prompt, drafts, upper
+    bound); across rows the earlier row wins whatever its rule."""
+    bt = _BT.copy()
+    bt[2, 0] = -1
+    with pytest.raises(ValueError, match=r"num_prompt_tokens\[1\]=-1 is negative"):
+        _spec(block_table=bt, num_prompt_tokens=[0, -1, 0])  # row 1's prompt before row 2's block id
+    with pytest.raises(ValueError, match=r"block_table\[2, 0\]=-1 is negative"):
+        _spec(block_table=bt, num_prompt_tokens=[0, 0, -1])  # same row: the block id first
+    with pytest.raises(ValueError, match=r"block_table: row 2 needs"):
+        _spec(block_table=bt[:, :2], num_draft_tokens=[0, 0, 9])  # same row: the width first
+    with pytest.raises(ValueError, match=r"num_draft_tokens\[1\]=-1 is negative"):
+        _spec(num_draft_tokens=[0, -1, 9])  # negative before too many, in the earlier row
+    with pytest.raises(ValueError, match=r"seq_lens_upper_bound\[0\]=-1 is negative"):
+        _spec(seq_lens_upper_bound=[-1, 0, 0])  # negative before too small
+    with pytest.raises(ValueError, match=r"seq_lens_upper_bound\[1\]=3 < seq_len=4"):
+        _spec(seq_lens_upper_bound=[6, 3, -1])
+    with pytest.raises(ValueError, match=r"num_scheduled_tokens: total 2147483648 overflows int32"):
+        # row 1 both overflows the total and needs cdiv(2**31 - 1, 2**30) = 2 > 1 columns: the total first
+        BatchSpec(num_computed_tokens=[0, 2**30 - 1], num_scheduled_tokens=[2**30, 2**30],
+                  block_table=np.zeros((2, 1), np.int32), block_size=2**30)
+
+
+@pytest.mark.parametrize("bs", [3, 6, 48])
+def test_non_power_of_two_block_sizes(bs: int) -> None:
+    """Block sizes that are not powers of two divide (no shift): pages, table width and messages."""
+    c, q = np.array([5, 0, 7], np.int32), np.array([1, 4, 2], np.int32)
+    need = -(-(c + q) // bs)
+    bt = np.arange(3 * int(need.max()), dtype=np.int32).reshape(3, -1)
+    spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=bt, block_size=bs)
+    assert spec.num_pages == int(need.sum())
+    if bs == 3:
+        with pytest.raises(ValueError, match=r"block_table: row 2 needs cdiv\(seq_len=9, block_size=3\)=3 blocks"):
+            BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=bt[:, :2], block_size=bs)
+        cp = ContextParallel(3, 1)
+        with pytest.raises(ValueError, match=r"row 0 needs cdiv\(seq_len=6, block_size\*world_size=9\)=1 blocks"):
+            BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=bt[:, :0], block_size=bs,
+                      context_parallel=cp)
