@@ -6,26 +6,57 @@ Nothing is ever read back from the device.
 
 Quick start::
 
-    from attnmeta import BatchSpec, Stager, build_common
-    stager = Stager("cuda")                       # once
-    common = build_common(BatchSpec(...), stager)  # every step
+    import attnmeta
+    from attnmeta import BatchSpec, Stager
+    stager = Stager("cuda")                                    # once
+    fa = attnmeta.build(BatchSpec(...), stager, "flash_attn")  # every step: common + FlashAttention
 
-See docs/ for the backend-author quickstart, the serving-framework guide and the field semantics.
+Builders (one per backend family, of one protocol) are listed by :func:`registry`; see
+:mod:`attnmeta.builder`. docs/ has the backend-author quickstart, the serving-framework guide, the
+contributor guide (adding a builder) and the field semantics.
 """
 
-from attnmeta.metadata import CommonAttentionMetadata, build_common, stage_common
+import attnmeta.backends  # noqa: F401  (registers the built-in builders)
+from attnmeta.builder import (
+    Builder,
+    CommonNeeds,
+    UnsupportedBatchError,
+    build,
+    get_builder,
+    register,
+    registry,
+)
+from attnmeta.metadata import (
+    CommonAttentionMetadata,
+    CommonHost,
+    PagedKVMetadata,
+    StagedCommon,
+    build_common,
+    stage_common,
+)
 from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec, ContextParallel
-from attnmeta.staging import Stager, Step
+from attnmeta.staging import Staged, Stager, Step
 
 __all__ = [
     "BatchSpec",
+    "Builder",
     "CommonAttentionMetadata",
+    "CommonHost",
+    "CommonNeeds",
     "ContextParallel",
+    "PagedKVMetadata",
+    "Staged",
+    "StagedCommon",
     "Stager",
     "StaticProfile",
     "Step",
+    "UnsupportedBatchError",
+    "build",
     "build_common",
+    "get_builder",
+    "register",
+    "registry",
     "stage_common",
 ]
 __version__ = "0.1.0"

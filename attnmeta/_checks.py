@@ -18,6 +18,10 @@ __all__ = [
     "check_nonnegative",
     "check_out",
     "first_bad_row",
+    "option_bool",
+    "option_choice",
+    "option_int",
+    "option_prefix",
     "reject_tensor",
 ]
 
@@ -133,3 +137,53 @@ def check_out(out: np.ndarray | None, name: str, shape: tuple[int, ...], dtype: 
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(f"{name}: out= must be C-contiguous and writable")
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# options (frozen dataclasses validated once, in __post_init__)
+
+
+def option_int(owner: Any, name: str, *, minimum: int | None = None, maximum: int | None = None,
+               allow_none: bool = False) -> None:
+    """Check that ``owner.<name>`` is an int (not a bool) within ``[minimum, maximum]``.
+
+    Raises ``TypeError`` naming the option for the wrong type, ``ValueError`` for a value out of
+    range. ``owner`` is the options object (its class name prefixes the message).
+    """
+    value = getattr(owner, name)
+    where = f"{type(owner).__name__}.{name}"
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        kind = "an int or None" if allow_none else "an int"
+        raise TypeError(f"{where}: expected {kind}, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{where}: must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{where}: must be <= {maximum}, got {value}")
+
+
+def option_bool(owner: Any, name: str) -> None:
+    """Check that ``owner.<name>`` is a bool (``TypeError`` naming the option otherwise)."""
+    value = getattr(owner, name)
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{type(owner).__name__}.{name}: expected a bool, got {type(value).__name__} {value!r}")
+
+
+def option_choice(owner: Any, name: str, choices: tuple[Any, ...]) -> None:
+    """Check that ``owner.<name>`` is one of ``choices`` (``ValueError`` listing them otherwise)."""
+    value = getattr(owner, name)
+    if value not in choices:
+        names = [repr(c) for c in choices]
+        allowed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        raise ValueError(f"{type(owner).__name__}.{name}: must be {allowed}, got {value!r}")
+
+
+def option_prefix(owner: Any) -> None:
+    """Check ``owner.prefix``, the namespace of a builder's staged fields: a non-empty str without dots."""
+    value = owner.prefix
+    where = f"{type(owner).__name__}.prefix"
+    if not isinstance(value, str):
+        raise TypeError(f"{where}: expected a str, got {type(value).__name__} {value!r}")
+    if not value or "." in value:
+        raise ValueError(f"{where}: must be a non-empty name without '.', got {value!r}")

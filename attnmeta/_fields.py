@@ -9,20 +9,24 @@ Every metadata dataclass declares three class-level tuples:
 ``__repr__`` (shape dtype device only, never values), ``describe()`` (host values) and the
 ``replace`` twin check loop over these tuples; none of them is written per class, and none of them
 ever reads device memory (STYLE.md items 1 and 11).
+
+Builders construct a metadata object every step. :func:`keyword_factory` gives them a keyword
+constructor of a frozen dataclass without the frozen ``__init__``'s ``object.__setattr__`` call per
+field, and :func:`positional_factory` a positional one for a builder that rebuilds an object from a
+recorded one's field values (:class:`attnmeta.backends.fused.FusedStepBuilder`): one construction
+trick, kept here (docs/benchmarks.md has its A/B).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
 
-from attnmeta._slots import fast_constructor
-
-__all__ = ["MetadataBase", "Staged", "describe_value", "fast_constructor", "summarize_value"]
+__all__ = ["MetadataBase", "describe_value", "keyword_factory", "positional_factory", "summarize_value"]
 
 
 def summarize_value(v: Any) -> str:
@@ -52,6 +56,8 @@ def describe_value(v: Any, limit: int) -> str:
 
 class MetadataBase:
     """Mixin giving metadata dataclasses their generic, sync-free methods."""
+
+    __slots__ = ()
 
     _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = ()
     _HOST_FIELDS: ClassVar[tuple[str, ...]] = ()
@@ -98,39 +104,81 @@ class MetadataBase:
 T = TypeVar("T")
 
 
-class Staged(Generic[T]):
-    """A builder's result that exists once its step commits.
+def keyword_factory(cls: type[T]) -> Callable[..., T]:
+    """A keyword constructor of the frozen, slotted dataclass ``cls`` for builders' hot paths.
 
-    ``host`` holds the host-side part (usable by other builders staging into the same step);
-    :meth:`result` returns the finished metadata object and raises
-    :class:`attnmeta.staging.StepNotCommittedError` before the commit.
+    ``make = keyword_factory(Cls)`` takes the same keyword arguments as ``Cls(...)`` (same defaults,
+    a missing or unknown field is the same ``TypeError``) and returns an ordinary frozen instance of
+    ``Cls``. It sets the fields with plain slot stores instead of the frozen ``__init__``'s
+    ``object.__setattr__`` per field: the stores go to an instance of a *twin* of ``Cls`` (the same
+    fields and slot layout, not frozen, made by :func:`dataclasses.make_dataclass`), whose
+    ``__post_init__`` then switches the instance's class to ``Cls``. For a 20-field metadata type that
+    is less than half the cost of ``Cls(...)`` (docs/benchmarks.md), which matters to a builder
+    that builds one per step.
+
+    Where a base of ``Cls`` other than :class:`MetadataBase` defines ``__setattr__`` (a frozen
+    dataclass subclassed), the twin could not store the inherited fields: ``Cls`` itself is returned.
+
+    Examples
+    --------
+    >>> @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+    ... class Pair(MetadataBase):
+    ...     a: int
+    ...     b: int = 2
+    >>> make = keyword_factory(Pair)
+    >>> p = make(a=1)
+    >>> type(p) is Pair, p.a, p.b
+    (True, 1, 2)
+    >>> p.a = 5
+    Traceback (most recent call last):
+    dataclasses.FrozenInstanceError: cannot assign to field 'a'
     """
-
-    __slots__ = ("_make", "_result", "host", "step")
-
-    def __init__(self, step: Any, host: Any, make: Callable[[], T]) -> None:
-        self.step = step
-        self.host = host
-        self._make = make
-        self._result: T | None = None
-
-    def result(self) -> T:
-        """The finished metadata (device fields are views into the step's device arena)."""
-        r = self._result
-        if r is not None:
-            return r
-        step = self.step
-        if not (step._committed and step._generation >= 0):  # Step.committed, inlined
-            from attnmeta.staging import StepNotCommittedError
-
-            raise StepNotCommittedError(
-                "result(): the step has not committed; leave the `with stager.step()` block (or call "
-                "step.commit()) before reading device metadata"
-            )
-        r = self._result = self._make()
-        return r
+    if any("__setattr__" in vars(b) for b in cls.__mro__[1:-1]):
+        return cls
+    specs: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.default is not dataclasses.MISSING:
+            spec = dataclasses.field(default=f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            spec = dataclasses.field(default_factory=f.default_factory)
+        else:
+            spec = dataclasses.field()
+        specs.append((f.name, f.type, spec))
+    return _twin(cls, specs, kw_only=True)
 
 
-def dataclass_fields(obj: Any) -> dict[str, Any]:
-    """Shallow ``{name: value}`` of a dataclass instance (no deep copies; arrays are shared)."""
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+def positional_factory(cls: type[T]) -> Callable[..., T]:
+    """:func:`keyword_factory`'s twin, positional: ``make(*values)`` takes every field of ``cls``, in
+    ``dataclasses.fields(cls)`` order, no defaults.
+
+    For a builder that rebuilds an object from a recorded one's field values with a few replaced
+    (binding keywords costs more than the stores themselves). Field positions are
+    ``[f.name for f in dataclasses.fields(cls)].index(name)``; derive them by name, never write them.
+
+    Examples
+    --------
+    >>> @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+    ... class Pair(MetadataBase):
+    ...     a: int
+    ...     b: int = 2
+    >>> p = positional_factory(Pair)(7, 8)
+    >>> type(p) is Pair, p.a, p.b
+    (True, 7, 8)
+    """
+    if any("__setattr__" in vars(b) for b in cls.__mro__[1:-1]):
+        return lambda *values: cls(**dict(zip([f.name for f in dataclasses.fields(cls)], values)))  # type: ignore[arg-type]
+    return _twin(cls, [(f.name, f.type) for f in dataclasses.fields(cls)], kw_only=False)  # type: ignore[arg-type]
+
+
+def _twin(cls: type[T], specs: list[Any], *, kw_only: bool) -> Callable[..., T]:
+    """A non-frozen dataclass with ``cls``'s bases and fields (so ``cls``'s slot layout) whose
+    ``__init__`` stores every field and then switches the instance to ``cls``."""
+
+    def become_frozen(self: Any) -> None:
+        self.__class__ = cls
+
+    twin = dataclasses.make_dataclass(
+        f"_{cls.__name__}UnderConstruction", specs, bases=cls.__bases__,
+        namespace={"__post_init__": become_frozen}, kw_only=kw_only, slots=True, eq=False, repr=False,
+    )
+    return twin  # type: ignore[return-value]

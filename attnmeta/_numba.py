@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import numba
 
-__all__ = ["njit", "njit_parallel"]
+__all__ = ["njit", "njit_parallel", "pool_threads"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -42,3 +42,27 @@ def njit_parallel(fn: F) -> F:
     """
     return numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False,  # type: ignore[return-value]
                       parallel=True)(fn)
+
+
+_POOL_STARTED = False
+
+
+def pool_threads(n: int) -> int:
+    """Have numba's thread pool run the calling thread's next :func:`njit_parallel` loops on ``n``
+    threads; returns the count to restore with ``numba.set_num_threads``.
+
+    The first call starts numba's threading layer, whose OpenMP start changes the thread count that
+    torch's CPU ops see: torch's count is put back as it was. A process that never calls this never
+    starts the layer.
+    """
+    import torch
+
+    global _POOL_STARTED
+    torch_threads = None if _POOL_STARTED else torch.get_num_threads()
+    was = int(numba.get_num_threads())
+    numba.set_num_threads(n)
+    if torch_threads is not None:
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
+        _POOL_STARTED = True
+    return was

@@ -40,16 +40,24 @@ def demo_spec() -> BatchSpec:
 
 
 def run_demo(device: str, *, limit: int = 16) -> str:
-    """Build every builder's metadata for :func:`demo_spec` on ``device`` and return the printout."""
-    from attnmeta import backends
+    """Build the common metadata and every registered builder's (with its
+    :meth:`~attnmeta.builder.Builder.defaults`) for :func:`demo_spec` on ``device``, all in ONE step,
+    and return the printout."""
+    from attnmeta.builder import CommonNeeds, registry
     from attnmeta.metadata import stage_common
     from attnmeta.staging import Stager
 
     spec = demo_spec()
     stager = Stager(device)
+    builders = sorted(registry().items())
+    chosen = [(name, b, *b.defaults(spec)) for name, b in builders]
+    needs = CommonNeeds(token_arrays=True)
+    for _name, b, options, _inputs in chosen:
+        needs = needs.merge(b.needs(spec, options))
     with stager.step() as step:
-        common = stage_common(spec, step)
-        extra = backends.stage_demo_backends(common, step)
+        common = stage_common(spec, step, token_arrays=needs.token_arrays, paged_kv=needs.paged_kv,
+                              block_table_columns=needs.block_table_columns)
+        staged = [(name, options, b.stage(common, step, options, **inputs)) for name, b, options, inputs in chosen]
     out = [
         "attnmeta demo: one step of a mixed batch, built on the host and staged in ONE copy",
         "",
@@ -61,13 +69,15 @@ def run_demo(device: str, *, limit: int = 16) -> str:
         "",
         format_metadata(common.result(), limit=limit),
     ]
-    for title, staged in extra:
-        out += ["", format_metadata(staged.result(), limit=limit, title=title)]
+    for name, options, result in staged:
+        meta = result.result()
+        out += ["", format_metadata(meta, limit=limit, title=f"{type(meta).__name__} (builder {name!r})"),
+                f"options: {options}"]
     st = step.stats
     out += [
         "",
         f"Staging: {st.copies} host->device copy of {st.bytes} bytes for the whole step "
-        f"(slot {st.slot}, waits {st.waits}); device fields are views into that one upload.",
+        f"(slot {st.slot}, waits {st.waits}), {len(staged)} builders; device fields are views into that one upload.",
         "Device tensors above print their host twin's values: the demo never reads device memory.",
     ]
     return "\n".join(out)

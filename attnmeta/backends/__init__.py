@@ -1,26 +1,22 @@
-"""Backend metadata builders: one module per backend family, built from the common metadata.
+"""Backend metadata builders: one module per backend family, every builder of one protocol.
 
-Each module exposes ``stage(common, step, ...) -> Staged[XMetadata]`` (host-only derivation written
-into the shared step, so the backend's arrays travel in the step's one copy) and ``build(spec,
-stager, ...) -> XMetadata`` (a step of its own).
+Each module defines one :class:`attnmeta.builder.Builder` (its options type, its metadata type,
+``stage(common, step, options, **inputs)``), registers it, and exposes its ``stage`` and ``build``
+methods as module functions. Importing this package registers every built-in builder:
+
+- :mod:`~attnmeta.backends.flash_attn` (``"flash_attn"``), :mod:`~attnmeta.backends.flashinfer`
+  (``"flashinfer"``), :mod:`~attnmeta.backends.cascade` (``"cascade"``),
+  :mod:`~attnmeta.backends.fast_prefill` (``"fast_prefill"``), :mod:`~attnmeta.backends.local_attn`
+  (``"local_attn"``): attention;
+- :mod:`~attnmeta.backends.mamba` (``"mamba2"``, ``"mamba1"``, ``"linear_attn"``): state-space and
+  linear-attention layers.
+
+:mod:`~attnmeta.backends.fused` is not a builder of the protocol but a step builder for an engine's
+loop: the common, FlashAttention and FlashInfer metadata of a step in one call.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from attnmeta.backends import cascade, fast_prefill, flash_attn, flashinfer, local_attn
 
-__all__ = ["stage_demo_backends"]
-
-
-def stage_demo_backends(common: Any, step: Any) -> list[tuple[str, Any]]:
-    """Stage every backend's metadata for the demo batch into ``step``; returns (title, Staged) pairs."""
-    from attnmeta.backends import flash_attn, flashinfer
-
-    staged: list[tuple[str, Any]] = []
-    staged.append(("FlashAttentionMetadata", flash_attn.stage(common, step)))
-    staged.append(("FlashInferMetadata", flashinfer.stage(common, step)))
-    from attnmeta.backends import mamba2  # chunk size 16 so the chunk layout shows on the small batch
-
-    staged.append(("Mamba2Metadata (chunk_size=16, mamba_block_size=16)",
-                   mamba2.stage(common, step, mamba2.Mamba2Options(chunk_size=16, mamba_block_size=16))))
-    return staged
+__all__ = ["cascade", "fast_prefill", "flash_attn", "flashinfer", "local_attn"]

@@ -1,4 +1,4 @@
-"""Cascade (shared-prefix) attention metadata (vllm-semantics.md section 7), derived on the host.
+"""Cascade (shared-prefix) attention metadata (docs/semantics-attention.md), derived on the host.
 
 When every request of a step shares a cached prefix of ``L`` tokens, cascade attention runs one
 non-causal pass of *all* query tokens over the shared prefix (a batch of one) and one causal pass of
@@ -43,24 +43,27 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from attnmeta._fields import MetadataBase, Staged
+from attnmeta._checks import option_bool, option_int, option_prefix
+from attnmeta._fields import MetadataBase
 from attnmeta.backends._shared import alloc_indptr, require_same_step
+from attnmeta.builder import Builder, register
 from attnmeta.host.cascade import cascade_arrays, cascade_prefix_len, use_cascade_attention
 from attnmeta.host.paged import num_pages, paged_kv_layout
-from attnmeta.metadata import CommonAttentionMetadata, stage_common
+from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
-from attnmeta.staging import Stager, Step
+from attnmeta.staging import Staged, Step
 
-__all__ = ["CascadeMetadata", "CascadeOptions", "build", "stage"]
+__all__ = ["CASCADE", "CascadeBuilder", "CascadeDecision", "CascadeMetadata", "CascadeOptions", "build", "stage"]
 
 
-class CascadeOptions(NamedTuple):
-    """The model and device facts the cascade decision needs."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class CascadeOptions:
+    """The model and device facts the cascade decision needs (validated when constructed)."""
 
     num_query_heads: int
     """Query heads of this rank."""
@@ -78,6 +81,27 @@ class CascadeOptions(NamedTuple):
     """Decode context parallelism (> 1) rules cascade out."""
     prefix: str = "cascade"
     """Namespace of this builder's staged fields."""
+
+    def __post_init__(self) -> None:
+        option_int(self, "num_query_heads", minimum=1)
+        option_int(self, "num_kv_heads", minimum=1)
+        option_int(self, "num_sms", minimum=1)
+        option_bool(self, "use_alibi")
+        option_bool(self, "use_sliding_window")
+        option_bool(self, "use_local_attention")
+        option_int(self, "dcp_world_size", minimum=1)
+        option_prefix(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CascadeDecision:
+    """The host part of a staged cascade metadata: the step's decision, for builders staged after it
+    (a FlashAttention or FlashInfer wrapper choosing its cascade path)."""
+
+    use_cascade: bool
+    """Whether the step runs cascade attention."""
+    common_prefix_len: int
+    """The shared prefix in tokens when it does, else 0."""
 
 
 _ARRAYS = (
@@ -108,7 +132,8 @@ class CascadeMetadata(MetadataBase):
     >>> table = np.array([[3, 4, 10 + i, 20 + i] for i in range(8)], np.int32)
     >>> spec = BatchSpec(num_computed_tokens=[300, 310, 320, 330, 340, 350, 360, 370],
     ...                  num_scheduled_tokens=[1] * 8, block_table=table, block_size=128)
-    >>> ca = build(spec, Stager("cpu"), 2, CascadeOptions(num_query_heads=8, num_kv_heads=8, num_sms=132))
+    >>> ca = build(spec, Stager("cpu"), CascadeOptions(num_query_heads=8, num_kv_heads=8, num_sms=132),
+    ...            num_common_prefix_blocks=2)
     >>> ca.use_cascade, ca.common_prefix_len, ca.num_prefix_blocks
     (True, 256, 2)
     >>> ca.cu_prefix_query_lens_cpu, ca.prefix_kv_lens_cpu, ca.suffix_kv_lens
@@ -181,38 +206,82 @@ class CascadeMetadata(MetadataBase):
     """``common_prefix_len // block_size``."""
 
 
-def stage(
-    common: Staged[CommonAttentionMetadata], step: Step, num_common_prefix_blocks: int, options: CascadeOptions
-) -> Staged[CascadeMetadata]:
-    """Decide on cascade attention for the step and stage its arrays into the same step.
+class CascadeBuilder(Builder[CascadeOptions, CascadeMetadata]):
+    """The cascade-attention builder (:data:`CASCADE`).
 
-    Parameters
-    ----------
-    common : Staged[CommonAttentionMetadata]
-        From :func:`attnmeta.stage_common` on the same ``step``.
-    step : Step
-        The open step.
-    num_common_prefix_blocks : int
-        KV blocks every running request shares (from the KV-cache manager), >= 0.
-    options : CascadeOptions
-        Heads, SM count, model features that rule cascade out.
+    Examples
+    --------
+    Fewer than 8 requests never cascade:
 
-    Returns
-    -------
-    Staged[CascadeMetadata]
-        ``.result()`` after the commit; ``.host`` holds ``use_cascade`` and ``common_prefix_len``.
-
-    Raises
-    ------
-    ValueError
-        Negative counts, zero heads or SMs, or ``common`` from another step.
-    attnmeta.staging.CapacityError
-        Graph mode: a capacity of the profile is exceeded.
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[300, 400], num_scheduled_tokens=[1, 1],
+    ...                  block_table=[[3, 4, 5, 6], [3, 4, 7, 8]], block_size=128)
+    >>> ca = build(spec, Stager("cpu"), CascadeOptions(num_query_heads=8, num_kv_heads=8, num_sms=132),
+    ...            num_common_prefix_blocks=2)
+    >>> ca.use_cascade, ca.common_prefix_len, ca.suffix_kv_lens
+    (False, 0, None)
     """
-    require_same_step(common, step)
+
+    name = "cascade"
+    options_type = CascadeOptions
+    metadata_type = CascadeMetadata
+    inputs = ("num_common_prefix_blocks",)
+
+    def options(self, options: CascadeOptions | None) -> CascadeOptions:
+        """``options``; there are no defaults (heads and SMs are the model's and the device's)."""
+        if options is None:
+            raise TypeError("cascade: options are required: CascadeOptions(num_query_heads=..., num_kv_heads=..., "
+                            "num_sms=...)")
+        return super().options(options)
+
+    def stage(
+        self, common: StagedCommon, step: Step, options: CascadeOptions | None = None, *,
+        num_common_prefix_blocks: int = 0,
+    ) -> Staged[CascadeDecision, CascadeMetadata]:
+        """Decide on cascade attention for the step and stage its arrays into the same step.
+
+        Parameters
+        ----------
+        common : StagedCommon
+            From :func:`attnmeta.stage_common` on the same ``step``.
+        step : Step
+            The open step.
+        options : CascadeOptions
+            Heads, SM count, model features that rule cascade out (required).
+        num_common_prefix_blocks : int, default 0
+            KV blocks every running request shares (from the KV-cache manager), >= 0.
+
+        Returns
+        -------
+        Staged[CascadeDecision, CascadeMetadata]
+            ``.host`` is the decision; ``.result()`` after the commit.
+
+        Raises
+        ------
+        ValueError
+            A negative block count, or ``common`` from another step.
+        attnmeta.staging.CapacityError
+            Graph mode: a capacity of the profile is exceeded.
+        """
+        if common.step is not step:
+            require_same_step(common, step)  # raises
+        return _stage(common, step, self.options(options), num_common_prefix_blocks)
+
+    def defaults(self, spec: BatchSpec) -> tuple[CascadeOptions, dict[str, Any]]:
+        """An H100-like device (132 SMs), 32 query and 8 KV heads, no shared prefix."""
+        return CascadeOptions(num_query_heads=32, num_kv_heads=8, num_sms=132), {"num_common_prefix_blocks": 0}
+
+    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[CascadeOptions, dict[str, Any]]:
+        """8 query heads, 1 or 8 KV heads, 132 SMs, 0-63 shared blocks."""
+        opts = CascadeOptions(num_query_heads=8, num_kv_heads=int(rng.choice([1, 8])), num_sms=132)
+        return opts, {"num_common_prefix_blocks": int(rng.integers(0, 64))}
+
+
+def _stage(common: StagedCommon, step: Step, options: CascadeOptions,
+           num_common_prefix_blocks: int) -> Staged[CascadeDecision, CascadeMetadata]:
     h = common.host
-    B, B_real, bs = h["num_reqs"], h["num_real_reqs"], h["block_size"]
-    qsl, sl, nc, bt = h["query_start_loc_cpu"], h["seq_lens_cpu"], h["num_computed_tokens_cpu"], h["block_table_cpu"]
+    B, B_real, bs = h.num_reqs, h.num_real_reqs, h.block_size
+    qsl, sl, nc, bt = h.query_start_loc_cpu, h.seq_lens_cpu, h.num_computed_tokens_cpu, h.block_table_cpu
     length = cascade_prefix_len(num_common_prefix_blocks, bs, nc[:B_real])
     use = B_real == B and use_cascade_attention(
         common_prefix_len=length,
@@ -226,7 +295,6 @@ def stage(
         dcp_world_size=options.dcp_world_size,
     )
     if not use:
-        host: dict[str, Any] = {"use_cascade": False, "common_prefix_len": 0}
 
         def make_off() -> CascadeMetadata:
             names = (*_ARRAYS, "suffix_block_table")
@@ -235,12 +303,12 @@ def stage(
                 common=common.result(), use_cascade=False, common_prefix_len=0, num_prefix_blocks=0, **fields
             )
 
-        return Staged(step, host, make_off)
+        return Staged(step, CascadeDecision(False, 0), make_off)
 
     p = options.prefix + "."
     prof = step.profile
     graph = prof is not None
-    arrays = cascade_arrays(length, sl, h["num_actual_tokens"], bs, block_table=bt)
+    arrays = cascade_arrays(length, sl, h.num_actual_tokens, bs, block_table=bt)
     nb = arrays.num_prefix_blocks
     staged: dict[str, np.ndarray] = {}
 
@@ -270,7 +338,6 @@ def stage(
     staged["suffix_paged_kv_last_page_len"] = last
     staged["suffix_paged_kv_indices"] = indices
     staged["suffix_paged_kv_indptr"] = indptr_full[: B + 1]
-    host = {"use_cascade": True, "common_prefix_len": length, **{n + "_cpu": v for n, v in staged.items()}}
 
     def make() -> CascadeMetadata:
         cm = common.result()
@@ -289,46 +356,10 @@ def stage(
             **fields,
         )
 
-    return Staged(step, host, make)
+    return Staged(step, CascadeDecision(True, length), make)
 
 
-def build(
-    spec: BatchSpec, stager: Stager, num_common_prefix_blocks: int, options: CascadeOptions
-) -> CascadeMetadata:
-    """Common + cascade metadata of ``spec`` in one step of its own (one copy).
-
-    Parameters
-    ----------
-    spec : BatchSpec
-        The step.
-    stager : Stager
-        Owns the pinned ring; the step commits before this returns.
-    num_common_prefix_blocks : int
-        As for :func:`stage`.
-    options : CascadeOptions
-        As for :func:`stage`.
-
-    Returns
-    -------
-    CascadeMetadata
-        Device fields are views into the step's upload.
-
-    Raises
-    ------
-    ValueError, attnmeta.staging.CapacityError
-        As for :func:`stage`.
-
-    Examples
-    --------
-    Fewer than 8 requests never cascade:
-
-    >>> from attnmeta import BatchSpec, Stager
-    >>> spec = BatchSpec(num_computed_tokens=[300, 400], num_scheduled_tokens=[1, 1],
-    ...                  block_table=[[3, 4, 5, 6], [3, 4, 7, 8]], block_size=128)
-    >>> ca = build(spec, Stager("cpu"), 2, CascadeOptions(num_query_heads=8, num_kv_heads=8, num_sms=132))
-    >>> ca.use_cascade, ca.common_prefix_len, ca.suffix_kv_lens
-    (False, 0, None)
-    """
-    with stager.step() as step:
-        staged = stage(stage_common(spec, step), step, num_common_prefix_blocks, options)
-    return staged.result()
+CASCADE = register(CascadeBuilder())
+"""The registered cascade builder."""
+stage = CASCADE.stage
+build = CASCADE.build

@@ -1,4 +1,4 @@
-"""KV-sharing fast prefill (vllm-semantics.md section 5.5), derived on the host.
+"""KV-sharing fast prefill (docs/semantics-attention.md), derived on the host.
 
 With ``kv_sharing_fast_prefill``, the layers that reuse an earlier layer's KV cache compute only the
 tokens whose logits are needed. Their attention runs a decode-like batch: row ``i`` holds the ``cnt_i``
@@ -18,7 +18,7 @@ The result type, and why
 instead builds a dynamic subclass of every wrapped backend's metadata class and re-attaches
 ``logits_indices_padded`` / ``num_logits_indices`` to it. attnmeta composes instead of subclassing
 (STYLE.md item 15): the transformed batch *is* a common metadata object, every twin consistent, so any
-backend builder takes it unchanged (``Staged.host["common"]`` is the staged form to pass to, e.g.,
+backend builder takes it unchanged (``Staged.host.common`` is the staged form to pass to, e.g.,
 :func:`attnmeta.backends.flash_attn.stage` in the same step), and the logits fields, which only the
 runner and the KV-sharing layers read, stay out of the shared common type.
 
@@ -59,30 +59,48 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from attnmeta._checks import as_host_array
-from attnmeta._fields import MetadataBase, Staged
+from attnmeta._checks import as_host_array, option_prefix
+from attnmeta._fields import MetadataBase
 from attnmeta.backends._shared import alloc_indptr, require_same_step
+from attnmeta.builder import Builder, register
 from attnmeta.host.fast_prefill import fast_prefill_query_start_loc, max_logits_per_req, pad_logits_indices
-from attnmeta.metadata import CommonAttentionMetadata, stage_common
+from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
-from attnmeta.staging import CapacityError, Stager, Step
+from attnmeta.staging import CapacityError, Staged, Step
 
-__all__ = ["FastPrefillMetadata", "FastPrefillOptions", "build", "stage"]
+__all__ = ["FAST_PREFILL", "FastPrefillBuilder", "FastPrefillHost", "FastPrefillMetadata", "FastPrefillOptions",
+           "build", "stage"]
 
 
-class FastPrefillOptions(NamedTuple):
-    """Options of the fast-prefill builder."""
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class FastPrefillOptions:
+    """Options of the fast-prefill builder (the padded logits count is a per-step input)."""
 
-    num_logits_padded: int | None = None
-    """Length of ``logits_indices_padded`` (the CUDA-graph dispatcher's padded count, ``>= L``);
-    default ``L``."""
     prefix: str = "fast_prefill"
     """Namespace of this builder's staged fields."""
+
+    def __post_init__(self) -> None:
+        option_prefix(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FastPrefillHost:
+    """The host part of a staged fast-prefill metadata, for builders staged after it."""
+
+    common: StagedCommon
+    """The fast batch as a staged common metadata (the step's own one when not ``applied``): stage
+    other backends over it in the same step."""
+    applied: bool
+    """Whether the transform ran."""
+    num_logits_indices: int | None
+    """``L``, or None without logits indices."""
+    logits_indices_padded_cpu: np.ndarray | None
+    """(num_logits_padded,) int32, host, or None."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
@@ -91,14 +109,14 @@ class FastPrefillMetadata(MetadataBase):
 
     Examples
     --------
-    vllm-semantics.md 5.5: ``s = [41, 31, 40]``, ``q = [15, 5, 8]``, logits at ``[14, 18, 19, 27]``
+    The worked example of docs/semantics-attention.md: ``s = [41, 31, 40]``, ``q = [15, 5, 8]``, logits at ``[14, 18, 19, 27]``
     (two for the second request: spec decode), padded to 5:
 
     >>> import numpy as np
     >>> from attnmeta import BatchSpec, Stager
     >>> spec = BatchSpec(num_computed_tokens=[26, 26, 32], num_scheduled_tokens=[15, 5, 8],
     ...                  block_table=np.arange(9, dtype=np.int32).reshape(3, 3), block_size=16)
-    >>> fp = build(spec, Stager("cpu"), np.array([14, 18, 19, 27]), FastPrefillOptions(num_logits_padded=5))
+    >>> fp = build(spec, Stager("cpu"), logits_indices=np.array([14, 18, 19, 27]), num_logits_padded=5)
     >>> fp.applied, fp.common.query_start_loc_cpu, fp.common.query_start_loc
     (True, array([0, 1, 3, 4], dtype=int32), tensor([0, 1, 3, 4], dtype=torch.int32))
     >>> fp.common.num_actual_tokens, fp.common.max_query_len, fp.common.seq_lens_cpu
@@ -136,126 +154,162 @@ class FastPrefillMetadata(MetadataBase):
     """``common.max_query_len``: ``max(cnt)`` when applied."""
 
 
-def stage(
-    common: Staged[CommonAttentionMetadata],
-    step: Step,
-    logits_indices: Any,
-    options: FastPrefillOptions = FastPrefillOptions(),
-) -> Staged[FastPrefillMetadata]:
-    """Derive the fast-prefill batch from the staged common metadata, staging into the same step.
+class FastPrefillBuilder(Builder[FastPrefillOptions, FastPrefillMetadata]):
+    """The KV-sharing fast-prefill builder (:data:`FAST_PREFILL`).
 
-    Parameters
-    ----------
-    common : Staged[CommonAttentionMetadata]
-        From :func:`attnmeta.stage_common` on the same ``step``.
-    step : Step
-        The open step.
-    logits_indices : (num_logits,) int, host, or None
-        Token positions whose logits are needed (unpadded), sorted, each in
-        ``[0, query_start_loc_cpu[-1])``: each request's last ``cnt_i`` tokens (``cnt_i =
-        num_draft_tokens + 1`` under spec decode). None: not armed, nothing changes.
-    options : FastPrefillOptions
-        Padded logits length, field namespace.
+    Examples
+    --------
+    An all-decode step is returned unchanged (the first quirk of the semantics):
 
-    Returns
-    -------
-    Staged[FastPrefillMetadata]
-        ``.result()`` after the commit. ``.host["common"]`` is a ``Staged[CommonAttentionMetadata]`` of
-        the fast batch, to stage other backends over it in the same step.
-
-    Raises
-    ------
-    ValueError
-        Logits indices out of range, unsorted or empty, ``num_logits_padded < L``, or ``common`` from
-        another step.
-    TypeError
-        ``logits_indices`` is a torch tensor (pass the host array).
-    attnmeta.staging.CapacityError
-        Graph mode: ``num_logits_padded`` above ``profile.max_num_tokens``.
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[4, 9], num_scheduled_tokens=[1, 1],
+    ...                  block_table=[[1, 2], [3, 4]], block_size=8)
+    >>> fp = build(spec, Stager("cpu"), logits_indices=[0, 1])
+    >>> fp.applied, fp.common.query_start_loc_cpu, fp.logits_indices_padded_cpu
+    (False, array([0, 1, 2], dtype=int32), array([0, 1], dtype=int32))
     """
-    require_same_step(common, step)
-    h = common.host
-    prof = step.profile
-    p = options.prefix + "."
-    if logits_indices is None:
-        return _wrap(step, common, None, None, None, applied=False)
 
-    qsl, sl, pos = h["query_start_loc_cpu"], h["seq_lens_cpu"], h["positions_cpu"]
-    B = h["num_reqs"]
-    li = as_host_array(logits_indices, "logits_indices")
-    L = li.shape[0]
-    n_pad = L if options.num_logits_padded is None else options.num_logits_padded
-    if isinstance(n_pad, bool) or not isinstance(n_pad, int | np.integer) or n_pad < L:
-        raise ValueError(f"num_logits_padded: {n_pad!r} < num_logits={L}; padding can only add entries")
-    n_pad = int(n_pad)
-    if prof is None:
-        li_full = step.alloc(p + "logits_indices_padded", n_pad, np.int32)
-    else:
-        cap = prof.max_num_tokens
-        if n_pad > cap:
-            raise CapacityError(
-                f"{p}logits_indices_padded: needs {n_pad} entries but its graph-mode capacity is {cap} "
-                f"(StaticProfile.max_num_tokens)"
-            )
-        # The runner's buffer repeats the last index through its whole tail: stage the full capacity.
-        li_full = step.alloc(p + "logits_indices_padded", cap, np.int32, capacity=cap)
-    pad_logits_indices(li, li_full.shape[0], out=li_full)
-    li_padded = li_full[:n_pad]
+    name = "fast_prefill"
+    options_type = FastPrefillOptions
+    metadata_type = FastPrefillMetadata
+    inputs = ("logits_indices", "num_logits_padded")
 
-    if h["max_query_len"] == 1:
-        # Quirk 1 of 5.5: an all-decode step is already decode-like; the common metadata stays as is.
-        fast_prefill_query_start_loc(qsl, li)  # still validate the indices (a tiny host temporary)
-        return _wrap(step, common, li_padded, p, L, applied=False)
-    req_cap = prof.max_num_reqs if prof is not None else None
-    fqsl_full = alloc_indptr(step, p + "query_start_loc", B, req_cap)
-    fqsl = fast_prefill_query_start_loc(qsl, li, out=fqsl_full[: B + 1])  # validates the indices too
-    fqsl_full[B + 1 :] = fqsl[B]
-    kw_t: dict[str, Any] = {"capacity": prof.max_num_tokens} if prof is not None else {}
-    fpos = step.alloc(p + "positions", L, np.int64, fill=0, **kw_t)
-    np.take(pos, li, out=fpos)
-    nc = (sl - np.diff(fqsl)).astype(np.int32)
-    max_q = max_logits_per_req(fqsl)
-    changes: dict[str, Any] = {
-        "query_start_loc_cpu": fqsl,
-        "positions_cpu": fpos,
-        "num_computed_tokens_cpu": nc,
-        "num_decode_draft_tokens_cpu": None,
-        "num_actual_tokens": L,
-        "num_real_tokens": L,
-        "max_query_len": max_q,
-        "causal": True,
-    }
+    def stage(
+        self,
+        common: StagedCommon,
+        step: Step,
+        options: FastPrefillOptions | None = None,
+        *,
+        logits_indices: Any = None,
+        num_logits_padded: int | None = None,
+    ) -> Staged[FastPrefillHost, FastPrefillMetadata]:
+        """Derive the fast-prefill batch from the staged common metadata, staging into the same step.
 
-    def make_common() -> CommonAttentionMetadata:
-        cm = common.result()
+        Parameters
+        ----------
+        common : StagedCommon
+            From :func:`attnmeta.stage_common` on the same ``step``.
+        step : Step
+            The open step.
+        options : FastPrefillOptions, optional
+            Field namespace.
+        logits_indices : (num_logits,) int, host, optional
+            Token positions whose logits are needed (unpadded), sorted, each in
+            ``[0, query_start_loc_cpu[-1])``: each request's last ``cnt_i`` tokens (``cnt_i =
+            num_draft_tokens + 1`` under spec decode). None: not armed, nothing changes.
+        num_logits_padded : int, optional
+            Length of ``logits_indices_padded`` (the CUDA-graph dispatcher's padded count, ``>= L``);
+            default ``L``.
+
+        Returns
+        -------
+        Staged[FastPrefillHost, FastPrefillMetadata]
+            ``.result()`` after the commit. ``.host.common`` is the :class:`~attnmeta.StagedCommon` of
+            the fast batch, to stage other backends over it in the same step.
+
+        Raises
+        ------
+        ValueError
+            Logits indices out of range, unsorted or empty, ``num_logits_padded < L``, or ``common`` from
+            another step.
+        TypeError
+            ``logits_indices`` is a torch tensor (pass the host array).
+        attnmeta.staging.CapacityError
+            Graph mode: ``num_logits_padded`` above ``profile.max_num_tokens``.
+        """
+        if common.step is not step:
+            require_same_step(common, step)  # raises
+        opts = self.options(options)
+        h = common.host
+        prof = step.profile
+        p = opts.prefix + "."
+        if logits_indices is None:
+            return _wrap(step, common, None, None, None, applied=False)
+
+        qsl, sl, pos = h.query_start_loc_cpu, h.seq_lens_cpu, h.positions_cpu
+        B = h.num_reqs
+        li = as_host_array(logits_indices, "logits_indices")
+        L = li.shape[0]
+        n_pad = L if num_logits_padded is None else num_logits_padded
+        if isinstance(n_pad, bool) or not isinstance(n_pad, int | np.integer) or n_pad < L:
+            raise ValueError(f"num_logits_padded: {n_pad!r} < num_logits={L}; padding can only add entries")
+        n_pad = int(n_pad)
+        if prof is None:
+            li_full = step.alloc(p + "logits_indices_padded", n_pad, np.int32)
+        else:
+            cap = prof.max_num_tokens
+            if n_pad > cap:
+                raise CapacityError(
+                    f"{p}logits_indices_padded: needs {n_pad} entries but its graph-mode capacity is {cap} "
+                    f"(StaticProfile.max_num_tokens)"
+                )
+            # The runner's buffer repeats the last index through its whole tail: stage the full capacity.
+            li_full = step.alloc(p + "logits_indices_padded", cap, np.int32, capacity=cap)
+        pad_logits_indices(li, li_full.shape[0], out=li_full)
+        li_padded = li_full[:n_pad]
+
+        if h.max_query_len == 1:
+            # Quirk 1 of the fast-prefill semantics: an all-decode step is already decode-like; the
+            # common metadata stays as is.
+            fast_prefill_query_start_loc(qsl, li)  # still validate the indices (a tiny host temporary)
+            return _wrap(step, common, li_padded, p, L, applied=False)
+        req_cap = prof.max_num_reqs if prof is not None else None
+        fqsl_full = alloc_indptr(step, p + "query_start_loc", B, req_cap)
+        fqsl = fast_prefill_query_start_loc(qsl, li, out=fqsl_full[: B + 1])  # validates the indices too
+        fqsl_full[B + 1 :] = fqsl[B]
+        fpos = step.alloc(p + "positions", L, np.int64, fill=0,
+                          capacity=prof.max_num_tokens if prof is not None else None)
+        np.take(pos, li, out=fpos)
+        nc = (sl - np.diff(fqsl)).astype(np.int32)
+        max_q = max_logits_per_req(fqsl)
         for a in (fqsl_full, fqsl, fpos, nc):
             a.flags.writeable = False
-        return cm.replace(
-            query_start_loc=step.device(p + "query_start_loc")[: B + 1],
-            positions=step.device(p + "positions"),
-            **changes,
+        fast_host = dataclasses.replace(
+            h, query_start_loc_cpu=fqsl, positions_cpu=fpos, num_computed_tokens_cpu=nc,
+            num_decode_draft_tokens_cpu=None, num_actual_tokens=L, num_real_tokens=L, max_query_len=max_q,
+            causal=True, splits={},
         )
 
-    fast_common: Staged[CommonAttentionMetadata] = Staged(step, {**h, **changes}, make_common)
-    return _wrap(step, fast_common, li_padded, p, L, applied=True)
+        def make_common() -> CommonAttentionMetadata:
+            cm = common.result()
+            return cm.replace(
+                query_start_loc=step.device(p + "query_start_loc")[: B + 1], query_start_loc_cpu=fqsl,
+                positions=step.device(p + "positions"), positions_cpu=fpos, num_computed_tokens_cpu=nc,
+                num_decode_draft_tokens_cpu=None, num_actual_tokens=L, num_real_tokens=L, max_query_len=max_q,
+                causal=True,
+            )
+
+        return _wrap(step, StagedCommon(step, fast_host, make_common), li_padded, p, L, applied=True)
+
+    def defaults(self, spec: BatchSpec) -> tuple[FastPrefillOptions, dict[str, Any]]:
+        """The logits of each scheduled request's last token (the plain sampling case)."""
+        ends = np.cumsum(spec.num_scheduled_tokens, dtype=np.int64)
+        last = (ends - 1)[spec.num_scheduled_tokens > 0].astype(np.int32)
+        return FastPrefillOptions(), ({"logits_indices": last} if last.size else {})
+
+    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[FastPrefillOptions, dict[str, Any]]:
+        """The last 1-3 tokens of each request as logits indices, padded by 0-3 entries."""
+        q = spec.num_scheduled_tokens.astype(np.int64)
+        ends = np.cumsum(q)
+        cnt = np.minimum(rng.integers(1, 4, q.shape[0]), q)  # the last cnt_i tokens of each request
+        starts = np.cumsum(cnt) - cnt
+        li = (np.repeat(ends - cnt, cnt) + np.arange(int(cnt.sum())) - np.repeat(starts, cnt)).astype(np.int32)
+        if not li.size:
+            return FastPrefillOptions(), {}
+        return FastPrefillOptions(), {"logits_indices": li, "num_logits_padded": li.shape[0] + int(rng.integers(0, 4))}
 
 
 def _wrap(
     step: Step,
-    common: Staged[CommonAttentionMetadata],
+    common: StagedCommon,
     li_padded: np.ndarray | None,
     prefix: str | None,
     num_logits: int | None,
     *,
     applied: bool,
-) -> Staged[FastPrefillMetadata]:
+) -> Staged[FastPrefillHost, FastPrefillMetadata]:
     """The staged :class:`FastPrefillMetadata` around ``common`` (the fast batch or the original)."""
-    host: dict[str, Any] = {
-        "common": common,
-        "applied": applied,
-        "num_logits_indices": num_logits,
-        "logits_indices_padded_cpu": li_padded,
-    }
+    host = FastPrefillHost(common, applied, num_logits, li_padded)
 
     def make() -> FastPrefillMetadata:
         cm = common.result()
@@ -278,43 +332,7 @@ def _wrap(
     return Staged(step, host, make)
 
 
-def build(
-    spec: BatchSpec, stager: Stager, logits_indices: Any, options: FastPrefillOptions = FastPrefillOptions()
-) -> FastPrefillMetadata:
-    """Common + fast-prefill metadata of ``spec`` in one step of its own (one copy).
-
-    Parameters
-    ----------
-    spec : BatchSpec
-        The step.
-    stager : Stager
-        Owns the pinned ring; the step commits before this returns.
-    logits_indices : (num_logits,) int, host, or None
-        As for :func:`stage`.
-    options : FastPrefillOptions
-        As for :func:`stage`.
-
-    Returns
-    -------
-    FastPrefillMetadata
-        Device fields are views into the step's upload.
-
-    Raises
-    ------
-    ValueError, TypeError, attnmeta.staging.CapacityError
-        As for :func:`stage`.
-
-    Examples
-    --------
-    An all-decode step is returned unchanged (quirk 1 of 5.5):
-
-    >>> from attnmeta import BatchSpec, Stager
-    >>> spec = BatchSpec(num_computed_tokens=[4, 9], num_scheduled_tokens=[1, 1],
-    ...                  block_table=[[1, 2], [3, 4]], block_size=8)
-    >>> fp = build(spec, Stager("cpu"), [0, 1])
-    >>> fp.applied, fp.common.query_start_loc_cpu, fp.logits_indices_padded_cpu
-    (False, array([0, 1, 2], dtype=int32), array([0, 1], dtype=int32))
-    """
-    with stager.step() as step:
-        staged = stage(stage_common(spec, step), step, logits_indices, options)
-    return staged.result()
+FAST_PREFILL = register(FastPrefillBuilder())
+"""The registered fast-prefill builder."""
+stage = FAST_PREFILL.stage
+build = FAST_PREFILL.build

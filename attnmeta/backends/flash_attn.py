@@ -1,4 +1,4 @@
-"""FlashAttention varlen metadata (vllm-semantics.md section 7), derived on the host.
+"""FlashAttention varlen metadata (docs/semantics-attention.md), derived on the host.
 
 ``FlashAttentionMetadata`` carries what ``flash_attn_varlen_func`` (and
 ``torch.nn.attention.varlen.varlen_attn``) take: ``cu_seqlens_q`` (``query_start_loc``),
@@ -11,6 +11,9 @@ the step's one copy.
 Not produced: FA3's AOT ``scheduler_metadata`` (a device-side call of the FA3 library, with no host
 sync, that a backend can run on these fields) — ``scheduler_metadata`` is always None here.
 
+The builder is :data:`FLASH_ATTN` (registry name ``"flash_attn"``); :func:`stage` and :func:`build`
+are its methods.
+
 Shape legend
 ------------
 - ``num_reqs``: request rows, padding included.
@@ -21,28 +24,39 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from attnmeta._fields import MetadataBase, Staged, fast_constructor
+from attnmeta._checks import option_bool, option_int, option_prefix
+from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.backends._shared import require_same_step
+from attnmeta.builder import Builder, register
 from attnmeta.host.flash_attn import causal_per_request, dcp_context_kv_lens, max_dcp_context_kv_len
-from attnmeta.metadata import CommonAttentionMetadata, common_split, stage_common
+from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
-from attnmeta.staging import Stager, Step
+from attnmeta.staging import Staged, Step
 
-__all__ = ["FlashAttentionMetadata", "FlashAttnOptions", "build", "stage"]
+__all__ = ["FLASH_ATTN", "FlashAttentionMetadata", "FlashAttnBuilder", "FlashAttnOptions", "build", "stage"]
 
 
-class FlashAttnOptions(NamedTuple):
-    """Options of the FlashAttention builder."""
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class FlashAttnOptions:
+    """Options of the FlashAttention builder (validated when constructed).
 
-    causal: bool | Sequence[bool] | np.ndarray | None = None
-    """One flag for every request, or one per real request (staged as an int32 device array);
-    default: the common metadata's ``causal``."""
+    Examples
+    --------
+    >>> FlashAttnOptions(dcp_world_size=2, dcp_rank=1).dcp_interleave
+    1
+    >>> FlashAttnOptions(dcp_world_size=2, dcp_rank=2)
+    Traceback (most recent call last):
+    ValueError: FlashAttnOptions.dcp_rank: must be <= 1, got 2
+    """
+
+    causal: bool | None = None
+    """One causal flag for every request; None: the common metadata's ``causal``. Per-request flags
+    are a per-step input (``stage(..., causal=flags)``)."""
     dcp_world_size: int = 1
     """Decode-context-parallel world size ``W`` (1: off)."""
     dcp_rank: int = 0
@@ -55,6 +69,16 @@ class FlashAttnOptions(NamedTuple):
     """Longest query counted as a decode in the decode/prefill counts."""
     prefix: str = "flash_attn"
     """Namespace of this builder's staged fields."""
+
+    def __post_init__(self) -> None:
+        if self.causal is not None:
+            option_bool(self, "causal")
+        option_int(self, "dcp_world_size", minimum=1)
+        option_int(self, "dcp_rank", minimum=0, maximum=self.dcp_world_size - 1)
+        option_int(self, "dcp_interleave", minimum=1)
+        option_int(self, "max_num_splits", minimum=0)
+        option_int(self, "decode_threshold", minimum=1)
+        option_prefix(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
@@ -123,7 +147,8 @@ class FlashAttentionMetadata(MetadataBase):
     """(num_reqs,) int32, device, DCP only (else None). This rank's share of each context
     ``seq_lens - query_lens``."""
     causal_tensor: torch.Tensor | None
-    """(num_reqs,) int32, device, when per-request causal flags were given (else None)."""
+    """(num_reqs,) int32, device, when per-request causal flags were given (the ``causal`` input;
+    else None)."""
     query_start_loc_cpu: np.ndarray
     """(num_reqs + 1,) int32, host twin."""
     seq_lens_cpu: np.ndarray
@@ -156,87 +181,128 @@ class FlashAttentionMetadata(MetadataBase):
     """FA3 AOT schedule: not produced (see the module docstring)."""
 
 
-_new_fa = fast_constructor(FlashAttentionMetadata)
+_make_fa = keyword_factory(FlashAttentionMetadata)
 
 
-def stage(
-    common: Staged[CommonAttentionMetadata], step: Step, options: FlashAttnOptions = FlashAttnOptions()
-) -> Staged[FlashAttentionMetadata]:
-    """Derive FlashAttention metadata from the staged common metadata, staging into the same step.
+class FlashAttnBuilder(Builder[FlashAttnOptions, FlashAttentionMetadata]):
+    """The FlashAttention builder (:data:`FLASH_ATTN`)."""
 
-    Parameters
-    ----------
-    common : Staged[CommonAttentionMetadata]
-        From :func:`attnmeta.stage_common` on the same ``step``.
-    step : Step
-        The open step.
-    options : FlashAttnOptions
-        Causal flags, DCP layout, split count.
+    name = "flash_attn"
+    options_type = FlashAttnOptions
+    metadata_type = FlashAttentionMetadata
+    inputs = ("causal",)
 
-    Returns
-    -------
-    Staged[FlashAttentionMetadata]
-        ``.result()`` after the commit.
+    def stage(
+        self,
+        common: StagedCommon,
+        step: Step,
+        options: FlashAttnOptions | None = None,
+        *,
+        causal: Any = None,
+    ) -> Staged[None, FlashAttentionMetadata]:
+        """Derive FlashAttention metadata from the staged common metadata, staging into the same step.
 
-    Raises
-    ------
-    ValueError
-        Bad DCP layout or per-request ``causal`` of the wrong length.
-    """
-    require_same_step(common, step)
-    h = common.host
-    T = h["num_actual_tokens"]
-    split = common_split(h, decode_threshold=options.decode_threshold)
-    causal = h["causal"] if options.causal is None else options.causal
-    max_splits = options.max_num_splits
-    dcp = dcp_host = causal_host = None
-    causal_name = ""
-    max_dcp = 0
-    all_causal = causal
-    if options.dcp_world_size > 1 or not (causal is True or causal is False):  # else nothing is staged
-        qsl, sl = h["query_start_loc_cpu"], h["seq_lens_cpu"]
-        B = h["num_reqs"]
-        p = options.prefix + "."
+        Parameters
+        ----------
+        common : StagedCommon
+            From :func:`attnmeta.stage_common` on the same ``step``.
+        step : Step
+            The open step.
+        options : FlashAttnOptions, optional
+            DCP layout, split threshold, split count; default :class:`FlashAttnOptions`.
+        causal : (num_real_reqs,) bool or 0/1 int, host, optional
+            This step's causal flag of every real request, staged as an int32 device array (padding
+            rows 1); overrides ``options.causal``.
+
+        Returns
+        -------
+        Staged[None, FlashAttentionMetadata]
+            ``.result()`` after the commit.
+
+        Raises
+        ------
+        ValueError
+            ``causal`` flags of the wrong length or values, or ``common`` from another step.
+        """
+        if common.step is not step:
+            require_same_step(common, step)  # raises
+        opts = self.options(options)
+        h = common.host
+        split = h.split(opts.decode_threshold)
+        flags = causal
+        causal = h.causal if opts.causal is None else opts.causal
+        dcp_name = causal_name = ""
+        dcp_host = causal_host = None
+        max_dcp = 0
+        B = h.num_reqs
+        p = opts.prefix + "."
         prof = step.profile
-        kw: dict[str, Any] = {"capacity": prof.max_num_reqs} if prof is not None else {}
-        if options.dcp_world_size > 1:
-            dcp = p + "dcp_context_kv_lens"
-            dcp_host = step.alloc(dcp, B, np.int32, fill=0, **kw)
-            dcp_context_kv_lens(sl, np.diff(qsl).astype(np.int32), options.dcp_world_size, options.dcp_rank,
-                                options.dcp_interleave, out=dcp_host)
-            max_dcp = max_dcp_context_kv_len(h["max_seq_len"], options.dcp_world_size, options.dcp_interleave)
+        cap = prof.max_num_reqs if prof is not None else None
+        if opts.dcp_world_size > 1:
+            dcp_name = p + "dcp_context_kv_lens"
+            dcp_host = step.alloc(dcp_name, B, np.int32, fill=0, capacity=cap)
+            dcp_context_kv_lens(h.seq_lens_cpu, np.diff(h.query_start_loc_cpu).astype(np.int32), opts.dcp_world_size,
+                                opts.dcp_rank, opts.dcp_interleave, out=dcp_host)
+            max_dcp = max_dcp_context_kv_len(h.max_seq_len, opts.dcp_world_size, opts.dcp_interleave)
             dcp_host.flags.writeable = False  # this step's own view: handed out read-only
-        if not isinstance(causal, bool | np.bool_):
-            flags = np.asarray(causal)
-            n_real = h["num_real_reqs"]
+        if flags is not None:
+            flags = np.asarray(flags)
+            n_real = h.num_real_reqs
             if flags.shape != (n_real,):
                 raise ValueError(f"causal: expected one flag per real request ({n_real}), got shape {flags.shape}")
             causal_name = p + "causal"
-            causal_host = step.alloc(causal_name, B, np.int32, fill=1, **kw)
+            causal_host = step.alloc(causal_name, B, np.int32, fill=1, capacity=cap)
             causal_per_request(flags, out=causal_host[:n_real])
             causal_host[n_real:] = 1  # padding rows: causal
-            all_causal = bool(causal_host.all())
+            causal = bool(causal_host.all())
             causal_host.flags.writeable = False
-        else:
-            all_causal = bool(causal)
+        max_splits = opts.max_num_splits
 
-    def make() -> FlashAttentionMetadata:
-        cm = common.result()
-        return _new_fa(
-            cm, cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping,
-            step.device(dcp) if dcp is not None else None,
-            step.device(causal_name) if causal_host is not None else None,
-            cm.query_start_loc_cpu, cm.seq_lens_cpu, dcp_host, causal_host,
-            T, cm.max_query_len, cm.max_seq_len, all_causal,
-            split.num_decodes, split.num_prefills, split.num_decode_tokens, split.num_prefill_tokens,
-            max_dcp, max_splits, None,
-        )
+        def make() -> FlashAttentionMetadata:
+            cm = common.result()
+            return _make_fa(
+                common=cm, query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,
+                block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping,
+                dcp_context_kv_lens=step.device(dcp_name) if dcp_host is not None else None,
+                causal_tensor=step.device(causal_name) if causal_host is not None else None,
+                query_start_loc_cpu=cm.query_start_loc_cpu, seq_lens_cpu=cm.seq_lens_cpu,
+                dcp_context_kv_lens_cpu=dcp_host, causal_cpu=causal_host, num_actual_tokens=cm.num_actual_tokens,
+                max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len, causal=causal,
+                num_decode_reqs=split.num_decodes, num_prefill_reqs=split.num_prefills,
+                num_decode_tokens=split.num_decode_tokens, num_prefill_tokens=split.num_prefill_tokens,
+                max_dcp_context_kv_len=max_dcp, max_num_splits=max_splits,
+            )
 
-    return Staged(step, {"split": split}, make)
+        return Staged(step, None, make)
+
+    def unsupported_reasons(self, spec: BatchSpec, options: FlashAttnOptions, **inputs: Any) -> list[str]:
+        """A ``causal`` input without one flag per real request."""
+        flags = inputs.get("causal")
+        if flags is not None and np.shape(flags) != (spec.num_reqs,):
+            return [f"causal: expected one flag per real request ({spec.num_reqs}), got shape {np.shape(flags)}"]
+        return []
+
+    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[FlashAttnOptions, dict[str, Any]]:
+        """DCP on half the draws (world size 2, a random rank), else per-request causal flags."""
+        if rng.random() < 0.5:
+            return FlashAttnOptions(dcp_world_size=2, dcp_rank=int(rng.integers(0, 2))), {}
+        return FlashAttnOptions(decode_threshold=int(rng.integers(1, 4))), {
+            "causal": rng.random(spec.num_reqs) < 0.7}
+
+    def reference(self, spec: BatchSpec, options: FlashAttnOptions, device: torch.device,
+                  **inputs: Any) -> dict[str, Any]:
+        """The common fields it passes on and its split (the DCP lengths: the FlashAttention tests)."""
+        from attnmeta.testing.reference.layout import ref_common_fields, ref_split_decodes_and_prefills
+
+        ref = ref_common_fields(spec, device)
+        nd, np_, ndt, npt = ref_split_decodes_and_prefills(
+            ref["query_start_loc"], spec.padded_num_tokens, spec.max_query_len, options.decode_threshold)
+        return {"query_start_loc": ref["query_start_loc"], "seq_lens": ref["seq_lens"],
+                "slot_mapping": ref["slot_mapping"], "num_decode_reqs": nd, "num_prefill_reqs": np_,
+                "num_decode_tokens": ndt, "num_prefill_tokens": npt}
 
 
-def build(spec: BatchSpec, stager: Stager, options: FlashAttnOptions = FlashAttnOptions()) -> FlashAttentionMetadata:
-    """Common + FlashAttention metadata of ``spec`` in one step of its own (one copy)."""
-    with stager.step() as step:
-        staged = stage(stage_common(spec, step), step, options)
-    return staged.result()
+FLASH_ATTN = register(FlashAttnBuilder())
+"""The registered FlashAttention builder."""
+stage = FLASH_ATTN.stage
+build = FLASH_ATTN.build

@@ -1,4 +1,4 @@
-"""FlashInfer paged-KV metadata (vllm-semantics.md section 8), derived on the host.
+"""FlashInfer paged-KV metadata (docs/semantics-attention.md), derived on the host.
 
 ``FlashInferMetadata`` carries what FlashInfer's ``plan()`` / ``run()`` take for a reordered batch:
 the decode rows ``[0, num_decodes)`` and the prefill rows ``[num_decodes, num_reqs)``, the paged-KV
@@ -20,6 +20,15 @@ What vLLM 0.33.0 does differently, and why attnmeta does not:
   with sync-free torch ops whose output sizes come from the host (``indices="device"``);
 - its host indptr / last-page buffers are deliberately *not* pinned (each copy stages a fresh pinned
   snapshot, vllm#32799). attnmeta's are views of the stager's pinned, event-fenced slot.
+
+Where the page table comes from
+-------------------------------
+One derivation (:func:`attnmeta.metadata.stage_paged_kv`'s compiled pass) builds the page table from
+the KV lengths and the staged block table. Without DCP and with ``indices="host"`` (the builder's
+:meth:`~FlashInferBuilder.needs`) the common pass builds it alongside the common fields
+(``stage_common(paged_kv=True)``, :attr:`attnmeta.StagedCommon.paged`) and the builder hands it out as
+it is; otherwise (DCP lengths, device-side indices, or a common staged without it) the builder
+stages its own.
 
 Handing the host arrays to ``plan()``
 -------------------------------------
@@ -58,7 +67,9 @@ With a :class:`~attnmeta.profile.StaticProfile` every device field has a fixed a
 ``paged_kv_indptr`` and ``qo_indptr_prefill`` have ``max_num_reqs + 1`` entries and are staged in full,
 their tail repeating the last value (like ``query_start_loc``); ``paged_kv_last_page_len`` and the DCP
 ``kv_lens`` have ``max_num_reqs`` (tail 0); ``paged_kv_indices`` has ``profile.max_num_pages`` (tail
-0). ``Step.device_full(prefix + ".<field>")`` gives the full-capacity views to capture over. With
+0). ``Step.device_full(prefix + ".<field>")`` gives the full-capacity views to capture over, with the
+prefix of whichever staged the page table (the common's, ``"common"``, when the builder reuses its
+page table; else the options' ``prefix``). With
 ``indices="device"`` the gather writes into that fixed buffer when ``Staged.result()`` runs, so call it
 every step before replaying a graph that reads the indices.
 
@@ -73,32 +84,45 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
-from attnmeta._fields import MetadataBase, Staged, fast_constructor
+from attnmeta._checks import option_bool, option_choice, option_int, option_prefix
+from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.backends._shared import require_same_step
+from attnmeta.builder import Builder, CommonNeeds, register
 from attnmeta.host.flash_attn import dcp_context_kv_lens
-from attnmeta.host.paged import (  # private kernels: inputs were validated when common was staged
-    _flashinfer_nb,
-    _num_pages_nb,
-    num_pages,
-    paged_kv_indptr,
-    paged_kv_last_page_len,
-    paged_kv_layout,
-)
+from attnmeta.host.paged import prefill_qo_indptr
 from attnmeta.host.split import SplitCounts
-from attnmeta.metadata import CommonAttentionMetadata, _bucket, common_split, stage_common
+from attnmeta.metadata import CommonAttentionMetadata, StagedCommon, stage_paged_kv
 from attnmeta.spec import BatchSpec
-from attnmeta.staging import CapacityError, Stager, Step
+from attnmeta.staging import Staged, Step
 
-__all__ = ["FlashInferMetadata", "FlashInferOptions", "build", "host_tensor", "stage"]
+__all__ = [
+    "FLASHINFER",
+    "FlashInferBuilder",
+    "FlashInferMetadata",
+    "FlashInferOptions",
+    "build",
+    "host_tensor",
+    "stage",
+]
 
 
-class FlashInferOptions(NamedTuple):
-    """Options of the FlashInfer builder."""
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class FlashInferOptions:
+    """Options of the FlashInfer builder (validated when constructed).
+
+    Examples
+    --------
+    >>> FlashInferOptions(decode_threshold=4, require_uniform=False).indices
+    'host'
+    >>> FlashInferOptions(indices="gpu")
+    Traceback (most recent call last):
+    ValueError: FlashInferOptions.indices: must be 'host' or 'device', got 'gpu'
+    """
 
     decode_threshold: int = 1
     """Longest query counted as a decode (vLLM's ``reorder_batch_threshold``; ``1 + k`` with ``k``
@@ -120,6 +144,16 @@ class FlashInferOptions(NamedTuple):
     """Consecutive tokens per DCP rank (``cp_kv_cache_interleave_size``)."""
     prefix: str = "flashinfer"
     """Namespace of this builder's staged fields."""
+
+    def __post_init__(self) -> None:
+        option_int(self, "decode_threshold", minimum=1)
+        option_bool(self, "require_uniform")
+        option_bool(self, "causal")
+        option_choice(self, "indices", ("host", "device"))
+        option_int(self, "dcp_world_size", minimum=1)
+        option_int(self, "dcp_rank", minimum=0, maximum=self.dcp_world_size - 1)
+        option_int(self, "dcp_interleave", minimum=1)
+        option_prefix(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
@@ -248,11 +282,7 @@ class FlashInferMetadata(MetadataBase):
     """``"host"`` or ``"device"``: where ``paged_kv_indices`` was gathered."""
 
 
-_new_fi = fast_constructor(FlashInferMetadata)
-
-
-_STAGED = ("paged_kv_indptr", "paged_kv_last_page_len", "qo_indptr_prefill", "paged_kv_indices", "kv_lens")
-_NAMES: dict[str, tuple[str, ...]] = {}  # prefix -> staged field names
+_make_fi = keyword_factory(FlashInferMetadata)
 _I32 = np.dtype(np.int32)
 
 
@@ -288,26 +318,11 @@ def host_tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
-def _max_len(indptr: np.ndarray, start: int, stop: int) -> int:
-    """``max(diff(indptr[start:stop+1]))``, 0 for an empty range (host)."""
+def _max_query(qsl: np.ndarray, start: int, stop: int) -> int:
+    """``max(diff(qsl[start:stop+1]))``, 0 for an empty range (host)."""
     if stop <= start:
         return 0
-    return int((indptr[start + 1 : stop + 1] - indptr[start:stop]).max())
-
-
-_CHECKED: set[FlashInferOptions] = set()  # options already validated (a NamedTuple of hashables)
-
-
-def _check_options(options: FlashInferOptions) -> None:
-    if options in _CHECKED:
-        return
-    if options.indices not in ("host", "device"):
-        raise ValueError(f"FlashInferOptions.indices: must be 'host' or 'device', got {options.indices!r}")
-    w, r = options.dcp_world_size, options.dcp_rank
-    if not (isinstance(w, int) and w >= 1 and isinstance(r, int) and 0 <= r < w):
-        raise ValueError(f"FlashInferOptions: need dcp_world_size >= 1 and 0 <= dcp_rank < dcp_world_size, got {w}, {r}")
-    if len(_CHECKED) < 256:
-        _CHECKED.add(options)
+    return int((qsl[start + 1 : stop + 1] - qsl[start:stop]).max())
 
 
 def _gather_indices(
@@ -331,275 +346,8 @@ def _gather_indices(
     return out[:total]
 
 
-_DEFAULT_OPTIONS = FlashInferOptions()
-_DEFAULT_QO = f"{_DEFAULT_OPTIONS.prefix}.qo_indptr_prefill"
-
-
-def stage(
-    common: Staged[CommonAttentionMetadata], step: Step, options: FlashInferOptions = _DEFAULT_OPTIONS
-) -> Staged[FlashInferMetadata]:
-    """Derive FlashInfer metadata from the staged common metadata, staging into the same step.
-
-    Parameters
-    ----------
-    common : Staged[CommonAttentionMetadata]
-        From :func:`attnmeta.stage_common` on the same ``step`` (reordered: decodes first).
-    step : Step
-        The open step.
-    options : FlashInferOptions
-        Split, gather location, DCP layout, field namespace.
-
-    Returns
-    -------
-    Staged[FlashInferMetadata]
-        ``.result()`` after the commit (with ``indices="device"`` it enqueues the device gather on the
-        current stream the first time). ``.host`` holds ``split`` (:class:`~attnmeta.host.split.SplitCounts`)
-        and the host arrays, for other builders of the same step.
-
-    Raises
-    ------
-    ValueError
-        Bad options, a block table too narrow for a row's pages, or ``common`` from another step.
-    attnmeta.staging.CapacityError
-        Graph mode: more pages than ``profile.max_num_pages``.
-    """
-    if common.step is not step:
-        require_same_step(common, step)  # raises
-    h = common.host
-    if options is _DEFAULT_OPTIONS and "_paged" in h:  # the steady-state decode path, nothing to check
-        split = common_split(h, decode_threshold=1, require_uniform=True)
-        return _stage_reusing_common(common, step, options, split, h["_paged"], _DEFAULT_QO)
-    _check_options(options)
-    qsl, sl, bt = h["query_start_loc_cpu"], h["seq_lens_cpu"], h["block_table_cpu"]
-    B, T, page = h["num_reqs"], h["num_actual_tokens"], h["block_size"]
-    names = _NAMES.get(options.prefix)
-    if names is None:
-        names = _NAMES[options.prefix] = tuple(f"{options.prefix}.{n}" for n in _STAGED)
-    n_indptr, n_last, n_qo, n_indices, n_kv = names
-    prof = step.profile
-    req_cap = prof.max_num_reqs if prof is not None else None
-    host_indices = options.indices == "host"
-    if options.causal:
-        split = common_split(h, decode_threshold=options.decode_threshold, require_uniform=options.require_uniform)
-    else:
-        split = SplitCounts(0, B, 0, T)
-    D, P = split.num_decodes, split.num_prefills
-
-    dcp = options.dcp_world_size > 1
-    paged = h.get("_paged")
-    if paged is not None and not dcp and host_indices:
-        return _stage_reusing_common(common, step, options, split, paged, n_qo)
-    if dcp:
-        kv = step.alloc(n_kv, B, np.int32, fill=0, capacity=req_cap)
-        dcp_context_kv_lens(sl, np.diff(qsl).astype(np.int32), options.dcp_world_size, options.dcp_rank,
-                            options.dcp_interleave, num_decodes=D, out=kv)
-        code, _row, total = _num_pages_nb(kv, page)
-        if code:
-            num_pages(kv, page)  # raises the detailed error
-        total = int(total)
-    else:
-        kv = sl
-        total = h["num_pages"]  # sum(cdiv(seq_lens, page)), from the spec's validation pass
-    if prof is not None and total > prof.max_num_pages:
-        raise CapacityError(
-            f"{n_indices}: needs {total} pages but its graph-mode capacity is {prof.max_num_pages} "
-            f"(StaticProfile.max_num_pages)"
-        )
-    idx_group = None
-    if req_cap is None:
-        if host_indices:
-            # The page count changes almost every step; staging the indices with a bucketed row count
-            # (<= 12.5% slack, never read) keeps the group's layout, so its cached views, stable.
-            rows = _bucket(total)
-            fixed = step.alloc_fields(lambda: ((n_indptr, B + 1, _I32, None, 0), (n_last, B, _I32, None, 0),
-                                               (n_qo, P + 1, _I32, None, 0), (n_indices, rows, _I32, None, 0)),
-                                      (names, B, P, rows))
-            idx_group = fixed
-        else:
-            fixed = step.alloc_fields(((n_indptr, B + 1, _I32, None, 0), (n_last, B, _I32, None, 0),
-                                       (n_qo, P + 1, _I32, None, 0)))
-    else:  # graph mode: the indptrs stage their full capacity (their sentinel repeats the last value)
-        assert prof is not None
-        fixed = step.alloc_fields(((n_indptr, req_cap + 1, _I32, req_cap + 1, 0), (n_last, B, _I32, req_cap, 0),
-                                   (n_qo, req_cap + 1, _I32, req_cap + 1, 0)))
-        if host_indices:  # exactly ``total`` rows: the rest of the fixed buffer is refilled with the sentinel
-            idx_group = step.alloc_fields(((n_indices, total, _I32, prof.max_num_pages, 0),))
-        else:  # reserve the fixed device buffer the gather writes into; nothing is staged
-            step.alloc(n_indices, 0, np.int32, capacity=prof.max_num_pages)
-    indptr_full, last, qo_full = fixed.host[:3]
-    views = fixed.extras.get("views")
-    if views is None:
-        views = fixed.extras["views"] = (fixed.frozen[0][: B + 1], fixed.frozen[1], fixed.frozen[2][: P + 1])
-    indptr_ro, last_ro, qo_ro = views
-    indices_ro: np.ndarray | None = None
-    idx_views = None
-    if idx_group is not None:
-        idx_views = idx_group.extras.get("indices")
-        if idx_views is None or idx_views[0] != total:
-            i = len(idx_group.fields) - 1
-            idx_views = idx_group.extras["indices"] = (total, idx_group.host[i][:total], idx_group.frozen[i][:total],
-                                                       None)
-        indices_ro = idx_views[2]
-        code, _r, _c, mdq, mpq, mkv = _flashinfer_nb(kv, bt, page, qsl, D, indptr_full, idx_views[1], last, qo_full)
-        if code:  # an inconsistent block table: the validating wrapper raises the detailed error
-            paged_kv_layout(kv, bt, page, indptr_out=indptr_full[: B + 1], indices_out=idx_views[1],
-                            last_page_len_out=last)
-            raise AssertionError("unreachable")  # pragma: no cover
-    else:
-        if B and -(-int(kv.max()) // page) > bt.shape[1]:
-            i = int(np.argmax(kv))
-            raise ValueError(
-                f"block_table: row {i} needs cdiv(kv_lens[{i}]={int(kv[i])}, page_size={page}) pages but the "
-                f"staged table has {bt.shape[1]} columns (request {i})"
-            )
-        paged_kv_indptr(kv, page, out=indptr_full[: B + 1])
-        paged_kv_last_page_len(kv, page, out=last)
-        indptr_full[B + 1 :] = indptr_full[B]
-        np.subtract(qsl[D : B + 1], qsl[D], out=qo_full[: P + 1])
-        qo_full[P + 1 :] = qo_full[P]
-        mdq, mpq, mkv = _max_len(qsl, 0, D), _max_len(qsl, D, B), (int(kv.max()) if B else 0)
-    kv_ro = kv
-    if dcp:
-        kv_ro = kv.view()
-        kv_ro.flags.writeable = False
-    qo_dec_ro = qsl[: D + 1]
-    causal = bool(options.causal)
-    host = _host_dict(split, indptr_ro, indices_ro, last_ro, kv_ro, qo_dec_ro, qo_ro, total, page, mdq, mpq, mkv,
-                      causal, options.indices)
-
-    def make() -> FlashInferMetadata:
-        cm = common.result()
-        full_d = fixed.device(step)  # raises if the step has not committed or has expired
-        dev = fixed.extras.get("device")
-        if dev is None:
-            indptr_d, last_d, qo_d = full_d[:3]
-            dev = fixed.extras["device"] = (indptr_d[: B + 1] if req_cap is not None else indptr_d, last_d,
-                                            qo_d[: P + 1] if req_cap is not None else qo_d)
-        indptr_d, last_d, qo_d = dev
-        indices_d: torch.Tensor
-        if idx_group is not None:
-            assert idx_views is not None
-            cached_d = idx_views[3]
-            if cached_d is None:  # the device slice of this group's indices, cached with its length
-                full_idx = idx_group.device(step)[-1]
-                cached_d = full_idx[:total] if full_idx.shape[0] != total else full_idx
-                idx_group.extras["indices"] = (*idx_views[:3], cached_d)
-            indices_d = cached_d
-        else:
-            fixed_out = step.device_full(n_indices) if prof is not None else None
-            indices_d = _gather_indices(indptr_d, cm.block_table_tensor, total, fixed_out)
-        qd = cm.query_start_loc
-        return _new_fi(
-            cm, indptr_d, indices_d, last_d, step.device(n_kv) if dcp else cm.seq_lens,
-            qd if D == B and req_cap is None else qd[: D + 1], qo_d,
-            indptr_ro, indices_ro, last_ro, kv_ro, qo_dec_ro, qo_ro,
-            D, P, split.num_decode_tokens, split.num_prefill_tokens, total, page, mdq, mpq, mkv, causal,
-            options.indices,
-        )
-
-    return Staged(step, host, make)
-
-
-def _host_dict(
-    split: SplitCounts, indptr: np.ndarray, indices: np.ndarray | None, last: np.ndarray, kv: np.ndarray,
-    qo_decode: np.ndarray, qo_prefill: np.ndarray, total: int, page: int, mdq: int, mpq: int, mkv: int,
-    causal: bool, indices_mode: str,
-) -> dict[str, Any]:
-    """``Staged[FlashInferMetadata].host``: the split, the host arrays and the scalars."""
-    return {
-        "split": split,
-        "paged_kv_indptr_cpu": indptr,
-        "paged_kv_indices_cpu": indices,
-        "paged_kv_last_page_len_cpu": last,
-        "kv_lens_cpu": kv,
-        "qo_indptr_decode_cpu": qo_decode,
-        "qo_indptr_prefill_cpu": qo_prefill,
-        "num_decodes": split.num_decodes,
-        "num_prefills": split.num_prefills,
-        "num_decode_tokens": split.num_decode_tokens,
-        "num_prefill_tokens": split.num_prefill_tokens,
-        "num_pages": total,
-        "page_size": page,
-        "max_decode_query_len": mdq,
-        "max_prefill_query_len": mpq,
-        "max_kv_len": mkv,
-        "causal": causal,
-        "indices": indices_mode,
-    }
-
-
-def _stage_reusing_common(
-    common: Staged[CommonAttentionMetadata], step: Step, options: FlashInferOptions, split: SplitCounts,
-    paged: tuple[Any, ...], n_qo: str,
-) -> Staged[FlashInferMetadata]:
-    """:func:`stage` when the common metadata was staged with ``paged_kv=True`` (eager mode): the
-    paged-KV arrays are the common's (built in its pass); only the prefill query indptr is left, and
-    with no prefill row it is ``query_start_loc[:1] == [0]``, a view."""
-    h = common.host
-    indptr_ro, last_ro, indices_ro, total = paged
-    group = h["_group"][0]  # the common's group: the paged fields are its last three
-    qsl = h["query_start_loc_cpu"]
-    B, page = h["num_reqs"], h["block_size"]
-    D, P = split.num_decodes, split.num_prefills
-    qo_group = None
-    if P == 0:
-        qo_ro = qsl[:1]
-        mdq, mpq = h["max_query_len"], 0
-    else:
-        qo_group = step.alloc_fields(((n_qo, P + 1, _I32, None, 0),))
-        np.subtract(qsl[D : B + 1], qsl[D], out=qo_group.host[0])
-        qo_ro = qo_group.frozen[0]
-        mdq, mpq = _max_len(qsl, 0, D), _max_len(qsl, D, B)
-    mkv = h["max_exact_seq_len"]
-    qo_dec_ro = qsl[: D + 1] if D < B else qsl
-    causal = bool(options.causal)
-    host = _host_dict(split, indptr_ro, indices_ro, last_ro, h["seq_lens_cpu"], qo_dec_ro, qo_ro, total, page, mdq,
-                      mpq, mkv, causal, "host")
-
-    def make() -> FlashInferMetadata:
-        cm = common.result()
-        d = group.device(step)  # raises if the step has not committed or has expired
-        extras = group.extras
-        qd = cm.query_start_loc
-        # Views cached with the group: the page indices by page count (it changes about every step),
-        # the empty prefill part by the common's device view (it does not).
-        cached = extras.get("fi_device")
-        if cached is None or cached[0] != total:
-            cached = extras["fi_device"] = (total, d[7][:total])
-        qo0 = extras.get("fi_qo0")
-        if qo0 is None or qo0[0] is not qd:
-            qo0 = extras["fi_qo0"] = (qd, qd[:1])
-        return _new_fi(
-            cm, d[5], cached[1], d[6], cm.seq_lens,
-            qd if D == B else qd[: D + 1], qo0[1] if qo_group is None else qo_group.device(step)[0],
-            indptr_ro, indices_ro, last_ro, h["seq_lens_cpu"], qo_dec_ro, qo_ro,
-            D, P, split.num_decode_tokens, split.num_prefill_tokens, total, page, mdq, mpq, mkv, causal, "host",
-        )
-
-    return Staged(step, host, make)
-
-
-def build(spec: BatchSpec, stager: Stager, options: FlashInferOptions = FlashInferOptions()) -> FlashInferMetadata:
-    """Common + FlashInfer metadata of ``spec`` in one step of its own (one copy).
-
-    Parameters
-    ----------
-    spec : BatchSpec
-        The step (reordered: decodes first).
-    stager : Stager
-        Owns the pinned ring; the step commits before this returns.
-    options : FlashInferOptions
-        As for :func:`stage`.
-
-    Returns
-    -------
-    FlashInferMetadata
-        Device fields are views into the step's upload.
-
-    Raises
-    ------
-    ValueError, attnmeta.staging.CapacityError
-        As for :func:`stage` and :func:`attnmeta.stage_common`.
+class FlashInferBuilder(Builder[FlashInferOptions, FlashInferMetadata]):
+    """The FlashInfer builder (:data:`FLASHINFER`).
 
     Examples
     --------
@@ -612,6 +360,180 @@ def build(spec: BatchSpec, stager: Stager, options: FlashInferOptions = FlashInf
     >>> fi.paged_kv_indices
     tensor([4, 5, 7, 8, 9, 1, 2], dtype=torch.int32)
     """
-    with stager.step() as step:
-        staged = stage(stage_common(spec, step), step, options)
-    return staged.result()
+
+    name = "flashinfer"
+    options_type = FlashInferOptions
+    metadata_type = FlashInferMetadata
+
+    def needs(self, spec: BatchSpec, options: FlashInferOptions) -> CommonNeeds:
+        """Every common field, and the common pass's page table unless DCP or device-side indices."""
+        return _WITH_PAGES if options.dcp_world_size == 1 and options.indices == "host" else _WITHOUT_PAGES
+
+    def stage(
+        self, common: StagedCommon, step: Step, options: FlashInferOptions | None = None
+    ) -> Staged[SplitCounts, FlashInferMetadata]:
+        """Derive FlashInfer metadata from the staged common metadata, staging into the same step.
+
+        Parameters
+        ----------
+        common : StagedCommon
+            From :func:`attnmeta.stage_common` on the same ``step`` (reordered: decodes first); with
+            ``paged_kv=True`` its page table is reused.
+        step : Step
+            The open step.
+        options : FlashInferOptions, optional
+            Split, gather location, DCP layout, field namespace; default :class:`FlashInferOptions`.
+
+        Returns
+        -------
+        Staged[SplitCounts, FlashInferMetadata]
+            ``.host`` is the step's decode/prefill split; ``.result()`` after the commit (with
+            ``indices="device"`` it enqueues the device gather on the current stream the first time).
+
+        Raises
+        ------
+        ValueError
+            A block table too narrow for a row's pages, or ``common`` from another step.
+        attnmeta.staging.CapacityError
+            Graph mode: more pages than ``profile.max_num_pages``.
+        """
+        if common.step is not step:
+            require_same_step(common, step)  # raises
+        opts = self.options(options)
+        h = common.host
+        qsl = h.query_start_loc_cpu
+        B, T, page = h.num_reqs, h.num_actual_tokens, h.block_size
+        if opts.causal:
+            split = h.split(opts.decode_threshold, opts.require_uniform)
+        else:
+            split = SplitCounts(0, B, 0, T)
+        D, P = split.num_decodes, split.num_prefills
+        p = opts.prefix + "."
+        prof = step.profile
+        graph = prof is not None
+        host_indices = opts.indices == "host"
+        kv_name = ""
+        if opts.dcp_world_size > 1:
+            kv_name = p + "kv_lens"
+            kv = step.alloc(kv_name, B, np.int32, fill=0, capacity=prof.max_num_reqs if prof is not None else None)
+            dcp_context_kv_lens(h.seq_lens_cpu, np.diff(qsl).astype(np.int32), opts.dcp_world_size, opts.dcp_rank,
+                                opts.dcp_interleave, num_decodes=D, out=kv)
+            kv.flags.writeable = False
+            mkv = int(kv.max()) if B else 0
+        else:
+            kv = h.seq_lens_cpu
+            mkv = h.max_exact_seq_len
+        paged = common.paged if not kv_name and host_indices else None
+        if paged is None:
+            paged = stage_paged_kv(step, opts.prefix, kv, h.block_table_cpu, page, host_indices=host_indices)
+        # The prefill rows' query indptr, rebased to 0. Graph mode: its own fixed buffer, always
+        # written. Eager mode: staged only when both parts have rows (else a view of query_start_loc).
+        qo_name = ""
+        if prof is not None:
+            qo_name = p + "qo_indptr_prefill"
+            qo_full = step.alloc(qo_name, prof.max_num_reqs + 1, np.int32, capacity=prof.max_num_reqs + 1)
+            prefill_qo_indptr(qsl, D, out=qo_full)
+            qo_ro = qo_full[: P + 1]
+            qo_ro.flags.writeable = False
+        elif P == 0:
+            qo_ro = qsl[:1]
+        elif D == 0:
+            qo_ro = qsl
+        else:
+            qo_name = p + "qo_indptr_prefill"
+            qo = step.alloc(qo_name, P + 1, np.int32)
+            np.subtract(qsl[D : B + 1], qsl[D], out=qo)
+            qo.flags.writeable = False
+            qo_ro = qo
+        if D == B:
+            mdq, mpq = h.max_query_len, 0
+        elif D == 0:
+            mdq, mpq = 0, h.max_query_len
+        else:
+            mdq, mpq = _max_query(qsl, 0, D), _max_query(qsl, D, B)
+        qo_dec_ro = qsl if D == B else qsl[: D + 1]
+        causal = bool(opts.causal)
+        mode = opts.indices
+        paged_part = paged
+
+        def make() -> FlashInferMetadata:
+            cm = common.result()
+            pk = paged_part.result()
+            indices = pk.paged_kv_indices
+            if indices is None:  # indices="device": gathered on the device from the staged block table
+                fixed = step.device_full(p + "paged_kv_indices") if graph else None
+                indices = _gather_indices(pk.paged_kv_indptr, cm.block_table_tensor, pk.num_pages, fixed)
+            qd = cm.query_start_loc
+            if qo_name:
+                qo_d = step.device(qo_name)
+                if graph:
+                    qo_d = qo_d[: P + 1]
+            else:
+                qo_d = common.query_start_loc_rows(1)[0] if P == 0 else qd
+            return _make_fi(
+                common=cm, paged_kv_indptr=pk.paged_kv_indptr, paged_kv_indices=indices,
+                paged_kv_last_page_len=pk.paged_kv_last_page_len,
+                kv_lens=step.device(kv_name) if kv_name else cm.seq_lens,
+                qo_indptr_decode=qd if D == B else common.query_start_loc_rows(D + 1)[0], qo_indptr_prefill=qo_d,
+                paged_kv_indptr_cpu=pk.paged_kv_indptr_cpu, paged_kv_indices_cpu=pk.paged_kv_indices_cpu,
+                paged_kv_last_page_len_cpu=pk.paged_kv_last_page_len_cpu, kv_lens_cpu=kv,
+                qo_indptr_decode_cpu=qo_dec_ro, qo_indptr_prefill_cpu=qo_ro, num_decodes=D, num_prefills=P,
+                num_decode_tokens=split.num_decode_tokens, num_prefill_tokens=split.num_prefill_tokens,
+                num_pages=pk.num_pages, page_size=page, max_decode_query_len=mdq, max_prefill_query_len=mpq,
+                max_kv_len=mkv, causal=causal, indices=mode,
+            )
+
+        return Staged(step, split, make)
+
+    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[FlashInferOptions, dict[str, Any]]:
+        """Random thresholds, uniformity, gather location, and DCP on about a third of the draws."""
+        if rng.random() < 0.5:
+            return FlashInferOptions(), {}
+        dcp = rng.random() < 0.3
+        return FlashInferOptions(
+            decode_threshold=int(rng.integers(1, 5)), require_uniform=bool(rng.random() < 0.5),
+            indices="device" if rng.random() < 0.5 else "host", dcp_world_size=2 if dcp else 1,
+            dcp_rank=int(rng.integers(0, 2)) if dcp else 0,
+        ), {}
+
+    def reference(self, spec: BatchSpec, options: FlashInferOptions, device: torch.device,
+                  **inputs: Any) -> dict[str, Any]:
+        """The split, the KV lengths and the page table, computed the reference way on ``device``."""
+        from attnmeta.testing.reference import (
+            ref_common_fields,
+            ref_dcp_context_kv_lens,
+            ref_paged_kv_indices,
+            ref_paged_kv_indptr,
+            ref_paged_kv_last_page_len,
+            ref_split_decodes_and_prefills,
+        )
+
+        f = ref_common_fields(spec, device)
+        qsl, sl = f["query_start_loc"], f["seq_lens"]
+        rows, tokens = spec.padded_num_reqs, spec.padded_num_tokens
+        if options.causal:
+            split = ref_split_decodes_and_prefills(qsl, tokens, spec.max_query_len, options.decode_threshold,
+                                                   options.require_uniform)
+        else:
+            split = (0, rows, 0, tokens)
+        d = split[0]
+        W = options.dcp_world_size
+        kv = ref_dcp_context_kv_lens(qsl, sl, W, options.dcp_rank, options.dcp_interleave, num_decodes=d) \
+            if W > 1 else sl
+        table = torch.from_numpy(spec.block_table).to(device)
+        page = spec.block_size
+        return {
+            "num_decodes": split[0], "num_prefills": split[1], "num_decode_tokens": split[2],
+            "num_prefill_tokens": split[3], "paged_kv_indptr": ref_paged_kv_indptr(kv, page),
+            "paged_kv_indices": ref_paged_kv_indices(table, kv, page),
+            "paged_kv_last_page_len": ref_paged_kv_last_page_len(kv, page), "kv_lens": kv,
+            "qo_indptr_decode": qsl[: d + 1], "qo_indptr_prefill": qsl[d:] - qsl[d],
+        }
+
+
+_WITH_PAGES = CommonNeeds(paged_kv=True)
+_WITHOUT_PAGES = CommonNeeds()
+FLASHINFER = register(FlashInferBuilder())
+"""The registered FlashInfer builder."""
+stage = FLASHINFER.stage
+build = FLASHINFER.build

@@ -1,4 +1,4 @@
-"""Chunked local attention as virtual batches (vllm-semantics.md section 5.6), derived on the host.
+"""Chunked local attention as virtual batches (docs/semantics-attention.md), derived on the host.
 
 Chunked local attention (Llama 4's ``attention_chunk_size`` ``A``) lets a token see only the KV of its
 own aligned ``A``-token chunk. Each request becomes one "virtual" row per local chunk its queries touch,
@@ -12,8 +12,8 @@ vLLM 0.33.0 computes this in host numpy but first reads ``seq_lens.cpu()``, a sy
 nothing is read back.
 
 The result is a :class:`LocalAttentionMetadata` that **contains** the virtual batch as a
-:class:`~attnmeta.metadata.CommonAttentionMetadata` (``.common``; 5.6's output table), so any backend
-builder runs over it unchanged: ``Staged.host["common"]`` is its staged form, e.g. for
+:class:`~attnmeta.metadata.CommonAttentionMetadata` (``.common``; the table below), so any backend
+builder runs over it unchanged: ``Staged.host.common`` is its staged form, e.g. for
 :func:`attnmeta.backends.flash_attn.stage` in the same step.
 
 ===============================  ====================================================================
@@ -71,24 +71,28 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
-from attnmeta._fields import MetadataBase, Staged
+from attnmeta._checks import option_choice, option_int, option_prefix
+from attnmeta._fields import MetadataBase
 from attnmeta.backends._shared import alloc_indptr, require_same_step
-from attnmeta.host.local_attn import local_virtual_batches, num_virtual_reqs
-from attnmeta.metadata import CommonAttentionMetadata, stage_common
+from attnmeta.builder import Builder, register
+from attnmeta.host.local_attn import LocalBatches, local_virtual_batches, num_virtual_reqs
+from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
 from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec
-from attnmeta.staging import CapacityError, Stager, Step
+from attnmeta.staging import CapacityError, Staged, Step
 
-__all__ = ["LocalAttentionMetadata", "LocalAttnOptions", "build", "max_virtual_reqs", "stage"]
+__all__ = ["LOCAL_ATTN", "LocalAttentionMetadata", "LocalAttnBuilder", "LocalAttnHost", "LocalAttnOptions", "build",
+           "max_virtual_reqs", "stage"]
 
 
-class LocalAttnOptions(NamedTuple):
-    """Options of the chunked-local-attention builder."""
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LocalAttnOptions:
+    """Options of the chunked-local-attention builder (validated when constructed)."""
 
     attn_chunk_size: int
     """Local attention chunk ``A``: a positive multiple of the block size."""
@@ -96,6 +100,21 @@ class LocalAttnOptions(NamedTuple):
     """Where the virtual block table is gathered (see the module docstring)."""
     prefix: str = "local_attn"
     """Namespace of this builder's staged fields."""
+
+    def __post_init__(self) -> None:
+        option_int(self, "attn_chunk_size", minimum=1)
+        option_choice(self, "block_table", ("host", "device"))
+        option_prefix(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LocalAttnHost:
+    """The host part of a staged local-attention metadata, for builders staged after it."""
+
+    common: StagedCommon
+    """The virtual batch as a staged common metadata: stage other backends over it in the same step."""
+    local_batches: LocalBatches
+    """The host arrays of the virtual batch (:func:`attnmeta.host.local_attn.local_virtual_batches`)."""
 
 
 def max_virtual_reqs(profile: StaticProfile, attn_chunk_size: int) -> int:
@@ -138,7 +157,7 @@ class LocalAttentionMetadata(MetadataBase):
 
     Examples
     --------
-    vllm-semantics.md 5.6: ``q = [4, 10, 5]``, ``s = [6, 17, 9]``, ``A = 4``, block size 2, block rows
+    The worked example of docs/semantics-attention.md: ``q = [4, 10, 5]``, ``s = [6, 17, 9]``, ``A = 4``, block size 2, block rows
     ``[10i .. 10i+9]`` (all 10 columns staged, as vLLM's persistent table would be):
 
     >>> import numpy as np
@@ -246,154 +265,8 @@ def _gather_rows(
     return out[:v]
 
 
-def stage(
-    common: Staged[CommonAttentionMetadata], step: Step, options: LocalAttnOptions
-) -> Staged[LocalAttentionMetadata]:
-    """Derive the chunked-local-attention virtual batch from the staged common metadata.
-
-    Parameters
-    ----------
-    common : Staged[CommonAttentionMetadata]
-        From :func:`attnmeta.stage_common` on the same ``step``.
-    step : Step
-        The open step.
-    options : LocalAttnOptions
-        Chunk size, where to gather the virtual block table, field namespace.
-
-    Returns
-    -------
-    Staged[LocalAttentionMetadata]
-        ``.result()`` after the commit (with ``block_table="device"`` it enqueues the gather on the
-        current stream the first time). ``.host["common"]`` is the staged virtual common metadata, to
-        stage other backends over it in the same step.
-
-    Raises
-    ------
-    ValueError
-        ``attn_chunk_size`` not a positive multiple of the block size, a bad option, or ``common`` from
-        another step.
-    attnmeta.staging.CapacityError
-        Graph mode: more virtual rows than :func:`max_virtual_reqs` (cannot happen within the profile).
-    """
-    require_same_step(common, step)
-    mode = options.block_table
-    if mode not in ("host", "device"):
-        raise ValueError(f"LocalAttnOptions.block_table: must be 'host' or 'device', got {mode!r}")
-    h = common.host
-    qsl, sl, bt = h["query_start_loc_cpu"], h["seq_lens_cpu"], h["block_table_cpu"]
-    A, bs, B = options.attn_chunk_size, h["block_size"], h["num_reqs"]
-    if isinstance(A, bool) or not isinstance(A, int) or A <= 0 or A % bs:
-        raise ValueError(
-            f"LocalAttnOptions.attn_chunk_size: must be a positive multiple of block_size={bs}, got {A!r}"
-        )
-    p = options.prefix + "."
-    prof = step.profile
-    V = num_virtual_reqs(qsl, sl, A)
-    cap = max_virtual_reqs(prof, A) if prof is not None else None
-    if cap is not None and cap < V:
-        raise CapacityError(f"{p}: {V} virtual rows exceed the graph-mode capacity {cap}")
-    kw: dict[str, Any] = {"capacity": cap} if cap is not None else {}
-    ppl = A // bs
-    qsl_full = alloc_indptr(step, p + "query_start_loc", V, cap)
-    k = step.alloc(p + "seq_lens", V, np.int32, fill=0, **kw)
-    table: np.ndarray | None = None
-    if mode == "host":
-        table = step.alloc(p + "block_table", (V, ppl), np.int32, fill=0, **kw)
-        req, starts = np.empty(V, np.int32), np.empty(V, np.int32)
-    else:
-        req = step.alloc(p + "req_indices", V, np.int32, fill=0, **kw)
-        starts = step.alloc(p + "block_starts", V, np.int32, fill=0, **kw)
-        if cap is not None:
-            step.alloc(p + "block_table", (0, ppl), np.int32, fill=0, **kw)  # the gather's fixed buffer
-    lb = local_virtual_batches(
-        qsl, sl, A, bs, bt if mode == "host" else None,
-        query_start_loc_out=qsl_full[: V + 1], seq_lens_out=k, req_indices_out=req, block_starts_out=starts,
-        block_table_out=table,
-    )
-    qsl_full[V + 1 :] = qsl_full[V]
-    local_qsl = lb.query_start_loc
-    table_cpu = table if table is not None else np.broadcast_to(np.int32(-1), (V, ppl))
-    changes: dict[str, Any] = {
-        "query_start_loc_cpu": local_qsl,
-        "seq_lens_cpu": k,
-        "seq_lens_cpu_upper_bound": k,
-        "num_computed_tokens_cpu": (k - np.diff(local_qsl)).astype(np.int32),
-        "block_table_cpu": table_cpu,
-        "is_prefilling": h["is_prefilling"][req],
-        "num_decode_draft_tokens_cpu": None,
-        "num_reqs": V,
-        "num_real_reqs": V - (B - h["num_real_reqs"]),
-        "max_query_len": lb.max_query_len,
-        "max_seq_len": lb.max_seq_len,
-        "causal": True,
-    }
-
-    def make_common() -> CommonAttentionMetadata:
-        cm = common.result()
-        if mode == "host":
-            table_d = step.device(p + "block_table")
-        else:
-            fixed = step.device_full(p + "block_table") if cap is not None else None
-            table_d = _gather_rows(cm.block_table_tensor, step.device(p + "req_indices"),
-                                   step.device(p + "block_starts"), ppl, fixed)
-        for a in (qsl_full, local_qsl, k, table, req, starts, changes["num_computed_tokens_cpu"],
-                  changes["is_prefilling"]):
-            if a is not None:
-                a.flags.writeable = False
-        return cm.replace(
-            query_start_loc=step.device(p + "query_start_loc")[: V + 1],
-            seq_lens=step.device(p + "seq_lens"),
-            block_table_tensor=table_d,
-            **changes,
-        )
-
-    local_common: Staged[CommonAttentionMetadata] = Staged(step, {**h, **changes}, make_common)
-
-    def make() -> LocalAttentionMetadata:
-        cm = local_common.result()
-        device_mode = mode == "device"
-        return LocalAttentionMetadata(
-            common=cm,
-            query_start_loc=cm.query_start_loc,
-            seq_lens=cm.seq_lens,
-            block_table=cm.block_table_tensor,
-            req_indices=step.device(p + "req_indices") if device_mode else None,
-            block_starts=step.device(p + "block_starts") if device_mode else None,
-            query_start_loc_cpu=local_qsl,
-            seq_lens_cpu=k,
-            block_table_cpu=table,
-            req_indices_cpu=req,
-            block_starts_cpu=starts,
-            num_virtual_reqs=V,
-            attn_chunk_size=A,
-            pages_per_local_block=ppl,
-            block_table_mode=mode,
-        )
-
-    return Staged(step, {"common": local_common, "local_batches": lb}, make)
-
-
-def build(spec: BatchSpec, stager: Stager, options: LocalAttnOptions) -> LocalAttentionMetadata:
-    """Common + chunked-local-attention metadata of ``spec`` in one step of its own (one copy).
-
-    Parameters
-    ----------
-    spec : BatchSpec
-        The step.
-    stager : Stager
-        Owns the pinned ring; the step commits before this returns.
-    options : LocalAttnOptions
-        As for :func:`stage`.
-
-    Returns
-    -------
-    LocalAttentionMetadata
-        Device fields are views into the step's upload (or, in device mode, the gather's output).
-
-    Raises
-    ------
-    ValueError, attnmeta.staging.CapacityError
-        As for :func:`stage`.
+class LocalAttnBuilder(Builder[LocalAttnOptions, LocalAttentionMetadata]):
+    """The chunked-local-attention builder (:data:`LOCAL_ATTN`).
 
     Examples
     --------
@@ -410,6 +283,159 @@ def build(spec: BatchSpec, stager: Stager, options: LocalAttnOptions) -> LocalAt
     tensor([[9, 9],
             [0, 0]], dtype=torch.int32)
     """
-    with stager.step() as step:
-        staged = stage(stage_common(spec, step), step, options)
-    return staged.result()
+
+    name = "local_attn"
+    options_type = LocalAttnOptions
+    metadata_type = LocalAttentionMetadata
+
+    def options(self, options: LocalAttnOptions | None) -> LocalAttnOptions:
+        """``options``; there are no defaults (the chunk size is the model's)."""
+        if options is None:
+            raise TypeError("local_attn: options are required: LocalAttnOptions(attn_chunk_size=...)")
+        return super().options(options)
+
+    def stage(
+        self, common: StagedCommon, step: Step, options: LocalAttnOptions | None = None
+    ) -> Staged[LocalAttnHost, LocalAttentionMetadata]:
+        """Derive the chunked-local-attention virtual batch from the staged common metadata.
+
+        Parameters
+        ----------
+        common : StagedCommon
+            From :func:`attnmeta.stage_common` on the same ``step``.
+        step : Step
+            The open step.
+        options : LocalAttnOptions
+            Chunk size, where to gather the virtual block table, field namespace (required).
+
+        Returns
+        -------
+        Staged[LocalAttnHost, LocalAttentionMetadata]
+            ``.result()`` after the commit (with ``block_table="device"`` it enqueues the gather on the
+            current stream the first time). ``.host.common`` is the staged virtual common metadata, to
+            stage other backends over it in the same step.
+
+        Raises
+        ------
+        ValueError
+            ``attn_chunk_size`` not a multiple of the block size, or ``common`` from another step.
+        attnmeta.staging.CapacityError
+            Graph mode: more virtual rows than :func:`max_virtual_reqs` (cannot happen within the profile).
+        """
+        if common.step is not step:
+            require_same_step(common, step)  # raises
+        opts = self.options(options)
+        mode = opts.block_table
+        h = common.host
+        qsl, sl, bt = h.query_start_loc_cpu, h.seq_lens_cpu, h.block_table_cpu
+        A, bs, B = opts.attn_chunk_size, h.block_size, h.num_reqs
+        if A % bs:
+            raise ValueError(f"LocalAttnOptions.attn_chunk_size: must be a positive multiple of block_size={bs}, got {A!r}")
+        p = opts.prefix + "."
+        prof = step.profile
+        V = num_virtual_reqs(qsl, sl, A)
+        cap = max_virtual_reqs(prof, A) if prof is not None else None
+        if cap is not None and cap < V:
+            raise CapacityError(f"{p}: {V} virtual rows exceed the graph-mode capacity {cap}")
+        ppl = A // bs
+        qsl_full = alloc_indptr(step, p + "query_start_loc", V, cap)
+        k = step.alloc(p + "seq_lens", V, np.int32, fill=0, capacity=cap)
+        table: np.ndarray | None = None
+        if mode == "host":
+            table = step.alloc(p + "block_table", (V, ppl), np.int32, fill=0, capacity=cap)
+            req, starts = np.empty(V, np.int32), np.empty(V, np.int32)
+        else:
+            req = step.alloc(p + "req_indices", V, np.int32, fill=0, capacity=cap)
+            starts = step.alloc(p + "block_starts", V, np.int32, fill=0, capacity=cap)
+            if cap is not None:
+                step.alloc(p + "block_table", (0, ppl), np.int32, fill=0, capacity=cap)  # the gather's fixed buffer
+        lb = local_virtual_batches(
+            qsl, sl, A, bs, bt if mode == "host" else None,
+            query_start_loc_out=qsl_full[: V + 1], seq_lens_out=k, req_indices_out=req, block_starts_out=starts,
+            block_table_out=table,
+        )
+        qsl_full[V + 1 :] = qsl_full[V]
+        local_qsl = lb.query_start_loc
+        table_cpu = table if table is not None else np.broadcast_to(np.int32(-1), (V, ppl))
+        nc = (k - np.diff(local_qsl)).astype(np.int32)
+        prefilling = h.is_prefilling[req]
+        for a in (qsl_full, local_qsl, k, table, req, starts, nc, prefilling):
+            if a is not None:
+                a.flags.writeable = False
+        changes: dict[str, Any] = {
+            "query_start_loc_cpu": local_qsl,
+            "seq_lens_cpu": k,
+            "seq_lens_cpu_upper_bound": k,
+            "num_computed_tokens_cpu": nc,
+            "block_table_cpu": table_cpu,
+            "is_prefilling": prefilling,
+            "num_decode_draft_tokens_cpu": None,
+            "num_reqs": V,
+            "num_real_reqs": V - (B - h.num_real_reqs),
+            "max_query_len": lb.max_query_len,
+            "max_seq_len": lb.max_seq_len,
+            "causal": True,
+        }
+        local_host = dataclasses.replace(
+            h, **changes, num_pages=-(-int(k.sum()) // bs) if V else 0, max_exact_seq_len=lb.max_seq_len, splits={})
+
+        def make_common() -> CommonAttentionMetadata:
+            cm = common.result()
+            if mode == "host":
+                table_d = step.device(p + "block_table")
+            else:
+                fixed = step.device_full(p + "block_table") if cap is not None else None
+                table_d = _gather_rows(cm.block_table_tensor, step.device(p + "req_indices"),
+                                       step.device(p + "block_starts"), ppl, fixed)
+            return cm.replace(
+                query_start_loc=step.device(p + "query_start_loc")[: V + 1],
+                seq_lens=step.device(p + "seq_lens"),
+                block_table_tensor=table_d,
+                **changes,
+            )
+
+        local_common = StagedCommon(step, local_host, make_common)
+
+        def make() -> LocalAttentionMetadata:
+            cm = local_common.result()
+            device_mode = mode == "device"
+            return LocalAttentionMetadata(
+                common=cm,
+                query_start_loc=cm.query_start_loc,
+                seq_lens=cm.seq_lens,
+                block_table=cm.block_table_tensor,
+                req_indices=step.device(p + "req_indices") if device_mode else None,
+                block_starts=step.device(p + "block_starts") if device_mode else None,
+                query_start_loc_cpu=local_qsl,
+                seq_lens_cpu=k,
+                block_table_cpu=table,
+                req_indices_cpu=req,
+                block_starts_cpu=starts,
+                num_virtual_reqs=V,
+                attn_chunk_size=A,
+                pages_per_local_block=ppl,
+                block_table_mode=mode,
+            )
+
+        return Staged(step, LocalAttnHost(local_common, lb), make)
+
+    def unsupported_reasons(self, spec: BatchSpec, options: LocalAttnOptions, **inputs: Any) -> list[str]:
+        """A chunk size that is not a multiple of the block size."""
+        if options.attn_chunk_size % spec.block_size:
+            return [f"attn_chunk_size={options.attn_chunk_size} is not a multiple of block_size={spec.block_size}"]
+        return []
+
+    def defaults(self, spec: BatchSpec) -> tuple[LocalAttnOptions, dict[str, Any]]:
+        """Chunks of 4 blocks (Llama 4's 8192-token chunks at block size 2048; any block size here)."""
+        return LocalAttnOptions(attn_chunk_size=4 * spec.block_size), {}
+
+    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[LocalAttnOptions, dict[str, Any]]:
+        """A chunk of 1-4 blocks, the table gathered on the host or the device."""
+        return LocalAttnOptions(attn_chunk_size=spec.block_size * int(rng.integers(1, 5)),
+                                block_table="device" if rng.random() < 0.5 else "host"), {}
+
+
+LOCAL_ATTN = register(LocalAttnBuilder())
+"""The registered chunked-local-attention builder."""
+stage = LOCAL_ATTN.stage
+build = LOCAL_ATTN.build

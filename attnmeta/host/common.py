@@ -58,11 +58,25 @@ def _common_nb(
     nc: np.ndarray,
     pre: np.ndarray,
     ddt: np.ndarray,
+    paged: bool,
+    indptr: np.ndarray,
+    last: np.ndarray,
+    indices: np.ndarray,
 ) -> int:
+    """The common metadata's host pass (:func:`common_layout`), and with ``paged`` the paged-KV
+    layout of every row from the block-table rows just written (still in cache; page size = block
+    size): ``indptr`` (its entries past ``Bp + 1`` repeat the page count, a graph-mode sentinel),
+    ``last`` and ``indices`` (longer than the page count is fine; its tail is left as it is).
+
+    ``qsl`` may be longer than ``Bp + 1`` (graph mode: the tail repeats the total). With ``copy_rows``
+    False the caller has copied the real block-table rows (:func:`_bt_rows_par_nb`) and copies the
+    page indices afterwards (:func:`_indices_par_nb`): the same bytes, on numba's thread pool.
+    Returns 0, or a non-zero status for inputs a validated spec never has.
+    """
     n = q.shape[0]
     status = _query_start_loc_nb(q, qsl)[0]
     status |= _seq_lens_nb(c, q, seq_lens)[0]
-    if copy_rows:  # (else the caller copied them: _bt_rows_par_nb)
+    if copy_rows:
         w = min(bt.shape[1], table.shape[1])
         for i in range(n):
             src = table[i]  # 1-D row views: the copy loop vectorizes
@@ -95,80 +109,14 @@ def _common_nb(
         status |= _is_prefilling_nb(c, prompt, pre)[0]
     else:
         pre[:] = False
-    return status
-
-
-@njit
-def _common_packed_nb(
-    c: np.ndarray,
-    q: np.ndarray,
-    table: np.ndarray,
-    prompt: np.ndarray,
-    drafts: np.ndarray,
-    upper: np.ndarray,
-    staged: np.ndarray,
-    host_only: np.ndarray,
-    offsets: np.ndarray,
-    dims: np.ndarray,
-) -> int:
-    """:func:`_common_nb` with its outputs addressed inside two byte buffers (fewer arguments to box).
-
-    ``staged`` (the pinned slot) holds, at the byte offsets ``offsets[0:5]``, query_start_loc
-    (``dims[3]`` int32), seq_lens (``Bp`` int32), block_table (``Bp x W`` int32), slot_mapping and
-    positions (``Tp`` int64 each); ``host_only`` holds, at ``offsets[5:9]``, seq_lens_upper_bound,
-    num_computed_tokens, num_decode_draft_tokens (``Bp`` int32 each) and is_prefilling (``Bp`` bool).
-    ``dims = [Bp, Tp, W, qsl rows, block_size, world_size, rank, interleave, has_prompt, has_drafts,
-    has_upper, token arrays, paged, indices rows, indptr rows, qo rows, decode rows, parallel]``; without token
-    arrays (``dims[11] == 0``) slot_mapping and positions are empty and not computed. With ``paged``
-    (``dims[12] != 0``) the staged bytes also hold, at ``offsets[9:12]``, FlashInfer's
-    paged_kv_indptr (``dims[14] >= Bp + 1`` rows; those past ``Bp`` repeat the page count, a
-    graph-mode sentinel), paged_kv_last_page_len (``Bp``) and paged_kv_indices (``dims[13]`` int32
-    rows, the page count first), filled by :func:`_paged_from_staged_nb` (page size = block size),
-    and at ``offsets[12]`` FlashInfer's prefill query indptr of a split with ``D = dims[16]`` decode
-    rows, ``qo[i] = qsl[D + i] - qsl[D]`` for ``i <= Bp - D``, its ``dims[15]`` rows past those
-    repeating the last (0 rows: none). With ``dims[17] != 0`` the caller copies the real rows of the
-    block table before the call (:func:`_bt_rows_par_nb`) and the page indices after it
-    (:func:`_indices_par_nb`, from the indptr this call writes): the same bytes as the serial loops,
-    on numba's thread pool. They are separate calls so that a process that never asks for threads
-    never starts numba's threading layer (its OpenMP start changes the thread count other OpenMP
-    code in the process, torch's CPU ops among them, sees).
-    """
-    Bp, Tp, W, nq = dims[0], dims[1], dims[2], dims[3]
-    o = offsets
-    qsl = staged[o[0] : o[0] + 4 * nq].view(np.int32)
-    sl = staged[o[1] : o[1] + 4 * Bp].view(np.int32)
-    bt = staged[o[2] : o[2] + 4 * Bp * W].view(np.int32).reshape(Bp, W)
-    Tt = Tp if dims[11] != 0 else 0
-    sm = staged[o[3] : o[3] + 8 * Tt].view(np.int64)
-    pos = staged[o[4] : o[4] + 8 * Tt].view(np.int64)
-    ub = host_only[o[5] : o[5] + 4 * Bp].view(np.int32)
-    nc = host_only[o[6] : o[6] + 4 * Bp].view(np.int32)
-    ddt = host_only[o[7] : o[7] + 4 * Bp].view(np.int32)
-    pre = host_only[o[8] : o[8] + Bp].view(np.bool_)
-    par = dims[17] != 0  # the caller copies the block-table rows before and the page indices after
-    status = _common_nb(
-        c, q, table, dims[4], dims[5], dims[6], dims[7], prompt, dims[8] != 0, drafts, dims[9] != 0, upper,
-        dims[10] != 0, dims[11] != 0, not par, qsl, sl, bt, pos, sm, ub, nc, pre, ddt,
-    )
-    if dims[12] != 0:  # the paged-KV layout, from the rows just staged (still in cache)
-        n_indptr = dims[14]
-        indptr = staged[o[9] : o[9] + 4 * n_indptr].view(np.int32)
-        last = staged[o[10] : o[10] + 4 * Bp].view(np.int32)
-        indices = staged[o[11] : o[11] + 4 * dims[13]].view(np.int32)
-        if par:
-            status |= _paged_counts_nb(sl, bt.shape[1], dims[4], indptr[: Bp + 1], indices.shape[0], last)
+    if paged:
+        Bp = bt.shape[0]
+        if copy_rows:
+            status |= _paged_from_staged_nb(seq_lens, bt, block_size, indptr[: Bp + 1], indices, last)
         else:
-            status |= _paged_from_staged_nb(sl, bt, dims[4], indptr[: Bp + 1], indices, last)
-        for i in range(Bp + 1, n_indptr):
+            status |= _paged_counts_nb(seq_lens, bt.shape[1], block_size, indptr[: Bp + 1], indices.shape[0], last)
+        for i in range(Bp + 1, indptr.shape[0]):
             indptr[i] = indptr[Bp]
-        qo = staged[o[12] : o[12] + 4 * dims[15]].view(np.int32)
-        if qo.shape[0]:
-            d = dims[16]
-            p = min(Bp - d, qo.shape[0] - 1)
-            for i in range(p + 1):
-                qo[i] = qsl[d + i] - qsl[d]
-            for i in range(p + 1, qo.shape[0]):
-                qo[i] = qo[p]
     return status
 
 
@@ -176,7 +124,7 @@ def _common_packed_nb(
 def _paged_from_staged_nb(
     seq_lens: np.ndarray, bt: np.ndarray, page_size: int, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray
 ) -> int:
-    """FlashInfer's paged-KV arrays of every row from the staged block table (vllm-semantics.md 8).
+    """The paged-KV arrays of every row from a block table (docs: FlashInfer's format).
 
     ``indptr = [0, cumsum(cdiv(seq_lens, page))]``, ``indices`` row after row the first
     ``cdiv(seq_lens_i, page)`` ids of row ``i``, ``last`` the tokens in each row's last page (0 for
@@ -330,6 +278,10 @@ def common_layout(
         num_computed_tokens,
         is_prefilling,
         num_decode_draft_tokens if num_decode_draft_tokens is not None else _EMPTY_I32,
+        False,
+        _EMPTY_I32,
+        _EMPTY_I32,
+        _EMPTY_I32,
     )
     if status:  # unreachable for a validated spec and correctly sized buffers
         raise ValueError(f"common_layout: internal status {status}; the spec or a buffer is inconsistent")

@@ -1,4 +1,4 @@
-"""FlashInfer paged-KV layout, derived on the host (vllm-semantics.md section 8).
+"""FlashInfer paged-KV layout, derived on the host (docs/semantics-attention.md).
 
 FlashInfer describes each request's KV cache as a run of pages: ``paged_kv_indptr`` (an exclusive
 prefix sum of pages per request), ``paged_kv_indices`` (the physical page ids, request after request)
@@ -45,6 +45,7 @@ __all__ = [
     "paged_kv_indptr",
     "paged_kv_last_page_len",
     "paged_kv_layout",
+    "prefill_qo_indptr",
     "rebase_indptr",
 ]
 
@@ -72,8 +73,9 @@ class PagedKV(NamedTuple):
 
     paged_kv_indptr: np.ndarray
     """(num_reqs + 1,) int32, host. ``[0, cumsum(cdiv(seq_lens, page_size))]``."""
-    paged_kv_indices: np.ndarray
-    """(paged_kv_indptr[-1],) int32, host. Page ids of request 0, then request 1, ..."""
+    paged_kv_indices: np.ndarray | None
+    """(paged_kv_indptr[-1],) int32, host. Page ids of request 0, then request 1, ... (None only in
+    the host part of a page table whose indices a builder gathers on the device)."""
     paged_kv_last_page_len: np.ndarray
     """(num_reqs,) int32, host. Tokens in each request's last page; 0 for ``seq_lens[i] == 0``."""
 
@@ -597,3 +599,36 @@ def rebase_indptr(indptr: Any, start: int, stop: int, *, out: np.ndarray | None 
     res = check_out(out, "rebase_indptr", (stop - start + 1,), np.int32)
     np.subtract(arr[start : stop + 1], arr[start], out=res)
     return res
+
+
+def prefill_qo_indptr(query_start_loc: np.ndarray, num_decodes: int, *, out: np.ndarray) -> np.ndarray:
+    """The prefill rows' query indptr of a reordered batch, rebased to 0, into ``out`` (host).
+
+    ``out[:P + 1] = query_start_loc[D:] - query_start_loc[D]`` with ``P = num_reqs - D``; entries past
+    ``P + 1`` (a graph-mode buffer longer than the step) repeat the last value, as zero-length rows.
+
+    Parameters
+    ----------
+    query_start_loc : (num_reqs + 1,) int32, host
+        The batch's query start locations.
+    num_decodes : int
+        Leading decode rows ``D``, ``0 <= D <= num_reqs``.
+    out : (>= num_reqs - num_decodes + 1,) int32, host
+        Where to write (FlashInfer's ``qo_indptr`` of its prefill part, TRTLLM's ``cum_seq_lens_q``).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``out``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> prefill_qo_indptr(np.array([0, 1, 2, 9, 14], np.int32), 2, out=np.empty(5, np.int32))
+    array([ 0,  7, 12, 12, 12], dtype=int32)
+    """
+    B = query_start_loc.shape[0] - 1
+    P = B - num_decodes
+    np.subtract(query_start_loc[num_decodes:], query_start_loc[num_decodes], out=out[: P + 1])
+    out[P + 1 :] = out[P]
+    return out

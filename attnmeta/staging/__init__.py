@@ -1,26 +1,34 @@
 """Staging: the pinned ring, the one-copy step, graph-stable arenas, and device-side helpers."""
 
 from attnmeta.staging.helpers import DeviceIndexCache, pad_out
+from attnmeta.staging.staged import Staged
 from attnmeta.staging.stager import (
     CapacityError,
     FieldGroup,
+    FieldLayout,
     Stager,
     StagerStats,
     Step,
     StepExpiredError,
+    StepLayout,
     StepNotCommittedError,
     StepStats,
+    bucket_rows,
 )
 
 __all__ = [
     "CapacityError",
     "DeviceIndexCache",
     "FieldGroup",
+    "FieldLayout",
+    "Staged",
     "Stager",
     "StagerStats",
     "Step",
     "StepExpiredError",
+    "StepLayout",
     "StepNotCommittedError",
     "StepStats",
+    "bucket_rows",
     "pad_out",
 ]

@@ -55,12 +55,15 @@ from attnmeta.staging import _driver
 __all__ = [
     "CapacityError",
     "FieldGroup",
+    "FieldLayout",
     "Stager",
     "StagerStats",
     "Step",
     "StepExpiredError",
+    "StepLayout",
     "StepNotCommittedError",
     "StepStats",
+    "bucket_rows",
 ]
 
 logger = logging.getLogger("attnmeta.staging")
@@ -107,6 +110,26 @@ _CURRENT_DEVICE: Any = getattr(torch._C, "_cuda_getDevice", lambda: -2)  # -2: n
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def bucket_rows(n: int) -> int:
+    """The row count to stage, in eager mode, for a field whose exact length changes almost every
+    step (a per-token array, the page indices, a bound on chunks): ``n`` rounded up to one of 8 steps
+    per power of two, at least 64, so at most 12.5% (and 64 rows) more than needed.
+
+    A field group's layout, and so every view cached with it, lasts while the bucket does; a layout
+    per exact length would be rebuilt every step. The rows past ``n`` are staged but never read (a
+    builder hands out views of the first ``n``).
+
+    Examples
+    --------
+    >>> [bucket_rows(n) for n in (0, 64, 65, 100, 1000, 1025)]
+    [64, 64, 72, 104, 1024, 1152]
+    """
+    if n <= 64:
+        return 64
+    step = 1 << (n.bit_length() - 4)
+    return (n + step - 1) // step * step
 
 
 class StepStats(NamedTuple):
@@ -161,8 +184,28 @@ class StagerStats:
     between touched it (a builder may rely on bytes that step left in the slot)."""
 
 
-class _Field:
-    """Where one staged field lives: byte offset, dtype, row shape, rows staged, capacity, sentinel."""
+class FieldLayout:
+    """Where one staged field lives: byte offset, dtype, row shape, rows staged, capacity, sentinel.
+
+    Attributes
+    ----------
+    name : str
+        The field's name in its step.
+    offset : int
+        Byte offset into the slot (and, in graph mode, into the one device arena); a multiple of 64.
+    dtype : numpy.dtype
+        Element type.
+    row_shape : tuple of int
+        Shape of one row (``()`` for a 1-D field).
+    rows : int
+        Rows staged by the step.
+    capacity : int
+        Graph mode: the most rows the field can ever have (its fixed buffer); eager mode: ``rows``.
+    fill : scalar
+        Graph mode: the sentinel the rows past ``rows`` hold after the commit.
+    row_bytes : int
+        Bytes of one row.
+    """
 
     __slots__ = ("capacity", "dtype", "fill", "name", "offset", "row_bytes", "row_shape", "rows")
 
@@ -185,9 +228,9 @@ class _Field:
     def nbytes(self) -> int:
         return self.row_bytes * self.capacity
 
-    def with_rows(self, rows: int) -> _Field:
+    def with_rows(self, rows: int) -> FieldLayout:
         """Graph mode: the same field (fixed offset and capacity) staged with ``rows`` rows."""
-        f = _Field.__new__(_Field)
+        f = FieldLayout.__new__(FieldLayout)
         f.name, f.offset, f.dtype, f.row_shape = self.name, self.offset, self.dtype, self.row_shape
         f.rows, f.capacity, f.fill, f.row_bytes = rows, self.capacity, self.fill, self.row_bytes
         return f
@@ -198,7 +241,7 @@ class _Slot:
 
     __slots__ = (
         "copy_pairs", "device_arena", "dirty_rows", "event", "extras", "generation", "groups", "host", "host_np",
-        "index", "ptrs", "typed", "views",
+        "index", "ptrs", "typed", "version", "views",
     )
 
     def __init__(self, index: int) -> None:
@@ -216,6 +259,7 @@ class _Slot:
         # alloc_fields cache: (start offset, specs) -> the FieldGroup laid out there on this slot
         self.groups: dict[tuple[Any, ...], FieldGroup] = {}
         self.extras: dict[Any, Any] = {}  # Step.slot_extras: builders' state for this slot's bytes
+        self.version = 0  # bumped whenever the slot's memory or (graph mode) the layout changes
 
 
 _MAX_CACHED_GROUPS = 512  # per slot; the cache is dropped (and rebuilt on demand) when it outgrows this
@@ -250,7 +294,7 @@ class FieldGroup:
 
     __slots__ = ("_device", "buf", "buf_map", "end", "extras", "field_map", "fields", "frozen", "host", "names")
 
-    def __init__(self, fields: list[_Field], views: list[np.ndarray], end: int, buf: np.ndarray | None) -> None:
+    def __init__(self, fields: list[FieldLayout], views: list[np.ndarray], end: int, buf: np.ndarray | None) -> None:
         self.fields = fields
         self.names = tuple(f.name for f in fields)
         self.host = views
@@ -285,6 +329,31 @@ class FieldGroup:
 
     def __repr__(self) -> str:
         return f"FieldGroup({', '.join(self.names)})"
+
+
+class StepLayout:
+    """The fields a committed step staged on its ring slot (:meth:`Step.layout`), to stage again with
+    :meth:`Step.restage`. Opaque: it names the slot, the slot's memory version and each field's place.
+
+    Valid while the slot's memory and (graph mode) the stager's layout stay as they were; a stale one
+    makes :meth:`Step.restage` return False.
+    """
+
+    __slots__ = ("end", "fields", "slot", "version")
+
+    def __init__(self, slot: _Slot, version: int, fields: dict[str, FieldLayout], end: int) -> None:
+        self.slot = slot
+        self.version = version
+        self.fields = fields
+        self.end = end
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The staged field names."""
+        return tuple(self.fields)
+
+    def __repr__(self) -> str:
+        return f"StepLayout(slot={self.slot.index}, fields={list(self.fields)})"
 
 
 class Stager:
@@ -351,7 +420,7 @@ class Stager:
         self._fencing = not _unsafe_disable_fencing
         self.stats = StagerStats()
         # graph mode: one fixed layout and one device arena shared by every slot
-        self._layout: dict[str, _Field] = {}
+        self._layout: dict[str, FieldLayout] = {}
         self._layout_bytes = 0
         self._graph_arena: torch.Tensor | None = None
         self._graph_typed: dict[np.dtype, torch.Tensor] = {}
@@ -413,18 +482,19 @@ class Stager:
         slot.groups = {}
         slot.extras = {}
         slot.copy_pairs = {}
+        slot.version += 1
         self.stats.grows += 1
         return old_host
 
     def _graph_reserve(
         self, name: str, dtype: np.dtype, row_shape: tuple[int, ...], capacity: int, fill: Any, step: Step
-    ) -> _Field:
+    ) -> FieldLayout:
         if self._frozen:
             raise CapacityError(
                 f"{name}: new staged field after Stager.freeze(); declare every field (run one step of each "
                 f"kind) before freezing the layout for CUDA-graph capture"
             )
-        f = _Field(name, _align(self._layout_bytes), dtype, row_shape, capacity, capacity, fill)
+        f = FieldLayout(name, _align(self._layout_bytes), dtype, row_shape, capacity, capacity, fill)
         self._layout[name] = f
         self._layout_bytes = f.offset + _align(f.nbytes)
         logger.info("attnmeta.staging: graph layout adds %s (%s x %s %s), %d bytes total",
@@ -439,6 +509,7 @@ class Stager:
             s.groups = {}
             s.extras = {}
             s.copy_pairs = {}  # they slice the old arena
+            s.version += 1
         for slot in self._slots:
             assert slot.host_np is not None
             if slot.host_np.shape[0] < self._layout_bytes:
@@ -455,16 +526,27 @@ class Stager:
         self._full_copy_pending = True
         return f
 
+    @property
+    def graph_fields(self) -> dict[str, FieldLayout]:
+        """Graph mode: every field of the fixed layout, by name (a copy; empty in eager mode)."""
+        return dict(self._layout)
+
+    @property
+    def graph_arena(self) -> torch.Tensor | None:
+        """Graph mode: the one device arena (uint8) every field lives in, at the offsets of
+        :attr:`graph_fields`; None in eager mode or before the first field."""
+        return self._graph_arena
+
     def freeze(self) -> None:
         """Graph mode: forbid new fields from now on (call before capturing CUDA graphs)."""
         if not self.graph_mode:
             raise RuntimeError("freeze(): only a graph-mode stager (constructed with profile=) has a fixed layout")
         self._frozen = True
 
-    def _host_view(self, slot: _Slot, f: _Field, rows: int) -> np.ndarray:
+    def _host_view(self, slot: _Slot, f: FieldLayout, rows: int) -> np.ndarray:
         return np.ndarray((rows, *f.row_shape), dtype=f.dtype, buffer=slot.host_np, offset=f.offset)  # type: ignore[arg-type]
 
-    def _fill_rows(self, slot: _Slot, f: _Field, start: int, stop: int) -> None:
+    def _fill_rows(self, slot: _Slot, f: FieldLayout, start: int, stop: int) -> None:
         if stop > start:
             self._host_view(slot, f, stop)[start:stop] = f.fill
 
@@ -540,7 +622,7 @@ class Stager:
         if step._grew:
             # Migrations: a field allocated before its slot grew was written through a view of the old bytes.
             for name, f in step._fields.items():
-                buf = step._bufs[name]
+                buf = step._bufs.get(name, step._base)
                 if buf is not slot.host_np:
                     assert buf is not None
                     lo, hi = f.offset, f.offset + f.rows * f.row_bytes
@@ -633,7 +715,8 @@ class Step:
     """
 
     __slots__ = (
-        "_bufs", "_committed", "_fields", "_generation", "_grew", "_raw_stats", "_slot", "_stager", "_stats", "_used",
+        "_base", "_bufs", "_committed", "_fields", "_generation", "_grew", "_raw_stats", "_shared", "_slot", "_stager",
+        "_stats", "_used",
         "_wait_s",
         "_waits", "host_fields", "profile",
     )
@@ -643,7 +726,7 @@ class Step:
         self.profile: StaticProfile | None = stager.profile
         """The stager's profile in graph mode, else ``None``."""
         self._slot = slot
-        self._fields: dict[str, _Field] = {}
+        self._fields: dict[str, FieldLayout] = {}
         self._used = 0
         self._waits = waits
         self._wait_s = wait_s
@@ -653,6 +736,8 @@ class Step:
         self._stats: StepStats | None = None
         self._raw_stats: tuple[int, int, int] | None = None
         self._bufs: dict[str, np.ndarray | None] = {}  # field -> host bytes its view was carved from
+        self._base = slot.host_np  # ... or these, for fields restaged (restage())
+        self._shared = False  # _fields is a recorded layout's dict: copy it before adding a field
         self.host_fields: dict[str, Any] = {}
         """Host-only values recorded with :meth:`host_only` (never staged to the device)."""
 
@@ -712,6 +797,8 @@ class Step:
         """
         if self._committed:
             raise RuntimeError(f"{name}: alloc() after the step committed")
+        if self._shared:
+            self._fields, self._shared = dict(self._fields), False
         if name in self._fields:
             raise ValueError(f"{name}: staged twice in one step")
         row_shape: tuple[int, ...]
@@ -745,10 +832,10 @@ class Step:
                     f"{name}: needs {rows} rows but its graph-mode capacity is {f.capacity} "
                     f"(raise the StaticProfile capacity that sizes it)"
                 )
-            staged = _Field(name, f.offset, dt, row_shape, rows, f.capacity, f.fill)
+            staged = FieldLayout(name, f.offset, dt, row_shape, rows, f.capacity, f.fill)
         else:
             off = (self._used + _ALIGN - 1) // _ALIGN * _ALIGN
-            staged = _Field(name, off, dt, row_shape, rows, rows, fill)
+            staged = FieldLayout(name, off, dt, row_shape, rows, rows, fill)
             end = off + staged.row_bytes * rows
             assert slot.host_np is not None
             if end > slot.host_np.shape[0]:
@@ -800,6 +887,8 @@ class Step:
         ck = (self._used, specs if key is None else key)
         hit = slot.groups.get(ck)
         if hit is not None and hit.buf is slot.host_np:
+            if self._shared:
+                self._fields, self._shared = dict(self._fields), False
             own = self._fields
             if own.keys().isdisjoint(hit.field_map):
                 own.update(hit.field_map)
@@ -850,14 +939,100 @@ class Step:
     def __contains__(self, name: str) -> bool:
         return name in self._fields
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of this step's ring slot (pinned host memory; eager mode grows it on demand)."""
+        assert self._slot.host_np is not None
+        return int(self._slot.host_np.shape[0])
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        """The fields this step has staged so far, in the order they were reserved."""
+        return tuple(self._fields)
+
     # ------------------------------------------------------------------ commit
-    def commit(self) -> StepStats:
-        """Issue the step's one non-blocking H2D copy and record its fence event."""
+    def commit(self) -> None:
+        """Issue the step's one non-blocking H2D copy and record its fence event.
+
+        What it cost is in :attr:`stats` afterwards.
+        """
         if self._committed:
             raise RuntimeError("Step.commit(): already committed")
         self._stager._commit(self)
         self._committed = True
-        return self.stats
+
+    def layout(self) -> StepLayout:
+        """What this committed step staged, for :meth:`restage` on a later step of the same ring slot.
+
+        Raises
+        ------
+        StepNotCommittedError
+            The step has not committed.
+        RuntimeError
+            The step grew its slot or the graph layout (its layout is not a steady-state one).
+        """
+        if not self.committed:
+            raise StepNotCommittedError("Step.layout(): the step has not committed")
+        if self._grew:
+            raise RuntimeError("Step.layout(): the step grew its slot or the graph layout; record a later step")
+        return StepLayout(self._slot, self._slot.version, dict(self._fields), self._used)
+
+    def restage(self, layout: StepLayout, rows: dict[str, int] | None = None) -> bool:
+        """Reserve exactly the fields of ``layout`` (a :meth:`layout` of an earlier step on this ring
+        slot), at the same places, without handing out views.
+
+        This is how a builder replays a step it staged before: it keeps the host views of its first
+        step (:attr:`FieldGroup.host`, :meth:`host_full`), and a later step on the same slot reserves
+        the same bytes with one call. **The caller must then write every byte of every field of the
+        layout** (the slot holds whatever its last step left there) before the commit, which copies
+        them exactly as if they had been allocated this step (in graph mode with the sentinel past each
+        field's rows).
+
+        Parameters
+        ----------
+        layout : StepLayout
+            From :meth:`layout` of a committed step.
+        rows : dict of str to int, optional
+            Graph mode only: fields staged with another row count than in ``layout`` (at most their
+            capacity).
+
+        Returns
+        -------
+        bool
+            True when the fields are reserved. False, with nothing reserved, when ``layout`` belongs to
+            another ring slot, the slot's memory or the graph layout changed since it was recorded, or
+            this step has already staged fields: the caller then stages the ordinary way.
+
+        Raises
+        ------
+        CapacityError
+            ``rows`` above a field's capacity.
+        ValueError
+            ``rows`` in eager mode, or naming a field the layout does not have.
+        """
+        if self._committed:
+            raise RuntimeError("restage() after the step committed")
+        slot = self._slot
+        if layout.slot is not slot or layout.version != slot.version or self._fields:
+            return False
+        fields = layout.fields
+        if rows:
+            if not self._stager.graph_mode:
+                raise ValueError("restage(rows=...): only graph mode has fixed offsets; eager rows are part of the layout")
+            fields = dict(fields)
+            for name, n in rows.items():
+                f = fields.get(name)
+                if f is None:
+                    raise ValueError(f"restage(rows=...): {name} is not a field of the layout")
+                if n > f.capacity:
+                    raise CapacityError(f"{name}: needs {n} rows but its graph-mode capacity is {f.capacity}")
+                fields[name] = f.with_rows(n)
+            self._fields = fields
+        else:
+            self._fields, self._shared = fields, True  # copied only if the step adds a field
+        self._base = slot.host_np
+        self._used = layout.end
+        return True
 
     def abandon(self) -> None:
         """Drop the step without copying (its slot is free for the next step)."""
@@ -930,7 +1105,7 @@ class Step:
         f = st._layout[name]
         return st._host_view(self._slot, f, f.capacity)
 
-    def _view(self, f: _Field, rows: int) -> torch.Tensor:
+    def _view(self, f: FieldLayout, rows: int) -> torch.Tensor:
         """A device view of ``rows`` rows of ``f``; cached per arena by (offset, dtype, shape).
 
         A cached view aliases exactly the bytes a fresh one would, so reusing the tensor object across
@@ -967,22 +1142,9 @@ class Step:
         if self._committed:
             return
         if exc_type is None:
-            self._finish()
+            self.commit()
         else:
             self.abandon()
-
-    def _finish(self) -> None:
-        """:meth:`commit` without building the :class:`StepStats` (builders that own the step)."""
-        self._stager._commit(self)
-        self._committed = True
-
-    def _restage(self, end: int, fields: dict[str, _Field]) -> None:
-        """Stage ``fields`` (ending at byte ``end``) without handing out views: the caller has written
-        every byte of them into this step's slot itself, replaying a layout it staged on this slot
-        before (:class:`attnmeta.backends.fused.FusedStepBuilder`). The commit then copies them, and in
-        graph mode refills the sentinels past their rows, exactly as for views handed out."""
-        self._fields = fields
-        self._used = end
 
     def __repr__(self) -> str:
         state = "committed" if self.committed else "open"

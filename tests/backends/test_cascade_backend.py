@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -53,7 +55,7 @@ def _twins(meta: CascadeMetadata) -> None:
 
 
 def test_worked_example(device: torch.device) -> None:
-    ca = cascade.build(_eight_decodes(), _stager(device), 2, OPTIONS)
+    ca = cascade.build(_eight_decodes(), _stager(device), OPTIONS, num_common_prefix_blocks=2)
     assert (ca.use_cascade, ca.common_prefix_len, ca.num_prefix_blocks) == (True, 256, 2)
     assert ca.cu_prefix_query_lens is not None and ca.cu_prefix_query_lens.cpu().tolist() == [0, 8]
     assert ca.prefix_kv_lens is not None and ca.prefix_kv_lens.cpu().tolist() == [256]
@@ -76,24 +78,24 @@ def test_worked_example(device: torch.device) -> None:
         (_eight_decodes(), 1, OPTIONS, "prefix 128 < 256 tokens"),
         (_eight_decodes(), 0, OPTIONS, "nothing shared"),
         (_eight_decodes(num_reqs_padded=9), 2, OPTIONS, "CUDA-graph padding rows"),
-        (_eight_decodes(), 2, OPTIONS._replace(use_sliding_window=True), "sliding window"),
-        (_eight_decodes(), 2, OPTIONS._replace(dcp_world_size=2), "DCP"),
-        (_eight_decodes(), 2, OPTIONS._replace(num_kv_heads=1), "flash decoding wins the cost model"),
+        (_eight_decodes(), 2, dataclasses.replace(OPTIONS, use_sliding_window=True), "sliding window"),
+        (_eight_decodes(), 2, dataclasses.replace(OPTIONS, dcp_world_size=2), "DCP"),
+        (_eight_decodes(), 2, dataclasses.replace(OPTIONS, num_kv_heads=1), "flash decoding wins the cost model"),
     ],
 )
 def test_no_cascade(spec: BatchSpec, blocks: int, options: CascadeOptions, why: str) -> None:
     with Stager("cpu").step() as step:
-        staged = cascade.stage(stage_common(spec, step), step, blocks, options)
+        staged = cascade.stage(stage_common(spec, step), step, options, num_common_prefix_blocks=blocks)
     ca = staged.result()
     assert not ca.use_cascade and ca.common_prefix_len == 0 and ca.num_prefix_blocks == 0, why
-    assert staged.host == {"use_cascade": False, "common_prefix_len": 0}
+    assert (staged.host.use_cascade, staged.host.common_prefix_len) == (False, 0)
     assert all(getattr(ca, n) is None for n in ca._DEVICE_FIELDS + ca._HOST_FIELDS), why
     assert "cascade.suffix_kv_lens" not in step  # nothing of cascade staged
 
 
 def test_prefix_capped_at_the_smallest_context() -> None:
     # 3 shared blocks of 128 offered, but one request has only 300 cached tokens: L = 256.
-    ca = cascade.build(_eight_decodes(), Stager("cpu"), 3, OPTIONS)
+    ca = cascade.build(_eight_decodes(), Stager("cpu"), OPTIONS, num_common_prefix_blocks=3)
     assert (ca.common_prefix_len, ca.num_prefix_blocks) == (256, 2)
 
 
@@ -121,7 +123,7 @@ def test_matches_device_reference(device: torch.device, batch: CascadeBatch, hea
     options = CascadeOptions(num_query_heads=heads[0], num_kv_heads=heads[1], num_sms=sms)
     with no_device_sync(devices={device.type}), _stager(device).step() as step:
         common = stage_common(spec, step)
-        staged = cascade.stage(common, step, batch.num_common_prefix_blocks, options)
+        staged = cascade.stage(common, step, options, num_common_prefix_blocks=batch.num_common_prefix_blocks)
     ca, cm = staged.result(), common.result()
     bs = batch.block_size
     c = torch.from_numpy(batch.num_computed_tokens).to(device)
@@ -162,7 +164,7 @@ def test_graph_mode_fixed_addresses_and_sentinels() -> None:
     addresses = None
     for blocks in (2, 0, 2):
         with stager.step() as step:
-            staged = cascade.stage(stage_common(_eight_decodes(), step), step, blocks, OPTIONS)
+            staged = cascade.stage(stage_common(_eight_decodes(), step), step, OPTIONS, num_common_prefix_blocks=blocks)
         ca = staged.result()
         full = {n: step.device_full("cascade." + n) for n in names}
         now = {n: t.data_ptr() for n, t in full.items()}
@@ -181,7 +183,7 @@ def test_meta_device_build_passes_the_audit(profile: StaticProfile | None) -> No
     stager = Stager("meta", profile=profile)
     for blocks in (2, 1):
         with no_device_sync():
-            ca = cascade.build(_eight_decodes(), stager, blocks, OPTIONS)
+            ca = cascade.build(_eight_decodes(), stager, OPTIONS, num_common_prefix_blocks=blocks)
         assert ca.use_cascade == (blocks == 2)
         if ca.suffix_paged_kv_indices is not None:
             assert ca.suffix_paged_kv_indices.device.type == "meta"
@@ -192,6 +194,6 @@ def test_one_copy_with_common_flash_attention_and_flashinfer() -> None:
         common = stage_common(_eight_decodes(), step)
         flash_attn.stage(common, step)
         flashinfer.stage(common, step)
-        staged = cascade.stage(common, step, 2, OPTIONS)
+        staged = cascade.stage(common, step, OPTIONS, num_common_prefix_blocks=2)
     assert step.stats.copies == 1
     assert staged.result().use_cascade

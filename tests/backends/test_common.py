@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from attnmeta import BatchSpec, ContextParallel, Stager, StaticProfile, build_common, metadata, stage_common
 from attnmeta.metadata import CommonAttentionMetadata
-from attnmeta.staging import CapacityError
+from attnmeta.staging import CapacityError, bucket_rows
 from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
 from attnmeta.testing.reference import (
     ref_is_prefilling,
@@ -424,7 +424,7 @@ def test_token_counts_share_a_layout_and_get_exact_views(device: torch.device) -
     for j, slot in enumerate(stager._slots):  # one layout per bucket of token counts, not one per count
         layouts = {k[1] for k in slot.groups if isinstance(k[1], tuple) and k[1][0][0] == "common.query_start_loc"}
         counts = {spec.padded_num_tokens for _, spec in steps[j::2]}
-        assert len(layouts) == len({metadata._bucket(t) for t in counts}) < len(counts)
+        assert len(layouts) == len({bucket_rows(t) for t in counts}) < len(counts)
 
 
 def test_narrow_staged_table_still_maps_slots() -> None:
@@ -756,26 +756,37 @@ def test_several_prefixes_share_one_copy(device: torch.device) -> None:
 
 
 def _metadata_classes() -> list[type]:
-    from attnmeta.backends import cascade, fast_prefill, flash_attn, flashinfer, local_attn, mamba2
+    """Every metadata dataclass of the package (a MetadataBase subclass), the registry's included."""
+    import importlib
+    import pkgutil
 
-    mods = (metadata, cascade, fast_prefill, flash_attn, flashinfer, local_attn, mamba2)
-    return sorted({c for m in mods for c in vars(m).values()
-                   if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == m.__name__},
-                  key=lambda c: c.__qualname__)
+    import attnmeta
+    from attnmeta._fields import MetadataBase
+
+    found: set[type] = set()
+    for info in pkgutil.walk_packages(attnmeta.__path__, "attnmeta."):
+        if info.name.endswith("__main__"):
+            continue
+        mod = importlib.import_module(info.name)
+        found |= {c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, MetadataBase)
+                  and dataclasses.is_dataclass(c) and c.__module__ == mod.__name__}
+    return sorted(found, key=lambda c: c.__qualname__)
 
 
 @pytest.mark.parametrize("cls", _metadata_classes(), ids=lambda c: c.__name__)
-def test_fast_constructor_makes_ordinary_frozen_instances(cls: type) -> None:
-    """The builders' positional constructor gives the same object the dataclass __init__ would."""
-    from attnmeta._fields import fast_constructor
+def test_keyword_factory_makes_ordinary_frozen_instances(cls: type) -> None:
+    """The builders' keyword constructor gives the same object the dataclass __init__ would."""
+    from attnmeta._fields import keyword_factory
 
     names = [f.name for f in dataclasses.fields(cls)]
-    values = [object() for _ in names]
-    made = fast_constructor(cls)(*values)
+    values = {n: object() for n in names}
+    made = keyword_factory(cls)(**values)
     assert type(made) is cls
-    for n, v in zip(names, values):
+    for n, v in values.items():
         assert getattr(made, n) is v, n
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(made, names[0], 1)
-    reference = cls(**dict(zip(names, values)))
+    reference = cls(**values)
     assert [getattr(reference, n) for n in names] == [getattr(made, n) for n in names]
+    with pytest.raises(TypeError):
+        keyword_factory(cls)(**values, not_a_field=1)

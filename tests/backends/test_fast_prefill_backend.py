@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
 from attnmeta.backends import fast_prefill, flash_attn
-from attnmeta.backends.fast_prefill import FastPrefillOptions
 from attnmeta.staging import CapacityError
 from attnmeta.sync import no_device_sync
 from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
@@ -50,7 +49,7 @@ def test_worked_example_5_5(device: torch.device) -> None:
     stager = _stager(device)
     with stager.step() as step:
         common = stage_common(SPEC_5_5, step)
-        staged = fast_prefill.stage(common, step, LOGITS_5_5, FastPrefillOptions(num_logits_padded=5))
+        staged = fast_prefill.stage(common, step, logits_indices=LOGITS_5_5, num_logits_padded=5)
     fp, cm0 = staged.result(), common.result()
     cm = fp.common
     assert fp.applied and fp.num_logits_indices == 4
@@ -80,9 +79,9 @@ def test_all_decode_step_is_unchanged() -> None:
                      block_table=np.array([[1, 2], [3, 4], [5, 6]], I32), block_size=8)
     with Stager("cpu").step() as step:
         common = stage_common(spec, step)
-        staged = fast_prefill.stage(common, step, np.array([0, 1, 2], I32), FastPrefillOptions(num_logits_padded=4))
+        staged = fast_prefill.stage(common, step, logits_indices=np.array([0, 1, 2], I32), num_logits_padded=4)
     fp = staged.result()
-    assert not fp.applied and fp.common is common.result() and staged.host["common"] is common
+    assert not fp.applied and fp.common is common.result() and staged.host.common is common
     assert fp.num_logits_indices == 3
     assert fp.logits_indices_padded is not None and fp.logits_indices_padded.tolist() == [0, 1, 2, 2]
     assert "fast_prefill.query_start_loc" not in step
@@ -91,7 +90,7 @@ def test_all_decode_step_is_unchanged() -> None:
 def test_not_armed_is_unchanged() -> None:
     with Stager("cpu").step() as step:
         common = stage_common(SPEC_5_5, step)
-        staged = fast_prefill.stage(common, step, None)
+        staged = fast_prefill.stage(common, step, logits_indices=None)
     fp = staged.result()
     assert not fp.applied and fp.common is common.result()
     assert fp.logits_indices_padded is None and fp.logits_indices_padded_cpu is None
@@ -101,16 +100,16 @@ def test_not_armed_is_unchanged() -> None:
 def test_bad_logits_fail_fast() -> None:
     stager = Stager("cpu")
     cases = [
-        (np.array([14, 28], I32), FastPrefillOptions(), r"logits_indices\[1\]=28 is outside \[0, query_start_loc_cpu\[-1\]=28\)"),
-        (np.array([18, 14], I32), FastPrefillOptions(), r"must be sorted"),
-        (np.zeros(0, I32), FastPrefillOptions(), r"is empty"),
-        (LOGITS_5_5, FastPrefillOptions(num_logits_padded=3), r"num_logits_padded: 3 < num_logits=4"),
+        (np.array([14, 28], I32), None, r"logits_indices\[1\]=28 is outside \[0, query_start_loc_cpu\[-1\]=28\)"),
+        (np.array([18, 14], I32), None, r"must be sorted"),
+        (np.zeros(0, I32), None, r"is empty"),
+        (LOGITS_5_5, 3, r"num_logits_padded: 3 < num_logits=4"),
     ]
     for li, opts, message in cases:
         with pytest.raises(ValueError, match=message), stager.step() as step:
-            fast_prefill.stage(stage_common(SPEC_5_5, step), step, li, opts)
+            fast_prefill.stage(stage_common(SPEC_5_5, step), step, logits_indices=li, num_logits_padded=opts)
     with pytest.raises(TypeError), stager.step() as step:
-        fast_prefill.stage(stage_common(SPEC_5_5, step), step, torch.tensor([14, 18]))
+        fast_prefill.stage(stage_common(SPEC_5_5, step), step, logits_indices=torch.tensor([14, 18]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -135,7 +134,7 @@ def test_matches_device_reference(device: torch.device, step: tuple[BatchSpec, n
     if li.shape[0] == 0:
         return  # no token at all: vLLM asserts num_logits > 0 (covered by test_bad_logits_fail_fast)
     with no_device_sync(devices={device.type}):
-        fp = fast_prefill.build(spec, _stager(device), li, FastPrefillOptions(num_logits_padded=n_pad))
+        fp = fast_prefill.build(spec, _stager(device), logits_indices=li, num_logits_padded=n_pad)
     rows = spec.padded_num_reqs
     c = torch.from_numpy(spec.num_computed_tokens).to(device)
     q = torch.from_numpy(spec.num_scheduled_tokens).to(device)
@@ -180,7 +179,7 @@ def test_graph_mode_fixed_addresses_and_sentinels() -> None:
     addresses = None
     for spec, li, n_pad in ((SPEC_5_5, LOGITS_5_5, 6), (SMALL, LOGITS_SMALL, 2), (SPEC_5_5, LOGITS_5_5, 4)):
         with stager.step() as step:
-            staged = fast_prefill.stage(stage_common(spec, step), step, li, FastPrefillOptions(num_logits_padded=n_pad))
+            staged = fast_prefill.stage(stage_common(spec, step), step, logits_indices=li, num_logits_padded=n_pad)
         fp = staged.result()
         full = {n: step.device_full("fast_prefill." + n) for n in names}
         now = {n: t.data_ptr() for n, t in full.items()}
@@ -195,7 +194,7 @@ def test_graph_mode_fixed_addresses_and_sentinels() -> None:
         assert full["positions"][li.shape[0] :].eq(0).all()
     assert fp.common.query_start_loc.tolist() == [0, 1, 3, 4]
     with pytest.raises(CapacityError, match="logits_indices_padded"), stager.step() as step:
-        fast_prefill.stage(stage_common(SMALL, step), step, LOGITS_SMALL, FastPrefillOptions(num_logits_padded=49))
+        fast_prefill.stage(stage_common(SMALL, step), step, logits_indices=LOGITS_SMALL, num_logits_padded=49)
 
 
 @pytest.mark.parametrize("profile", [None, PROFILE], ids=["eager", "graph"])
@@ -203,7 +202,7 @@ def test_meta_device_build_passes_the_audit(profile: StaticProfile | None) -> No
     stager = Stager("meta", profile=profile)
     for spec, li in ((SPEC_5_5, LOGITS_5_5), (SMALL, LOGITS_SMALL)):
         with no_device_sync():
-            fp = fast_prefill.build(spec, stager, li, FastPrefillOptions(num_logits_padded=li.shape[0] + 1))
+            fp = fast_prefill.build(spec, stager, logits_indices=li, num_logits_padded=li.shape[0] + 1)
         assert fp.common.query_start_loc.device.type == "meta"
         assert fp.common.positions.shape == (li.shape[0],)
 
@@ -214,8 +213,8 @@ def test_one_copy_with_common_and_flash_attention(profile: StaticProfile | None)
     with stager.step() as step:
         common = stage_common(SPEC_5_5, step)
         fa_full = flash_attn.stage(common, step)
-        fp = fast_prefill.stage(common, step, LOGITS_5_5)
-        fa_fast = flash_attn.stage(fp.host["common"], step, flash_attn.FlashAttnOptions(prefix="flash_attn_fast"))
+        fp = fast_prefill.stage(common, step, logits_indices=LOGITS_5_5)
+        fa_fast = flash_attn.stage(fp.host.common, step, flash_attn.FlashAttnOptions(prefix="flash_attn_fast"))
     assert step.stats.copies == 1
     fast = fa_fast.result()
     assert fast.common is fp.result().common

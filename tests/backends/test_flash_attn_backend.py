@@ -41,23 +41,26 @@ SPECS = batch_specs(max_reqs=12)
 GRAPH_SPECS = batch_specs(max_reqs=8, max_context_len=64, block_sizes=st.just(4))
 PROFILE = StaticProfile(max_num_reqs=12, max_num_tokens=600, max_blocks_per_req=34, block_size=4)
 
-Case = tuple[BatchSpec, FlashAttnOptions]
+Case = tuple[BatchSpec, FlashAttnOptions, Any]
 
 
 @st.composite
 def cases(draw: st.DrawFn, specs: st.SearchStrategy[BatchSpec] = SPECS) -> Case:
-    """A batch and builder options: DCP layout, decode threshold, one causal flag or one per real request."""
+    """A batch, builder options (DCP layout, decode threshold, one causal flag) and, or instead of the
+    one flag, the per-step input of one causal flag per real request."""
     spec = draw(specs)
     world = draw(st.sampled_from([1, 2, 4]))
     flags = st.lists(st.booleans(), min_size=spec.num_reqs, max_size=spec.num_reqs)
+    causal = draw(st.one_of(st.booleans(), flags, flags.map(lambda f: np.array(f, dtype=np.bool_))))
+    per_request = None if isinstance(causal, bool) else causal
     return spec, FlashAttnOptions(
-        causal=draw(st.one_of(st.booleans(), flags, flags.map(lambda f: np.array(f, dtype=np.bool_)))),
+        causal=causal if per_request is None else None,
         dcp_world_size=world,
         dcp_rank=draw(st.integers(0, world - 1)),
         dcp_interleave=draw(st.sampled_from([1, 2, 4, 16])),
         max_num_splits=draw(st.sampled_from([0, 8])),
         decode_threshold=draw(st.integers(1, 6)),
-    )
+    ), per_request
 
 
 # --------------------------------------------------------------------------------------------------
@@ -98,9 +101,10 @@ def addr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
 
 
-def build_in_step(spec: BatchSpec, stager: Stager, options: FlashAttnOptions) -> tuple[FlashAttentionMetadata, Any]:
+def build_in_step(spec: BatchSpec, stager: Stager, options: FlashAttnOptions,
+                  flags: Any = None) -> tuple[FlashAttentionMetadata, Any]:
     with stager.step() as step:
-        staged = flash_attn.stage(stage_common(spec, step), step, options)
+        staged = flash_attn.stage(stage_common(spec, step), step, options, causal=flags)
     assert step.stats.copies == 1, "common + FlashAttention metadata must travel in one copy"
     return staged.result(), step
 
@@ -115,13 +119,13 @@ def ref_dcp_context_kv_lens(spec: BatchSpec, device: torch.device, world: int, r
     return (base + torch.clamp(rem - rank * interleave, 0, interleave)).to(torch.int32)
 
 
-def flags_of(options: FlashAttnOptions) -> list[bool] | None:
-    c = options.causal
-    return None if c is None or isinstance(c, bool | np.bool_) else [bool(v) for v in c]
+def flags_of(per_request: Any) -> list[bool] | None:
+    return None if per_request is None else [bool(v) for v in per_request]
 
 
-def check_flash(m: FlashAttentionMetadata, spec: BatchSpec, options: FlashAttnOptions, device: torch.device) -> None:
-    """Every FlashAttention field of ``m`` against ``spec`` / ``options``."""
+def check_flash(m: FlashAttentionMetadata, spec: BatchSpec, options: FlashAttnOptions, device: torch.device,
+                per_request: Any = None) -> None:
+    """Every FlashAttention field of ``m`` against ``spec`` / ``options`` / the per-request flags."""
     cm = m.common
     Bp, Tp = spec.padded_num_reqs, spec.padded_num_tokens
     # the common metadata's own tensors and arrays (views, not copies) and scalars
@@ -158,7 +162,7 @@ def check_flash(m: FlashAttentionMetadata, spec: BatchSpec, options: FlashAttnOp
         assert torch.equal(shares.sum(0).cpu().to(context.dtype), context), "the ranks' shares add up to the context"
 
     # causal: a scalar, or an int32 array (padding rows 1) whose scalar summary is "all causal"
-    flags = flags_of(options)
+    flags = flags_of(per_request)
     if flags is None:
         assert m.causal_tensor is None and m.causal_cpu is None
         # default (None): the common metadata's causal flag
@@ -219,7 +223,8 @@ DOC_SPEC = BatchSpec(num_computed_tokens=[5, 7, 0], num_scheduled_tokens=[1, 1, 
 PADDED_SPEC = BatchSpec(num_computed_tokens=[5, 7, 0], num_scheduled_tokens=[1, 1, 4],
                         block_table=[[10, 11], [20, 21], [30, 31]], block_size=4,
                         num_reqs_padded=5, num_tokens_padded=9)
-FULL_OPTIONS = FlashAttnOptions(causal=[True, False, True], dcp_world_size=2, dcp_rank=1, dcp_interleave=2)
+FULL_OPTIONS = FlashAttnOptions(dcp_world_size=2, dcp_rank=1, dcp_interleave=2)
+FULL_FLAGS = [True, False, True]
 EMPTY_PADDED = BatchSpec(num_computed_tokens=np.zeros(0, I32), num_scheduled_tokens=np.zeros(0, I32),
                          block_table=np.zeros((2, 1), I32), block_size=4, num_reqs_padded=2, num_tokens_padded=3)
 
@@ -240,10 +245,11 @@ def test_field_roles() -> None:
     assert {"query_start_loc", "seq_lens", "dcp_context_kv_lens"} <= {d for d, _ in F._TWINS}
 
 
-@pytest.mark.parametrize("options", [FlashAttnOptions(), FULL_OPTIONS], ids=["plain", "dcp+causal"])
+@pytest.mark.parametrize("options, flags", [(FlashAttnOptions(), None), (FULL_OPTIONS, FULL_FLAGS)],
+                         ids=["plain", "dcp+causal"])
 @pytest.mark.parametrize("dev", ["cpu", "meta"])
-def test_layout_repr_and_read_only_host_arrays(dev: str, options: FlashAttnOptions) -> None:
-    m = flash_attn.build(PADDED_SPEC, Stager(dev), options)
+def test_layout_repr_and_read_only_host_arrays(dev: str, options: FlashAttnOptions, flags: Any) -> None:
+    m = flash_attn.build(PADDED_SPEC, Stager(dev), options, causal=flags)
     check_documented_layout(m, dev)
     with OpLog() as log:
         text, described = repr(m), m.describe()
@@ -264,28 +270,28 @@ def test_layout_repr_and_read_only_host_arrays(dev: str, options: FlashAttnOptio
 
 
 @given(case=cases())
-@example(case=(PADDED_SPEC, FULL_OPTIONS))
-@example(case=(DOC_SPEC, FlashAttnOptions(decode_threshold=4, causal=np.array([False, False, False]))))
-@example(case=(EMPTY_PADDED, FlashAttnOptions(causal=[], dcp_world_size=4, dcp_rank=3, dcp_interleave=16)))
+@example(case=(PADDED_SPEC, FULL_OPTIONS, FULL_FLAGS))
+@example(case=(DOC_SPEC, FlashAttnOptions(decode_threshold=4), np.array([False, False, False])))
+@example(case=(EMPTY_PADDED, FlashAttnOptions(dcp_world_size=4, dcp_rank=3, dcp_interleave=16), []))
 def test_flash_attn_matches_references(device: torch.device, case: Case) -> None:
-    spec, options = case
-    m, _ = build_in_step(spec, eager_stager(device), options)
-    check_flash(m, spec, options, device)
+    spec, options, flags = case
+    m, _ = build_in_step(spec, eager_stager(device), options, flags)
+    check_flash(m, spec, options, device, flags)
 
 
 @pytest.mark.parametrize("flags", [[True, False], [True, False, True, True, True], [[True, False, True]]])
 def test_causal_of_the_wrong_length_raises(flags: Any) -> None:
     stager = Stager("cpu")
     with pytest.raises(ValueError, match=r"causal: expected one flag per real request \(3\), got shape"):
-        flash_attn.build(PADDED_SPEC, stager, FlashAttnOptions(causal=flags))
+        flash_attn.build(PADDED_SPEC, stager, causal=flags)
     # the failed step was abandoned; the stager goes on
-    m = flash_attn.build(PADDED_SPEC, stager, FlashAttnOptions(causal=[False, True, True]))
+    m = flash_attn.build(PADDED_SPEC, stager, causal=[False, True, True])
     assert m.causal_cpu is not None and m.causal_cpu.tolist() == [0, 1, 1, 1, 1] and m.causal is False
 
 
 def test_causal_flags_must_be_zero_or_one() -> None:
     with pytest.raises(ValueError, match=r"causal\[1\]=2; integer causal flags must be 0 or 1"):
-        flash_attn.build(DOC_SPEC, Stager("cpu"), FlashAttnOptions(causal=np.array([1, 2, 0])))
+        flash_attn.build(DOC_SPEC, Stager("cpu"), causal=np.array([1, 2, 0]))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,15 +300,16 @@ def test_causal_flags_must_be_zero_or_one() -> None:
 
 
 @given(steps=st.lists(cases(GRAPH_SPECS), min_size=1, max_size=4))
-@example(steps=[(EMPTY_PADDED, FlashAttnOptions()), (PADDED_SPEC, FULL_OPTIONS), (DOC_SPEC, FlashAttnOptions())])
+@example(steps=[(EMPTY_PADDED, FlashAttnOptions(), None), (PADDED_SPEC, FULL_OPTIONS, FULL_FLAGS),
+                (DOC_SPEC, FlashAttnOptions(), None)])
 def test_graph_mode(device: torch.device, steps: list[Case]) -> None:
     stager = Stager(device, profile=PROFILE)
-    build_in_step(PADDED_SPEC, stager, FULL_OPTIONS)  # declare every field, then fix the layout
+    build_in_step(PADDED_SPEC, stager, FULL_OPTIONS, FULL_FLAGS)  # declare every field, then fix the layout
     stager.freeze()
     ptrs: dict[str, int] | None = None
-    for spec, options in steps:
-        m, step = build_in_step(spec, stager, options)
-        check_flash(m, spec, options, device)
+    for spec, options, flags in steps:
+        m, step = build_in_step(spec, stager, options, flags)
+        check_flash(m, spec, options, device, flags)
         Bp = spec.padded_num_reqs
         dcp, causal = step.device_full(PREFIX + "dcp_context_kv_lens"), step.device_full(PREFIX + "causal")
         assert dcp.shape == causal.shape == (PROFILE.max_num_reqs,)
@@ -326,11 +333,11 @@ def test_graph_mode(device: torch.device, steps: list[Case]) -> None:
 
 @settings(max_examples=25)
 @given(case=cases())
-@example(case=(PADDED_SPEC, FULL_OPTIONS))
+@example(case=(PADDED_SPEC, FULL_OPTIONS, FULL_FLAGS))
 def test_meta_build(case: Case) -> None:
-    spec, options = case
-    m, _ = build_in_step(spec, eager_stager(torch.device("meta")), options)
-    ref, _ = build_in_step(spec, eager_stager(torch.device("cpu")), options)
+    spec, options, flags = case
+    m, _ = build_in_step(spec, eager_stager(torch.device("meta")), options, flags)
+    ref, _ = build_in_step(spec, eager_stager(torch.device("cpu")), options, flags)
     check_documented_layout(m, "meta")
     for name in m._DEVICE_FIELDS:
         t, r = getattr(m, name), getattr(ref, name)
@@ -357,7 +364,7 @@ def test_docstring_example() -> None:
 
 
 def test_worked_example_by_hand(device: torch.device) -> None:
-    m, step = build_in_step(PADDED_SPEC, eager_stager(device), FULL_OPTIONS)
+    m, step = build_in_step(PADDED_SPEC, eager_stager(device), FULL_OPTIONS, FULL_FLAGS)
     assert isinstance(m.common, CommonAttentionMetadata)
     # contexts 5, 7, 0 (+ two padding rows 0); W=2, I=2, rank 1: 5 -> base 2 + clip(1 - 2, 0, 2) = 2,
     # 7 -> base 2 + clip(3 - 2, 0, 2) = 3; bound cdiv(max_seq_len 8, 4) * 2 = 4

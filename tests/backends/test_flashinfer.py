@@ -118,7 +118,7 @@ def test_host_views_are_the_staged_read_only_arrays() -> None:
     assert np.shares_memory(fi.paged_kv_indptr_cpu, indptr_view)
     for name in ("paged_kv_indptr_cpu", "paged_kv_indices_cpu", "paged_kv_last_page_len_cpu", "qo_indptr_prefill_cpu"):
         assert not getattr(fi, name).flags.writeable, name
-    assert staged.host["split"].num_decodes == 2
+    assert staged.host.num_decodes == 2  # the host part: the step's split
     assert "paged_kv_indptr=(5,) int32 cpu" in repr(fi)  # repr shows shapes, never values
 
 
@@ -286,9 +286,9 @@ def test_common_from_another_step_is_rejected() -> None:
         common = stage_common(MIXED, first)
     stages = [
         lambda step: flashinfer.stage(common, step),
-        lambda step: fast_prefill.stage(common, step, np.array([0, 1, 5], I32)),
+        lambda step: fast_prefill.stage(common, step, logits_indices=np.array([0, 1, 5], I32)),
         lambda step: local_attn.stage(common, step, local_attn.LocalAttnOptions(attn_chunk_size=4)),
-        lambda step: cascade.stage(common, step, 1, cascade.CascadeOptions(8, 8, 132)),
+        lambda step: cascade.stage(common, step, cascade.CascadeOptions(8, 8, 132), num_common_prefix_blocks=1),
     ]
     for stage in stages:
         with pytest.raises(ValueError, match="staged in another step"), stager.step() as step:
@@ -306,7 +306,7 @@ def test_paged_kv_common_is_reused_and_moves_in_the_one_copy(device: torch.devic
             common = stage_common(spec, step, paged_kv=True)
             staged = flashinfer.stage(common, step)
         assert step.stats.copies == 1
-        assert not any(name.startswith("flashinfer.") for name in step._fields)
+        assert not any(name.startswith("flashinfer.") for name in step.field_names)
         fi = staged.result()
         plain = flashinfer.build(spec, Stager(device))
         for name in ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "kv_lens",

@@ -206,7 +206,7 @@ def test_one_copy_with_common_and_flash_attention(profile: StaticProfile | None)
         common = stage_common(SPEC_5_6, step)
         flash_attn.stage(common, step)
         la = local_attn.stage(common, step, LocalAttnOptions(attn_chunk_size=4))
-        fa_local = flash_attn.stage(la.host["common"], step, flash_attn.FlashAttnOptions(prefix="flash_attn_local"))
+        fa_local = flash_attn.stage(la.host.common, step, flash_attn.FlashAttnOptions(prefix="flash_attn_local"))
     assert step.stats.copies == 1
     fa = fa_local.result()
     assert fa.common is la.result().common

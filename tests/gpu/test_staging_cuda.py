@@ -228,9 +228,9 @@ def test_eager_commits_go_through_the_driver_and_land_intact() -> None:
 def test_graph_mode_commits_go_through_the_driver_and_land_intact() -> None:
     """Graph mode (one fixed arena for every slot): commits through the driver, including after the
     layout grew (a new arena, new pinned slots); every step's data lands intact under a held GPU."""
-    from attnmeta.testing.workloads import advance, decode_spec
     from attnmeta.backends.fused import FusedStepBuilder
     from attnmeta.staging import _driver
+    from attnmeta.testing.workloads import advance, decode_spec
 
     if _driver.load() is None:
         pytest.skip("libcuda could not be loaded, or ATTNMETA_DRIVER_COPY=0")
@@ -342,8 +342,8 @@ def test_fused_replays_land_intact_while_the_gpu_is_held(graph: bool, threads: i
     walking decode and spec-decode loops (3 drafts: prefill rows only, which replay too) of several
     sizes and mixed steps, the GPU held behind every 8 steps, all under sync "error" mode; each
     step's device fields (common and FlashInfer) equal the host twins it handed out."""
-    from attnmeta.testing.workloads import advance, decode_spec, mixed_spec
     from attnmeta.backends.fused import FusedStepBuilder
+    from attnmeta.testing.workloads import advance, decode_spec, mixed_spec
 
     rng = np.random.default_rng(11)
     walks = [advance(decode_spec(b, rng, max_context=600, table_width=64), 40) for b in (1, 5, 33, 130)]

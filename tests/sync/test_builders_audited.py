@@ -1,7 +1,7 @@
 """Every attnmeta builder runs clean under the sync audit (meta, and cpu declared as device data).
 
-New backends must be registered in :data:`attnmeta.audit.BUILDERS` (or, for builders that run whole
-steps themselves, :data:`attnmeta.audit.LOOP_BUILDERS`); the coverage test fails otherwise.
+The audit's targets come from the registry (:func:`attnmeta.builder.registry`): a builder is audited by
+being registered, and every builder a backend module defines must be registered.
 """
 
 from __future__ import annotations
@@ -12,20 +12,21 @@ import pkgutil
 import pytest
 
 import attnmeta.backends
-from attnmeta.audit import BUILDERS, LOOP_BUILDERS, register_builtin_targets
+from attnmeta.audit import FUSED_TARGET, register_builtin_targets
+from attnmeta.builder import Builder, registry
 from attnmeta.sync import run_audit
 
 
-def test_every_backend_module_is_an_audit_target() -> None:
-    modules = [m.name for m in pkgutil.iter_modules(attnmeta.backends.__path__) if not m.name.startswith("_")]
-    missing = []
-    registered = [*BUILDERS, *LOOP_BUILDERS]
-    for name in modules:
-        importlib.import_module(f"attnmeta.backends.{name}")
-        if not any(b == name or b.startswith(name) or name.startswith(b) for b in registered):
-            missing.append(name)
-    assert not missing, f"backend modules not registered in attnmeta.audit.BUILDERS / LOOP_BUILDERS: {missing}"
-    assert "common" in BUILDERS and "fused" in LOOP_BUILDERS
+def test_every_backend_builder_is_registered_and_an_audit_target() -> None:
+    defined = []
+    for info in pkgutil.walk_packages(attnmeta.backends.__path__, "attnmeta.backends."):
+        mod = importlib.import_module(info.name)
+        defined += [v for v in vars(mod).values() if isinstance(v, Builder)]
+    assert defined, "no builder found"
+    unregistered = [b.name for b in defined if registry().get(b.name) is not b]
+    assert not unregistered, f"builders defined but not registered: {unregistered}"
+    names = register_builtin_targets()
+    assert set(names) == {*registry(), FUSED_TARGET}
 
 
 @pytest.mark.parametrize("device", ["meta", "cpu"])

@@ -25,9 +25,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnmeta.spec import ContextParallel
+from attnmeta.spec import BatchSpec, ContextParallel
 
 __all__ = [
+    "ref_common_fields",
     "ref_dcp_local_seq_lens",
     "ref_is_prefilling",
     "ref_positions",
@@ -619,3 +620,38 @@ def ref_reorder(
 from attnmeta.testing._oracle import mark_oracles as _mark_oracles  # noqa: E402
 
 _mark_oracles(globals(), __all__)
+
+
+def ref_common_fields(spec: BatchSpec, device: torch.device | str) -> dict[str, Tensor]:
+    """The common metadata's per-row and per-token device fields of ``spec``, computed the
+    reference way from raw uploads of its arrays.
+
+    Parameters
+    ----------
+    spec : BatchSpec
+        The step.
+    device : torch.device or str
+        Where to compute.
+
+    Returns
+    -------
+    dict of str to Tensor
+        ``query_start_loc`` ``(num_reqs_padded + 1,)`` int32, ``seq_lens`` ``(num_reqs_padded,)``
+        int32, ``positions`` and ``slot_mapping`` ``(num_tokens_padded,)`` int64, on ``device``.
+
+    Examples
+    --------
+    >>> spec = BatchSpec(num_computed_tokens=[5, 0], num_scheduled_tokens=[1, 2], block_table=[[1, 2], [3, 4]],
+    ...                  block_size=4, num_reqs_padded=3)
+    >>> f = ref_common_fields(spec, "cpu")
+    >>> f["query_start_loc"].tolist(), f["seq_lens"].tolist(), f["slot_mapping"].tolist()
+    ([0, 1, 3, 3], [6, 2, 0], [9, 12, 13])
+    """
+    dev = torch.device(device)
+    c = torch.from_numpy(spec.num_computed_tokens).to(dev)
+    q = torch.from_numpy(spec.num_scheduled_tokens).to(dev)
+    table = torch.from_numpy(spec.block_table).to(dev)
+    Bp, Tp = spec.padded_num_reqs, spec.padded_num_tokens
+    positions, slots = ref_token_layout(c, q, table, spec.block_size, Tp, spec.context_parallel)
+    return {"query_start_loc": ref_query_start_loc(q, Bp), "seq_lens": ref_seq_lens(c, q, Bp),
+            "positions": positions, "slot_mapping": slots}
