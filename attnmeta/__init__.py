@@ -26,14 +26,8 @@ from attnmeta.builder import (
     register,
     registry,
 )
-from attnmeta.metadata import (
-    CommonAttentionMetadata,
-    CommonHost,
-    PagedKVMetadata,
-    StagedCommon,
-    build_common,
-    stage_common,
-)
+from attnmeta.common import build_common, stage_common
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
 from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec, ContextParallel
 from attnmeta.staging import Staged, Stager, Step

@@ -47,9 +47,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
-from attnmeta.metadata import StagedCommon, stage_common
+from attnmeta.common import stage_common
 from attnmeta.spec import BatchSpec
-from attnmeta.staging import Staged, Stager, Step
+from attnmeta.staging import Staged, Stager
 
 if TYPE_CHECKING:
     import torch

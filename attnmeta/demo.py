@@ -44,7 +44,7 @@ def run_demo(device: str, *, limit: int = 16) -> str:
     :meth:`~attnmeta.builder.Builder.defaults`) for :func:`demo_spec` on ``device``, all in ONE step,
     and return the printout."""
     from attnmeta.builder import CommonNeeds, registry
-    from attnmeta.metadata import stage_common
+    from attnmeta.common import stage_common
     from attnmeta.staging import Stager
 
     spec = demo_spec()

@@ -93,10 +93,11 @@ from attnmeta._checks import option_bool, option_choice, option_int, option_pref
 from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.backends._shared import require_same_step
 from attnmeta.builder import Builder, CommonNeeds, register
+from attnmeta.common import stage_paged_kv
 from attnmeta.host.flash_attn import dcp_context_kv_lens
 from attnmeta.host.paged import prefill_qo_indptr
 from attnmeta.host.split import SplitCounts
-from attnmeta.metadata import CommonAttentionMetadata, StagedCommon, stage_paged_kv
+from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Step
 

@@ -70,8 +70,9 @@ import numpy as np
 from attnmeta._fields import positional_factory
 from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionMetadata, FlashAttnOptions
 from attnmeta.backends.flashinfer import FLASHINFER, FlashInferMetadata, FlashInferOptions
+from attnmeta.common import CommonWriter, stage_common
 from attnmeta.host.paged import prefill_qo_indptr
-from attnmeta.metadata import CommonAttentionMetadata, CommonWriter, stage_common
+from attnmeta.metadata import CommonAttentionMetadata
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager, Step, StepLayout, bucket_rows
 

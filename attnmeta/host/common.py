@@ -18,7 +18,6 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from attnmeta._intdiv import cdiv_by, mod_by, pow2_shift
 from attnmeta._numba import njit, njit_parallel
 from attnmeta.host.layout import (
     _TOO_NARROW,
@@ -27,13 +26,14 @@ from attnmeta.host.layout import (
     _seq_lens_nb,
     _token_layout_nb,
 )
+from attnmeta.host.paged import paged_layout_nb
 from attnmeta.spec import BatchSpec
 
-__all__ = ["common_layout"]
+__all__ = ["block_table_rows_par_nb", "common_layout", "common_pass_nb"]
 
 
 @njit
-def _common_nb(
+def common_pass_nb(
     c: np.ndarray,
     q: np.ndarray,
     table: np.ndarray,
@@ -63,14 +63,17 @@ def _common_nb(
     last: np.ndarray,
     indices: np.ndarray,
 ) -> int:
-    """The common metadata's host pass (:func:`common_layout`), and with ``paged`` the paged-KV
-    layout of every row from the block-table rows just written (still in cache; page size = block
-    size): ``indptr`` (its entries past ``Bp + 1`` repeat the page count, a graph-mode sentinel),
-    ``last`` and ``indices`` (longer than the page count is fine; its tail is left as it is).
+    """The common metadata's compiled host pass (:func:`common_layout` is its validating wrapper),
+    and with ``paged`` the paged-KV layout of every row from the block-table rows just written (still
+    in cache; page size = block size; :func:`attnmeta.host.paged.paged_layout_nb`): ``indptr`` (its
+    entries past ``Bp + 1`` repeat the page count, a graph-mode sentinel), ``last`` and ``indices``
+    (longer than the page count is fine; its tail is left as it is).
 
-    ``qsl`` may be longer than ``Bp + 1`` (graph mode: the tail repeats the total). With ``copy_rows``
-    False the caller has copied the real block-table rows (:func:`_bt_rows_par_nb`) and copies the
-    page indices afterwards (:func:`_indices_par_nb`): the same bytes, on numba's thread pool.
+    Unchecked: for a validated :class:`~attnmeta.BatchSpec`'s arrays and outputs of the right shapes
+    (:class:`attnmeta.common.CommonWriter` keeps them). ``qsl`` may be longer than ``Bp + 1`` (graph
+    mode: the tail repeats the total). With ``copy_rows`` False the caller has copied the real
+    block-table rows (:func:`block_table_rows_par_nb`) and copies the page indices afterwards
+    (:func:`attnmeta.host.paged.paged_indices_par_nb`): the same bytes, on numba's thread pool.
     Returns 0, or a non-zero status for inputs a validated spec never has.
     """
     n = q.shape[0]
@@ -111,43 +114,17 @@ def _common_nb(
         pre[:] = False
     if paged:
         Bp = bt.shape[0]
-        if copy_rows:
-            status |= _paged_from_staged_nb(seq_lens, bt, block_size, indptr[: Bp + 1], indices, last)
-        else:
-            status |= _paged_counts_nb(seq_lens, bt.shape[1], block_size, indptr[: Bp + 1], indices.shape[0], last)
+        status |= paged_layout_nb(seq_lens, bt, block_size, copy_rows, indptr[: Bp + 1], indices, last)[0]
         for i in range(Bp + 1, indptr.shape[0]):
             indptr[i] = indptr[Bp]
     return status
 
 
-@njit
-def _paged_from_staged_nb(
-    seq_lens: np.ndarray, bt: np.ndarray, page_size: int, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray
-) -> int:
-    """The paged-KV arrays of every row from a block table (docs: FlashInfer's format).
-
-    ``indptr = [0, cumsum(cdiv(seq_lens, page))]``, ``indices`` row after row the first
-    ``cdiv(seq_lens_i, page)`` ids of row ``i``, ``last`` the tokens in each row's last page (0 for
-    an empty row). ``indices`` may be longer than the page count (its tail is left as it is).
-    Returns 1 if a row needs more pages than ``bt`` has columns or ``indices`` is too short, else 0.
-    """
-    status = _paged_counts_nb(seq_lens, bt.shape[1], page_size, indptr, indices.shape[0], last)
-    if status == 0:
-        for i in range(seq_lens.shape[0]):
-            lo = indptr[i]
-            nb = indptr[i + 1] - lo
-            src = bt[i]
-            dst = indices[lo : lo + nb]  # 1-D slices: the copy vectorizes
-            for j in range(nb):
-                dst[j] = src[j]
-    return status
-
-
 @njit_parallel
-def _bt_rows_par_nb(table: np.ndarray, bt: np.ndarray, n: int) -> None:
-    """:func:`_common_nb`'s block-table copy on numba's thread pool: the first ``n`` rows of ``bt``
+def block_table_rows_par_nb(table: np.ndarray, bt: np.ndarray, n: int) -> None:
+    """:func:`common_pass_nb`'s block-table copy on numba's thread pool: the first ``n`` rows of ``bt``
     from ``table`` (as many columns as both have), zeros past them; rows past ``n`` are left to
-    :func:`_common_nb` (padding)."""
+    :func:`common_pass_nb` (padding). Unchecked inputs."""
     w = min(bt.shape[1], table.shape[1])
     for i in numba.prange(n):
         src = table[i]
@@ -156,39 +133,6 @@ def _bt_rows_par_nb(table: np.ndarray, bt: np.ndarray, n: int) -> None:
             dst[j] = src[j]
         for j in range(w, dst.shape[0]):
             dst[j] = 0
-
-
-@njit
-def _paged_counts_nb(seq_lens: np.ndarray, w: int, page_size: int, indptr: np.ndarray, cap: int,
-                     last: np.ndarray) -> int:
-    """:func:`_paged_from_staged_nb` without the page-index copy: ``indptr`` and ``last``, and the
-    same status (1 if a row needs more than ``w`` pages or the pages exceed ``cap``)."""
-    t = np.int64(0)
-    indptr[0] = 0
-    sh = pow2_shift(page_size)
-    for i in range(seq_lens.shape[0]):
-        s = np.int64(seq_lens[i])
-        nb = cdiv_by(s, page_size, sh)
-        if nb > w or t + nb > cap:
-            return 1
-        t += nb
-        indptr[i + 1] = t
-        r = mod_by(s, page_size, sh)
-        last[i] = page_size if (r == 0 and s != 0) else r
-    return 0
-
-
-@njit_parallel
-def _indices_par_nb(bt: np.ndarray, indptr: np.ndarray, indices: np.ndarray, n: int) -> None:
-    """The page indices of :func:`_paged_from_staged_nb` on numba's thread pool, from ``indptr``
-    (:func:`_paged_counts_nb`): row ``i``'s first ``indptr[i + 1] - indptr[i]`` block ids."""
-    for i in numba.prange(n):
-        lo = indptr[i]
-        nb = indptr[i + 1] - lo
-        src = bt[i]
-        dst = indices[lo : lo + nb]
-        for j in range(nb):
-            dst[j] = src[j]
 
 
 _EMPTY_I32 = np.zeros(0, np.int32)
@@ -253,7 +197,7 @@ def common_layout(
     has_d = spec.num_draft_tokens is not None
     if has_d and num_decode_draft_tokens is None:
         raise ValueError("num_decode_draft_tokens: a buffer is required when the spec has num_draft_tokens")
-    status = _common_nb(
+    status = common_pass_nb(
         spec.num_computed_tokens,
         spec.num_scheduled_tokens,
         spec.block_table,

@@ -32,19 +32,22 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numba
 import numpy as np
 
 from attnmeta._checks import INT32_MAX, as_host_array, check_out
 from attnmeta._intdiv import cdiv_by, mod_by, pow2_shift
-from attnmeta._numba import njit
+from attnmeta._numba import njit, njit_parallel
 
 __all__ = [
     "PagedKV",
     "num_pages",
+    "paged_indices_par_nb",
     "paged_kv_indices",
     "paged_kv_indptr",
     "paged_kv_last_page_len",
     "paged_kv_layout",
+    "paged_layout_nb",
     "prefill_qo_indptr",
     "rebase_indptr",
 ]
@@ -144,48 +147,6 @@ def _first_negative(src: np.ndarray, n: int) -> int:
 
 
 @njit
-def _num_pages_nb(seq_lens: np.ndarray, page_size: int) -> tuple[int, int, int]:
-    total = 0
-    sh = pow2_shift(page_size)
-    for i in range(seq_lens.shape[0]):
-        s = int(seq_lens[i])
-        if s < 0:
-            return _NEG_SEQ, i, 0
-        total += cdiv_by(s, page_size, sh)
-        if total > INT32_MAX:
-            return _OVERFLOW, i, 0
-    return _OK, 0, total
-
-
-@njit
-def _indptr_nb(seq_lens: np.ndarray, page_size: int, out: np.ndarray) -> tuple[int, int]:
-    total = 0
-    sh = pow2_shift(page_size)
-    out[0] = 0
-    for i in range(seq_lens.shape[0]):
-        s = int(seq_lens[i])
-        if s < 0:
-            return _NEG_SEQ, i
-        total += cdiv_by(s, page_size, sh)
-        if total > INT32_MAX:
-            return _OVERFLOW, i
-        out[i + 1] = total
-    return _OK, 0
-
-
-@njit
-def _last_page_len_nb(seq_lens: np.ndarray, page_size: int, out: np.ndarray) -> tuple[int, int]:
-    sh = pow2_shift(page_size)
-    for i in range(seq_lens.shape[0]):
-        s = int(seq_lens[i])
-        if s < 0:
-            return _NEG_SEQ, i
-        r = mod_by(s, page_size, sh)
-        out[i] = page_size if (r == 0 and s != 0) else r
-    return _OK, 0
-
-
-@njit
 def _indices_nb(block_table: np.ndarray, indptr: np.ndarray, out: np.ndarray) -> tuple[int, int, int]:
     n = indptr.shape[0] - 1
     width = block_table.shape[1]
@@ -206,14 +167,26 @@ def _indices_nb(block_table: np.ndarray, indptr: np.ndarray, out: np.ndarray) ->
 
 
 @njit
-def _layout_nb(
+def paged_layout_nb(
     seq_lens: np.ndarray,
     block_table: np.ndarray,
     page_size: int,
+    copy: bool,
     indptr: np.ndarray,
     indices: np.ndarray,
     last: np.ndarray,
-) -> tuple[int, int, int]:
+) -> tuple[int, int, int, int]:
+    """The one compiled pass of the paged-KV layout (every public function here, the common pass's
+    page table and :func:`attnmeta.metadata.stage_paged_kv` run it): row by row, ``indptr[i + 1]``, the
+    last page's tokens ``last[i]`` and, with ``copy``, row ``i``'s page ids into ``indices`` (which may
+    be longer than the page count; its tail is left as it is).
+
+    Unchecked inputs: ``indptr`` has ``len(seq_lens) + 1`` entries, ``last`` ``len(seq_lens)``,
+    ``block_table`` at least as many rows. Returns ``(code, row, col, total)``: ``code`` 0, or the
+    first rule broken, at ``row`` (and block-table column ``col``): a negative length, a total above
+    int32, more pages than the table has columns, ``indices`` too short (with ``copy``), a negative
+    id in a used column. ``total`` is the page count.
+    """
     width = block_table.shape[1]
     cap = indices.shape[0]
     total = 0
@@ -222,66 +195,52 @@ def _layout_nb(
     for i in range(seq_lens.shape[0]):
         s = int(seq_lens[i])
         if s < 0:
-            return _NEG_SEQ, i, 0
+            return _NEG_SEQ, i, 0, 0
         nb = int(cdiv_by(s, page_size, sh))
         if nb > width:
-            return _TOO_WIDE, i, 0
-        if total + nb > cap:
-            return _OUT_LEN, i, 0
-        if _copy_row(block_table[i], indices[total : total + nb], nb) < 0:
-            return _NEG_BLOCK, i, _first_negative(block_table[i], nb)
+            return _TOO_WIDE, i, 0, 0
+        if copy:
+            if total + nb > cap:
+                return _OUT_LEN, i, 0, 0
+            if _copy_row(block_table[i], indices[total : total + nb], nb) < 0:
+                return _NEG_BLOCK, i, _first_negative(block_table[i], nb), 0
         total += nb
+        if total > INT32_MAX:
+            return _OVERFLOW, i, 0, 0
         indptr[i + 1] = total
         r = mod_by(s, page_size, sh)
         last[i] = page_size if (r == 0 and s != 0) else r
-    if total != cap:
-        return _OUT_LEN, seq_lens.shape[0], 0
-    return _OK, 0, 0
+    return _OK, 0, 0, total
 
 
-@njit
-def _flashinfer_nb(
-    kv: np.ndarray,
-    block_table: np.ndarray,
-    page_size: int,
-    qsl: np.ndarray,
-    num_decodes: int,
-    indptr_full: np.ndarray,
-    indices: np.ndarray,
-    last: np.ndarray,
-    qo_full: np.ndarray,
-) -> tuple[int, int, int, int, int, int]:
-    """A FlashInfer builder's whole host pass in one call (the backend's inputs are pre-validated).
+@njit_parallel
+def paged_indices_par_nb(block_table: np.ndarray, indptr: np.ndarray, indices: np.ndarray, n: int) -> None:
+    """:func:`paged_layout_nb`'s page-index copy of rows ``[0, n)`` on numba's thread pool, from an
+    ``indptr`` it wrote (``copy=False``): the same bytes. Unchecked inputs."""
+    for i in numba.prange(n):
+        lo = indptr[i]
+        nb = indptr[i + 1] - lo
+        src = block_table[i]
+        dst = indices[lo : lo + nb]  # 1-D slices: the copy vectorizes
+        for j in range(nb):
+            dst[j] = src[j]
 
-    :func:`_layout_nb` into ``indptr_full[:B + 1]`` / ``indices`` / ``last``; the rebased prefill
-    query indptr ``qo_full[:P + 1] = qsl[D:] - qsl[D]``; tails of the full-capacity (graph-mode)
-    indptrs repeat their last value. Returns ``(code, row, col, max decode query, max prefill query,
-    max kv)`` (``code`` as :func:`_layout_nb`; the maxima are 0 over an empty range).
-    """
-    B = kv.shape[0]
-    D = num_decodes
-    code, row, col = _layout_nb(kv, block_table, page_size, indptr_full[: B + 1], indices, last)
+
+def _counts(seq_lens: np.ndarray, page_size: int, indptr: np.ndarray | None = None,
+            last: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """:func:`paged_layout_nb` without the copy (any width): indptr, last-page lengths and the total;
+    raises the detailed error."""
+    n = seq_lens.shape[0]
+    indptr = np.empty(n + 1, np.int32) if indptr is None else indptr
+    last = np.empty(n, np.int32) if last is None else last
+    code, row, _col, total = paged_layout_nb(seq_lens, _NO_TABLE, page_size, False, indptr, _NO_INDICES, last)
     if code:
-        return code, row, col, 0, 0, 0
-    for i in range(B + 1, indptr_full.shape[0]):
-        indptr_full[i] = indptr_full[B]
-    base = qsl[D]
-    P = B - D
-    for i in range(P + 1):
-        qo_full[i] = qsl[D + i] - base
-    for i in range(P + 1, qo_full.shape[0]):
-        qo_full[i] = qo_full[P]
-    mdq = 0
-    mpq = 0
-    mkv = 0
-    for i in range(B):
-        ql = qsl[i + 1] - qsl[i]
-        if i < D:
-            mdq = max(mdq, ql)
-        else:
-            mpq = max(mpq, ql)
-        mkv = max(mkv, kv[i])
-    return _OK, 0, 0, mdq, mpq, mkv
+        _raise_seq(code, row, seq_lens, page_size)
+    return indptr, last, int(total)
+
+
+_NO_TABLE = np.zeros((0, INT32_MAX), np.int32)  # no rows (nothing is copied), any row's pages fit
+_NO_INDICES = np.zeros(0, np.int32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -316,11 +275,7 @@ def num_pages(seq_lens: Any, page_size: int) -> int:
     5
     """
     ps = _check_page_size(page_size)
-    s = as_host_array(seq_lens, "seq_lens")
-    code, row, total = _num_pages_nb(s, ps)
-    if code:
-        _raise_seq(code, row, s, ps)
-    return int(total)
+    return _counts(as_host_array(seq_lens, "seq_lens"), ps)[2]
 
 
 def paged_kv_indptr(seq_lens: Any, page_size: int, *, out: np.ndarray | None = None) -> np.ndarray:
@@ -355,10 +310,7 @@ def paged_kv_indptr(seq_lens: Any, page_size: int, *, out: np.ndarray | None = N
     ps = _check_page_size(page_size)
     s = as_host_array(seq_lens, "seq_lens")
     res = check_out(out, "paged_kv_indptr", (s.shape[0] + 1,), np.int32)
-    code, row = _indptr_nb(s, ps, res)
-    if code:
-        _raise_seq(code, row, s, ps)
-    return res
+    return _counts(s, ps, indptr=res)[0]
 
 
 def paged_kv_last_page_len(seq_lens: Any, page_size: int, *, out: np.ndarray | None = None) -> np.ndarray:
@@ -394,10 +346,7 @@ def paged_kv_last_page_len(seq_lens: Any, page_size: int, *, out: np.ndarray | N
     ps = _check_page_size(page_size)
     s = as_host_array(seq_lens, "seq_lens")
     res = check_out(out, "paged_kv_last_page_len", (s.shape[0],), np.int32)
-    code, row = _last_page_len_nb(s, ps, res)
-    if code:
-        _raise_seq(code, row, s, ps)
-    return res
+    return _counts(s, ps, last=res)[1]
 
 
 def paged_kv_indices(block_table: Any, paged_kv_indptr: Any, *, out: np.ndarray | None = None) -> np.ndarray:
@@ -535,13 +484,12 @@ def paged_kv_layout(
     indptr = check_out(indptr_out, "paged_kv_indptr", (n + 1,), np.int32)
     last = check_out(last_page_len_out, "paged_kv_last_page_len", (n,), np.int32)
     if indices_out is None:
-        code, row, total = _num_pages_nb(s, ps)
-        if code:
-            _raise_seq(code, row, s, ps)
-        indices = np.empty(total, np.int32)
+        indices = np.empty(_counts(s, ps)[2], np.int32)
     else:
         indices = _any_len_out(indices_out, "paged_kv_indices")
-    code, row, col = _layout_nb(s, bt, ps, indptr, indices, last)
+    code, row, col, total = paged_layout_nb(s, bt, ps, True, indptr, indices, last)
+    if code == _OK and total != indices.shape[0]:
+        code = _OUT_LEN
     if code == _NEG_BLOCK:
         raise ValueError(
             f"block_table[{row}, {col}]={int(bt[row, col])} is negative but column {col} holds tokens of "

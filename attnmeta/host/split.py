@@ -29,6 +29,7 @@ __all__ = [
     "SplitCounts",
     "SplitCounts3",
     "reorder_decodes_and_prefills",
+    "split_counts_nb",
     "split_decodes_and_prefills",
     "split_decodes_prefills_and_extends",
 ]
@@ -131,7 +132,7 @@ def _first_negative_nb(values: np.ndarray) -> int:
 
 
 @njit
-def _split_nb(
+def split_counts_nb(
     qsl: np.ndarray,
     num_tokens: int,
     max_query_len: int,
@@ -140,6 +141,9 @@ def _split_nb(
     treat_short_extends_as_decodes: bool,
     prefilling: np.ndarray,
 ) -> tuple[int, int, int, int]:
+    """:func:`split_decodes_and_prefills`'s compiled pass: ``(num_decodes, num_prefills,
+    num_decode_tokens, num_prefill_tokens)``. Unchecked inputs (a validated step's host arrays;
+    ``prefilling`` may be empty unless ``treat_short_extends_as_decodes`` is False)."""
     b = qsl.shape[0] - 1
     if treat_short_extends_as_decodes and max_query_len <= threshold and (not require_uniform or threshold <= 1):
         return b, 0, num_tokens, 0
@@ -384,7 +388,7 @@ def split_decodes_and_prefills(
         )
     else:
         prefilling = as_host_array(is_prefilling, "is_prefilling", dtype=np.bool_, length=b)
-    nd, np_, ndt, npt_ = _split_nb(qsl, t, mq, thr, bool(require_uniform), treat_short, prefilling)
+    nd, np_, ndt, npt_ = split_counts_nb(qsl, t, mq, thr, bool(require_uniform), treat_short, prefilling)
     return SplitCounts(int(nd), int(np_), int(ndt), int(npt_))
 
 

@@ -1,0 +1,528 @@
+"""The common metadata's host pass: :func:`stage_common`, :func:`build_common`, :class:`CommonWriter`.
+
+:func:`stage_common` derives a step's :class:`~attnmeta.metadata.CommonAttentionMetadata` on the host,
+writing every array straight into the step's pinned slot with one compiled call
+(:func:`attnmeta.host.common.common_pass_nb`), and returns a
+:class:`~attnmeta.metadata.StagedCommon` for the builders staged after it. The fields of a step are a
+:class:`~attnmeta.staging.FieldGroup` cached per ring slot and layout, and each group keeps one
+:class:`CommonWriter`: the views the pass writes into and the read-only views handed out, built once
+per slot and layout. :func:`stage_paged_kv` stages the paged-KV layout of any lengths with the same
+compiled pass as the common one's page table.
+
+Shape legend
+------------
+- ``num_reqs``: request rows including CUDA-graph padding rows.
+- ``num_actual_tokens``: tokens including CUDA-graph padding tokens.
+- ``max_blocks``: block-table columns staged.
+- ``num_pages``: KV pages of the step, ``sum(cdiv(seq_lens, block_size))``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+
+from attnmeta._numba import pool_threads
+from attnmeta.host.common import block_table_rows_par_nb, common_pass_nb
+from attnmeta.host.paged import PagedKV, num_pages, paged_indices_par_nb, paged_kv_layout, paged_layout_nb
+from attnmeta.metadata import (
+    CommonAttentionMetadata,
+    CommonHost,
+    PagedKVMetadata,
+    StagedCommon,
+    make_common,
+    make_host,
+    make_paged,
+)
+from attnmeta.spec import BatchSpec, ContextParallel
+from attnmeta.staging import CapacityError, FieldGroup, Staged, Stager, Step, bucket_rows
+
+__all__ = ["CommonWriter", "build_common", "stage_common", "stage_paged_kv"]
+
+
+_I32, _I64, _BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_)
+_EMPTY_I32 = np.zeros(0, np.int32)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+class CommonWriter:
+    """The common metadata's compiled host pass for one field layout on one ring slot.
+
+    :func:`stage_common` reserves the step's fields (a :class:`~attnmeta.staging.FieldGroup` cached
+    per slot and layout) and keeps one writer with each group: the writable views the pass writes
+    into, the host-only arrays (upper bounds, computed tokens, prefill flags, draft counts) that live
+    with the group, and every read-only view handed out, built once per slot and layout. Every step
+    of that layout on that slot then costs one compiled call (:meth:`write`) and the objects.
+
+    A builder that replays a layout (:class:`attnmeta.backends.fused.FusedStepBuilder`) keeps the
+    writer of the step it recorded, restages the step's fields (:meth:`attnmeta.staging.Step.restage`)
+    and calls :meth:`write`, which rewrites every staged byte of the common fields, then
+    :meth:`metadata` after the commit.
+
+    Attributes
+    ----------
+    num_reqs, block_size, columns : int
+        The layout: padded rows, block size, block-table columns.
+    token_rows : int
+        Rows staged for the per-token arrays (eager mode: bucketed; graph mode: the step's).
+    paged : bool
+        Whether the pass also writes the paged-KV layout.
+    """
+
+    __slots__ = (
+        "_dev", "_host_only", "_idx_dev", "_idx_name", "_indices_ro", "_paged_dev", "_paged_host", "_paged_meta",
+        "_qsl_rows", "_ranks", "_tokens", "block_size",
+        "bt", "bt_ro", "columns", "context_parallel", "ddt", "ddt_ro", "graph", "group", "has_drafts",
+        "has_prompt", "has_upper", "indices", "indptr", "last", "nc", "nc_ro", "num_reqs", "paged", "pos",
+        "pre", "pre_ro", "qsl", "qsl_ro", "sl", "sl_ro", "sm", "token_arrays", "token_rows", "ub", "ub_ro",
+    )
+
+    def __init__(self, step: Step, group: FieldGroup, num_reqs: int, columns: int, block_size: int,
+                 context_parallel: ContextParallel | None, token_arrays: bool, paged: bool, has_prompt: bool,
+                 has_drafts: bool, has_upper: bool, indices_name: str) -> None:
+        Bp = num_reqs
+        self.group = group
+        self.num_reqs, self.columns, self.block_size = Bp, columns, block_size
+        self.context_parallel = context_parallel
+        cp = context_parallel
+        self._ranks = (1, 0, 1) if cp is None else (cp.world_size, cp.rank, cp.interleave)
+        self.token_arrays, self.paged = token_arrays, paged
+        self.has_prompt, self.has_drafts, self.has_upper = has_prompt, has_drafts, has_upper
+        self.graph = step.profile is not None
+        host = group.host
+        self.qsl, self.sl, self.bt, self.sm, self.pos = host[:5]
+        self.token_rows = int(self.sm.shape[0])
+        ro = group.frozen
+        self.qsl_ro = ro[0][: Bp + 1]
+        self.sl_ro, self.bt_ro = ro[1], ro[2]
+        # Host-only arrays (never staged): one buffer per group, rewritten by every step of the group.
+        a4 = (4 * Bp + 63) // 64 * 64
+        buf = np.zeros(3 * a4 + Bp, np.uint8)
+        self._host_only = buf
+        self.ub, self.nc, self.ddt = (buf[i * a4 : i * a4 + 4 * Bp].view(np.int32) for i in range(3))
+        self.pre = buf[3 * a4 : 3 * a4 + Bp].view(np.bool_)
+        self.ub_ro, self.nc_ro, self.pre_ro = _read_only(self.ub), _read_only(self.nc), _read_only(self.pre)
+        self.ddt_ro = _read_only(self.ddt) if has_drafts else None
+        self._idx_name = indices_name
+        if paged:
+            self.indptr, self.last = host[5], host[6]
+            # eager: the group's own (bucketed) field; graph: the whole fixed buffer (its rows: the step's)
+            self.indices = host[7] if not self.graph else step.host_full(indices_name)
+        else:
+            self.indptr = self.last = self.indices = _EMPTY_I32
+        self._indices_ro = _read_only(self.indices)  # slices of it are read-only too
+        self._tokens: tuple[Any, ...] = (-1, None, None)  # (token count, slot mapping, positions) views
+        self._dev: tuple[Any, ...] = (None,)  # (group device views, token count, their exact views)
+        self._paged_host: tuple[Any, ...] = (-1, None)
+        self._paged_dev: tuple[Any, ...] = (None, -1, None, None)
+        self._paged_meta: PagedKVMetadata | None = None
+        self._qsl_rows: dict[Any, Any] = {}
+        self._idx_dev: Any = None
+
+    def write(self, spec: BatchSpec, *, threads: int = 1) -> None:
+        """Write ``spec``'s common fields (and paged-KV layout) into this layout's views: one compiled
+        call, every byte of the staged fields rewritten.
+
+        Parameters
+        ----------
+        spec : BatchSpec
+            A step of this layout (same padded rows, columns, token bucket, block size, optional arrays).
+        threads : int, default 1
+            With more, the block-table rows and page indices are copied on that many of numba's
+            threads (:func:`attnmeta._numba.pool_threads`), around the call: the same bytes.
+        """
+        prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
+        ws, rank, il = self._ranks
+        if threads == 1:
+            status = common_pass_nb(
+                spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table, self.block_size, ws, rank, il,
+                _EMPTY_I32 if prompt is None else prompt, prompt is not None,
+                _EMPTY_I32 if drafts is None else drafts, drafts is not None,
+                _EMPTY_I32 if upper is None else upper, upper is not None,
+                self.token_arrays, True, self.qsl, self.sl, self.bt, self.pos, self.sm, self.ub, self.nc,
+                self.pre, self.ddt, self.paged, self.indptr, self.last, self.indices,
+            )
+        else:  # the same pass, with the block-table rows and the page indices copied on numba's pool
+            was = pool_threads(threads)
+            try:
+                block_table_rows_par_nb(spec.block_table, self.bt, spec.num_reqs)
+                status = common_pass_nb(
+                    spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table, self.block_size, ws, rank,
+                    il, _EMPTY_I32 if prompt is None else prompt, prompt is not None,
+                    _EMPTY_I32 if drafts is None else drafts, drafts is not None,
+                    _EMPTY_I32 if upper is None else upper, upper is not None,
+                    self.token_arrays, False, self.qsl, self.sl, self.bt, self.pos, self.sm, self.ub, self.nc,
+                    self.pre, self.ddt, self.paged, self.indptr, self.last, self.indices,
+                )
+                if self.paged and not status:
+                    paged_indices_par_nb(self.bt, self.indptr, self.indices, self.num_reqs)
+            finally:
+                numba.set_num_threads(was)
+        if status:  # unreachable for a validated spec (kept as a guard)
+            raise ValueError(f"stage_common: internal status {status}; the spec is inconsistent")
+
+    def _token_views(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        t = self._tokens
+        if t[0] != rows:
+            ro = self.group.frozen
+            t = self._tokens = (rows, ro[3][:rows], ro[4][:rows])
+        return t[1], t[2]
+
+    def host(self, spec: BatchSpec, causal: bool) -> CommonHost:
+        """The :class:`CommonHost` of ``spec``, written by :meth:`write` (read-only views)."""
+        B, T = spec.num_reqs, spec.num_tokens
+        Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
+        sm, pos = self._token_views(Tp if self.token_arrays else 0)
+        return make_host(
+            query_start_loc_cpu=self.qsl_ro, seq_lens_cpu=self.sl_ro, seq_lens_cpu_upper_bound=self.ub_ro,
+            num_computed_tokens_cpu=self.nc_ro, block_table_cpu=self.bt_ro, slot_mapping_cpu=sm, positions_cpu=pos,
+            is_prefilling=self.pre_ro, num_decode_draft_tokens_cpu=self.ddt_ro, num_reqs=self.num_reqs,
+            num_actual_tokens=Tp, max_query_len=spec.max_query_len, max_seq_len=spec.max_seq_len,
+            block_size=self.block_size, causal=causal, num_real_reqs=B, num_real_tokens=T,
+            num_pages=spec.num_pages, max_exact_seq_len=spec.max_exact_seq_len,
+        )
+
+    def metadata(self, step: Step, spec: BatchSpec, causal: bool) -> CommonAttentionMetadata:
+        """The :class:`CommonAttentionMetadata` of ``spec``, a committed step of this layout written by
+        :meth:`write` (device views of ``step``'s arena, read-only host views of its slot).
+
+        Raises
+        ------
+        StepNotCommittedError, StepExpiredError
+            As :meth:`attnmeta.staging.Step.device`.
+        """
+        dev = self.group.device(step)
+        B, T = spec.num_reqs, spec.num_tokens
+        Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
+        rows = Tp if self.token_arrays else 0
+        sm, pos = self._token_views(rows)
+        d = self._dev
+        if d[0] is not dev or d[1] != rows:
+            qd = dev[0][: self.num_reqs + 1] if self.graph else dev[0]
+            smd, posd = dev[3], dev[4]
+            if smd.shape[0] != rows:
+                smd, posd = smd[:rows], posd[:rows]
+            d = self._dev = (dev, rows, qd, smd, posd)
+        return make_common(
+            query_start_loc=d[2], seq_lens=dev[1], block_table_tensor=dev[2], slot_mapping=d[3], positions=d[4],
+            query_start_loc_cpu=self.qsl_ro, seq_lens_cpu=self.sl_ro, seq_lens_cpu_upper_bound=self.ub_ro,
+            num_computed_tokens_cpu=self.nc_ro, block_table_cpu=self.bt_ro, slot_mapping_cpu=sm, positions_cpu=pos,
+            is_prefilling=self.pre_ro, num_decode_draft_tokens_cpu=self.ddt_ro, num_reqs=self.num_reqs,
+            num_actual_tokens=Tp, max_query_len=spec.max_query_len, max_seq_len=spec.max_seq_len,
+            block_size=self.block_size, causal=causal, num_real_reqs=B, num_real_tokens=T,
+        )
+
+    def query_start_loc_rows(self, step: Step, rows: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The device and read-only host views of ``query_start_loc``'s first ``rows`` entries of a
+        committed step of this layout (cached per row count: a decode/prefill split changes it)."""
+        dev = self.group.device(step)
+        cache = self._qsl_rows
+        if cache.get("dev") is not dev:
+            cache.clear()
+            cache["dev"] = dev
+        found = cache.get(rows)
+        if found is None:
+            if len(cache) > 64:
+                cache.clear()
+                cache["dev"] = dev
+            found = cache[rows] = (dev[0].as_strided((rows,), (1,)), self.qsl_ro[:rows])
+        return found  # type: ignore[no-any-return]
+
+    def paged_host(self, num_pages: int) -> PagedKV:
+        """The paged-KV host arrays of a step of this layout with ``num_pages`` pages (read-only views)."""
+        p = self._paged_host
+        if p[0] != num_pages:
+            ro = self.group.frozen
+            p = self._paged_host = (num_pages, PagedKV(ro[5][: self.num_reqs + 1], self._indices_ro[:num_pages], ro[6]))
+        host: PagedKV = p[1]
+        return host
+
+    def paged_indices(self, step: Step, num_pages: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The device and read-only host views of the first ``num_pages`` page indices of a committed
+        step of this layout (cached while the page count stays the same; a new pair of views when it
+        changes, never a view handed out before resized)."""
+        dev = self.group.device(step)
+        p = self._paged_dev
+        if p[0] is not dev or p[1] != num_pages:
+            full = self._idx_dev
+            if full is None or p[0] is not dev:
+                full = self._idx_dev = step.device_full(self._idx_name) if self.graph else dev[7]
+            # as_strided: the view a slice would make, at a fraction of the cost
+            p = self._paged_dev = (dev, num_pages, full.as_strided((num_pages,), (1,)),
+                                   self._indices_ro[:num_pages])
+        return p[2], p[3]
+
+    def paged_metadata(self, step: Step, num_pages: int) -> PagedKVMetadata:
+        """The :class:`PagedKVMetadata` of a committed step of this layout with ``num_pages`` pages
+        (the same object while the device views and the page count stay the same)."""
+        indices, indices_cpu = self.paged_indices(step, num_pages)
+        meta: PagedKVMetadata | None = self._paged_meta
+        if meta is None or meta.paged_kv_indices is not indices:
+            dev = self.group.device(step)
+            h = self.paged_host(num_pages)
+            meta = self._paged_meta = make_paged(
+                paged_kv_indptr=dev[5][: self.num_reqs + 1], paged_kv_indices=indices, paged_kv_last_page_len=dev[6],
+                paged_kv_indptr_cpu=h.paged_kv_indptr, paged_kv_indices_cpu=indices_cpu,
+                paged_kv_last_page_len_cpu=h.paged_kv_last_page_len, num_pages=num_pages, page_size=self.block_size,
+            )
+        return meta
+
+
+def _common_fields(
+    step: Step, prefix: str, spec: BatchSpec, Bp: int, W: int, Tt: int, paged: bool
+) -> FieldGroup:
+    """Reserve the common fields of a step (cached per slot and layout) and return their group."""
+    prof = step.profile
+    n = prefix + "."
+    if prof is not None:
+        R, Q = prof.max_num_reqs, prof.max_num_tokens
+        if Bp > R or Tt > Q:
+            raise CapacityError(
+                f"batch of {Bp} rows / {Tt} tokens exceeds the profile (max_num_reqs={R}, max_num_tokens={Q})"
+            )
+        # query_start_loc's and paged_kv_indptr's sentinels are data-dependent (they repeat the
+        # total): both are staged at their full capacity.
+        specs: tuple[tuple[str, Any, Any, int | None, Any], ...] = (
+            (n + "query_start_loc", R + 1, _I32, R + 1, 0),
+            (n + "seq_lens", Bp, _I32, R, 0),
+            (n + "block_table_tensor", (Bp, W), _I32, R, 0),
+            (n + "slot_mapping", Tt, _I64, Q, -1),
+            (n + "positions", Tt, _I64, Q, 0),
+        )
+        if paged:
+            specs += ((n + "paged_kv_indptr", R + 1, _I32, R + 1, 0), (n + "paged_kv_last_page_len", Bp, _I32, R, 0))
+        group = step.alloc_fields(specs)
+        if paged:  # exactly the step's pages: the rest of the fixed buffer gets the sentinel at the commit
+            total, cap = spec.num_pages, prof.max_num_pages
+            if total > cap:
+                raise CapacityError(
+                    f"{n}paged_kv_indices: needs {total} pages but its graph-mode capacity is {cap} "
+                    f"(StaticProfile.max_num_pages)"
+                )
+            step.alloc_fields(((n + "paged_kv_indices", total, _I32, cap, 0),))
+        return group
+    # Eager mode: the per-token fields (and the page indices) are staged at a bucketed row count and
+    # handed out as exact-length views: their exact lengths change almost every step, and a layout
+    # per length would rebuild the group (and its views) every step.
+    Tc = bucket_rows(Tt) if Tt else 0
+    pages = bucket_rows(spec.num_pages) if paged else 0
+
+    def eager_specs() -> tuple[tuple[str, Any, Any, int | None, Any], ...]:
+        base: tuple[tuple[str, Any, Any, int | None, Any], ...] = (
+            (n + "query_start_loc", Bp + 1, _I32, None, 0),
+            (n + "seq_lens", Bp, _I32, None, 0),
+            (n + "block_table_tensor", (Bp, W), _I32, None, 0),
+            (n + "slot_mapping", Tc, _I64, None, -1),
+            (n + "positions", Tc, _I64, None, 0),
+        )
+        if not paged:
+            return base
+        return (*base, (n + "paged_kv_indptr", Bp + 1, _I32, None, 0), (n + "paged_kv_last_page_len", Bp, _I32, None, 0),
+                (n + "paged_kv_indices", pages, _I32, None, 0))
+
+    return step.alloc_fields(eager_specs, (prefix, Bp, W, Tc, pages))
+
+
+def stage_common(
+    spec: BatchSpec,
+    step: Step,
+    *,
+    prefix: str = "common",
+    causal: bool = True,
+    block_table_columns: int | None = None,
+    token_arrays: bool = True,
+    paged_kv: bool = False,
+) -> StagedCommon:
+    """Derive the common metadata of ``spec`` on the host, writing straight into ``step``'s pinned slot.
+
+    Parameters
+    ----------
+    spec : BatchSpec
+        The step's host description.
+    step : Step
+        An open step; everything staged here moves in its one H2D copy.
+    prefix : str, default "common"
+        Namespace of the staged field names (use one per KV-cache group sharing a step).
+    causal : bool, default True
+        Stored as ``causal``.
+    block_table_columns : int, optional
+        Columns of ``block_table_tensor``. Default: eager mode, the most blocks any request uses (at
+        least 1; ``cdiv(seq_len, block_size * world_size)`` under context parallelism, where one column
+        holds a block on every rank); graph mode, ``profile.max_blocks_per_req``.
+    token_arrays : bool, default True
+        Compute and stage the per-token ``slot_mapping`` and ``positions``. ``False`` is vLLM's
+        ``SlotMappingMode.NONE`` for KV-cache groups whose layers read neither (Mamba, linear
+        attention): both fields (and their host twins) are then empty, ``(0,)``, and a step of ``T``
+        tokens stages ``16 * T`` fewer bytes.
+    paged_kv : bool, default False
+        Also build the paged-KV layout of every row (:class:`PagedKVMetadata`, page size = block size)
+        in the same compiled pass, from the block-table rows just staged, and stage it with the common
+        fields (:attr:`StagedCommon.paged`). A FlashInfer builder of the same step reuses it instead of
+        a pass of its own. Ignored under context parallelism (a row's pages are spread over ranks).
+
+    Returns
+    -------
+    StagedCommon
+        ``.host`` (:class:`CommonHost`) for other builders in the same step; ``.result()`` after the
+        commit gives the :class:`CommonAttentionMetadata`.
+
+    Raises
+    ------
+    attnmeta.staging.CapacityError
+        A row needs more blocks than the staged columns; graph mode: the batch exceeds a profile
+        capacity.
+    ValueError
+        Graph mode: the spec's block size is not the profile's.
+    """
+    B, T = spec.num_reqs, spec.num_tokens
+    Bp = B if spec.num_reqs_padded is None else spec.num_reqs_padded
+    Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
+    bs = spec.block_size
+    prof = step.profile
+    cp = spec.context_parallel
+    if prof is not None and prof.block_size != bs:
+        raise ValueError(f"block_size: the spec's {bs} != StaticProfile.block_size={prof.block_size}")
+    span = bs if cp is None else bs * cp.world_size  # tokens per block-table column
+    need = -(-spec.max_exact_seq_len // span)
+    if block_table_columns is None:
+        block_table_columns = prof.max_blocks_per_req if prof is not None else max(1, need)
+    W = block_table_columns
+    if need > W:
+        raise CapacityError(
+            f"block_table_tensor: a request needs {need} blocks but only {W} columns are staged "
+            f"(block_table_columns / StaticProfile.max_blocks_per_req)"
+        )
+    paged = paged_kv and cp is None
+    Tt = Tp if token_arrays else 0
+    group = _common_fields(step, prefix, spec, Bp, W, Tt, paged)
+    prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
+    key = (bs, cp, token_arrays, prompt is not None, drafts is not None, upper is not None)
+    writer: CommonWriter | None = group.extras.get(key)
+    if writer is None:
+        writer = group.extras[key] = CommonWriter(
+            step, group, Bp, W, bs, cp, token_arrays, paged, prompt is not None, drafts is not None,
+            upper is not None, f"{prefix}.paged_kv_indices",
+        )
+    writer.write(spec)
+    host = writer.host(spec, causal)
+    paged_part: Staged[PagedKV, PagedKVMetadata] | None = None
+    if paged:
+        total = spec.num_pages
+        w = writer
+        paged_part = Staged(step, w.paged_host(total), lambda: w.paged_metadata(step, total))
+    w = writer
+    return StagedCommon(step, host, lambda: w.metadata(step, spec, causal), paged=paged_part, writer=writer)
+
+
+def stage_paged_kv(
+    step: Step, prefix: str, kv_lens: np.ndarray, block_table: np.ndarray, page_size: int, *,
+    host_indices: bool = True,
+) -> Staged[PagedKV, PagedKVMetadata]:
+    """Stage the paged-KV layout of rows of ``kv_lens`` tokens over ``block_table`` into ``step``.
+
+    The same compiled derivation as the common pass's page table (``stage_common(paged_kv=True)``),
+    for lengths or tables the common pass does not have (e.g. DCP-local lengths). Fields:
+    ``<prefix>.paged_kv_indptr``, ``.paged_kv_last_page_len`` and ``.paged_kv_indices``; in graph mode
+    with capacities ``max_num_reqs + 1`` (staged whole, the tail repeating the page count),
+    ``max_num_reqs`` and ``profile.max_num_pages``.
+
+    Parameters
+    ----------
+    step : Step
+        The open step.
+    prefix : str
+        Namespace of the staged fields.
+    kv_lens : (num_reqs,) int32, host
+        KV tokens of each row (padding rows 0).
+    block_table : (num_reqs, max_blocks) int32, host
+        Physical page ids of each row.
+    page_size : int
+        Tokens per page.
+    host_indices : bool, default True
+        Gather ``paged_kv_indices`` on the host; with False only the indptr and last-page lengths are
+        staged (graph mode: the indices' fixed buffer is reserved, unwritten) and the result's indices
+        are None, for a builder that gathers them on the device.
+
+    Returns
+    -------
+    Staged[PagedKV, PagedKVMetadata]
+        The host arrays now, the metadata after the commit.
+
+    Raises
+    ------
+    ValueError
+        A row needs more pages than the table has columns, or a negative id in a used column.
+    attnmeta.staging.CapacityError
+        Graph mode: more pages than ``profile.max_num_pages``.
+    """
+    B = kv_lens.shape[0]
+    total = num_pages(kv_lens, page_size)
+    prof = step.profile
+    n = prefix + "."
+    if prof is not None:
+        R, cap = prof.max_num_reqs, prof.max_num_pages
+        if total > cap:
+            raise CapacityError(
+                f"{n}paged_kv_indices: needs {total} pages but its graph-mode capacity is {cap} "
+                f"(StaticProfile.max_num_pages)"
+            )
+        group = step.alloc_fields(((n + "paged_kv_indptr", R + 1, _I32, R + 1, 0),
+                                   (n + "paged_kv_last_page_len", B, _I32, R, 0)))
+        step.alloc(n + "paged_kv_indices", total if host_indices else 0, _I32, capacity=cap, fill=0)
+        indices = step.host_full(n + "paged_kv_indices")
+    else:
+        rows = bucket_rows(total) if host_indices else 0
+        group = step.alloc_fields(((n + "paged_kv_indptr", B + 1, _I32, None, 0),
+                                   (n + "paged_kv_last_page_len", B, _I32, None, 0),
+                                   (n + "paged_kv_indices", rows, _I32, None, 0)))
+        indices = group.host[2]
+    indptr, last = group.host[0], group.host[1]
+    status = paged_layout_nb(kv_lens, block_table, page_size, host_indices, indptr[: B + 1], indices, last)[0]
+    if status:  # the validating wrapper raises the detailed error
+        paged_kv_layout(kv_lens, block_table, page_size)
+        raise AssertionError("unreachable")  # pragma: no cover
+    indptr[B + 1 :] = indptr[B]
+    host = PagedKV(_read_only(indptr[: B + 1]), _read_only(indices[:total]) if host_indices else None,
+                   _read_only(last))
+
+    def make() -> PagedKVMetadata:
+        dev = group.device(step)
+        if not host_indices:
+            idx = None
+        elif prof is not None:
+            idx = step.device_full(n + "paged_kv_indices")[:total]
+        else:
+            idx = dev[2][:total]
+        return make_paged(
+            paged_kv_indptr=dev[0][: B + 1], paged_kv_indices=idx, paged_kv_last_page_len=dev[1],
+            paged_kv_indptr_cpu=host.paged_kv_indptr, paged_kv_indices_cpu=host.paged_kv_indices,
+            paged_kv_last_page_len_cpu=host.paged_kv_last_page_len, num_pages=total, page_size=page_size,
+        )
+
+    return Staged(step, host, make)
+
+
+def build_common(spec: BatchSpec, stager: Stager, **kwargs: Any) -> CommonAttentionMetadata:
+    """Stage ``spec``'s common metadata in a step of its own, commit it, and return the result.
+
+    Keyword arguments go to :func:`stage_common`. For backends staged alongside, use
+    :func:`stage_common` inside ``with stager.step() as step:`` instead.
+
+    Examples
+    --------
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[3], num_scheduled_tokens=[2], block_table=[[7, 8]], block_size=4)
+    >>> build_common(spec, Stager("cpu")).slot_mapping_cpu.tolist()
+    [31, 32]
+    """
+    with stager.step() as step:
+        staged = stage_common(spec, step, **kwargs)
+    return staged.result()
