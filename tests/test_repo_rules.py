@@ -109,3 +109,150 @@ def test_public_api_documented(modname: str) -> None:
             assert sorted(documented) == sorted(sig), (
                 f"{modname}.{name}: documented parameters {documented} != signature {sig}"
             )
+
+
+# --------------------------------------------------------------------------------------------------
+# the builder layer's house rules (a private name stays in its package; no import circle; modules
+# short or saying why they are long)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _package_of(path: Path) -> str:
+    name = _module_name(path)
+    return name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_private_names(tree: ast.AST) -> set[str]:
+    """Private names a module defines: functions, classes, assignment targets (module level and
+    ``self._x =``), ``__slots__`` entries, parameters."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            found.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            found.add(node.target.id)
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets):
+            if isinstance(node.value, ast.Tuple | ast.List):
+                found |= {e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+    return {n for n in found if _private(n)}
+
+
+def test_private_names_stay_in_their_package() -> None:
+    """No module uses a ``_``-prefixed name (an import, or an attribute of another object) that only
+    another attnmeta package defines, and no module imports another package's private module.
+
+    A package is the unit of privacy: the host kernels of ``attnmeta.host`` compose each other's
+    private kernels, but a backend, the staging layer or the testing toolkit reaches another
+    package only through public names. Attributes of other libraries (``torch._C``, guarded where
+    used) are not this rule's business: a name no attnmeta package defines is skipped.
+    """
+    files = sorted(PKG.rglob("*.py"))
+    trees = {f: ast.parse(f.read_text()) for f in files}
+    owners: dict[str, set[str]] = {}
+    for f, tree in trees.items():
+        for name in _defined_private_names(tree):
+            owners.setdefault(name, set()).add(_package_of(f))
+    bad = []
+    for f, tree in trees.items():
+        pkg = _package_of(f)
+        here = f"{f.relative_to(ROOT)}"
+
+        def foreign(name: str) -> bool:
+            packages = owners.get(name)
+            return bool(packages) and pkg not in packages  # defined in attnmeta, only elsewhere
+
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                parts = node.module.split(".")
+                if parts[0] == "attnmeta":
+                    for i, part in enumerate(parts):
+                        parent = ".".join(parts[:i])
+                        if _private(part) and not (pkg == parent or pkg.startswith(parent + ".")):
+                            bad.append(f"{here}:{node.lineno}: imports {node.module}, private to {parent}")
+                    for alias in node.names:
+                        if _private(alias.name) and foreign(alias.name):
+                            bad.append(f"{here}:{node.lineno}: imports {alias.name} from {node.module}")
+            elif isinstance(node, ast.Attribute) and _private(node.attr) and foreign(node.attr):
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    bad.append(f"{here}:{node.lineno}: uses {ast.unparse(node)}")
+    assert not bad, "private names used outside their package:\n" + "\n".join(bad)
+
+
+def _module_imports(tree: ast.Module, name: str, modules: set[str]) -> set[str]:
+    """attnmeta modules ``name`` imports when it is imported (module level, not under TYPE_CHECKING)."""
+    out: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.If | ast.Try):
+                visit([*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                       *[s for h in getattr(node, "handlers", []) for s in h.body]])
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & modules
+                out.update(subs)
+                if node.module in modules and len(subs) < len(node.names):  # names of the module itself
+                    out.add(node.module)
+
+    visit(tree.body)
+    out.discard(name)
+    return out
+
+
+def test_no_import_circle() -> None:
+    """Importing any attnmeta module never re-enters a module being imported: the graph of
+    module-level imports between attnmeta modules has no cycle (imports inside functions and under
+    ``TYPE_CHECKING`` excepted). A package's ``__init__`` that imports its children closes a circle
+    as soon as a child imports names from that ``__init__``."""
+    files = {_module_name(f): f for f in PKG.rglob("*.py")}
+    modules = set(files)
+    graph = {m: _module_imports(ast.parse(f.read_text()), m, modules) for m, f in files.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def walk(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append([*path[path.index(n):], n])
+            elif n not in state:
+                walk(n)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(modules):
+        if m not in state:
+            walk(m)
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_long_modules_say_why() -> None:
+    """A module over 800 lines says at its top why it is one module (a ``Why one module`` paragraph in
+    its docstring); the rest stay short enough to read in one sitting."""
+    long = []
+    for f in PKG.rglob("*.py"):
+        text = f.read_text()
+        if text.count("\n") > 800:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if "Why one module" not in doc:
+                long.append(f"{f.relative_to(ROOT)} ({text.count(chr(10))} lines)")
+    assert not long, "modules over 800 lines without a 'Why one module' paragraph: " + ", ".join(long)

@@ -276,6 +276,30 @@ class CascadeBuilder(Builder[CascadeOptions, CascadeMetadata]):
         opts = CascadeOptions(num_query_heads=8, num_kv_heads=int(rng.choice([1, 8])), num_sms=132)
         return opts, {"num_common_prefix_blocks": int(rng.integers(0, 64))}
 
+    def reference(self, spec: BatchSpec, options: CascadeOptions, device: torch.device,
+                  **inputs: Any) -> dict[str, Any]:
+        """The decision and the prefix arrays the pre-removal vLLM builders made (``torch.all`` +
+        ``bool`` for the decision, ``torch.tensor(list, device)`` uploads)."""
+        from attnmeta.testing.reference import (
+            ref_cascade_arrays,
+            ref_common_fields,
+            ref_use_cascade_attention,
+        )
+
+        f = ref_common_fields(spec, device)
+        qsl, sl = f["query_start_loc"], f["seq_lens"]
+        length = cascade_prefix_len(int(inputs.get("num_common_prefix_blocks", 0)), spec.block_size,
+                                    spec.num_computed_tokens)
+        q = (qsl[1:] - qsl[:-1])[: spec.num_reqs]
+        use = spec.padded_num_reqs == spec.num_reqs and ref_use_cascade_attention(
+            length, q, options.num_query_heads, options.num_kv_heads, options.use_alibi, options.use_sliding_window,
+            options.use_local_attention, options.num_sms, options.dcp_world_size)
+        if not use:
+            return {"use_cascade": False, "common_prefix_len": 0}
+        arrays = ref_cascade_arrays(length, sl, spec.padded_num_tokens, spec.block_size,
+                                    torch.from_numpy(spec.block_table).to(device))
+        return {"use_cascade": True, "common_prefix_len": length, **{k: v for k, v in arrays.items() if v is not None}}
+
 
 def _stage(common: StagedCommon, step: Step, options: CascadeOptions,
            num_common_prefix_blocks: int) -> Staged[CascadeDecision, CascadeMetadata]:

@@ -298,6 +298,31 @@ class FastPrefillBuilder(Builder[FastPrefillOptions, FastPrefillMetadata]):
             return FastPrefillOptions(), {}
         return FastPrefillOptions(), {"logits_indices": li, "num_logits_padded": li.shape[0] + int(rng.integers(0, 4))}
 
+    def reference(self, spec: BatchSpec, options: FastPrefillOptions, device: torch.device,
+                  **inputs: Any) -> dict[str, Any]:
+        """The fast batch's query starts, the padded logits indices and the scalars, computed the
+        reference way (vLLM's device bucketize / scatter_add / cumsum, ``.item()`` for the maxima)."""
+        from attnmeta.testing.reference import (
+            ref_common_fields,
+            ref_fast_prefill_query_start_loc,
+            ref_max_logits_per_req,
+            ref_pad_logits_indices,
+        )
+
+        qsl = ref_common_fields(spec, device)["query_start_loc"]
+        li = inputs.get("logits_indices")
+        if li is None:
+            return {"applied": False, "num_logits_indices": None, "query_start_loc": qsl}
+        li_t = torch.from_numpy(np.asarray(li, np.int32)).to(device)
+        n_pad = inputs.get("num_logits_padded") or li_t.shape[0]
+        applied = spec.max_query_len != 1
+        fqsl = ref_fast_prefill_query_start_loc(qsl, li_t) if applied else qsl
+        return {
+            "applied": applied, "num_logits_indices": int(li_t.shape[0]), "query_start_loc": fqsl,
+            "logits_indices_padded": ref_pad_logits_indices(li_t, int(n_pad)),
+            "max_query_len": ref_max_logits_per_req(fqsl) if applied else spec.max_query_len,
+        }
+
 
 def _wrap(
     step: Step,

@@ -521,7 +521,9 @@ class FlashInferBuilder(Builder[FlashInferOptions, FlashInferMetadata]):
         W = options.dcp_world_size
         kv = ref_dcp_context_kv_lens(qsl, sl, W, options.dcp_rank, options.dcp_interleave, num_decodes=d) \
             if W > 1 else sl
-        table = torch.from_numpy(spec.block_table).to(device)
+        rows = np.zeros((spec.padded_num_reqs, spec.block_table.shape[1]), np.int32)
+        rows[: spec.num_reqs] = spec.block_table[: spec.num_reqs]  # padding rows: no pages
+        table = torch.from_numpy(rows).to(device)
         page = spec.block_size
         return {
             "num_decodes": split[0], "num_prefills": split[1], "num_decode_tokens": split[2],

@@ -434,6 +434,22 @@ class LocalAttnBuilder(Builder[LocalAttnOptions, LocalAttentionMetadata]):
         return LocalAttnOptions(attn_chunk_size=spec.block_size * int(rng.integers(1, 5)),
                                 block_table="device" if rng.random() < 0.5 else "host"), {}
 
+    def reference(self, spec: BatchSpec, options: LocalAttnOptions, device: torch.device,
+                  **inputs: Any) -> dict[str, Any]:
+        """The virtual batch by a literal tensor transcription of vLLM's formulas, over the block table
+        the common metadata stages by default (the longest request's blocks; padding rows 0)."""
+        from attnmeta.testing.reference import ref_common_fields, ref_local_virtual_batches
+
+        f = ref_common_fields(spec, device)
+        span = spec.block_size * (1 if spec.context_parallel is None else spec.context_parallel.world_size)
+        width = max(1, -(-spec.max_exact_seq_len // span))
+        table = np.zeros((spec.padded_num_reqs, width), np.int32)
+        table[: spec.num_reqs] = spec.block_table[: spec.num_reqs, :width]
+        lb = ref_local_virtual_batches(f["query_start_loc"], f["seq_lens"], options.attn_chunk_size, spec.block_size,
+                                       torch.from_numpy(table).to(device))
+        return {"query_start_loc": lb.query_start_loc, "seq_lens": lb.seq_lens, "block_table": lb.block_table,
+                "num_virtual_reqs": lb.num_virtual_reqs}
+
 
 LOCAL_ATTN = register(LocalAttnBuilder())
 """The registered chunked-local-attention builder."""

@@ -13,6 +13,13 @@ Padding sentinels (CUDA-graph padding, DESIGN.md): request rows past ``num_reqs`
 
 When a function raises, the contents of an ``out=`` buffer it was given are unspecified.
 
+Why one module
+--------------
+Its functions are one derivation seen from several sides: the token layout (positions, slot
+mapping) reads the query starts and sequence lengths computed here, and the common pass
+(:mod:`attnmeta.host.common`) composes the same kernels. Each public function is a short kernel plus
+its validating wrapper and worked example, which is most of the length.
+
 Shape legend
 ------------
 - ``num_reqs``: real requests (``len(num_scheduled_tokens)``).

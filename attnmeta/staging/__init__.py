@@ -3,6 +3,7 @@
 from attnmeta.staging.helpers import DeviceIndexCache, pad_out
 from attnmeta.staging.staged import Staged
 from attnmeta.staging.stager import (
+    STAGEABLE_DTYPES,
     CapacityError,
     FieldGroup,
     FieldLayout,
@@ -17,6 +18,7 @@ from attnmeta.staging.stager import (
 )
 
 __all__ = [
+    "STAGEABLE_DTYPES",
     "CapacityError",
     "DeviceIndexCache",
     "FieldGroup",

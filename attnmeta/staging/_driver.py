@@ -3,10 +3,8 @@
 A step's one H2D copy is a ``cuMemcpyHtoDAsync`` from the pinned slot to the slot's device arena on
 the commit stream, followed by ``cuEventRecord`` of the slot's fence event: exactly what
 ``Tensor.copy_(non_blocking=True)`` and ``Event.record`` enqueue, minus torch's argument parsing,
-dispatch and host-allocator bookkeeping. On two H200 hosts (2026-11-29) a 4 KiB copy cost 6.4 and
-4.2 us through ``copy_``, 3.3 and 2.6 us through the driver; an event record 1.5 / 1.0 us through
-torch, 1.3 / 0.8 us through the driver (``python benchmarks/bench_commit.py``, best of 7 blocks of
-calls; whole steps there too).
+dispatch and host-allocator bookkeeping, which are a large part of a small step's commit
+(docs/benchmarks.md has the A/B, and how to repeat it with ``ATTNMETA_DRIVER_COPY=0``).
 
 The fast path is an optimisation only, never a requirement:
 

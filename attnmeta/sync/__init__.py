@@ -103,6 +103,7 @@ from __future__ import annotations
 from attnmeta.sync._context import (
     allow_device_sync,
     current_audit,
+    make_audit,
     no_device_sync,
     record_device_syncs,
 )
@@ -129,6 +130,7 @@ __all__ = [
     "audit_targets",
     "current_audit",
     "format_audit_table",
+    "make_audit",
     "no_device_sync",
     "record_device_syncs",
     "register_audit_target",
@@ -147,6 +149,7 @@ for _public in (
     audit_targets,
     current_audit,
     format_audit_table,
+    make_audit,
     no_device_sync,
     record_device_syncs,
     register_audit_target,

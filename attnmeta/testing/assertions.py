@@ -11,13 +11,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnmeta.staging.stager import _NP_TO_TORCH as _STAGEABLE
+from attnmeta.staging import STAGEABLE_DTYPES
 from attnmeta.testing._oracle import oracle
 
 __all__ = ["assert_host_equal", "assert_matches_device", "numpy_dtype_of", "torch_dtype_of"]
 
 # One dtype table for the project (the stager's), plus float64 for comparing float references.
-_NP_TO_TORCH: dict[np.dtype, torch.dtype] = {**_STAGEABLE, np.dtype(np.float64): torch.float64}
+_NP_TO_TORCH: dict[np.dtype, torch.dtype] = {**STAGEABLE_DTYPES, np.dtype(np.float64): torch.float64}
 _TORCH_TO_NP = {v: k for k, v in _NP_TO_TORCH.items()}
 
 

@@ -40,8 +40,7 @@ from typing import Any
 
 import pytest
 
-from attnmeta.sync import SyncAudit, no_device_sync
-from attnmeta.sync._context import make_audit
+from attnmeta.sync import SyncAudit, make_audit, no_device_sync
 
 __all__ = ["no_sync"]
 

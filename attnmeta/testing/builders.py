@@ -1,0 +1,158 @@
+"""Generic checks of a builder: its fields against its own reference, and the sync audit.
+
+Every registered builder can be checked the same way, which is how a new one is tested by the same
+machinery as the built-in ones (docs/extending.md):
+
+- :func:`check_builder`: build the metadata of a batch through :func:`attnmeta.build` and compare every
+  field the builder's :meth:`~attnmeta.builder.Builder.reference` names with that reference: a device
+  field's values, dtype and shape, its host twin (``<name>_cpu``) where there is one, and host
+  values and scalars by equality;
+- :func:`audit_builder`: run the builder under the sync audit (:func:`attnmeta.sync.run_audit`) on
+  generated batches of every kind, with options and inputs it draws itself
+  (:meth:`~attnmeta.builder.Builder.sample`).
+
+These are test helpers: :func:`check_builder` reads device tensors back to compare them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from attnmeta.builder import Builder, build, get_builder
+from attnmeta.spec import BatchSpec
+from attnmeta.staging import Stager
+from attnmeta.sync import AuditRow, register_audit_target, run_audit, unregister_audit_target
+from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
+
+__all__ = ["audit_builder", "check_builder"]
+
+
+def check_builder(
+    builder: Builder[Any, Any] | str,
+    spec: BatchSpec,
+    device: torch.device | str = "cpu",
+    options: Any = None,
+    *,
+    stager: Stager | None = None,
+    **inputs: Any,
+) -> Any:
+    """Build ``builder``'s metadata of ``spec`` and assert every field its reference names equals it.
+
+    Parameters
+    ----------
+    builder : Builder or str
+        The builder or its registry name; it must have a :meth:`~attnmeta.builder.Builder.reference`.
+    spec : BatchSpec
+        The batch.
+    device : torch.device or str, default "cpu"
+        Where the metadata and the reference live.
+    options : the builder's options, optional
+        Default: the builder's defaults.
+    stager : Stager, optional
+        Stage through this stager (e.g. a graph-mode one); default a new eager one on ``device``.
+    **inputs
+        The builder's per-step inputs.
+
+    Returns
+    -------
+    The builder's metadata
+        For further checks.
+
+    Raises
+    ------
+    AssertionError
+        Naming the first field that differs, and where (the first differing index and both values).
+    ValueError
+        The builder has no reference.
+
+    Examples
+    --------
+    >>> from attnmeta import BatchSpec
+    >>> spec = BatchSpec(num_computed_tokens=[5, 0], num_scheduled_tokens=[1, 3], block_table=[[1, 2], [3, 4]],
+    ...                  block_size=4)
+    >>> check_builder("flashinfer", spec).num_pages
+    3
+    """
+    b = get_builder(builder) if isinstance(builder, str) else builder
+    opts = b.options(options)
+    dev = torch.device(device)
+    expected = b.reference(spec, opts, dev, **inputs)
+    if expected is None:
+        raise ValueError(f"{b.name}: the builder has no reference() to check against")
+    meta = build(spec, stager if stager is not None else Stager(dev), b, opts, **inputs)
+    _compare(meta, expected, b.name, dev)
+    return meta
+
+
+def _compare(obj: Any, expected: dict[str, Any], path: str, dev: torch.device) -> None:
+    """Every field ``expected`` names against ``obj`` (a metadata object or one of its parts; a dict
+    value is the expected fields of the part of that name)."""
+    host_fields = set(getattr(obj, "_HOST_FIELDS", ()))
+    for name, want in expected.items():
+        got = getattr(obj, name)
+        where = f"{path}.{name}"
+        if isinstance(want, dict):
+            assert got is not None, f"{where}: None, expected fields {sorted(want)}"
+            _compare(got, want, where, dev)
+        elif isinstance(want, torch.Tensor) and isinstance(got, np.ndarray):  # a host field's device reference
+            assert_matches_device(got, want, where)
+        elif isinstance(want, torch.Tensor):
+            assert isinstance(got, torch.Tensor), f"{where}: expected a device tensor, got {type(got).__name__}"
+            assert got.device.type == dev.type, f"{where}: on {got.device}, expected {dev}"
+            assert_matches_device(got.cpu().numpy(), want, where)  # test-only read-back
+            twin = name + "_cpu"
+            if twin in host_fields and getattr(obj, twin) is not None:
+                assert_matches_device(getattr(obj, twin), want, f"{path}.{twin}")
+        elif isinstance(want, np.ndarray):
+            assert_host_equal(got, want, where)
+        elif isinstance(want, bool | np.bool_) or isinstance(got, bool | np.bool_):
+            assert isinstance(got, bool | np.bool_) and bool(got) == bool(want), f"{where}: {got!r} != {want!r}"
+        elif isinstance(want, int | np.integer):
+            assert isinstance(got, int | np.integer) and int(got) == int(want), f"{where}: {got!r} != {want!r}"
+        else:
+            assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def audit_builder(
+    builder: Builder[Any, Any] | str,
+    *,
+    devices: tuple[str, ...] = ("meta", "cpu"),
+    batches: int = 4,
+) -> list[AuditRow]:
+    """Run ``builder`` under the sync audit on generated batches of every kind, one row per device.
+
+    The target is :func:`attnmeta.audit.builder_target` (what ``python -m attnmeta audit`` runs for
+    every registered builder), registered for the run and removed afterwards.
+
+    Parameters
+    ----------
+    builder : Builder or str
+        The builder or its registry name.
+    devices : tuple of str, default ("meta", "cpu")
+        Devices to audit on (``cpu`` is declared device data, so a host read of it is caught).
+    batches : int, default 4
+        Seeds per device; each builds one batch of every kind.
+
+    Returns
+    -------
+    list of AuditRow
+        ``row.clean`` is True when nothing read device data on the host; ``row.first_problem`` says
+        what did.
+
+    Examples
+    --------
+    >>> [row.clean for row in audit_builder("flash_attn", batches=1)]
+    [True, True]
+    """
+    from attnmeta.audit import builder_target
+
+    b = get_builder(builder) if isinstance(builder, str) else builder
+    name = f"check:{b.name}"
+    register_audit_target(name, builder_target(b), replace=True)
+    try:
+        return run_audit(devices=list(devices), batches=batches, targets=[name])
+    finally:
+        unregister_audit_target(name)

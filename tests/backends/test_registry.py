@@ -1,0 +1,148 @@
+"""Every registered builder through the generic machinery: equal to its reference on generated batches,
+options that check every field, and the generic build()'s errors.
+
+Nothing here names a builder: a builder registered tomorrow is tested by these properties too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnmeta
+from attnmeta import BatchSpec, Stager, StaticProfile
+from attnmeta.builder import Builder, CommonNeeds, UnsupportedBatchError
+from attnmeta.testing.builders import audit_builder, check_builder
+from attnmeta.testing.strategies import batch_specs
+
+BUILDERS = sorted(attnmeta.registry())
+SPECS = batch_specs(max_reqs=10, max_query_len=40, max_context_len=300)
+
+
+def test_the_builtin_builders_are_registered() -> None:
+    assert {"flash_attn", "flashinfer", "cascade", "fast_prefill", "local_attn", "mamba2", "mamba1",
+            "linear_attn"} <= set(BUILDERS)
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_every_builder_declares_the_protocol(name: str) -> None:
+    b = attnmeta.get_builder(name)
+    assert isinstance(b, Builder) and b.name == name
+    assert dataclasses.is_dataclass(b.options_type) and b.options_type.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert dataclasses.is_dataclass(b.metadata_type)
+    assert b.__doc__ and b.stage.__doc__
+    assert all(isinstance(i, str) for i in b.inputs)
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+@settings(max_examples=15)
+@given(spec=SPECS, seed=st.integers(0, 2**32 - 1))
+def test_every_builder_equals_its_reference(device: torch.device, name: str, spec: BatchSpec, seed: int) -> None:
+    """The generic check: every field the builder's reference names, with options and inputs the
+    builder draws for the batch."""
+    b = attnmeta.get_builder(name)
+    options, inputs = b.sample(spec, np.random.default_rng(seed))
+    if b.unsupported_reasons(spec, options, **inputs):
+        with pytest.raises(UnsupportedBatchError):
+            attnmeta.build(spec, Stager("cpu"), b, options, **inputs)
+        return
+    check_builder(b, spec, device, options, **inputs)
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_every_builder_is_clean_under_the_audit(name: str) -> None:
+    rows = audit_builder(name, batches=2)
+    assert [r.clean for r in rows] == [True, True], [r.first_problem for r in rows]
+
+
+def _bad_value(annotation: Any) -> Any:
+    """A value of the wrong type for an option annotated ``annotation``."""
+    return 1.5 if "str" in str(annotation) or "Literal" in str(annotation) else "not an option"
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_every_option_is_checked_when_constructed(name: str) -> None:
+    """Options are frozen dataclasses validated in ``__post_init__``: each field, given a value of the
+    wrong type, raises a TypeError or ValueError that names it; nothing is checked again per step."""
+    b = attnmeta.get_builder(name)
+    spec = BatchSpec(num_computed_tokens=[3, 0], num_scheduled_tokens=[1, 5], block_table=[[1, 2], [3, 4]],
+                     block_size=4)
+    good, _ = b.defaults(spec)
+    hints = typing.get_type_hints(type(good))
+    for f in dataclasses.fields(good):
+        with pytest.raises((TypeError, ValueError), match=rf"{type(good).__name__}\.{f.name}\b"):
+            dataclasses.replace(good, **{f.name: _bad_value(hints[f.name])})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(good, dataclasses.fields(good)[0].name, None)
+
+
+def test_generic_build_errors_name_the_builder_and_what_is_wrong() -> None:
+    spec = BatchSpec(num_computed_tokens=[3, 0], num_scheduled_tokens=[1, 5], block_table=[[1, 2], [3, 4]],
+                     block_size=4)
+    stager = Stager("cpu")
+    with pytest.raises(TypeError, match="flash_attn: options must be FlashAttnOptions, got FlashInferOptions"):
+        attnmeta.build(spec, stager, "flash_attn", attnmeta.get_builder("flashinfer").options(None))
+    with pytest.raises(TypeError, match=r"flashinfer: unknown input\(s\) \['causal'\]"):
+        attnmeta.build(spec, stager, "flashinfer", causal=[True, False])
+    with pytest.raises(UnsupportedBatchError, match="flash_attn: cannot serve this batch: causal: expected one flag"):
+        attnmeta.build(spec, stager, "flash_attn", causal=[True])
+    with pytest.raises(KeyError, match="no builder named 'nope'; registered: "):
+        attnmeta.build(spec, stager, "nope")
+    assert stager.stats.steps_begun == 0  # every error came before a step began
+
+
+def test_generic_build_stages_only_what_the_builder_reads() -> None:
+    """A builder that reads no per-token arrays gets none staged (vLLM's SlotMappingMode.NONE), and one
+    that wants the page table gets it from the common pass."""
+    spec = BatchSpec(num_computed_tokens=[3, 0], num_scheduled_tokens=[1, 50], block_table=[[1, 2], [3, 4]] * 1,
+                     block_size=32)
+    mamba = attnmeta.build(spec, Stager("cpu"), "mamba1")
+    assert mamba.common.slot_mapping_cpu.shape == (0,) and mamba.common.positions.shape == (0,)
+    b = attnmeta.get_builder("flashinfer")
+    assert b.needs(spec, b.options(None)) == CommonNeeds(paged_kv=True)
+    fi = attnmeta.build(spec, Stager("cpu"), b)
+    assert fi.common.slot_mapping_cpu.shape == (51,)
+
+
+def test_registry_is_read_only_and_register_refuses_a_taken_name() -> None:
+    reg = attnmeta.registry()
+    with pytest.raises(TypeError):
+        reg["x"] = None  # type: ignore[index]
+    with pytest.raises(ValueError, match="a builder named 'flash_attn' is registered already"):
+        attnmeta.register(type(attnmeta.get_builder("flash_attn"))())
+    with pytest.raises(TypeError, match="expected a Builder"):
+        attnmeta.register(object())  # type: ignore[arg-type]
+
+
+def test_a_builder_class_without_the_protocol_is_refused() -> None:
+    with pytest.raises(TypeError, match="Incomplete: a Builder must define name, options_type, metadata_type, stage"):
+        type("Incomplete", (Builder,), {})
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_every_builder_in_graph_mode(name: str) -> None:
+    """Graph mode (a profile): the generic build works for every builder on a batch within it, and
+    the next steps keep every device field of the builder at its address."""
+    prof = StaticProfile(max_num_reqs=8, max_num_tokens=64, max_blocks_per_req=16, block_size=4, chunk_size=8)
+    spec = BatchSpec(num_computed_tokens=[3, 9, 0], num_scheduled_tokens=[1, 1, 6], num_prompt_tokens=[2, 5, 6],
+                     block_table=np.arange(3 * 16, dtype=np.int32).reshape(3, 16), block_size=4, num_reqs_padded=4,
+                     num_tokens_padded=10)
+    b = attnmeta.get_builder(name)
+    options, inputs = b.defaults(spec)
+    if hasattr(options, "chunk_size"):
+        options = dataclasses.replace(options, chunk_size=prof.chunk_size)
+    stager = Stager("cpu", profile=prof)
+    first = attnmeta.build(spec, stager, b, options, **inputs)
+    again = attnmeta.build(spec, stager, b, options, **inputs)
+    for field in type(first)._DEVICE_FIELDS:
+        a, c = getattr(first, field), getattr(again, field)
+        assert (a is None) == (c is None), field
+        if a is not None and a.numel():
+            assert a.data_ptr() == c.data_ptr(), f"{name}.{field} moved between graph-mode steps"
