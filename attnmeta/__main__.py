@@ -1,9 +1,4 @@
-"""``python -m attnmeta demo | bench | audit``.
-
-- ``demo``: build the metadata of a built-in mixed batch and print every field readably.
-- ``bench``: side-by-side host timings (see ``python -m attnmeta bench --help``).
-- ``audit``: run every registered builder under the sync audit and print a table.
-"""
+"""``python -m attnmeta demo | bench | audit``: the command line (see :func:`main`)."""
 
 from __future__ import annotations
 
@@ -13,6 +8,11 @@ from collections.abc import Sequence
 
 __all__ = ["main"]
 
+DESCRIPTION = """\
+attnmeta: attention metadata derived on the host and staged in one copy per step.
+Run 'python -m attnmeta COMMAND --help' for a command's options.
+"""
+
 
 def _default_device() -> str:
     import torch
@@ -20,32 +20,84 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _device_error(device: str | None, allowed: tuple[str, ...]) -> str | None:
+    """Why ``--device device`` cannot be used here (None when it can): not a device of ``allowed``
+    types, or a CUDA device that this machine does not have."""
+    if device is None:
+        return None
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        return f"--device: {device!r} is not a device; use one of {', '.join(allowed)}"
+    if dev.type not in allowed:
+        return f"--device: {device!r}; use one of {', '.join(allowed)}"
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            return (f"--device {device}: no CUDA device is available on this machine (torch {torch.__version__}, "
+                    f"{build}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            return f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m attnmeta``; returns the process exit status."""
-    parser = argparse.ArgumentParser(prog="python -m attnmeta", description=__doc__,
+    """Entry point of ``python -m attnmeta``.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        The arguments (default: ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The exit status. Bad arguments exit with status 2 and an argparse-style message (a
+        ``SystemExit``), before anything runs.
+    """
+    parser = argparse.ArgumentParser(prog="python -m attnmeta", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p_demo = sub.add_parser("demo", help="print the metadata of a built-in mixed batch")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    p_demo = sub.add_parser("demo", help="print the metadata of a built-in mixed batch",
+                            description="Build the common metadata and every registered builder's for a built-in "
+                                        "mixed batch, in one step, and print every field: where it lives, its "
+                                        "dtype, shape and values.")
     p_demo.add_argument("--device", default=None, help="cuda, cpu or meta (default: cuda if present, else cpu)")
     p_demo.add_argument("--limit", type=int, default=16, help="values shown per array (default 16)")
-    p_bench = sub.add_parser("bench", help="side-by-side host timings of attnmeta vs the reference paths")
-    from attnmeta.bench import add_arguments as bench_args
+    from attnmeta.bench.cli import DESCRIPTION as BENCH_DESCRIPTION
+    from attnmeta.bench.cli import add_arguments as bench_args
 
+    p_bench = sub.add_parser("bench", help="side-by-side host timings of attnmeta vs the ways engines do it",
+                             description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_args(p_bench)
-    p_audit = sub.add_parser("audit", help="run every builder under the sync audit")
-    p_audit.add_argument("--device", default=None, help="meta (default on CPU) or cuda")
+    p_audit = sub.add_parser("audit", help="run every registered builder under the sync audit",
+                             description="Build every registered builder's metadata for generated batches under "
+                                         "the sync audit and print, per builder, the syncs, pageable copies and "
+                                         "device-to-host races found (all zero when clean).")
+    p_audit.add_argument("--device", default=None, help="cuda, cpu or meta (default: cuda if present, else meta)")
     p_audit.add_argument("--batches", type=int, default=50, help="generated batches per builder (default 50)")
     args = parser.parse_args(argv)
     if args.cmd == "demo":
+        err = _device_error(args.device, ("cuda", "cpu", "meta"))
+        if err:
+            p_demo.error(err)
         from attnmeta.demo import run_demo
 
         print(run_demo(args.device or _default_device(), limit=args.limit))
         return 0
     if args.cmd == "bench":
-        from attnmeta.bench import run_from_args
+        from attnmeta.bench.cli import argument_error, run_from_args
 
+        err = _device_error(args.device, ("cuda", "cpu")) or argument_error(args)
+        if err:
+            p_bench.error(err)
         return run_from_args(args)
     if args.cmd == "audit":
+        err = _device_error(args.device, ("cuda", "cpu", "meta"))
+        if err:
+            p_audit.error(err)
         from attnmeta.audit import run_audit_cli
 
         return int(run_audit_cli(device=args.device, batches=args.batches))

@@ -1,8 +1,9 @@
 """Steady-state decode step: common + FlashAttention + FlashInfer metadata, staged in one copy.
 
-The issue #6 measurement. For batch 1, 64, 256 and 1024 (2048-column block table, page size 16,
+For batch 1, 64, 256 and 1024 (2048-column block table, page size 16,
 contexts uniform in [1, 2048) that grow by one token each step, cycling through 64 successive
-steps) it times whole steps of the three paths of ``python -m attnmeta bench --scenario decode``:
+steps) it times whole steps of the four paths of ``python -m attnmeta bench --scenario decode``
+(:func:`attnmeta.bench.scenarios.decode`):
 
 - ``attnmeta``: BatchSpec -> ``stage_common`` + ``flash_attn.stage`` + ``flashinfer.stage`` into one
   step, the step's one copy, then all three metadata objects (``.result()``);
@@ -18,14 +19,13 @@ block run with the caches another path left behind), each path here runs in roun
 consecutive steps, the way an engine's loop calls it; rounds of the paths alternate, so a drift
 of the machine hits all paths alike. Each round starts with ``--warm`` untimed steps of its path
 (a tenth of that for the two slow paths): right after the reference path's blocking device work
-the host core runs slower for a while (on the H200 machine the fused path's rounds at batch 256
-measured 60 us in median against 38-39 us in a run without the reference path), and an engine's
-loop never switches paths. A round's median is one sample; the table gives the median over
-rounds, the best round (robust on a shared machine whose speed changes from second to second) and
+the host core runs slower for a while (without the warm-up the fused path's first rounds after a
+reference round are markedly slower), and an engine's loop never switches paths. A round's median
+is one sample; the table gives the median over rounds, the best round (robust on a shared machine whose speed changes from second to second) and
 the p99 over every timed step (which a drift of the machine's speed between rounds raises too) and
 ``p99/med``, each round's p99 over its own median, the median over rounds (the steps' own
 jitter, without the drift). Garbage collection is off while timing (an engine tunes its GC; a
-collection in a 25 us window would only measure the collector).
+collection inside a step of tens of microseconds would only measure the collector).
 
 ``fused+spec`` is the fused path with the step's :class:`attnmeta.BatchSpec` constructed (and so
 validated) inside the timed step from the walk's arrays, as an engine constructs one each step
@@ -45,7 +45,7 @@ jitter for a task of the fused step's length (interrupts, another tenant, clock 
 the p99 rule, measured in the same run (it needs the ``fused`` path; omit it with ``--paths``).
 
 With ``--spec`` it times the spec-decode scenario of the bench CLI instead (``spec-decode-k3``: 3
-draft tokens a request, batch 8, 64 and 256), which has no issue targets.
+draft tokens a request, batch 8, 64 and 256), which has no limits.
 
 ``--threads 2,4`` adds the paths ``fused-t2`` and ``fused-t4``: ``FusedStepBuilder(threads=N)``,
 whose replays of batches of at least ``PARALLEL_MIN_ROWS`` (512) requests copy the block-table rows
@@ -53,9 +53,8 @@ and page indices on numba's thread pool (those threads keep their cores busy bet
 
 ``--gap-us 1000`` waits 1 ms before each timed step, untimed, as an engine's host waits for the GPU
 between its steps; ``--gap-mode sleep`` (the default) idles the thread, as a blocking wait does,
-``--gap-mode spin`` keeps it busy on the clock. Back-to-back steps (no gap, the default and the issue
-measurement) run with every cache and predictor warm from the step before; after a gap they do not,
-and every path is slower (docs/benchmarks.md).
+``--gap-mode spin`` keeps it busy on the clock. Back-to-back steps (no gap, the default) run with every cache and predictor warm from the step before; after a gap they do not,
+and every path is slower.
 
 Run: ``python benchmarks/bench_decode.py [--device cpu|cuda] [--rounds 10] [--steps 400] [--paths attnmeta,fused]
 [--pin-cpu N] [--spec] [--threads N,M] [--gap-us US] [--gap-mode sleep|spin]``.
@@ -80,10 +79,10 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnmeta._bench_scenarios import decode, decode_walks, fused_step, spec_decode, spec_decode_walks
+from attnmeta.bench.scenarios import decode, decode_walks, fused_step, spec_decode, spec_decode_walks
 
 TARGETS = {1: 25.0, 64: None, 256: 50.0, 1024: 150.0}
-"""Issue #6 targets (median host microseconds) by batch size."""
+"""Limits of the median host microseconds of a decode step, by batch size (the ``target`` column)."""
 
 
 def main() -> None:
@@ -122,7 +121,7 @@ def main() -> None:
           f"{'pinned to CPU ' + str(args.pin_cpu) if args.pin_cpu is not None else 'not pinned'}"
           f"{f', {args.gap_us:g} us {args.gap_mode} before each step' if args.gap_us else ''}")
     print(f"{'batch':>6} {'path':<11} {'median us':>10} {'best round':>11} {'p99 us':>8} {'p99/med':>8} {'target':>7}")
-    if args.spec:  # spec decode, k = 3 (no issue targets): batch 8, 64, 256
+    if args.spec:  # spec decode, k = 3 (no limits): batch 8, 64, 256
         cases = spec_decode(dev, quick=False)
     else:
         cases = [c for c in decode(dev, quick=False) if c.batch in TARGETS]

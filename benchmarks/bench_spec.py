@@ -2,7 +2,7 @@
 
 An engine builds one ``BatchSpec`` per step from its scheduler's arrays before any builder runs, so
 its cost is part of the step (``bench_decode.py``'s ``fused+spec`` path times the two together).
-For the decode walk of ``bench_decode.py`` (batch 1, 64, 256, 1024; a 2048-column block table, page
+For the decode walks of the bench (batch 1, 8, 64, 256, 1024; a 2048-column block table, page
 size 16, contexts uniform in [1, 2048)), each timed call constructs the next step's spec from its
 arrays (computed tokens, scheduled tokens, prompt lengths, block table: C-contiguous int32, kept
 without a copy); rounds of ``--steps`` calls, with the median per round, then the median over
@@ -31,7 +31,7 @@ if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnmeta import BatchSpec
-from attnmeta._bench_scenarios import decode_walks
+from attnmeta.bench import decode_walks
 from attnmeta.spec import spec_arguments
 
 

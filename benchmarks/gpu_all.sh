@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# Everything attnmeta needs a GPU for, in ONE call on the GPU machine (see docs/benchmarks.md):
-#   1. tests/gpu: staging (one H2D per step from a profiler trace, 10,000-step race test with fencing on
-#      and a control with fencing off, CUDA-graph replay after 1,000 commits), real kernels fed by
-#      attnmeta metadata; all under torch.cuda.set_sync_debug_mode("error");
-#   2. `python -m attnmeta bench` on cuda (JSON for docs/benchmarks.md);
-#   3. the host / backend / staging / docs suites with the reference device fixture on cuda (these
-#      tests read device results back to compare them, so they run without the session audit), and the
-#      sync suite with the whole session under the audit in CUDA "error" mode;
-#   4. `python -m attnmeta audit` on cuda.
-#   5. benchmarks/bench_decode.py: the steady-state decode step (issue #6) on cuda, composable and fused.
-# Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (writes logs and bench.json into OUTDIR, default ./out;
-#   PARTS is any of "gpu bench suites audit decode", default all; one device call allows 600 s, so a
-#   full run is two calls: PARTS="gpu decode bench" then PARTS="suites audit")
+# Everything attnmeta needs a GPU for, on the GPU machine (docs/benchmarks.md quotes its output):
+#   gpu     tests/gpu: staging (one H2D per step from a profiler trace, a 10,000-step race test with
+#           fencing on and a control with fencing off, CUDA-graph replay after 1,000 commits), real
+#           kernels fed by attnmeta metadata; all under torch.cuda.set_sync_debug_mode("error");
+#   decode  benchmarks/bench_decode.py on cuda: the steady-state decode step, composable and fused;
+#           benchmarks/bench_spec.py: constructing a step's BatchSpec;
+#   bench   `python -m attnmeta bench` on cuda, every scenario -> bench.json, and benchmarks/report.py's
+#           Markdown table (bench_table.md) and plot (bench.png) of it;
+#   mamba   benchmarks/bench_mamba2.py on cuda and benchmarks/bench_chunks.py (host only);
+#   suites  the host / backend / staging / docs suites with the reference device fixture on cuda (these
+#           tests read device results back to compare them, so they run without the session audit), and
+#           the sync suite with the whole session under the audit in CUDA "error" mode;
+#   audit   `python -m attnmeta audit` on cuda.
+# Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
+#   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit", default all). One
+#   device call allows 600 s, so a full run takes three calls: PARTS="gpu decode bench", "mamba audit",
+#   then "suites".
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu bench suites audit decode} "
+PARTS=" ${2:-gpu decode bench mamba suites audit} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -27,29 +31,34 @@ print("date", __import__("datetime").date.today(), "python", platform.python_ver
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA")
 PYEOF
 if want gpu; then
-echo "== 1. tests/gpu" | tee "$OUT_DIR/gpu_tests.log"
+echo "== gpu: tests/gpu" | tee "$OUT_DIR/gpu_tests.log"
 timeout 120 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee -a "$OUT_DIR/gpu_tests.log" || status=1
 fi
 if want decode; then
-echo "== 5. steady-state decode step" | tee "$OUT_DIR/bench_decode.txt"
-timeout 200 $PY benchmarks/bench_decode.py --device cuda 2>&1 | tee -a "$OUT_DIR/bench_decode.txt" || status=1
+echo "== decode: steady-state decode step" | tee "$OUT_DIR/bench_decode.txt"
+timeout 200 $PY benchmarks/bench_decode.py --device cuda --threads 4 2>&1 | tee -a "$OUT_DIR/bench_decode.txt" || status=1
+timeout 60 $PY benchmarks/bench_spec.py 2>&1 | tee -a "$OUT_DIR/bench_decode.txt" || status=1
 fi
 if want bench; then
-echo "== 2. bench" | tee "$OUT_DIR/bench.txt"
-timeout 220 $PY -m attnmeta bench --no-progress --reps 100 --json "$OUT_DIR/bench.json" \
-  --scenario staging --scenario decode --scenario mixed --scenario spec-decode-k3 --scenario mamba2-prefill \
-  --scenario fast-prefill --scenario local-attention 2>&1 | tee -a "$OUT_DIR/bench.txt" || status=1
+echo "== bench: python -m attnmeta bench" | tee "$OUT_DIR/bench.txt"
+timeout 150 $PY -m attnmeta bench --device cuda --no-progress --reps 100 --json "$OUT_DIR/bench.json" 2>&1 | tee -a "$OUT_DIR/bench.txt" || status=1
+timeout 30 $PY benchmarks/report.py "$OUT_DIR/bench.json" --plot "$OUT_DIR/bench.png" > "$OUT_DIR/bench_table.md" || status=1
+fi
+if want mamba; then
+echo "== mamba: Mamba2 step and chunk metadata" | tee "$OUT_DIR/bench_mamba.txt"
+timeout 240 $PY benchmarks/bench_mamba2.py --device cuda 2>&1 | tee -a "$OUT_DIR/bench_mamba.txt" || status=1
+timeout 120 $PY benchmarks/bench_chunks.py 2>&1 | tee -a "$OUT_DIR/bench_mamba.txt" || status=1
 fi
 if want suites; then
-echo "== 3a. host derivations vs references on cuda (the device fixture runs cpu and cuda)" | tee "$OUT_DIR/suite_audit.log"
+echo "== suites: host derivations vs references on cuda (the device fixture runs cpu and cuda)" | tee "$OUT_DIR/suite_audit.log"
 timeout 150 $PY -m pytest tests/host -q -p no:cacheprovider 2>&1 | tail -15 | tee -a "$OUT_DIR/suite_audit.log" || status=1
-echo "== 3b. builders, staging, docs vs references on cuda" | tee -a "$OUT_DIR/suite_audit.log"
+echo "== suites: builders, staging, docs vs references on cuda" | tee -a "$OUT_DIR/suite_audit.log"
 timeout 150 $PY -m pytest tests/backends tests/staging tests/docs -q -p no:cacheprovider 2>&1 | tail -15 | tee -a "$OUT_DIR/suite_audit.log" || status=1
-echo "== 3c. the sync-audit suite on cuda, the whole session under the audit (CUDA error mode)" | tee -a "$OUT_DIR/suite_audit.log"
+echo "== suites: the sync-audit suite on cuda, the whole session under the audit (CUDA error mode)" | tee -a "$OUT_DIR/suite_audit.log"
 timeout 60 $PY -m pytest -p attnmeta.testing.pytest_plugin --attnmeta-sync-audit tests/sync -q -p no:cacheprovider 2>&1 | tail -5 | tee -a "$OUT_DIR/suite_audit.log" || status=1
 fi
 if want audit; then
-echo "== 4. audit" | tee "$OUT_DIR/audit.txt"
+echo "== audit" | tee "$OUT_DIR/audit.txt"
 timeout 40 $PY -m attnmeta audit --device cuda --batches 10 2>&1 | tee -a "$OUT_DIR/audit.txt" || status=1
 fi
 exit $status

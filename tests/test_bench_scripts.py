@@ -1,8 +1,9 @@
-"""The issue-#6 benchmark scripts run end to end on the CPU, with tiny settings, and print every row.
+"""The benchmark scripts run end to end on the CPU, with tiny settings, and print every row.
 
 docs/benchmarks.md quotes these scripts' output; a script that no longer runs (an API it calls
 changed, a row it drops) fails here rather than on the GPU machine. Timings are never asserted
 (performance lives in benchmarks, not tests): only that each row is there with positive numbers.
+(bench_mamba2.py and bench_chunks.py are tested with the Mamba builders.)
 """
 
 from __future__ import annotations
@@ -11,16 +12,24 @@ import subprocess
 import sys
 from pathlib import Path
 
+from attnmeta.__main__ import main
+
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = (1, 64, 256, 1024)
 
 
-def _run(script: str, *args: str) -> list[list[str]]:
-    """Run ``benchmarks/<script>`` and return its table rows (lines that start with a batch size)."""
+def _script(script: str, *args: str) -> str:
+    """Run ``benchmarks/<script>``; its standard output."""
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [line.split() for line in done.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+    return done.stdout
+
+
+def _run(script: str, *args: str) -> list[list[str]]:
+    """Run ``benchmarks/<script>`` and return its table rows (lines that start with a batch size)."""
+    out = _script(script, *args)
+    return [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
 
 
 def test_bench_decode_prints_every_path_at_every_batch_size() -> None:
@@ -39,3 +48,29 @@ def test_bench_spec_prints_every_batch_size() -> None:
     rows = _run("bench_spec.py", "--rounds", "1", "--steps", "3")
     assert [int(r[0]) for r in rows] == [1, 8, 64, 256, 1024]
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
+
+
+def test_report_turns_bench_json_into_the_docs_table(tmp_path: Path) -> None:
+    data = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--reps", "2", "--no-progress", "--device", "cpu", "--scenario", "staging",
+                 "--scenario", "spec-decode-k3", "--scenario", "builder:flash_attn", "--json", str(data)]) == 0
+    out = _script("report.py", str(data))
+    assert out.startswith("device: cpu (cpu), torch ")
+    table = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
+    assert [c.strip() for c in table[0][:3]] == ["scenario", "batch", "attnmeta median / p99 us"]
+    rows = {(c[0].strip(), int(c[1])): [x.strip() for x in c] for c in table[1:]}
+    assert set(rows) == {("staging-8-arrays", 8), ("spec-decode-k3", 8), ("spec-decode-k3", 64),
+                         ("builder:flash_attn", 4), ("builder:flash_attn", 32)}
+    staging, spec = rows[("staging-8-arrays", 8)], rows[("spec-decode-k3", 64)]
+    assert staging[3] == "-" and spec[3] != "-"  # the fused column: spec decode has the path
+    assert staging[6].endswith("x") and staging[7].endswith("x")  # per-tensor and reference over attnmeta
+    assert staging[8] == "0, 0, 8" and staging[9] == "1, 8, 8"  # syncs, copies: attnmeta, per-tensor, ref
+    fa = rows[("builder:flash_attn", 4)]  # attnmeta and its reference only; the reference's counts are
+    assert fa[4] == "-" and fa[6] == "-" and fa[7].endswith("x") and fa[8] == "0, -, -"  # CUDA-only
+    ratios = _script("report.py", str(data), "--ratios")
+    lines = [line.split("|")[1:-1] for line in ratios.splitlines() if line.startswith("| ")]
+    assert "median" not in "".join(lines[0]) and " us" not in "".join(lines[0])  # no absolute times
+    by = {(c[0].strip(), int(c[1])): [x.strip() for x in c] for c in lines[1:]}
+    assert set(by) == set(rows)
+    spec = by[("spec-decode-k3", 64)]  # reference / attnmeta, per-tensor / attnmeta, attnmeta / fused
+    assert all(x.endswith("x") for x in spec[2:5]) and spec[5] == "0, 0, 0, 5" and spec[6] == "1, 1, 8, 3"

@@ -1,25 +1,50 @@
-"""The command line: demo output is readable, bench --quick runs and its JSON parses, audit is clean.
+"""The command line as a user meets it, and the bench's scenarios.
+
+demo: readable output, every registered builder shown, a clear error for a device this machine lacks.
+bench: --quick runs and its JSON parses; --scenario lists the names and rejects unknown ones; --plot
+without matplotlib stops before anything runs; the plot draws every scenario, one colour per path.
+audit: clean. --help: plain text, no markup. Every registered builder has a bench scenario, and a
+builder that is not built in is benchmarked against its reference by the same machinery.
 
 Timings are never asserted (performance lives in benchmarks, not tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
+import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
+import attnmeta
+from attnmeta import BatchSpec, Builder, Staged, StagedCommon, Step
 from attnmeta.__main__ import main
+from attnmeta.bench import BenchRow, builder_cases, builder_scenarios, measure, scenario_names
+from attnmeta.bench import cli as bench_cli
+from attnmeta.bench.report import panels, path_colours
 
 
+def _exit_code(argv: list[str]) -> int:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return int(e.value.code or 0)
+
+
+# ------------------------------------------------------------------------------------------- demo
 def test_demo_prints_every_field(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     for needle in ("CommonAttentionMetadata", "query_start_loc", "slot_mapping", "FlashAttentionMetadata",
-                   "FlashInferMetadata", "paged_kv_indices", "Mamba2Metadata", "cu_chunk_seqlen",
-                   "1 host->device copy"):
+                   "FlashInferMetadata", "paged_kv_indices", "1 host->device copy"):
         assert needle in out, needle
+    for name, b in attnmeta.registry().items():  # every registered builder, with its metadata type
+        assert f"(builder {name!r})" in out and b.metadata_type.__name__ in out, name
     assert "[ 0, 1, 2,42,75,75,75]" in out.replace("  ", " ") or "[0,1,2,42,75,75,75]" in out.replace(" ", "")
 
 
@@ -28,6 +53,51 @@ def test_demo_on_meta_device(capsys: pytest.CaptureFixture[str]) -> None:
     assert "device:meta" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["demo", "bench", "audit"])
+def test_cuda_without_a_gpu_is_a_clear_error(command: str, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _exit_code([command, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device is available" in err and "--device cpu" in err and "Traceback" not in err
+
+
+def test_a_device_that_does_not_exist_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(["demo", "--device", "gpu0"]) == 2
+    assert "'gpu0' is not a device" in capsys.readouterr().err
+    assert _exit_code(["bench", "--device", "meta"]) == 2  # the bench times real data
+    assert "use one of cuda, cpu" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- help
+HELP = [["--help"], ["demo", "--help"], ["bench", "--help"], ["audit", "--help"]]
+
+
+@pytest.mark.parametrize("argv", HELP, ids=lambda a: " ".join(a))
+def test_help_is_plain_text(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(argv) == 0
+    out = capsys.readouterr().out
+    assert "usage: python -m attnmeta" in out
+    assert "``" not in out, out
+    assert not re.search(r":[a-z]+:`", out), out  # no Sphinx roles (:func:`...`, :class:`...`)
+
+
+def test_bench_help_lists_every_scenario(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    listed = out[out.index("scenarios:"):]
+    names = re.findall(r"[\w:.-]+", listed.split(":", 1)[1])
+    assert names == scenario_names()
+    assert "builder:flash_attn" in names and "decode" in names
+
+
+def test_unknown_scenario_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(["bench", "--scenario", "decode", "--scenario", "decod"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'decod'" in err and "'builder:flashinfer'" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------- bench
 def test_bench_quick_runs_and_json_parses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     rc = main(["bench", "--quick", "--reps", "2", "--no-progress", "--device", "cpu", "--scenario", "decode",
@@ -36,6 +106,7 @@ def test_bench_quick_runs_and_json_parses(tmp_path: Path, capsys: pytest.Capture
     table = capsys.readouterr().out
     assert "median us" in table and "attnmeta" in table and "per-tensor" in table
     data = json.loads(out.read_text())
+    assert data["device"] == "cpu" and data["date"] and data["torch"] == torch.__version__
     rows = data["rows"]
     assert {r["path"] for r in rows} == {"attnmeta", "reference", "per-tensor", "fused"}
     assert {r["path"] for r in rows if r["scenario"] == "staging-8-arrays"} == {"attnmeta", "reference", "per-tensor"}
@@ -53,9 +124,142 @@ def test_bench_quick_runs_and_json_parses(tmp_path: Path, capsys: pytest.Capture
             assert 0 <= extra <= 28 * r["batch"] + 64, (r["batch"], extra)
         if r["path"] == "reference":
             assert r["syncs_per_step"] > 0
+        if r["path"] == "per-tensor":
+            assert r["h2d_per_step"] >= 3 and r["syncs_per_step"] == 0.0
 
 
+def test_plot_without_matplotlib_stops_before_the_bench_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    ran: list[Any] = []
+
+    def run_bench(**kw: Any) -> list[BenchRow]:
+        ran.append(kw)
+        return []
+
+    monkeypatch.setattr(bench_cli, "run_bench", run_bench)
+    out = tmp_path / "bench.json"
+    assert _exit_code(["bench", "--device", "cpu", "--scenario", "staging", "--plot", str(tmp_path / "p.png"),
+                       "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'attnmeta[plot]'" in err and "Traceback" not in err
+    assert ran == [] and not out.exists()
+
+
+def _rows() -> list[BenchRow]:
+    spec = [("decode", 1, "attnmeta", 20.0), ("decode", 64, "attnmeta", 30.0), ("decode", 64, "fused", 15.0),
+            ("decode", 1, "reference", 900.0), ("staging-8-arrays", 8, "per-tensor", 50.0),
+            ("staging-8-arrays", 8, "attnmeta", 10.0), ("builder:toy", 4, "mine", 5.0)]
+    return [BenchRow(s, b, p, t, 2 * t, 0.0, 1.0, 100.0, 0, 5) for s, b, p, t in spec]
+
+
+def test_plot_panels_cover_every_scenario_and_colours_are_per_path() -> None:
+    rows = _rows()
+    drawn = panels(rows)
+    assert list(drawn) == ["decode", "staging-8-arrays", "builder:toy"]  # single-batch scenarios too
+    assert drawn["decode"] == {"attnmeta": [(1, 20.0), (64, 30.0)], "fused": [(64, 15.0)],
+                               "reference": [(1, 900.0)]}
+    colours = path_colours([r.path for r in rows])
+    assert len(set(colours.values())) == len(colours)  # one colour per path ...
+    assert path_colours([r.path for r in reversed(rows)])["attnmeta"] == colours["attnmeta"]  # ... in any plot
+
+
+def test_plot_draws_every_scenario_in_one_colour_per_path(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install 'attnmeta[plot]')")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from attnmeta.bench.report import plot
+
+    figures: list[Any] = []
+    real_close = plt.close
+    plt.close = lambda fig=None: figures.append(fig)  # type: ignore[assignment]  # keep the figure to inspect
+    try:
+        plot(_rows(), tmp_path / "p.png", title="test")
+    finally:
+        plt.close = real_close  # type: ignore[assignment]
+    assert (tmp_path / "p.png").stat().st_size > 0
+    fig = figures[0]
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in axes] == ["decode", "staging-8-arrays", "builder:toy"]
+    seen: dict[str, set[Any]] = {}
+    for ax in axes:
+        for line in ax.get_lines():
+            seen.setdefault(line.get_label(), set()).add(matplotlib.colors.to_hex(line.get_color()))
+    assert set(seen) == {"attnmeta", "fused", "reference", "per-tensor", "mine"}
+    assert all(len(c) == 1 for c in seen.values()), seen
+    assert len({next(iter(c)) for c in seen.values()}) == len(seen)
+    real_close(fig)
+
+
+# ------------------------------------------------------------------------------------------- audit
 def test_audit_cli_is_clean(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["audit", "--device", "meta", "--batches", "2"]) == 0
     out = capsys.readouterr().out
-    assert "clean" in out and "flashinfer" in out and "mamba2" in out
+    assert "clean" in out
+    for name in attnmeta.registry():
+        assert name in out, name
+
+
+# ------------------------------------------------------------------------------------------- registry scenarios
+def test_every_registered_builder_has_a_bench_scenario() -> None:
+    assert set(builder_scenarios()) == {f"builder:{n}" for n in attnmeta.registry()}
+    assert set(builder_scenarios()) <= set(scenario_names())
+
+
+@dataclasses.dataclass(frozen=True)
+class _ToyOptions:
+    prefix: str = "toy"
+    factor: int = 2
+
+
+class _Toy(Builder[_ToyOptions, np.ndarray]):
+    """A builder that is not built in: ``factor * seq_lens`` (int32, device)."""
+
+    name = "toy_scaled_seq_lens"
+    options_type = _ToyOptions
+    metadata_type = torch.Tensor
+
+    def stage(self, common: StagedCommon, step: Step, options: _ToyOptions | None = None,
+              **inputs: Any) -> Staged[None, Any]:
+        opts = self.options(options)
+        step.stage(opts.prefix + ".scaled", common.host.seq_lens_cpu * opts.factor)
+        return Staged(step, None, lambda: step.device(opts.prefix + ".scaled"))
+
+    def reference(self, spec: BatchSpec, options: _ToyOptions, device: torch.device,
+                  **inputs: Any) -> dict[str, Any]:
+        from attnmeta.testing.reference import ref_common_fields
+
+        return {"scaled": ref_common_fields(spec, device)["seq_lens"] * options.factor}
+
+
+def test_a_new_builder_is_benchmarked_against_its_reference() -> None:
+    cases = builder_cases(_Toy(), torch.device("cpu"), quick=True)
+    assert [(c.scenario, c.batch, list(c.paths)) for c in cases] == [
+        ("builder:toy_scaled_seq_lens", 4, ["attnmeta", "reference"]),
+        ("builder:toy_scaled_seq_lens", 32, ["attnmeta", "reference"])]
+    rows = measure(cases, torch.device("cpu"), reps=2, warmup=1, count_steps=2)
+    by = {(r.batch, r.path): r for r in rows}
+    for b in (4, 32):
+        a, ref = by[(b, "attnmeta")], by[(b, "reference")]
+        assert a.h2d_per_step == 1.0 and a.syncs_per_step == 0.0 and a.bytes_per_step and a.bytes_per_step > 0
+        # The reference runs inside attnmeta.testing.reference (an oracle the CPU pass cannot see
+        # into) and uploads on its own: nothing counted on CPU, rather than a wrong zero.
+        assert ref.syncs_per_step is None and ref.h2d_per_step is None and ref.bytes_per_step is None
+    # The attnmeta path builds the builder's metadata through the generic attnmeta.build.
+    spec = BatchSpec(num_computed_tokens=[5, 0], num_scheduled_tokens=[1, 3], block_table=[[1, 2], [3, 4]],
+                     block_size=4)
+    assert attnmeta.build(spec, attnmeta.Stager("cpu"), _Toy()).tolist() == [12, 6]
+
+
+def test_a_builder_whose_defaults_it_cannot_serve_is_named() -> None:
+    class Picky(_Toy):
+        name = "picky"
+
+        def unsupported_reasons(self, spec: BatchSpec, options: _ToyOptions, **inputs: Any) -> list[str]:
+            return ["no prefills, please"] if spec.max_query_len > 1 else []
+
+    with pytest.raises(ValueError, match=r"builder:picky: the builder's defaults\(\) cannot serve .*no prefills"):
+        builder_cases(Picky(), torch.device("cpu"), quick=True)
