@@ -25,6 +25,7 @@ from attnmeta.builder import (
     get_builder,
     register,
     registry,
+    unregister,
 )
 from attnmeta.common import build_common, stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
@@ -52,5 +53,6 @@ __all__ = [
     "register",
     "registry",
     "stage_common",
+    "unregister",
 ]
 __version__ = "0.1.0"

@@ -19,6 +19,11 @@ object of one protocol (:class:`Builder`):
   from which the demo, the sync audit, the benchmarks and the generic equivalence check
   (:func:`attnmeta.testing.check_builder`) work.
 
+For writing one, this module also exports the pieces every builder uses: :class:`MetadataBase` (the
+field roles and the sync-free ``repr``/``describe`` of metadata types), :func:`keyword_factory` (a
+builder's fast keyword constructor of its metadata type), and the option checks
+:func:`option_int`, :func:`option_bool`, :func:`option_choice`, :func:`option_prefix`.
+
 :func:`register` adds a builder to the registry that ``python -m attnmeta audit``, ``python -m
 attnmeta demo``, ``python -m attnmeta bench`` and the test suite read, so a builder is audited and
 benchmarked by being registered. The built-in builders are registered when :mod:`attnmeta.backends`
@@ -47,6 +52,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
+from attnmeta._checks import option_bool, option_choice, option_int, option_prefix
+from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.common import stage_common
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Stager
@@ -54,7 +61,22 @@ from attnmeta.staging import Staged, Stager
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Builder", "CommonNeeds", "UnsupportedBatchError", "build", "get_builder", "register", "registry"]
+__all__ = [
+    "Builder",
+    "CommonNeeds",
+    "MetadataBase",
+    "UnsupportedBatchError",
+    "build",
+    "get_builder",
+    "keyword_factory",
+    "option_bool",
+    "option_choice",
+    "option_int",
+    "option_prefix",
+    "register",
+    "registry",
+    "unregister",
+]
 
 OptionsT = TypeVar("OptionsT")
 MetadataT = TypeVar("MetadataT")
@@ -200,6 +222,21 @@ def register(builder: Builder[Any, Any], *, replace: bool = False) -> Builder[An
         raise ValueError(f"register(): a builder named {name!r} is registered already (replace=True replaces it)")
     _REGISTRY[name] = builder
     return builder
+
+
+def unregister(name: str) -> Builder[Any, Any]:
+    """Remove the builder registered as ``name`` (a test that registered one of its own cleans up);
+    returns it.
+
+    Raises
+    ------
+    KeyError
+        No such builder.
+    """
+    registry()  # (the built-in builders first, so they are never registered after this)
+    if name not in _REGISTRY:
+        raise KeyError(f"no builder named {name!r}; registered: {sorted(_REGISTRY)}")
+    return _REGISTRY.pop(name)
 
 
 def registry() -> Mapping[str, Builder[Any, Any]]:

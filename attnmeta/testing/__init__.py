@@ -5,8 +5,12 @@
   derivation (the way engines used to compute metadata, synchronisations included): the oracle.
 - :mod:`attnmeta.testing.assertions`: bit-exact comparison of host results with device tensors.
 - :mod:`attnmeta.testing.workloads`: seeded random batches (numpy only) for audits and benchmarks.
+- :mod:`attnmeta.testing.builders`: :func:`check_builder` (a builder's fields against its reference)
+  and :func:`audit_builder` (a builder under the sync audit), for any registered builder.
 
 Nothing here is used on the serving path; these modules may read device tensors on the host.
 """
 
-__all__: list[str] = []
+from attnmeta.testing.builders import audit_builder, check_builder
+
+__all__ = ["audit_builder", "check_builder"]

@@ -19,5 +19,5 @@ def _pages() -> list[Path]:
 def test_doc_examples_run(page: Path) -> None:
     ns: dict[str, object] = {"__name__": f"docs_{page.stem}"}
     for i, block in enumerate(_BLOCK.findall(page.read_text())):
-        code = compile(block, f"{page.name}[block {i}]", "exec")
+        code = compile(block, f"{page.name}[block {i}]", "exec", dont_inherit=True)  # as a user runs it
         exec(code, ns)
