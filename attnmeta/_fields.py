@@ -8,7 +8,7 @@ Every metadata dataclass declares three class-level tuples:
 
 ``__repr__`` (shape dtype device only, never values), ``describe()`` (host values) and the
 ``replace`` twin check loop over these tuples; none of them is written per class, and none of them
-ever reads device memory (STYLE.md items 1 and 11).
+ever reads device memory.
 
 Builders construct a metadata object every step. :func:`keyword_factory` gives them a keyword
 constructor of a frozen dataclass without the frozen ``__init__``'s ``object.__setattr__`` call per

@@ -157,7 +157,7 @@ class CommonAttentionMetadata(MetadataBase):
     all False when the spec gives no prompt lengths."""
     num_decode_draft_tokens_cpu: np.ndarray | None
     """(num_reqs,) int32, host only, or None without spec decode. Drafts of row i when
-    ``q_i == drafts_i + 1``, else -1; padding rows -1 (vllm-semantics.md 3.4)."""
+    ``q_i == drafts_i + 1``, else -1; padding rows -1 (docs/semantics.md, "Draft tokens")."""
     # ---- host scalars
     num_reqs: int
     """Request rows, padding included."""
@@ -241,7 +241,7 @@ class CommonAttentionMetadata(MetadataBase):
         return self.seq_lens - (self.query_start_loc[1:] - self.query_start_loc[:-1])
 
     def validate(self) -> None:
-        """Check the invariants of vllm-semantics.md section 2 on the host twins (never syncs).
+        """Check the invariants of docs/semantics.md, "CommonAttentionMetadata" on the host twins (never syncs).
 
         Raises
         ------

@@ -1,7 +1,7 @@
 """``StaticProfile``: the device-independent facts fixed when CUDA graphs are captured.
 
 A profile gives every staged device field a fixed capacity, so in graph mode every field keeps its
-address for the stager's lifetime (DESIGN.md, "graph mode"). Per-step metadata is sized *from* the
+address for the stager's lifetime (:mod:`attnmeta.staging.stager`, "Graph mode"). Per-step metadata is sized *from* the
 profile; anything larger than a capacity is an error naming the field, the need and the capacity.
 """
 

@@ -17,7 +17,7 @@ The result type, and why
 :class:`~attnmeta.metadata.CommonAttentionMetadata` (``.common``) plus the runner's logits fields. vLLM
 instead builds a dynamic subclass of every wrapped backend's metadata class and re-attaches
 ``logits_indices_padded`` / ``num_logits_indices`` to it. attnmeta composes instead of subclassing
-(STYLE.md item 15): the transformed batch *is* a common metadata object, every twin consistent, so any
+(composition over subclassing): the transformed batch *is* a common metadata object, every twin consistent, so any
 backend builder takes it unchanged (``Staged.host.common`` is the staged form to pass to, e.g.,
 :func:`attnmeta.backends.flash_attn.stage` in the same step), and the logits fields, which only the
 runner and the KV-sharing layers read, stay out of the shared common type.

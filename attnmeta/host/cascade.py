@@ -1,4 +1,4 @@
-"""Cascade attention: shared-prefix decision and arrays, on the host (vllm-semantics.md section 7).
+"""Cascade attention: shared-prefix decision and arrays, on the host (docs/semantics-attention.md, "FlashAttentionMetadata").
 
 Cascade attention splits a batch whose requests share a cached prefix of ``L`` tokens into two passes:
 one non-causal pass of *all* query tokens over the shared prefix (batch of one), and one causal pass of

@@ -1,4 +1,4 @@
-"""KV-sharing fast prefill, derived on the host (vllm-semantics.md section 5.5).
+"""KV-sharing fast prefill, derived on the host (docs/semantics-attention.md, "FastPrefillMetadata (KV-sharing fast prefill)").
 
 With ``kv_sharing_fast_prefill``, the layers that reuse an earlier layer's KV cache compute only the
 tokens whose logits are needed. Their attention runs a decode-like batch holding just those query
@@ -119,7 +119,7 @@ def fast_prefill_query_start_loc(
 
     Examples
     --------
-    vllm-semantics.md 5.5: q = [15, 5, 8], two logits for the second request (spec decode).
+    docs/semantics-attention.md, "FastPrefillMetadata (KV-sharing fast prefill)": q = [15, 5, 8], two logits for the second request (spec decode).
 
     >>> import numpy as np
     >>> qsl = np.array([0, 15, 20, 28], np.int32)

@@ -1,6 +1,6 @@
 """FlashAttention (and FlashInfer) host helpers: DCP context lengths and per-request causal flags.
 
-vllm-semantics.md sections 5.9 and 7. With decode context parallelism (DCP, world size ``W``, this
+docs/semantics.md, "Context parallelism"; docs/semantics-attention.md, "FlashAttentionMetadata". With decode context parallelism (DCP, world size ``W``, this
 rank ``r``, interleave ``I``), each rank holds only part of every request's KV cache, and the
 FlashAttention builder attends to the *context* (``seq_lens - query_lens``; the new tokens are attended
 separately) through the rank's local share of it. vLLM 0.33.0 computes those local lengths on the
@@ -36,7 +36,7 @@ _Q_GT_S = 3
 
 @njit
 def _dcp_local_len(total: int, world: int, rank: int, interleave: int) -> int:
-    """Tokens of a ``total``-token sequence held by ``rank`` (vllm-semantics.md 5.9)."""
+    """Tokens of a ``total``-token sequence held by ``rank`` (docs/semantics.md, "Context parallelism")."""
     base = total // interleave // world * interleave
     extra = total - base * world - rank * interleave
     if extra < 0:

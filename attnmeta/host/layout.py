@@ -4,10 +4,10 @@ Everything here is numpy in, numpy out, computed by numba kernels in one pass ov
 tokens; nothing imports torch. Each public function validates its inputs (a ``ValueError`` or
 ``TypeError`` that names the field, the row and the rule), allocates its output with an explicit dtype
 or writes into a caller's ``out=`` buffer (for instance a view into the step's pinned staging
-buffer), and matches vLLM 0.33.0 value for value, dtype for dtype (vllm-semantics.md sections 2-4,
-5.9 and 6.4).
+buffer), and matches vLLM 0.33.0 value for value, dtype for dtype (docs/semantics.md, "How a step is
+derived" and "Context parallelism"; docs/semantics-mamba.md, "Prefill query starts and contexts").
 
-Padding sentinels (CUDA-graph padding, DESIGN.md): request rows past ``num_reqs`` get
+Padding sentinels (docs/semantics.md, "CUDA-graph padding"): request rows past ``num_reqs`` get
 ``query_start_loc`` repeating its last value, ``seq_lens`` 0 and ``is_prefilling`` False; tokens past
 ``num_tokens`` get ``positions`` 0 and ``slot_mapping`` :data:`PAD_SLOT_ID` (-1).
 
@@ -683,7 +683,7 @@ def slot_mapping(
     context_parallel: ContextParallel | None = None,
     out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """KV-cache slot of every scheduled token (vLLM ``slot_mapping``, vllm-semantics.md section 4).
+    """KV-cache slot of every scheduled token (vLLM ``slot_mapping``, docs/semantics.md, "Block table and slot mapping").
 
     For request ``i`` and a token at position ``p``:
 
@@ -821,7 +821,7 @@ def dcp_local_seq_lens(
     *,
     out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Tokens of each sequence stored on one (or every) context-parallel rank (vllm-semantics 5.9).
+    """Tokens of each sequence stored on one (or every) context-parallel rank (docs/semantics.md, "Context parallelism").
 
     With ``base = (S // I // W) * I`` and ``rem = S - base * W``, rank ``r`` holds
     ``base + clip(rem - r * I, 0, I)`` tokens of a sequence of length ``S``.
@@ -890,7 +890,7 @@ def prefill_cpu_metadata(
     num_prefills: int,
     num_decode_tokens: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Context lengths and query starts of the prefill rows, from host data (vllm-semantics 6.4).
+    """Context lengths and query starts of the prefill rows, from host data (docs/semantics-mamba.md, "Prefill query starts and contexts").
 
     The prefill rows are the last ``num_prefills`` rows of a reordered batch. Their query starts are
     ``query_start_loc_cpu[num_reqs - num_prefills:] - num_decode_tokens`` and their computed-token

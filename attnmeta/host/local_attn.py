@@ -1,4 +1,4 @@
-"""Chunked local attention as virtual batches, derived on the host (vllm-semantics.md section 5.6).
+"""Chunked local attention as virtual batches, derived on the host (docs/semantics-attention.md, "LocalAttentionMetadata (chunked local attention)").
 
 Chunked local attention (Llama 4's ``attention_chunk_size``, ``A``) lets a token see only the KV of its
 own aligned ``A``-token chunk. vLLM turns each request into "virtual" requests, one per local chunk its
@@ -331,7 +331,7 @@ def local_virtual_batches(
 
     Examples
     --------
-    vllm-semantics.md 5.6: q = [4, 10, 5], s = [6, 17, 9], A = 4, block_size = 2, block rows
+    docs/semantics-attention.md, "LocalAttentionMetadata (chunked local attention)": q = [4, 10, 5], s = [6, 17, 9], A = 4, block_size = 2, block rows
     ``[10i .. 10i+9]``, plus one padding row.
 
     >>> import numpy as np

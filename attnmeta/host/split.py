@@ -2,12 +2,12 @@
 
 Backends run decode rows and prefill rows through different kernels, so they need to know where the
 boundary lies in a batch ordered decode -> short extend -> long extend -> prefill. These functions
-reproduce vLLM 0.33.0's helpers (vllm-semantics.md sections 5.1-5.3) exactly, quirks included, but
+reproduce vLLM 0.33.0's helpers (docs/semantics.md, "Splitting decodes from prefills") exactly, quirks included, but
 read host arrays only and run in numba, so they never touch a device tensor.
 
 Shape legend
 ------------
-- ``num_reqs``: request rows, CUDA-graph padding rows included (``B`` in vllm-semantics.md).
+- ``num_reqs``: request rows, CUDA-graph padding rows included (``B`` in docs/semantics.md).
 - ``num_tokens``: tokens of the step (``num_actual_tokens``), token padding included; may exceed
   ``query_start_loc_cpu[-1]``.
 - ``num_swaps``: row swaps the reorder performs (``< num_reqs``).
@@ -463,7 +463,7 @@ def reorder_decodes_and_prefills(
 ) -> Reorder:
     """The row swaps vLLM makes to order a batch decode -> short extend -> long extend -> prefill.
 
-    Each row gets a region (vllm-semantics.md section 5.3): 0 decode (``c > 0``, ``q <= threshold``,
+    Each row gets a region (docs/semantics.md, "reorder_decodes_and_prefills"): 0 decode (``c > 0``, ``q <= threshold``,
     ``c >= P``), 1 short extend (``c > 0``, ``q <= threshold``, ``c < P``), 2 long extend (``c > 0``,
     ``q > threshold``), 3 prefill (``c == 0``). Only rows whose region differs from their slot's
     target region move: stably sorted by region they are mapped onto those slots in ascending order,

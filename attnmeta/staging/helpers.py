@@ -1,4 +1,4 @@
-"""Device-side helpers for the seed patterns (DESIGN.md patterns 2 and 3).
+"""Device-side helpers: constant index tensors uploaded once, and sync-free pad-out.
 
 - :class:`DeviceIndexCache`: constant index tensors built once per device with one async upload from
   pinned memory, then applied on the device with ``index_fill_`` / ``index_copy_``.

@@ -1,4 +1,4 @@
-"""Cascade (shared-prefix) attention metadata (vllm-semantics.md 7) against device references, audit."""
+"""Cascade (shared-prefix) attention metadata (docs/semantics-attention.md, "FlashAttentionMetadata") against device references, audit."""
 
 from __future__ import annotations
 

@@ -111,8 +111,8 @@ def addr(t: torch.Tensor) -> int:
 def expected_width(spec: BatchSpec) -> int:
     """Eager-mode block-table columns: the most blocks any request uses (at least 1).
 
-    Under context parallelism one column holds ``block_size * world_size`` tokens (vllm-semantics.md
-    section 4), so a request of length ``s`` uses ``cdiv(s, block_size * world_size)`` columns.
+    Under context parallelism one column holds ``block_size * world_size`` tokens (docs/semantics.md,
+    "Context parallelism"), so a request of length ``s`` uses ``cdiv(s, block_size * world_size)`` columns.
     """
     cp = spec.context_parallel
     span = spec.block_size * (1 if cp is None else cp.world_size)
@@ -695,7 +695,7 @@ def test_rich_example_values() -> None:
     assert cm.positions_cpu.tolist() == [9, 10, 11, 4, 2, 3, 4, 5, 6, 0, 0, 0]
 
 
-# Slots by hand (vllm-semantics.md section 4): W=2, bs=4 -> V=8 tokens per block-table column, o = p % 8,
+# Slots by hand (docs/semantics.md, "Block table and slot mapping"): W=2, bs=4 -> V=8 tokens per block-table column, o = p % 8,
 # local iff (o // I) % 2 == rank, slot = table[p // 8] * 4 + (o // (2 * I)) * I + o % I, else -1.
 # Request 0: c=0, q=10 (p 0..9), table [7, 9] -> bases 28, 36; request 1: c=5, q=4 (p 5..8), table [3, 6]
 # -> bases 12, 24.

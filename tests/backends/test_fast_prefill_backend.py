@@ -1,4 +1,4 @@
-"""KV-sharing fast prefill metadata (vllm-semantics.md 5.5) against device references, graph mode, audit."""
+"""KV-sharing fast prefill metadata (docs/semantics-attention.md, "FastPrefillMetadata (KV-sharing fast prefill)") against device references, graph mode, audit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""FlashAttention backend metadata (attnmeta.backends.flash_attn; vllm-semantics.md sections 5.1, 5.9, 7).
+"""FlashAttention backend metadata (attnmeta.backends.flash_attn; docs/semantics.md, "split_decodes_and_prefills"; docs/semantics.md, "Context parallelism"; docs/semantics-attention.md, "FlashAttentionMetadata").
 
 Structure (field roles, documented shapes, repr, read-only host arrays) apart from numerics: the
 fields are the common metadata's own, the decode/prefill counts equal the split reference, the DCP

@@ -1,4 +1,4 @@
-"""FlashInfer backend metadata (vllm-semantics.md 8) against device references, graph mode, audit."""
+"""FlashInfer backend metadata (docs/semantics-attention.md, "FlashInferMetadata") against device references, graph mode, audit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Chunked local attention metadata (vllm-semantics.md 5.6) against device references, graph mode, audit."""
+"""Chunked local attention metadata (docs/semantics-attention.md, "LocalAttentionMetadata (chunked local attention)") against device references, graph mode, audit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cascade attention on the host (vllm-semantics.md 7): runner rule, decision, arrays."""
+"""Cascade attention on the host (docs/semantics-attention.md, "FlashAttentionMetadata"): runner rule, decision, arrays."""
 
 from __future__ import annotations
 

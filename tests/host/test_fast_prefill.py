@@ -1,4 +1,4 @@
-"""KV-sharing fast prefill on the host (vllm-semantics.md 5.5) against the device reference."""
+"""KV-sharing fast prefill on the host (docs/semantics-attention.md, "FastPrefillMetadata (KV-sharing fast prefill)") against the device reference."""
 
 from __future__ import annotations
 

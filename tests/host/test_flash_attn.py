@@ -1,4 +1,4 @@
-"""FlashAttention host helpers (vllm-semantics.md 5.9, 7): DCP context lengths and causal flags."""
+"""FlashAttention host helpers (docs/semantics.md, "Context parallelism"; docs/semantics-attention.md, "FlashAttentionMetadata"): DCP context lengths and causal flags."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Chunked local attention virtual batches on the host (vllm-semantics.md 5.6) against the reference."""
+"""Chunked local attention virtual batches on the host (docs/semantics-attention.md, "LocalAttentionMetadata (chunked local attention)") against the reference."""
 
 from __future__ import annotations
 

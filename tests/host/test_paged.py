@@ -1,4 +1,4 @@
-"""FlashInfer paged-KV layout on the host (vllm-semantics.md 8) against the device references."""
+"""FlashInfer paged-KV layout on the host (docs/semantics-attention.md, "FlashInferMetadata") against the device references."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def _qsl(query_lens: list[int]) -> np.ndarray:
     return query_start_loc(query_lens)
 
 
-# vllm-semantics.md 5.1, the test_attention_splitting.py table: (query_lens, threshold, uniform,
+# docs/semantics.md, "split_decodes_and_prefills", the test_attention_splitting.py table: (query_lens, threshold, uniform,
 # num_tokens or None for sum(q)) -> (num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens).
 _SPLIT_CASES = [
     ([1, 1, 1], 1, False, None, (3, 0, 3, 0)),
@@ -120,7 +120,7 @@ def test_split_empty_batch() -> None:
 
 
 def test_split3_worked_example() -> None:
-    # vllm-semantics.md 5.2: q=[1,2,4,5,6], s=[10,11,20,5,6], thr 3 -> (2,1,2,3,4,11).
+    # docs/semantics.md, "split_decodes_prefills_and_extends": q=[1,2,4,5,6], s=[10,11,20,5,6], thr 3 -> (2,1,2,3,4,11).
     got = split_decodes_prefills_and_extends(
         _qsl([1, 2, 4, 5, 6]), [10, 11, 20, 5, 6], num_tokens=18, max_query_len=6, decode_threshold=3
     )

@@ -1,6 +1,6 @@
 """A realistic sync-free metadata build passes the audit clean; its device-side twin does not.
 
-The clean build is the attnmeta way (DESIGN.md): derive everything on the host with numpy, pack it
+The clean build is the attnmeta way: derive everything on the host with numpy, pack it
 into one staging buffer (pinned where CUDA exists), move it with one non-blocking copy, and only
 then work on the device (views, gathers, fills with cached device indices). The reference build is
 the way engines used to do it: device arithmetic plus host reads of the results.

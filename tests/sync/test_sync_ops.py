@@ -1,6 +1,6 @@
 """Which operations the sync audit flags, and which it lets through.
 
-Every blocking operation of shared/reference/vllm-semantics.md section 12.3 (left column), and the
+Every blocking operation of docs/sync-audit.md, "Operations that do not block" (left column), and the
 rest of its family, must raise :class:`DeviceSyncError` naming the operation, on three kinds of
 "device" data:
 

@@ -3,7 +3,7 @@
 Straightforward torch transcriptions of the attention-backend metadata, the way engines computed it
 on device tensors: FlashInfer's paged-KV arrays (the pre-Triton boolean-mask gather, a ``nonzero``
 sync), the fast-prefill ``query_start_loc`` (``bucketize`` + ``scatter_add_`` + ``cumsum``), the
-chunked-local-attention virtual batch (the vllm-semantics.md 5.6 formulas on tensors, with
+chunked-local-attention virtual batch (the docs/semantics-attention.md, "LocalAttentionMetadata (chunked local attention)" formulas on tensors, with
 ``repeat_interleave``), the cascade arrays and the DCP context lengths. Obviously correct,
 synchronisations and all; never use them on a serving path.
 
@@ -38,7 +38,7 @@ def _cdiv_t(x: torch.Tensor, d: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------
-# FlashInfer paged KV (vllm-semantics.md 8)
+# FlashInfer paged KV (docs/semantics-attention.md, "FlashInferMetadata")
 # ------------------------------------------------------------------------------------------------
 
 
@@ -73,7 +73,7 @@ def ref_paged_kv_last_page_len(seq_lens: torch.Tensor, page_size: int) -> torch.
 
 
 # ------------------------------------------------------------------------------------------------
-# KV-sharing fast prefill (vllm-semantics.md 5.5)
+# KV-sharing fast prefill (docs/semantics-attention.md, "FastPrefillMetadata (KV-sharing fast prefill)")
 # ------------------------------------------------------------------------------------------------
 
 
@@ -112,7 +112,7 @@ def ref_pad_logits_indices(logits_indices: torch.Tensor, num_padded: int) -> tor
 
 
 # ------------------------------------------------------------------------------------------------
-# Chunked local attention (vllm-semantics.md 5.6)
+# Chunked local attention (docs/semantics-attention.md, "LocalAttentionMetadata (chunked local attention)")
 # ------------------------------------------------------------------------------------------------
 
 
@@ -146,7 +146,7 @@ def ref_local_virtual_batches(
     """A literal tensor transcription of vLLM's ``make_local_attention_virtual_batches`` formulas.
 
     ``first = min(A - ((s - q) mod A), q)``, ``last = A + (s mod -A)``, ``nb = 1 + cdiv(q - first, A)``;
-    per virtual row ``q_v``, ``k_v``, ``kstart_v`` as in vllm-semantics.md 5.6; block columns
+    per virtual row ``q_v``, ``k_v``, ``kstart_v`` as in docs/semantics-attention.md, "LocalAttentionMetadata (chunked local attention)"; block columns
     ``kstart // bs + arange(A / bs)`` clipped to at most ``W - 1`` and gathered with advanced indexing.
 
     With ``clamp_negative_start=False`` it is vLLM exactly: a padding row (``s == 0``) has
@@ -194,7 +194,7 @@ def ref_local_virtual_batches(
 
 
 # ------------------------------------------------------------------------------------------------
-# Cascade (vllm-semantics.md 7) and DCP (5.9)
+# Cascade (docs/semantics-attention.md, "FlashAttentionMetadata") and DCP (5.9)
 # ------------------------------------------------------------------------------------------------
 
 
