@@ -114,9 +114,10 @@ class CapacityError(ValueError):
 # this torch build lacks the private binding (then torch.cuda.current_stream is used every commit).
 _GET_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
 # Depths of torch's dispatch / function mode stacks: while either is non-empty (the sync audit), the
-# commit's copy goes through torch so the modes see it.
-_DISPATCH_DEPTH = torch._C._len_torch_dispatch_stack
-_FUNCTION_DEPTH = torch._C._len_torch_function_stack
+# commit's copy goes through torch so the modes see it. Private bindings, guarded: without them every
+# commit goes through torch (a depth of 1 says "a mode may be active").
+_DISPATCH_DEPTH: Any = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+_FUNCTION_DEPTH: Any = getattr(torch._C, "_len_torch_function_stack", lambda: 1)
 _CURRENT_DEVICE: Any = getattr(torch._C, "_cuda_getDevice", lambda: -2)  # -2: never a stager's device index
 
 
