@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from attnmeta import BatchSpec, Stager, stage_common
 from attnmeta.backends import fast_prefill, flash_attn, flashinfer, local_attn
-from attnmeta.backends.fast_prefill import FastPrefillOptions
 from attnmeta.backends.flashinfer import FlashInferOptions, host_tensor
 from attnmeta.backends.local_attn import LocalAttnOptions
 from attnmeta.sync import no_device_sync
@@ -252,7 +251,7 @@ def test_fast_prefill_rows_equal_full_attention_rows(seed: int) -> None:
         staged = flash_attn.stage(stage_common(spec, step), step)
     full_meta = staged.result()
     with audited():
-        fp = fast_prefill.build(spec, stager, li, FastPrefillOptions(num_logits_padded=li.shape[0] + 3))
+        fp = fast_prefill.build(spec, stager, logits_indices=li, num_logits_padded=li.shape[0] + 3)
     cm = fp.common
     n = spec.num_reqs
     seq = full_meta.seq_lens[:n]
