@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from attnmeta._checks import option_bool, option_int, option_prefix
+from attnmeta._checks import option_bool, option_int, option_prefix, reject_tensor
 from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.backends._shared import require_same_step
 from attnmeta.builder import Builder, register
@@ -246,6 +246,7 @@ class FlashAttnBuilder(Builder[FlashAttnOptions, FlashAttentionMetadata]):
             max_dcp = max_dcp_context_kv_len(h.max_seq_len, opts.dcp_world_size, opts.dcp_interleave)
             dcp_host.flags.writeable = False  # this step's own view: handed out read-only
         if flags is not None:
+            reject_tensor(flags, "causal")  # host data only: a device tensor here would mean a sync
             flags = np.asarray(flags)
             n_real = h.num_real_reqs
             if flags.shape != (n_real,):

@@ -289,6 +289,11 @@ def test_causal_of_the_wrong_length_raises(flags: Any) -> None:
     assert m.causal_cpu is not None and m.causal_cpu.tolist() == [0, 1, 1, 1, 1] and m.causal is False
 
 
+def test_causal_flags_from_a_torch_tensor_are_refused() -> None:
+    with pytest.raises(TypeError, match="causal: got a torch.Tensor"):
+        flash_attn.build(DOC_SPEC, Stager("cpu"), causal=torch.tensor([True, False, True]))
+
+
 def test_causal_flags_must_be_zero_or_one() -> None:
     with pytest.raises(ValueError, match=r"causal\[1\]=2; integer causal flags must be 0 or 1"):
         flash_attn.build(DOC_SPEC, Stager("cpu"), causal=np.array([1, 2, 0]))
