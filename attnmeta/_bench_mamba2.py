@@ -3,9 +3,10 @@
 One case per batch size (number of prefills); every path performs one whole step, from the host
 description to device tensors:
 
-- ``attnmeta``: :func:`attnmeta.stage_common` (``token_arrays=False``) +
-  :func:`attnmeta.backends.mamba2.stage` into one step (host derivation in numba, written into the
-  pinned slot), the step's ONE copy, then the metadata objects;
+- ``attnmeta``: the generic :func:`attnmeta.builder.build` with the ``"mamba2"`` builder: the common
+  metadata with what the builder declares it reads (no per-token arrays) and the Mamba2 metadata
+  staged into one step (host derivation in numba, written into the pinned slot), the step's ONE copy,
+  then the metadata objects;
 - ``reference``: the engine's way (vLLM 0.33.0's ``BaseMambaAttentionMetadataBuilder`` +
   ``Mamba2AttentionMetadataBuilder.build``): raw inputs uploaded, the common fields and
   ``has_initial_states_p`` / ``query_start_loc_p`` / state indices computed on the device, the
@@ -15,21 +16,23 @@ description to device tensors:
   pinned tensor.
 
 The workload (:func:`prefill_step_spec`): ``P`` prefills of 1..2048 new tokens; every second one
-continues a cached context of 1..8192 tokens that is not a multiple of the chunk size (256);
-``Mamba2Options(chunk_size=256)`` (``"none"`` cache mode, causal-conv1d metadata on).
+continues a cached context of 1..8192 tokens that is not a multiple of the chunk size (256); chunk size
+256, causal-conv1d metadata on, in one of three :data:`MODES`: ``"plain"`` (``"none"`` cache mode),
+``"align"`` (``"align"`` cache mode, :data:`ALIGN_BLOCK_SIZE`-token mamba blocks, the state in the
+last block of each request) and ``"align+ckpt"`` (also prefill checkpoints, :data:`CHECKPOINT`: about
+a quarter of the rows export one).
 
 The step is what vLLM builds for a **Mamba KV-cache group**, on every path:
 
-- the group's block table holds one state block per request (``mamba_cache_mode="none"``: the
-  state lives in column 0, vllm-semantics.md 5.10). The spec says so with a block size of
-  :data:`MAMBA_BLOCK_SIZE` tokens, at least the longest sequence, so every request has exactly one
-  block-table column (``block_table_columns`` is 1). The SSD chunk size is independent of it:
-  ``Mamba2Options.chunk_size`` (256) sets the chunks, and ``mamba_block_size`` (unset: the
-  common block size) only matters in ``"align"`` mode;
-- the group uses ``SlotMappingMode.NONE`` (vllm-semantics.md 4): no per-token ``positions`` /
-  ``slot_mapping`` are computed or uploaded, since Mamba layers read neither. attnmeta stages the
-  common metadata with ``stage_common(..., token_arrays=False)``; the reference and per-tensor
-  paths skip them too.
+- in the ``"plain"`` mode the group's block table holds one state block per request
+  (``mamba_cache_mode="none"``: the state lives in column 0, docs/semantics-mamba.md, "State
+  indices"). The spec says so with a block size of :data:`MAMBA_BLOCK_SIZE` tokens, at least the
+  longest sequence, so every request has exactly one block-table column (``block_table_columns`` is
+  1). The SSD chunk size is independent of it: ``Mamba2Options.chunk_size`` (256) sets the chunks;
+- the group uses ``SlotMappingMode.NONE`` (docs/semantics.md, "Block table and slot mapping"): no
+  per-token ``positions`` / ``slot_mapping`` are computed or uploaded, since Mamba layers read
+  neither. attnmeta's generic build stages the common metadata so (the builder's ``needs()``); the
+  reference and per-tensor paths skip them too.
 """
 
 from __future__ import annotations
@@ -41,13 +44,14 @@ import numpy as np
 import torch
 
 from attnmeta._bench_scenarios import _raw_uploader, _uploader
-from attnmeta.testing.workloads import mixed_spec
 from attnmeta.bench import Case, Uploads
+from attnmeta.host.mamba import CheckpointConfig
 from attnmeta.spec import BatchSpec
+from attnmeta.testing.workloads import mixed_spec
 
 __all__ = [
-    "CHUNK_SIZE", "MAMBA_BLOCK_SIZE", "OPTIONS", "SIZES", "WALK", "mamba2_cases", "prefill_step_spec",
-    "prefill_step_specs", "prefill_step_walks",
+    "ALIGN_BLOCK_SIZE", "CHECKPOINT", "CHUNK_SIZE", "MAMBA_BLOCK_SIZE", "MODES", "OPTIONS", "SIZES", "WALK", "mamba2_cases",
+    "options", "prefill_step_spec", "prefill_step_specs", "prefill_step_walks",
 ]
 
 CHUNK_SIZE = 256
@@ -59,22 +63,39 @@ SIZES = (1, 16, 64, 256, 1024)
 """Numbers of prefills benchmarked (``quick``: the first three)."""
 
 
-def _options() -> Any:
-    from attnmeta.backends.mamba2 import Mamba2Options
+MODES = ("plain", "align", "align+ckpt")
+"""The builder configurations benchmarked: ``"none"`` cache mode; ``"align"`` cache mode; ``"align"``
+with prefill checkpoints."""
+ALIGN_BLOCK_SIZE = 1024
+"""Mamba block size of the ``"align"`` modes (several blocks per request; the state in the last)."""
+CHECKPOINT = CheckpointConfig(hash_block_size=256, cache_hit_alignment_tokens=256, mamba_block_size=ALIGN_BLOCK_SIZE,
+                              checkpoint_alignment=256)
+"""The ``"align+ckpt"`` mode's checkpoints: fresh prompts longer than a block export one."""
 
-    return Mamba2Options(chunk_size=CHUNK_SIZE)
+
+def options(mode: str = "plain") -> Any:
+    """The builder options of every path in ``mode`` (one of :data:`MODES`)."""
+    from attnmeta.backends.mamba import Mamba2Options
+
+    if mode == "plain":
+        return Mamba2Options(chunk_size=CHUNK_SIZE)
+    if mode not in MODES:
+        raise ValueError(f"mode: {mode!r} is not one of {MODES}")
+    return Mamba2Options(chunk_size=CHUNK_SIZE, cache_mode="align",
+                         checkpoint=CHECKPOINT if mode == "align+ckpt" else None)
 
 
-OPTIONS = _options()
-"""The builder options of every path."""
+OPTIONS = options()
+"""The builder options of every path in the ``"plain"`` mode."""
 
 
-def prefill_step_spec(rng: np.random.Generator, num_prefills: int) -> BatchSpec:
+def prefill_step_spec(rng: np.random.Generator, num_prefills: int, mode: str = "plain") -> BatchSpec:
     """A prefill-only step: ``num_prefills`` prompts of 1..2048 new tokens, every second continuing
     an unaligned context of 1..8192 tokens (:func:`attnmeta.testing.workloads.mixed_spec` without decodes),
-    with a Mamba group's block table (one state block per request, :data:`MAMBA_BLOCK_SIZE`)."""
+    with a Mamba group's block table (``"plain"``: one state block per request, :data:`MAMBA_BLOCK_SIZE`;
+    the ``"align"`` modes: blocks of :data:`ALIGN_BLOCK_SIZE`)."""
     return mixed_spec(rng, prefills=num_prefills, decodes=0, chunk=CHUNK_SIZE, max_prompt=2048, max_context=8192,
-                      block_size=MAMBA_BLOCK_SIZE)
+                      block_size=MAMBA_BLOCK_SIZE if mode == "plain" else ALIGN_BLOCK_SIZE)
 
 
 WALK = 16
@@ -83,19 +104,19 @@ differ, so a bench repeating one step would time caches (views, slot layouts, ``
 real loop misses."""
 
 
-def prefill_step_specs(quick: bool) -> list[BatchSpec]:
+def prefill_step_specs(quick: bool, mode: str = "plain") -> list[BatchSpec]:
     """One step per size of :data:`SIZES` (fixed seed): the first step of each walk of
     :func:`prefill_step_walks`."""
     rng = np.random.default_rng(0)
-    return [prefill_step_spec(rng, p) for p in (SIZES[:3] if quick else SIZES)]
+    return [prefill_step_spec(rng, p, mode) for p in (SIZES[:3] if quick else SIZES)]
 
 
-def prefill_step_walks(quick: bool) -> list[list[BatchSpec]]:
+def prefill_step_walks(quick: bool, mode: str = "plain") -> list[list[BatchSpec]]:
     """Per size of :data:`SIZES`, :data:`WALK` distinct steps of that many prefills (fixed seeds),
     starting with the step of :func:`prefill_step_specs`."""
     rng = np.random.default_rng(1)
-    return [[first, *(prefill_step_spec(rng, first.num_reqs) for _ in range(WALK - 1))]
-            for first in prefill_step_specs(quick)]
+    return [[first, *(prefill_step_spec(rng, first.num_reqs, mode) for _ in range(WALK - 1))]
+            for first in prefill_step_specs(quick, mode)]
 
 
 def _list_uploader(device: torch.device, counter: Uploads) -> Callable[[list[int], torch.dtype], torch.Tensor]:
@@ -110,24 +131,25 @@ def _list_uploader(device: torch.device, counter: Uploads) -> Callable[[list[int
     return up
 
 
-def _case(specs: list[BatchSpec], device: torch.device) -> Case:
+def _case(specs: list[BatchSpec], device: torch.device, mode: str = "plain") -> Case:
     """One bench case: every path walks ``specs`` (distinct steps of one size) in turn."""
-    from attnmeta.backends import mamba2
+    from attnmeta.backends.mamba import block_table_columns
+    from attnmeta.builder import build
     from attnmeta.host import layout
     from attnmeta.host.chunks import chunk_metadata
     from attnmeta.host.conv1d import causal_conv1d_metadata
-    from attnmeta.host.mamba import classify_mamba_rows, mamba_state_indices
+    from attnmeta.host.mamba import classify_mamba_rows, mamba_state_indices, prefill_checkpoints
     from attnmeta.host.split import split_decodes_and_prefills
-    from attnmeta.metadata import stage_common
     from attnmeta.staging import Stager
     from attnmeta.testing import reference as ref
 
-    opts = OPTIONS
+    opts = options(mode)
+    cache_mode, ckpt = opts.cache_mode, opts.checkpoint
     stager = Stager(device)
     ups = {"attnmeta": Uploads(), "reference": Uploads(), "per-tensor": Uploads()}
     C = opts.chunk_size
     n = len(specs)
-    cols = [mamba2.block_table_columns(s, opts) for s in specs]
+    cols = [block_table_columns(s, opts) for s in specs]
     tables = [np.ascontiguousarray(s.block_table[:, :w]) for s, w in zip(specs, cols)]
     at = {"attnmeta": 0, "reference": 0, "per-tensor": 0}  # each path's position in the walk
 
@@ -138,12 +160,12 @@ def _case(specs: list[BatchSpec], device: torch.device) -> Case:
 
     def attnmeta_step() -> Any:
         i = nxt("attnmeta")
-        with stager.step() as step:
-            staged = mamba2.stage(stage_common(specs[i], step, block_table_columns=cols[i], token_arrays=False), step,
-                                  opts)
-        ups["attnmeta"].copies += step.stats.copies
-        ups["attnmeta"].bytes += step.stats.bytes
-        return staged.result()
+        st = stager.stats
+        copies, nbytes = st.copies, st.bytes
+        m: Any = build(specs[i], stager, "mamba2", opts)
+        ups["attnmeta"].copies += st.copies - copies
+        ups["attnmeta"].bytes += st.bytes - nbytes
+        return m
 
     raw = _raw_uploader(device, ups["reference"])
     lists = _list_uploader(device, ups["reference"])
@@ -166,7 +188,7 @@ def _case(specs: list[BatchSpec], device: torch.device) -> Case:
         # the Mamba2 builder (6.3, 6.7)
         isp, _ = ref.ref_classify_mamba_rows(qsl_cpu, ub_cpu, isp_cpu)
         D, P, Dt, _Pt = ref.ref_split_decodes_and_prefills(qsl_cpu, T, spec.max_query_len, 1, False, False, isp)
-        si = ref.ref_mamba_state_indices(bt, seq_lens, mamba_block_size=bs, mode="none", num_state_columns=1)
+        si = ref.ref_mamba_state_indices(bt, seq_lens, mamba_block_size=bs, mode=cache_mode, num_state_columns=1)
         out: dict[str, Any] = {"state_indices_tensor_d": si[:D], "state_indices_tensor_p": si[D:, 0]}
         if P > 0:
             nc = seq_lens - torch.diff(qsl)
@@ -177,10 +199,19 @@ def _case(specs: list[BatchSpec], device: torch.device) -> Case:
             ups["reference"].add(conv["offsetlist"])
             nc_p_cpu, qsl_p_cpu = ref.ref_prefill_cpu_metadata(qsl_cpu, ub_cpu, B, P, Dt)
             out["prep_initial_states"] = bool(torch.any(nc_p_cpu > 0).item())
-            cu, sidx, last, _ck = ref.ref_chunk_metadata_lists(C, nc_p_cpu, qsl_p_cpu)
+            offsets = None
+            if ckpt is not None:  # the checkpoint rules per row, vLLM's device gather, each list uploaded
+                cp = ref.ref_prefill_checkpoints(ub_cpu[B - P :], torch.diff(qsl_p_cpu), bt[B - P :], config=ckpt,
+                                                 device=device)
+                if cp is not None:
+                    offsets = cp[0].cpu().tolist()
+                    out["checkpoint_meta"] = cp
+            cu, sidx, last, ck = ref.ref_chunk_metadata_lists(C, nc_p_cpu, qsl_p_cpu, offsets)
             out["cu_chunk_seqlen_p"] = lists(cu, torch.int32)
             out["seq_idx_p"] = lists(sidx, torch.int32)
             out["last_chunk_indices_p"] = lists(last, torch.int32)
+            if offsets is not None:
+                out["checkpoint_chunk_idx"] = lists([max(x, 0) for x in ck], torch.int64)
             out["batch_ptr"] = conv["batch_ptr"]
         return out
 
@@ -198,25 +229,32 @@ def _case(specs: list[BatchSpec], device: torch.device) -> Case:
         split = split_decodes_and_prefills(qsl, num_tokens=T, max_query_len=spec.max_query_len,
                                            treat_short_extends_as_decodes=False, is_prefilling=isp)
         D, P = split.num_decodes, split.num_prefills
-        si = mamba_state_indices(table, sl, mamba_block_size=bs, mode="none", num_state_columns=1)
+        si = mamba_state_indices(table, sl, mamba_block_size=bs, mode=cache_mode, num_state_columns=1)
         host = {"query_start_loc": qsl, "seq_lens": sl, "block_table": table,  # no positions / slot_mapping
                 "state_indices_tensor_d": si[:D], "state_indices_tensor_p": si[D:, 0]}
         if P > 0:
             nc_p, qsl_p = layout.prefill_cpu_metadata(qsl, sl, num_reqs=B, num_prefills=P,
                                                       num_decode_tokens=split.num_decode_tokens)
-            cm = chunk_metadata(C, nc_p, qsl_p)
+            cp = None
+            if ckpt is not None:
+                cp = prefill_checkpoints(sl[B - P :], np.diff(qsl_p).astype(np.int32), table[B - P :], config=ckpt)
+                if cp is not None and cp.state_indices is not None:
+                    host.update(checkpoint_offsets=cp.offsets, checkpoint_cols=cp.cols,
+                                checkpoint_state_indices=cp.state_indices)
+            cm = chunk_metadata(C, nc_p, qsl_p, None if cp is None else cp.offsets)
             conv = causal_conv1d_metadata(qsl_p)
             host.update(query_start_loc_p=qsl_p, has_initial_states_p=nc_p > 0, cu_chunk_seqlen_p=cm.cu_chunk_seqlens,
                         seq_idx_p=cm.seq_idx, last_chunk_indices_p=cm.last_chunk_indices, batch_ptr=conv.batch_ptr,
                         token_chunk_offset_ptr=conv.token_chunk_offset_ptr)
         return {k: per(v) for k, v in host.items()}
 
-    return Case("mamba2-prefill", specs[0].num_reqs,
+    name = "mamba2-prefill" if mode == "plain" else f"mamba2-prefill-{mode}"
+    return Case(name, specs[0].num_reqs,
                 {"attnmeta": attnmeta_step, "reference": reference_step, "per-tensor": per_tensor_step},
                 ups, stager)
 
 
-def mamba2_cases(device: torch.device, quick: bool) -> list[Case]:
+def mamba2_cases(device: torch.device, quick: bool, mode: str = "plain") -> list[Case]:
     """The ``mamba2-prefill`` scenario: one :class:`attnmeta.bench.Case` per number of prefills.
 
     Parameters
@@ -225,6 +263,8 @@ def mamba2_cases(device: torch.device, quick: bool) -> list[Case]:
         Where the device tensors live (``cuda`` or ``cpu``).
     quick : bool
         Only 1, 16 and 64 prefills.
+    mode : str, default "plain"
+        One of :data:`MODES` (the cases of another mode are named ``mamba2-prefill-<mode>``).
 
     Returns
     -------
@@ -233,4 +273,4 @@ def mamba2_cases(device: torch.device, quick: bool) -> list[Case]:
         each path walks the :data:`WALK` distinct steps of its size (:func:`prefill_step_walks`) in
         turn.
     """
-    return [_case(walk, torch.device(device)) for walk in prefill_step_walks(quick)]
+    return [_case(walk, torch.device(device), mode) for walk in prefill_step_walks(quick, mode)]

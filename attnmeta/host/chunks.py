@@ -56,6 +56,13 @@ __all__ = [
 _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
 _NO_OFFSETS = np.zeros(0, dtype=np.int32)
+_NO_CKPT = np.zeros(0, dtype=np.int64)
+_NO_CHECKPOINTS = np.full(4096, -1, dtype=np.int64)
+"""``ChunkMetadata.checkpoint_chunk_idx`` without checkpoint offsets (all -1), read-only: results of
+up to 4096 rows are views of it instead of a fresh array each call."""
+_NO_CHECKPOINTS.flags.writeable = False
+_NO_CHECKPOINTS_ROWS = _NO_CHECKPOINTS.shape[0]
+_new_chunk_metadata = tuple.__new__  # ChunkMetadata from a tuple without NamedTuple.__new__'s argument parsing
 
 # Error codes returned (encoded as ``-1 - (row * _NCODES + code)``) by the kernels; the wrappers
 # turn them into messages. Kernels never format strings.
@@ -86,8 +93,9 @@ class ChunkMetadata(NamedTuple):
     aligned zero-token row) repeats the previous row's value, or -1 for the first row."""
     checkpoint_chunk_idx: np.ndarray
     """(num_prefills,) int64, host. Index of the chunk that ends each row's checkpoint segment, or -1
-    where the row has no checkpoint (all -1 without ``checkpoint_offsets``). This is vLLM's host list;
-    the builder uploads :func:`checkpoint_chunk_index_tensor_values` of it (or ``None``)."""
+    where the row has no checkpoint. Without ``checkpoint_offsets`` (and without ``out=``) it is all -1
+    and read-only (a view of a shared constant). This is vLLM's host list; the builder uploads
+    :func:`checkpoint_chunk_index_tensor_values` of it (or ``None``)."""
     num_chunks: int
     """Number of chunks, ``len(seq_idx)``: a host scalar."""
 
@@ -156,152 +164,152 @@ def _decode_error(status: int) -> tuple[int, int]:
 
 
 @njit
+def _segment_checked_nb(
+    chunk_size: int, start: int, length: int, row: int, pos: int, count: int, cu: np.ndarray, seq_idx: np.ndarray,
+    cap: int,
+) -> tuple[int, int]:
+    """Chunk one segment ``[start, start + length)`` writing only chunks below ``cap`` (the rare path
+    of :func:`_chunk_layout_nb` near the end of its buffers). Returns ``(pos, count)``."""
+    rem = start % chunk_size
+    end = pos + length
+    if rem != 0:  # a realigning chunk of min(C - start % C, length) tokens
+        if count < cap:
+            cu[count] = pos
+            seq_idx[count] = row
+        count += 1
+        pos += min(chunk_size - rem, length)
+    while pos < end:  # then chunks of C tokens, the last one partial
+        if count < cap:
+            cu[count] = pos
+            seq_idx[count] = row
+        count += 1
+        pos += chunk_size
+    return end, count
+
+
+@njit
 def _chunk_layout_nb(
     chunk_size: int,
     num_computed: np.ndarray,
     qsl: np.ndarray,
     offsets: np.ndarray,
-    has_offsets: bool,
     cu: np.ndarray,
     seq_idx: np.ndarray,
     last: np.ndarray,
     ckpt_idx: np.ndarray,
 ) -> int:
-    """One pass: validate, count and write the 6.5 layout. Returns num_chunks or an error code.
+    """The 6.5 layout in one pass: validate, count and write. Returns num_chunks or an error code.
 
-    Chunks beyond ``cap = min(len(cu) - 1, len(seq_idx))`` are counted but not written.
+    ``offsets`` (empty: no checkpoints) are the checkpoint offsets; ``ckpt_idx`` (empty: not wanted)
+    receives each row's checkpoint chunk, -1 without one. Chunks beyond ``cap = min(len(cu) - 1,
+    len(seq_idx))`` are counted but not written, so a count above ``cap`` tells the caller its
+    buffers were too small.
 
-    The checkpoint segment and the main segment are chunked by the same code, written out twice:
-    a loop over the two segments, or a helper per segment (numba does not inline it), is 1.3-1.5x
-    slower.
+    A row emits at most ``n // C + 4`` chunks (``n // C + 2`` without a checkpoint), so while that
+    many fit below ``cap`` (always, with buffers sized by :func:`max_num_chunks`) the row is written
+    without per-chunk checks; without checkpoint offsets a loop of its own does it (the common case:
+    ~15% less time per row than the general loop's checkpoint tests). Each
+    segment's chunks are ``cu`` values ``pos, pos + C, ...`` up to the segment's end, the first one
+    (when the segment starts off a multiple of ``C``) ``min(C - start % C, length)`` tokens long;
+    the two segments are written out inline (a helper per segment, which numba does not inline, is
+    markedly slower).
     """
     num_rows = num_computed.shape[0]
     if qsl[0] != 0:
         return -1 - _E_QSL_START
+    has_offsets = offsets.shape[0] > 0
+    write_ckpt = ckpt_idx.shape[0] > 0
     cap = min(cu.shape[0] - 1, seq_idx.shape[0])
     shift = pow2_shift(chunk_size)  # masks and shifts replace divisions when >= 0
     mask = chunk_size - 1
     pos = 0
     count = 0
-    for i in range(num_rows):
-        c = int(num_computed[i])
-        n = int(qsl[i + 1]) - int(qsl[i])
-        if n < 0:
-            return -1 - (i * _NCODES + _E_QSL_DECREASING)
-        if c < 0:
-            return -1 - (i * _NCODES + _E_COMPUTED_NEGATIVE)
-        k = 0
-        if has_offsets:
-            k = int(offsets[i])
-            if k < 0:
-                return -1 - (i * _NCODES + _E_OFFSET_NEGATIVE)
-            if k > n:
-                return -1 - (i * _NCODES + _E_OFFSET_TOO_LARGE)
-        ckpt_idx[i] = -1
-        start = c
-        length = n
-        if k > 0:
-            # checkpoint segment [c, c + k): realigning chunk, then chunks of <= C tokens
-            length = k
-            rem = start & mask if shift >= 0 else start % chunk_size
+    prev_end = 0
+    first_row = 0
+    if not has_offsets:
+        # No checkpoint segments: the loop of the common case alone, up to the first row whose chunks
+        # might not fit the buffers (the general loop below takes over from there).
+        while first_row < num_rows:
+            i = first_row
+            c = num_computed[i]
+            end = qsl[i + 1]
+            n = end - prev_end
+            if n < 0:
+                return -1 - (i * _NCODES + _E_QSL_DECREASING)
+            if c < 0:
+                return -1 - (i * _NCODES + _E_COMPUTED_NEGATIVE)
+            if count + (n >> shift if shift >= 0 else n // chunk_size) + 2 > cap:
+                break
+            prev_end = end
+            rem = c & mask if shift >= 0 else c % chunk_size
             if rem != 0:
-                first = chunk_size - rem
-                if first > length:
-                    first = length
-                if count < cap:
-                    cu[count] = pos
-                    seq_idx[count] = i
-                count += 1
-                pos += first
-                length -= first
-            nfull = (length + mask) >> shift if shift >= 0 else (length + mask) // chunk_size
-            p = pos
-            for j in range(count, count + nfull):
-                if j < cap:
-                    cu[j] = p
-                    seq_idx[j] = i
-                p += chunk_size
-            count += nfull
-            pos += length
-            ckpt_idx[i] = count - 1
-            start = c + k
-            length = n - k
-        # main segment [c + k, c + n): the same chunking
-        rem = start & mask if shift >= 0 else start % chunk_size
-        if rem != 0:
-            first = chunk_size - rem
-            if first > length:
-                first = length
-            if count < cap:
                 cu[count] = pos
                 seq_idx[count] = i
-            count += 1
-            pos += first
-            length -= first
-        nfull = (length + mask) >> shift if shift >= 0 else (length + mask) // chunk_size
-        p = pos
-        if count + nfull <= cap:
-            for j in range(count, count + nfull):
-                cu[j] = p
-                seq_idx[j] = i
-                p += chunk_size
-        else:
-            for j in range(count, count + nfull):
-                if j < cap:
-                    cu[j] = p
-                    seq_idx[j] = i
-                p += chunk_size
-        count += nfull
-        pos += length
-        last[i] = count - 1
-    if count <= cap:
-        cu[count] = pos
-    return count
-
-
-@njit
-def _chunk_layout_packed_nb(
-    chunk_size: int, num_computed: np.ndarray, qsl: np.ndarray, buf: np.ndarray, ckpt_idx: np.ndarray
-) -> int:
-    """The hot path: no checkpoints, one int32 buffer ``[cu (cap + 1) | seq_idx (cap) | last (P)]``
-    sized by :func:`max_num_chunks` (so no capacity checks), plus the all ``-1`` checkpoint list.
-    Returns num_chunks or an error code.
-
-    The same chunking as :func:`_chunk_layout_nb` without the checkpoint segment and capacity
-    checks (~30% less time per row); the property tests run both against the reference.
-    """
-    num_rows = num_computed.shape[0]
-    if qsl[0] != 0:
-        return -1 - _E_QSL_START
-    cap = (buf.shape[0] - 1 - num_rows) // 2
-    cu = buf[: cap + 1]
-    seq_idx = buf[cap + 1 : 2 * cap + 1]
-    last = buf[2 * cap + 1 :]
-    shift = pow2_shift(chunk_size)  # masks and shifts replace divisions when >= 0
-    mask = chunk_size - 1
-    pos = 0
-    count = 0
-    prev_end = 0
-    for i in range(num_rows):
-        c = int(num_computed[i])
-        end = int(qsl[i + 1])
+                count += 1
+                pos += chunk_size - rem
+            while pos < end:
+                cu[count] = pos
+                seq_idx[count] = i
+                count += 1
+                pos += chunk_size
+            pos = end
+            last[i] = count - 1
+            if write_ckpt:
+                ckpt_idx[i] = -1
+            first_row += 1
+    for i in range(first_row, num_rows):
+        c = num_computed[i]
+        end = qsl[i + 1]
         n = end - prev_end
         prev_end = end
         if n < 0:
             return -1 - (i * _NCODES + _E_QSL_DECREASING)
         if c < 0:
             return -1 - (i * _NCODES + _E_COMPUTED_NEGATIVE)
+        k = 0
+        if has_offsets:
+            k = offsets[i]
+            if k < 0:
+                return -1 - (i * _NCODES + _E_OFFSET_NEGATIVE)
+            if k > n:
+                return -1 - (i * _NCODES + _E_OFFSET_TOO_LARGE)
+        most = (n >> shift if shift >= 0 else n // chunk_size) + 4
+        if count + most > cap:  # near the end of the buffers: write what fits, count the rest
+            if k > 0:
+                pos, count = _segment_checked_nb(chunk_size, c, k, i, pos, count, cu, seq_idx, cap)
+                if write_ckpt:
+                    ckpt_idx[i] = count - 1
+            elif write_ckpt:
+                ckpt_idx[i] = -1
+            pos, count = _segment_checked_nb(chunk_size, c + k, n - k, i, pos, count, cu, seq_idx, cap)
+            last[i] = count - 1
+            continue
+        if k > 0:  # the checkpoint segment [c, c + k)
+            seg_end = pos + k
+            rem = c & mask if shift >= 0 else c % chunk_size
+            if rem != 0:
+                cu[count] = pos
+                seq_idx[count] = i
+                count += 1
+                pos += chunk_size - rem
+            while pos < seg_end:
+                cu[count] = pos
+                seq_idx[count] = i
+                count += 1
+                pos += chunk_size
+            pos = seg_end
+            if write_ckpt:
+                ckpt_idx[i] = count - 1
+            c += k
+        elif write_ckpt:
+            ckpt_idx[i] = -1
+        # the query segment [c + k, c + n): the same chunking, up to the row's end qsl[i + 1]
         rem = c & mask if shift >= 0 else c % chunk_size
-        if rem != 0:  # realigning chunk of min(C - c % C, n) tokens
-            first = chunk_size - rem
-            if first > n:
-                first = n
+        if rem != 0:
             cu[count] = pos
             seq_idx[count] = i
             count += 1
-            pos += first
-        # then chunks of C tokens (the last one partial) up to the row's end, which is qsl[i + 1]
-        # because pos == qsl[i] + first here
+            pos += chunk_size - rem
         while pos < end:
             cu[count] = pos
             seq_idx[count] = i
@@ -309,9 +317,33 @@ def _chunk_layout_packed_nb(
             pos += chunk_size
         pos = end
         last[i] = count - 1
-        ckpt_idx[i] = -1
-    cu[count] = pos
+    if count <= cap:
+        cu[count] = pos
     return count
+
+
+@njit
+def _chunk_metadata_nb(chunk_size: int, num_computed: np.ndarray, qsl: np.ndarray, buf: np.ndarray) -> int:
+    """:func:`_chunk_layout_nb` without checkpoints into :func:`chunk_metadata`'s own buffer ``[cu
+    (cap + 1) | seq_idx (cap) | last (P)]`` (few arrays to pass: the per-call dispatch is a good part
+    of a small batch's cost)."""
+    num_rows = num_computed.shape[0]
+    cap = (buf.shape[0] - 1 - num_rows) // 2
+    none = num_computed[:0]  # no checkpoint offsets, no checkpoint list wanted
+    return _chunk_layout_nb(chunk_size, num_computed, qsl, none, buf[: cap + 1], buf[cap + 1 : 2 * cap + 1],
+                            buf[2 * cap + 1 :], none)
+
+
+@njit
+def _chunk_metadata_ckpt_nb(
+    chunk_size: int, num_computed: np.ndarray, qsl: np.ndarray, offsets: np.ndarray, buf: np.ndarray,
+    ckpt_idx: np.ndarray,
+) -> int:
+    """:func:`_chunk_metadata_nb` with checkpoint offsets and the checkpoint list ``ckpt_idx``."""
+    num_rows = num_computed.shape[0]
+    cap = (buf.shape[0] - 1 - num_rows) // 2
+    return _chunk_layout_nb(chunk_size, num_computed, qsl, offsets, buf[: cap + 1], buf[cap + 1 : 2 * cap + 1],
+                            buf[2 * cap + 1 :], ckpt_idx)
 
 
 @njit
@@ -630,49 +662,43 @@ def chunk_metadata(
     >>> k.cu_chunk_seqlens, k.last_chunk_indices, k.checkpoint_chunk_idx
     (array([0, 2, 6, 9], dtype=int32), array([2], dtype=int32), array([0]))
     """
-    nc = num_computed_p
-    qsl = query_start_loc_p
+    nc, qsl, offs = num_computed_p, query_start_loc_p, checkpoint_offsets
     if (
-        checkpoint_offsets is None
-        and type(chunk_size) is int
-        and chunk_size > 0
+        out is None
         and type(nc) is np.ndarray
         and type(qsl) is np.ndarray
         and nc.dtype is _I32
         and qsl.dtype is _I32
+        and type(chunk_size) is int
+        and chunk_size > 0
         and nc.ndim == 1
         and qsl.ndim == 1
-        and qsl.shape[0] == nc.shape[0] + 1
-        and nc.flags.c_contiguous
-        and qsl.flags.c_contiguous
     ):
-        # fast path for the common call (exact int32 host arrays, no checkpoints): same checks
-        cs, offs, has = chunk_size, _NO_OFFSETS, False
-    else:
-        cs, nc, qsl, offs, has = _layout_inputs(
-            chunk_size, num_computed_p, query_start_loc_p, checkpoint_offsets
-        )
+        # The per-step call (exact int32 host arrays, no out=): the same checks in fewer steps, the
+        # results in one fresh buffer [cu | seq_idx | last] sized by max_num_chunks (at a few hundred
+        # rows, allocation and per-call overhead are most of the cost).
+        P = nc.shape[0]
+        if qsl.shape[0] == P + 1:
+            if offs is None:
+                total = qsl.item(P)
+                if total < 0:
+                    total = 0  # a decreasing qsl: the kernel reports the row
+                cap = total // chunk_size + 2 * P
+                if cap > total + P:
+                    cap = total + P
+                buf = np.empty(2 * cap + 1 + P, _I32)
+                n = _chunk_metadata_nb(chunk_size, nc, qsl, buf)
+                if n >= 0:
+                    return _new_chunk_metadata(ChunkMetadata, (
+                        buf[: n + 1], buf[cap + 1 : cap + 1 + n], buf[2 * cap + 1 :],
+                        _NO_CHECKPOINTS[:P] if P <= _NO_CHECKPOINTS_ROWS else _no_checkpoints(P), n))
+                _raise_layout_error(n, nc, qsl, _NO_OFFSETS)
+            elif type(offs) is np.ndarray and offs.dtype is _I32 and offs.ndim == 1 and offs.shape[0] == P:
+                return _into_own_buffer(chunk_size, nc, qsl, offs)
+    cs, nc, qsl, offs, has = _layout_inputs(chunk_size, num_computed_p, query_start_loc_p, checkpoint_offsets)
     num_rows = nc.shape[0]
     if out is None:
-        total = qsl.item(-1)
-        if total < 0:
-            total = 0  # a decreasing qsl; the kernel reports the row
-        cap = min(total + num_rows, total // cs + (4 if has else 2) * num_rows)
-        # One int32 allocation [cu | seq_idx | last] plus the int64 checkpoint list: allocation
-        # dominates the cost of small batches.
-        buf = np.empty(2 * cap + 1 + num_rows, dtype=_I32)
-        ckpt = np.empty(num_rows, dtype=_I64)
-        if has:
-            status = _chunk_layout_nb(
-                cs, nc, qsl, offs, True, buf[: cap + 1], buf[cap + 1 : 2 * cap + 1], buf[2 * cap + 1 :], ckpt
-            )
-        else:
-            status = _chunk_layout_packed_nb(cs, nc, qsl, buf, ckpt)
-        if status < 0:
-            _raise_layout_error(status, nc, qsl, offs)
-        return ChunkMetadata(
-            buf[: status + 1], buf[cap + 1 : cap + 1 + status], buf[2 * cap + 1 :], ckpt, status
-        )
+        return _into_own_buffer(cs, nc, qsl, offs if has else None)
     if len(out) < 4:
         raise ValueError(
             "out: expected (cu_chunk_seqlens, seq_idx, last_chunk_indices, checkpoint_chunk_idx) buffers"
@@ -681,7 +707,9 @@ def chunk_metadata(
     sidx = _check_buffer(out[1], "out.seq_idx", _I32, 0)
     last = _check_buffer(out[2], "out.last_chunk_indices", _I32, num_rows)
     ckpt = _check_buffer(out[3], "out.checkpoint_chunk_idx", _I64, num_rows)
-    status = int(_chunk_layout_nb(cs, nc, qsl, offs, has, cu, sidx, last, ckpt))
+    if num_rows == 0:
+        ckpt = ckpt[:0]
+    status = int(_chunk_layout_nb(cs, nc, qsl, offs, cu, sidx, last, ckpt))
     if status < 0:
         _raise_layout_error(status, nc, qsl, offs)
     if status + 1 > cu.shape[0] or status > sidx.shape[0]:
@@ -690,6 +718,34 @@ def chunk_metadata(
             f"buffers hold {cu.shape[0] - 1} / {sidx.shape[0]}; size them with max_num_chunks()"
         )
     return ChunkMetadata(cu[: status + 1], sidx[:status], last[:num_rows], ckpt[:num_rows], status)
+
+
+def _into_own_buffer(cs: int, nc: np.ndarray, qsl: np.ndarray, offs: np.ndarray | None) -> ChunkMetadata:
+    """:func:`chunk_metadata` into one fresh int32 buffer ``[cu | seq_idx | last]`` sized by
+    :func:`max_num_chunks`, plus the int64 checkpoint list: a fresh one with ``offs``, else a
+    read-only view of the all ``-1`` constant."""
+    num_rows = nc.shape[0]
+    total = max(qsl.item(num_rows), 0)  # (a decreasing qsl: the kernel reports the row)
+    cap = min(total + num_rows, total // cs + (2 if offs is None else 4) * num_rows)
+    buf = np.empty(2 * cap + 1 + num_rows, _I32)
+    if offs is None:
+        status = _chunk_metadata_nb(cs, nc, qsl, buf)
+        ckpt = _NO_CHECKPOINTS[:num_rows] if num_rows <= _NO_CHECKPOINTS_ROWS else _no_checkpoints(num_rows)
+    else:
+        ckpt = np.empty(num_rows, _I64)
+        status = _chunk_metadata_ckpt_nb(cs, nc, qsl, offs, buf, ckpt)
+    if status < 0:
+        _raise_layout_error(status, nc, qsl, _NO_OFFSETS if offs is None else offs)
+    return _new_chunk_metadata(
+        ChunkMetadata, (buf[: status + 1], buf[cap + 1 : cap + 1 + status], buf[2 * cap + 1 :], ckpt, status)
+    )
+
+
+def _no_checkpoints(num_rows: int) -> np.ndarray:
+    """A read-only all ``-1`` int64 array of ``num_rows`` (:data:`_NO_CHECKPOINTS` is shorter)."""
+    a = np.full(num_rows, -1, _I64)
+    a.flags.writeable = False
+    return a
 
 
 def checkpoint_chunk_index_tensor_values(checkpoint_chunk_idx: np.ndarray) -> np.ndarray | None:
@@ -742,7 +798,7 @@ def _qsl_scan_nb(qsl: np.ndarray) -> int:
 
 
 @njit
-def _logical_chunks_nb(qsl: np.ndarray, chunk_size: int, indices: np.ndarray, offsets: np.ndarray) -> int:
+def logical_chunks_nb(qsl: np.ndarray, chunk_size: int, indices: np.ndarray, offsets: np.ndarray) -> int:
     status = _qsl_scan_nb(qsl)
     if status < 0:
         return status
@@ -837,7 +893,7 @@ def logical_chunks(
     else:
         indices = _check_buffer(out[0], "out.chunk_indices", _I32, 0)
         offsets = _check_buffer(out[1], "out.chunk_offsets", _I32, 0)
-    status = int(_logical_chunks_nb(qsl, cs, indices, offsets))
+    status = int(logical_chunks_nb(qsl, cs, indices, offsets))
     if status < 0:
         row, code = _decode_error(status)
         raise _qsl_error(code, row, qsl, "query_start_loc")
@@ -854,7 +910,7 @@ def logical_chunks(
 
 
 @njit
-def _token_seq_idx_nb(qsl: np.ndarray, consecutive: bool, out: np.ndarray) -> int:
+def token_seq_idx_nb(qsl: np.ndarray, consecutive: bool, out: np.ndarray) -> int:
     status = _qsl_scan_nb(qsl)
     if status < 0:
         return status
@@ -937,7 +993,7 @@ def token_seq_idx(
             f"and fit int32"
         )
     buf = check_out(out, "token_seq_idx", (length,), np.int32)
-    status = int(_token_seq_idx_nb(qsl, bool(consecutive), buf))
+    status = int(token_seq_idx_nb(qsl, bool(consecutive), buf))
     if status < 0:
         row, code = _decode_error(status)
         raise _qsl_error(code, row, qsl, "query_start_loc")

@@ -71,20 +71,41 @@ def _count_programs_nb(qsl: np.ndarray, block_m: int, nums: np.ndarray) -> int:
 
 
 @njit
+def _minus_one_nb(a: np.ndarray, start: int, stop: int, known_lo: int, known_hi: int) -> None:
+    """``a[start:stop] = -1`` except rows ``[known_lo, known_hi)``, which the caller knows hold -1
+    already (1-D slices: the loops vectorize)."""
+    for lo, hi in ((start, min(stop, known_lo)), (max(start, known_hi), stop)):
+        if hi > lo:
+            seg = a[lo:hi]
+            for t in range(hi - lo):
+                seg[t] = -1
+
+
+@njit
 def _fill_programs_nb(
-    nums: np.ndarray, mlist: np.ndarray, batch_ptr: np.ndarray, offset_ptr: np.ndarray
-) -> None:
+    nums: np.ndarray, mlist: np.ndarray, batch_ptr: np.ndarray, offset_ptr: np.ndarray, stop: int, bp_lo: int,
+    bp_hi: int, op_lo: int, op_hi: int,
+) -> int:
+    """Write ``mlist``, ``batch_ptr`` and ``offset_ptr`` for programs ``nums`` (``tot`` rows each),
+    then ``-1`` on rows ``[tot, stop)`` of each pointer (within its length), except the rows
+    ``[bp_lo, bp_hi)`` / ``[op_lo, op_hi)`` the caller knows hold -1 already; returns ``tot``. One
+    1-D slice per row and array, so every fill loop vectorizes."""
     k = 0
     for i in range(nums.shape[0]):
-        for j in range(nums[i]):
-            mlist[k] = i
-            batch_ptr[k] = i
-            offset_ptr[k] = j
-            k += 1
-    for t in range(k, batch_ptr.shape[0]):
-        batch_ptr[t] = -1
-    for t in range(k, offset_ptr.shape[0]):
-        offset_ptr[t] = -1
+        m = nums[i]
+        seg = batch_ptr[k : k + m]
+        for t in range(m):
+            seg[t] = i
+        seg = offset_ptr[k : k + m]
+        for t in range(m):
+            seg[t] = t
+        seg64 = mlist[k : k + m]
+        for t in range(m):
+            seg64[t] = i
+        k += m
+    _minus_one_nb(batch_ptr, k, min(stop, batch_ptr.shape[0]), bp_lo, bp_hi)
+    _minus_one_nb(offset_ptr, k, min(stop, offset_ptr.shape[0]), op_lo, op_hi)
+    return k
 
 
 def _out_buffer(buf: Any, name: str, tot: int) -> np.ndarray:
@@ -173,5 +194,5 @@ def causal_conv1d_metadata(
         batch_ptr = _out_buffer(out[0], "out.batch_ptr", tot)
         offset_ptr = _out_buffer(out[1], "out.token_chunk_offset_ptr", tot)
     mlist = np.empty(tot, dtype=np.int64)
-    _fill_programs_nb(nums, mlist, batch_ptr, offset_ptr)
+    _fill_programs_nb(nums, mlist, batch_ptr, offset_ptr, max(batch_ptr.shape[0], offset_ptr.shape[0]), 0, 0, 0, 0)
     return Conv1dMetadata(nums, tot, mlist, offset_ptr[:tot], max_programs, batch_ptr, offset_ptr)

@@ -1,18 +1,18 @@
 """Mamba-family host derivations: state indices, prefill/decode classification, prefill checkpoints.
 
-- :func:`mamba_state_indices`: vLLM's ``mamba_get_block_table_tensor`` (vllm-semantics.md 5.10),
+- :func:`mamba_state_indices`: vLLM's ``mamba_get_block_table_tensor`` (docs/semantics-mamba.md, "State indices"),
   gathered on the host from the host block table and the exact sequence lengths.
 - :func:`classify_mamba_rows`: the prefill -> decode moves of the Mamba builders' classification
   (6.3 step 3): one-token chunks that continue existing state, and prompt tails padded with
   placeholder drafts.
 - :func:`prefill_checkpoints`: the "align"-mode prefill checkpoints (6.8): the offset into each
   prefill's query where a checkpoint state is exported, its block-table column and its state index.
-- ``_mamba_fill_nb`` / ``_mamba_fill_packed_nb`` (private): the whole per-step Mamba2 / Mamba1
-  builder derivation in one compiled pass (classification, split, state indices, prefill query starts
-  and contexts, causal-conv1d programs, chunk-aligned layout), writing into staging bytes at byte
-  offsets the builder passes in a parameter vector; used by :mod:`attnmeta.backends.mamba2`, checked
-  field by field against the public functions here and in :mod:`attnmeta.host.chunks` /
-  :mod:`attnmeta.host.conv1d`.
+- ``mamba_fill_nb`` (private): one step of the Mamba2 / Mamba1 builders of
+  :mod:`attnmeta.backends.mamba` in one compiled call, composed of the kernels behind the public
+  functions here and in :mod:`attnmeta.host.layout`, :mod:`~attnmeta.host.split`,
+  :mod:`~attnmeta.host.conv1d` and :mod:`~attnmeta.host.chunks` (classification, split, state
+  indices, prefill query starts and contexts, causal-conv1d programs, checkpoints, chunk-aligned
+  layout), writing into the arrays the builder passes by name (views of its staged fields).
 
 All numpy in, numpy out, compiled with numba; never imports torch.
 
@@ -33,10 +33,14 @@ import numpy as np
 from attnmeta._checks import as_host_array, check_out
 from attnmeta._numba import njit
 from attnmeta.host.chunks import _chunk_layout_nb
+from attnmeta.host.conv1d import _count_programs_nb, _fill_programs_nb, _minus_one_nb
+from attnmeta.host.layout import _prefill_cpu_metadata_nb
+from attnmeta.host.split import split_counts_nb
 
 __all__ = [
     "CheckpointConfig",
     "PrefillCheckpoints",
+    "checkpoint_parameters",
     "classify_mamba_rows",
     "gather_checkpoint_state_indices",
     "mamba_state_indices",
@@ -64,7 +68,7 @@ def _positive_int(value: Any, name: str) -> int:
 
 
 @njit
-def _state_indices_nb(
+def state_indices_nb(
     block_table: np.ndarray, seq_lens: np.ndarray, block_size: int, align: bool, out: np.ndarray
 ) -> int:
     """Fill ``out``; return -1, or the first row whose columns fall outside the table / s < 0."""
@@ -156,7 +160,7 @@ def mamba_state_indices(
     if bt.shape[0] < num_rows:
         raise ValueError(f"block_table: has {bt.shape[0]} rows, need one per seq_lens entry ({num_rows})")
     res = check_out(out, "mamba_state_indices", (num_rows, ncols), np.int32)
-    bad = int(_state_indices_nb(bt, sl, bs, mode == "align", res))
+    bad = int(state_indices_nb(bt, sl, bs, mode == "align", res))
     if bad >= 0:
         s = int(sl[bad])
         if s < 0:
@@ -298,287 +302,11 @@ def classify_mamba_rows(
 
 
 # --------------------------------------------------------------------------------------------------
-# the fused Mamba2 / Mamba1 builder kernels (used by attnmeta.backends.mamba2)
-
-
-# Parameters of _mamba_fill_nb: an int64 vector at the start of the host-only buffer ``hbuf`` (so
-# the call boxes few arguments): sizes and flags, then the byte offsets of the staged fields in
-# ``buf`` and of the host-only arrays in ``hbuf``. Internal to attnmeta.backends.mamba2.
-FILL_B, FILL_NCOLS, FILL_THRESHOLD, FILL_CHUNK, FILL_BSM, FILL_ALIGN, FILL_CONV, FILL_CHUNKS = range(8)
-FILL_ACC, FILL_MB, FILL_NB = range(8, 11)
-(FILL_O_SI_D, FILL_O_ACC, FILL_O_SI_P, FILL_O_QSL_P, FILL_O_INIT, FILL_O_CU, FILL_O_SIDX, FILL_O_LAST, FILL_O_BP,
- FILL_O_OP, FILL_H_NC, FILL_H_NUMS, FILL_H_MOVED) = range(16, 29)
-# where _mamba_fill_packed_nb finds the common metadata's host arrays: byte offsets into the slot
-# bytes (qsl, seq_lens, block table and its width) and into the common's host-only bytes
-(FILL_C_QSL, FILL_C_SL, FILL_C_BT, FILL_C_W, FILL_C_UB, FILL_C_ISP, FILL_C_DRAFTS) = range(32, 39)
-FILL_PARAMS = 40
-CONV1D_BLOCK_M = 8
-"""vLLM's ``BLOCK_M`` of the causal-conv1d programs (the only value it uses)."""
-
-# status codes of _mamba_fill_nb, encoded as ``-1 - (row * 8 + code)``
-FILL_E_QSL = 1  # a decreasing query_start_loc (classification)
-FILL_E_DRAFTS = 2  # a draft count below -1 (classification)
-FILL_E_TABLE_D = 3  # a decode row's state columns fall outside the block table (or s < 0)
-FILL_E_TABLE_P = 4  # a prefill row's state column falls outside the block table (or s < 0)
-FILL_E_CONTEXT = 5  # a prefill row's seq_lens_upper_bound < its query length
-FILL_E_CAPACITY = 6  # a staged buffer is smaller than the step needs (a bad bound: a bug)
-
-
-@njit
-def _state_start(s: int, block_size: int, align: bool) -> int:
-    if not align:
-        return 0
-    start = (s - 1) // block_size
-    return start if start > 0 else 0
-
-
-@njit
-def _fill_minus_one(a: np.ndarray, start: int, stop: int, known_lo: int, known_hi: int) -> None:
-    """``a[start:stop] = -1`` except rows ``[known_lo, known_hi)``, which already hold -1 (1-D slices:
-    the loops vectorize)."""
-    for lo, hi in ((start, min(stop, known_lo)), (max(start, known_hi), stop)):
-        if hi > lo:
-            seg = a[lo:hi]
-            for t in range(hi - lo):
-                seg[t] = -1
-
-
-@njit
-def _mamba_fill_nb(
-    qsl: np.ndarray,
-    ub: np.ndarray,
-    is_prefilling: np.ndarray,
-    drafts: np.ndarray,
-    sl: np.ndarray,
-    bt: np.ndarray,
-    accepted: np.ndarray,
-    buf: np.ndarray,
-    hbuf: np.ndarray,
-    mlist: np.ndarray,
-    num_tokens: int,
-    bp_lo: int,
-    bp_hi: int,
-    op_lo: int,
-    op_hi: int,
-) -> tuple[int, int, int, int, int, int, bool]:
-    """One step of the Mamba2 (and Mamba1) builder in one pass: classification, split and every
-    per-step array, written straight into staging bytes.
-
-    Inputs are the common metadata's host ``query_start_loc_cpu``, ``seq_lens_cpu_upper_bound``,
-    ``is_prefilling``, ``num_decode_draft_tokens_cpu`` (empty without spec decode), ``seq_lens_cpu``
-    (exact) and ``block_table_cpu`` (``B`` rows), and ``num_actual_tokens``. The parameters (sizes,
-    flags, byte offsets: the ``FILL_*`` indices) are the int64 vector at the start of ``hbuf``.
-
-    1. Classification (6.3 step 3, as :func:`_classify_nb`; the flags after the moves go to
-       ``hbuf``) and split (step 4): the first row with ``q > threshold`` or still prefilling after
-       the moves, which is ``split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)``
-       (5.1: with ``require_uniform=False`` its first-row and shortcut rules give the same
-       boundary). ``D`` decodes, then ``P = B - D`` prefills.
-    2. Into ``buf`` (fields staged for ``B`` rows; the first ``D`` / ``P`` are written):
-       ``state_indices_tensor_d`` ``(B, ncols)`` (5.10: ``bt[i, start_i + j]``),
-       ``num_accepted_tokens`` (``FILL_ACC`` 1: ``diff(qsl[:D + 1])``; 2: ``accepted[i]``, 1 past its
-       end), ``state_indices_tensor_p`` (column ``start_i`` of the prefill rows),
-       ``query_start_loc_p`` (``qsl[D:] - qsl[D]``), ``has_initial_states_p`` and, in ``hbuf``,
-       ``num_computed_tokens_p = ub[D:] - q`` (6.4).
-    3. With ``FILL_CONV``: ``batch_ptr`` / ``token_chunk_offset_ptr`` (5.8; ``-1`` from ``tot`` to
-       ``2 * max(1024, tot)``, except rows ``[bp_lo, bp_hi)`` / ``[op_lo, op_hi)`` that the caller
-       knows already hold ``-1``), ``nums`` (int32, in ``hbuf``) and ``mlist`` (int64, the caller's
-       array of at least ``FILL_MB // 2`` rows: the builder shares one per ring slot). One 1-D slice
-       per row and array, so every fill loop vectorizes.
-    4. With ``FILL_CHUNKS``: ``cu_chunk_seqlen_p`` / ``seq_idx_p`` / ``last_chunk_indices_p``, the
-       chunk-aligned layout of :func:`attnmeta.host.chunks.chunk_metadata` without checkpoints (6.5).
-
-    The causal-conv1d and chunk fields hold ``FILL_MB`` / ``FILL_NB`` rows, bounds that the caller
-    derives from ``B`` and ``num_tokens``; rows past what the step needs are not written.
-
-    Returns ``(status, num_moved, D, num_decode_tokens, tot, num_chunks, prep_initial_states)``;
-    ``status`` is 0 or ``-1 - (row * 8 + code)`` (``FILL_E_*``), unreachable for staged common
-    metadata.
-    """
-    prm = hbuf[: 8 * FILL_PARAMS].view(np.int64)
-    B = prm[FILL_B]
-    threshold = prm[FILL_THRESHOLD]
-    o = prm[FILL_H_MOVED]
-    moved = hbuf[o : o + B].view(np.bool_)
-    # ---- classification and split
-    has_drafts = drafts.shape[0] > 0
-    num_moved = 0
-    D = B
-    for i in range(B):
-        qh = int(qsl[i + 1]) - int(qsl[i])
-        if qh < 0:
-            return -1 - (i * 8 + FILL_E_QSL), 0, 0, 0, 0, 0, False
-        p = is_prefilling[i]
-        d = -1
-        if has_drafts:
-            d = int(drafts[i])
-            if d < -1:
-                return -1 - (i * 8 + FILL_E_DRAFTS), 0, 0, 0, 0, 0, False
-        if p and int(ub[i]) > qh and (qh == 1 or (d >= 0 and qh == d + 1)):
-            num_moved += 1  # a stateful one-token chunk, or a prompt tail padded with drafts
-            p = False
-        moved[i] = p
-        if D == B and (qh > threshold or p):
-            D = i
-    P = B - D
-    dt = int(qsl[D]) if P else num_tokens
-    # ---- decode rows: 1 + k state columns
-    ncols = prm[FILL_NCOLS]
-    bsm = prm[FILL_BSM]
-    align = prm[FILL_ALIGN] != 0
-    width = bt.shape[1]
-    o = prm[FILL_O_SI_D]
-    si_d = buf[o : o + 4 * D * ncols].view(np.int32)
-    for i in range(D):
-        s = int(sl[i])
-        start = _state_start(s, bsm, align)
-        if s < 0 or start + ncols > width:
-            return -1 - (i * 8 + FILL_E_TABLE_D), 0, 0, 0, 0, 0, False
-        for j in range(ncols):
-            si_d[i * ncols + j] = bt[i, start + j]
-    acc_mode = prm[FILL_ACC]
-    if acc_mode != 0:
-        o = prm[FILL_O_ACC]
-        acc = buf[o : o + 4 * D].view(np.int32)
-        if acc_mode == 1:
-            for i in range(D):
-                acc[i] = qsl[i + 1] - qsl[i]
-        else:
-            na = accepted.shape[0]
-            for i in range(D):
-                acc[i] = accepted[i] if i < na else 1
-    # ---- prefill rows: column start_i of their state indices
-    o = prm[FILL_O_SI_P]
-    si_p = buf[o : o + 4 * P].view(np.int32)
-    for j in range(P):
-        r = D + j
-        s = int(sl[r])
-        start = _state_start(s, bsm, align)
-        if s < 0 or start + 1 > width:
-            return -1 - (r * 8 + FILL_E_TABLE_P), 0, 0, 0, 0, 0, False
-        si_p[j] = bt[r, start]
-    if P == 0:
-        return 0, num_moved, D, dt, 0, 0, False
-    if prm[FILL_O_QSL_P] < 0:  # the caller staged no prefill fields
-        return -1 - (D * 8 + FILL_E_CAPACITY), 0, 0, 0, 0, 0, False
-    # ---- prefill query starts, contexts, initial-state flags (6.4)
-    o = prm[FILL_O_QSL_P]
-    qsl_p = buf[o : o + 4 * (P + 1)].view(np.int32)
-    o = prm[FILL_O_INIT]
-    init = buf[o : o + P].view(np.bool_)
-    o = prm[FILL_H_NC]
-    nc = hbuf[o : o + 4 * P].view(np.int32)
-    qsl_p[0] = 0
-    prep = False
-    for j in range(P):
-        lo = int(qsl[D + j])
-        hi = int(qsl[D + j + 1])
-        qsl_p[j + 1] = hi - dt
-        c = int(ub[D + j]) - (hi - lo)
-        if c < 0:
-            return -1 - ((D + j) * 8 + FILL_E_CONTEXT), 0, 0, 0, 0, 0, False
-        nc[j] = c
-        init[j] = c > 0
-        if c > 0:
-            prep = True
-    # ---- causal-conv1d programs (5.8)
-    tot = 0
-    if prm[FILL_CONV] != 0:
-        mb = prm[FILL_MB]
-        o = prm[FILL_O_BP]
-        bp = buf[o : o + 4 * mb].view(np.int32)
-        o = prm[FILL_O_OP]
-        op = buf[o : o + 4 * mb].view(np.int32)
-        o = prm[FILL_H_NUMS]
-        nums = hbuf[o : o + 4 * P].view(np.int32)
-        if mlist.shape[0] < mb // 2:
-            return -1 - (D * 8 + FILL_E_CAPACITY), 0, 0, 0, 0, 0, False
-        k = 0
-        for j in range(P):
-            m = (int(qsl[D + j + 1]) - int(qsl[D + j]) + CONV1D_BLOCK_M - 1) // CONV1D_BLOCK_M
-            nums[j] = m
-            if 2 * (k + m) > mb:
-                return -1 - ((D + j) * 8 + FILL_E_CAPACITY), 0, 0, 0, 0, 0, False
-            seg = bp[k : k + m]
-            for t in range(m):
-                seg[t] = j
-            seg = op[k : k + m]
-            for t in range(m):
-                seg[t] = t
-            seg64 = mlist[k : k + m]
-            for t in range(m):
-                seg64[t] = j
-            k += m
-        tot = k
-        total = 2 * max(1024, tot)
-        if total > mb:
-            return -1 - FILL_E_CAPACITY, 0, 0, 0, 0, 0, False
-        # -1 on [tot, total), except the rows the caller knows already hold -1
-        _fill_minus_one(bp, tot, total, bp_lo, bp_hi)
-        _fill_minus_one(op, tot, total, op_lo, op_hi)
-    # ---- the chunk-aligned SSD layout (6.5)
-    count = 0
-    if prm[FILL_CHUNKS] != 0:
-        C = prm[FILL_CHUNK]
-        nb = prm[FILL_NB]
-        o = prm[FILL_O_CU]
-        cu = buf[o : o + 4 * (nb + 1)].view(np.int32)
-        o = prm[FILL_O_SIDX]
-        sidx = buf[o : o + 4 * nb].view(np.int32)
-        o = prm[FILL_O_LAST]
-        last = buf[o : o + 4 * P].view(np.int32)
-        # The one chunking kernel of host/chunks.py (no checkpoint offsets). Its per-row checkpoint
-        # index output (-1 here) goes to ``last``, which the same row then overwrites with its last chunk.
-        count = _chunk_layout_nb(C, nc, qsl_p, nc[:0], False, cu, sidx, last, last)
-        if count < 0 or count > nb:  # unreachable: the inputs are validated and nb is an upper bound
-            return -1 - (D * 8 + FILL_E_CAPACITY), 0, 0, 0, 0, 0, False
-    return 0, num_moved, D, dt, tot, count, prep
-
-
-@njit
-def _mamba_fill_packed_nb(
-    buf: np.ndarray,
-    cbuf: np.ndarray,
-    hbuf: np.ndarray,
-    mlist: np.ndarray,
-    accepted: np.ndarray,
-    num_tokens: int,
-    bp_lo: int,
-    bp_hi: int,
-    op_lo: int,
-    op_hi: int,
-) -> tuple[int, int, int, int, int, int, bool]:
-    """:func:`_mamba_fill_nb` with the common metadata's host arrays addressed inside the slot bytes
-    ``buf`` (``query_start_loc_cpu``, ``seq_lens_cpu``, ``block_table_cpu``) and the common's
-    host-only bytes ``cbuf`` (``seq_lens_cpu_upper_bound``, ``is_prefilling``, and
-    ``num_decode_draft_tokens_cpu`` unless ``FILL_C_DRAFTS`` is -1), at the byte offsets of the
-    ``FILL_C_*`` parameters: six fewer arrays to box per call.
-    """
-    prm = hbuf[: 8 * FILL_PARAMS].view(np.int64)
-    B = prm[FILL_B]
-    W = prm[FILL_C_W]
-    o = prm[FILL_C_QSL]
-    qsl = buf[o : o + 4 * (B + 1)].view(np.int32)
-    o = prm[FILL_C_SL]
-    sl = buf[o : o + 4 * B].view(np.int32)
-    o = prm[FILL_C_BT]
-    bt = buf[o : o + 4 * B * W].view(np.int32).reshape(B, W)
-    o = prm[FILL_C_UB]
-    ub = cbuf[o : o + 4 * B].view(np.int32)
-    o = prm[FILL_C_ISP]
-    isp = cbuf[o : o + B].view(np.bool_)
-    o = prm[FILL_C_DRAFTS]
-    drafts = cbuf[o : o + 4 * B].view(np.int32) if o >= 0 else cbuf[0:0].view(np.int32)
-    return _mamba_fill_nb(qsl, ub, isp, drafts, sl, bt, accepted, buf, hbuf, mlist, num_tokens, bp_lo, bp_hi, op_lo,
-                          op_hi)
-
-
-# --------------------------------------------------------------------------------------------------
 # prefill checkpoints (6.8)
 
 
 class CheckpointConfig(NamedTuple):
-    """Static configuration of "align"-mode Mamba prefill checkpoints (vllm-semantics.md 6.8).
+    """Static configuration of "align"-mode Mamba prefill checkpoints (docs/semantics-mamba.md, "Prefill checkpoints").
 
     Checkpoints are only active when ``mamba_cache_mode == "align"`` and the mamba spec has
     ``num_prefill_checkpoint_blocks > 0``; otherwise do not call :func:`prefill_checkpoints`.
@@ -614,6 +342,48 @@ class PrefillCheckpoints(NamedTuple):
     state_indices: np.ndarray | None
     """(num_prefills,) int32, host: ``where(cols >= 0, block_table_p[row, cols], 0)``; ``None`` when
     no block table was given."""
+
+
+def checkpoint_parameters(config: CheckpointConfig, name: str = "config") -> tuple[int, int, int, int, int, bool]:
+    """Validate ``config`` and return its values as the checkpoint kernels take them.
+
+    Parameters
+    ----------
+    config : CheckpointConfig
+        The configuration to check.
+    name : str, default "config"
+        How error messages name it (e.g. ``"Mamba2Options.checkpoint"``).
+
+    Returns
+    -------
+    tuple of (int, int, int, int, int, bool)
+        ``(hash_block_size, cache_hit_alignment_tokens, mamba_block_size, checkpoint_alignment or 0,
+        num_hash_lookahead_tokens, drop_eagle_block)``.
+
+    Raises
+    ------
+    TypeError
+        Not a :class:`CheckpointConfig`.
+    ValueError
+        A size that is not a positive int, or a negative lookahead.
+
+    Examples
+    --------
+    >>> checkpoint_parameters(CheckpointConfig(4, 4, 16, None))
+    (4, 4, 16, 0, 0, False)
+    """
+    if not isinstance(config, CheckpointConfig):
+        raise TypeError(f"{name}: expected CheckpointConfig, got {type(config).__name__}")
+    hb = _positive_int(config.hash_block_size, f"{name}.hash_block_size")
+    hit = _positive_int(config.cache_hit_alignment_tokens, f"{name}.cache_hit_alignment_tokens")
+    mbs = _positive_int(config.mamba_block_size, f"{name}.mamba_block_size")
+    align = 0
+    if config.checkpoint_alignment is not None:
+        align = _positive_int(config.checkpoint_alignment, f"{name}.checkpoint_alignment")
+    look = config.num_hash_lookahead_tokens
+    if isinstance(look, bool) or not isinstance(look, int | np.integer) or look < 0:
+        raise ValueError(f"{name}.num_hash_lookahead_tokens: must be an int >= 0, got {look!r}")
+    return hb, hit, mbs, align, int(look), bool(config.drop_eagle_block)
 
 
 @njit
@@ -737,7 +507,7 @@ def prefill_checkpoints(
     config: CheckpointConfig,
     out: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None,
 ) -> PrefillCheckpoints | None:
-    """Prefill checkpoints of vLLM's "align" mamba cache mode (vllm-semantics.md 6.8), host.
+    """Prefill checkpoints of vLLM's "align" mamba cache mode (docs/semantics-mamba.md, "Prefill checkpoints"), host.
 
     Per prefill row with ``s = seq_lens_upper_bound_p[i]``, ``q = query_lens_p[i]``, ``qs = s - q``:
 
@@ -786,17 +556,7 @@ def prefill_checkpoints(
     >>> prefill_checkpoints(np.array([9], np.int32), np.array([1], np.int32), config=cfg) is None
     True
     """
-    if not isinstance(config, CheckpointConfig):
-        raise TypeError(f"config: expected CheckpointConfig, got {type(config).__name__}")
-    hb = _positive_int(config.hash_block_size, "config.hash_block_size")
-    hit = _positive_int(config.cache_hit_alignment_tokens, "config.cache_hit_alignment_tokens")
-    mbs = _positive_int(config.mamba_block_size, "config.mamba_block_size")
-    align = 0
-    if config.checkpoint_alignment is not None:
-        align = _positive_int(config.checkpoint_alignment, "config.checkpoint_alignment")
-    look = int(config.num_hash_lookahead_tokens)
-    if look < 0:
-        raise ValueError(f"config.num_hash_lookahead_tokens: must be >= 0, got {look}")
+    hb, hit, mbs, align, look, drop = checkpoint_parameters(config)
     s = _i32(seq_lens_upper_bound_p, "seq_lens_upper_bound_p")
     q = _i32(query_lens_p, "query_lens_p")
     num_rows = s.shape[0]
@@ -813,7 +573,7 @@ def prefill_checkpoints(
         cols = check_out(out[1], "checkpoint cols", (num_rows,), np.int64)
         si_out = out[2]
     status = int(
-        _checkpoints_nb(s, q, hb, hit, mbs, align, look, bool(config.drop_eagle_block), offsets, cols)
+        _checkpoints_nb(s, q, hb, hit, mbs, align, look, drop, offsets, cols)
     )
     if status < 0:
         enc = -1 - status
@@ -828,3 +588,213 @@ def prefill_checkpoints(
         return None
     state = None if block_table_p is None else _gather(block_table_p, cols, si_out)
     return PrefillCheckpoints(offsets, cols, state)
+
+
+# --------------------------------------------------------------------------------------------------
+# the one fill path of the Mamba2 / Mamba1 builders (attnmeta.backends.mamba)
+
+CONV1D_BLOCK_M = 8
+"""vLLM's ``BLOCK_M`` of the causal-conv1d programs (the only value it uses)."""
+
+# Status codes of mamba_fill_nb, encoded as ``-1 - (row * 8 + code)``; the builder turns them into
+# messages by re-running the validating public function of the step that failed.
+FILL_E_QSL = 1
+"""A decreasing ``query_start_loc`` (classification)."""
+FILL_E_DRAFTS = 2
+"""A draft count below -1 (classification)."""
+FILL_E_TABLE_D = 3
+"""A decode row's state columns fall outside the block table (or its length is negative)."""
+FILL_E_TABLE_P = 4
+"""A prefill row's state column falls outside the block table (or its length is negative)."""
+FILL_E_CONTEXT = 5
+"""A prefill row's ``seq_lens_upper_bound`` is below its query length."""
+FILL_E_CAPACITY = 6
+"""An output is shorter than the step needs; ``row`` is the count needed (graph mode: a capacity)."""
+FILL_E_CHECKPOINT = 7
+"""A prefill row's checkpoint column falls outside the block table."""
+
+
+@njit
+def _fail(row: int, code: int) -> tuple[int, int, int, int, int, bool, int, int]:
+    return -1 - (row * 8 + code), 0, 0, 0, 0, False, 0, 0
+
+
+@njit
+def mamba_fill_nb(
+    query_start_loc: np.ndarray,
+    seq_lens_upper_bound: np.ndarray,
+    is_prefilling: np.ndarray,
+    draft_tokens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    num_tokens: int,
+    threshold: int,
+    mamba_block_size: int,
+    align: bool,
+    chunk_size: int,
+    pad: bool,
+    accepted: np.ndarray,
+    accepted_given: bool,
+    known_bp_lo: int,
+    known_bp_hi: int,
+    known_op_lo: int,
+    known_op_hi: int,
+    ckpt_hash_block: int,
+    ckpt_hit_align: int,
+    ckpt_align: int,
+    ckpt_lookahead: int,
+    ckpt_drop_eagle: bool,
+    moved: np.ndarray,
+    state_d: np.ndarray,
+    accepted_d: np.ndarray,
+    state_p: np.ndarray,
+    query_start_loc_p: np.ndarray,
+    has_initial_p: np.ndarray,
+    num_computed_p: np.ndarray,
+    nums: np.ndarray,
+    mlist: np.ndarray,
+    batch_ptr: np.ndarray,
+    offset_ptr: np.ndarray,
+    cu_chunk_seqlens: np.ndarray,
+    seq_idx: np.ndarray,
+    last_chunk: np.ndarray,
+    query_lens_p: np.ndarray,
+    ckpt_offsets: np.ndarray,
+    ckpt_cols: np.ndarray,
+    ckpt_state: np.ndarray,
+    ckpt_chunk: np.ndarray,
+    ckpt_chunk_list: np.ndarray,
+) -> tuple[int, int, int, int, int, bool, int, int]:
+    """One step of the Mamba2 / Mamba1 builders: every per-step array, from the kernels of this module
+    and of :mod:`attnmeta.host.layout`, :mod:`~attnmeta.host.split`, :mod:`~attnmeta.host.conv1d` and
+    :mod:`~attnmeta.host.chunks`, in one call (docs/semantics-mamba.md).
+
+    Inputs: the common metadata's host ``query_start_loc`` ``(B + 1,)``, ``seq_lens_upper_bound``,
+    ``is_prefilling``, ``draft_tokens`` (``num_decode_draft_tokens``; empty without spec decode),
+    ``seq_lens`` (exact) and ``block_table`` (``B`` rows), and ``num_tokens`` (padding included). An
+    empty output array turns its part off; every output is written from row 0.
+
+    1. Classification and split (:func:`_classify_nb` into ``moved``, then ``split_decodes_and_prefills``
+       at ``threshold`` with ``treat_short_extends_as_decodes=False``): ``D`` decodes, ``P = B - D``
+       prefills.
+    2. State indices (:func:`state_indices_nb`): ``state_d`` ``(>= D, 1 + k)`` for the decode rows,
+       ``state_p`` column 0 for the prefill rows; ``accepted_d``: ``accepted`` (1 past its end) when
+       ``accepted_given``, else ``diff(query_start_loc[:D + 1])``.
+    3. Prefill query starts and contexts (``_prefill_cpu_metadata_nb``): ``query_start_loc_p``,
+       ``num_computed_p``, ``has_initial_p`` (``num_computed_p > 0``).
+    4. Causal-conv1d programs (``_count_programs_nb``, ``_fill_programs_nb``) when ``batch_ptr`` is
+       given: ``nums``, ``mlist``, ``batch_ptr`` / ``offset_ptr`` with ``-1`` up to
+       ``2 * max(1024, tot)`` (with ``pad``: to their end), skipping rows ``[known_bp_lo,
+       known_bp_hi)`` / ``[known_op_lo, known_op_hi)`` that the caller knows hold ``-1`` already.
+    5. Prefill checkpoints (:func:`_checkpoints_nb`, :func:`_gather_ckpt_nb`) when
+       ``ckpt_hash_block > 0``: ``query_lens_p``, ``ckpt_offsets``, ``ckpt_cols``, ``ckpt_state``.
+    6. The chunk-aligned layout (``_chunk_layout_nb``) when ``chunk_size > 0``: ``cu_chunk_seqlens``,
+       ``seq_idx``, ``last_chunk``, and with checkpoints ``ckpt_chunk_list`` (-1 where none) and
+       ``ckpt_chunk`` (``max(idx, 0)``, vLLM's upload).
+
+    With ``pad`` (graph mode) every output past the step's rows gets its sentinel to its end
+    (``query_start_loc_p`` / ``cu_chunk_seqlens`` repeat their last value). Returns ``(status, D,
+    num_decode_tokens, tot, num_chunks, prep_initial_states, num_checkpoints, num_moved)``;
+    ``status`` is 0 or ``-1 - (row * 8 + code)`` (``FILL_E_*``).
+    """
+    num_reqs = seq_lens_upper_bound.shape[0]
+    # 1. classification and split
+    num_moved = _classify_nb(query_start_loc, seq_lens_upper_bound, is_prefilling, draft_tokens,
+                             draft_tokens.shape[0] > 0, moved)
+    if num_moved < 0:
+        enc = -1 - num_moved
+        return _fail(enc // 4, FILL_E_QSL if enc % 4 == 1 else FILL_E_DRAFTS)
+    D, P, Dt, _Pt = split_counts_nb(query_start_loc, num_tokens, 0, threshold, False, False, moved)
+    # 2. state indices and accepted counts
+    bad = state_indices_nb(block_table[:D], seq_lens[:D], mamba_block_size, align, state_d[:D])
+    if bad >= 0:
+        return _fail(bad, FILL_E_TABLE_D)
+    bad = state_indices_nb(block_table[D:num_reqs], seq_lens[D:num_reqs], mamba_block_size, align,
+                            state_p[:P].reshape((P, 1)))
+    if bad >= 0:
+        return _fail(D + bad, FILL_E_TABLE_P)
+    if accepted_d.shape[0] > 0:
+        if accepted_given:
+            na = accepted.shape[0]
+            for i in range(D):
+                accepted_d[i] = accepted[i] if i < na else 1
+        else:
+            for i in range(D):
+                accepted_d[i] = query_start_loc[i + 1] - query_start_loc[i]
+    if pad:
+        state_d[D:] = 0
+        accepted_d[D:] = 1
+        state_p[P:] = 0
+    if query_start_loc_p.shape[0] == 0 or P == 0:
+        if P > 0:  # prefill rows, but the caller staged no prefill fields (a bug)
+            return _fail(P, FILL_E_CAPACITY)
+        if pad and query_start_loc_p.shape[0] > 0:  # staged prefill fields hold their sentinels
+            query_start_loc_p[:] = 0
+            has_initial_p[:] = False
+            _minus_one_nb(batch_ptr, 0, batch_ptr.shape[0], known_bp_lo, known_bp_hi)
+            _minus_one_nb(offset_ptr, 0, offset_ptr.shape[0], known_op_lo, known_op_hi)
+            cu_chunk_seqlens[:] = 0
+            seq_idx[:] = -1
+            last_chunk[:] = -1
+            ckpt_offsets[:] = 0
+            ckpt_cols[:] = -1
+            ckpt_state[:] = 0
+            ckpt_chunk[:] = 0
+        return 0, D, Dt, 0, 0, False, 0, num_moved
+    # 3. prefill query starts, contexts, initial-state flags
+    status, row = _prefill_cpu_metadata_nb(query_start_loc, seq_lens_upper_bound, num_reqs, Dt,
+                                           num_computed_p[:P], query_start_loc_p[: P + 1])
+    if status != 0:
+        return _fail(row, FILL_E_CONTEXT)
+    prep = False
+    for j in range(P):
+        init = num_computed_p[j] > 0
+        has_initial_p[j] = init
+        prep = prep or init
+    if pad:
+        query_start_loc_p[P + 1 :] = query_start_loc_p[P]
+        has_initial_p[P:] = False
+    # 4. causal-conv1d programs
+    tot = 0
+    if batch_ptr.shape[0] > 0:
+        tot = _count_programs_nb(query_start_loc_p[: P + 1], CONV1D_BLOCK_M, nums[:P])
+        stop = batch_ptr.shape[0] if pad else 2 * max(1024, tot)
+        if stop > batch_ptr.shape[0] or stop > offset_ptr.shape[0] or tot > mlist.shape[0]:
+            return _fail(stop, FILL_E_CAPACITY)
+        _fill_programs_nb(nums[:P], mlist, batch_ptr, offset_ptr, stop, known_bp_lo, known_bp_hi, known_op_lo,
+                          known_op_hi)
+    # 5. prefill checkpoints
+    nck = 0
+    if ckpt_hash_block > 0:
+        for j in range(P):
+            query_lens_p[j] = query_start_loc_p[j + 1] - query_start_loc_p[j]
+        nck = _checkpoints_nb(seq_lens_upper_bound[D:num_reqs], query_lens_p[:P], ckpt_hash_block, ckpt_hit_align,
+                              mamba_block_size, ckpt_align, ckpt_lookahead, ckpt_drop_eagle, ckpt_offsets[:P],
+                              ckpt_cols[:P])
+        bad = _gather_ckpt_nb(block_table[D:num_reqs], ckpt_cols[:P], ckpt_state[:P])
+        if bad >= 0:
+            return _fail(D + bad, FILL_E_CHECKPOINT)
+        if pad:
+            ckpt_offsets[P:] = 0
+            ckpt_cols[P:] = -1
+            ckpt_state[P:] = 0
+    # 6. the chunk-aligned layout
+    count = 0
+    if chunk_size > 0:
+        with_ckpt = nck > 0
+        count = _chunk_layout_nb(chunk_size, num_computed_p[:P], query_start_loc_p[: P + 1],
+                                 ckpt_offsets[:P] if with_ckpt else ckpt_offsets[:0], cu_chunk_seqlens, seq_idx,
+                                 last_chunk[:P], ckpt_chunk_list[:P] if with_ckpt else ckpt_chunk_list[:0])
+        if count < 0:  # unreachable: the inputs were validated above
+            return _fail(0, FILL_E_CONTEXT)
+        if count >= cu_chunk_seqlens.shape[0] or count > seq_idx.shape[0]:
+            return _fail(count, FILL_E_CAPACITY)
+        if ckpt_chunk.shape[0] > 0:
+            for j in range(P):
+                ckpt_chunk[j] = ckpt_chunk_list[j] if with_ckpt and ckpt_chunk_list[j] > 0 else 0
+        if pad:
+            cu_chunk_seqlens[count + 1 :] = cu_chunk_seqlens[count]
+            seq_idx[count:] = -1
+            last_chunk[P:] = -1
+            ckpt_chunk[P:] = 0
+    return 0, D, Dt, tot, count, prep, nck, num_moved

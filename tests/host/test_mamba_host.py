@@ -1,9 +1,9 @@
-"""attnmeta.host.mamba: state indices, classification, prefill checkpoints and the fused builder kernel vs the
+"""attnmeta.host.mamba: state indices, classification, prefill checkpoints and the builders' fill kernel vs the
 references."""
 
 from __future__ import annotations
 
-import itertools
+import inspect
 from typing import Any
 
 import numpy as np
@@ -235,51 +235,11 @@ def test_checkpoint_bad_input() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# the fused builder kernel (attnmeta.backends.mamba2's fast path): its parameter protocol, checked
-# field by field against the public host functions
+# the fill kernel of the Mamba builders (attnmeta.backends.mamba), checked field by field against the
+# public host functions it is composed of
 
 
-def _align64(n: int) -> int:
-    return (n + 63) // 64 * 64
-
-
-_GUARD = 0xAB  # bytes the kernel must never write
-
-
-def _fill_buffers(
-    B: int, ncols: int, C: int, bsm: int, align: bool, acc_mode: int, nb: int, mb: int
-) -> tuple[np.ndarray, np.ndarray, dict[str, tuple[int, int]]]:
-    """Staged bytes ``buf`` (every field, guard bytes between them) and host-only bytes ``hbuf``
-    (parameters first), laid out as attnmeta.backends.mamba2 does; returns the byte ranges. The
-    kernel's ``mlist`` is a separate array (:func:`_mlist_buffer`)."""
-    sizes = {"si_d": 4 * B * ncols, "acc": 4 * B, "si_p": 4 * B, "qsl_p": 4 * (B + 1), "init": B,
-             "cu": 4 * (nb + 1), "sidx": 4 * nb, "last": 4 * B, "bp": 4 * mb, "op": 4 * mb}
-    where: dict[str, tuple[int, int]] = {}
-    off = 64
-    for name, n in sizes.items():
-        where[name] = (off, n)
-        off = _align64(off + n) + 64  # a guard gap after every field
-    buf = np.full(off, _GUARD, np.uint8)
-    o_nc = 8 * hm.FILL_PARAMS
-    o_nums = o_nc + _align64(4 * B)
-    o_moved = o_nums + _align64(4 * B)
-    hbuf = np.zeros(o_moved + _align64(B), np.uint8)
-    prm = hbuf[:o_nc].view(np.int64)
-    for name, idx in (("si_d", hm.FILL_O_SI_D), ("acc", hm.FILL_O_ACC), ("si_p", hm.FILL_O_SI_P),
-                      ("qsl_p", hm.FILL_O_QSL_P), ("init", hm.FILL_O_INIT), ("cu", hm.FILL_O_CU),
-                      ("sidx", hm.FILL_O_SIDX), ("last", hm.FILL_O_LAST), ("bp", hm.FILL_O_BP), ("op", hm.FILL_O_OP)):
-        prm[idx] = where[name][0]
-    prm[hm.FILL_B], prm[hm.FILL_NCOLS], prm[hm.FILL_THRESHOLD], prm[hm.FILL_ACC] = B, ncols, ncols, acc_mode
-    prm[hm.FILL_CHUNK], prm[hm.FILL_BSM], prm[hm.FILL_ALIGN] = C, bsm, align
-    prm[hm.FILL_CONV], prm[hm.FILL_CHUNKS], prm[hm.FILL_MB], prm[hm.FILL_NB] = mb > 0, nb > 0, mb, nb
-    prm[hm.FILL_H_NC], prm[hm.FILL_H_NUMS], prm[hm.FILL_H_MOVED] = o_nc, o_nums, o_moved
-    where.update(nc=(o_nc, 4 * B), nums=(o_nums, 4 * B), moved=(o_moved, B))
-    return buf, hbuf, where
-
-
-def _mlist_buffer(mb: int) -> np.ndarray:
-    """The kernel's ``mlist`` output: ``mb // 2`` int64 rows, then guard rows it must not write."""
-    return np.full(mb // 2 + 8, -77, np.int64)
+_GUARD32, _GUARD64 = -77, -7777  # values the kernel must never write past an output's used rows
 
 
 @st.composite
@@ -302,139 +262,177 @@ def _fill_cases(draw: st.DrawFn) -> dict[str, Any]:
     T = int(qsl[-1]) + draw(st.integers(0, 9))
     bsm = draw(st.sampled_from([4, 16]))
     align = draw(st.booleans())
+    ckpt = draw(st.one_of(st.none(), st.builds(CheckpointConfig, st.sampled_from([1, 4]), st.sampled_from([4, 8]),
+                                               st.just(bsm), st.sampled_from([None, 1, 4]), st.integers(0, 2),
+                                               st.booleans()))) if align else None
     W = max([max((int(s) - 1) // bsm, 0) for s in sl], default=0) + 1 + k + draw(st.integers(0, 2))
+    W = max(W, max([-(-int(s) // bsm) - 1 for s in sl], default=1))  # checkpoint columns too
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     bt = rng.integers(0, 10_000, (B, W), dtype=np.int32)
-    acc_mode = draw(st.sampled_from([1, 2])) if k else 0
-    accepted = rng.integers(1, 5, draw(st.sampled_from([n, B])), dtype=np.int32) if acc_mode == 2 else np.zeros(0, np.int32)
+    given_acc = bool(k) and draw(st.booleans())
+    accepted = rng.integers(1, 5, draw(st.sampled_from([n, B])), dtype=np.int32) if given_acc else np.zeros(0, np.int32)
     return {"qsl": qsl, "ub": sl.copy(), "isp": isp, "drafts": drafts, "sl": sl, "bt": bt, "accepted": accepted,
-            "T": T, "k": k, "C": draw(st.sampled_from([4, 8, 6, 256])), "bsm": bsm, "align": align,
-            "conv": draw(st.booleans()), "acc_mode": acc_mode,
-            "tails": draw(st.tuples(*[st.tuples(st.integers(0, 5000), st.integers(0, 5000))] * 2))}
+            "given": given_acc, "T": T, "k": k, "C": draw(st.sampled_from([0, 4, 8, 6, 256])), "bsm": bsm,
+            "align": align, "ckpt": ckpt, "conv": draw(st.booleans()), "pad": draw(st.booleans()),
+            "known": draw(st.tuples(*[st.integers(0, 5000)] * 4))}
 
 
-def _untouched(buf: np.ndarray, lo: int, hi: int, what: str) -> None:
-    assert (buf[lo:hi] == _GUARD).all(), f"{what}: the kernel wrote bytes it must not write"
+def _outputs(case: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The kernel's outputs, each with guard rows past what any step of these shapes writes."""
+    B, T, C = case["qsl"].shape[0] - 1, case["T"], case["C"]
+    g = 5
+    conv = 2 * max(1024, min(T, T // 8 + B)) if case["conv"] else 0
+    nb = max_num_chunks(T, B, C, with_checkpoints=True) if C else 0
+    ck = case["ckpt"] is not None
+
+    def a(rows: int, dtype: Any = np.int32, on: bool = True) -> np.ndarray:
+        return np.full(rows + g if on else 0, _GUARD64 if dtype == np.int64 else _GUARD32, dtype)
+
+    out = {"moved": np.zeros(B, np.bool_), "state_d": np.full((B + g, 1 + case["k"]), _GUARD32, np.int32),
+           "accepted_d": a(B, on=case["k"] > 0), "state_p": a(B), "query_start_loc_p": a(B + 1),
+           "has_initial_p": np.zeros(B + g, np.bool_), "num_computed_p": a(B), "nums": a(B, on=conv > 0),
+           "mlist": a(conv // 2, np.int64, conv > 0), "batch_ptr": a(conv, on=conv > 0),
+           "offset_ptr": a(conv, on=conv > 0), "cu_chunk_seqlens": a(nb + 1, on=C > 0), "seq_idx": a(nb, on=C > 0),
+           "last_chunk": a(B, on=C > 0), "query_lens_p": a(B, on=ck), "ckpt_offsets": a(B, on=ck),
+           "ckpt_cols": a(B, np.int64, ck), "ckpt_state": a(B, on=ck), "ckpt_chunk": a(B, np.int64, ck),
+           "ckpt_chunk_list": a(B, np.int64, ck)}
+    if case["pad"]:  # graph mode: every output is padded to its end, so exact lengths (no guard rows)
+        for name, arr in out.items():
+            if name != "moved" and arr.shape[0]:
+                out[name] = arr[: arr.shape[0] - g]
+    return out
+
+
+def _fill(case: dict[str, Any], out: dict[str, np.ndarray]) -> tuple[int, ...]:
+    ck = case["ckpt"]
+    params = (0, 0, 0, 0, False) if ck is None else (
+        ck.hash_block_size, ck.cache_hit_alignment_tokens, ck.checkpoint_alignment or 0, ck.num_hash_lookahead_tokens,
+        ck.drop_eagle_block)
+    lo, hi = sorted(case["known"][:2])
+    olo, ohi = sorted(case["known"][2:])
+    rows = out["batch_ptr"].shape[0]
+    for arr, (a, b) in ((out["batch_ptr"], (lo, hi)), (out["offset_ptr"], (olo, ohi))):
+        arr[min(a, rows) : min(b, rows)] = -1  # rows the caller knows hold -1 already
+    return tuple(hm.mamba_fill_nb(
+        case["qsl"], case["ub"], case["isp"], case["drafts"], case["sl"], case["bt"], case["T"], 1 + case["k"],
+        case["bsm"], case["align"], case["C"], case["pad"], case["accepted"], case["given"], min(lo, rows),
+        min(hi, rows), min(olo, rows), min(ohi, rows), *params, **out))
 
 
 @given(case=_fill_cases())
-def test_fused_kernel_matches_the_host_functions(case: dict[str, Any]) -> None:
+def test_fill_kernel_matches_the_host_functions(case: dict[str, Any]) -> None:
     qsl, ub, isp, drafts, sl, bt = (case[n] for n in ("qsl", "ub", "isp", "drafts", "sl", "bt"))
-    B, T, k, C, bsm, align = qsl.shape[0] - 1, case["T"], case["k"], case["C"], case["bsm"], case["align"]
-    ncols = 1 + k
-    nb = max_num_chunks(T, B, C)
-    mb = 2 * max(1024, min(T, T // 8 + B)) if case["conv"] else 0
-    buf, hbuf, where = _fill_buffers(B, ncols, C, bsm, align, case["acc_mode"], nb, mb)
-    mlist = _mlist_buffer(mb)
-    # rows [lo, hi) of each pointer array already hold -1 (the builder's knowledge of the slot)
-    known = [tuple(sorted(min(t, mb) for t in tail)) for tail in case["tails"]]
-    for name, (lo, hi) in zip(("bp", "op"), known):
-        o = where[name][0]
-        buf[o + 4 * lo : o + 4 * hi].view(np.int32)[:] = -1
-    snapshot = buf.copy()
-    status, num_moved, D, Dt, tot, nchunks, prep = hm._mamba_fill_nb(
-        qsl, ub, isp, drafts, sl, bt, case["accepted"], buf, hbuf, mlist, T, *known[0], *known[1])
+    B, T, k, C, bsm, align, pad = (qsl.shape[0] - 1, case["T"], case["k"], case["C"], case["bsm"], case["align"],
+                                   case["pad"])
+    out = _outputs(case)
+    status, D, Dt, tot, nchunks, prep, nck, num_moved = _fill(case, out)
     assert status == 0
-
-    def field(name: str, dtype: Any, count: int) -> np.ndarray:
-        if name == "mlist":
-            return mlist[:count]
-        o = where[name][0]
-        arr = hbuf if name in ("nc", "nums", "moved") else buf
-        return arr[o : o + np.dtype(dtype).itemsize * count].view(dtype)
-
+    ncols = 1 + k
     # classification and split
     moved, any_moved = classify_mamba_rows(qsl, ub, isp, drafts if k else None)
     assert num_moved == int((moved != isp).sum()) and bool(num_moved) == any_moved
-    assert_host_equal(field("moved", np.bool_, B), moved)
+    assert_host_equal(out["moved"], moved)
     split = split_decodes_and_prefills(qsl, num_tokens=T, max_query_len=int(np.diff(qsl).max(initial=0)),
                                        decode_threshold=1 + k, treat_short_extends_as_decodes=False,
                                        is_prefilling=moved)
     P = B - D
     assert (D, P, Dt) == tuple(split)[:3]
-    # state indices, accepted counts
+    # state indices, accepted counts; every row of an output past its used ones: a sentinel (pad) or untouched
     mode = "align" if align else "none"
-    assert_host_equal(field("si_d", np.int32, D * ncols).reshape(D, ncols),
-                      mamba_state_indices(bt[:D], sl[:D], mamba_block_size=bsm, mode=mode, num_state_columns=ncols))
-    assert_host_equal(field("si_p", np.int32, P),
-                      mamba_state_indices(bt[D:], sl[D:], mamba_block_size=bsm, mode=mode, num_state_columns=1)[:, 0])
-    if case["acc_mode"] == 1:
-        assert_host_equal(field("acc", np.int32, D), np.diff(qsl[: D + 1]).astype(np.int32))
-    elif case["acc_mode"] == 2:
-        acc = np.ones(D, np.int32)
-        m = min(D, case["accepted"].shape[0])
-        acc[:m] = case["accepted"][:m]
-        assert_host_equal(field("acc", np.int32, D), acc)
-    written = {"si_d": 4 * D * ncols, "acc": 4 * D if case["acc_mode"] else 0, "si_p": 4 * P}
-    if P:
-        nc, qsl_p = prefill_cpu_metadata(qsl, ub, num_reqs=B, num_prefills=P, num_decode_tokens=Dt)
-        assert_host_equal(field("qsl_p", np.int32, P + 1), qsl_p)
-        assert_host_equal(field("nc", np.int32, P), nc)
-        assert_host_equal(field("init", np.bool_, P), nc > 0)
-        assert prep == bool((nc > 0).any())
-        cm = chunk_metadata(C, nc, qsl_p)
-        assert nchunks == cm.num_chunks
-        assert_host_equal(field("cu", np.int32, nchunks + 1), cm.cu_chunk_seqlens)
-        assert_host_equal(field("sidx", np.int32, nchunks), cm.seq_idx)
-        assert_host_equal(field("last", np.int32, P), cm.last_chunk_indices)
-        written.update(qsl_p=4 * (P + 1), init=P, cu=4 * (nchunks + 1), sidx=4 * nchunks, last=4 * P)
-        if case["conv"]:
-            conv = causal_conv1d_metadata(qsl_p)
-            M = conv.max_num_programs
-            assert tot == conv.num_programs_total
-            assert mb >= M
-            assert_host_equal(field("nums", np.int32, P), conv.nums)
-            assert_host_equal(field("mlist", np.int64, tot), conv.mlist)
-            assert_host_equal(field("bp", np.int32, M), conv.batch_ptr)
-            assert_host_equal(field("op", np.int32, M), conv.token_chunk_offset_ptr)
-            written.update(bp=4 * M, op=4 * M)
-    # nothing written outside each field's used prefix (the pointers' trusted rows stay as they were)
-    assert (mlist[mb // 2 :] == -77).all(), "mlist: written past its rows"
-    for name, (o, size) in where.items():
-        if name in ("nc", "nums", "moved"):
-            continue
-        w = written.get(name, 0)
-        assert (buf[o + w : o + size] == snapshot[o + w : o + size]).all(), f"{name}: written past its used rows"
-    gaps = sorted(where[n] for n in where if n not in ("nc", "nums", "moved"))
-    _untouched(buf, 0, gaps[0][0], "leading guard")
-    for (o, size), (o2, _s) in itertools.pairwise(gaps):
-        _untouched(buf, o + size, o2, "guard")
-    # the packed entry point: the same results with the inputs addressed inside the two buffers
-    cbuf = np.zeros(_align64(4 * B) * 2 + _align64(B), np.uint8)
-    c_ub, c_isp, c_dr = 0, _align64(4 * B), 2 * _align64(4 * B)
-    cbuf[c_ub : c_ub + 4 * B].view(np.int32)[:] = ub
-    cbuf[c_isp : c_isp + B].view(np.bool_)[:] = isp
-    ibuf = np.zeros(buf.shape[0] + _align64(4 * (B + 1)) + _align64(4 * B) + _align64(bt.nbytes), np.uint8)
-    i_qsl = buf.shape[0]
-    i_sl = i_qsl + _align64(4 * (B + 1))
-    i_bt = i_sl + _align64(4 * B)
-    ibuf[: buf.shape[0]] = snapshot
-    ibuf[i_qsl : i_qsl + 4 * (B + 1)].view(np.int32)[:] = qsl
-    ibuf[i_sl : i_sl + 4 * B].view(np.int32)[:] = sl
-    ibuf[i_bt : i_bt + bt.nbytes].view(np.int32)[:] = bt.reshape(-1)
-    hbuf2 = hbuf.copy()
-    prm = hbuf2[: 8 * hm.FILL_PARAMS].view(np.int64)
-    prm[hm.FILL_C_QSL], prm[hm.FILL_C_SL], prm[hm.FILL_C_BT], prm[hm.FILL_C_W] = i_qsl, i_sl, i_bt, bt.shape[1]
-    prm[hm.FILL_C_UB], prm[hm.FILL_C_ISP] = c_ub, c_isp
+
+    def rest(name: str, used: int, sentinel: Any) -> None:
+        arr = out[name]
+        tail = arr[used:]
+        if pad:
+            assert (tail == sentinel).all(), f"{name}: rows past {used} are not the sentinel {sentinel}"
+        elif arr.dtype != np.bool_:
+            guard = _GUARD64 if arr.dtype == np.int64 else _GUARD32
+            assert (tail == guard).all(), f"{name}: written past its {used} used rows"
+
+    assert_host_equal(out["state_d"][:D], mamba_state_indices(bt[:D], sl[:D], mamba_block_size=bsm, mode=mode,
+                                                              num_state_columns=ncols))
+    rest("state_d", D, 0)
+    assert_host_equal(out["state_p"][:P], mamba_state_indices(bt[D:], sl[D:], mamba_block_size=bsm, mode=mode,
+                                                              num_state_columns=1)[:, 0])
+    rest("state_p", P, 0)
     if k:
-        cbuf = np.concatenate([cbuf, np.zeros(_align64(4 * B), np.uint8)])
-        cbuf[c_dr : c_dr + 4 * B].view(np.int32)[:] = drafts
-        prm[hm.FILL_C_DRAFTS] = c_dr
-    else:
-        prm[hm.FILL_C_DRAFTS] = -1
-    mlist2 = _mlist_buffer(mb)
-    got = hm._mamba_fill_packed_nb(ibuf, cbuf, hbuf2, mlist2, case["accepted"], T, *known[0], *known[1])
-    assert got == (status, num_moved, D, Dt, tot, nchunks, prep)
-    assert (mlist2[:tot] == mlist[:tot]).all()
-    assert (ibuf[: buf.shape[0]] == buf).all()
-    assert (hbuf2[8 * hm.FILL_PARAMS :] == hbuf[8 * hm.FILL_PARAMS :]).all()
+        acc = np.diff(qsl[: D + 1]).astype(np.int32)
+        if case["given"]:
+            acc = np.ones(D, np.int32)
+            m = min(D, case["accepted"].shape[0])
+            acc[:m] = case["accepted"][:m]
+        assert_host_equal(out["accepted_d"][:D], acc)
+        rest("accepted_d", D, 1)
+    if not P:
+        assert (tot, nchunks, prep, nck) == (0, 0, False, 0)
+        if pad:  # the staged prefill fields hold their sentinels
+            for name, sentinel in (("query_start_loc_p", 0), ("batch_ptr", -1), ("offset_ptr", -1),
+                                   ("cu_chunk_seqlens", 0), ("seq_idx", -1), ("last_chunk", -1), ("ckpt_offsets", 0),
+                                   ("ckpt_cols", -1), ("ckpt_state", 0), ("ckpt_chunk", 0)):
+                assert (out[name] == sentinel).all(), name
+        return
+    nc, qsl_p = prefill_cpu_metadata(qsl, ub, num_reqs=B, num_prefills=P, num_decode_tokens=Dt)
+    assert_host_equal(out["query_start_loc_p"][: P + 1], qsl_p)
+    rest("query_start_loc_p", P + 1, qsl_p[-1])
+    assert_host_equal(out["num_computed_p"][:P], nc)
+    assert_host_equal(out["has_initial_p"][:P], nc > 0)
+    assert prep == bool((nc > 0).any())
+    if case["conv"]:
+        conv = causal_conv1d_metadata(qsl_p)
+        M = out["batch_ptr"].shape[0] if pad else conv.max_num_programs
+        assert tot == conv.num_programs_total
+        assert_host_equal(out["nums"][:P], conv.nums)
+        assert_host_equal(out["mlist"][:tot], conv.mlist)
+        assert_host_equal(out["batch_ptr"][:M], _pad(conv.batch_ptr, M))
+        assert_host_equal(out["offset_ptr"][:M], _pad(conv.token_chunk_offset_ptr, M))
+    ckpts = None
+    if case["ckpt"] is not None:
+        q_p = np.diff(qsl_p).astype(np.int32)
+        ckpts = prefill_checkpoints(ub[D:], q_p, bt[D:], config=case["ckpt"])
+        assert nck == (0 if ckpts is None else int((ckpts.offsets > 0).sum()))
+        if ckpts is not None:
+            assert_host_equal(out["ckpt_offsets"][:P], ckpts.offsets)
+            assert_host_equal(out["ckpt_cols"][:P], ckpts.cols)
+            assert ckpts.state_indices is not None
+            assert_host_equal(out["ckpt_state"][:P], ckpts.state_indices)
+        else:  # no row has one: the sentinels
+            assert (out["ckpt_offsets"][:P] == 0).all() and (out["ckpt_cols"][:P] == -1).all()
+        rest("ckpt_offsets", P, 0)
+        rest("ckpt_cols", P, -1)
+    if C:
+        cm = chunk_metadata(C, nc, qsl_p, None if ckpts is None else ckpts.offsets)
+        assert nchunks == cm.num_chunks
+        assert_host_equal(out["cu_chunk_seqlens"][: nchunks + 1], cm.cu_chunk_seqlens)
+        rest("cu_chunk_seqlens", nchunks + 1, cm.cu_chunk_seqlens[-1])
+        assert_host_equal(out["seq_idx"][:nchunks], cm.seq_idx)
+        rest("seq_idx", nchunks, -1)
+        assert_host_equal(out["last_chunk"][:P], cm.last_chunk_indices)
+        rest("last_chunk", P, -1)
+        if case["ckpt"] is not None:
+            assert_host_equal(out["ckpt_chunk"][:P], np.maximum(cm.checkpoint_chunk_idx, 0))
+            rest("ckpt_chunk", P, 0)
 
 
-def test_fused_kernel_reports_a_too_narrow_table() -> None:
+def _pad(values: np.ndarray, rows: int) -> np.ndarray:
+    full = np.full(rows, -1, np.int32)
+    full[: values.shape[0]] = values[:rows]
+    return full
+
+
+def test_fill_kernel_outputs_are_its_parameters() -> None:
+    """The builder passes the kernel's outputs by name (attnmeta.backends.mamba._shared._Outputs): they
+    are the kernel's trailing parameters, in order."""
+    from attnmeta.backends.mamba._fill import _Outputs
+
+    params = list(inspect.signature(hm.mamba_fill_nb.py_func).parameters)
+    assert params[-len(_Outputs._fields):] == list(_Outputs._fields)
+
+
+def test_fill_kernel_reports_a_too_narrow_table() -> None:
     # one prefill row whose align-mode state column (s=20, block 4: column 4) is past a 2-column table
-    B, ncols = 1, 1
-    buf, hbuf, _ = _fill_buffers(B, ncols, 8, 4, True, 0, max_num_chunks(20, 1, 8), 2048)
-    status = hm._mamba_fill_nb(i32([0, 20]), i32([20]), np.array([True]), np.zeros(0, np.int32), i32([20]),
-                               np.zeros((1, 2), np.int32), np.zeros(0, np.int32), buf, hbuf, _mlist_buffer(2048), 20,
-                               0, 0, 0, 0)[0]
+    case = {"qsl": i32([0, 20]), "ub": i32([20]), "isp": np.array([True]), "drafts": np.zeros(0, np.int32),
+            "sl": i32([20]), "bt": np.zeros((1, 2), np.int32), "accepted": np.zeros(0, np.int32), "given": False,
+            "T": 20, "k": 0, "C": 8, "bsm": 4, "align": True, "ckpt": None, "conv": True, "pad": False,
+            "known": (0, 0, 0, 0)}
+    status = _fill(case, _outputs(case))[0]
     assert status == -1 - (0 * 8 + hm.FILL_E_TABLE_P)

@@ -18,9 +18,13 @@ Shape legend
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from attnmeta.spec import BatchSpec
 
 __all__ = [
     "ref_causal_conv1d_metadata",
@@ -28,7 +32,9 @@ __all__ = [
     "ref_chunk_metadata",
     "ref_chunk_metadata_lists",
     "ref_classify_mamba_rows",
+    "ref_linear_attn_metadata",
     "ref_logical_chunks",
+    "ref_mamba_metadata",
     "ref_mamba_state_indices",
     "ref_prefill_checkpoints",
     "ref_token_seq_idx",
@@ -320,6 +326,157 @@ def ref_prefill_checkpoints(
     table = block_table_p.to(device)
     state = torch.where(cols_t >= 0, table[rows_t, cols_t], 0)
     return off_t, cols_t, state
+
+
+
+def _padded(x: np.ndarray, rows: int, value: int) -> np.ndarray:
+    out = np.full(rows, value, dtype=x.dtype)
+    out[: x.shape[0]] = x
+    return out
+
+
+def ref_mamba_metadata(
+    spec: BatchSpec, options: Any, device: torch.device | str, *, num_accepted_tokens: np.ndarray | None = None
+) -> dict[str, Any]:
+    """Every Mamba2 (or Mamba1) metadata field the way vLLM 0.33.0's builder computes it, from device
+    tensors (syncs and all): the oracle of :mod:`attnmeta.backends.mamba`.
+
+    The runner's host tensors (query starts, upper-bound lengths, prefill flags, draft counts) drive
+    the classification and split on the host, as vLLM's do; the state indices are gathered from the
+    *device* block table with the *device* ``seq_lens``; ``has_initial_states_p`` and
+    ``query_start_loc_p`` are computed on the device; the causal-conv1d metadata, the checkpoints and
+    the chunk layout by their reference loops. ``options`` is a ``Mamba2Options`` or ``Mamba1Options``
+    (read by attribute; Mamba1: threshold 1, no chunk fields).
+
+    Returns a dict by metadata field name: device fields as tensors on ``device`` (or None), the host
+    scalars, ``conv1d_nums_cpu`` / ``conv1d_mlist_cpu`` / ``conv1d_offsetlist_cpu`` (CPU tensors, or
+    None), and ``checkpoint_meta`` (None or a dict of ``offsets`` / ``cols`` / ``state_indices``
+    tensors and ``first_row``).
+    """
+    from attnmeta.backends.mamba import block_table_columns
+    from attnmeta.testing.reference.layout import (
+        ref_is_prefilling,
+        ref_prefill_cpu_metadata,
+        ref_query_start_loc,
+        ref_seq_lens,
+        ref_split_decodes_and_prefills,
+    )
+
+    B, T, n = spec.padded_num_reqs, spec.padded_num_tokens, spec.num_reqs
+    c, q = spec.num_computed_tokens, spec.num_scheduled_tokens
+    k = getattr(options, "num_speculative_tokens", 0)
+    C = getattr(options, "chunk_size", None)
+    ckpt_cfg = getattr(options, "checkpoint", None)
+    bs_m = options.mamba_block_size or spec.block_size
+    # the runner's host tensors (CAM *_cpu fields)
+    qsl_cpu = ref_query_start_loc(torch.from_numpy(q), B)
+    ub = spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else c + q
+    ub_cpu = torch.from_numpy(_padded(ub.astype(np.int32), B, 0))
+    if spec.num_prompt_tokens is not None:
+        isp_cpu = ref_is_prefilling(torch.from_numpy(c), torch.from_numpy(spec.num_prompt_tokens), B)
+    else:
+        isp_cpu = torch.zeros(B, dtype=torch.bool)
+    drafts_cpu = None
+    if spec.num_draft_tokens is not None:
+        d = spec.num_draft_tokens
+        drafts_cpu = torch.from_numpy(_padded(np.where(q == d + 1, d, -1).astype(np.int32), B, -1))
+    # the runner's device tensors (CAM device fields), uploaded
+    qsl = ref_query_start_loc(torch.from_numpy(q).to(device), B)
+    seq_lens = ref_seq_lens(torch.from_numpy(c).to(device), torch.from_numpy(q).to(device), B)
+    W = block_table_columns(spec, options)
+    table_np = np.zeros((B, W), np.int32)
+    w = min(W, spec.block_table.shape[1])
+    table_np[:n, :w] = spec.block_table[:n, :w]
+    table = torch.from_numpy(table_np).to(device)
+
+    # classification and split, on the host
+    thr = 1 + k
+    isp2, _ = ref_classify_mamba_rows(qsl_cpu, ub_cpu, isp_cpu, drafts_cpu if k > 0 else None)
+    D, P, Dt, Pt = ref_split_decodes_and_prefills(qsl_cpu, T, spec.max_query_len, thr, False, False, isp2)
+    # state indices from the device block table and device seq_lens
+    si = ref_mamba_state_indices(table, seq_lens, mamba_block_size=bs_m, mode=options.cache_mode,
+                                 num_state_columns=1 + k)
+    out: dict[str, Any] = {
+        "num_decodes": D, "num_prefills": P, "num_decode_tokens": Dt, "num_prefill_tokens": Pt, "num_reqs": B,
+        "state_indices_tensor_d": si[:D, : 1 + k], "state_indices_tensor_p": si[D:, 0],
+        "seq_lens": seq_lens, "query_start_loc_d": None, "num_accepted_tokens": None,
+        "has_initial_states_p": None, "query_start_loc_p": None, "batch_ptr": None, "token_chunk_offset_ptr": None,
+        "conv1d_nums_cpu": None, "conv1d_mlist_cpu": None, "conv1d_offsetlist_cpu": None,
+        "conv1d_num_programs_total": 0, "conv1d_max_num_programs": 0,
+    }
+    if C is not None:
+        out.update(prep_initial_states=False, chunk_size=C, num_chunks=0, cu_chunk_seqlen_p=None, seq_idx_p=None,
+                   last_chunk_indices_p=None, checkpoint_chunk_idx=None, checkpoint_meta=None, chunk_indices_p=None,
+                   chunk_offsets_p=None, token_seq_idx_p=None)
+    # spec decode
+    if D > 0 and k > 0:
+        qsl_d = qsl[: D + 1]
+        out["query_start_loc_d"] = qsl_d
+        if num_accepted_tokens is None:
+            out["num_accepted_tokens"] = torch.diff(qsl_d)
+        else:
+            full = torch.from_numpy(_padded(np.asarray(num_accepted_tokens, np.int32), B, 1)).to(device)
+            out["num_accepted_tokens"] = full[:D]
+    if P == 0:
+        return out
+    # prefills
+    nc = seq_lens - torch.diff(qsl)
+    out["query_start_loc_p"] = qsl[-P - 1 :] - Dt
+    out["has_initial_states_p"] = nc[B - P : B] > 0
+    if options.needs_causal_conv1d_metadata:
+        conv = ref_causal_conv1d_metadata(qsl_cpu[-P - 1 :] - Dt, device=device)
+        out.update(batch_ptr=conv["batch_ptr"], token_chunk_offset_ptr=conv["token_chunk_offset_ptr"],
+                   conv1d_nums_cpu=conv["nums"], conv1d_mlist_cpu=conv["mlist"],
+                   conv1d_offsetlist_cpu=conv["offsetlist"], conv1d_num_programs_total=conv["tot"],
+                   conv1d_max_num_programs=conv["max_num_programs"])
+    if C is None:
+        return out
+    nc_p_cpu, qsl_p_cpu = ref_prefill_cpu_metadata(qsl_cpu, ub_cpu, B, P, Dt)
+    out["prep_initial_states"] = bool(torch.any(nc_p_cpu > 0).item())
+    offsets = None
+    if ckpt_cfg is not None:
+        ck = ref_prefill_checkpoints(ub_cpu[B - P :], torch.diff(qsl_p_cpu), table[B - P :], config=ckpt_cfg,
+                                     device=device)
+        if ck is not None:
+            out["checkpoint_meta"] = {"offsets": ck[0], "cols": ck[1], "state_indices": ck[2], "first_row": B - P}
+            offsets = ck[0].cpu().tolist()
+    cu, sidx, last, ckidx = ref_chunk_metadata(C, nc_p_cpu, qsl_p_cpu, offsets, device=device)
+    out.update(cu_chunk_seqlen_p=cu, seq_idx_p=sidx, last_chunk_indices_p=last, num_chunks=int(sidx.shape[0]),
+               checkpoint_chunk_idx=ref_checkpoint_chunk_index(ckidx.cpu().tolist(), device=device))
+    if options.logical_chunks:
+        out["chunk_indices_p"], out["chunk_offsets_p"] = ref_logical_chunks(out["query_start_loc_p"], C)
+    if options.token_seq_idx:
+        out["token_seq_idx_p"] = ref_token_seq_idx(out["query_start_loc_p"], num_tokens_padded=Pt,
+                                                   consecutive=options.consecutive_seq_ids)
+    return out
+
+
+def ref_linear_attn_metadata(spec: BatchSpec, options: Any, device: torch.device | str) -> dict[str, Any]:
+    """The linear-attention fields the way vLLM 0.33.0 computes them: the plain split at threshold 1
+    on the host query starts, the common ``query_start_loc`` / ``seq_lens``, and column 0 of the
+    state indices of every row gathered from the device block table (``options``: a
+    ``LinearAttnOptions``, read by attribute)."""
+    from attnmeta.backends.mamba import block_table_columns
+    from attnmeta.testing.reference.layout import (
+        ref_query_start_loc,
+        ref_seq_lens,
+        ref_split_decodes_and_prefills,
+    )
+
+    B, n = spec.padded_num_reqs, spec.num_reqs
+    c, q = spec.num_computed_tokens, spec.num_scheduled_tokens
+    qsl = ref_query_start_loc(torch.from_numpy(q).to(device), B)
+    seq_lens = ref_seq_lens(torch.from_numpy(c).to(device), torch.from_numpy(q).to(device), B)
+    W = block_table_columns(spec, options)
+    table_np = np.zeros((B, W), np.int32)
+    w = min(W, spec.block_table.shape[1])
+    table_np[:n, :w] = spec.block_table[:n, :w]
+    si = ref_mamba_state_indices(torch.from_numpy(table_np).to(device), seq_lens,
+                                 mamba_block_size=options.mamba_block_size or spec.block_size, mode=options.cache_mode,
+                                 num_state_columns=1)
+    nd, np_, ndt, npt = ref_split_decodes_and_prefills(qsl.cpu(), spec.padded_num_tokens, spec.max_query_len, 1)
+    return {"num_decodes": nd, "num_prefills": np_, "num_decode_tokens": ndt, "num_prefill_tokens": npt,
+            "query_start_loc": qsl, "seq_lens": seq_lens, "state_indices_tensor": si[:, 0]}
 
 
 from attnmeta.testing._oracle import mark_oracles as _mark_oracles  # noqa: E402

@@ -1,0 +1,52 @@
+"""Mamba-family metadata (docs/semantics-mamba.md): Mamba2, Mamba1 and linear attention.
+
+Three registered builders, one module each, built from the shared pieces of
+:mod:`attnmeta.backends.mamba._shared` and the one fill path of the Mamba builders,
+:mod:`attnmeta.backends.mamba._fill`:
+
+- :mod:`~attnmeta.backends.mamba.mamba2` (``"mamba2"``): :class:`Mamba2Metadata`, vLLM's
+  ``Mamba2AttentionMetadataBuilder``;
+- :mod:`~attnmeta.backends.mamba.mamba1` (``"mamba1"``): :class:`Mamba1Metadata`, vLLM's
+  ``Mamba1AttentionMetadataBuilder``;
+- :mod:`~attnmeta.backends.mamba.linear_attn` (``"linear_attn"``): :class:`LinearAttentionMetadata`,
+  vLLM's ``LinearAttentionMetadataBuilder``.
+
+Each module's ``stage`` / ``build`` are its builder's methods; the generic
+:func:`attnmeta.builder.build` (``build(spec, stager, "mamba2", options)``) stages the common metadata
+with exactly what a Mamba group reads (no per-token arrays, :func:`block_table_columns` columns).
+
+Examples
+--------
+>>> from attnmeta import BatchSpec, Stager
+>>> from attnmeta.backends.mamba import Mamba2Options, mamba2
+>>> spec = BatchSpec(num_computed_tokens=[9, 5, 0], num_scheduled_tokens=[1, 10, 3],
+...                  num_prompt_tokens=[4, 40, 3], block_table=[[1, 2], [3, 4], [5, 6]], block_size=8)
+>>> m = mamba2.build(spec, Stager("cpu"), Mamba2Options(chunk_size=8))
+>>> m.cu_chunk_seqlen_p_cpu.tolist(), m.common.slot_mapping.shape
+([0, 3, 10, 13], torch.Size([0]))
+"""
+
+from __future__ import annotations
+
+from attnmeta.backends.mamba import linear_attn, mamba1, mamba2
+from attnmeta.backends.mamba._shared import MambaHost, MambaMetadata, block_table_columns
+from attnmeta.backends.mamba.linear_attn import LinearAttentionMetadata, LinearAttnHost, LinearAttnOptions
+from attnmeta.backends.mamba.mamba1 import Mamba1Metadata, Mamba1Options
+from attnmeta.backends.mamba.mamba2 import Mamba2Metadata, Mamba2Options, MambaCheckpointMetadata
+
+__all__ = [
+    "LinearAttentionMetadata",
+    "LinearAttnHost",
+    "LinearAttnOptions",
+    "Mamba1Metadata",
+    "Mamba1Options",
+    "Mamba2Metadata",
+    "Mamba2Options",
+    "MambaCheckpointMetadata",
+    "MambaHost",
+    "MambaMetadata",
+    "block_table_columns",
+    "linear_attn",
+    "mamba1",
+    "mamba2",
+]

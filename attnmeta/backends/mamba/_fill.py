@@ -1,0 +1,669 @@
+"""The one fill path of the Mamba2 and Mamba1 builders (private to :mod:`attnmeta.backends.mamba`).
+
+:func:`fill` stages one step of either builder, for every configuration (eager and graph mode, spec
+decode, checkpoints, causal-conv1d on or off, the extra chunk formats); :class:`Filled` is what it
+staged, from which each builder makes its metadata after the commit.
+
+The fill path
+-------------
+Everything a step stages is reserved with ONE :meth:`attnmeta.staging.Step.alloc_fields`, whose layout
+is known before any pass over the rows: ``B`` rows for every per-row field (decode and prefill
+fields are views of their first ``D`` / ``P`` rows), and :func:`attnmeta.staging.bucket_rows` of a
+bound from ``B`` and ``num_actual_tokens`` for the chunk, causal-conv1d and per-token fields, so
+consecutive steps whose counts wobble keep the layout (and every view cached with it). In graph
+mode the same rows are staged at the profile's fixed offsets, capped at each field's capacity, and
+``query_start_loc_p`` / ``cu_chunk_seqlen_p`` (whose sentinel repeats their last value) in full.
+
+Then ONE compiled call, :func:`attnmeta.host.mamba.mamba_fill_nb`, classifies, splits and writes
+every array straight into the staged views (host-only arrays into buffers that live with the field
+group, as the staged bytes live with the slot). The optional chunk formats (logical chunks, per-token
+``seq_idx``) run their own kernels of :mod:`attnmeta.host.chunks` after it, only when asked for.
+
+What the fill path keeps per ring slot and layout is a :class:`_Layout` in the field group's
+``extras``: the views, the host-only arrays and the exact-length views of the latest counts (rebuilt
+only when a count changes). Per ring slot (:attr:`attnmeta.staging.Step.slot_extras`) it keeps one
+speed trick, a :class:`_MinusOnes`: the byte ranges of the slot that the causal-conv1d pointers of
+the slot's last step left holding ``-1`` (their tail, ``2 * max(1024, tot) - tot`` rows each, most of
+a large prefill step's writes). The next step of the slot does not write them again where its own
+pointers lie over them: :attr:`attnmeta.staging.StagerStats.steps_begun` tells that no other step
+touched the slot in between, and within a step the bytes of a field are written by its owner only.
+
+Shape legend
+------------
+- ``num_reqs`` (``B``): request rows, CUDA-graph padding rows included.
+- ``num_decodes`` (``D``) / ``num_prefills`` (``P``): rows ``[0, D)`` / ``[D, B)`` after the split.
+- ``num_prefill_tokens`` (``Pt``): tokens of the prefill rows, token padding included.
+- ``num_spec_tokens`` (``k``): speculative tokens (0 without spec decode).
+- ``num_chunks``: chunks of the chunk-aligned layout; ``num_logical_chunks``: of the logical one.
+- ``tot``: causal-conv1d programs, ``sum(cdiv(query_len_p, 8))``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from attnmeta._checks import as_host_array
+from attnmeta.backends.mamba._shared import NULL_BLOCK_ID, MambaHost, make_host, state_indices_error
+from attnmeta.host.chunks import ChunkMetadata, logical_chunks_nb, token_seq_idx_nb
+from attnmeta.host.layout import prefill_cpu_metadata
+from attnmeta.host.mamba import (
+    CONV1D_BLOCK_M,
+    FILL_E_CAPACITY,
+    FILL_E_CHECKPOINT,
+    FILL_E_CONTEXT,
+    FILL_E_DRAFTS,
+    FILL_E_QSL,
+    FILL_E_TABLE_D,
+    FILL_E_TABLE_P,
+    CheckpointConfig,
+    PrefillCheckpoints,
+    classify_mamba_rows,
+    mamba_fill_nb,
+    prefill_checkpoints,
+)
+from attnmeta.host.split import SplitCounts
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost, StagedCommon
+from attnmeta.staging import CapacityError, FieldGroup, Step, bucket_rows
+
+__all__ = ["Filled", "conv1d_capacity", "fill", "logical_capacity"]
+
+_I32, _I64, _BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_)
+_NO_I32 = np.zeros(0, _I32)
+_NO_I64 = np.zeros(0, _I64)
+_NO_BOOL = np.zeros(0, _BOOL)
+_NO_ROWS = (0, 0, 0, 0)  # no conv1d pointer rows known to hold -1
+
+
+# ------------------------------------------------------------------------------------------------
+# the one fill path
+# ------------------------------------------------------------------------------------------------
+
+
+class _Outputs(NamedTuple):
+    """The output arrays of :func:`attnmeta.host.mamba.mamba_fill_nb`, by the kernel's parameter names
+    (its trailing parameters, in order); empty arrays for parts a layout does not stage."""
+
+    moved: np.ndarray
+    state_d: np.ndarray
+    accepted_d: np.ndarray
+    state_p: np.ndarray
+    query_start_loc_p: np.ndarray
+    has_initial_p: np.ndarray
+    num_computed_p: np.ndarray
+    nums: np.ndarray
+    mlist: np.ndarray
+    batch_ptr: np.ndarray
+    offset_ptr: np.ndarray
+    cu_chunk_seqlens: np.ndarray
+    seq_idx: np.ndarray
+    last_chunk: np.ndarray
+    query_lens_p: np.ndarray
+    ckpt_offsets: np.ndarray
+    ckpt_cols: np.ndarray
+    ckpt_state: np.ndarray
+    ckpt_chunk: np.ndarray
+    ckpt_chunk_list: np.ndarray
+
+
+# staged field -> (its _Outputs name, dtype, sentinel); in the order a layout stages them (decode
+# fields first: a decode-only step repeats its group's shape)
+_FIELDS: dict[str, tuple[str, np.dtype, Any]] = {
+    "state_indices_tensor_d": ("state_d", _I32, NULL_BLOCK_ID),
+    "num_accepted_tokens": ("accepted_d", _I32, 1),
+    "state_indices_tensor_p": ("state_p", _I32, NULL_BLOCK_ID),
+    "query_start_loc_p": ("query_start_loc_p", _I32, 0),
+    "has_initial_states_p": ("has_initial_p", _BOOL, False),
+    "batch_ptr": ("batch_ptr", _I32, -1),
+    "token_chunk_offset_ptr": ("offset_ptr", _I32, -1),
+    "cu_chunk_seqlen_p": ("cu_chunk_seqlens", _I32, 0),
+    "seq_idx_p": ("seq_idx", _I32, -1),
+    "last_chunk_indices_p": ("last_chunk", _I32, -1),
+    "checkpoint_chunk_idx": ("ckpt_chunk", _I64, 0),
+    "checkpoint_offsets": ("ckpt_offsets", _I32, 0),
+    "checkpoint_cols": ("ckpt_cols", _I64, -1),
+    "checkpoint_state_indices": ("ckpt_state", _I32, NULL_BLOCK_ID),
+    "chunk_indices_p": ("", _I32, 0),
+    "chunk_offsets_p": ("", _I32, 0),
+    "token_seq_idx_p": ("", _I32, -1),
+}
+_EMPTY = {_I32: _NO_I32, _I64: _NO_I64, _BOOL: _NO_BOOL}
+
+
+class _Shape(NamedTuple):
+    """What a layout stages (the ``alloc_fields`` key, with the prefix): rows per field group."""
+
+    prefix: str
+    num_reqs: int
+    ncols: int
+    accepted: bool
+    prefill: bool
+    conv_rows: int
+    """Rows of ``batch_ptr`` / ``token_chunk_offset_ptr`` (0: not staged)."""
+    chunk_rows: int
+    """Rows of ``seq_idx_p`` (0: no chunk fields)."""
+    checkpoints: bool
+    logical_rows: int
+    """Rows of ``chunk_indices_p`` / ``chunk_offsets_p`` (0: not staged)."""
+    token_rows: int
+    """Rows of ``token_seq_idx_p`` (0: not staged)."""
+    graph: bool
+
+
+def _specs(shape: _Shape, step: Step) -> tuple[tuple[str, Any, np.dtype, int | None, Any], ...]:
+    """The ``alloc_fields`` specs of a layout: ``(name, rows, dtype, capacity, sentinel)``."""
+    B = shape.num_reqs
+    prof = step.profile
+    rows: dict[str, Any] = {"state_indices_tensor_d": (B, shape.ncols), "state_indices_tensor_p": B}
+    caps: dict[str, int | None] = dict.fromkeys(_FIELDS)
+    if shape.accepted:
+        rows["num_accepted_tokens"] = B
+    if shape.prefill:
+        rows.update(query_start_loc_p=B + 1, has_initial_states_p=B)
+        if shape.conv_rows:
+            rows.update(batch_ptr=shape.conv_rows, token_chunk_offset_ptr=shape.conv_rows)
+        if shape.chunk_rows:
+            rows.update(cu_chunk_seqlen_p=shape.chunk_rows + 1, seq_idx_p=shape.chunk_rows, last_chunk_indices_p=B)
+        if shape.checkpoints:
+            rows.update(checkpoint_chunk_idx=B, checkpoint_offsets=B, checkpoint_cols=B, checkpoint_state_indices=B)
+        if shape.logical_rows:
+            rows.update(chunk_indices_p=shape.logical_rows, chunk_offsets_p=shape.logical_rows)
+        if shape.token_rows:
+            rows["token_seq_idx_p"] = shape.token_rows
+    if prof is not None:
+        R = prof.max_num_reqs
+        caps = dict.fromkeys(_FIELDS, R)
+        # data-dependent sentinels (the last value repeated): staged whole
+        caps["query_start_loc_p"] = rows["query_start_loc_p"] = R + 1
+        caps["cu_chunk_seqlen_p"] = rows["cu_chunk_seqlen_p"] = prof.max_num_chunks + 1
+        caps["seq_idx_p"] = prof.max_num_chunks
+        caps["batch_ptr"] = caps["token_chunk_offset_ptr"] = conv1d_capacity(prof.max_num_tokens, R)
+        caps["chunk_indices_p"] = caps["chunk_offsets_p"] = logical_capacity(prof.max_num_tokens, R, prof.chunk_size)
+        caps["token_seq_idx_p"] = prof.max_num_tokens
+    p = shape.prefix + "."
+    return tuple((p + name, rows[name], dt, caps[name], fill) for name, (_o, dt, fill) in _FIELDS.items()
+                 if name in rows)
+
+
+def conv1d_capacity(max_num_tokens: int, max_num_reqs: int) -> int:
+    """Graph mode: ``2 * max(1024, cdiv(max_num_tokens, 8) + max_num_reqs)`` causal-conv1d programs
+    (at least any step's ``2 * max(1024, tot)``)."""
+    return 2 * max(1024, -(-max_num_tokens // CONV1D_BLOCK_M) + max_num_reqs)
+
+
+def logical_capacity(max_num_tokens: int, max_num_reqs: int, chunk_size: int) -> int:
+    """Graph mode: ``cdiv(max_num_tokens, chunk_size) + max_num_reqs`` logical chunks."""
+    return -(-max_num_tokens // chunk_size) + max_num_reqs
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+class _Layout:
+    """One Mamba builder's fields in one ring slot and layout, kept in the field group's ``extras``:
+    the kernel's output arrays, the read-only views handed out, and the exact-length views of the
+    latest counts (host and device, each rebuilt only when its count changes)."""
+
+    __slots__ = ("bp_full", "by_d", "by_l", "by_n", "by_pt", "by_tot", "dev_d", "dev_l", "dev_n", "dev_pt", "dev_tot",
+                 "graph", "index", "logical", "mlist", "moved", "num_reqs", "offsets", "outputs", "qsl_d", "ro",
+                 "staged_rows", "tokens")
+
+    def __init__(self, group: FieldGroup, shape: _Shape) -> None:
+        B = shape.num_reqs
+        n0 = len(shape.prefix) + 1
+        self.index = {f.name[n0:]: i for i, f in enumerate(group.fields)}
+        self.staged_rows = [f.rows for f in group.fields]  # rows of each field's device view
+        self.num_reqs = B
+        self.graph = shape.graph
+        host = {name: group.host[i] for name, i in self.index.items()}
+        self.ro: dict[str, np.ndarray | None] = {name: group.frozen[i] for name, i in self.index.items()}
+        prefill = shape.prefill
+        ck = shape.checkpoints and prefill
+        conv = "batch_ptr" in host
+        self.moved = np.zeros(B, _BOOL)
+        # host-only arrays, rewritten by every step of this layout on this slot
+        nc = np.zeros(B if prefill else 0, _I32)
+        nums = np.zeros(B if conv else 0, _I32)
+        self.mlist = np.zeros(host["batch_ptr"].shape[0] // 2 + 1 if conv else 0, _I64)
+        q_p, ck_list = np.zeros(B if ck else 0, _I32), np.zeros(B if ck else 0, _I64)
+        out: dict[str, Any] = {o: host[name] if name in host else _EMPTY[dt] for name, (o, dt, _f) in _FIELDS.items()
+                               if o}
+        self.outputs = _Outputs(moved=self.moved, num_computed_p=nc, nums=nums, mlist=self.mlist, query_lens_p=q_p,
+                                ckpt_chunk_list=ck_list, **out)
+        self.ro.update(moved=_read_only(self.moved), nc=_read_only(nc), nums=_read_only(nums),
+                       mlist=_read_only(self.mlist), q_p=_read_only(q_p), ck_list=_read_only(ck_list))
+        self.logical = (host["chunk_indices_p"], host["chunk_offsets_p"]) if "chunk_indices_p" in host else None
+        self.tokens = host.get("token_seq_idx_p")
+        # byte offsets of batch_ptr / token_chunk_offset_ptr in the slot (this layout's own fields)
+        self.offsets = ((group.fields[self.index["batch_ptr"]].offset, group.fields[self.index["token_chunk_offset_ptr"]].offset)
+                        if conv else (0, 0))
+        self.bp_full: tuple[Any, ...] | None = None  # graph mode: the pointers' full device buffers
+        self.qsl_d: tuple[Any, ...] = (None, -1, None, None)  # (common qsl tensor, D, its [:D + 1] views)
+        # the exact-length views of the latest counts: (count, views) on the host, (device views of the
+        # group, count, views) on the device
+        none: tuple[Any, ...] = (-1, None)
+        self.by_d = self.by_n = self.by_tot = self.by_l = self.by_pt = none
+        dnone: tuple[Any, ...] = (None, -1, None)
+        self.dev_d = self.dev_n = self.dev_tot = self.dev_l = self.dev_pt = dnone
+
+    def views(self, name: str, rows: int) -> np.ndarray | None:
+        """The first ``rows`` rows of a read-only view (None when not staged)."""
+        v = self.ro.get(name)
+        return None if v is None else v[:rows]
+
+    def host_d(self, D: int) -> tuple[Any, ...]:
+        """Host views of the fields sized by the split: ``(si_d, acc, si_p, qsl_p, init, nc, last, nums,
+        q_p, ck_off, ck_cols, ck_si, ck_chunk, ck_list)``."""
+        hit = self.by_d
+        if hit[0] != D:
+            P = self.num_reqs - D
+            v = self.views
+            hit = self.by_d = (D, (
+                v("state_indices_tensor_d", D), v("num_accepted_tokens", D), v("state_indices_tensor_p", P),
+                v("query_start_loc_p", P + 1), v("has_initial_states_p", P), v("nc", P), v("last_chunk_indices_p", P),
+                v("nums", P), v("q_p", P), v("checkpoint_offsets", P), v("checkpoint_cols", P),
+                v("checkpoint_state_indices", P), v("checkpoint_chunk_idx", P), v("ck_list", P),
+            ))
+        views: tuple[Any, ...] = hit[1]
+        return views
+
+    def host_n(self, n: int) -> tuple[Any, Any]:
+        """``(cu_chunk_seqlen_p, seq_idx_p)`` host views of ``n`` chunks."""
+        hit = self.by_n
+        if hit[0] != n:
+            hit = self.by_n = (n, (self.views("cu_chunk_seqlen_p", n + 1), self.views("seq_idx_p", n)))
+        views: tuple[Any, Any] = hit[1]
+        return views
+
+    def host_tot(self, tot: int) -> tuple[Any, Any, Any, Any]:
+        """``(mlist, offsetlist, batch_ptr, token_chunk_offset_ptr)`` host views of ``tot`` programs
+        (eager: the pointers' ``2 * max(1024, tot)`` rows; graph mode: the first ``tot``)."""
+        hit = self.by_tot
+        if hit[0] != tot:
+            rows = tot if self.graph else 2 * max(1024, tot)
+            v = self.views
+            hit = self.by_tot = (tot, (v("mlist", tot), v("token_chunk_offset_ptr", tot), v("batch_ptr", rows),
+                                       v("token_chunk_offset_ptr", rows)))
+        views: tuple[Any, Any, Any, Any] = hit[1]
+        return views
+
+    def host_l(self, nl: int) -> tuple[Any, Any]:
+        """``(chunk_indices_p, chunk_offsets_p)`` host views of ``nl`` logical chunks."""
+        hit = self.by_l
+        if hit[0] != nl:
+            hit = self.by_l = (nl, (self.views("chunk_indices_p", nl), self.views("chunk_offsets_p", nl)))
+        views: tuple[Any, Any] = hit[1]
+        return views
+
+    def host_pt(self, Pt: int) -> Any:
+        """The ``token_seq_idx_p`` host view of ``Pt`` prefill tokens."""
+        hit = self.by_pt
+        if hit[0] != Pt:
+            hit = self.by_pt = (Pt, self.views("token_seq_idx_p", Pt))
+        return hit[1]
+
+    def _dev(self, dev: list[torch.Tensor], name: str, rows: int) -> torch.Tensor | None:
+        i = self.index.get(name)
+        if i is None:
+            return None
+        t = dev[i]
+        if self.staged_rows[i] == rows:
+            return t
+        # as_strided: the same view as t[:rows] (t is contiguous), for less host time
+        return t.as_strided((rows, *t.shape[1:]), t.stride()) if t.dim() > 1 else t.as_strided((rows,), (1,))
+
+    def device_d(self, dev: list[torch.Tensor], D: int) -> tuple[Any, ...]:
+        """Device views of the fields sized by the split: ``(si_d, acc, si_p, qsl_p, init, last, ck_off,
+        ck_cols, ck_si, ck_chunk)``."""
+        hit = self.dev_d
+        if hit[0] is not dev or hit[1] != D:
+            P = self.num_reqs - D
+            d = self._dev
+            hit = self.dev_d = (dev, D, (
+                d(dev, "state_indices_tensor_d", D), d(dev, "num_accepted_tokens", D),
+                d(dev, "state_indices_tensor_p", P), d(dev, "query_start_loc_p", P + 1),
+                d(dev, "has_initial_states_p", P), d(dev, "last_chunk_indices_p", P), d(dev, "checkpoint_offsets", P),
+                d(dev, "checkpoint_cols", P), d(dev, "checkpoint_state_indices", P), d(dev, "checkpoint_chunk_idx", P),
+            ))
+        views: tuple[Any, ...] = hit[2]
+        return views
+
+    def device_n(self, dev: list[torch.Tensor], n: int) -> tuple[Any, Any]:
+        """``(cu_chunk_seqlen_p, seq_idx_p)`` device views of ``n`` chunks."""
+        hit = self.dev_n
+        if hit[0] is not dev or hit[1] != n:
+            hit = self.dev_n = (dev, n, (self._dev(dev, "cu_chunk_seqlen_p", n + 1), self._dev(dev, "seq_idx_p", n)))
+        views: tuple[Any, Any] = hit[2]
+        return views
+
+    def device_tot(self, dev: list[torch.Tensor], tot: int, step: Step, prefix: str) -> tuple[Any, Any, int]:
+        """``(batch_ptr, token_chunk_offset_ptr, length)`` device views: eager ``2 * max(1024, tot)``
+        rows, graph mode the full fixed buffers."""
+        if self.graph:
+            full = self.bp_full
+            if full is None:
+                bp = step.device_full(prefix + ".batch_ptr")
+                full = self.bp_full = (bp, step.device_full(prefix + ".token_chunk_offset_ptr"), int(bp.shape[0]))
+            return full[0], full[1], full[2]
+        hit = self.dev_tot
+        rows = 2 * max(1024, tot)
+        if hit[0] is not dev or hit[1] != rows:
+            hit = self.dev_tot = (dev, rows, (self._dev(dev, "batch_ptr", rows),
+                                              self._dev(dev, "token_chunk_offset_ptr", rows), rows))
+        views: tuple[Any, Any, int] = hit[2]
+        return views
+
+    def query_start_loc_d(self, common: CommonAttentionMetadata, D: int) -> tuple[Any, Any]:
+        """``query_start_loc[:D + 1]`` of the common metadata: the device and host views."""
+        hit = self.qsl_d
+        qsl = common.query_start_loc
+        if hit[0] is not qsl or hit[1] != D:
+            hit = self.qsl_d = (qsl, D, qsl[: D + 1], common.query_start_loc_cpu[: D + 1])
+        return hit[2], hit[3]
+
+    def device_l(self, dev: list[torch.Tensor], nl: int) -> tuple[Any, Any]:
+        """``(chunk_indices_p, chunk_offsets_p)`` device views of ``nl`` logical chunks."""
+        hit = self.dev_l
+        if hit[0] is not dev or hit[1] != nl:
+            hit = self.dev_l = (dev, nl, (self._dev(dev, "chunk_indices_p", nl), self._dev(dev, "chunk_offsets_p", nl)))
+        views: tuple[Any, Any] = hit[2]
+        return views
+
+    def device_pt(self, dev: list[torch.Tensor], Pt: int) -> Any:
+        """The ``token_seq_idx_p`` device view of ``Pt`` prefill tokens."""
+        hit = self.dev_pt
+        if hit[0] is not dev or hit[1] != Pt:
+            hit = self.dev_pt = (dev, Pt, self._dev(dev, "token_seq_idx_p", Pt))
+        return hit[2]
+
+
+class _MinusOnes:
+    """The rows of causal-conv1d pointer arrays that hold -1 in a ring slot after the slot's steps,
+    by the step's stamp (:attr:`attnmeta.staging.StagerStats.steps_begun` when it began) and the
+    array's byte offset in the slot; kept in :attr:`attnmeta.staging.Step.slot_extras`. A step reads
+    the entry of the slot's previous use only, and adds its own."""
+
+    __slots__ = ("by_stamp",)
+
+    def __init__(self) -> None:
+        self.by_stamp: dict[int, dict[int, tuple[int, int]]] = {}
+
+    def known_rows(self, stamp: int, offsets: tuple[int, int], rows: int) -> tuple[int, int, int, int]:
+        """For two int32 arrays of ``rows`` rows at byte ``offsets``: a run of rows ``[lo, hi)`` of each
+        that step ``stamp`` left holding -1 (``(0, 0)`` where none)."""
+        arrays = self.by_stamp.get(stamp)
+        if not arrays:
+            return _NO_ROWS
+        a, b = offsets
+        fa, fb = arrays.get(a), arrays.get(b)  # the usual case: the same layout as the slot's last step
+        if fa is not None and fb is not None:
+            return fa[0], min(fa[1], rows), fb[0], min(fb[1], rows)
+        out: list[int] = []
+        for offset in offsets:  # another layout: the longest run inside one of the recorded ranges
+            best = (0, 0)
+            for base, (lo, hi) in arrays.items():
+                first = max(0, -(-(base + 4 * lo - offset) // 4))
+                last = min(rows, (base + 4 * hi - offset) // 4)
+                if last - first > best[1] - best[0]:
+                    best = (first, last)
+            out += best
+        return out[0], out[1], out[2], out[3]
+
+    def add(self, stamp: int, offsets: tuple[int, int], lo: int, hi: int, oldest: int) -> None:
+        """Record that rows ``[lo, hi)`` of the int32 arrays at byte ``offsets`` hold -1 after step
+        ``stamp``; forget the entries of steps before ``oldest``."""
+        by = self.by_stamp
+        arrays = by.get(stamp)
+        if arrays is None:
+            arrays = by[stamp] = {}
+            if len(by) > 2:
+                for old in [k for k in by if k < oldest]:
+                    del by[old]
+        arrays[offsets[0]] = arrays[offsets[1]] = (lo, hi)
+
+
+class Filled:
+    """What :func:`fill` staged in one step: the counts, the layout's views, and the host part.
+
+    ``views()`` after the commit gives the exact-length device and host views the builders put in
+    their metadata (see :meth:`views`).
+    """
+
+    __slots__ = ("D", "Dt", "P", "Pt", "dev", "dev_d", "group", "host", "host_d", "layout", "n", "nck", "nl", "prefix",
+                 "prep", "step", "tot")
+
+    def __init__(self, step: Step, group: FieldGroup, layout: _Layout, prefix: str, counts: tuple[int, ...],
+                 host: MambaHost) -> None:
+        self.step, self.group, self.layout, self.prefix, self.host = step, group, layout, prefix, host
+        self.D, self.P, self.Dt, self.Pt, self.tot, self.n, self.prep, self.nck, self.nl = counts
+        self.dev: list[torch.Tensor] = []
+        """After :meth:`shared_fields`: the field group's device views."""
+        self.host_d: tuple[Any, ...] = ()
+        """After :meth:`shared_fields`: :meth:`_Layout.host_d` of this step's split."""
+        self.dev_d: tuple[Any, ...] = ()
+        """After :meth:`shared_fields`: :meth:`_Layout.device_d` of this step's split."""
+
+
+    def shared_fields(self, cm: CommonAttentionMetadata) -> dict[str, Any]:
+        """The :class:`MambaMetadata` field values of this step, after its commit (``cm`` is the common
+        metadata): exact-length views of the staged fields."""
+        lay, D, P, tot = self.layout, self.D, self.P, self.tot
+        dev = self.dev = self.group.device(self.step)  # raises if the step has not committed or its slot was reused
+        hd = self.host_d = lay.host_d(D)
+        dd = self.dev_d = lay.device_d(dev, D)
+        qsl_d = qsl_d_h = acc = acc_h = None
+        if D and hd[1] is not None:  # spec decode with decodes
+            qsl_d, qsl_d_h = lay.query_start_loc_d(cm, D)
+            acc, acc_h = dd[1], hd[1]
+        pre = P > 0
+        bp = op = bp_h = op_h = nums = mlist = offsets = nums_dict = None
+        length = 0
+        if pre and lay.mlist.shape[0]:
+            mlist, offsets, bp_h, op_h = lay.host_tot(tot)
+            bp, op, length = lay.device_tot(dev, tot, self.step, self.prefix)
+            nums = hd[7]
+            nums_dict = {CONV1D_BLOCK_M: {"nums": nums, "tot": tot, "mlist": mlist, "mlist_len": tot,
+                                          "offsetlist": offsets, "batch_ptr": bp, "token_chunk_offset_ptr": op}}
+        return {
+            "common": cm, "num_prefills": P, "num_prefill_tokens": self.Pt, "num_decodes": D,
+            "num_decode_tokens": self.Dt, "num_reqs": lay.num_reqs, "conv1d_num_programs_total": tot if nums is not None else 0,
+            "conv1d_max_num_programs": length, "has_initial_states_p": dd[4] if pre else None,
+            "query_start_loc_p": dd[3] if pre else None, "state_indices_tensor_p": dd[2],
+            "state_indices_tensor_d": dd[0], "query_start_loc_d": qsl_d, "num_accepted_tokens": acc,
+            "seq_lens": cm.seq_lens, "batch_ptr": bp, "token_chunk_offset_ptr": op,
+            "has_initial_states_p_cpu": hd[4] if pre else None, "query_start_loc_p_cpu": hd[3] if pre else None,
+            "state_indices_tensor_p_cpu": hd[2], "state_indices_tensor_d_cpu": hd[0], "query_start_loc_d_cpu": qsl_d_h,
+            "num_accepted_tokens_cpu": acc_h, "seq_lens_cpu": cm.seq_lens_cpu, "batch_ptr_cpu": bp_h,
+            "token_chunk_offset_ptr_cpu": op_h, "num_computed_tokens_p_cpu": hd[5] if pre else None,
+            "conv1d_nums_cpu": nums, "conv1d_mlist_cpu": mlist, "conv1d_offsetlist_cpu": offsets,
+            "nums_dict": nums_dict,
+        }
+
+
+def _accepted(values: Any, h: CommonHost) -> np.ndarray:
+    """``num_accepted_tokens``: one count per real request or per row (int32, host)."""
+    a = as_host_array(values, "num_accepted_tokens", dtype=np.int32)
+    if a.shape[0] != h.num_real_reqs and a.shape[0] != h.num_reqs:
+        raise ValueError(
+            f"num_accepted_tokens: expected one count per real request ({h.num_real_reqs}) or per row "
+            f"({h.num_reqs}), got shape {a.shape}"
+        )
+    return a
+
+
+def fill(
+    common: StagedCommon,
+    step: Step,
+    prefix: str,
+    spec_tokens: int,
+    chunk_size: int,
+    mamba_block_size: int | None,
+    align: bool,
+    conv1d: bool,
+    checkpoint: CheckpointConfig | None,
+    logical: bool,
+    token_seq_idx: bool,
+    consecutive: bool,
+    num_accepted_tokens: Any,
+) -> Filled:
+    """Stage one Mamba2 (``chunk_size > 0``) or Mamba1 (``chunk_size == 0``) step: the fill path of the
+    module docstring.
+
+    Raises
+    ------
+    ValueError
+        A block table too narrow for the state or checkpoint columns; ``num_accepted_tokens`` without
+        spec decode or of the wrong length; a checkpoint block size other than the builder's; graph
+        mode: a chunk size other than the profile's.
+    attnmeta.staging.CapacityError
+        Graph mode: the step exceeds a profile capacity.
+    """
+    h = common.host
+    B, T = h.num_reqs, h.num_actual_tokens
+    bs_m = h.block_size if mamba_block_size is None else mamba_block_size
+    thr = 1 + spec_tokens
+    prof = step.profile
+    isp = h.is_prefilling
+    if num_accepted_tokens is not None:
+        if not spec_tokens:
+            raise ValueError("num_accepted_tokens: given, but spec decode is off (Mamba2Options.num_speculative_tokens == 0)")
+        accepted = _accepted(num_accepted_tokens, h)
+    else:
+        accepted = _NO_I32
+    if checkpoint is not None and checkpoint.mamba_block_size != bs_m:
+        raise ValueError(
+            f"Mamba2Options.checkpoint.mamba_block_size={checkpoint.mamba_block_size} != the builder's mamba block "
+            f"size {bs_m} (the common block size); both describe the same MambaSpec.block_size"
+        )
+    if prof is not None and chunk_size and prof.chunk_size != chunk_size:
+        raise ValueError(
+            f"Mamba2Options.chunk_size={chunk_size} != StaticProfile.chunk_size={prof.chunk_size}: graph mode sizes "
+            f"the chunk buffers with the profile's max_num_chunks; build the profile with chunk_size={chunk_size}"
+        )
+    # Prefill rows are possible when a query is longer than the threshold or a row still prefills;
+    # a step that cannot have any stages no prefill field.
+    pre = h.max_query_len > thr or bool(np.count_nonzero(isp))
+    conv_rows = chunk_rows = logical_rows = token_rows = 0
+    if pre:
+        if conv1d:
+            conv_rows = bucket_rows(2 * max(1024, min(T, T // CONV1D_BLOCK_M + B)))
+        if chunk_size:
+            chunk_rows = bucket_rows(min(T + B, T // chunk_size + (4 if checkpoint is not None else 2) * B))
+            if logical:
+                logical_rows = bucket_rows(-(-T // chunk_size) + B)
+        if token_seq_idx:
+            token_rows = bucket_rows(T)
+        if prof is not None:
+            R, Q = prof.max_num_reqs, prof.max_num_tokens
+            conv_rows = min(conv_rows, conv1d_capacity(Q, R))
+            chunk_rows = min(chunk_rows, prof.max_num_chunks)
+            logical_rows = min(logical_rows, logical_capacity(Q, R, chunk_size or 1))
+            token_rows = min(token_rows, Q)
+    key = (prefix, B, thr, spec_tokens > 0, pre, conv_rows, chunk_rows, checkpoint is not None, logical_rows,
+           token_rows, prof is not None)
+    group = step.alloc_fields(lambda: _specs(_Shape(*key), step), key)
+    lay: _Layout | None = group.extras.get(_Layout)
+    if lay is None:
+        lay = group.extras[_Layout] = _Layout(group, _Shape(*key))
+    known = _NO_ROWS
+    record: _MinusOnes | None = None
+    stamp = num_slots = 0
+    if conv_rows:
+        stager = step.stager
+        stamp, num_slots = stager.stats.steps_begun, stager.num_slots
+        record = step.slot_extras.get(_MinusOnes)
+        if record is None:
+            record = step.slot_extras[_MinusOnes] = _MinusOnes()
+        known = record.known_rows(stamp - num_slots, lay.offsets, conv_rows)
+    hb = hit = ck_align = look = 0
+    drop = False
+    if checkpoint is not None:
+        hb, hit, look = checkpoint.hash_block_size, checkpoint.cache_hit_alignment_tokens, checkpoint.num_hash_lookahead_tokens
+        ck_align, drop = checkpoint.checkpoint_alignment or 0, checkpoint.drop_eagle_block
+    drafts = h.num_decode_draft_tokens_cpu
+    status, D, Dt, tot, n, prep, nck, num_moved = mamba_fill_nb(
+        h.query_start_loc_cpu, h.seq_lens_cpu_upper_bound, isp, drafts if drafts is not None and spec_tokens else _NO_I32,
+        h.seq_lens_cpu, h.block_table_cpu, T, thr, bs_m, align, chunk_size, prof is not None, accepted,
+        num_accepted_tokens is not None, known[0], known[1], known[2], known[3], hb, hit, ck_align, look, drop,
+        *lay.outputs,
+    )
+    if status:
+        _raise_fill_error(status, h, spec_tokens, bs_m, align, checkpoint, prefix)
+    P = B - D
+    if record is not None and (P or prof is not None):  # the pointers were written: [tot, stop) holds -1
+        record.add(stamp, lay.offsets, tot, conv_rows if prof is not None else 2 * max(1024, tot), stamp - num_slots)
+    Pt = T - Dt
+    nl = 0
+    if P and lay.logical is not None:
+        ci, co = lay.logical
+        nl = logical_chunks_nb(lay.outputs.query_start_loc_p[: P + 1], chunk_size, ci, co)
+        if nl > ci.shape[0]:
+            raise CapacityError(f"{prefix}.chunk_indices_p: needs {nl} logical chunks but its capacity is {ci.shape[0]}")
+        if prof is not None:
+            ci[nl:] = 0
+            co[nl:] = 0
+    elif lay.logical is not None and prof is not None:
+        lay.logical[0][:] = 0
+        lay.logical[1][:] = 0
+    if lay.tokens is not None:
+        if P:
+            token_seq_idx_nb(lay.outputs.query_start_loc_p[: P + 1], consecutive,
+                              lay.tokens if prof is not None else lay.tokens[:Pt])
+        elif prof is not None:
+            lay.tokens[:] = -1
+    hd = lay.host_d(D)
+    chunks = checkpoints = None
+    if P and chunk_size:
+        cu, sidx = lay.host_n(n)
+        chunks = ChunkMetadata(cu, sidx, hd[6], hd[13] if nck else _no_checkpoints(P), n)
+        if nck:
+            checkpoints = PrefillCheckpoints(hd[9], hd[10], hd[11])
+    host = make_host(
+        split=SplitCounts(D, P, Dt, Pt), is_prefilling=lay.ro["moved"] if num_moved else isp,
+        num_computed_tokens_p_cpu=hd[5] if P else None, query_start_loc_p_cpu=hd[3] if P else None, chunks=chunks,
+        checkpoints=checkpoints,
+    )
+    return Filled(step, group, lay, prefix, (D, P, Dt, Pt, tot, n, prep, nck, nl), host)
+
+
+_MINUS_ONES = np.full(4096, -1, _I64)
+_MINUS_ONES.flags.writeable = False
+
+
+def _no_checkpoints(num_rows: int) -> np.ndarray:
+    """``ChunkMetadata.checkpoint_chunk_idx`` without checkpoints: ``num_rows`` times -1 (read-only)."""
+    if num_rows <= _MINUS_ONES.shape[0]:
+        return _MINUS_ONES[:num_rows]
+    return _read_only(np.full(num_rows, -1, _I64))
+
+
+def _raise_fill_error(status: int, h: CommonHost, k: int, bs_m: int, align: bool, checkpoint: CheckpointConfig | None,
+                      prefix: str) -> None:
+    """Turn the fill kernel's status into the validating functions' message (re-run on the failing part)."""
+    enc = -1 - status
+    row, code = enc // 8, enc % 8
+    qsl, ub, B = h.query_start_loc_cpu, h.seq_lens_cpu_upper_bound, h.num_reqs
+    mode = "align" if align else "none"
+    if code in (FILL_E_QSL, FILL_E_DRAFTS):
+        classify_mamba_rows(qsl, ub, h.is_prefilling, h.num_decode_draft_tokens_cpu if k else None)
+    elif code == FILL_E_TABLE_D:  # decode rows before ``row`` fit their 1 + k columns
+        raise state_indices_error(h, slice(0, row + 1), bs_m, mode, 1 + k)
+    elif code == FILL_E_TABLE_P:  # every row before ``row`` fits one column
+        raise state_indices_error(h, slice(0, row + 1), bs_m, mode, 1)
+    elif code == FILL_E_CONTEXT:
+        prefill_cpu_metadata(qsl, ub, num_reqs=B, num_prefills=B - row, num_decode_tokens=int(qsl[row]))
+    elif code == FILL_E_CHECKPOINT and checkpoint is not None:
+        q = np.diff(qsl[row : row + 2]).astype(np.int32)
+        prefill_checkpoints(ub[row : row + 1], q, h.block_table_cpu[row : row + 1], config=checkpoint)
+    elif code == FILL_E_CAPACITY:
+        raise CapacityError(
+            f"{prefix}: the step needs {row} rows of a field past its graph-mode capacity (raise the StaticProfile "
+            f"capacity that sizes it: max_num_reqs, max_num_tokens or, for chunks, max_num_chunks)"
+        )
+    raise AssertionError(f"mamba fill: internal status {status} (row {row})")  # pragma: no cover
+

@@ -1,0 +1,274 @@
+"""Pieces the Mamba builders share (private to :mod:`attnmeta.backends.mamba`).
+
+- :func:`check_state_options` / :func:`check_checkpoint_option`: the checks every Mamba options type
+  runs in ``__post_init__`` (cache mode, mamba block size, namespace, checkpoints).
+- :class:`MambaMetadata`: the base of :class:`~attnmeta.backends.mamba.Mamba2Metadata` and
+  :class:`~attnmeta.backends.mamba.Mamba1Metadata` (vLLM's ``BaseMambaAttentionMetadata``): the
+  roles of the shared fields. It is a plain class, not a dataclass, so that each concrete metadata
+  type is a frozen dataclass without a frozen base and builds through
+  :func:`attnmeta._fields.keyword_factory`'s fast constructor.
+- :class:`MambaHost`: the host part of a staged Mamba2 / Mamba1 metadata.
+- :func:`block_table_columns` / :func:`common_needs`: the common metadata a Mamba builder reads.
+
+The one fill path of the Mamba2 and Mamba1 builders is :mod:`attnmeta.backends.mamba._fill`.
+
+Shape legend
+------------
+- ``num_reqs`` (``B``): request rows, CUDA-graph padding rows included.
+- ``num_prefills`` (``P``): the prefill rows, ``[B - P, B)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from attnmeta._checks import option_choice, option_int, option_prefix
+from attnmeta._fields import MetadataBase, keyword_factory
+from attnmeta.builder import CommonNeeds
+from attnmeta.host.chunks import ChunkMetadata
+from attnmeta.host.mamba import (
+    CheckpointConfig,
+    PrefillCheckpoints,
+    checkpoint_parameters,
+    mamba_state_indices,
+)
+from attnmeta.host.split import SplitCounts
+from attnmeta.metadata import CommonHost
+from attnmeta.spec import BatchSpec
+
+__all__ = [
+    "NULL_BLOCK_ID",
+    "CacheMode",
+    "MambaHost",
+    "MambaMetadata",
+    "block_table_columns",
+    "check_checkpoint_option",
+    "check_state_options",
+    "common_needs",
+    "make_host",
+    "state_indices_error",
+]
+
+NULL_BLOCK_ID = 0
+"""vLLM's ``NULL_BLOCK_ID``: the state index of padding rows and the sentinel of the state fields."""
+
+CacheMode = Literal["none", "align"]
+"""vLLM's ``mamba_cache_mode``: ``"none"`` (state in column 0) or ``"align"`` (the last blocks)."""
+
+# ------------------------------------------------------------------------------------------------
+# options
+# ------------------------------------------------------------------------------------------------
+
+
+def check_state_options(options: Any) -> None:
+    """``__post_init__`` checks of every Mamba options type: ``mamba_block_size`` (a positive int or
+    None), ``cache_mode`` (``"none"`` or ``"align"``) and ``prefix``."""
+    option_int(options, "mamba_block_size", minimum=1, allow_none=True)
+    option_choice(options, "cache_mode", ("none", "align"))
+    option_prefix(options)
+
+
+def check_checkpoint_option(options: Any) -> None:
+    """``__post_init__`` check of an options type's ``checkpoint``: a valid
+    :class:`~attnmeta.host.mamba.CheckpointConfig` or None; only with ``cache_mode="align"``, and with
+    the mamba block size when the options set one."""
+    ck = options.checkpoint
+    if ck is None:
+        return
+    owner = type(options).__name__
+    if not isinstance(ck, CheckpointConfig):
+        raise TypeError(f"{owner}.checkpoint: expected CheckpointConfig or None, got {type(ck).__name__}")
+    checkpoint_parameters(ck, f"{owner}.checkpoint")
+    if options.cache_mode != "align":
+        raise ValueError(
+            f"{owner}.checkpoint: prefill checkpoints need cache_mode='align' (docs/semantics-mamba.md, "
+            f"\"Prefill checkpoints\"), got {options.cache_mode!r}"
+        )
+    bs_m = options.mamba_block_size
+    if bs_m is not None and ck.mamba_block_size != bs_m:
+        raise ValueError(
+            f"{owner}.checkpoint.mamba_block_size={ck.mamba_block_size} != {owner}.mamba_block_size={bs_m}; "
+            f"both describe the same MambaSpec.block_size"
+        )
+
+
+def block_table_columns(spec: BatchSpec, options: Any) -> int:
+    """Block-table columns :func:`attnmeta.stage_common` must stage for a Mamba builder of ``spec``.
+
+    The state indices read columns ``start_i .. start_i + k`` (docs/semantics-mamba.md, "State
+    indices"); the common default covers only the blocks the sequences use. :meth:`needs` of every
+    Mamba builder asks for this width, so the generic :func:`attnmeta.builder.build` stages it; when
+    staging the common metadata yourself pass ``stage_common(spec, step, block_table_columns=...)`` in
+    eager mode (graph mode stages ``profile.max_blocks_per_req``).
+
+    Parameters
+    ----------
+    spec : BatchSpec
+        The step.
+    options : Mamba2Options, Mamba1Options or LinearAttnOptions
+        The builder's options (mamba block size, cache mode, speculative tokens, checkpoints).
+
+    Returns
+    -------
+    int
+        ``max(1, cdiv(max_seq_len, block_size), max_i(start_i) + 1 + k)`` over the real rows, with
+        exact sequence lengths; with prefill checkpoints also the checkpoint column
+        ``cdiv(s, mamba_block_size) - 2`` of the longest upper-bound length ``s`` (plus one), as far
+        as the spec's table reaches.
+
+    Examples
+    --------
+    >>> from attnmeta import BatchSpec
+    >>> from attnmeta.backends.mamba import Mamba2Options
+    >>> spec = BatchSpec(num_computed_tokens=[9], num_scheduled_tokens=[3], block_table=[[1, 2, 3, 4, 5]],
+    ...                  block_size=4)
+    >>> block_table_columns(spec, Mamba2Options(cache_mode="align", num_speculative_tokens=2))
+    5
+    >>> block_table_columns(spec, Mamba2Options())
+    3
+    """
+    bs = int(spec.block_size)
+    bs_m = options.mamba_block_size or bs
+    k = getattr(options, "num_speculative_tokens", 0)
+    s = int(spec.max_exact_seq_len)
+    used = -(-s // bs)
+    start = max((s - 1) // bs_m, 0) if options.cache_mode == "align" else 0
+    # Prefill checkpoints read column cdiv(s, bs_m) - 2 with s the *upper-bound* length.
+    ckpt_cols = max(0, -(-int(spec.max_seq_len) // bs_m) - 1) if getattr(options, "checkpoint", None) else 0
+    return max(1, used, start + 1 + k, min(ckpt_cols, int(spec.block_table.shape[1])))
+
+
+@functools.lru_cache(maxsize=256)
+def common_needs(columns: int) -> CommonNeeds:
+    """What a Mamba builder reads of the common metadata: no per-token arrays (vLLM's
+    ``SlotMappingMode.NONE``) and ``columns`` block-table columns (one immutable object per width)."""
+    return CommonNeeds(token_arrays=False, block_table_columns=columns)
+
+
+def state_indices_error(common: CommonHost, rows: slice, bs_m: int, mode: str, ncols: int) -> ValueError:
+    """The error for state columns outside the staged block table: the validating
+    :func:`~attnmeta.host.mamba.mamba_state_indices` message, and the fix."""
+    bt, sl = common.block_table_cpu[rows], common.seq_lens_cpu[rows]
+    try:
+        mamba_state_indices(bt, sl, mamba_block_size=bs_m, mode=mode, num_state_columns=ncols)  # type: ignore[arg-type]
+    except ValueError as e:
+        return ValueError(
+            f"state indices: {e}. The common metadata stages {bt.shape[1]} block-table columns; stage it with "
+            f"stage_common(..., block_table_columns=attnmeta.backends.mamba.block_table_columns(spec, options)) "
+            f"(the generic attnmeta.builder.build does) or, in graph mode, a profile with enough max_blocks_per_req"
+        )
+    return ValueError("state indices: the block table is too narrow")  # pragma: no cover
+
+
+# ------------------------------------------------------------------------------------------------
+# the shared metadata base and host part
+# ------------------------------------------------------------------------------------------------
+
+
+class MambaMetadata(MetadataBase):
+    """Fields shared by the Mamba builders (vLLM's ``BaseMambaAttentionMetadata``; docs/semantics-mamba.md,
+    "Fields shared by the Mamba builders").
+
+    The base class of :class:`~attnmeta.backends.mamba.Mamba2Metadata` and
+    :class:`~attnmeta.backends.mamba.Mamba1Metadata`, which declare the fields (described there);
+    it holds their roles. ``None`` follows vLLM: the prefill fields are ``None`` when
+    ``num_prefills == 0``; the spec-decode fields when spec decode is off or ``num_decodes == 0``; the
+    causal-conv1d fields also when the options turn them off. ``state_indices_tensor_p`` /
+    ``state_indices_tensor_d`` are always tensors (empty when their part is), as vLLM splits them from
+    one gather. vLLM's ReplaySSM fields (``write_pos_d``, ``is_flush_d``, ``bc_pre_scratch``,
+    ``replayssm_scratch``, ``replayssm_state_indices_d``) are not produced and are always ``None``.
+    """
+
+    __slots__ = ()
+
+    _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "has_initial_states_p",
+        "query_start_loc_p",
+        "state_indices_tensor_p",
+        "state_indices_tensor_d",
+        "query_start_loc_d",
+        "num_accepted_tokens",
+        "seq_lens",
+        "batch_ptr",
+        "token_chunk_offset_ptr",
+    )
+    _HOST_FIELDS: ClassVar[tuple[str, ...]] = (
+        "has_initial_states_p_cpu",
+        "query_start_loc_p_cpu",
+        "state_indices_tensor_p_cpu",
+        "state_indices_tensor_d_cpu",
+        "query_start_loc_d_cpu",
+        "num_accepted_tokens_cpu",
+        "seq_lens_cpu",
+        "batch_ptr_cpu",
+        "token_chunk_offset_ptr_cpu",
+        "num_computed_tokens_p_cpu",
+        "conv1d_nums_cpu",
+        "conv1d_mlist_cpu",
+        "conv1d_offsetlist_cpu",
+    )
+    _SCALAR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "num_prefills",
+        "num_prefill_tokens",
+        "num_decodes",
+        "num_decode_tokens",
+        "num_reqs",
+        "conv1d_num_programs_total",
+        "conv1d_max_num_programs",
+    )
+    _TWINS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("has_initial_states_p", "has_initial_states_p_cpu"),
+        ("query_start_loc_p", "query_start_loc_p_cpu"),
+        ("state_indices_tensor_p", "state_indices_tensor_p_cpu"),
+        ("state_indices_tensor_d", "state_indices_tensor_d_cpu"),
+        ("query_start_loc_d", "query_start_loc_d_cpu"),
+        ("num_accepted_tokens", "num_accepted_tokens_cpu"),
+        ("seq_lens", "seq_lens_cpu"),
+        ("batch_ptr", "batch_ptr_cpu"),
+        ("token_chunk_offset_ptr", "token_chunk_offset_ptr_cpu"),
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
+class MambaHost(MetadataBase):
+    """The host part of a staged Mamba2 / Mamba1 metadata (``Staged.host``), for builders staged after
+    it in the same step. Arrays are read-only views valid until the stager reuses the step's slot.
+
+    Examples
+    --------
+    >>> from attnmeta import BatchSpec, Stager, stage_common
+    >>> from attnmeta.backends.mamba import Mamba2Options, mamba2
+    >>> spec = BatchSpec(num_computed_tokens=[6, 3], num_scheduled_tokens=[1, 5],
+    ...                  num_prompt_tokens=[9, 20], block_table=[[7, 8], [9, 10]], block_size=4)
+    >>> with Stager("cpu").step() as step:
+    ...     staged = mamba2.stage(stage_common(spec, step), step, Mamba2Options(chunk_size=4))
+    >>> host = staged.host
+    >>> host.split, host.is_prefilling.tolist(), host.query_start_loc_p_cpu.tolist()
+    (SplitCounts(num_decodes=1, num_prefills=1, num_decode_tokens=1, num_prefill_tokens=5), [False, True], [0, 5])
+    >>> host.chunks.cu_chunk_seqlens.tolist(), host.checkpoints is None
+    ([0, 1, 5], True)
+    """
+
+    _HOST_FIELDS: ClassVar[tuple[str, ...]] = ("is_prefilling", "num_computed_tokens_p_cpu", "query_start_loc_p_cpu")
+    _SCALAR_FIELDS: ClassVar[tuple[str, ...]] = ("split", "chunks", "checkpoints")
+
+    split: SplitCounts
+    """The builder's decode/prefill split (after the prefill -> decode moves)."""
+    is_prefilling: np.ndarray
+    """(num_reqs,) bool, host. ``is_prefilling`` after the moves (docs/semantics-mamba.md, "Classification")."""
+    num_computed_tokens_p_cpu: np.ndarray | None
+    """(num_prefills,) int32, host, or None without prefills. Tokens already in each prefill row's state."""
+    query_start_loc_p_cpu: np.ndarray | None
+    """(num_prefills + 1,) int32, host, or None without prefills. Query starts of the prefill rows, from 0."""
+    chunks: ChunkMetadata | None
+    """Mamba2 with prefills: the chunk-aligned layout (host arrays of the staged fields); else None."""
+    checkpoints: PrefillCheckpoints | None
+    """The prefill checkpoints, or None (no checkpoint config, no prefills, or no row with one)."""
+
+
+make_host = keyword_factory(MambaHost)
+"""Keyword constructor of :class:`MambaHost` (the fill path builds one per step)."""

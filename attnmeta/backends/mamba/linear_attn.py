@@ -1,0 +1,215 @@
+"""Linear-attention metadata (docs/semantics-mamba.md, "Mamba1 and linear attention"), derived on the host.
+
+The builder is :data:`LINEAR_ATTN` (registry name ``"linear_attn"``; :func:`stage` and :func:`build`
+are its methods): vLLM 0.33.0's ``LinearAttentionMetadataBuilder``. The plain decode/prefill split at
+threshold 1 (short extends count as decodes, no rows move; the step's shared split of
+:meth:`attnmeta.metadata.CommonHost.split`), ``query_start_loc`` and ``seq_lens`` passed through, and
+one state index per row (column 0 of the state indices, gathered on the host by the same compiled
+kernel as the Mamba builders', :func:`attnmeta.host.mamba.mamba_state_indices`).
+
+Shape legend
+------------
+- ``num_reqs`` (``B``): request rows, padding included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from attnmeta._fields import MetadataBase, keyword_factory
+from attnmeta.backends._shared import require_same_step
+from attnmeta.backends.mamba._shared import (
+    NULL_BLOCK_ID,
+    CacheMode,
+    block_table_columns,
+    check_state_options,
+    common_needs,
+    state_indices_error,
+)
+from attnmeta.builder import Builder, CommonNeeds, register
+from attnmeta.host.mamba import state_indices_nb
+from attnmeta.host.split import SplitCounts
+from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
+from attnmeta.spec import BatchSpec
+from attnmeta.staging import Staged, Step
+
+__all__ = ["LINEAR_ATTN", "LinearAttentionMetadata", "LinearAttnBuilder", "LinearAttnHost", "LinearAttnOptions",
+           "block_table_columns", "build", "stage"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LinearAttnOptions:
+    """Options of the linear-attention builder (vLLM ``LinearAttentionMetadataBuilder``), validated
+    when constructed.
+
+    Examples
+    --------
+    >>> LinearAttnOptions(cache_mode="all")
+    Traceback (most recent call last):
+    ValueError: LinearAttnOptions.cache_mode: must be 'none' or 'align', got 'all'
+    """
+
+    mamba_block_size: int | None = None
+    """Mamba block size for ``"align"`` mode; ``None``: the common metadata's ``block_size``."""
+    cache_mode: CacheMode = "none"
+    """vLLM's ``mamba_cache_mode``."""
+    prefix: str = "linear_attn"
+    """Namespace of this builder's staged fields."""
+
+    def __post_init__(self) -> None:
+        check_state_options(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LinearAttnHost:
+    """The host part of a staged linear-attention metadata (``Staged.host``)."""
+
+    split: SplitCounts
+    """The plain split at threshold 1 (the step's shared one)."""
+    state_indices_tensor_cpu: np.ndarray
+    """(num_reqs,) int32, host (read-only). Column 0 of the state indices of every row."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
+class LinearAttentionMetadata(MetadataBase):
+    """Linear-attention metadata (vLLM's ``LinearAttentionMetadata``).
+
+    Examples
+    --------
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[6, 0, 2], num_scheduled_tokens=[1, 4, 1],
+    ...                  block_table=[[7, 8], [9, 10], [11, 12]], block_size=4)
+    >>> la = build(spec, Stager("cpu"))
+    >>> la.num_decodes, la.num_prefills, la.num_decode_tokens, la.num_prefill_tokens
+    (1, 2, 1, 5)
+    >>> la.state_indices_tensor
+    tensor([ 7,  9, 11], dtype=torch.int32)
+    """
+
+    _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = ("query_start_loc", "seq_lens", "state_indices_tensor")
+    _HOST_FIELDS: ClassVar[tuple[str, ...]] = ("query_start_loc_cpu", "seq_lens_cpu", "state_indices_tensor_cpu")
+    _SCALAR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "num_prefills",
+        "num_prefill_tokens",
+        "num_decodes",
+        "num_decode_tokens",
+    )
+    _TWINS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("query_start_loc", "query_start_loc_cpu"),
+        ("seq_lens", "seq_lens_cpu"),
+        ("state_indices_tensor", "state_indices_tensor_cpu"),
+    )
+
+    common: CommonAttentionMetadata
+    """The step's common metadata (the same device views, not copies)."""
+    num_prefills: int
+    """Prefill rows (the plain split at threshold 1: from the first row with more than one token)."""
+    num_prefill_tokens: int
+    """Tokens of the prefill rows, token padding included."""
+    num_decodes: int
+    """Decode rows."""
+    num_decode_tokens: int
+    """Tokens of the decode rows."""
+    query_start_loc: torch.Tensor
+    """(num_reqs + 1,) int32, device. The common ``query_start_loc`` (the same view)."""
+    seq_lens: torch.Tensor
+    """(num_reqs,) int32, device. The common ``seq_lens`` (the same view)."""
+    state_indices_tensor: torch.Tensor
+    """(num_reqs,) int32, device. State slot of every row: column 0 of the state indices
+    (``block_table[i, start_i]``); padding rows read ``NULL_BLOCK_ID = 0``. Graph mode: a view of a
+    fixed ``(max_num_reqs,)`` buffer, tail 0."""
+    query_start_loc_cpu: np.ndarray
+    """(num_reqs + 1,) int32, host twin of ``query_start_loc``."""
+    seq_lens_cpu: np.ndarray
+    """(num_reqs,) int32, host twin of ``seq_lens``."""
+    state_indices_tensor_cpu: np.ndarray
+    """(num_reqs,) int32, host twin of ``state_indices_tensor``."""
+
+
+_make_la = keyword_factory(LinearAttentionMetadata)
+
+
+class LinearAttnBuilder(Builder[LinearAttnOptions, LinearAttentionMetadata]):
+    """The linear-attention builder (:data:`LINEAR_ATTN`)."""
+
+    name = "linear_attn"
+    options_type = LinearAttnOptions
+    metadata_type = LinearAttentionMetadata
+
+    def needs(self, spec: BatchSpec, options: LinearAttnOptions) -> CommonNeeds:
+        """No per-token arrays; :func:`~attnmeta.backends.mamba.block_table_columns` columns."""
+        return common_needs(block_table_columns(spec, options))
+
+    def stage(
+        self, common: StagedCommon, step: Step, options: LinearAttnOptions | None = None
+    ) -> Staged[LinearAttnHost, LinearAttentionMetadata]:
+        """Derive linear-attention metadata from the staged common metadata, staging into the same step.
+
+        Parameters
+        ----------
+        common : StagedCommon
+            From :func:`attnmeta.stage_common` on the same ``step``.
+        step : Step
+            The open step.
+        options : LinearAttnOptions, optional
+            Cache mode, mamba block size, namespace.
+
+        Returns
+        -------
+        Staged[LinearAttnHost, LinearAttentionMetadata]
+            ``.host`` (the split and the host state indices); ``.result()`` after the commit.
+
+        Raises
+        ------
+        ValueError
+            A block table too narrow for the state column, or ``common`` from another step.
+        attnmeta.staging.CapacityError
+            Graph mode: more rows than ``max_num_reqs``.
+        """
+        if common.step is not step:
+            require_same_step(common, step)  # raises
+        o = self.options(options)
+        h = common.host
+        B = h.num_reqs
+        bs_m = h.block_size if o.mamba_block_size is None else o.mamba_block_size
+        split = h.split(1)  # the step's shared split
+        prof = step.profile
+        name = o.prefix + ".state_indices_tensor"
+        group = step.alloc_fields(((name, B, np.int32, prof.max_num_reqs if prof is not None else None, NULL_BLOCK_ID),))
+        si = group.host[0]
+        align = o.cache_mode == "align"
+        if state_indices_nb(h.block_table_cpu, h.seq_lens_cpu, bs_m, align, si.reshape(B, 1)) >= 0:
+            raise state_indices_error(h, slice(0, B), bs_m, o.cache_mode, 1)
+        si_ro = group.frozen[0]
+
+        def make() -> LinearAttentionMetadata:
+            cm = common.result()
+            return _make_la(
+                common=cm, num_prefills=split.num_prefills, num_prefill_tokens=split.num_prefill_tokens,
+                num_decodes=split.num_decodes, num_decode_tokens=split.num_decode_tokens,
+                query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens, state_indices_tensor=group.device(step)[0],
+                query_start_loc_cpu=cm.query_start_loc_cpu, seq_lens_cpu=cm.seq_lens_cpu, state_indices_tensor_cpu=si_ro,
+            )
+
+        return Staged(step, LinearAttnHost(split, si_ro), make)
+
+    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[LinearAttnOptions, dict[str, Any]]:
+        """A random cache mode."""
+        return LinearAttnOptions(cache_mode="align" if rng.random() < 0.5 else "none"), {}
+
+    def reference(self, spec: BatchSpec, options: LinearAttnOptions, device: torch.device,
+                  **inputs: Any) -> dict[str, Any]:
+        """:func:`attnmeta.testing.reference.ref_linear_attn_metadata`."""
+        from attnmeta.testing.reference.mamba import ref_linear_attn_metadata
+
+        return ref_linear_attn_metadata(spec, options, device)
+
+
+LINEAR_ATTN = register(LinearAttnBuilder())
+"""The registered linear-attention builder."""
+stage = LINEAR_ATTN.stage
+build = LINEAR_ATTN.build

@@ -1,0 +1,226 @@
+"""Mamba1 metadata (docs/semantics-mamba.md, "Mamba1 and linear attention"), derived on the host.
+
+The builder is :data:`MAMBA1` (registry name ``"mamba1"``; :func:`stage` and :func:`build` are its
+methods): vLLM 0.33.0's ``Mamba1AttentionMetadataBuilder``, the shared Mamba fields alone. It runs
+the one fill path of the Mamba builders (:mod:`attnmeta.backends.mamba._fill`) with threshold 1,
+no spec-decode fields and no chunk metadata (vLLM calls ``_compute_common_metadata(cam)`` without
+spec arguments); the one-token-stateful-prefill move still applies.
+
+Shape legend
+------------
+- ``num_reqs`` (``B``): request rows, CUDA-graph padding rows included.
+- ``num_decodes`` (``D``) / ``num_prefills`` (``P``): rows ``[0, D)`` / ``[D, B)`` after the split.
+- ``num_programs_total`` (``tot``): causal-conv1d programs, ``sum(cdiv(query_len_p, 8))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from attnmeta._checks import option_bool
+from attnmeta._fields import keyword_factory
+from attnmeta.backends._shared import require_same_step
+from attnmeta.backends.mamba._fill import fill
+from attnmeta.backends.mamba._shared import (
+    CacheMode,
+    MambaHost,
+    MambaMetadata,
+    block_table_columns,
+    check_state_options,
+    common_needs,
+)
+from attnmeta.builder import Builder, CommonNeeds, register
+from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
+from attnmeta.spec import BatchSpec
+from attnmeta.staging import Staged, Step
+
+__all__ = ["MAMBA1", "Mamba1Builder", "Mamba1Metadata", "Mamba1Options", "block_table_columns", "build", "stage"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Mamba1Options:
+    """Options of the Mamba1 builder (vLLM passes it no spec-decode arguments: threshold 1), validated
+    when constructed.
+
+    Examples
+    --------
+    >>> Mamba1Options(cache_mode="align", mamba_block_size=16).prefix
+    'mamba1'
+    """
+
+    mamba_block_size: int | None = None
+    """Mamba block size for ``"align"`` mode; ``None``: the common metadata's ``block_size``."""
+    cache_mode: CacheMode = "none"
+    """vLLM's ``mamba_cache_mode``."""
+    needs_causal_conv1d_metadata: bool = True
+    """Emit the causal-conv1d launch metadata for prefills."""
+    prefix: str = "mamba1"
+    """Namespace of this builder's staged fields."""
+
+    def __post_init__(self) -> None:
+        check_state_options(self)
+        option_bool(self, "needs_causal_conv1d_metadata")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
+class Mamba1Metadata(MambaMetadata):
+    """Mamba1 metadata: exactly the shared Mamba fields (vLLM's ``Mamba1AttentionMetadata``; see
+    :class:`~attnmeta.backends.mamba.MambaMetadata`).
+
+    Examples
+    --------
+    A decode, then a 5-token chunk that continues 3 cached tokens, ``"none"`` mode (state in column 0):
+
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[6, 3], num_scheduled_tokens=[1, 5],
+    ...                  num_prompt_tokens=[2, 20], block_table=[[7, 8], [9, 10]], block_size=4)
+    >>> m = build(spec, Stager("cpu"))
+    >>> m.num_decodes, m.num_prefills, m.state_indices_tensor_d_cpu.tolist(), m.state_indices_tensor_p_cpu
+    (1, 1, [[7]], array([9], dtype=int32))
+    >>> m.query_start_loc_p_cpu, m.has_initial_states_p_cpu, m.query_start_loc_d
+    (array([0, 5], dtype=int32), array([ True]), None)
+    """
+
+    # The shared Mamba fields: the same declarations as Mamba2Metadata's (documented there).
+    common: CommonAttentionMetadata
+    """The step's common metadata (the same device views, not copies)."""
+    num_prefills: int
+    """Prefill rows ``P`` (rows ``[D, B)``)."""
+    num_prefill_tokens: int
+    """Tokens of the prefill rows, token padding included."""
+    num_decodes: int
+    """Decode rows ``D`` (rows ``[0, D)``)."""
+    num_decode_tokens: int
+    """Tokens of the decode rows."""
+    num_reqs: int
+    """Request rows ``B``, padding included."""
+    conv1d_num_programs_total: int
+    """``tot``: causal-conv1d programs; 0 without them."""
+    conv1d_max_num_programs: int
+    """Length of ``batch_ptr`` / ``token_chunk_offset_ptr``; 0 without them."""
+    has_initial_states_p: torch.Tensor | None
+    """(num_prefills,) bool, device, or None without prefills. ``num_computed_tokens_p > 0``."""
+    query_start_loc_p: torch.Tensor | None
+    """(num_prefills + 1,) int32, device, or None without prefills. Prefill query starts, from 0."""
+    state_indices_tensor_p: torch.Tensor
+    """(num_prefills,) int32, device. State slot of each prefill row."""
+    state_indices_tensor_d: torch.Tensor
+    """(num_decodes, 1) int32, device. State slot of each decode row."""
+    query_start_loc_d: torch.Tensor | None
+    """Always None (Mamba1 has no spec decode)."""
+    num_accepted_tokens: torch.Tensor | None
+    """Always None (Mamba1 has no spec decode)."""
+    seq_lens: torch.Tensor
+    """(num_reqs,) int32, device. The common ``seq_lens`` (the same view)."""
+    batch_ptr: torch.Tensor | None
+    """(conv1d_max_num_programs,) int32, device, or None. Prefill row of each causal-conv1d program, then -1."""
+    token_chunk_offset_ptr: torch.Tensor | None
+    """(conv1d_max_num_programs,) int32, device, or None. 8-token block of its row each program handles, then -1."""
+    has_initial_states_p_cpu: np.ndarray | None
+    """(num_prefills,) bool, host twin of ``has_initial_states_p``."""
+    query_start_loc_p_cpu: np.ndarray | None
+    """(num_prefills + 1,) int32, host twin of ``query_start_loc_p``."""
+    state_indices_tensor_p_cpu: np.ndarray
+    """(num_prefills,) int32, host twin of ``state_indices_tensor_p``."""
+    state_indices_tensor_d_cpu: np.ndarray
+    """(num_decodes, 1) int32, host twin of ``state_indices_tensor_d``."""
+    query_start_loc_d_cpu: np.ndarray | None
+    """Always None."""
+    num_accepted_tokens_cpu: np.ndarray | None
+    """Always None."""
+    seq_lens_cpu: np.ndarray
+    """(num_reqs,) int32, host twin of ``seq_lens``."""
+    batch_ptr_cpu: np.ndarray | None
+    """(conv1d_max_num_programs,) int32, host twin of ``batch_ptr`` (graph mode: the first ``tot`` entries)."""
+    token_chunk_offset_ptr_cpu: np.ndarray | None
+    """(conv1d_max_num_programs,) int32, host twin of ``token_chunk_offset_ptr`` (graph mode: the first ``tot``)."""
+    num_computed_tokens_p_cpu: np.ndarray | None
+    """(num_prefills,) int32, host only, or None without prefills. Tokens already in each prefill row's state."""
+    conv1d_nums_cpu: np.ndarray | None
+    """(num_prefills,) int32, host only. Causal-conv1d programs per prefill row (vLLM ``nums``)."""
+    conv1d_mlist_cpu: np.ndarray | None
+    """(num_programs_total,) int64, host only. Prefill row of each program (vLLM ``mlist``)."""
+    conv1d_offsetlist_cpu: np.ndarray | None
+    """(num_programs_total,) int32, host only. Block of its row each program handles (``offsetlist``)."""
+    nums_dict: dict[int, dict[str, Any]] | None
+    """vLLM's ``nums_dict`` (see :attr:`Mamba2Metadata.nums_dict <attnmeta.backends.mamba.Mamba2Metadata.nums_dict>`)."""
+    write_pos_d: None = None
+    """ReplaySSM only: not produced (always None)."""
+    is_flush_d: None = None
+    """ReplaySSM only: not produced (always None)."""
+    bc_pre_scratch: None = None
+    """ReplaySSM only: not produced (always None)."""
+    replayssm_scratch: None = None
+    """ReplaySSM only: not produced (always None)."""
+    replayssm_state_indices_d: None = None
+    """ReplaySSM only: not produced (always None)."""
+
+
+_make_m1 = keyword_factory(Mamba1Metadata)
+
+
+class Mamba1Builder(Builder[Mamba1Options, Mamba1Metadata]):
+    """The Mamba1 builder (:data:`MAMBA1`)."""
+
+    name = "mamba1"
+    options_type = Mamba1Options
+    metadata_type = Mamba1Metadata
+
+    def needs(self, spec: BatchSpec, options: Mamba1Options) -> CommonNeeds:
+        """No per-token arrays; :func:`~attnmeta.backends.mamba.block_table_columns` columns."""
+        return common_needs(block_table_columns(spec, options))
+
+    def stage(
+        self, common: StagedCommon, step: Step, options: Mamba1Options | None = None
+    ) -> Staged[MambaHost, Mamba1Metadata]:
+        """Derive Mamba1 metadata from the staged common metadata, staging into the same step.
+
+        Parameters
+        ----------
+        common : StagedCommon
+            From :func:`attnmeta.stage_common` on the same ``step``.
+        step : Step
+            The open step.
+        options : Mamba1Options, optional
+            Cache mode, mamba block size, conv1d metadata, namespace.
+
+        Returns
+        -------
+        Staged[MambaHost, Mamba1Metadata]
+            ``.host`` as for the Mamba2 builder (no chunks); ``.result()`` after the commit.
+
+        Raises
+        ------
+        ValueError
+            A block table too narrow for the state column, or ``common`` from another step.
+        attnmeta.staging.CapacityError
+            Graph mode: the step exceeds a profile capacity.
+        """
+        if common.step is not step:
+            require_same_step(common, step)  # raises
+        o = self.options(options)
+        f = fill(common, step, o.prefix, 0, 0, o.mamba_block_size, o.cache_mode == "align",
+                 o.needs_causal_conv1d_metadata, None, False, False, False, None)
+        return Staged(step, f.host, lambda: _make_m1(**f.shared_fields(common.result())))
+
+    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[Mamba1Options, dict[str, Any]]:
+        """A random cache mode, conv1d metadata on or off."""
+        return Mamba1Options(cache_mode="align" if rng.random() < 0.5 else "none",
+                             needs_causal_conv1d_metadata=bool(rng.random() < 0.8)), {}
+
+    def reference(self, spec: BatchSpec, options: Mamba1Options, device: torch.device,
+                  **inputs: Any) -> dict[str, Any]:
+        """:func:`attnmeta.testing.reference.ref_mamba_metadata` (threshold 1, no chunks)."""
+        from attnmeta.testing.reference.mamba import ref_mamba_metadata
+
+        return ref_mamba_metadata(spec, options, device)
+
+
+MAMBA1 = register(Mamba1Builder())
+"""The registered Mamba1 builder."""
+stage = MAMBA1.stage
+build = MAMBA1.build

@@ -1,0 +1,556 @@
+"""Mamba2 metadata (docs/semantics-mamba.md), derived on the host, staged in the step's one copy.
+
+The builder is :data:`MAMBA2` (registry name ``"mamba2"``; :func:`stage` and :func:`build` are its
+methods): vLLM 0.33.0's ``Mamba2AttentionMetadataBuilder``, field for field. It classifies the rows
+(docs/semantics-mamba.md, "Classification"), gathers the state indices, computes the prefill query
+starts, contexts and initial-state flags, the causal-conv1d launch metadata, the chunk-aligned SSD
+layout (``cu_chunk_seqlen_p``, ``seq_idx_p``, ``last_chunk_indices_p``), "align"-mode prefill
+checkpoints and the spec-decode fields; optionally also the two chunk formats other engines use
+(logical ``chunk_indices`` / ``chunk_offsets`` and the per-token ``seq_idx`` of ``mamba_ssm``).
+
+Everything is computed from the common metadata's **host** arrays by the one fill path of the Mamba
+builders (:mod:`attnmeta.backends.mamba._fill`: one cached field group per ring slot and layout, one
+compiled call per step) and moves in the step's single H2D copy; nothing is read back from the
+device. The common metadata must be staged with :func:`~attnmeta.backends.mamba.block_table_columns`
+columns (the generic :func:`attnmeta.builder.build` does, and stages no per-token ``positions`` /
+``slot_mapping``: a Mamba KV-cache group reads neither).
+
+Graph mode (a :class:`~attnmeta.profile.StaticProfile`): every device field has a fixed address and
+capacity (``Step.device_full(prefix + ".<field>")``) and rows past the step's length hold the
+sentinels of docs/semantics-mamba.md, "CUDA graphs (graph mode)"; the profile's ``chunk_size`` must
+equal the options'.
+
+Shape legend
+------------
+- ``num_reqs`` (``B``): request rows, CUDA-graph padding rows included.
+- ``num_decodes`` (``D``) / ``num_prefills`` (``P``): rows ``[0, D)`` / ``[D, B)`` after the split.
+- ``num_prefill_tokens`` (``Pt``): tokens of the prefill rows, token padding included.
+- ``num_spec_tokens`` (``k``): :attr:`Mamba2Options.num_speculative_tokens`.
+- ``num_chunks``: chunks of the chunk-aligned layout; ``num_logical_chunks``: of the logical one.
+- ``num_programs_total`` (``tot``): causal-conv1d programs, ``sum(cdiv(query_len_p, 8))``;
+  ``max_num_programs``: ``2 * max(1024, tot)`` (graph mode: the fixed capacity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from attnmeta._checks import option_bool, option_int
+from attnmeta._fields import MetadataBase, keyword_factory
+from attnmeta.backends._shared import require_same_step
+from attnmeta.backends.mamba._fill import fill
+from attnmeta.backends.mamba._shared import (
+    CacheMode,
+    MambaHost,
+    MambaMetadata,
+    block_table_columns,
+    check_checkpoint_option,
+    check_state_options,
+    common_needs,
+)
+from attnmeta.builder import Builder, CommonNeeds, register
+from attnmeta.host.mamba import CheckpointConfig
+from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
+from attnmeta.spec import BatchSpec
+from attnmeta.staging import Staged, Step
+
+__all__ = [
+    "MAMBA2",
+    "Mamba2Builder",
+    "Mamba2Metadata",
+    "Mamba2Options",
+    "MambaCheckpointMetadata",
+    "block_table_columns",
+    "build",
+    "stage",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Mamba2Options:
+    """Options of the Mamba2 builder (the static part of vLLM's builder configuration), validated when
+    constructed: a wrong type is a ``TypeError`` naming the option, a bad value a ``ValueError``.
+
+    Examples
+    --------
+    >>> Mamba2Options(chunk_size=128, cache_mode="align", num_speculative_tokens=2).prefix
+    'mamba2'
+    >>> Mamba2Options(chunk_size=0)
+    Traceback (most recent call last):
+    ValueError: Mamba2Options.chunk_size: must be >= 1, got 0
+    """
+
+    chunk_size: int = 256
+    """SSD chunk size ``C`` (vLLM ``model_config.get_mamba_chunk_size()``)."""
+    mamba_block_size: int | None = None
+    """Mamba block size (``MambaSpec.block_size``), used by ``"align"`` mode; ``None``: the common
+    metadata's ``block_size`` (the mamba group's block table)."""
+    cache_mode: CacheMode = "none"
+    """vLLM's ``mamba_cache_mode``: ``"none"`` (state in column 0) or ``"align"`` (the last blocks)."""
+    num_speculative_tokens: int = 0
+    """``k``; spec decode is on when > 0: the decode threshold becomes ``1 + k``, decode rows get
+    ``1 + k`` state columns, ``query_start_loc_d`` and ``num_accepted_tokens``."""
+    checkpoint: CheckpointConfig | None = None
+    """Prefill checkpoints (docs/semantics-mamba.md, "Prefill checkpoints"); only with
+    ``cache_mode="align"``, and its ``mamba_block_size`` must equal the builder's mamba block size."""
+    needs_causal_conv1d_metadata: bool = True
+    """Emit the causal-conv1d launch metadata for prefills."""
+    logical_chunks: bool = False
+    """Also emit vLLM-v0 / SGLang / TRT-LLM ``chunk_indices_p`` / ``chunk_offsets_p``."""
+    token_seq_idx: bool = False
+    """Also emit the per-token ``token_seq_idx_p`` of the upstream ``mamba_ssm`` kernels."""
+    consecutive_seq_ids: bool = False
+    """``token_seq_idx_p`` numbers the non-empty prefill sequences 0, 1, 2, ... instead of by row."""
+    prefix: str = "mamba2"
+    """Namespace of this builder's staged fields."""
+
+    def __post_init__(self) -> None:
+        option_int(self, "chunk_size", minimum=1)
+        check_state_options(self)
+        option_int(self, "num_speculative_tokens", minimum=0)
+        for name in ("needs_causal_conv1d_metadata", "logical_chunks", "token_seq_idx", "consecutive_seq_ids"):
+            option_bool(self, name)
+        check_checkpoint_option(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
+class MambaCheckpointMetadata(MetadataBase):
+    """"align"-mode prefill checkpoints of one step (vLLM's ``checkpoint_meta``; docs/semantics-mamba.md,
+    "Prefill checkpoints").
+
+    Row ``j`` is prefill row ``j`` (batch row ``first_row + j``). A row without a checkpoint has
+    offset 0, column -1 and state index 0.
+
+    Examples
+    --------
+    A prefill row of 9 new tokens after 2 cached ones; the configuration exports the state at absolute
+    position 4 (offset 2 into the query), from column ``cdiv(11, 4) - 2 = 1``:
+
+    >>> from attnmeta import BatchSpec, Stager
+    >>> from attnmeta.host.mamba import CheckpointConfig
+    >>> cfg = CheckpointConfig(hash_block_size=2, cache_hit_alignment_tokens=4, mamba_block_size=4,
+    ...                        checkpoint_alignment=2, drop_eagle_block=True)
+    >>> spec = BatchSpec(num_computed_tokens=[2], num_scheduled_tokens=[9], num_prompt_tokens=[20],
+    ...                  block_table=[[5, 6, 7, 8]], block_size=4)
+    >>> ck = build(spec, Stager("cpu"), Mamba2Options(chunk_size=4, cache_mode="align", checkpoint=cfg)).checkpoint_meta
+    >>> ck.offsets_cpu, ck.cols_cpu, ck.state_indices_cpu, ck.query_lens_cpu, ck.first_row
+    (array([2], dtype=int32), array([1]), array([6], dtype=int32), array([9], dtype=int32), 0)
+    """
+
+    _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = ("offsets", "cols", "state_indices")
+    _HOST_FIELDS: ClassVar[tuple[str, ...]] = ("offsets_cpu", "cols_cpu", "state_indices_cpu", "query_lens_cpu")
+    _SCALAR_FIELDS: ClassVar[tuple[str, ...]] = ("first_row",)
+    _TWINS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("offsets", "offsets_cpu"),
+        ("cols", "cols_cpu"),
+        ("state_indices", "state_indices_cpu"),
+    )
+
+    offsets: torch.Tensor
+    """(num_prefills,) int32, device. Tokens into each row's query where the checkpoint state is
+    exported (0: none); the chunk layout ends a chunk there."""
+    cols: torch.Tensor
+    """(num_prefills,) int64, device. Block-table column of the checkpoint state,
+    ``cdiv(s, mamba_block_size) - 2``, or -1."""
+    state_indices: torch.Tensor
+    """(num_prefills,) int32, device. ``where(cols >= 0, block_table[first_row + j, cols], 0)``,
+    gathered on the host."""
+    offsets_cpu: np.ndarray
+    """(num_prefills,) int32, host twin of ``offsets`` (vLLM's host list ``offsets``)."""
+    cols_cpu: np.ndarray
+    """(num_prefills,) int64, host twin of ``cols``."""
+    state_indices_cpu: np.ndarray
+    """(num_prefills,) int32, host twin of ``state_indices``."""
+    query_lens_cpu: np.ndarray
+    """(num_prefills,) int32, host only. Query length of each prefill row (vLLM's ``query_lens``)."""
+    first_row: int
+    """Batch row of prefill row 0 (``num_reqs - num_prefills``)."""
+
+
+_make_checkpoints = keyword_factory(MambaCheckpointMetadata)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
+class Mamba2Metadata(MambaMetadata):
+    """Mamba2 metadata (vLLM's ``Mamba2AttentionMetadata``): the shared Mamba fields
+    (:class:`~attnmeta.backends.mamba.MambaMetadata`) plus the SSD chunks.
+
+    The chunk fields are ``None`` when ``num_prefills == 0`` (vLLM computes them only for
+    prefills); the optional formats also when their option is off. Device fields are views of the
+    step's device arena; host arrays are read-only views of its pinned slot (or of host-only buffers
+    that live as long), valid until the stager reuses the slot.
+
+    Examples
+    --------
+    One decode, then a chunked prefill with 5 cached tokens and 10 new ones, then a fresh 3-token
+    prefill; chunk size 8:
+
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[9, 5, 0], num_scheduled_tokens=[1, 10, 3],
+    ...                  num_prompt_tokens=[4, 40, 3], block_table=[[1, 2], [3, 4], [5, 6]], block_size=8)
+    >>> m = build(spec, Stager("cpu"), Mamba2Options(chunk_size=8, logical_chunks=True))
+    >>> m.num_decodes, m.num_prefills, m.num_decode_tokens, m.num_prefill_tokens
+    (1, 2, 1, 13)
+    >>> m.state_indices_tensor_d_cpu.tolist(), m.state_indices_tensor_p_cpu.tolist()
+    ([[1]], [3, 5])
+    >>> m.query_start_loc_p_cpu, m.has_initial_states_p_cpu, m.prep_initial_states
+    (array([ 0, 10, 13], dtype=int32), array([ True, False]), True)
+    >>> m.cu_chunk_seqlen_p_cpu, m.seq_idx_p_cpu, m.last_chunk_indices_p_cpu
+    (array([ 0,  3, 10, 13], dtype=int32), array([0, 0, 1], dtype=int32), array([1, 2], dtype=int32))
+    >>> m.chunk_indices_p_cpu, m.chunk_offsets_p_cpu
+    (array([0, 1, 1], dtype=int32), array([0, 0, 2], dtype=int32))
+    >>> m.conv1d_nums_cpu, m.batch_ptr_cpu[:4], m.conv1d_max_num_programs
+    (array([2, 1], dtype=int32), array([ 0,  0,  1, -1], dtype=int32), 2048)
+    >>> m.cu_chunk_seqlen_p
+    tensor([ 0,  3, 10, 13], dtype=torch.int32)
+    """
+
+    _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = (
+        *MambaMetadata._DEVICE_FIELDS,
+        "cu_chunk_seqlen_p",
+        "seq_idx_p",
+        "last_chunk_indices_p",
+        "checkpoint_chunk_idx",
+        "chunk_indices_p",
+        "chunk_offsets_p",
+        "token_seq_idx_p",
+    )
+    _HOST_FIELDS: ClassVar[tuple[str, ...]] = (
+        *MambaMetadata._HOST_FIELDS,
+        "cu_chunk_seqlen_p_cpu",
+        "seq_idx_p_cpu",
+        "last_chunk_indices_p_cpu",
+        "checkpoint_chunk_idx_cpu",
+        "chunk_indices_p_cpu",
+        "chunk_offsets_p_cpu",
+        "token_seq_idx_p_cpu",
+    )
+    _SCALAR_FIELDS: ClassVar[tuple[str, ...]] = (
+        *MambaMetadata._SCALAR_FIELDS,
+        "prep_initial_states",
+        "chunk_size",
+        "num_chunks",
+    )
+    _TWINS: ClassVar[tuple[tuple[str, str], ...]] = (
+        *MambaMetadata._TWINS,
+        ("cu_chunk_seqlen_p", "cu_chunk_seqlen_p_cpu"),
+        ("seq_idx_p", "seq_idx_p_cpu"),
+        ("last_chunk_indices_p", "last_chunk_indices_p_cpu"),
+        ("checkpoint_chunk_idx", "checkpoint_chunk_idx_cpu"),
+        ("chunk_indices_p", "chunk_indices_p_cpu"),
+        ("chunk_offsets_p", "chunk_offsets_p_cpu"),
+        ("token_seq_idx_p", "token_seq_idx_p_cpu"),
+    )
+
+    # ---- the shared Mamba fields (MambaMetadata; the same declarations as Mamba1Metadata's)
+    common: CommonAttentionMetadata
+    """The step's common metadata (the same device views, not copies)."""
+    num_prefills: int
+    """Prefill rows ``P``: rows ``[D, B)``, from the first row that is a prefill after the moves
+    (padding rows after it count here, as in vLLM)."""
+    num_prefill_tokens: int
+    """Tokens of the prefill rows, token padding included (vLLM's count)."""
+    num_decodes: int
+    """Decode rows ``D``: rows ``[0, D)`` (zero-length rows before the first prefill count here)."""
+    num_decode_tokens: int
+    """Tokens of the decode rows (all tokens, padding included, when every row decodes)."""
+    num_reqs: int
+    """Request rows ``B``, padding included (``D + P``)."""
+    conv1d_num_programs_total: int
+    """``tot``: causal-conv1d programs launched (vLLM ``nums_dict[8]["tot"]``); 0 without them."""
+    conv1d_max_num_programs: int
+    """Length of ``batch_ptr`` / ``token_chunk_offset_ptr``: ``2 * max(1024, tot)`` (vLLM's
+    ``MAX_NUM_PROGRAMS``), the fixed capacity in graph mode; 0 without them."""
+    has_initial_states_p: torch.Tensor | None
+    """(num_prefills,) bool, device, or None without prefills. Whether each prefill row continues a
+    state: ``num_computed_tokens_p > 0``."""
+    query_start_loc_p: torch.Tensor | None
+    """(num_prefills + 1,) int32, device, or None without prefills. ``query_start_loc[-P-1:] -
+    num_decode_tokens``: query starts of the prefill rows, from 0."""
+    state_indices_tensor_p: torch.Tensor
+    """(num_prefills,) int32, device. State slot of each prefill row: column 0 of the state indices
+    (``block_table[i, start_i]``, docs/semantics-mamba.md, "State indices")."""
+    state_indices_tensor_d: torch.Tensor
+    """(num_decodes, 1 + num_spec_tokens) int32, device. State slots of each decode row:
+    ``block_table[i, start_i + j]``. In graph mode a view of a fixed ``(max_num_reqs, 1 + k)`` buffer
+    whose rows past ``D`` hold ``NULL_BLOCK_ID = 0``."""
+    query_start_loc_d: torch.Tensor | None
+    """(num_decodes + 1,) int32, device, or None (spec decode off or no decodes).
+    ``query_start_loc[:D + 1]``, a view of the common ``query_start_loc``."""
+    num_accepted_tokens: torch.Tensor | None
+    """(num_decodes,) int32, device, or None (as ``query_start_loc_d``). The step's accepted-token
+    counts of the decode rows (padding rows 1), or ``diff(query_start_loc_d)`` when none were given.
+    Graph mode: a view of a fixed buffer whose rows past ``D`` hold 1."""
+    seq_lens: torch.Tensor
+    """(num_reqs,) int32, device. The common ``seq_lens`` (the same view)."""
+    batch_ptr: torch.Tensor | None
+    """(conv1d_max_num_programs,) int32, device, or None. Prefill row of each causal-conv1d program
+    (``repeat(arange(P), cdiv(query_len_p, 8))``), then -1 (``PAD_SLOT_ID``)."""
+    token_chunk_offset_ptr: torch.Tensor | None
+    """(conv1d_max_num_programs,) int32, device, or None. Which 8-token block of its row each program
+    handles, then -1."""
+    has_initial_states_p_cpu: np.ndarray | None
+    """(num_prefills,) bool, host twin of ``has_initial_states_p``."""
+    query_start_loc_p_cpu: np.ndarray | None
+    """(num_prefills + 1,) int32, host twin of ``query_start_loc_p``."""
+    state_indices_tensor_p_cpu: np.ndarray
+    """(num_prefills,) int32, host twin of ``state_indices_tensor_p``."""
+    state_indices_tensor_d_cpu: np.ndarray
+    """(num_decodes, 1 + num_spec_tokens) int32, host twin of ``state_indices_tensor_d``."""
+    query_start_loc_d_cpu: np.ndarray | None
+    """(num_decodes + 1,) int32, host twin of ``query_start_loc_d`` (a view of the common host qsl)."""
+    num_accepted_tokens_cpu: np.ndarray | None
+    """(num_decodes,) int32, host twin of ``num_accepted_tokens``."""
+    seq_lens_cpu: np.ndarray
+    """(num_reqs,) int32, host twin of ``seq_lens`` (the common ``seq_lens_cpu``)."""
+    batch_ptr_cpu: np.ndarray | None
+    """(conv1d_max_num_programs,) int32, host twin of ``batch_ptr`` (graph mode: the first ``tot``
+    entries; the device buffer holds -1 after them)."""
+    token_chunk_offset_ptr_cpu: np.ndarray | None
+    """(conv1d_max_num_programs,) int32, host twin of ``token_chunk_offset_ptr`` (graph mode: the
+    first ``tot`` entries)."""
+    num_computed_tokens_p_cpu: np.ndarray | None
+    """(num_prefills,) int32, host only, or None without prefills. Tokens already in each prefill
+    row's state: ``seq_lens_cpu_upper_bound[D:] - query_lens_p``."""
+    conv1d_nums_cpu: np.ndarray | None
+    """(num_prefills,) int32, host only. Causal-conv1d programs per prefill row (vLLM ``nums``)."""
+    conv1d_mlist_cpu: np.ndarray | None
+    """(num_programs_total,) int64, host only. Prefill row of each program (vLLM ``mlist``)."""
+    conv1d_offsetlist_cpu: np.ndarray | None
+    """(num_programs_total,) int32, host only. Block of its row each program handles (``offsetlist``)."""
+    nums_dict: dict[int, dict[str, Any]] | None
+    """vLLM's ``nums_dict``: ``{8: {"nums", "tot", "mlist", "mlist_len", "offsetlist", "batch_ptr",
+    "token_chunk_offset_ptr"}}`` with the host arrays above (numpy, where vLLM has CPU tensors) and
+    the two device tensors; None without causal-conv1d metadata."""
+    write_pos_d: None = None
+    """ReplaySSM only: not produced (always None)."""
+    is_flush_d: None = None
+    """ReplaySSM only: not produced (always None)."""
+    bc_pre_scratch: None = None
+    """ReplaySSM only: not produced (always None)."""
+    replayssm_scratch: None = None
+    """ReplaySSM only: not produced (always None)."""
+    replayssm_state_indices_d: None = None
+    """ReplaySSM only: not produced (always None)."""
+    # ---- Mamba2 only
+    prep_initial_states: bool
+    """Whether any prefill row continues a state (``any(has_initial_states_p)``), host only; False
+    without prefills."""
+    chunk_size: int
+    """SSD chunk size ``C``."""
+    num_chunks: int
+    """Chunks of the chunk-aligned layout (``len(seq_idx_p)``); 0 without prefills."""
+    cu_chunk_seqlen_p: torch.Tensor | None
+    """(num_chunks + 1,) int32, device, or None without prefills. Token offset of each chunk in the
+    packed prefill tokens; ``[-1] == query_start_loc_p[-1]``. Chunks never cross a sequence nor an
+    absolute multiple of ``C`` of their request (a context that is not a multiple of ``C`` first gets a
+    realigning chunk), nor a checkpoint offset. An unaligned zero-token row has one zero-length chunk
+    (vLLM's quirk)."""
+    seq_idx_p: torch.Tensor | None
+    """(num_chunks,) int32, device, or None. Prefill row of each chunk (non-decreasing)."""
+    last_chunk_indices_p: torch.Tensor | None
+    """(num_prefills,) int32, device, or None. Last chunk of each prefill row; an aligned zero-token
+    row (no chunk) repeats the previous row's value, -1 for the first row (vLLM's quirk)."""
+    checkpoint_chunk_idx: torch.Tensor | None
+    """(num_prefills,) int64, device, or None unless some row has a checkpoint. Chunk ending each
+    row's checkpoint segment, 0 for rows without one (vLLM uploads ``max(idx, 0)``)."""
+    chunk_indices_p: torch.Tensor | None
+    """(num_logical_chunks,) int32, device, or None (option off / no prefills). Logical chunks
+    (docs/semantics-mamba.md, "Logical chunks"): the physical chunk ``[j*C, (j+1)*C)`` of the packed
+    prefill tokens each logical chunk lies in."""
+    chunk_offsets_p: torch.Tensor | None
+    """(num_logical_chunks,) int32, device, or None. Start of each logical chunk inside its physical
+    chunk."""
+    token_seq_idx_p: torch.Tensor | None
+    """(num_prefill_tokens,) int32, device, or None (option off / no prefills). Prefill row of each
+    prefill token (``mamba_ssm``'s ``seq_idx``; consecutive ids with ``consecutive_seq_ids``), -1 for
+    token padding."""
+    cu_chunk_seqlen_p_cpu: np.ndarray | None
+    """(num_chunks + 1,) int32, host twin of ``cu_chunk_seqlen_p``."""
+    seq_idx_p_cpu: np.ndarray | None
+    """(num_chunks,) int32, host twin of ``seq_idx_p``."""
+    last_chunk_indices_p_cpu: np.ndarray | None
+    """(num_prefills,) int32, host twin of ``last_chunk_indices_p``."""
+    checkpoint_chunk_idx_cpu: np.ndarray | None
+    """(num_prefills,) int64, host twin of ``checkpoint_chunk_idx``."""
+    chunk_indices_p_cpu: np.ndarray | None
+    """(num_logical_chunks,) int32, host twin of ``chunk_indices_p``."""
+    chunk_offsets_p_cpu: np.ndarray | None
+    """(num_logical_chunks,) int32, host twin of ``chunk_offsets_p``."""
+    token_seq_idx_p_cpu: np.ndarray | None
+    """(num_prefill_tokens,) int32, host twin of ``token_seq_idx_p``."""
+    checkpoint_meta: MambaCheckpointMetadata | None
+    """The step's prefill checkpoints, or None (no checkpoint config, no prefills, or no row with a
+    checkpoint: vLLM returns None when every offset is 0)."""
+
+
+_make_m2 = keyword_factory(Mamba2Metadata)
+_NO_PREFILLS: dict[str, Any] = dict.fromkeys((
+    "cu_chunk_seqlen_p", "seq_idx_p", "last_chunk_indices_p", "checkpoint_chunk_idx", "chunk_indices_p", "chunk_offsets_p",
+    "token_seq_idx_p", "cu_chunk_seqlen_p_cpu", "seq_idx_p_cpu", "last_chunk_indices_p_cpu", "checkpoint_chunk_idx_cpu",
+    "chunk_indices_p_cpu", "chunk_offsets_p_cpu", "token_seq_idx_p_cpu", "checkpoint_meta",
+))
+_NO_PREFILLS.update(prep_initial_states=False, num_chunks=0)
+
+
+class Mamba2Builder(Builder[Mamba2Options, Mamba2Metadata]):
+    """The Mamba2 builder (:data:`MAMBA2`).
+
+    Examples
+    --------
+    Spec decode with 2 drafts (threshold 3), ``"align"`` mode: a spec-decode row, a stateful
+    one-token prompt chunk (moved to the decode side), a fresh prefill and a padding row:
+
+    >>> import numpy as np
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[9, 4, 0], num_scheduled_tokens=[3, 1, 6],
+    ...                  num_prompt_tokens=[5, 8, 6], num_draft_tokens=[2, 0, 0],
+    ...                  block_table=np.arange(30, dtype=np.int32).reshape(3, 10), block_size=4,
+    ...                  num_reqs_padded=4)
+    >>> m = build(spec, Stager("cpu"), Mamba2Options(chunk_size=4, cache_mode="align", num_speculative_tokens=2),
+    ...           num_accepted_tokens=np.array([2, 1, 1], np.int32))
+    >>> m.num_decodes, m.num_prefills, m.num_decode_tokens, m.num_prefill_tokens
+    (2, 2, 4, 6)
+    >>> m.state_indices_tensor_d_cpu
+    array([[ 2,  3,  4],
+           [11, 12, 13]], dtype=int32)
+    >>> m.query_start_loc_d_cpu, m.num_accepted_tokens_cpu, m.state_indices_tensor_p_cpu
+    (array([0, 3, 4], dtype=int32), array([2, 1], dtype=int32), array([21,  0], dtype=int32))
+    """
+
+    name = "mamba2"
+    options_type = Mamba2Options
+    metadata_type = Mamba2Metadata
+    inputs = ("num_accepted_tokens",)
+
+    def needs(self, spec: BatchSpec, options: Mamba2Options) -> CommonNeeds:
+        """No per-token arrays; :func:`~attnmeta.backends.mamba.block_table_columns` columns."""
+        return common_needs(block_table_columns(spec, options))
+
+    def stage(
+        self,
+        common: StagedCommon,
+        step: Step,
+        options: Mamba2Options | None = None,
+        *,
+        num_accepted_tokens: Any = None,
+    ) -> Staged[MambaHost, Mamba2Metadata]:
+        """Derive Mamba2 metadata from the staged common metadata, staging into the same step.
+
+        Parameters
+        ----------
+        common : StagedCommon
+            From :func:`attnmeta.stage_common` on the same ``step`` (a batch reordered decode -> short
+            extend -> long extend -> prefill, as vLLM's runner orders it), staged with at least
+            :func:`~attnmeta.backends.mamba.block_table_columns` columns.
+        step : Step
+            The open step.
+        options : Mamba2Options, optional
+            Chunk size, cache mode, spec decode, checkpoints, extra chunk formats, namespace.
+        num_accepted_tokens : (num_real_reqs,) or (num_reqs,) int32, host, optional
+            Spec decode only: the runner's accepted-token count of every row (padding rows 1 when only
+            the real rows are given). Default: ``diff(query_start_loc_d)`` (vLLM's capture path).
+
+        Returns
+        -------
+        Staged[MambaHost, Mamba2Metadata]
+            ``.host`` (:class:`~attnmeta.backends.mamba.MambaHost`: the split, ``is_prefilling`` after
+            the moves, the prefill query starts and contexts, the chunk layout and checkpoints) for
+            builders staged after it; ``.result()`` after the commit.
+
+        Raises
+        ------
+        ValueError
+            ``num_accepted_tokens`` without spec decode or of the wrong length; a block table too
+            narrow for the state or checkpoint columns; a checkpoint block size other than the
+            builder's; graph mode: a chunk size other than the profile's; ``common`` from another step.
+        TypeError
+            A torch tensor passed as ``num_accepted_tokens``, or options of another type.
+        attnmeta.staging.CapacityError
+            Graph mode: the step exceeds a profile capacity.
+        """
+        if common.step is not step:
+            require_same_step(common, step)  # raises
+        o = self.options(options)
+        C = o.chunk_size
+        f = fill(common, step, o.prefix, o.num_speculative_tokens, C, o.mamba_block_size, o.cache_mode == "align",
+                 o.needs_causal_conv1d_metadata, o.checkpoint, o.logical_chunks, o.token_seq_idx, o.consecutive_seq_ids,
+                 num_accepted_tokens)
+
+        def make() -> Mamba2Metadata:
+            shared = f.shared_fields(common.result())
+            P = f.P
+            if not P:
+                return _make_m2(**shared, **_NO_PREFILLS, chunk_size=C)
+            lay, n, dev, hd, dd = f.layout, f.n, f.dev, f.host_d, f.dev_d
+            cu_h, sidx_h = lay.host_n(n)
+            cu_d, sidx_d = lay.device_n(dev, n)
+            ci_h = co_h = ci_d = co_d = ts_h = ts_d = ck_meta = ck_d = ck_h = None
+            if lay.logical is not None:
+                ci_h, co_h = lay.host_l(f.nl)
+                ci_d, co_d = lay.device_l(dev, f.nl)
+            if lay.tokens is not None:
+                ts_h, ts_d = lay.host_pt(f.Pt), lay.device_pt(dev, f.Pt)
+            if f.nck:
+                ck_d, ck_h = dd[9], hd[12]
+                ck_meta = _make_checkpoints(offsets=dd[6], cols=dd[7], state_indices=dd[8], offsets_cpu=hd[9],
+                                            cols_cpu=hd[10], state_indices_cpu=hd[11], query_lens_cpu=hd[8],
+                                            first_row=f.D)
+            return _make_m2(
+                **shared, prep_initial_states=f.prep, chunk_size=C, num_chunks=n, cu_chunk_seqlen_p=cu_d,
+                seq_idx_p=sidx_d, last_chunk_indices_p=dd[5], checkpoint_chunk_idx=ck_d, chunk_indices_p=ci_d,
+                chunk_offsets_p=co_d, token_seq_idx_p=ts_d, cu_chunk_seqlen_p_cpu=cu_h, seq_idx_p_cpu=sidx_h,
+                last_chunk_indices_p_cpu=hd[6], checkpoint_chunk_idx_cpu=ck_h, chunk_indices_p_cpu=ci_h,
+                chunk_offsets_p_cpu=co_h, token_seq_idx_p_cpu=ts_h, checkpoint_meta=ck_meta,
+            )
+
+        return Staged(step, f.host, make)
+
+    def unsupported_reasons(self, spec: BatchSpec, options: Mamba2Options, **inputs: Any) -> list[str]:
+        """``num_accepted_tokens`` without spec decode, or not one count per real request or row."""
+        acc = inputs.get("num_accepted_tokens")
+        if acc is None:
+            return []
+        if not options.num_speculative_tokens:
+            return ["num_accepted_tokens: given, but spec decode is off (Mamba2Options.num_speculative_tokens == 0)"]
+        n = np.shape(acc)
+        if n != (spec.num_reqs,) and n != (spec.padded_num_reqs,):
+            return [f"num_accepted_tokens: expected one count per real request ({spec.num_reqs}) or per row "
+                    f"({spec.padded_num_reqs}), got shape {n}"]
+        return []
+
+    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[Mamba2Options, dict[str, Any]]:
+        """Random cache mode, spec tokens (0-3), checkpoints (align mode), chunk formats, conv1d on or
+        off, and accepted counts under spec decode."""
+        align = rng.random() < 0.5
+        k = int(rng.integers(0, 4))
+        bs = spec.block_size
+        ckpt = CheckpointConfig(hash_block_size=int(rng.choice([1, bs])), cache_hit_alignment_tokens=bs,
+                                mamba_block_size=bs, checkpoint_alignment=1) if align and rng.random() < 0.7 else None
+        opts = Mamba2Options(
+            chunk_size=int(rng.choice([8, 16, 64, 256])), cache_mode="align" if align else "none",
+            num_speculative_tokens=k, checkpoint=ckpt, logical_chunks=bool(rng.random() < 0.5),
+            token_seq_idx=bool(rng.random() < 0.5), needs_causal_conv1d_metadata=bool(rng.random() < 0.8),
+        )
+        inputs: dict[str, Any] = {}
+        if k and rng.random() < 0.7:
+            inputs["num_accepted_tokens"] = rng.integers(1, k + 2, size=spec.num_reqs).astype(np.int32)
+        return opts, inputs
+
+    def reference(self, spec: BatchSpec, options: Mamba2Options, device: torch.device,
+                  **inputs: Any) -> dict[str, Any]:
+        """:func:`attnmeta.testing.reference.ref_mamba_metadata`: every field the way vLLM 0.33.0's
+        builder computes it, on ``device``."""
+        from attnmeta.testing.reference.mamba import ref_mamba_metadata
+
+        return ref_mamba_metadata(spec, options, device, num_accepted_tokens=inputs.get("num_accepted_tokens"))
+
+
+MAMBA2 = register(Mamba2Builder())
+"""The registered Mamba2 builder."""
+stage = MAMBA2.stage
+build = MAMBA2.build
