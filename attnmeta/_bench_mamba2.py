@@ -185,7 +185,7 @@ def _case(specs: list[BatchSpec], device: torch.device, mode: str = "plain") -> 
         qsl_cpu = ref.ref_query_start_loc(q_cpu, B)
         ub_cpu = ref.ref_seq_lens(c_cpu, q_cpu, B)
         isp_cpu = ref.ref_is_prefilling(c_cpu, prompt_cpu, B)
-        # the Mamba2 builder (6.3, 6.7)
+        # the Mamba2 builder
         isp, _ = ref.ref_classify_mamba_rows(qsl_cpu, ub_cpu, isp_cpu)
         D, P, Dt, _Pt = ref.ref_split_decodes_and_prefills(qsl_cpu, T, spec.max_query_len, 1, False, False, isp)
         si = ref.ref_mamba_state_indices(bt, seq_lens, mamba_block_size=bs, mode=cache_mode, num_state_columns=1)

@@ -4,13 +4,14 @@ Four chunk formats, all from host ``query_start_loc`` (and for the vLLM builder 
 tokens each prefill already has in its state):
 
 - :func:`chunk_metadata`: the **chunk-aligned** layout of the vLLM V1 Mamba2 builder
-  (vllm-semantics.md 6.5): logical chunks never cross a sequence boundary nor an *absolute* multiple
-  of ``chunk_size`` of the request, plus optional prefill-checkpoint segments. Bit-exact with vLLM
-  0.33.0, quirks included (see the function's Notes). :func:`num_chunks` gives its exact chunk count
-  and :func:`max_num_chunks` a closed-form bound for sizing graph-mode buffers.
+  (docs/semantics-mamba.md, "The chunk-aligned layout"): logical chunks never cross a sequence
+  boundary nor an *absolute* multiple of ``chunk_size`` of the request, plus optional
+  prefill-checkpoint segments. Bit-exact with vLLM 0.33.0, quirks included (see the function's
+  Notes). :func:`num_chunks` gives its exact chunk count and :func:`max_num_chunks` a closed-form
+  bound for sizing graph-mode buffers.
 - :func:`logical_chunks`: the vLLM-v0 / SGLang / TensorRT-LLM ``chunk_indices`` / ``chunk_offsets``
-  pair (anchors.md 4.3): logical chunks split at sequence boundaries and at multiples of
-  ``chunk_size`` of the *packed* token index.
+  pair (docs/semantics-mamba.md, "Logical chunks"): logical chunks split at sequence boundaries and
+  at multiples of ``chunk_size`` of the *packed* token index.
 - :func:`token_seq_idx`: the per-token sequence index the upstream ``mamba_ssm`` kernels take.
 - :func:`varlen_chunk_metadata`: vLLM's ``compute_varlen_chunk_metadata`` (used by its kernel tests),
   which splits at multiples of ``chunk_size`` of the packed token index. It is **not** the builder's
@@ -18,7 +19,13 @@ tokens each prefill already has in its state):
 
 Every function is numpy in, numpy out, compiled with numba, and validates its input with a
 ``ValueError`` naming the field, the row and the rule. Functions that may write straight into a
-staging buffer take ``out=``.
+staging buffer take ``out=``. The builders of :mod:`attnmeta.backends.mamba` call the kernels
+``_chunk_layout_nb`` (inside :func:`attnmeta.host.mamba.mamba_fill_nb`), :func:`logical_chunks_nb`
+and :func:`token_seq_idx_nb` on the staged views directly.
+
+This module is longer than the house's ~800 lines: it holds the four formats of the same prefill
+tokens, each a compiled kernel behind a validating wrapper, and they share their input checks and
+error codes; split apart, each piece would import the others' private helpers.
 
 Shape legend
 ------------
@@ -76,7 +83,8 @@ _E_QSL_START = 6
 
 
 class ChunkMetadata(NamedTuple):
-    """Chunk-aligned Mamba2 prefill layout (vllm-semantics.md 6.5); all arrays host numpy.
+    """Chunk-aligned Mamba2 prefill layout (docs/semantics-mamba.md, "The chunk-aligned layout");
+    all arrays host numpy.
 
     When built into caller buffers (``chunk_metadata(..., out=...)``) the arrays are views of the
     used prefix of those buffers.
@@ -589,7 +597,7 @@ def chunk_metadata(
     *,
     out: ChunkBuffers | tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> ChunkMetadata:
-    """Chunk-aligned Mamba2 prefill layout of vLLM's builder (vllm-semantics.md 6.5), host.
+    """Chunk-aligned Mamba2 prefill layout of vLLM's builder, host.
 
     Each prefill row ``i`` (``c = num_computed_p[i]``, ``n`` its query length,
     ``k = checkpoint_offsets[i]`` or 0) is split into segments: ``[c, c + k)`` when ``k > 0`` (the
@@ -749,7 +757,7 @@ def _no_checkpoints(num_rows: int) -> np.ndarray:
 
 
 def checkpoint_chunk_index_tensor_values(checkpoint_chunk_idx: np.ndarray) -> np.ndarray | None:
-    """What vLLM's builder uploads for ``checkpoint_chunk_idx`` (vllm-semantics.md 6.6), host.
+    """What vLLM's builder uploads for ``checkpoint_chunk_idx``, host.
 
     Parameters
     ----------
@@ -799,6 +807,8 @@ def _qsl_scan_nb(qsl: np.ndarray) -> int:
 
 @njit
 def logical_chunks_nb(qsl: np.ndarray, chunk_size: int, indices: np.ndarray, offsets: np.ndarray) -> int:
+    """:func:`logical_chunks`'s compiled pass into ``indices`` / ``offsets``: returns the number of
+    logical chunks (written only when it fits both buffers) or an error code."""
     status = _qsl_scan_nb(qsl)
     if status < 0:
         return status
@@ -840,7 +850,7 @@ def logical_chunks(
     *,
     out: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """vLLM-v0 style logical chunks ``(chunk_indices, chunk_offsets)`` (anchors.md 4.3), host.
+    """vLLM-v0 style logical chunks ``(chunk_indices, chunk_offsets)``, host.
 
     A logical chunk is a maximal run of tokens of one sequence inside one physical chunk
     ``[j * C, (j + 1) * C)`` of the packed token axis. ``chunk_indices[k]`` is the physical chunk of
@@ -911,6 +921,8 @@ def logical_chunks(
 
 @njit
 def token_seq_idx_nb(qsl: np.ndarray, consecutive: bool, out: np.ndarray) -> int:
+    """:func:`token_seq_idx`'s compiled pass: the ids of ``qsl[-1]`` tokens, then -1 to the end of
+    ``out`` (at least ``qsl[-1]`` long); returns 0 or an error code."""
     status = _qsl_scan_nb(qsl)
     if status < 0:
         return status
@@ -937,7 +949,7 @@ def token_seq_idx(
     consecutive: bool = False,
     out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Per-token sequence index for the ``mamba_ssm`` SSD kernels (anchors.md 4.2), host.
+    """Per-token sequence index for the ``mamba_ssm`` SSD kernels, host.
 
     ``seq_idx[t]`` is the sequence of packed token ``t`` and ``-1`` for padding tokens
     ``[query_start_loc[-1], num_tokens_padded)``, which the kernels treat as padding (negative).
@@ -1033,7 +1045,7 @@ def _varlen_nb(qsl: np.ndarray, chunk_size: int, cu: np.ndarray, last: np.ndarra
 def varlen_chunk_metadata(
     query_start_loc: np.ndarray, chunk_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """vLLM's ``compute_varlen_chunk_metadata`` (vllm-semantics.md 6.7), host.
+    """vLLM's ``compute_varlen_chunk_metadata``, host.
 
     Splits every sequence at multiples of ``chunk_size`` of the **packed** token index (ignoring how
     many tokens the sequence already has). This is the helper vLLM's SSD kernel tests use; it is

@@ -1,7 +1,7 @@
 """Causal-conv1d launch metadata for Mamba / GDN prefills, derived on the host.
 
 vLLM's Triton ``causal_conv1d_fn`` runs one program per ``BLOCK_M`` tokens of each prefill sequence;
-``compute_causal_conv1d_metadata`` (vllm-semantics.md 5.8) tells each program which sequence
+``compute_causal_conv1d_metadata`` (docs/semantics-mamba.md, "Causal-conv1d programs") tells each program which sequence
 (``batch_ptr``) and which ``BLOCK_M`` block of it (``token_chunk_offset_ptr``) it handles.
 :func:`causal_conv1d_metadata` computes the same values, dtypes and padded lengths from the host
 ``query_start_loc_p`` in one compiled pass, optionally straight into staging buffers.
@@ -129,7 +129,7 @@ def causal_conv1d_metadata(
     block_m: int = 8,
     out: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Conv1dMetadata:
-    """Causal-conv1d program metadata of vLLM's ``compute_causal_conv1d_metadata`` (5.8), host.
+    """Causal-conv1d program metadata of vLLM's ``compute_causal_conv1d_metadata``, host.
 
     For query lengths ``q_i = diff(query_start_loc_p)``: ``nums = cdiv(q, block_m)``,
     ``tot = sum(nums)``, ``mlist = repeat(arange(P), nums)`` (int64),

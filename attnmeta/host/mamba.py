@@ -3,9 +3,10 @@
 - :func:`mamba_state_indices`: vLLM's ``mamba_get_block_table_tensor`` (docs/semantics-mamba.md, "State indices"),
   gathered on the host from the host block table and the exact sequence lengths.
 - :func:`classify_mamba_rows`: the prefill -> decode moves of the Mamba builders' classification
-  (6.3 step 3): one-token chunks that continue existing state, and prompt tails padded with
+  (docs/semantics-mamba.md, "Classification"): one-token chunks that continue existing state, and prompt tails padded with
   placeholder drafts.
-- :func:`prefill_checkpoints`: the "align"-mode prefill checkpoints (6.8): the offset into each
+- :func:`prefill_checkpoints`: the "align"-mode prefill checkpoints (docs/semantics-mamba.md, "Prefill
+  checkpoints"): the offset into each
   prefill's query where a checkpoint state is exported, its block-table column and its state index.
 - ``mamba_fill_nb`` (private): one step of the Mamba2 / Mamba1 builders of
   :mod:`attnmeta.backends.mamba` in one compiled call, composed of the kernels behind the public
@@ -64,7 +65,7 @@ def _positive_int(value: Any, name: str) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# state indices (5.10)
+# state indices (docs/semantics-mamba.md, "State indices")
 
 
 @njit
@@ -99,7 +100,7 @@ def mamba_state_indices(
     num_state_columns: int,
     out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Mamba state indices per row, vLLM's ``mamba_get_block_table_tensor`` (5.10), host.
+    """Mamba state indices per row, vLLM's ``mamba_get_block_table_tensor``, host.
 
     - ``mode="none"``: ``out[i, j] = block_table[i, j]`` (the first ``n`` columns; vLLM returns the
       mamba block table itself, which has exactly ``n`` columns).
@@ -175,7 +176,7 @@ def mamba_state_indices(
 
 
 # --------------------------------------------------------------------------------------------------
-# classification (6.3 step 3)
+# classification (docs/semantics-mamba.md, "Classification")
 
 
 @njit
@@ -217,7 +218,7 @@ def classify_mamba_rows(
     *,
     out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, bool]:
-    """``is_prefilling`` after the Mamba builders' prefill -> decode moves (6.3 step 3), host.
+    """``is_prefilling`` after the Mamba builders' prefill -> decode moves, host.
 
     With ``qh = diff(query_start_loc_cpu)``, a row is *stateful* when ``is_prefilling[i]`` and
     ``seq_lens_upper_bound[i] > qh[i]`` (it continues existing state). A stateful row moves to the
@@ -302,7 +303,7 @@ def classify_mamba_rows(
 
 
 # --------------------------------------------------------------------------------------------------
-# prefill checkpoints (6.8)
+# prefill checkpoints (docs/semantics-mamba.md, "Prefill checkpoints")
 
 
 class CheckpointConfig(NamedTuple):

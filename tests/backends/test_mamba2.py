@@ -35,6 +35,7 @@ from attnmeta.backends.mamba import (
     mamba2,
 )
 from attnmeta.backends.mamba import _fill as mamba_fill
+from attnmeta.builder import build as generic_build
 from attnmeta.host.mamba import CheckpointConfig, classify_mamba_rows
 from attnmeta.host.split import split_decodes_and_prefills
 from attnmeta.staging import CapacityError
@@ -427,7 +428,7 @@ def test_prefill_layouts_match_the_vllm_reference(device: torch.device, case: tu
 def test_checkpoint_batches_match_the_vllm_reference(
     device: torch.device, case: PrefillCheckpointCase, chunk_size: int, decode: bool
 ) -> None:
-    """Batches whose prefill rows often have a valid checkpoint (6.8), optionally after a decode row."""
+    """Batches whose prefill rows often have a valid checkpoint, optionally after a decode row."""
     s, q = case.seq_lens_upper_bound_p, case.query_lens_p
     c, prompt = s - q, s + 1  # every row is still prefilling
     bs = case.config.mamba_block_size
@@ -476,14 +477,14 @@ def test_mamba1_and_linear_attn_match_the_reference(device: torch.device, spec: 
 
 
 # ------------------------------------------------------------------------------------------------
-# the fast path (eager, no checkpoints / logical chunks / per-token seq_idx): cached layouts reused
-# across steps, trusted causal-conv1d tails, SlotMappingMode.NONE
+# eager steps: cached layouts reused across steps, trusted causal-conv1d tails, SlotMappingMode.NONE,
+# the host part for builders staged after it
 # ------------------------------------------------------------------------------------------------
 
 
 @st.composite
-def _fast_options(draw: st.DrawFn, block_size: int) -> Mamba2Options:
-    """Options the fast path takes (eager mode)."""
+def _eager_options(draw: st.DrawFn, block_size: int) -> Mamba2Options:
+    """Options without checkpoints or extra chunk formats (eager mode)."""
     return Mamba2Options(
         chunk_size=draw(st.sampled_from([8, 64, 256, 6])), mamba_block_size=draw(st.sampled_from([None, 4, 16])),
         cache_mode=draw(st.sampled_from(["none", "align"])), num_speculative_tokens=draw(st.integers(0, 3)),
@@ -493,8 +494,8 @@ def _fast_options(draw: st.DrawFn, block_size: int) -> Mamba2Options:
 
 @given(spec=batch_specs(max_reqs=12, max_query_len=40, max_context_len=300, long_prefills=True,
                         max_long_prefill_len=600), data=st.data())
-def test_fast_path_matches_the_vllm_reference(device: torch.device, spec: BatchSpec, data: st.DataObject) -> None:
-    opts = data.draw(_fast_options(spec.block_size))
+def test_eager_steps_and_their_host_part_match_the_vllm_reference(device: torch.device, spec: BatchSpec, data: st.DataObject) -> None:
+    opts = data.draw(_eager_options(spec.block_size))
     accepted = _draw_accepted(spec, opts, data)
     _build(spec, opts, device, accepted)
     # the host part for other builders of the step: the split and is_prefilling after the moves
@@ -717,7 +718,7 @@ def test_slot_mapping_mode_none_gives_the_same_mamba_fields(spec: BatchSpec, con
                 assert x == y, f.name
 
 
-def test_fast_path_names_the_fix_for_a_too_narrow_prefill_row() -> None:
+def test_a_too_narrow_prefill_row_names_the_fix() -> None:
     # align mode with a mamba block (4) smaller than the common block size (16): the prefill row's
     # state column (s=20 -> column 4) is past the 2 columns stage_common stages by default
     spec = _spec([0], [20], [40], bs=16, width=8)
@@ -872,3 +873,103 @@ def test_checkpoints_of_an_optimistic_upper_bound_read_the_columns_it_allocated(
     assert m.checkpoint_meta.state_indices_cpu.tolist() == [24]
     with pytest.raises(ValueError, match="must cover seq_lens_upper_bound"):
         mamba2.build(BatchSpec(block_table=table[:, :3], **kw), _stager("cpu"), opts)
+
+
+# ------------------------------------------------------------------------------------------------
+# the builder protocol: registry, generic build, needs, sample / reference, options, constructors
+# ------------------------------------------------------------------------------------------------
+
+
+def test_registered_and_built_through_the_generic_build() -> None:
+    """The three builders are registered; the generic build stages exactly what a Mamba group reads
+    (no per-token arrays, block_table_columns columns) and gives the module build's values."""
+    from attnmeta.builder import registry
+
+    reg = registry()
+    assert reg["mamba2"] is mamba2.MAMBA2 and reg["mamba1"] is mamba1.MAMBA1 and reg["linear_attn"] is linear_attn.LINEAR_ATTN
+    spec = _spec([30, 5, 0], [1, 10, 3], [10, 40, 3], num_reqs_padded=4, num_tokens_padded=16)
+    opts = Mamba2Options(chunk_size=8, cache_mode="align", num_speculative_tokens=1, logical_chunks=True)
+    needs = mamba2.MAMBA2.needs(spec, opts)
+    assert not needs.token_arrays and needs.block_table_columns == block_table_columns(spec, opts)
+    m = generic_build(spec, Stager("cpu"), "mamba2", opts, num_accepted_tokens=np.array([1, 1, 1], I32))
+    assert m.common.slot_mapping.shape == (0,) and m.common.positions.shape == (0,)
+    assert m.common.block_table_tensor.shape == (4, needs.block_table_columns)
+    _check_against_reference(m, _vllm_reference(spec, opts, np.array([1, 1, 1], I32), torch.device("cpu")))
+    for name, builder, opts1 in (("mamba1", mamba1.MAMBA1, Mamba1Options()),
+                                 ("linear_attn", linear_attn.LINEAR_ATTN, LinearAttnOptions())):
+        assert not builder.needs(spec, opts1).token_arrays
+        assert generic_build(spec, Stager("cpu"), name, opts1).common.slot_mapping.shape == (0,)
+    with pytest.raises(ValueError, match="spec decode is off"):  # UnsupportedBatchError, a ValueError
+        generic_build(spec, Stager("cpu"), "mamba2", Mamba2Options(), num_accepted_tokens=np.ones(3, I32))
+
+
+@given(spec=batch_specs(max_reqs=8, max_query_len=40, max_context_len=300), seed=st.integers(0, 2**32 - 1))
+def test_sampled_options_match_the_builders_references(device: torch.device, spec: BatchSpec, seed: int) -> None:
+    """Each builder's sample() gives options and inputs it serves; its reference() gives the fields
+    it builds (the audit and the benchmarks use both)."""
+    rng = np.random.default_rng(seed)
+    opts, inputs = mamba2.MAMBA2.sample(spec, rng)
+    assert not mamba2.MAMBA2.unsupported_reasons(spec, opts, **inputs)
+    with no_device_sync(devices={device.type}):
+        m = mamba2.build(spec, _stager(device), opts, **inputs)
+    _check_against_reference(m, mamba2.MAMBA2.reference(spec, opts, device, **inputs))
+    opts1, _ = mamba1.MAMBA1.sample(spec, rng)
+    m1 = mamba1.build(spec, _stager(device), opts1)
+    ref1 = mamba1.MAMBA1.reference(spec, opts1, device)
+    for name in ("state_indices_tensor_d", "state_indices_tensor_p", "has_initial_states_p", "query_start_loc_p",
+                 "batch_ptr", "token_chunk_offset_ptr", "num_decodes", "num_prefills", "num_decode_tokens"):
+        a = getattr(m1, name)
+        if isinstance(a, torch.Tensor) or a is None:
+            _same(a, ref1[name], name)
+        else:
+            assert a == ref1[name], name
+    opts2, _ = linear_attn.LINEAR_ATTN.sample(spec, rng)
+    la = linear_attn.build(spec, _stager(device), opts2)
+    ref2 = linear_attn.LINEAR_ATTN.reference(spec, opts2, device)
+    for name in ("query_start_loc", "seq_lens", "state_indices_tensor"):
+        _same(getattr(la, name), ref2[name], name)
+    assert (la.num_decodes, la.num_prefills) == (ref2["num_decodes"], ref2["num_prefills"])
+
+
+def test_options_are_validated_when_constructed() -> None:
+    with pytest.raises(TypeError, match=r"Mamba1Options\.needs_causal_conv1d_metadata"):
+        Mamba1Options(needs_causal_conv1d_metadata=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"LinearAttnOptions\.mamba_block_size"):
+        LinearAttnOptions(mamba_block_size=0)
+    with pytest.raises(ValueError, match=r"Mamba2Options\.prefix"):
+        Mamba2Options(prefix="a.b")
+    with pytest.raises(TypeError, match="options must be Mamba2Options"):
+        mamba2.build(_spec([3], [4], [9]), Stager("cpu"), Mamba1Options())  # type: ignore[arg-type]
+    assert Mamba2Options(chunk_size=8) == Mamba2Options(chunk_size=8)  # frozen values, hashable
+    hash(Mamba2Options(cache_mode="align", checkpoint=CKPT_CFG))
+
+
+def test_metadata_objects_take_the_fast_keyword_constructor() -> None:
+    """No metadata type of the family inherits from a frozen dataclass, so keyword_factory gives each
+    its fast constructor (a twin class), and the objects are ordinary frozen instances."""
+    from attnmeta._fields import keyword_factory
+    from attnmeta.backends.mamba import (
+        LinearAttentionMetadata,
+        Mamba1Metadata,
+        MambaCheckpointMetadata,
+        MambaHost,
+    )
+
+    for cls in (Mamba2Metadata, Mamba1Metadata, LinearAttentionMetadata, MambaCheckpointMetadata, MambaHost):
+        assert keyword_factory(cls) is not cls, cls.__name__
+    m = mamba2.build(_spec([30, 5, 0], [1, 10, 3], [10, 40, 3]), Stager("cpu"), Mamba2Options(chunk_size=8))
+    assert type(m) is Mamba2Metadata and isinstance(m, MambaMetadata)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.num_prefills = 3  # type: ignore[misc]
+
+
+def test_a_checkpoint_config_without_checkpoints_changes_nothing_but_the_options() -> None:
+    """With a checkpoint config under which no row exports a checkpoint, every field is what the step
+    gives without one (vLLM: checkpoint_meta None); the same fill path serves both."""
+    spec = _spec([5, 0], [10, 3], [40, 3], bs=4)
+    cfg = CheckpointConfig(hash_block_size=4, cache_hit_alignment_tokens=4, mamba_block_size=4, checkpoint_alignment=None)
+    with_cfg = mamba2.build(spec, Stager("cpu"), Mamba2Options(chunk_size=8, cache_mode="align", checkpoint=cfg))
+    without = mamba2.build(spec, Stager("cpu"), Mamba2Options(chunk_size=8, cache_mode="align"))
+    assert with_cfg.checkpoint_meta is None and with_cfg.checkpoint_chunk_idx is None
+    for name in _DEVICE_COMPARED:
+        _same(getattr(with_cfg, name), getattr(without, name), name)

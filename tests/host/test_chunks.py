@@ -46,7 +46,8 @@ small_chunk_sizes = st.sampled_from([1, 3, 8, 16])
 
 
 # ------------------------------------------------------------------------------------------------
-# the worked examples of vllm-semantics.md 6.5 and the section-13 corner cases
+# the worked examples of docs/semantics-mamba.md ("The chunk-aligned layout") and the corner cases of
+# docs/testing.md ("Corner cases to cover")
 
 
 # (C, c, qsl, ckpt, cu, seq_idx, last, ckpt_idx)
@@ -66,7 +67,7 @@ WORKED = [
         id="aligned-upstream",
     ),
     pytest.param(256, [], [0], None, [0], [], [], [], id="no-prefills"),
-    # section 13: c mod C = 0, 1, C-1
+    # corner cases: c mod C = 0, 1, C-1
     pytest.param(8, [16], [0, 10], None, [0, 8, 10], [0, 0], [1], [-1], id="c-mod-C-0"),
     pytest.param(8, [17], [0, 10], None, [0, 7, 10], [0, 0], [1], [-1], id="c-mod-C-1"),
     pytest.param(8, [23], [0, 10], None, [0, 1, 9, 10], [0, 0, 0], [2], [-1], id="c-mod-C-C-1"),
@@ -286,7 +287,7 @@ def test_max_num_chunks_bad_input() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# logical chunks (anchors.md 4.3)
+# logical chunks
 
 
 def test_logical_chunks_example() -> None:

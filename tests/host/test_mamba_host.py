@@ -45,7 +45,7 @@ def i32(values: list[int]) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------
-# state indices (5.10)
+# state indices
 
 
 def test_state_indices_align_example() -> None:
@@ -105,7 +105,7 @@ def test_state_indices_bad_input() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# classification (6.3 step 3)
+# classification
 
 
 def test_classification_example() -> None:
@@ -155,7 +155,7 @@ def test_classification_bad_input() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# prefill checkpoints (6.8)
+# prefill checkpoints
 
 CFG = CheckpointConfig(
     hash_block_size=4, cache_hit_alignment_tokens=4, mamba_block_size=4, checkpoint_alignment=4

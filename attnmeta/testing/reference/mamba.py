@@ -54,7 +54,7 @@ def ref_chunk_metadata_lists(
 ) -> tuple[list[int], list[int], list[int], list[int]]:
     """The 6.5 chunk layout as host Python lists: the engine's per-request loop over CPU tensors.
 
-    A line-by-line transcription of the prose algorithm of vllm-semantics.md 6.5 (segments, then
+    A line-by-line transcription of the prose algorithm of docs/semantics-mamba.md, "The chunk-aligned layout" (segments, then
     chunking with a realigning first chunk), reading one request at a time with ``.item()``. This is
     also the "engine-style baseline" the benchmarks time.
 
@@ -123,14 +123,15 @@ def ref_chunk_metadata(
 def ref_checkpoint_chunk_index(
     checkpoint_chunk_idx: list[int], *, device: torch.device | str = "cpu"
 ) -> torch.Tensor | None:
-    """vLLM's upload of the checkpoint chunk list (6.6): None unless some entry >= 0, else max(idx, 0)."""
+    """vLLM's upload of the checkpoint chunk list: None unless some entry >= 0, else max(idx, 0)."""
     if not any(idx >= 0 for idx in checkpoint_chunk_idx):
         return None
     return torch.tensor([max(idx, 0) for idx in checkpoint_chunk_idx], dtype=torch.int64, device=device)
 
 
 def ref_logical_chunks(query_start_loc: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM v0's ``chunk_indices`` / ``chunk_offsets`` on a device tensor (anchors.md 4.3).
+    """vLLM v0's ``chunk_indices`` / ``chunk_offsets`` on a device tensor (docs/semantics-mamba.md,
+    "Logical chunks").
 
     The original routine: size ``N`` from a device reduction, ``arange`` / ``zeros`` on the device,
     then a Python loop over device scalars that shifts index slices. The one out-of-bounds write of
@@ -210,7 +211,7 @@ def ref_varlen_chunk_metadata(
 def ref_causal_conv1d_metadata(
     query_start_loc_p_cpu: torch.Tensor, *, device: torch.device | str = "cpu", block_m: int = 8
 ) -> dict[str, Any]:
-    """vLLM's ``compute_causal_conv1d_metadata`` (5.8) from a host int32 tensor.
+    """vLLM's ``compute_causal_conv1d_metadata`` from a host int32 tensor.
 
     Returns a dict with ``nums`` (int32, host), ``tot``, ``mlist`` (int64, host), ``offsetlist``
     (int32, host), ``max_num_programs``, and ``batch_ptr`` / ``token_chunk_offset_ptr`` (int32, on
@@ -246,7 +247,7 @@ def ref_mamba_state_indices(
     mode: str,
     num_state_columns: int,
 ) -> torch.Tensor:
-    """``mamba_get_block_table_tensor`` (5.10) with a torch gather on the device block table."""
+    """``mamba_get_block_table_tensor`` with a torch gather on the device block table."""
     num_rows = seq_lens.shape[0]
     table = block_table[:num_rows]
     if mode == "none":
