@@ -78,7 +78,7 @@ class CommonWriter:
     """
 
     __slots__ = (
-        "_dev", "_host_only", "_idx_dev", "_idx_name", "_indices_ro", "_paged_dev", "_paged_host", "_paged_meta",
+        "_dev", "_host_only", "_idx_dev", "_idx_name", "_indices_ro", "_indptr_ro", "_paged_dev", "_paged_host", "_paged_meta",
         "_qsl_rows", "_ranks", "_tokens", "block_size",
         "bt", "bt_ro", "columns", "context_parallel", "ddt", "ddt_ro", "graph", "group", "has_drafts",
         "has_prompt", "has_upper", "indices", "indptr", "last", "nc", "nc_ro", "num_reqs", "paged", "pos",
@@ -119,6 +119,7 @@ class CommonWriter:
         else:
             self.indptr = self.last = self.indices = _EMPTY_I32
         self._indices_ro = _read_only(self.indices)  # slices of it are read-only too
+        self._indptr_ro = ro[5][: Bp + 1] if paged else _EMPTY_I32
         self._tokens: tuple[Any, ...] = (-1, None, None)  # (token count, slot mapping, positions) views
         self._dev: tuple[Any, ...] = (None,)  # (group device views, token count, their exact views)
         self._paged_host: tuple[Any, ...] = (-1, None)
@@ -241,7 +242,7 @@ class CommonWriter:
         p = self._paged_host
         if p[0] != num_pages:
             ro = self.group.frozen
-            p = self._paged_host = (num_pages, PagedKV(ro[5][: self.num_reqs + 1], self._indices_ro[:num_pages], ro[6]))
+            p = self._paged_host = (num_pages, PagedKV(self._indptr_ro, self._indices_ro[:num_pages], ro[6]))
         host: PagedKV = p[1]
         return host
 
@@ -268,8 +269,9 @@ class CommonWriter:
         if meta is None or meta.paged_kv_indices is not indices:
             dev = self.group.device(step)
             h = self.paged_host(num_pages)
+            indptr = dev[5] if dev[5].shape[0] == self.num_reqs + 1 else dev[5][: self.num_reqs + 1]
             meta = self._paged_meta = make_paged(
-                paged_kv_indptr=dev[5][: self.num_reqs + 1], paged_kv_indices=indices, paged_kv_last_page_len=dev[6],
+                paged_kv_indptr=indptr, paged_kv_indices=indices, paged_kv_last_page_len=dev[6],
                 paged_kv_indptr_cpu=h.paged_kv_indptr, paged_kv_indices_cpu=indices_cpu,
                 paged_kv_last_page_len_cpu=h.paged_kv_last_page_len, num_pages=num_pages, page_size=self.block_size,
             )

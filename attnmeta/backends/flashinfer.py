@@ -23,7 +23,7 @@ What vLLM 0.33.0 does differently, and why attnmeta does not:
 
 Where the page table comes from
 -------------------------------
-One derivation (:func:`attnmeta.metadata.stage_paged_kv`'s compiled pass) builds the page table from
+One derivation (:func:`attnmeta.common.stage_paged_kv`'s compiled pass) builds the page table from
 the KV lengths and the staged block table. Without DCP and with ``indices="host"`` (the builder's
 :meth:`~FlashInferBuilder.needs`) the common pass builds it alongside the common fields
 (``stage_common(paged_kv=True)``, :attr:`attnmeta.StagedCommon.paged`) and the builder hands it out as
@@ -97,7 +97,7 @@ from attnmeta.common import stage_paged_kv
 from attnmeta.host.flash_attn import dcp_context_kv_lens
 from attnmeta.host.paged import prefill_qo_indptr
 from attnmeta.host.split import SplitCounts
-from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
+from attnmeta.metadata import CommonAttentionMetadata, PagedKVMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Step
 
@@ -224,16 +224,11 @@ class FlashInferMetadata(MetadataBase):
 
     common: CommonAttentionMetadata
     """The step's common metadata (the same device views, not copies)."""
+    paged: PagedKVMetadata
+    """The page table of the step's rows (:class:`~attnmeta.metadata.PagedKVMetadata`): the common
+    pass's own (the same object) when the builder reuses it; its fields are also this object's
+    ``paged_kv_*`` attributes, ``num_pages`` and ``page_size``."""
     # ---- device fields
-    paged_kv_indptr: torch.Tensor
-    """(num_reqs + 1,) int32, device. ``[0, cumsum(cdiv(kv_lens, page_size))]``; padding rows repeat
-    the last value (they have no pages)."""
-    paged_kv_indices: torch.Tensor
-    """(num_pages,) int32, device. Page ids of row 0, then row 1, ...:
-    ``paged_kv_indices[indptr[i]:indptr[i+1]] = block_table[i, :indptr[i+1] - indptr[i]]``."""
-    paged_kv_last_page_len: torch.Tensor
-    """(num_reqs,) int32, device. Tokens in each row's last page: ``page_size`` if ``kv_lens % page_size
-    == 0`` and ``kv_lens != 0``, else ``kv_lens % page_size`` (0 for padding rows)."""
     kv_lens: torch.Tensor
     """(num_reqs,) int32, device. KV length of each row: the common ``seq_lens`` (the same view), or
     with DCP this rank's local share (decode rows: of the whole sequence; prefill rows: of the context
@@ -244,13 +239,6 @@ class FlashInferMetadata(MetadataBase):
     """(num_prefills + 1,) int32, device. ``query_start_loc[num_decodes:] - query_start_loc[num_decodes]``
     (rebased to 0; TRTLLM's ``cum_seq_lens_q``)."""
     # ---- host fields
-    paged_kv_indptr_cpu: np.ndarray
-    """(num_reqs + 1,) int32, host (pinned staged view). Twin of ``paged_kv_indptr``."""
-    paged_kv_indices_cpu: np.ndarray | None
-    """(num_pages,) int32, host (pinned staged view), twin of ``paged_kv_indices``; ``None`` with
-    ``indices="device"`` (never computed on the host)."""
-    paged_kv_last_page_len_cpu: np.ndarray
-    """(num_reqs,) int32, host (pinned staged view). Twin of ``paged_kv_last_page_len``."""
     kv_lens_cpu: np.ndarray
     """(num_reqs,) int32, host (pinned staged view). Twin of ``kv_lens``: exact (from the
     :class:`~attnmeta.spec.BatchSpec`, never read back from the device)."""
@@ -267,10 +255,6 @@ class FlashInferMetadata(MetadataBase):
     """Tokens of the decode rows (all tokens, padding included, when every row decodes)."""
     num_prefill_tokens: int
     """Tokens of the prefill rows, token padding included (as vLLM counts them)."""
-    num_pages: int
-    """``paged_kv_indptr_cpu[-1]``: length of ``paged_kv_indices``."""
-    page_size: int
-    """Tokens per KV page (the block size)."""
     max_decode_query_len: int
     """Longest decode query (the uniform ``q_len_per_req`` under ``require_uniform``); 0 without decodes."""
     max_prefill_query_len: int
@@ -281,6 +265,53 @@ class FlashInferMetadata(MetadataBase):
     """Whether the batch was split as causal (else every row is a prefill)."""
     indices: str
     """``"host"`` or ``"device"``: where ``paged_kv_indices`` was gathered."""
+
+    # ---- the page table's fields, read through ``paged`` (plan() reads them once a step)
+    @property
+    def paged_kv_indptr(self) -> torch.Tensor:
+        """(num_reqs + 1,) int32, device. ``[0, cumsum(cdiv(kv_lens, page_size))]``; padding rows repeat
+        the last value (they have no pages)."""
+        return self.paged.paged_kv_indptr
+
+    @property
+    def paged_kv_indices(self) -> torch.Tensor:
+        """(num_pages,) int32, device. Page ids of row 0, then row 1, ...:
+        ``paged_kv_indices[indptr[i]:indptr[i+1]] = block_table[i, :indptr[i+1] - indptr[i]]``."""
+        indices = self.paged.paged_kv_indices
+        assert indices is not None  # (a builder that gathers on the device gives its part the gathered ones)
+        return indices
+
+    @property
+    def paged_kv_last_page_len(self) -> torch.Tensor:
+        """(num_reqs,) int32, device. Tokens in each row's last page: ``page_size`` if ``kv_lens %
+        page_size == 0`` and ``kv_lens != 0``, else ``kv_lens % page_size`` (0 for padding rows)."""
+        return self.paged.paged_kv_last_page_len
+
+    @property
+    def paged_kv_indptr_cpu(self) -> np.ndarray:
+        """(num_reqs + 1,) int32, host (pinned staged view). Twin of ``paged_kv_indptr``."""
+        return self.paged.paged_kv_indptr_cpu
+
+    @property
+    def paged_kv_indices_cpu(self) -> np.ndarray | None:
+        """(num_pages,) int32, host (pinned staged view), twin of ``paged_kv_indices``; ``None`` with
+        ``indices="device"`` (never computed on the host)."""
+        return self.paged.paged_kv_indices_cpu
+
+    @property
+    def paged_kv_last_page_len_cpu(self) -> np.ndarray:
+        """(num_reqs,) int32, host (pinned staged view). Twin of ``paged_kv_last_page_len``."""
+        return self.paged.paged_kv_last_page_len_cpu
+
+    @property
+    def num_pages(self) -> int:
+        """``paged_kv_indptr_cpu[-1]``: length of ``paged_kv_indices``."""
+        return self.paged.num_pages
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per KV page (the block size)."""
+        return self.paged.page_size
 
 
 _make_fi = keyword_factory(FlashInferMetadata)
@@ -460,10 +491,10 @@ class FlashInferBuilder(Builder[FlashInferOptions, FlashInferMetadata]):
         def make() -> FlashInferMetadata:
             cm = common.result()
             pk = paged_part.result()
-            indices = pk.paged_kv_indices
-            if indices is None:  # indices="device": gathered on the device from the staged block table
+            if pk.paged_kv_indices is None:  # indices="device": gathered on the device from the staged table
                 fixed = step.device_full(p + "paged_kv_indices") if graph else None
-                indices = _gather_indices(pk.paged_kv_indptr, cm.block_table_tensor, pk.num_pages, fixed)
+                pk = dataclasses.replace(
+                    pk, paged_kv_indices=_gather_indices(pk.paged_kv_indptr, cm.block_table_tensor, pk.num_pages, fixed))
             qd = cm.query_start_loc
             if qo_name:
                 qo_d = step.device(qo_name)
@@ -472,15 +503,11 @@ class FlashInferBuilder(Builder[FlashInferOptions, FlashInferMetadata]):
             else:
                 qo_d = common.query_start_loc_rows(1)[0] if P == 0 else qd
             return _make_fi(
-                common=cm, paged_kv_indptr=pk.paged_kv_indptr, paged_kv_indices=indices,
-                paged_kv_last_page_len=pk.paged_kv_last_page_len,
-                kv_lens=step.device(kv_name) if kv_name else cm.seq_lens,
+                common=cm, paged=pk, kv_lens=step.device(kv_name) if kv_name else cm.seq_lens,
                 qo_indptr_decode=qd if D == B else common.query_start_loc_rows(D + 1)[0], qo_indptr_prefill=qo_d,
-                paged_kv_indptr_cpu=pk.paged_kv_indptr_cpu, paged_kv_indices_cpu=pk.paged_kv_indices_cpu,
-                paged_kv_last_page_len_cpu=pk.paged_kv_last_page_len_cpu, kv_lens_cpu=kv,
-                qo_indptr_decode_cpu=qo_dec_ro, qo_indptr_prefill_cpu=qo_ro, num_decodes=D, num_prefills=P,
-                num_decode_tokens=split.num_decode_tokens, num_prefill_tokens=split.num_prefill_tokens,
-                num_pages=pk.num_pages, page_size=page, max_decode_query_len=mdq, max_prefill_query_len=mpq,
+                kv_lens_cpu=kv, qo_indptr_decode_cpu=qo_dec_ro, qo_indptr_prefill_cpu=qo_ro, num_decodes=D,
+                num_prefills=P, num_decode_tokens=split.num_decode_tokens,
+                num_prefill_tokens=split.num_prefill_tokens, max_decode_query_len=mdq, max_prefill_query_len=mpq,
                 max_kv_len=mkv, causal=causal, indices=mode,
             )
 
@@ -521,9 +548,9 @@ class FlashInferBuilder(Builder[FlashInferOptions, FlashInferMetadata]):
         W = options.dcp_world_size
         kv = ref_dcp_context_kv_lens(qsl, sl, W, options.dcp_rank, options.dcp_interleave, num_decodes=d) \
             if W > 1 else sl
-        rows = np.zeros((spec.padded_num_reqs, spec.block_table.shape[1]), np.int32)
-        rows[: spec.num_reqs] = spec.block_table[: spec.num_reqs]  # padding rows: no pages
-        table = torch.from_numpy(rows).to(device)
+        padded_table = np.zeros((spec.padded_num_reqs, spec.block_table.shape[1]), np.int32)
+        padded_table[: spec.num_reqs] = spec.block_table[: spec.num_reqs]  # padding rows: no pages
+        table = torch.from_numpy(padded_table).to(device)
         page = spec.block_size
         return {
             "num_decodes": split[0], "num_prefills": split[1], "num_decode_tokens": split[2],

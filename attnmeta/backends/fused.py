@@ -100,9 +100,9 @@ _CM_MAX_Q, _CM_MAX_SEQ, _CM_REAL_REQS, _CM_REAL_TOKENS = (
     _at(CommonAttentionMetadata, n) for n in ("max_query_len", "max_seq_len", "num_real_reqs", "num_real_tokens"))
 _FA_COMMON, _FA_MAX_Q, _FA_MAX_SEQ = (
     _at(FlashAttentionMetadata, n) for n in ("common", "max_query_len", "max_seq_len"))
-_FI_COMMON, _FI_INDICES, _FI_INDICES_CPU, _FI_PAGES, _FI_MAX_DQ, _FI_MAX_PQ, _FI_MAX_KV = (
-    _at(FlashInferMetadata, n) for n in ("common", "paged_kv_indices", "paged_kv_indices_cpu", "num_pages",
-                                         "max_decode_query_len", "max_prefill_query_len", "max_kv_len"))
+_FI_COMMON, _FI_PAGED, _FI_MAX_DQ, _FI_MAX_PQ, _FI_MAX_KV = (
+    _at(FlashInferMetadata, n) for n in ("common", "paged", "max_decode_query_len", "max_prefill_query_len",
+                                         "max_kv_len"))
 
 
 class FusedStep(NamedTuple):
@@ -334,8 +334,7 @@ class FusedStepBuilder:
             fa = _make[FlashAttentionMetadata](*v)
         if rec.fi is not None:
             v = rec.fi.copy()
-            v[_FI_INDICES], v[_FI_INDICES_CPU] = rec.writer.paged_indices(step, total)
-            v[_FI_COMMON], v[_FI_PAGES], v[_FI_MAX_KV] = cm, total, spec.max_exact_seq_len
+            v[_FI_COMMON], v[_FI_PAGED], v[_FI_MAX_KV] = cm, rec.writer.paged_metadata(step, total), spec.max_exact_seq_len
             v[_FI_MAX_DQ], v[_FI_MAX_PQ] = (0, max_q) if kind else (max_q, 0)
             fi = _make[FlashInferMetadata](*v)
         return FusedStep._make((cm, fa, fi))

@@ -177,7 +177,7 @@ def paged_layout_nb(
     last: np.ndarray,
 ) -> tuple[int, int, int, int]:
     """The one compiled pass of the paged-KV layout (every public function here, the common pass's
-    page table and :func:`attnmeta.metadata.stage_paged_kv` run it): row by row, ``indptr[i + 1]``, the
+    page table and :func:`attnmeta.common.stage_paged_kv` run it): row by row, ``indptr[i + 1]``, the
     last page's tokens ``last[i]`` and, with ``copy``, row ``i``'s page ids into ``indices`` (which may
     be longer than the page count; its tail is left as it is).
 

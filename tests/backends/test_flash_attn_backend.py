@@ -290,7 +290,7 @@ def test_causal_of_the_wrong_length_raises(flags: Any) -> None:
 
 
 def test_causal_flags_from_a_torch_tensor_are_refused() -> None:
-    with pytest.raises(TypeError, match="causal: got a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"causal: got a torch\.Tensor"):
         flash_attn.build(DOC_SPEC, Stager("cpu"), causal=torch.tensor([True, False, True]))
 
 
