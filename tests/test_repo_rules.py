@@ -79,7 +79,8 @@ def _numpydoc_params(doc: str) -> list[str] | None:
         return None
     names = []
     for line in m.group(1).splitlines():
-        mm = re.match(r"^([A-Za-z_*][\w*, ]*?)\s*:", line)  # parameter lines are not indented
+        # parameter lines are not indented; ``**inputs`` may stand without a type
+        mm = re.match(r"^([A-Za-z_*][\w*, ]*?)\s*(?::|$)", line)
         if mm:
             names += [n.strip().lstrip("*") for n in mm.group(1).split(",")]
     return names
