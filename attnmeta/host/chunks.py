@@ -20,7 +20,7 @@ tokens each prefill already has in its state):
 Every function is numpy in, numpy out, compiled with numba, and validates its input with a
 ``ValueError`` naming the field, the row and the rule. Functions that may write straight into a
 staging buffer take ``out=``. The builders of :mod:`attnmeta.backends.mamba` call the kernels
-``_chunk_layout_nb`` (inside :func:`attnmeta.host.mamba.mamba_fill_nb`), :func:`logical_chunks_nb`
+:func:`chunk_layout_nb` (inside :func:`attnmeta.host.mamba.mamba_fill_nb`), :func:`logical_chunks_nb`
 and :func:`token_seq_idx_nb` on the staged views directly.
 
 This module is longer than the house's ~800 lines: it holds the four formats of the same prefill
@@ -177,7 +177,7 @@ def _segment_checked_nb(
     cap: int,
 ) -> tuple[int, int]:
     """Chunk one segment ``[start, start + length)`` writing only chunks below ``cap`` (the rare path
-    of :func:`_chunk_layout_nb` near the end of its buffers). Returns ``(pos, count)``."""
+    of :func:`chunk_layout_nb` near the end of its buffers). Returns ``(pos, count)``."""
     rem = start % chunk_size
     end = pos + length
     if rem != 0:  # a realigning chunk of min(C - start % C, length) tokens
@@ -196,7 +196,7 @@ def _segment_checked_nb(
 
 
 @njit
-def _chunk_layout_nb(
+def chunk_layout_nb(
     chunk_size: int,
     num_computed: np.ndarray,
     qsl: np.ndarray,
@@ -332,13 +332,13 @@ def _chunk_layout_nb(
 
 @njit
 def _chunk_metadata_nb(chunk_size: int, num_computed: np.ndarray, qsl: np.ndarray, buf: np.ndarray) -> int:
-    """:func:`_chunk_layout_nb` without checkpoints into :func:`chunk_metadata`'s own buffer ``[cu
+    """:func:`chunk_layout_nb` without checkpoints into :func:`chunk_metadata`'s own buffer ``[cu
     (cap + 1) | seq_idx (cap) | last (P)]`` (few arrays to pass: the per-call dispatch is a good part
     of a small batch's cost)."""
     num_rows = num_computed.shape[0]
     cap = (buf.shape[0] - 1 - num_rows) // 2
     none = num_computed[:0]  # no checkpoint offsets, no checkpoint list wanted
-    return _chunk_layout_nb(chunk_size, num_computed, qsl, none, buf[: cap + 1], buf[cap + 1 : 2 * cap + 1],
+    return chunk_layout_nb(chunk_size, num_computed, qsl, none, buf[: cap + 1], buf[cap + 1 : 2 * cap + 1],
                             buf[2 * cap + 1 :], none)
 
 
@@ -350,7 +350,7 @@ def _chunk_metadata_ckpt_nb(
     """:func:`_chunk_metadata_nb` with checkpoint offsets and the checkpoint list ``ckpt_idx``."""
     num_rows = num_computed.shape[0]
     cap = (buf.shape[0] - 1 - num_rows) // 2
-    return _chunk_layout_nb(chunk_size, num_computed, qsl, offsets, buf[: cap + 1], buf[cap + 1 : 2 * cap + 1],
+    return chunk_layout_nb(chunk_size, num_computed, qsl, offsets, buf[: cap + 1], buf[cap + 1 : 2 * cap + 1],
                             buf[2 * cap + 1 :], ckpt_idx)
 
 
@@ -702,7 +702,19 @@ def chunk_metadata(
                         _NO_CHECKPOINTS[:P] if P <= _NO_CHECKPOINTS_ROWS else _no_checkpoints(P), n))
                 _raise_layout_error(n, nc, qsl, _NO_OFFSETS)
             elif type(offs) is np.ndarray and offs.dtype is _I32 and offs.ndim == 1 and offs.shape[0] == P:
-                return _into_own_buffer(chunk_size, nc, qsl, offs)
+                total = qsl.item(P)
+                if total < 0:
+                    total = 0
+                cap = total // chunk_size + 4 * P
+                if cap > total + P:
+                    cap = total + P
+                buf = np.empty(2 * cap + 1 + P, _I32)
+                ckpt = np.empty(P, _I64)
+                n = _chunk_metadata_ckpt_nb(chunk_size, nc, qsl, offs, buf, ckpt)
+                if n >= 0:
+                    return _new_chunk_metadata(ChunkMetadata, (
+                        buf[: n + 1], buf[cap + 1 : cap + 1 + n], buf[2 * cap + 1 :], ckpt, n))
+                _raise_layout_error(n, nc, qsl, offs)
     cs, nc, qsl, offs, has = _layout_inputs(chunk_size, num_computed_p, query_start_loc_p, checkpoint_offsets)
     num_rows = nc.shape[0]
     if out is None:
@@ -717,7 +729,7 @@ def chunk_metadata(
     ckpt = _check_buffer(out[3], "out.checkpoint_chunk_idx", _I64, num_rows)
     if num_rows == 0:
         ckpt = ckpt[:0]
-    status = int(_chunk_layout_nb(cs, nc, qsl, offs, cu, sidx, last, ckpt))
+    status = int(chunk_layout_nb(cs, nc, qsl, offs, cu, sidx, last, ckpt))
     if status < 0:
         _raise_layout_error(status, nc, qsl, offs)
     if status + 1 > cu.shape[0] or status > sidx.shape[0]:

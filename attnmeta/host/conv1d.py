@@ -57,7 +57,7 @@ class Conv1dMetadata(NamedTuple):
 
 
 @njit
-def _count_programs_nb(qsl: np.ndarray, block_m: int, nums: np.ndarray) -> int:
+def count_programs_nb(qsl: np.ndarray, block_m: int, nums: np.ndarray) -> int:
     """Fill ``nums``; return ``tot`` or ``-1 - row`` for the first decreasing row."""
     tot = 0
     for i in range(nums.shape[0]):
@@ -71,7 +71,7 @@ def _count_programs_nb(qsl: np.ndarray, block_m: int, nums: np.ndarray) -> int:
 
 
 @njit
-def _minus_one_nb(a: np.ndarray, start: int, stop: int, known_lo: int, known_hi: int) -> None:
+def minus_one_nb(a: np.ndarray, start: int, stop: int, known_lo: int, known_hi: int) -> None:
     """``a[start:stop] = -1`` except rows ``[known_lo, known_hi)``, which the caller knows hold -1
     already (1-D slices: the loops vectorize)."""
     for lo, hi in ((start, min(stop, known_lo)), (max(start, known_hi), stop)):
@@ -82,7 +82,7 @@ def _minus_one_nb(a: np.ndarray, start: int, stop: int, known_lo: int, known_hi:
 
 
 @njit
-def _fill_programs_nb(
+def fill_programs_nb(
     nums: np.ndarray, mlist: np.ndarray, batch_ptr: np.ndarray, offset_ptr: np.ndarray, stop: int, bp_lo: int,
     bp_hi: int, op_lo: int, op_hi: int,
 ) -> int:
@@ -103,8 +103,8 @@ def _fill_programs_nb(
         for t in range(m):
             seg64[t] = i
         k += m
-    _minus_one_nb(batch_ptr, k, min(stop, batch_ptr.shape[0]), bp_lo, bp_hi)
-    _minus_one_nb(offset_ptr, k, min(stop, offset_ptr.shape[0]), op_lo, op_hi)
+    minus_one_nb(batch_ptr, k, min(stop, batch_ptr.shape[0]), bp_lo, bp_hi)
+    minus_one_nb(offset_ptr, k, min(stop, offset_ptr.shape[0]), op_lo, op_hi)
     return k
 
 
@@ -179,7 +179,7 @@ def causal_conv1d_metadata(
         raise ValueError("query_start_loc_p: must have num_prefills + 1 >= 1 entries, got shape (0,)")
     num_rows = qsl.shape[0] - 1
     nums = np.empty(num_rows, dtype=_I32)
-    tot = int(_count_programs_nb(qsl, int(block_m), nums))
+    tot = int(count_programs_nb(qsl, int(block_m), nums))
     if tot < 0:
         row = -1 - tot
         raise ValueError(
@@ -194,5 +194,5 @@ def causal_conv1d_metadata(
         batch_ptr = _out_buffer(out[0], "out.batch_ptr", tot)
         offset_ptr = _out_buffer(out[1], "out.token_chunk_offset_ptr", tot)
     mlist = np.empty(tot, dtype=np.int64)
-    _fill_programs_nb(nums, mlist, batch_ptr, offset_ptr, max(batch_ptr.shape[0], offset_ptr.shape[0]), 0, 0, 0, 0)
+    fill_programs_nb(nums, mlist, batch_ptr, offset_ptr, max(batch_ptr.shape[0], offset_ptr.shape[0]), 0, 0, 0, 0)
     return Conv1dMetadata(nums, tot, mlist, offset_ptr[:tot], max_programs, batch_ptr, offset_ptr)

@@ -33,8 +33,8 @@ import numpy as np
 
 from attnmeta._checks import as_host_array, check_out
 from attnmeta._numba import njit
-from attnmeta.host.chunks import _chunk_layout_nb
-from attnmeta.host.conv1d import _count_programs_nb, _fill_programs_nb, _minus_one_nb
+from attnmeta.host.chunks import chunk_layout_nb
+from attnmeta.host.conv1d import count_programs_nb, fill_programs_nb, minus_one_nb
 from attnmeta.host.layout import _prefill_cpu_metadata_nb
 from attnmeta.host.split import split_counts_nb
 
@@ -681,15 +681,15 @@ def mamba_fill_nb(
     2. State indices (:func:`state_indices_nb`): ``state_d`` ``(>= D, 1 + k)`` for the decode rows,
        ``state_p`` column 0 for the prefill rows; ``accepted_d``: ``accepted`` (1 past its end) when
        ``accepted_given``, else ``diff(query_start_loc[:D + 1])``.
-    3. Prefill query starts and contexts (``_prefill_cpu_metadata_nb``): ``query_start_loc_p``,
+    3. Prefill query starts and contexts (``_prefill_cpu_metadata_nb`` of :mod:`attnmeta.host.layout`): ``query_start_loc_p``,
        ``num_computed_p``, ``has_initial_p`` (``num_computed_p > 0``).
-    4. Causal-conv1d programs (``_count_programs_nb``, ``_fill_programs_nb``) when ``batch_ptr`` is
+    4. Causal-conv1d programs (``count_programs_nb``, ``fill_programs_nb``) when ``batch_ptr`` is
        given: ``nums``, ``mlist``, ``batch_ptr`` / ``offset_ptr`` with ``-1`` up to
        ``2 * max(1024, tot)`` (with ``pad``: to their end), skipping rows ``[known_bp_lo,
        known_bp_hi)`` / ``[known_op_lo, known_op_hi)`` that the caller knows hold ``-1`` already.
     5. Prefill checkpoints (:func:`_checkpoints_nb`, :func:`_gather_ckpt_nb`) when
        ``ckpt_hash_block > 0``: ``query_lens_p``, ``ckpt_offsets``, ``ckpt_cols``, ``ckpt_state``.
-    6. The chunk-aligned layout (``_chunk_layout_nb``) when ``chunk_size > 0``: ``cu_chunk_seqlens``,
+    6. The chunk-aligned layout (``chunk_layout_nb``) when ``chunk_size > 0``: ``cu_chunk_seqlens``,
        ``seq_idx``, ``last_chunk``, and with checkpoints ``ckpt_chunk_list`` (-1 where none) and
        ``ckpt_chunk`` (``max(idx, 0)``, vLLM's upload).
 
@@ -732,8 +732,8 @@ def mamba_fill_nb(
         if pad and query_start_loc_p.shape[0] > 0:  # staged prefill fields hold their sentinels
             query_start_loc_p[:] = 0
             has_initial_p[:] = False
-            _minus_one_nb(batch_ptr, 0, batch_ptr.shape[0], known_bp_lo, known_bp_hi)
-            _minus_one_nb(offset_ptr, 0, offset_ptr.shape[0], known_op_lo, known_op_hi)
+            minus_one_nb(batch_ptr, 0, batch_ptr.shape[0], known_bp_lo, known_bp_hi)
+            minus_one_nb(offset_ptr, 0, offset_ptr.shape[0], known_op_lo, known_op_hi)
             cu_chunk_seqlens[:] = 0
             seq_idx[:] = -1
             last_chunk[:] = -1
@@ -758,11 +758,11 @@ def mamba_fill_nb(
     # 4. causal-conv1d programs
     tot = 0
     if batch_ptr.shape[0] > 0:
-        tot = _count_programs_nb(query_start_loc_p[: P + 1], CONV1D_BLOCK_M, nums[:P])
+        tot = count_programs_nb(query_start_loc_p[: P + 1], CONV1D_BLOCK_M, nums[:P])
         stop = batch_ptr.shape[0] if pad else 2 * max(1024, tot)
         if stop > batch_ptr.shape[0] or stop > offset_ptr.shape[0] or tot > mlist.shape[0]:
             return _fail(stop, FILL_E_CAPACITY)
-        _fill_programs_nb(nums[:P], mlist, batch_ptr, offset_ptr, stop, known_bp_lo, known_bp_hi, known_op_lo,
+        fill_programs_nb(nums[:P], mlist, batch_ptr, offset_ptr, stop, known_bp_lo, known_bp_hi, known_op_lo,
                           known_op_hi)
     # 5. prefill checkpoints
     nck = 0
@@ -783,7 +783,7 @@ def mamba_fill_nb(
     count = 0
     if chunk_size > 0:
         with_ckpt = nck > 0
-        count = _chunk_layout_nb(chunk_size, num_computed_p[:P], query_start_loc_p[: P + 1],
+        count = chunk_layout_nb(chunk_size, num_computed_p[:P], query_start_loc_p[: P + 1],
                                  ckpt_offsets[:P] if with_ckpt else ckpt_offsets[:0], cu_chunk_seqlens, seq_idx,
                                  last_chunk[:P], ckpt_chunk_list[:P] if with_ckpt else ckpt_chunk_list[:0])
         if count < 0:  # unreachable: the inputs were validated above

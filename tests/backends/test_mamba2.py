@@ -550,7 +550,7 @@ def _spy_known_rows(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int
     ``(batch_ptr lo, hi, token_chunk_offset_ptr lo, hi)``."""
     calls: list[tuple[int, int, int, int]] = []
     fill = mamba_fill.mamba_fill_nb
-    names = list(inspect.signature(fill.py_func).parameters)
+    names = list(inspect.signature(getattr(fill, "py_func", fill)).parameters)
     at = [names.index(n) for n in ("known_bp_lo", "known_bp_hi", "known_op_lo", "known_op_hi")]
 
     def spy(*args: Any) -> Any:

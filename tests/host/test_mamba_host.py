@@ -424,7 +424,7 @@ def test_fill_kernel_outputs_are_its_parameters() -> None:
     are the kernel's trailing parameters, in order."""
     from attnmeta.backends.mamba._fill import _Outputs
 
-    params = list(inspect.signature(hm.mamba_fill_nb.py_func).parameters)
+    params = list(inspect.signature(getattr(hm.mamba_fill_nb, "py_func", hm.mamba_fill_nb)).parameters)
     assert params[-len(_Outputs._fields):] == list(_Outputs._fields)
 
 

@@ -75,6 +75,7 @@ _NO_I32 = np.zeros(0, _I32)
 _NO_I64 = np.zeros(0, _I64)
 _NO_BOOL = np.zeros(0, _BOOL)
 _NO_ROWS = (0, 0, 0, 0)  # no conv1d pointer rows known to hold -1
+_new_tuple = tuple.__new__  # a NamedTuple from a tuple of its fields, without __new__'s argument parsing
 
 
 # ------------------------------------------------------------------------------------------------
@@ -428,25 +429,28 @@ class _MinusOnes:
 
 
 class Filled:
-    """What :func:`fill` staged in one step: the counts, the layout's views, and the host part.
+    """What :func:`fill` staged in one step: the counts (``D``, ``P``, ``Dt``, ``Pt``, ``tot``, ``n``
+    chunks, ``prep``, ``nck`` checkpoint rows, ``nl`` logical chunks), the layout, and the host part.
 
-    ``views()`` after the commit gives the exact-length device and host views the builders put in
-    their metadata (see :meth:`views`).
+    :meth:`shared_fields` after the commit gives the shared metadata fields (exact-length views of
+    the staged fields) and keeps the views it looked up (``dev``, ``host_d``, ``dev_d``) for the
+    builder's own fields.
     """
 
     __slots__ = ("D", "Dt", "P", "Pt", "dev", "dev_d", "group", "host", "host_d", "layout", "n", "nck", "nl", "prefix",
                  "prep", "step", "tot")
 
-    def __init__(self, step: Step, group: FieldGroup, layout: _Layout, prefix: str, counts: tuple[int, ...],
-                 host: MambaHost) -> None:
+    dev: list[torch.Tensor]
+    """After :meth:`shared_fields`: the field group's device views."""
+    host_d: tuple[Any, ...]
+    """After :meth:`shared_fields`: :meth:`_Layout.host_d` of this step's split."""
+    dev_d: tuple[Any, ...]
+    """After :meth:`shared_fields`: :meth:`_Layout.device_d` of this step's split."""
+
+    def __init__(self, step: Step, group: FieldGroup, layout: _Layout, prefix: str, host: MambaHost, D: int, P: int,
+                 Dt: int, Pt: int, tot: int, n: int, prep: bool, nck: int, nl: int) -> None:
         self.step, self.group, self.layout, self.prefix, self.host = step, group, layout, prefix, host
-        self.D, self.P, self.Dt, self.Pt, self.tot, self.n, self.prep, self.nck, self.nl = counts
-        self.dev: list[torch.Tensor] = []
-        """After :meth:`shared_fields`: the field group's device views."""
-        self.host_d: tuple[Any, ...] = ()
-        """After :meth:`shared_fields`: :meth:`_Layout.host_d` of this step's split."""
-        self.dev_d: tuple[Any, ...] = ()
-        """After :meth:`shared_fields`: :meth:`_Layout.device_d` of this step's split."""
+        self.D, self.P, self.Dt, self.Pt, self.tot, self.n, self.prep, self.nck, self.nl = D, P, Dt, Pt, tot, n, prep, nck, nl
 
 
     def shared_fields(self, cm: CommonAttentionMetadata) -> dict[str, Any]:
@@ -620,15 +624,15 @@ def fill(
     chunks = checkpoints = None
     if P and chunk_size:
         cu, sidx = lay.host_n(n)
-        chunks = ChunkMetadata(cu, sidx, hd[6], hd[13] if nck else _no_checkpoints(P), n)
+        chunks = _new_tuple(ChunkMetadata, (cu, sidx, hd[6], hd[13] if nck else _no_checkpoints(P), n))
         if nck:
             checkpoints = PrefillCheckpoints(hd[9], hd[10], hd[11])
     host = make_host(
-        split=SplitCounts(D, P, Dt, Pt), is_prefilling=lay.ro["moved"] if num_moved else isp,
+        split=_new_tuple(SplitCounts, (D, P, Dt, Pt)), is_prefilling=lay.ro["moved"] if num_moved else isp,
         num_computed_tokens_p_cpu=hd[5] if P else None, query_start_loc_p_cpu=hd[3] if P else None, chunks=chunks,
         checkpoints=checkpoints,
     )
-    return Filled(step, group, lay, prefix, (D, P, Dt, Pt, tot, n, prep, nck, nl), host)
+    return Filled(step, group, lay, prefix, host, D, P, Dt, Pt, tot, n, prep, nck, nl)
 
 
 _MINUS_ONES = np.full(4096, -1, _I64)
