@@ -19,22 +19,22 @@ Shape legend
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numba
 import numpy as np
 import torch
 
+from attnmeta._fields import positional_factory
 from attnmeta._numba import pool_threads
-from attnmeta.host.common import block_table_rows_par_nb, common_pass_nb
+from attnmeta.host.common import block_table_rows_par_nb, common_pass_config, common_pass_nb
 from attnmeta.host.paged import PagedKV, num_pages, paged_indices_par_nb, paged_kv_layout, paged_layout_nb
 from attnmeta.metadata import (
     CommonAttentionMetadata,
     CommonHost,
     PagedKVMetadata,
     StagedCommon,
-    make_common,
-    make_host,
     make_paged,
 )
 from attnmeta.spec import BatchSpec, ContextParallel
@@ -45,6 +45,23 @@ __all__ = ["CommonWriter", "build_common", "stage_common", "stage_paged_kv"]
 
 _I32, _I64, _BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_)
 _EMPTY_I32 = np.zeros(0, np.int32)
+_PAGED_FIELDS = tuple(f.name for f in dataclasses.fields(PagedKVMetadata))
+_PK_INDICES, _PK_INDICES_CPU, _PK_NUM_PAGES = (
+    _PAGED_FIELDS.index(n) for n in ("paged_kv_indices", "paged_kv_indices_cpu", "num_pages"))
+_make_paged_positional = positional_factory(PagedKVMetadata)
+# CommonWriter builds its per-step objects from recorded field values (positional_factory order) with
+# the per-step ones replaced; these are their positions, derived by name.
+_HOST_FIELDS = tuple(f.name for f in dataclasses.fields(CommonHost))
+_HOST_PER_STEP = ("num_actual_tokens", "max_query_len", "max_seq_len", "causal", "num_real_reqs", "num_real_tokens",
+                  "num_pages", "max_exact_seq_len", "splits")
+_H_TOKENS, _H_MAX_Q, _H_MAX_SEQ, _H_CAUSAL, _H_REAL_REQS, _H_REAL_TOKENS, _H_PAGES, _H_MAX_EXACT, _H_SPLITS = (
+    _HOST_FIELDS.index(n) for n in _HOST_PER_STEP)
+_make_host_positional = positional_factory(CommonHost)
+_COMMON_FIELDS = tuple(f.name for f in dataclasses.fields(CommonAttentionMetadata))
+_COMMON_PER_STEP = ("num_actual_tokens", "max_query_len", "max_seq_len", "causal", "num_real_reqs", "num_real_tokens")
+_C_TOKENS, _C_MAX_Q, _C_MAX_SEQ, _C_CAUSAL, _C_REAL_REQS, _C_REAL_TOKENS = (
+    _COMMON_FIELDS.index(n) for n in _COMMON_PER_STEP)
+_make_common_positional = positional_factory(CommonAttentionMetadata)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -78,11 +95,49 @@ class CommonWriter:
     """
 
     __slots__ = (
-        "_dev", "_host_only", "_idx_dev", "_idx_name", "_indices_ro", "_indptr_ro", "_paged_dev", "_paged_host", "_paged_meta",
-        "_qsl_rows", "_ranks", "_tokens", "block_size",
-        "bt", "bt_ro", "columns", "context_parallel", "ddt", "ddt_ro", "graph", "group", "has_drafts",
-        "has_prompt", "has_upper", "indices", "indptr", "last", "nc", "nc_ro", "num_reqs", "paged", "pos",
-        "pre", "pre_ro", "qsl", "qsl_ro", "sl", "sl_ro", "sm", "token_arrays", "token_rows", "ub", "ub_ro",
+        "_config",
+        "_dev",
+        "_host_only",
+        "_host_tpl",
+        "_idx_host",
+        "_idx_name",
+        "_indices_ro",
+        "_indptr_ro",
+        "_paged_host",
+        "_paged_meta",
+        "_paged_template",
+        "_qsl_rows",
+        "block_size",
+        "bt",
+        "bt_ro",
+        "columns",
+        "context_parallel",
+        "ddt",
+        "ddt_ro",
+        "graph",
+        "group",
+        "has_drafts",
+        "has_prompt",
+        "has_upper",
+        "indices",
+        "indptr",
+        "last",
+        "nc",
+        "nc_ro",
+        "num_reqs",
+        "paged",
+        "pos",
+        "pre",
+        "pre_ro",
+        "qsl",
+        "qsl_ro",
+        "sl",
+        "sl_ro",
+        "sm",
+        "token_arrays",
+        "token_rows",
+        "ub",
+        "ub_ro",
     )
 
     def __init__(self, step: Step, group: FieldGroup, num_reqs: int, columns: int, block_size: int,
@@ -93,9 +148,15 @@ class CommonWriter:
         self.num_reqs, self.columns, self.block_size = Bp, columns, block_size
         self.context_parallel = context_parallel
         cp = context_parallel
-        self._ranks = (1, 0, 1) if cp is None else (cp.world_size, cp.rank, cp.interleave)
+        ranks = (1, 0, 1) if cp is None else (cp.world_size, cp.rank, cp.interleave)
         self.token_arrays, self.paged = token_arrays, paged
         self.has_prompt, self.has_drafts, self.has_upper = has_prompt, has_drafts, has_upper
+        # The kernel's constants for this layout: serial, then with the row copies on numba's pool.
+        self._config = tuple(
+            common_pass_config(block_size, *ranks, has_prompt=has_prompt, has_drafts=has_drafts, has_upper=has_upper,
+                               token_arrays=token_arrays, copy_rows=serial, paged=paged)
+            for serial in (True, False)
+        )
         self.graph = step.profile is not None
         host = group.host
         self.qsl, self.sl, self.bt, self.sm, self.pos = host[:5]
@@ -120,13 +181,14 @@ class CommonWriter:
             self.indptr = self.last = self.indices = _EMPTY_I32
         self._indices_ro = _read_only(self.indices)  # slices of it are read-only too
         self._indptr_ro = ro[5][: Bp + 1] if paged else _EMPTY_I32
-        self._tokens: tuple[Any, ...] = (-1, None, None)  # (token count, slot mapping, positions) views
-        self._dev: tuple[Any, ...] = (None,)  # (group device views, token count, their exact views)
-        self._paged_host: tuple[Any, ...] = (-1, None)
-        self._paged_dev: tuple[Any, ...] = (None, -1, None, None)
-        self._paged_meta: PagedKVMetadata | None = None
+        # Field values of the per-step objects (positional_factory order), all but the per-step scalars:
+        self._host_tpl: tuple[Any, ...] = (-1, None)  # (token count, CommonHost's)
+        self._dev: tuple[Any, ...] = (None, -1, None)  # (group device views, token count, the metadata's)
+        self._paged_host: tuple[Any, ...] = (-1, None)  # (page count, PagedKV)
+        self._idx_host: tuple[Any, ...] = (-1, None)  # (page count, host indices view)
+        self._paged_meta: tuple[Any, ...] = (None, -1, None)  # (device views, page count, PagedKVMetadata)
+        self._paged_template: tuple[Any, ...] = (None, None, None)  # (device views, full indices, field values)
         self._qsl_rows: dict[Any, Any] = {}
-        self._idx_dev: Any = None
 
     def write(self, spec: BatchSpec, *, threads: int = 1) -> None:
         """Write ``spec``'s common fields (and paged-KV layout) into this layout's views: one compiled
@@ -141,27 +203,22 @@ class CommonWriter:
             threads (:func:`attnmeta._numba.pool_threads`), around the call: the same bytes.
         """
         prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
-        ws, rank, il = self._ranks
         if threads == 1:
             status = common_pass_nb(
-                spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table, self.block_size, ws, rank, il,
-                _EMPTY_I32 if prompt is None else prompt, prompt is not None,
-                _EMPTY_I32 if drafts is None else drafts, drafts is not None,
-                _EMPTY_I32 if upper is None else upper, upper is not None,
-                self.token_arrays, True, self.qsl, self.sl, self.bt, self.pos, self.sm, self.ub, self.nc,
-                self.pre, self.ddt, self.paged, self.indptr, self.last, self.indices,
+                spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
+                _EMPTY_I32 if prompt is None else prompt, _EMPTY_I32 if drafts is None else drafts,
+                _EMPTY_I32 if upper is None else upper, self._config[0], self.qsl, self.sl, self.bt, self.pos,
+                self.sm, self.ub, self.nc, self.pre, self.ddt, self.indptr, self.last, self.indices,
             )
         else:  # the same pass, with the block-table rows and the page indices copied on numba's pool
             was = pool_threads(threads)
             try:
                 block_table_rows_par_nb(spec.block_table, self.bt, spec.num_reqs)
                 status = common_pass_nb(
-                    spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table, self.block_size, ws, rank,
-                    il, _EMPTY_I32 if prompt is None else prompt, prompt is not None,
-                    _EMPTY_I32 if drafts is None else drafts, drafts is not None,
-                    _EMPTY_I32 if upper is None else upper, upper is not None,
-                    self.token_arrays, False, self.qsl, self.sl, self.bt, self.pos, self.sm, self.ub, self.nc,
-                    self.pre, self.ddt, self.paged, self.indptr, self.last, self.indices,
+                    spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
+                    _EMPTY_I32 if prompt is None else prompt, _EMPTY_I32 if drafts is None else drafts,
+                    _EMPTY_I32 if upper is None else upper, self._config[1], self.qsl, self.sl, self.bt, self.pos,
+                    self.sm, self.ub, self.nc, self.pre, self.ddt, self.indptr, self.last, self.indices,
                 )
                 if self.paged and not status:
                     paged_indices_par_nb(self.bt, self.indptr, self.indices, self.num_reqs)
@@ -170,26 +227,33 @@ class CommonWriter:
         if status:  # unreachable for a validated spec (kept as a guard)
             raise ValueError(f"stage_common: internal status {status}; the spec is inconsistent")
 
-    def _token_views(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        t = self._tokens
-        if t[0] != rows:
-            ro = self.group.frozen
-            t = self._tokens = (rows, ro[3][:rows], ro[4][:rows])
-        return t[1], t[2]
+    def _fixed_host_fields(self, rows: int) -> dict[str, Any]:
+        """The host fields of a step of this layout with ``rows`` token rows: everything of
+        :class:`CommonHost` but the per-step scalars (read-only views)."""
+        ro = self.group.frozen
+        return dict(
+            query_start_loc_cpu=self.qsl_ro, seq_lens_cpu=self.sl_ro, seq_lens_cpu_upper_bound=self.ub_ro,
+            num_computed_tokens_cpu=self.nc_ro, block_table_cpu=self.bt_ro, slot_mapping_cpu=ro[3][:rows],
+            positions_cpu=ro[4][:rows], is_prefilling=self.pre_ro, num_decode_draft_tokens_cpu=self.ddt_ro,
+            num_reqs=self.num_reqs, block_size=self.block_size,
+        )
 
     def host(self, spec: BatchSpec, causal: bool) -> CommonHost:
         """The :class:`CommonHost` of ``spec``, written by :meth:`write` (read-only views)."""
         B, T = spec.num_reqs, spec.num_tokens
         Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
-        sm, pos = self._token_views(Tp if self.token_arrays else 0)
-        return make_host(
-            query_start_loc_cpu=self.qsl_ro, seq_lens_cpu=self.sl_ro, seq_lens_cpu_upper_bound=self.ub_ro,
-            num_computed_tokens_cpu=self.nc_ro, block_table_cpu=self.bt_ro, slot_mapping_cpu=sm, positions_cpu=pos,
-            is_prefilling=self.pre_ro, num_decode_draft_tokens_cpu=self.ddt_ro, num_reqs=self.num_reqs,
-            num_actual_tokens=Tp, max_query_len=spec.max_query_len, max_seq_len=spec.max_seq_len,
-            block_size=self.block_size, causal=causal, num_real_reqs=B, num_real_tokens=T,
-            num_pages=spec.num_pages, max_exact_seq_len=spec.max_exact_seq_len,
-        )
+        rows = Tp if self.token_arrays else 0
+        t = self._host_tpl
+        if t[0] != rows:  # a new token count: new token views (every other field is the layout's)
+            fixed = self._fixed_host_fields(rows)
+            assert len(fixed) + len(_HOST_PER_STEP) == len(_HOST_FIELDS), "a CommonHost field is not written"
+            t = self._host_tpl = (rows, [fixed.get(n) for n in _HOST_FIELDS])
+        v = t[1].copy()
+        (v[_H_TOKENS], v[_H_MAX_Q], v[_H_MAX_SEQ], v[_H_CAUSAL], v[_H_REAL_REQS], v[_H_REAL_TOKENS], v[_H_PAGES],
+         v[_H_MAX_EXACT], v[_H_SPLITS]) = (Tp, spec.max_query_len, spec.max_seq_len, causal, B, T, spec.num_pages,
+                                           spec.max_exact_seq_len, {})
+        host: CommonHost = _make_host_positional(*v)
+        return host
 
     def metadata(self, step: Step, spec: BatchSpec, causal: bool) -> CommonAttentionMetadata:
         """The :class:`CommonAttentionMetadata` of ``spec``, a committed step of this layout written by
@@ -204,22 +268,21 @@ class CommonWriter:
         B, T = spec.num_reqs, spec.num_tokens
         Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
         rows = Tp if self.token_arrays else 0
-        sm, pos = self._token_views(rows)
         d = self._dev
-        if d[0] is not dev or d[1] != rows:
-            qd = dev[0][: self.num_reqs + 1] if self.graph else dev[0]
+        if d[0] is not dev or d[1] != rows:  # new device views or a new token count
             smd, posd = dev[3], dev[4]
             if smd.shape[0] != rows:
                 smd, posd = smd[:rows], posd[:rows]
-            d = self._dev = (dev, rows, qd, smd, posd)
-        return make_common(
-            query_start_loc=d[2], seq_lens=dev[1], block_table_tensor=dev[2], slot_mapping=d[3], positions=d[4],
-            query_start_loc_cpu=self.qsl_ro, seq_lens_cpu=self.sl_ro, seq_lens_cpu_upper_bound=self.ub_ro,
-            num_computed_tokens_cpu=self.nc_ro, block_table_cpu=self.bt_ro, slot_mapping_cpu=sm, positions_cpu=pos,
-            is_prefilling=self.pre_ro, num_decode_draft_tokens_cpu=self.ddt_ro, num_reqs=self.num_reqs,
-            num_actual_tokens=Tp, max_query_len=spec.max_query_len, max_seq_len=spec.max_seq_len,
-            block_size=self.block_size, causal=causal, num_real_reqs=B, num_real_tokens=T,
-        )
+            fixed = self._fixed_host_fields(rows)
+            fixed.update(query_start_loc=dev[0][: self.num_reqs + 1] if self.graph else dev[0], seq_lens=dev[1],
+                         block_table_tensor=dev[2], slot_mapping=smd, positions=posd)
+            assert len(fixed) + len(_COMMON_PER_STEP) == len(_COMMON_FIELDS), "a metadata field is not written"
+            d = self._dev = (dev, rows, [fixed.get(n) for n in _COMMON_FIELDS])
+        v = d[2].copy()
+        v[_C_TOKENS], v[_C_MAX_Q], v[_C_MAX_SEQ], v[_C_CAUSAL], v[_C_REAL_REQS], v[_C_REAL_TOKENS] = (
+            Tp, spec.max_query_len, spec.max_seq_len, causal, B, T)
+        cm: CommonAttentionMetadata = _make_common_positional(*v)
+        return cm
 
     def query_start_loc_rows(self, step: Step, rows: int) -> tuple[torch.Tensor, np.ndarray]:
         """The device and read-only host views of ``query_start_loc``'s first ``rows`` entries of a
@@ -237,44 +300,51 @@ class CommonWriter:
             found = cache[rows] = (dev[0].as_strided((rows,), (1,)), self.qsl_ro[:rows])
         return found  # type: ignore[no-any-return]
 
+    def _indices_cpu(self, num_pages: int) -> np.ndarray:
+        """Read-only host view of the first ``num_pages`` page indices (cached per page count)."""
+        c = self._idx_host
+        if c[0] != num_pages:
+            c = self._idx_host = (num_pages, self._indices_ro[:num_pages])
+        view: np.ndarray = c[1]
+        return view
+
     def paged_host(self, num_pages: int) -> PagedKV:
         """The paged-KV host arrays of a step of this layout with ``num_pages`` pages (read-only views)."""
         p = self._paged_host
         if p[0] != num_pages:
-            ro = self.group.frozen
-            p = self._paged_host = (num_pages, PagedKV(self._indptr_ro, self._indices_ro[:num_pages], ro[6]))
+            p = self._paged_host = (num_pages, PagedKV(self._indptr_ro, self._indices_cpu(num_pages),
+                                                       self.group.frozen[6]))
         host: PagedKV = p[1]
         return host
 
-    def paged_indices(self, step: Step, num_pages: int) -> tuple[torch.Tensor, np.ndarray]:
-        """The device and read-only host views of the first ``num_pages`` page indices of a committed
-        step of this layout (cached while the page count stays the same; a new pair of views when it
-        changes, never a view handed out before resized)."""
-        dev = self.group.device(step)
-        p = self._paged_dev
-        if p[0] is not dev or p[1] != num_pages:
-            full = self._idx_dev
-            if full is None or p[0] is not dev:
-                full = self._idx_dev = step.device_full(self._idx_name) if self.graph else dev[7]
-            # as_strided: the view a slice would make, at a fraction of the cost
-            p = self._paged_dev = (dev, num_pages, full.as_strided((num_pages,), (1,)),
-                                   self._indices_ro[:num_pages])
-        return p[2], p[3]
-
     def paged_metadata(self, step: Step, num_pages: int) -> PagedKVMetadata:
         """The :class:`PagedKVMetadata` of a committed step of this layout with ``num_pages`` pages
-        (the same object while the device views and the page count stay the same)."""
-        indices, indices_cpu = self.paged_indices(step, num_pages)
-        meta: PagedKVMetadata | None = self._paged_meta
-        if meta is None or meta.paged_kv_indices is not indices:
-            dev = self.group.device(step)
-            h = self.paged_host(num_pages)
+        (the same object while the step's device views and the page count stay the same; a new object
+        with new index views when either changes, never a view handed out before resized).
+
+        Raises
+        ------
+        StepNotCommittedError, StepExpiredError
+            As :meth:`attnmeta.staging.Step.device`.
+        """
+        dev = self.group.device(step)
+        c = self._paged_meta
+        if c[0] is dev and c[1] == num_pages:
+            meta: PagedKVMetadata = c[2]
+            return meta
+        t = self._paged_template
+        if t[0] is not dev:  # the fields that do not depend on the page count, for this step's views
+            full = step.device_full(self._idx_name) if self.graph else dev[7]
             indptr = dev[5] if dev[5].shape[0] == self.num_reqs + 1 else dev[5][: self.num_reqs + 1]
-            meta = self._paged_meta = make_paged(
-                paged_kv_indptr=indptr, paged_kv_indices=indices, paged_kv_last_page_len=dev[6],
-                paged_kv_indptr_cpu=h.paged_kv_indptr, paged_kv_indices_cpu=indices_cpu,
-                paged_kv_last_page_len_cpu=h.paged_kv_last_page_len, num_pages=num_pages, page_size=self.block_size,
-            )
+            fixed = dict(paged_kv_indptr=indptr, paged_kv_last_page_len=dev[6], paged_kv_indptr_cpu=self._indptr_ro,
+                         paged_kv_last_page_len_cpu=self.group.frozen[6], page_size=self.block_size)
+            t = self._paged_template = (dev, full, [fixed.get(n) for n in _PAGED_FIELDS])
+        v = t[2].copy()
+        # as_strided: the view a slice would make, at a fraction of the cost
+        v[_PK_INDICES], v[_PK_INDICES_CPU], v[_PK_NUM_PAGES] = (
+            t[1].as_strided((num_pages,), (1,)), self._indices_cpu(num_pages), num_pages)
+        meta = _make_paged_positional(*v)
+        self._paged_meta = (dev, num_pages, meta)
         return meta
 
 

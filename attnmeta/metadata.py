@@ -285,10 +285,6 @@ class CommonAttentionMetadata(MetadataBase):
                 raise ValueError(f"{dev} shape {tuple(d.shape)} != its host twin {host} shape {h.shape}")
 
 
-make_common = keyword_factory(CommonAttentionMetadata)
-"""Keyword constructor of :class:`CommonAttentionMetadata` for builders (:func:`attnmeta._fields.keyword_factory`)."""
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
 class CommonHost(MetadataBase):
     """The host part of a staged common metadata (:attr:`StagedCommon.host`).
@@ -390,10 +386,6 @@ class CommonHost(MetadataBase):
             )
             found = self.splits[key] = SplitCounts(int(nd), int(np_), int(ndt), int(npt))
         return found
-
-
-make_host = keyword_factory(CommonHost)
-"""Keyword constructor of :class:`CommonHost` for builders."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)

@@ -23,9 +23,11 @@ staging buffer take ``out=``. The builders of :mod:`attnmeta.backends.mamba` cal
 :func:`chunk_layout_nb` (inside :func:`attnmeta.host.mamba.mamba_fill_nb`), :func:`logical_chunks_nb`
 and :func:`token_seq_idx_nb` on the staged views directly.
 
-This module is longer than the house's ~800 lines: it holds the four formats of the same prefill
-tokens, each a compiled kernel behind a validating wrapper, and they share their input checks and
-error codes; split apart, each piece would import the others' private helpers.
+Why one module
+--------------
+It holds the four formats of the same prefill tokens, each a compiled kernel behind a validating
+wrapper, and they share their input checks and error codes; split apart, each piece would import the
+others' private helpers.
 
 Shape legend
 ------------

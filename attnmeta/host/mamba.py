@@ -1,19 +1,26 @@
 """Mamba-family host derivations: state indices, prefill/decode classification, prefill checkpoints.
 
-- :func:`mamba_state_indices`: vLLM's ``mamba_get_block_table_tensor`` (docs/semantics-mamba.md, "State indices"),
-  gathered on the host from the host block table and the exact sequence lengths.
+- :func:`mamba_state_indices`: vLLM's ``mamba_get_block_table_tensor`` (docs/semantics-mamba.md,
+  "State indices"), gathered on the host from the host block table and the exact sequence lengths.
 - :func:`classify_mamba_rows`: the prefill -> decode moves of the Mamba builders' classification
-  (docs/semantics-mamba.md, "Classification"): one-token chunks that continue existing state, and prompt tails padded with
-  placeholder drafts.
-- :func:`prefill_checkpoints`: the "align"-mode prefill checkpoints (docs/semantics-mamba.md, "Prefill
-  checkpoints"): the offset into each
-  prefill's query where a checkpoint state is exported, its block-table column and its state index.
-- ``mamba_fill_nb`` (private): one step of the Mamba2 / Mamba1 builders of
-  :mod:`attnmeta.backends.mamba` in one compiled call, composed of the kernels behind the public
-  functions here and in :mod:`attnmeta.host.layout`, :mod:`~attnmeta.host.split`,
-  :mod:`~attnmeta.host.conv1d` and :mod:`~attnmeta.host.chunks` (classification, split, state
-  indices, prefill query starts and contexts, causal-conv1d programs, checkpoints, chunk-aligned
-  layout), writing into the arrays the builder passes by name (views of its staged fields).
+  (docs/semantics-mamba.md, "Classification"): one-token chunks that continue existing state, and
+  prompt tails padded with placeholder drafts.
+- :func:`prefill_checkpoints`: the "align"-mode prefill checkpoints (docs/semantics-mamba.md,
+  "Prefill checkpoints"): the offset into each prefill's query where a checkpoint state is exported,
+  its block-table column and its state index.
+- ``mamba_fill_nb``: one step of the Mamba2 / Mamba1 builders of :mod:`attnmeta.backends.mamba` in
+  one compiled call, composed of the kernels behind the public functions here and in
+  :mod:`attnmeta.host.layout`, :mod:`~attnmeta.host.split`, :mod:`~attnmeta.host.conv1d` and
+  :mod:`~attnmeta.host.chunks` (classification, split, state indices, prefill query starts and
+  contexts, causal-conv1d programs, checkpoints, chunk-aligned layout), writing into the arrays the
+  builder passes by name (views of its staged fields).
+
+Why one module
+--------------
+The three derivations share their per-row classification rules, and ``mamba_fill_nb`` composes them
+with the chunk and conv1d kernels into the one call a step makes; keeping the rules and their
+composition side by side is what keeps the fill path and the public functions computing the same
+bytes (the tests compare them field by field).
 
 All numpy in, numpy out, compiled with numba; never imports torch.
 
