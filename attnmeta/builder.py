@@ -253,7 +253,9 @@ def get_builder(name: str) -> Builder[Any, Any]:
     KeyError
         No such builder; the message lists the registered names.
     """
-    found = registry().get(name)
+    found = _REGISTRY.get(name)
+    if found is None:
+        found = registry().get(name)  # the built-in builders register when attnmeta.backends is imported
     if found is None:
         raise KeyError(f"no builder named {name!r}; registered: {sorted(_REGISTRY)}")
     return found

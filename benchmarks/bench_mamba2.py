@@ -1,7 +1,7 @@
 """Benchmark: the whole Mamba2 prefill-step build, attnmeta vs the engine's per-request loops.
 
 For 1, 16, 64, 256 and 1024 prefills (chunk size 256, 1..2048 new tokens per prompt, every second
-prompt continuing an unaligned context of 1..8192 tokens; see :mod:`attnmeta._bench_mamba2`) and in
+prompt continuing an unaligned context of 1..8192 tokens; see :mod:`attnmeta.bench.mamba2`) and in
 three modes (``plain``: ``"none"`` cache mode, one state block per request; ``align``: ``"align"``
 cache mode; ``align+ckpt``: with prefill checkpoints) three paths build the same metadata of a Mamba
 KV-cache group (no per-token positions / slot mapping: vLLM's ``SlotMappingMode.NONE``), from the
@@ -28,7 +28,7 @@ GPU machine, ``--floor`` for the memory floor of the format (bytes any implement
 their write / copy time), ``--steady`` for attnmeta's step alone in a steady loop, both repeating one
 step and walking 16 distinct steps of each size; absolute times are only meaningful on the machine
 that produced them). Every path of the interleaved comparison walks the same 16 distinct steps per
-size (:data:`attnmeta._bench_mamba2.WALK`).
+size (:data:`attnmeta.bench.mamba2.WALK`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnmeta import BatchSpec, Stager, stage_common
-from attnmeta._bench_mamba2 import (
+from attnmeta.backends.mamba import block_table_columns, mamba2
+from attnmeta.bench import count_path
+from attnmeta.bench.mamba2 import (
     MODES,
     SIZES,
     WALK,
@@ -60,8 +62,6 @@ from attnmeta._bench_mamba2 import (
     prefill_step_specs,
     prefill_step_walks,
 )
-from attnmeta.backends.mamba import block_table_columns, mamba2
-from attnmeta.bench import count_path
 from attnmeta.builder import build
 
 TARGET_RATIO = 20.0

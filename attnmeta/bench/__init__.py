@@ -8,6 +8,8 @@ says what each measures and quotes its figures. Its modules, each importing only
   sync and copy counting (:func:`count_path`), :func:`measure` -> :class:`BenchRow`;
 - :mod:`~attnmeta.bench.report`: :func:`format_table`, :func:`markdown_table`, :func:`plot`,
   :func:`write_json` / :func:`read_json`;
+- :mod:`~attnmeta.bench.mamba2`: the Mamba2 prefill-step workload and its cases (three builder
+  configurations, :data:`~attnmeta.bench.mamba2.MODES`);
 - :mod:`~attnmeta.bench.scenarios`: the curated scenarios (staging, decode with the fused path,
   mixed, spec decode, fast prefill, local attention, the common metadata alone, Mamba2);
 - :mod:`~attnmeta.bench.builders`: a scenario ``builder:<name>`` for every registered builder;
@@ -39,10 +41,6 @@ from attnmeta.bench.harness import (
 from attnmeta.bench.report import format_table, markdown_table, plot, read_json, write_json
 from attnmeta.bench.scenarios import decode_walks, fused_step, spec_decode_walks
 from attnmeta.bench.suite import run_bench, scenario_names, scenarios
-
-# benchmarks/bench_mamba2.py (owned elsewhere) still imports the counting pass by its old private
-# name; this alias goes when the Mamba scenarios move into this package.
-_count = count_path
 
 __all__ = [
     "BenchRow",

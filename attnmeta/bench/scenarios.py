@@ -30,6 +30,7 @@ import torch
 
 from attnmeta.backends import flash_attn, flashinfer
 from attnmeta.bench.harness import Case, Uploads, blocking_uploader, pinned_uploader
+from attnmeta.bench.mamba2 import mamba2_cases
 from attnmeta.common import stage_common
 from attnmeta.spec import BatchSpec, spec_arguments
 from attnmeta.staging import Staged, Stager
@@ -504,9 +505,6 @@ def mamba2_prefill(device: torch.device, quick: bool) -> list[Case]:
     list of Case
         One per number of prefills.
     """
-    # Imported here: the Mamba scenario module imports this package (its Case and uploaders).
-    from attnmeta._bench_mamba2 import mamba2_cases
-
     return mamba2_cases(device, quick)
 
 

@@ -1,4 +1,5 @@
-"""Bench cases of the Mamba2 prefill-step build, for ``python -m attnmeta bench`` and benchmarks/bench_mamba2.py.
+"""The Mamba2 prefill-step scenario: its workload and bench cases (``python -m attnmeta bench``,
+benchmarks/bench_mamba2.py).
 
 One case per batch size (number of prefills); every path performs one whole step, from the host
 description to device tensors:
@@ -43,8 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnmeta._bench_scenarios import _raw_uploader, _uploader
-from attnmeta.bench import Case, Uploads
+from attnmeta.bench.harness import Case, Uploads, blocking_uploader, pinned_uploader
 from attnmeta.host.mamba import CheckpointConfig
 from attnmeta.spec import BatchSpec
 from attnmeta.testing.workloads import mixed_spec
@@ -167,7 +167,7 @@ def _case(specs: list[BatchSpec], device: torch.device, mode: str = "plain") -> 
         ups["attnmeta"].bytes += st.bytes - nbytes
         return m
 
-    raw = _raw_uploader(device, ups["reference"])
+    raw = blocking_uploader(device, ups["reference"])
     lists = _list_uploader(device, ups["reference"])
     host_t = [(torch.from_numpy(s.num_computed_tokens), torch.from_numpy(s.num_scheduled_tokens),
                torch.from_numpy(s.num_prompt_tokens)) for s in specs if s.num_prompt_tokens is not None]
@@ -215,7 +215,7 @@ def _case(specs: list[BatchSpec], device: torch.device, mode: str = "plain") -> 
             out["batch_ptr"] = conv["batch_ptr"]
         return out
 
-    per = _uploader(device, ups["per-tensor"])
+    per = pinned_uploader(device, ups["per-tensor"])
 
     def per_tensor_step() -> Any:
         i = nxt("per-tensor")
