@@ -110,14 +110,11 @@ def keyword_factory(cls: type[T]) -> Callable[..., T]:
     ``make = keyword_factory(Cls)`` takes the same keyword arguments as ``Cls(...)`` (same defaults,
     a missing or unknown field is the same ``TypeError``) and returns an ordinary frozen instance of
     ``Cls``. It sets the fields with plain slot stores instead of the frozen ``__init__``'s
-    ``object.__setattr__`` per field: the stores go to an instance of a *twin* of ``Cls`` (the same
-    fields and slot layout, not frozen, made by :func:`dataclasses.make_dataclass`), whose
-    ``__post_init__`` then switches the instance's class to ``Cls``. For a 20-field metadata type that
-    is less than half the cost of ``Cls(...)`` (docs/benchmarks.md), which matters to a builder
-    that builds one per step.
-
-    Where a base of ``Cls`` other than :class:`MetadataBase` defines ``__setattr__`` (a frozen
-    dataclass subclassed), the twin could not store the inherited fields: ``Cls`` itself is returned.
+    ``object.__setattr__`` call per field: the stores go to an instance of a subclass of ``Cls`` that
+    adds no slots and restores plain attribute setting, whose ``__init__`` (that of a non-frozen
+    dataclass of the same fields) ends by switching the instance's class to ``Cls``. For a metadata
+    type of 20 fields or more that is a third of the cost of ``Cls(...)`` (docs/benchmarks.md), which
+    matters to a builder that builds one per step. Any frozen dataclass works, frozen bases included.
 
     Examples
     --------
@@ -133,8 +130,6 @@ def keyword_factory(cls: type[T]) -> Callable[..., T]:
     Traceback (most recent call last):
     dataclasses.FrozenInstanceError: cannot assign to field 'a'
     """
-    if any("__setattr__" in vars(b) for b in cls.__mro__[1:-1]):
-        return cls
     specs: list[tuple[str, Any, Any]] = []
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.default is not dataclasses.MISSING:
@@ -165,20 +160,24 @@ def positional_factory(cls: type[T]) -> Callable[..., T]:
     >>> type(p) is Pair, p.a, p.b
     (True, 7, 8)
     """
-    if any("__setattr__" in vars(b) for b in cls.__mro__[1:-1]):
-        return lambda *values: cls(**dict(zip([f.name for f in dataclasses.fields(cls)], values)))  # type: ignore[arg-type]
     return _twin(cls, [(f.name, f.type) for f in dataclasses.fields(cls)], kw_only=False)  # type: ignore[arg-type]
 
 
 def _twin(cls: type[T], specs: list[Any], *, kw_only: bool) -> Callable[..., T]:
-    """A non-frozen dataclass with ``cls``'s bases and fields (so ``cls``'s slot layout) whose
-    ``__init__`` stores every field and then switches the instance to ``cls``."""
+    """A subclass of ``cls`` under construction: no slots of its own (so ``cls``'s layout, and the
+    instance can become a ``cls``), ``object``'s attribute setting (both ``__setattr__`` and
+    ``__delattr__``, so CPython keeps its C fast path), and the ``__init__`` of a non-frozen dataclass
+    of ``specs`` (plain ``self.name = value`` stores) that ends by switching the instance to ``cls``."""
 
     def become_frozen(self: Any) -> None:
         self.__class__ = cls
 
-    twin = dataclasses.make_dataclass(
-        f"_{cls.__name__}UnderConstruction", specs, bases=cls.__bases__,
-        namespace={"__post_init__": become_frozen}, kw_only=kw_only, slots=True, eq=False, repr=False,
+    fields_only = dataclasses.make_dataclass(
+        f"_{cls.__name__}Fields", specs, namespace={"__post_init__": become_frozen}, kw_only=kw_only, eq=False,
+        repr=False,
     )
-    return twin  # type: ignore[return-value]
+    init = vars(fields_only)["__init__"]
+    return type(f"_{cls.__name__}UnderConstruction", (cls,), {  # type: ignore[return-value]
+        "__slots__": (), "__init__": init, "__post_init__": become_frozen,
+        "__setattr__": object.__setattr__, "__delattr__": object.__delattr__,
+    })

@@ -775,8 +775,9 @@ def _metadata_classes() -> list[type]:
 
 @pytest.mark.parametrize("cls", _metadata_classes(), ids=lambda c: c.__name__)
 def test_keyword_factory_makes_ordinary_frozen_instances(cls: type) -> None:
-    """The builders' keyword constructor gives the same object the dataclass __init__ would."""
-    from attnmeta._fields import keyword_factory
+    """The builders' keyword and positional constructors give the same object the dataclass __init__
+    would (frozen bases included: the Mamba types share a frozen base)."""
+    from attnmeta._fields import keyword_factory, positional_factory
 
     names = [f.name for f in dataclasses.fields(cls)]
     values = {n: object() for n in names}
@@ -790,3 +791,5 @@ def test_keyword_factory_makes_ordinary_frozen_instances(cls: type) -> None:
     assert [getattr(reference, n) for n in names] == [getattr(made, n) for n in names]
     with pytest.raises(TypeError):
         keyword_factory(cls)(**values, not_a_field=1)
+    positional = positional_factory(cls)(*values.values())
+    assert type(positional) is cls and [getattr(positional, n) for n in names] == list(values.values())

@@ -945,8 +945,9 @@ def test_options_are_validated_when_constructed() -> None:
 
 
 def test_metadata_objects_take_the_fast_keyword_constructor() -> None:
-    """No metadata type of the family inherits from a frozen dataclass, so keyword_factory gives each
-    its fast constructor (a twin class), and the objects are ordinary frozen instances."""
+    """keyword_factory gives every metadata type of the family its fast constructor (a twin class),
+    the two that share the frozen MambaMetadata base included, and the objects are ordinary frozen
+    instances."""
     from attnmeta._fields import keyword_factory
     from attnmeta.backends.mamba import (
         LinearAttentionMetadata,

@@ -4,9 +4,7 @@
   runs in ``__post_init__`` (cache mode, mamba block size, namespace, checkpoints).
 - :class:`MambaMetadata`: the base of :class:`~attnmeta.backends.mamba.Mamba2Metadata` and
   :class:`~attnmeta.backends.mamba.Mamba1Metadata` (vLLM's ``BaseMambaAttentionMetadata``): the
-  roles of the shared fields. It is a plain class, not a dataclass, so that each concrete metadata
-  type is a frozen dataclass without a frozen base and builds through
-  :func:`attnmeta._fields.keyword_factory`'s fast constructor.
+  fields they share, declared once.
 - :class:`MambaHost`: the host part of a staged Mamba2 / Mamba1 metadata.
 - :func:`block_table_columns` / :func:`common_needs`: the common metadata a Mamba builder reads.
 
@@ -25,6 +23,7 @@ import functools
 from typing import Any, ClassVar, Literal
 
 import numpy as np
+import torch
 
 from attnmeta._checks import option_choice, option_int, option_prefix
 from attnmeta._fields import MetadataBase, keyword_factory
@@ -37,7 +36,7 @@ from attnmeta.host.mamba import (
     mamba_state_indices,
 )
 from attnmeta.host.split import SplitCounts
-from attnmeta.metadata import CommonHost
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost
 from attnmeta.spec import BatchSpec
 
 __all__ = [
@@ -169,13 +168,13 @@ def state_indices_error(common: CommonHost, rows: slice, bs_m: int, mode: str, n
 # ------------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
 class MambaMetadata(MetadataBase):
     """Fields shared by the Mamba builders (vLLM's ``BaseMambaAttentionMetadata``; docs/semantics-mamba.md,
     "Fields shared by the Mamba builders").
 
     The base class of :class:`~attnmeta.backends.mamba.Mamba2Metadata` and
-    :class:`~attnmeta.backends.mamba.Mamba1Metadata`, which declare the fields (described there);
-    it holds their roles. ``None`` follows vLLM: the prefill fields are ``None`` when
+    :class:`~attnmeta.backends.mamba.Mamba1Metadata`. ``None`` follows vLLM: the prefill fields are ``None`` when
     ``num_prefills == 0``; the spec-decode fields when spec decode is off or ``num_decodes == 0``; the
     causal-conv1d fields also when the options turn them off. ``state_indices_tensor_p`` /
     ``state_indices_tensor_d`` are always tensors (empty when their part is), as vLLM splits them from
@@ -183,7 +182,6 @@ class MambaMetadata(MetadataBase):
     ``replayssm_scratch``, ``replayssm_state_indices_d``) are not produced and are always ``None``.
     """
 
-    __slots__ = ()
 
     _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = (
         "has_initial_states_p",
@@ -231,6 +229,96 @@ class MambaMetadata(MetadataBase):
         ("batch_ptr", "batch_ptr_cpu"),
         ("token_chunk_offset_ptr", "token_chunk_offset_ptr_cpu"),
     )
+
+    common: CommonAttentionMetadata
+    """The step's common metadata (the same device views, not copies)."""
+    num_prefills: int
+    """Prefill rows ``P``: rows ``[D, B)``, from the first row that is a prefill after the moves
+    (padding rows after it count here, as in vLLM)."""
+    num_prefill_tokens: int
+    """Tokens of the prefill rows, token padding included (vLLM's count)."""
+    num_decodes: int
+    """Decode rows ``D``: rows ``[0, D)`` (zero-length rows before the first prefill count here)."""
+    num_decode_tokens: int
+    """Tokens of the decode rows (all tokens, padding included, when every row decodes)."""
+    num_reqs: int
+    """Request rows ``B``, padding included (``D + P``)."""
+    conv1d_num_programs_total: int
+    """``tot``: causal-conv1d programs launched (vLLM ``nums_dict[8]["tot"]``); 0 without them."""
+    conv1d_max_num_programs: int
+    """Length of ``batch_ptr`` / ``token_chunk_offset_ptr``: ``2 * max(1024, tot)`` (vLLM's
+    ``MAX_NUM_PROGRAMS``), the fixed capacity in graph mode; 0 without them."""
+    has_initial_states_p: torch.Tensor | None
+    """(num_prefills,) bool, device, or None without prefills. Whether each prefill row continues a
+    state: ``num_computed_tokens_p > 0``."""
+    query_start_loc_p: torch.Tensor | None
+    """(num_prefills + 1,) int32, device, or None without prefills. ``query_start_loc[-P-1:] -
+    num_decode_tokens``: query starts of the prefill rows, from 0."""
+    state_indices_tensor_p: torch.Tensor
+    """(num_prefills,) int32, device. State slot of each prefill row: column 0 of the state indices
+    (``block_table[i, start_i]``, docs/semantics-mamba.md, "State indices")."""
+    state_indices_tensor_d: torch.Tensor
+    """(num_decodes, 1 + num_spec_tokens) int32, device (Mamba1: one column). State slots of each decode row:
+    ``block_table[i, start_i + j]``. In graph mode a view of a fixed ``(max_num_reqs, 1 + k)`` buffer
+    whose rows past ``D`` hold ``NULL_BLOCK_ID = 0``."""
+    query_start_loc_d: torch.Tensor | None
+    """(num_decodes + 1,) int32, device, or None (spec decode off or no decodes; always None for Mamba1).
+    ``query_start_loc[:D + 1]``, a view of the common ``query_start_loc``."""
+    num_accepted_tokens: torch.Tensor | None
+    """(num_decodes,) int32, device, or None (as ``query_start_loc_d``). The step's accepted-token
+    counts of the decode rows (padding rows 1), or ``diff(query_start_loc_d)`` when none were given.
+    Graph mode: a view of a fixed buffer whose rows past ``D`` hold 1."""
+    seq_lens: torch.Tensor
+    """(num_reqs,) int32, device. The common ``seq_lens`` (the same view)."""
+    batch_ptr: torch.Tensor | None
+    """(conv1d_max_num_programs,) int32, device, or None. Prefill row of each causal-conv1d program
+    (``repeat(arange(P), cdiv(query_len_p, 8))``), then -1 (``PAD_SLOT_ID``)."""
+    token_chunk_offset_ptr: torch.Tensor | None
+    """(conv1d_max_num_programs,) int32, device, or None. Which 8-token block of its row each program
+    handles, then -1."""
+    has_initial_states_p_cpu: np.ndarray | None
+    """(num_prefills,) bool, host twin of ``has_initial_states_p``."""
+    query_start_loc_p_cpu: np.ndarray | None
+    """(num_prefills + 1,) int32, host twin of ``query_start_loc_p``."""
+    state_indices_tensor_p_cpu: np.ndarray
+    """(num_prefills,) int32, host twin of ``state_indices_tensor_p``."""
+    state_indices_tensor_d_cpu: np.ndarray
+    """(num_decodes, 1 + num_spec_tokens) int32, host twin of ``state_indices_tensor_d``."""
+    query_start_loc_d_cpu: np.ndarray | None
+    """(num_decodes + 1,) int32, host twin of ``query_start_loc_d`` (a view of the common host qsl)."""
+    num_accepted_tokens_cpu: np.ndarray | None
+    """(num_decodes,) int32, host twin of ``num_accepted_tokens``."""
+    seq_lens_cpu: np.ndarray
+    """(num_reqs,) int32, host twin of ``seq_lens`` (the common ``seq_lens_cpu``)."""
+    batch_ptr_cpu: np.ndarray | None
+    """(conv1d_max_num_programs,) int32, host twin of ``batch_ptr`` (graph mode: the first ``tot``
+    entries; the device buffer holds -1 after them)."""
+    token_chunk_offset_ptr_cpu: np.ndarray | None
+    """(conv1d_max_num_programs,) int32, host twin of ``token_chunk_offset_ptr`` (graph mode: the
+    first ``tot`` entries)."""
+    num_computed_tokens_p_cpu: np.ndarray | None
+    """(num_prefills,) int32, host only, or None without prefills. Tokens already in each prefill
+    row's state: ``seq_lens_cpu_upper_bound[D:] - query_lens_p``."""
+    conv1d_nums_cpu: np.ndarray | None
+    """(num_prefills,) int32, host only. Causal-conv1d programs per prefill row (vLLM ``nums``)."""
+    conv1d_mlist_cpu: np.ndarray | None
+    """(num_programs_total,) int64, host only. Prefill row of each program (vLLM ``mlist``)."""
+    conv1d_offsetlist_cpu: np.ndarray | None
+    """(num_programs_total,) int32, host only. Block of its row each program handles (``offsetlist``)."""
+    nums_dict: dict[int, dict[str, Any]] | None
+    """vLLM's ``nums_dict``: ``{8: {"nums", "tot", "mlist", "mlist_len", "offsetlist", "batch_ptr",
+    "token_chunk_offset_ptr"}}`` with the host arrays above (numpy, where vLLM has CPU tensors) and
+    the two device tensors; None without causal-conv1d metadata."""
+    write_pos_d: None = None
+    """ReplaySSM only: not produced (always None)."""
+    is_flush_d: None = None
+    """ReplaySSM only: not produced (always None)."""
+    bc_pre_scratch: None = None
+    """ReplaySSM only: not produced (always None)."""
+    replayssm_scratch: None = None
+    """ReplaySSM only: not produced (always None)."""
+    replayssm_state_indices_d: None = None
+    """ReplaySSM only: not produced (always None)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)

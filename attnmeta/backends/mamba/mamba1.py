@@ -34,7 +34,7 @@ from attnmeta.backends.mamba._shared import (
     common_needs,
 )
 from attnmeta.builder import Builder, CommonNeeds, register
-from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
+from attnmeta.metadata import StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Step
 
@@ -84,80 +84,6 @@ class Mamba1Metadata(MambaMetadata):
     >>> m.query_start_loc_p_cpu, m.has_initial_states_p_cpu, m.query_start_loc_d
     (array([0, 5], dtype=int32), array([ True]), None)
     """
-
-    # The shared Mamba fields: the same declarations as Mamba2Metadata's (documented there).
-    common: CommonAttentionMetadata
-    """The step's common metadata (the same device views, not copies)."""
-    num_prefills: int
-    """Prefill rows ``P`` (rows ``[D, B)``)."""
-    num_prefill_tokens: int
-    """Tokens of the prefill rows, token padding included."""
-    num_decodes: int
-    """Decode rows ``D`` (rows ``[0, D)``)."""
-    num_decode_tokens: int
-    """Tokens of the decode rows."""
-    num_reqs: int
-    """Request rows ``B``, padding included."""
-    conv1d_num_programs_total: int
-    """``tot``: causal-conv1d programs; 0 without them."""
-    conv1d_max_num_programs: int
-    """Length of ``batch_ptr`` / ``token_chunk_offset_ptr``; 0 without them."""
-    has_initial_states_p: torch.Tensor | None
-    """(num_prefills,) bool, device, or None without prefills. ``num_computed_tokens_p > 0``."""
-    query_start_loc_p: torch.Tensor | None
-    """(num_prefills + 1,) int32, device, or None without prefills. Prefill query starts, from 0."""
-    state_indices_tensor_p: torch.Tensor
-    """(num_prefills,) int32, device. State slot of each prefill row."""
-    state_indices_tensor_d: torch.Tensor
-    """(num_decodes, 1) int32, device. State slot of each decode row."""
-    query_start_loc_d: torch.Tensor | None
-    """Always None (Mamba1 has no spec decode)."""
-    num_accepted_tokens: torch.Tensor | None
-    """Always None (Mamba1 has no spec decode)."""
-    seq_lens: torch.Tensor
-    """(num_reqs,) int32, device. The common ``seq_lens`` (the same view)."""
-    batch_ptr: torch.Tensor | None
-    """(conv1d_max_num_programs,) int32, device, or None. Prefill row of each causal-conv1d program, then -1."""
-    token_chunk_offset_ptr: torch.Tensor | None
-    """(conv1d_max_num_programs,) int32, device, or None. 8-token block of its row each program handles, then -1."""
-    has_initial_states_p_cpu: np.ndarray | None
-    """(num_prefills,) bool, host twin of ``has_initial_states_p``."""
-    query_start_loc_p_cpu: np.ndarray | None
-    """(num_prefills + 1,) int32, host twin of ``query_start_loc_p``."""
-    state_indices_tensor_p_cpu: np.ndarray
-    """(num_prefills,) int32, host twin of ``state_indices_tensor_p``."""
-    state_indices_tensor_d_cpu: np.ndarray
-    """(num_decodes, 1) int32, host twin of ``state_indices_tensor_d``."""
-    query_start_loc_d_cpu: np.ndarray | None
-    """Always None."""
-    num_accepted_tokens_cpu: np.ndarray | None
-    """Always None."""
-    seq_lens_cpu: np.ndarray
-    """(num_reqs,) int32, host twin of ``seq_lens``."""
-    batch_ptr_cpu: np.ndarray | None
-    """(conv1d_max_num_programs,) int32, host twin of ``batch_ptr`` (graph mode: the first ``tot`` entries)."""
-    token_chunk_offset_ptr_cpu: np.ndarray | None
-    """(conv1d_max_num_programs,) int32, host twin of ``token_chunk_offset_ptr`` (graph mode: the first ``tot``)."""
-    num_computed_tokens_p_cpu: np.ndarray | None
-    """(num_prefills,) int32, host only, or None without prefills. Tokens already in each prefill row's state."""
-    conv1d_nums_cpu: np.ndarray | None
-    """(num_prefills,) int32, host only. Causal-conv1d programs per prefill row (vLLM ``nums``)."""
-    conv1d_mlist_cpu: np.ndarray | None
-    """(num_programs_total,) int64, host only. Prefill row of each program (vLLM ``mlist``)."""
-    conv1d_offsetlist_cpu: np.ndarray | None
-    """(num_programs_total,) int32, host only. Block of its row each program handles (``offsetlist``)."""
-    nums_dict: dict[int, dict[str, Any]] | None
-    """vLLM's ``nums_dict`` (see :attr:`Mamba2Metadata.nums_dict <attnmeta.backends.mamba.Mamba2Metadata.nums_dict>`)."""
-    write_pos_d: None = None
-    """ReplaySSM only: not produced (always None)."""
-    is_flush_d: None = None
-    """ReplaySSM only: not produced (always None)."""
-    bc_pre_scratch: None = None
-    """ReplaySSM only: not produced (always None)."""
-    replayssm_scratch: None = None
-    """ReplaySSM only: not produced (always None)."""
-    replayssm_state_indices_d: None = None
-    """ReplaySSM only: not produced (always None)."""
 
 
 _make_m1 = keyword_factory(Mamba1Metadata)
