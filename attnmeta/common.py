@@ -28,7 +28,7 @@ import torch
 
 from attnmeta._fields import positional_factory
 from attnmeta._numba import pool_threads
-from attnmeta.host.common import block_table_rows_par_nb, common_pass_config, common_pass_nb
+from attnmeta.host.common import block_table_rows_par_nb, common_pass_nb
 from attnmeta.host.paged import PagedKV, num_pages, paged_indices_par_nb, paged_kv_layout, paged_layout_nb
 from attnmeta.metadata import (
     CommonAttentionMetadata,
@@ -95,7 +95,6 @@ class CommonWriter:
     """
 
     __slots__ = (
-        "_config",
         "_dev",
         "_host_only",
         "_host_tpl",
@@ -107,6 +106,7 @@ class CommonWriter:
         "_paged_meta",
         "_paged_template",
         "_qsl_rows",
+        "_ranks",
         "block_size",
         "bt",
         "bt_ro",
@@ -148,15 +148,9 @@ class CommonWriter:
         self.num_reqs, self.columns, self.block_size = Bp, columns, block_size
         self.context_parallel = context_parallel
         cp = context_parallel
-        ranks = (1, 0, 1) if cp is None else (cp.world_size, cp.rank, cp.interleave)
+        self._ranks = (1, 0, 1) if cp is None else (cp.world_size, cp.rank, cp.interleave)
         self.token_arrays, self.paged = token_arrays, paged
         self.has_prompt, self.has_drafts, self.has_upper = has_prompt, has_drafts, has_upper
-        # The kernel's constants for this layout: serial, then with the row copies on numba's pool.
-        self._config = tuple(
-            common_pass_config(block_size, *ranks, has_prompt=has_prompt, has_drafts=has_drafts, has_upper=has_upper,
-                               token_arrays=token_arrays, copy_rows=serial, paged=paged)
-            for serial in (True, False)
-        )
         self.graph = step.profile is not None
         host = group.host
         self.qsl, self.sl, self.bt, self.sm, self.pos = host[:5]
@@ -202,27 +196,21 @@ class CommonWriter:
             With more, the block-table rows and page indices are copied on that many of numba's
             threads (:func:`attnmeta._numba.pool_threads`), around the call: the same bytes.
         """
-        prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
-        if threads == 1:
-            status = common_pass_nb(
-                spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
-                _EMPTY_I32 if prompt is None else prompt, _EMPTY_I32 if drafts is None else drafts,
-                _EMPTY_I32 if upper is None else upper, self._config[0], self.qsl, self.sl, self.bt, self.pos,
-                self.sm, self.ub, self.nc, self.pre, self.ddt, self.indptr, self.last, self.indices,
-            )
-        else:  # the same pass, with the block-table rows and the page indices copied on numba's pool
-            was = pool_threads(threads)
-            try:
+        ws, rank, il = self._ranks
+        serial = threads == 1
+        was = 0 if serial else pool_threads(threads)
+        try:
+            if not serial:  # the block-table rows (and below the page indices) copied on numba's pool
                 block_table_rows_par_nb(spec.block_table, self.bt, spec.num_reqs)
-                status = common_pass_nb(
-                    spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table,
-                    _EMPTY_I32 if prompt is None else prompt, _EMPTY_I32 if drafts is None else drafts,
-                    _EMPTY_I32 if upper is None else upper, self._config[1], self.qsl, self.sl, self.bt, self.pos,
-                    self.sm, self.ub, self.nc, self.pre, self.ddt, self.indptr, self.last, self.indices,
-                )
-                if self.paged and not status:
-                    paged_indices_par_nb(self.bt, self.indptr, self.indices, self.num_reqs)
-            finally:
+            status = common_pass_nb(
+                spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table, self.block_size, ws, rank, il,
+                spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound, self.token_arrays, serial, self.qsl, self.sl, self.bt, self.pos, self.sm, self.ub, self.nc,
+                self.pre, self.ddt, self.paged, self.indptr, self.last, self.indices,
+            )
+            if not serial and self.paged and not status:
+                paged_indices_par_nb(self.bt, self.indptr, self.indices, self.num_reqs)
+        finally:
+            if not serial:
                 numba.set_num_threads(was)
         if status:  # unreachable for a validated spec (kept as a guard)
             raise ValueError(f"stage_common: internal status {status}; the spec is inconsistent")

@@ -29,48 +29,9 @@ from attnmeta.host.layout import (
 from attnmeta.host.paged import paged_indices_nb, paged_layout_nb
 from attnmeta.spec import BatchSpec
 
-__all__ = ["block_table_rows_par_nb", "common_layout", "common_pass_config", "common_pass_nb"]
+__all__ = ["block_table_rows_par_nb", "common_layout", "common_pass_nb"]
 
 _SHORT_INDICES = 1 << 20  # common_pass_nb's status for an ``indices`` shorter than the page count
-
-
-def common_pass_config(
-    block_size: int,
-    world_size: int,
-    rank: int,
-    interleave: int,
-    *,
-    has_prompt: bool,
-    has_drafts: bool,
-    has_upper: bool,
-    token_arrays: bool,
-    copy_rows: bool,
-    paged: bool,
-) -> np.ndarray:
-    """The constants of one :func:`common_pass_nb` layout as the (10,) int64 host array it takes.
-
-    A layout's constants are fixed, so a caller builds this once and passes the one array each step
-    instead of ten scalars (each scalar costs a numba dispatch as much as an array does).
-
-    Parameters
-    ----------
-    block_size : int
-        Tokens per KV block (and per page of the paged layout).
-    world_size, rank, interleave : int
-        Decode context parallelism (1, 0, 1 without).
-    has_prompt, has_drafts, has_upper : bool
-        Whether the spec's ``num_prompt_tokens`` / ``num_draft_tokens`` / ``seq_lens_upper_bound`` are
-        given (the kernel reads its array argument only then).
-    token_arrays : bool
-        Compute ``positions`` and ``slot_mapping``.
-    copy_rows : bool
-        The kernel copies the block-table rows and page indices itself (False: the caller does, on
-        numba's thread pool).
-    paged : bool
-        Also write the paged-KV layout.
-    """
-    return np.array([block_size, world_size, rank, interleave, has_prompt, has_drafts, has_upper, token_arrays,
-                     copy_rows, paged], np.int64)
 
 
 @njit
@@ -78,10 +39,15 @@ def common_pass_nb(
     c: np.ndarray,
     q: np.ndarray,
     table: np.ndarray,
-    prompt: np.ndarray,
-    drafts: np.ndarray,
-    upper: np.ndarray,
-    config: np.ndarray,
+    block_size: int,
+    world_size: int,
+    rank: int,
+    interleave: int,
+    prompt: np.ndarray | None,
+    drafts: np.ndarray | None,
+    upper: np.ndarray | None,
+    do_tokens: bool,
+    copy_rows: bool,
     qsl: np.ndarray,
     seq_lens: np.ndarray,
     bt: np.ndarray,
@@ -91,12 +57,13 @@ def common_pass_nb(
     nc: np.ndarray,
     pre: np.ndarray,
     ddt: np.ndarray,
+    paged: bool,
     indptr: np.ndarray,
     last: np.ndarray,
     indices: np.ndarray,
 ) -> int:
     """The common metadata's compiled host pass (:func:`common_layout` is its validating wrapper),
-    and with ``paged`` (in ``config``) the paged-KV layout of every row from the block-table rows just written (still
+    and with ``paged`` the paged-KV layout of every row from the block-table rows just written (still
     in cache; page size = block size; :func:`attnmeta.host.paged.paged_layout_nb`): ``indptr`` (its
     entries past ``Bp + 1`` repeat the page count, a graph-mode sentinel), ``last`` and ``indices``
     (longer than the page count is fine; its tail is left as it is).
@@ -106,12 +73,10 @@ def common_pass_nb(
     mode: the tail repeats the total). With ``copy_rows`` False the caller has copied the real
     block-table rows (:func:`block_table_rows_par_nb`) and copies the page indices afterwards
     (:func:`attnmeta.host.paged.paged_indices_par_nb`): the same bytes, on numba's thread pool.
-    ``config`` is :func:`common_pass_config`'s array; ``prompt`` / ``drafts`` / ``upper`` are read only
-    when it says they are given. Returns 0, or a non-zero status for inputs a validated spec never has.
+    ``prompt`` / ``drafts`` / ``upper`` are the spec's optional arrays, ``None`` when it has none
+    (numba compiles a variant per combination, with the branches of the absent ones removed).
+    Returns 0, or a non-zero status for inputs a validated spec never has.
     """
-    block_size, world_size, rank, interleave = config[0], config[1], config[2], config[3]
-    has_prompt, has_drafts, has_upper = config[4] != 0, config[5] != 0, config[6] != 0
-    do_tokens, copy_rows, paged = config[7] != 0, config[8] != 0, config[9] != 0
     n = q.shape[0]
     status = _query_start_loc_nb(q, qsl)[0]
     status |= _seq_lens_nb(c, q, seq_lens)[0]
@@ -132,24 +97,30 @@ def common_pass_nb(
             code = _token_layout_nb(c, q, table, block_size, world_size, rank, interleave, True, True, positions,
                                     slots)[0]
         status |= code
+    Bp = bt.shape[0]
+    if upper is None:
+        for i in range(n):
+            ub[i] = seq_lens[i]
+    else:
+        for i in range(n):
+            ub[i] = upper[i]
     for i in range(n):
-        ub[i] = upper[i] if has_upper else seq_lens[i]
         nc[i] = c[i]
-        if has_drafts:
+    if drafts is not None:
+        for i in range(n):
             ddt[i] = drafts[i] if q[i] == drafts[i] + 1 else -1
-    for i in range(n, bt.shape[0]):
+        for i in range(n, Bp):
+            ddt[i] = -1
+    for i in range(n, Bp):
         for j in range(bt.shape[1]):
             bt[i, j] = 0
         ub[i] = 0
         nc[i] = 0
-        if has_drafts:
-            ddt[i] = -1
-    if has_prompt:
-        status |= _is_prefilling_nb(c, prompt, pre)[0]
-    else:
+    if prompt is None:
         pre[:] = False
+    else:
+        status |= _is_prefilling_nb(c, prompt, pre)[0]
     if paged:
-        Bp = bt.shape[0]
         code, _row, _col, total = paged_layout_nb(seq_lens, bt, block_size, False, indptr[: Bp + 1], indices, last)
         status |= code if total <= indices.shape[0] else _SHORT_INDICES
         if copy_rows and status == 0:  # (the unchecked copy: the spec's used block ids are validated)
@@ -236,18 +207,19 @@ def common_layout(
     has_d = spec.num_draft_tokens is not None
     if has_d and num_decode_draft_tokens is None:
         raise ValueError("num_decode_draft_tokens: a buffer is required when the spec has num_draft_tokens")
-    config = common_pass_config(
-        spec.block_size, ws, rank, il, has_prompt=spec.num_prompt_tokens is not None, has_drafts=has_d,
-        has_upper=spec.seq_lens_upper_bound is not None, token_arrays=True, copy_rows=True, paged=False,
-    )
     status = common_pass_nb(
         spec.num_computed_tokens,
         spec.num_scheduled_tokens,
         spec.block_table,
-        spec.num_prompt_tokens if spec.num_prompt_tokens is not None else _EMPTY_I32,
-        spec.num_draft_tokens if spec.num_draft_tokens is not None else _EMPTY_I32,
-        spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else _EMPTY_I32,
-        config,
+        spec.block_size,
+        ws,
+        rank,
+        il,
+        spec.num_prompt_tokens,
+        spec.num_draft_tokens,
+        spec.seq_lens_upper_bound,
+        True,
+        True,
         query_start_loc,
         seq_lens,
         block_table,
@@ -257,6 +229,7 @@ def common_layout(
         num_computed_tokens,
         is_prefilling,
         num_decode_draft_tokens if num_decode_draft_tokens is not None else _EMPTY_I32,
+        False,
         _EMPTY_I32,
         _EMPTY_I32,
         _EMPTY_I32,
