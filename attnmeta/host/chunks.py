@@ -198,6 +198,28 @@ def _segment_checked_nb(
 
 
 @njit
+def _segment_nb(
+    chunk_size: int, shift: int, start: int, seg_end: int, row: int, pos: int, count: int, cu: np.ndarray,
+    seq_idx: np.ndarray,
+) -> tuple[int, int]:
+    """Chunk one segment that starts at absolute position ``start`` and ends at packed position
+    ``seg_end`` (every chunk fits the buffers): a realigning chunk when ``start`` is off a multiple
+    of ``C``, then chunks of ``C`` tokens, the last one partial. Returns ``(seg_end, count)``."""
+    rem = start & (chunk_size - 1) if shift >= 0 else start % chunk_size
+    if rem != 0:
+        cu[count] = pos
+        seq_idx[count] = row
+        count += 1
+        pos += chunk_size - rem
+    while pos < seg_end:
+        cu[count] = pos
+        seq_idx[count] = row
+        count += 1
+        pos += chunk_size
+    return seg_end, count
+
+
+@njit
 def chunk_layout_nb(
     chunk_size: int,
     num_computed: np.ndarray,
@@ -217,12 +239,11 @@ def chunk_layout_nb(
 
     A row emits at most ``n // C + 4`` chunks (``n // C + 2`` without a checkpoint), so while that
     many fit below ``cap`` (always, with buffers sized by :func:`max_num_chunks`) the row is written
-    without per-chunk checks; without checkpoint offsets a loop of its own does it (the common case:
-    ~15% less time per row than the general loop's checkpoint tests). Each
-    segment's chunks are ``cu`` values ``pos, pos + C, ...`` up to the segment's end, the first one
-    (when the segment starts off a multiple of ``C``) ``min(C - start % C, length)`` tokens long;
-    the two segments are written out inline (a helper per segment, which numba does not inline, is
-    markedly slower).
+    without per-chunk checks (:func:`_segment_nb`, which LLVM inlines); without checkpoint offsets a
+    loop of its own does it (the common case: ~15% less time per row than the general loop's
+    checkpoint tests). Each segment's chunks are ``cu`` values ``pos, pos + C, ...`` up to the
+    segment's end, the first one (when the segment starts off a multiple of ``C``)
+    ``min(C - start % C, length)`` tokens long.
     """
     num_rows = num_computed.shape[0]
     if qsl[0] != 0:
@@ -231,7 +252,6 @@ def chunk_layout_nb(
     write_ckpt = ckpt_idx.shape[0] > 0
     cap = min(cu.shape[0] - 1, seq_idx.shape[0])
     shift = pow2_shift(chunk_size)  # masks and shifts replace divisions when >= 0
-    mask = chunk_size - 1
     pos = 0
     count = 0
     prev_end = 0
@@ -251,18 +271,7 @@ def chunk_layout_nb(
             if count + (n >> shift if shift >= 0 else n // chunk_size) + 2 > cap:
                 break
             prev_end = end
-            rem = c & mask if shift >= 0 else c % chunk_size
-            if rem != 0:
-                cu[count] = pos
-                seq_idx[count] = i
-                count += 1
-                pos += chunk_size - rem
-            while pos < end:
-                cu[count] = pos
-                seq_idx[count] = i
-                count += 1
-                pos += chunk_size
-            pos = end
+            pos, count = _segment_nb(chunk_size, shift, c, end, i, pos, count, cu, seq_idx)
             last[i] = count - 1
             if write_ckpt:
                 ckpt_idx[i] = -1
@@ -295,37 +304,14 @@ def chunk_layout_nb(
             last[i] = count - 1
             continue
         if k > 0:  # the checkpoint segment [c, c + k)
-            seg_end = pos + k
-            rem = c & mask if shift >= 0 else c % chunk_size
-            if rem != 0:
-                cu[count] = pos
-                seq_idx[count] = i
-                count += 1
-                pos += chunk_size - rem
-            while pos < seg_end:
-                cu[count] = pos
-                seq_idx[count] = i
-                count += 1
-                pos += chunk_size
-            pos = seg_end
+            pos, count = _segment_nb(chunk_size, shift, c, pos + k, i, pos, count, cu, seq_idx)
             if write_ckpt:
                 ckpt_idx[i] = count - 1
             c += k
         elif write_ckpt:
             ckpt_idx[i] = -1
-        # the query segment [c + k, c + n): the same chunking, up to the row's end qsl[i + 1]
-        rem = c & mask if shift >= 0 else c % chunk_size
-        if rem != 0:
-            cu[count] = pos
-            seq_idx[count] = i
-            count += 1
-            pos += chunk_size - rem
-        while pos < end:
-            cu[count] = pos
-            seq_idx[count] = i
-            count += 1
-            pos += chunk_size
-        pos = end
+        # the query segment [c + k, c + n), up to the row's end qsl[i + 1]
+        pos, count = _segment_nb(chunk_size, shift, c, end, i, pos, count, cu, seq_idx)
         last[i] = count - 1
     if count <= cap:
         cu[count] = pos
