@@ -98,6 +98,22 @@ def format_table(rows: list[BenchRow]) -> str:
     return "\n".join(out)
 
 
+def _groups(rows: list[BenchRow]) -> list[tuple[str, int, BenchRow, BenchRow | None, BenchRow | None, BenchRow | None]]:
+    """Per (scenario, batch) with an ``attnmeta`` row, in the run's scenario order then by batch:
+    ``(scenario, batch, attnmeta, fused, per-tensor, reference)`` (None for a missing path)."""
+    by = {(r.scenario, r.batch, r.path): r for r in rows}
+    order = list(dict.fromkeys(r.scenario for r in rows))
+    keys = sorted({(r.scenario, r.batch) for r in rows}, key=lambda k: (order.index(k[0]), k[1]))
+    return [(s, b, by[(s, b, "attnmeta")], by.get((s, b, "fused")), by.get((s, b, "per-tensor")),
+             by.get((s, b, "reference"))) for s, b in keys if (s, b, "attnmeta") in by]
+
+
+def _counts(field: str, paths: tuple[BenchRow | None, ...]) -> str:
+    """A per-step count of each path, ``-`` where the path is missing or the count was not measured."""
+    vals = [None if x is None else getattr(x, field) for x in paths]
+    return ", ".join("-" if v is None else f"{v:g}" for v in vals)
+
+
 def markdown_table(rows: list[BenchRow]) -> str:
     """One Markdown table: per (scenario, batch) the paths side by side, with the per-tensor and
     reference paths' medians over attnmeta's (the table of docs/benchmarks.md).
@@ -112,18 +128,11 @@ def markdown_table(rows: list[BenchRow]) -> str:
     str
         The table; ``-`` where a scenario has no such path or a count was not measured.
     """
-    by = {(r.scenario, r.batch, r.path): r for r in rows}
-    order = list(dict.fromkeys(r.scenario for r in rows))
-    keys = sorted({(r.scenario, r.batch) for r in rows}, key=lambda k: (order.index(k[0]), k[1]))
     out = ["| scenario | batch | attnmeta median / p99 us | fused median / p99 us | per-tensor median / p99 us "
            "| reference median / p99 us | vs per-tensor | vs reference | syncs/step (attnmeta, per-tensor, ref) "
            "| H2D/step (a, p, r) | KB/step |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
-    for s, b in keys:
-        a = by.get((s, b, "attnmeta"))
-        if a is None:
-            continue
-        f, p, r = (by.get((s, b, x)) for x in ("fused", "per-tensor", "reference"))
+    for s, b, a, f, p, r in _groups(rows):
 
         def times(x: BenchRow | None) -> str:
             return "-" if x is None else f"{x.median_us:.0f} / {x.p99_us:.0f}"
@@ -132,8 +141,7 @@ def markdown_table(rows: list[BenchRow]) -> str:
             return "-" if x is None else f"{x.median_us / a.median_us:.1f}x"
 
         def counts(field: str, a: BenchRow = a, p: BenchRow | None = p, r: BenchRow | None = r) -> str:
-            vals = [None if x is None else getattr(x, field) for x in (a, p, r)]
-            return ", ".join("-" if v is None else f"{v:g}" for v in vals)
+            return _counts(field, (a, p, r))
 
         kb = "-" if a.bytes_per_step is None else f"{a.bytes_per_step / 1024:.1f}"
         out.append(f"| {s} | {b} | {times(a)} | {times(f)} | {times(p)} | {times(r)} | {ratio(p)} | {ratio(r)} | "
@@ -166,25 +174,17 @@ def ratio_table(rows: list[BenchRow]) -> str:
     >>> print(ratio_table(rows).splitlines()[-1])
     | decode | 1 | 50.0x | - | 2.0x | 0, 0, -, 20 | 1, 1, -, 3 |
     """
-    by = {(r.scenario, r.batch, r.path): r for r in rows}
-    order = list(dict.fromkeys(r.scenario for r in rows))
-    keys = sorted({(r.scenario, r.batch) for r in rows}, key=lambda k: (order.index(k[0]), k[1]))
     out = ["| scenario | batch | reference / attnmeta | per-tensor / attnmeta | attnmeta / fused "
            "| syncs/step (attnmeta, fused, per-tensor, ref) | H2D/step (a, f, p, r) |",
            "|---|---:|---:|---:|---:|---|---|"]
-    for s, b in keys:
-        a = by.get((s, b, "attnmeta"))
-        if a is None:
-            continue
-        f, p, r = (by.get((s, b, x)) for x in ("fused", "per-tensor", "reference"))
+    for s, b, a, f, p, r in _groups(rows):
 
         def over(x: BenchRow | None, y: BenchRow | None) -> str:
             return "-" if x is None or y is None else f"{x.median_us / y.median_us:.1f}x"
 
         def counts(field: str, a: BenchRow = a, f: BenchRow | None = f, p: BenchRow | None = p,
                    r: BenchRow | None = r) -> str:
-            vals = [None if x is None else getattr(x, field) for x in (a, f, p, r)]
-            return ", ".join("-" if v is None else f"{v:g}" for v in vals)
+            return _counts(field, (a, f, p, r))
 
         out.append(f"| {s} | {b} | {over(r, a)} | {over(p, a)} | {over(a, f)} | {counts('syncs_per_step')} | "
                    f"{counts('h2d_per_step')} |")
