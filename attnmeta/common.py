@@ -111,14 +111,11 @@ class CommonWriter:
         "bt",
         "bt_ro",
         "columns",
-        "context_parallel",
         "ddt",
         "ddt_ro",
         "graph",
         "group",
         "has_drafts",
-        "has_prompt",
-        "has_upper",
         "indices",
         "indptr",
         "last",
@@ -141,16 +138,14 @@ class CommonWriter:
     )
 
     def __init__(self, step: Step, group: FieldGroup, num_reqs: int, columns: int, block_size: int,
-                 context_parallel: ContextParallel | None, token_arrays: bool, paged: bool, has_prompt: bool,
-                 has_drafts: bool, has_upper: bool, indices_name: str) -> None:
+                 context_parallel: ContextParallel | None, token_arrays: bool, paged: bool, has_drafts: bool,
+                 indices_name: str) -> None:
         Bp = num_reqs
         self.group = group
         self.num_reqs, self.columns, self.block_size = Bp, columns, block_size
-        self.context_parallel = context_parallel
         cp = context_parallel
         self._ranks = (1, 0, 1) if cp is None else (cp.world_size, cp.rank, cp.interleave)
-        self.token_arrays, self.paged = token_arrays, paged
-        self.has_prompt, self.has_drafts, self.has_upper = has_prompt, has_drafts, has_upper
+        self.token_arrays, self.paged, self.has_drafts = token_arrays, paged, has_drafts
         self.graph = step.profile is not None
         host = group.host
         self.qsl, self.sl, self.bt, self.sm, self.pos = host[:5]
@@ -463,13 +458,13 @@ def stage_common(
     paged = paged_kv and cp is None
     Tt = Tp if token_arrays else 0
     group = _common_fields(step, prefix, spec, Bp, W, Tt, paged)
-    prompt, drafts, upper = spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound
-    key = (bs, cp, token_arrays, prompt is not None, drafts is not None, upper is not None)
+    # (whether the spec has prompts or upper bounds changes no view: the kernel reads them or not)
+    has_drafts = spec.num_draft_tokens is not None
+    key = (bs, cp, token_arrays, has_drafts)
     writer: CommonWriter | None = group.extras.get(key)
     if writer is None:
         writer = group.extras[key] = CommonWriter(
-            step, group, Bp, W, bs, cp, token_arrays, paged, prompt is not None, drafts is not None,
-            upper is not None, f"{prefix}.paged_kv_indices",
+            step, group, Bp, W, bs, cp, token_arrays, paged, has_drafts, f"{prefix}.paged_kv_indices",
         )
     writer.write(spec)
     host = writer.host(spec, causal)
