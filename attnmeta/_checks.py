@@ -7,21 +7,26 @@ rule, what was expected and what was found, and the first offending row where th
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
     "INT32_MAX",
+    "OptionRule",
     "as_host_array",
     "check_nonnegative",
+    "check_option_fields",
     "check_out",
     "first_bad_row",
     "option_bool",
     "option_choice",
     "option_int",
     "option_prefix",
+    "option_rule",
     "reject_tensor",
 ]
 
@@ -64,7 +69,8 @@ def as_host_array(
     TypeError
         ``value`` is a torch tensor or has a non-integer dtype.
     ValueError
-        Wrong number of dimensions, wrong length, or values outside ``dtype``'s range.
+        Wrong number of dimensions, wrong length, values outside ``dtype``'s range, or a ragged nested
+        sequence (rows of different lengths: the message names the first one that differs).
     """
     target = _I32 if dtype is np.int32 else np.dtype(dtype)
     if (
@@ -80,7 +86,10 @@ def as_host_array(
             return None  # type: ignore[return-value]
         raise ValueError(f"{name}: is required, got None")
     reject_tensor(value, name)
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except ValueError as e:  # numpy's "inhomogeneous shape": a ragged nested sequence
+        raise ValueError(f"{name}: {_ragged(value)}; pass a rectangular array (pad the short rows)") from e
     if arr.size == 0 and arr.dtype == np.float64 and arr.ndim >= 1:
         arr = arr.astype(target)  # np.asarray([]) is float64; an empty list is fine for any dtype
     if target == np.bool_:
@@ -104,6 +113,21 @@ def as_host_array(
     if length is not None and arr.shape[0] != length:
         raise ValueError(f"{name}: expected length {length}, got shape {arr.shape}")
     return np.ascontiguousarray(arr, dtype=target)
+
+
+def _ragged(value: Any) -> str:
+    """What is ragged about a nested sequence numpy refused: the first row whose length differs."""
+    try:
+        lengths = [len(row) if isinstance(row, Sequence | np.ndarray) and not isinstance(row, str) else None
+                   for row in value]
+    except TypeError:
+        return "rows have different lengths"
+    for i, n in enumerate(lengths):
+        if n != lengths[0]:
+            what = "is not a sequence" if n is None else f"has {n} entries"
+            first = "is not a sequence" if lengths[0] is None else f"has {lengths[0]} entries"
+            return f"rows have different lengths (row {i} {what}, row 0 {first})"
+    return "rows have different lengths (inside a row)"
 
 
 def first_bad_row(mask: np.ndarray) -> int:
@@ -179,11 +203,110 @@ def option_choice(owner: Any, name: str, choices: tuple[Any, ...]) -> None:
         raise ValueError(f"{type(owner).__name__}.{name}: must be {allowed}, got {value!r}")
 
 
-def option_prefix(owner: Any) -> None:
+def option_prefix(owner: Any, name: str = "prefix") -> None:
     """Check ``owner.prefix``, the namespace of a builder's staged fields: a non-empty str without dots."""
-    value = owner.prefix
-    where = f"{type(owner).__name__}.prefix"
+    value = getattr(owner, name)
+    where = f"{type(owner).__name__}.{name}"
     if not isinstance(value, str):
         raise TypeError(f"{where}: expected a str, got {type(value).__name__} {value!r}")
     if not value or "." in value:
         raise ValueError(f"{where}: must be a non-empty name without '.', got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OptionRule:
+    """The declared rule of one option field, kept in its ``dataclasses.field(metadata=...)`` (see
+    :func:`option_rule`): what the options' ``__post_init__`` checks (:func:`check_option_fields`) and
+    what a test walks (every wrong type, every value out of range), from one declaration.
+
+    Examples
+    --------
+    >>> import dataclasses
+    >>> @dataclasses.dataclass(frozen=True, kw_only=True)
+    ... class Opts:
+    ...     world: int = dataclasses.field(default=1, metadata=option_rule("int", minimum=1))
+    ...     rank: int = dataclasses.field(default=0, metadata=option_rule("int", minimum=0, below="world"))
+    ...     def __post_init__(self) -> None:
+    ...         check_option_fields(self)
+    >>> Opts(world=2, rank=2)
+    Traceback (most recent call last):
+    ValueError: Opts.rank: must be <= 1, got 2
+    >>> Opts(world=True)
+    Traceback (most recent call last):
+    TypeError: Opts.world: expected an int, got bool True
+    """
+
+    kind: Literal["int", "bool", "choice", "prefix"]
+    """``"int"`` (an int, never a bool, within the bounds), ``"bool"``, ``"choice"`` (one of
+    :attr:`choices`) or ``"prefix"`` (a builder's namespace: a non-empty str without dots)."""
+    minimum: int | None = None
+    """Smallest valid int (None: no bound)."""
+    maximum: int | None = None
+    """Largest valid int (None: no bound)."""
+    below: str | None = None
+    """Another int field of the same options that the value must stay below (``dcp_rank <
+    dcp_world_size``); it must be declared, and is checked, before this one."""
+    choices: tuple[Any, ...] = ()
+    """The valid values of a ``"choice"``."""
+    allow_none: bool = False
+    """None is valid too (an int or bool that may be unset)."""
+
+    def check(self, owner: Any, name: str) -> None:
+        """Check ``owner.<name>``: a ``TypeError`` naming ``<Options>.<name>`` for a wrong type, a
+        ``ValueError`` for a value out of range."""
+        if self.kind == "int":
+            maximum = self.maximum
+            if self.below is not None:
+                bound = int(getattr(owner, self.below)) - 1
+                maximum = bound if maximum is None else min(maximum, bound)
+            option_int(owner, name, minimum=self.minimum, maximum=maximum, allow_none=self.allow_none)
+        elif self.kind == "bool":
+            if not (self.allow_none and getattr(owner, name) is None):
+                option_bool(owner, name)
+        elif self.kind == "choice":
+            option_choice(owner, name, self.choices)
+        else:
+            option_prefix(owner, name)
+
+
+def option_rule(
+    kind: Literal["int", "bool", "choice", "prefix"],
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    below: str | None = None,
+    choices: tuple[Any, ...] = (),
+    allow_none: bool = False,
+) -> dict[str, OptionRule]:
+    """The ``metadata`` of an option field that declares its rule: ``x: int =
+    dataclasses.field(default=1, metadata=option_rule("int", minimum=1))``; the options'
+    ``__post_init__`` calls :func:`check_option_fields`.
+
+    Parameters
+    ----------
+    kind : {"int", "bool", "choice", "prefix"}
+        What the field holds (:attr:`OptionRule.kind`).
+    minimum, maximum : int, optional
+        Bounds of an int.
+    below : str, optional
+        Another int field the value must stay below.
+    choices : tuple, optional
+        The valid values of a choice.
+    allow_none : bool, default False
+        None is valid too.
+
+    Returns
+    -------
+    dict
+        ``{"rule": OptionRule(...)}``.
+    """
+    return {"rule": OptionRule(kind, minimum, maximum, below, tuple(choices), allow_none)}
+
+
+def check_option_fields(owner: Any) -> None:
+    """Check every field of the options dataclass ``owner`` that declares an :class:`OptionRule`, in
+    field order (the options' ``__post_init__`` calls it, then checks what no rule says)."""
+    for f in dataclasses.fields(owner):
+        rule = f.metadata.get("rule")
+        if rule is not None:
+            rule.check(owner, f.name)

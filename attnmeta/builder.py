@@ -21,8 +21,11 @@ object of one protocol (:class:`Builder`):
 
 For writing one, this module also exports the pieces every builder uses: :class:`MetadataBase` (the
 field roles and the sync-free ``repr``/``describe`` of metadata types), :func:`keyword_factory` (a
-builder's fast keyword constructor of its metadata type), and the option checks
-:func:`option_int`, :func:`option_bool`, :func:`option_choice`, :func:`option_prefix`.
+builder's fast keyword constructor of its metadata type), the declared option rules
+(:func:`option_rule` in a field's metadata, :class:`OptionRule`, checked by
+:func:`check_option_fields`: one declaration for ``__post_init__`` and for the bad-input test that
+walks every registered builder's options) and the single checks :func:`option_int`,
+:func:`option_bool`, :func:`option_choice`, :func:`option_prefix`.
 
 :func:`register` adds a builder to the registry that ``python -m attnmeta audit``, ``python -m
 attnmeta demo``, ``python -m attnmeta bench`` and the test suite read, so a builder is audited and
@@ -52,7 +55,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
-from attnmeta._checks import option_bool, option_choice, option_int, option_prefix
+from attnmeta._checks import (
+    OptionRule,
+    check_option_fields,
+    option_bool,
+    option_choice,
+    option_int,
+    option_prefix,
+    option_rule,
+)
 from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.common import stage_common
 from attnmeta.spec import BatchSpec
@@ -65,14 +76,18 @@ __all__ = [
     "Builder",
     "CommonNeeds",
     "MetadataBase",
+    "OptionRule",
+    "UnknownBuilderError",
     "UnsupportedBatchError",
     "build",
+    "check_option_fields",
     "get_builder",
     "keyword_factory",
     "option_bool",
     "option_choice",
     "option_int",
     "option_prefix",
+    "option_rule",
     "register",
     "registry",
     "unregister",
@@ -119,6 +134,15 @@ class UnsupportedBatchError(ValueError):
         super().__init__(f"{builder}: cannot serve this batch: " + "; ".join(reasons))
 
 
+class UnknownBuilderError(KeyError, ValueError):
+    """No builder is registered under the name asked for; the message lists the registered names.
+
+    A ``KeyError`` (a registry lookup) and a ``ValueError`` (a bad argument of :func:`build`)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class Builder(Generic[OptionsT, MetadataT]):
     """One backend family's metadata builder (the protocol every builder implements).
 
@@ -155,9 +179,11 @@ class Builder(Generic[OptionsT, MetadataT]):
                 default = self.__dict__["_default_options"] = self.options_type()
             return default
         if type(options) is not self.options_type and not isinstance(options, self.options_type):
-            raise TypeError(
-                f"{self.name}: options must be {self.options_type.__name__}, got {type(options).__name__}"
-            )
+            t = self.options_type.__name__
+            got = type(options).__name__
+            if isinstance(options, Mapping):
+                got += f" {options!r} (make the options from it: {t}(**options))"
+            raise TypeError(f"{self.name}: options must be {t}, got {got}")
         return options
 
     def needs(self, spec: BatchSpec, options: OptionsT) -> CommonNeeds:
@@ -250,15 +276,21 @@ def get_builder(name: str) -> Builder[Any, Any]:
 
     Raises
     ------
-    KeyError
-        No such builder; the message lists the registered names.
+    UnknownBuilderError
+        No such builder (a ``KeyError`` and a ``ValueError``); the message lists the registered names.
     """
     found = _REGISTRY.get(name)
     if found is None:
         found = registry().get(name)  # the built-in builders register when attnmeta.backends is imported
     if found is None:
-        raise KeyError(f"no builder named {name!r}; registered: {sorted(_REGISTRY)}")
+        raise UnknownBuilderError(f"builder: no builder named {name!r}; registered: {sorted(_REGISTRY)}")
     return found
+
+
+def _described(value: Any) -> str:
+    """``<type> <repr>`` of a wrong argument, the repr cut short."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def build(spec: BatchSpec, stager: Stager, builder: Builder[Any, MetadataT] | str, options: Any = None, **inputs: Any) -> MetadataT:
@@ -289,11 +321,26 @@ def build(spec: BatchSpec, stager: Stager, builder: Builder[Any, MetadataT] | st
     UnsupportedBatchError
         The builder cannot serve the batch (every reason listed); nothing is staged.
     TypeError
-        Options of another type, or an input the builder does not take.
+        ``spec`` not a :class:`BatchSpec`, ``stager`` not a :class:`~attnmeta.staging.Stager`,
+        ``builder`` neither a :class:`Builder` nor a str, options of another type, or an input the
+        builder does not take (each before any step begins).
+    UnknownBuilderError
+        No builder is registered as ``builder`` (a ``ValueError`` and a ``KeyError``).
     ValueError, attnmeta.staging.CapacityError
         As the builder's ``stage`` and :func:`attnmeta.stage_common`.
     """
-    b = get_builder(builder) if isinstance(builder, str) else builder
+    if type(spec) is not BatchSpec and not isinstance(spec, BatchSpec):
+        raise TypeError(f"spec: expected a BatchSpec, got {_described(spec)}")
+    if type(stager) is not Stager and not isinstance(stager, Stager):
+        raise TypeError(f"stager: expected an attnmeta.Stager (e.g. Stager('cpu'), created once and kept), got "
+                        f"{_described(stager)}")
+    b: Builder[Any, MetadataT]
+    if isinstance(builder, str):
+        b = get_builder(builder)
+    elif isinstance(builder, Builder):
+        b = builder
+    else:
+        raise TypeError(f"builder: expected a Builder or a registered name (str), got {_described(builder)}")
     opts = b.options(options)
     unknown = set(inputs) - set(b.inputs)
     if unknown:

@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from attnmeta._checks import option_bool, option_int, option_prefix
+from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import MetadataBase
 from attnmeta.backends._shared import alloc_indptr, require_same_step
 from attnmeta.builder import Builder, register
@@ -65,32 +65,25 @@ __all__ = ["CASCADE", "CascadeBuilder", "CascadeDecision", "CascadeMetadata", "C
 class CascadeOptions:
     """The model and device facts the cascade decision needs (validated when constructed)."""
 
-    num_query_heads: int
+    num_query_heads: int = dataclasses.field(metadata=option_rule("int", minimum=1))
     """Query heads of this rank."""
-    num_kv_heads: int
+    num_kv_heads: int = dataclasses.field(metadata=option_rule("int", minimum=1))
     """KV heads of this rank."""
-    num_sms: int
+    num_sms: int = dataclasses.field(metadata=option_rule("int", minimum=1))
     """Streaming multiprocessors of the device (the cost model's wave size)."""
-    use_alibi: bool = False
+    use_alibi: bool = dataclasses.field(default=False, metadata=option_rule("bool"))
     """ALiBi rules cascade out."""
-    use_sliding_window: bool = False
+    use_sliding_window: bool = dataclasses.field(default=False, metadata=option_rule("bool"))
     """Sliding-window attention rules cascade out."""
-    use_local_attention: bool = False
+    use_local_attention: bool = dataclasses.field(default=False, metadata=option_rule("bool"))
     """Chunked local attention rules cascade out."""
-    dcp_world_size: int = 1
+    dcp_world_size: int = dataclasses.field(default=1, metadata=option_rule("int", minimum=1))
     """Decode context parallelism (> 1) rules cascade out."""
-    prefix: str = "cascade"
+    prefix: str = dataclasses.field(default="cascade", metadata=option_rule("prefix"))
     """Namespace of this builder's staged fields."""
 
     def __post_init__(self) -> None:
-        option_int(self, "num_query_heads", minimum=1)
-        option_int(self, "num_kv_heads", minimum=1)
-        option_int(self, "num_sms", minimum=1)
-        option_bool(self, "use_alibi")
-        option_bool(self, "use_sliding_window")
-        option_bool(self, "use_local_attention")
-        option_int(self, "dcp_world_size", minimum=1)
-        option_prefix(self)
+        check_option_fields(self)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -249,7 +242,9 @@ class CascadeBuilder(Builder[CascadeOptions, CascadeMetadata]):
         options : CascadeOptions
             Heads, SM count, model features that rule cascade out (required).
         num_common_prefix_blocks : int, default 0
-            KV blocks every running request shares (from the KV-cache manager), >= 0.
+            KV blocks every running request shares (from the KV-cache manager), >= 0. The prefix the
+            step uses (capped at the smallest context, in whole blocks) must be the same block ids in
+            every real request's row.
 
         Returns
         -------
@@ -258,13 +253,16 @@ class CascadeBuilder(Builder[CascadeOptions, CascadeMetadata]):
 
         Raises
         ------
+        TypeError
+            A block count that is not an int; ``common`` not a :class:`~attnmeta.StagedCommon`.
         ValueError
-            A negative block count, or ``common`` from another step.
+            A negative block count, a request whose prefix blocks differ from row 0's (naming the row
+            and column), or ``common`` from another step.
         attnmeta.staging.CapacityError
             Graph mode: a capacity of the profile is exceeded.
         """
-        if common.step is not step:
-            require_same_step(common, step)  # raises
+        if type(common) is not StagedCommon or common.step is not step:
+            require_same_step(common, step)  # raises (a subclass of the right step passes)
         return _stage(common, step, self.options(options), num_common_prefix_blocks)
 
     def defaults(self, spec: BatchSpec) -> tuple[CascadeOptions, dict[str, Any]]:
@@ -272,9 +270,17 @@ class CascadeBuilder(Builder[CascadeOptions, CascadeMetadata]):
         return CascadeOptions(num_query_heads=32, num_kv_heads=8, num_sms=132), {"num_common_prefix_blocks": 0}
 
     def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[CascadeOptions, dict[str, Any]]:
-        """8 query heads, 1 or 8 KV heads, 132 SMs, 0-63 shared blocks."""
+        """8 query heads, 1 or 8 KV heads, 132 SMs, and a block count the requests' rows bear out: up
+        to the leading columns every real row shares, or any of 0-63 when the smallest context caps
+        the prefix within them."""
         opts = CascadeOptions(num_query_heads=8, num_kv_heads=int(rng.choice([1, 8])), num_sms=132)
-        return opts, {"num_common_prefix_blocks": int(rng.integers(0, 64))}
+        n, bs = spec.num_reqs, spec.block_size
+        cap = int(spec.num_computed_tokens.min()) // bs if n else 0  # prefix columns the cap allows
+        head = spec.block_table[:n, :cap]
+        differ = (head != head[:1]).any(axis=0)
+        shared = int(np.argmax(differ)) if differ.any() else cap  # leading columns every row shares
+        top = 63 if shared == cap else shared
+        return opts, {"num_common_prefix_blocks": int(rng.integers(0, top + 1))}
 
     def reference(self, spec: BatchSpec, options: CascadeOptions, device: torch.device,
                   **inputs: Any) -> dict[str, Any]:
@@ -306,7 +312,7 @@ def _stage(common: StagedCommon, step: Step, options: CascadeOptions,
     h = common.host
     B, B_real, bs = h.num_reqs, h.num_real_reqs, h.block_size
     qsl, sl, nc, bt = h.query_start_loc_cpu, h.seq_lens_cpu, h.num_computed_tokens_cpu, h.block_table_cpu
-    length = cascade_prefix_len(num_common_prefix_blocks, bs, nc[:B_real])
+    length = cascade_prefix_len(num_common_prefix_blocks, bs, nc[:B_real], block_table=bt)
     use = B_real == B and use_cascade_attention(
         common_prefix_len=length,
         query_lens=np.diff(qsl[: B_real + 1]).astype(np.int32),

@@ -64,7 +64,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from attnmeta._checks import as_host_array, option_prefix
+from attnmeta._checks import as_host_array, check_option_fields, option_rule
 from attnmeta._fields import MetadataBase
 from attnmeta.backends._shared import alloc_indptr, require_same_step
 from attnmeta.builder import Builder, register
@@ -81,11 +81,11 @@ __all__ = ["FAST_PREFILL", "FastPrefillBuilder", "FastPrefillHost", "FastPrefill
 class FastPrefillOptions:
     """Options of the fast-prefill builder (the padded logits count is a per-step input)."""
 
-    prefix: str = "fast_prefill"
+    prefix: str = dataclasses.field(default="fast_prefill", metadata=option_rule("prefix"))
     """Namespace of this builder's staged fields."""
 
     def __post_init__(self) -> None:
-        option_prefix(self)
+        check_option_fields(self)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -194,7 +194,7 @@ class FastPrefillBuilder(Builder[FastPrefillOptions, FastPrefillMetadata]):
         options : FastPrefillOptions, optional
             Field namespace.
         logits_indices : (num_logits,) int, host, optional
-            Token positions whose logits are needed (unpadded), sorted, each in
+            Token positions whose logits are needed (unpadded), strictly increasing, each in
             ``[0, query_start_loc_cpu[-1])``: each request's last ``cnt_i`` tokens (``cnt_i =
             num_draft_tokens + 1`` under spec decode). None: not armed, nothing changes.
         num_logits_padded : int, optional
@@ -210,15 +210,16 @@ class FastPrefillBuilder(Builder[FastPrefillOptions, FastPrefillMetadata]):
         Raises
         ------
         ValueError
-            Logits indices out of range, unsorted or empty, ``num_logits_padded < L``, or ``common`` from
-            another step.
+            Logits indices out of range, unsorted, repeated or empty, ``num_logits_padded < L``, or
+            ``common`` from another step.
         TypeError
-            ``logits_indices`` is a torch tensor (pass the host array).
+            ``logits_indices`` is a torch tensor (pass the host array) or not an integer array,
+            ``num_logits_padded`` not an int, ``common`` not a :class:`~attnmeta.StagedCommon`.
         attnmeta.staging.CapacityError
             Graph mode: ``num_logits_padded`` above ``profile.max_num_tokens``.
         """
-        if common.step is not step:
-            require_same_step(common, step)  # raises
+        if type(common) is not StagedCommon or common.step is not step:
+            require_same_step(common, step)  # raises (a subclass of the right step passes)
         opts = self.options(options)
         h = common.host
         prof = step.profile
@@ -231,8 +232,11 @@ class FastPrefillBuilder(Builder[FastPrefillOptions, FastPrefillMetadata]):
         li = as_host_array(logits_indices, "logits_indices")
         L = li.shape[0]
         n_pad = L if num_logits_padded is None else num_logits_padded
-        if isinstance(n_pad, bool) or not isinstance(n_pad, int | np.integer) or n_pad < L:
-            raise ValueError(f"num_logits_padded: {n_pad!r} < num_logits={L}; padding can only add entries")
+        if type(n_pad) is not int and (isinstance(n_pad, bool) or not isinstance(n_pad, np.integer)):
+            raise TypeError(f"num_logits_padded: expected an int or None, got {type(n_pad).__name__} {n_pad!r}")
+        if n_pad < L:
+            raise ValueError(f"num_logits_padded={n_pad} < num_logits={L} (len(logits_indices)); padding can only add "
+                             f"entries")
         n_pad = int(n_pad)
         if prof is None:
             li_full = step.alloc(p + "logits_indices_padded", n_pad, np.int32)

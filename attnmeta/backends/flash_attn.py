@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from attnmeta._checks import option_bool, option_int, option_prefix, reject_tensor
+from attnmeta._checks import check_option_fields, option_rule, reject_tensor
 from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.backends._shared import require_same_step
 from attnmeta.builder import Builder, register
@@ -54,31 +54,24 @@ class FlashAttnOptions:
     ValueError: FlashAttnOptions.dcp_rank: must be <= 1, got 2
     """
 
-    causal: bool | None = None
+    causal: bool | None = dataclasses.field(default=None, metadata=option_rule("bool", allow_none=True))
     """One causal flag for every request; None: the common metadata's ``causal``. Per-request flags
     are a per-step input (``stage(..., causal=flags)``)."""
-    dcp_world_size: int = 1
+    dcp_world_size: int = dataclasses.field(default=1, metadata=option_rule("int", minimum=1))
     """Decode-context-parallel world size ``W`` (1: off)."""
-    dcp_rank: int = 0
+    dcp_rank: int = dataclasses.field(default=0, metadata=option_rule("int", minimum=0, below="dcp_world_size"))
     """This rank, ``0 <= dcp_rank < dcp_world_size``."""
-    dcp_interleave: int = 1
+    dcp_interleave: int = dataclasses.field(default=1, metadata=option_rule("int", minimum=1))
     """Consecutive tokens per DCP rank (``cp_kv_cache_interleave_size``)."""
-    max_num_splits: int = 0
+    max_num_splits: int = dataclasses.field(default=0, metadata=option_rule("int", minimum=0))
     """FA3 ``num_splits`` (0: the kernel's heuristic; vLLM fixes it under full CUDA graphs)."""
-    decode_threshold: int = 1
-    """Longest query counted as a decode in the decode/prefill counts."""
-    prefix: str = "flash_attn"
+    decode_threshold: int = dataclasses.field(default=1, metadata=option_rule("int", minimum=1))
+    """Longest query counted as a decode in the decode/prefill counts (>= 1)."""
+    prefix: str = dataclasses.field(default="flash_attn", metadata=option_rule("prefix"))
     """Namespace of this builder's staged fields."""
 
     def __post_init__(self) -> None:
-        if self.causal is not None:
-            option_bool(self, "causal")
-        option_int(self, "dcp_world_size", minimum=1)
-        option_int(self, "dcp_rank", minimum=0, maximum=self.dcp_world_size - 1)
-        option_int(self, "dcp_interleave", minimum=1)
-        option_int(self, "max_num_splits", minimum=0)
-        option_int(self, "decode_threshold", minimum=1)
-        option_prefix(self)
+        check_option_fields(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
@@ -223,9 +216,12 @@ class FlashAttnBuilder(Builder[FlashAttnOptions, FlashAttentionMetadata]):
         ------
         ValueError
             ``causal`` flags of the wrong length or values, or ``common`` from another step.
+        TypeError
+            ``causal`` flags that are a torch tensor or not bool / integer, ``common`` not a
+            :class:`~attnmeta.StagedCommon`, or options of another type.
         """
-        if common.step is not step:
-            require_same_step(common, step)  # raises
+        if type(common) is not StagedCommon or common.step is not step:
+            require_same_step(common, step)  # raises (a subclass of the right step passes)
         opts = self.options(options)
         h = common.host
         split = h.split(opts.decode_threshold)

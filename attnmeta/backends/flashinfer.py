@@ -89,7 +89,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from attnmeta._checks import option_bool, option_choice, option_int, option_prefix
+from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.backends._shared import require_same_step
 from attnmeta.builder import Builder, CommonNeeds, register
@@ -125,36 +125,30 @@ class FlashInferOptions:
     ValueError: FlashInferOptions.indices: must be 'host' or 'device', got 'gpu'
     """
 
-    decode_threshold: int = 1
+    decode_threshold: int = dataclasses.field(default=1, metadata=option_rule("int", minimum=1))
     """Longest query counted as a decode (vLLM's ``reorder_batch_threshold``; ``1 + k`` with ``k``
     speculative tokens when spec decode runs as decode)."""
-    require_uniform: bool = True
+    require_uniform: bool = dataclasses.field(default=True, metadata=option_rule("bool"))
     """Decode rows must share one query length (vLLM: ``True`` for the native FlashInfer and FA2 decode
     paths, ``False`` for XQA / trtllm-gen varlen)."""
-    causal: bool = True
+    causal: bool = dataclasses.field(default=True, metadata=option_rule("bool"))
     """Causal attention. When False every row is a prefill (vLLM splits only causal batches)."""
-    indices: Literal["host", "device"] = "host"
+    indices: Literal["host", "device"] = dataclasses.field(
+        default="host", metadata=option_rule("choice", choices=("host", "device")))
     """Where ``paged_kv_indices`` is gathered: ``"host"`` (compiled, staged with the step) or
     ``"device"`` (only the indptr is staged; the gather runs on the device from the staged block
     table when :meth:`Staged.result` is first called, on the current stream)."""
-    dcp_world_size: int = 1
+    dcp_world_size: int = dataclasses.field(default=1, metadata=option_rule("int", minimum=1))
     """Decode-context-parallel world size ``W`` (1: off)."""
-    dcp_rank: int = 0
+    dcp_rank: int = dataclasses.field(default=0, metadata=option_rule("int", minimum=0, below="dcp_world_size"))
     """This rank, ``0 <= dcp_rank < dcp_world_size``."""
-    dcp_interleave: int = 1
+    dcp_interleave: int = dataclasses.field(default=1, metadata=option_rule("int", minimum=1))
     """Consecutive tokens per DCP rank (``cp_kv_cache_interleave_size``)."""
-    prefix: str = "flashinfer"
+    prefix: str = dataclasses.field(default="flashinfer", metadata=option_rule("prefix"))
     """Namespace of this builder's staged fields."""
 
     def __post_init__(self) -> None:
-        option_int(self, "decode_threshold", minimum=1)
-        option_bool(self, "require_uniform")
-        option_bool(self, "causal")
-        option_choice(self, "indices", ("host", "device"))
-        option_int(self, "dcp_world_size", minimum=1)
-        option_int(self, "dcp_rank", minimum=0, maximum=self.dcp_world_size - 1)
-        option_int(self, "dcp_interleave", minimum=1)
-        option_prefix(self)
+        check_option_fields(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
@@ -426,11 +420,13 @@ class FlashInferBuilder(Builder[FlashInferOptions, FlashInferMetadata]):
         ------
         ValueError
             A block table too narrow for a row's pages, or ``common`` from another step.
+        TypeError
+            ``common`` not a :class:`~attnmeta.StagedCommon`, or options of another type.
         attnmeta.staging.CapacityError
             Graph mode: more pages than ``profile.max_num_pages``.
         """
-        if common.step is not step:
-            require_same_step(common, step)  # raises
+        if type(common) is not StagedCommon or common.step is not step:
+            require_same_step(common, step)  # raises (a subclass of the right step passes)
         opts = self.options(options)
         h = common.host
         qsl = h.query_start_loc_cpu

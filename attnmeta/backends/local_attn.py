@@ -76,7 +76,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from attnmeta._checks import option_choice, option_int, option_prefix
+from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import MetadataBase
 from attnmeta.backends._shared import alloc_indptr, require_same_step
 from attnmeta.builder import Builder, register
@@ -94,17 +94,16 @@ __all__ = ["LOCAL_ATTN", "LocalAttentionMetadata", "LocalAttnBuilder", "LocalAtt
 class LocalAttnOptions:
     """Options of the chunked-local-attention builder (validated when constructed)."""
 
-    attn_chunk_size: int
+    attn_chunk_size: int = dataclasses.field(metadata=option_rule("int", minimum=1))
     """Local attention chunk ``A``: a positive multiple of the block size."""
-    block_table: Literal["host", "device"] = "host"
+    block_table: Literal["host", "device"] = dataclasses.field(
+        default="host", metadata=option_rule("choice", choices=("host", "device")))
     """Where the virtual block table is gathered (see the module docstring)."""
-    prefix: str = "local_attn"
+    prefix: str = dataclasses.field(default="local_attn", metadata=option_rule("prefix"))
     """Namespace of this builder's staged fields."""
 
     def __post_init__(self) -> None:
-        option_int(self, "attn_chunk_size", minimum=1)
-        option_choice(self, "block_table", ("host", "device"))
-        option_prefix(self)
+        check_option_fields(self)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -319,11 +318,13 @@ class LocalAttnBuilder(Builder[LocalAttnOptions, LocalAttentionMetadata]):
         ------
         ValueError
             ``attn_chunk_size`` not a multiple of the block size, or ``common`` from another step.
+        TypeError
+            ``common`` not a :class:`~attnmeta.StagedCommon`, or options of another type.
         attnmeta.staging.CapacityError
             Graph mode: more virtual rows than :func:`max_virtual_reqs` (cannot happen within the profile).
         """
-        if common.step is not step:
-            require_same_step(common, step)  # raises
+        if type(common) is not StagedCommon or common.step is not step:
+            require_same_step(common, step)  # raises (a subclass of the right step passes)
         opts = self.options(options)
         mode = opts.block_table
         h = common.host

@@ -10,7 +10,8 @@ uploads.
 - :func:`cascade_prefix_len`: the runner's rule (``_compute_cascade_attn_prefix_len`` before the
   builder's vote): ``L = num_common_prefix_blocks * block_size``, capped at the smallest
   ``num_computed_tokens`` (no +1, so both passes always have work and no query sees a prefix token it
-  should not), rounded down to a whole block.
+  should not), rounded down to a whole block. Given the block table, it also checks that every row
+  holds row 0's blocks in those ``L / block_size`` columns (the prefix pass reads row 0's only).
 - :func:`use_cascade_attention`: the FlashAttention builder's vote, with its flash-decoding cost model.
 - :func:`cascade_arrays`: the FlashAttention arrays (``cu_prefix_query_lens = [0, T]``,
   ``prefix_kv_lens = [L]``, ``suffix_kv_lens = seq_lens - L``) and the FlashInfer shared level
@@ -84,19 +85,26 @@ class CascadeArrays(NamedTuple):
 
 def _check_int(value: Any, name: str, *, positive: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"{name}: must be an int, got {value!r}")
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
     v = int(value)
     if v < 0 or (positive and v == 0):
         raise ValueError(f"{name}: must be {'> 0' if positive else '>= 0'}, got {v}")
     return v
 
 
-def cascade_prefix_len(num_common_prefix_blocks: int, block_size: int, num_computed_tokens: Any) -> int:
+def cascade_prefix_len(
+    num_common_prefix_blocks: int, block_size: int, num_computed_tokens: Any, *, block_table: Any = None
+) -> int:
     """Common-prefix length the runner offers to the cascade decision, in tokens (host).
 
     ``L = num_common_prefix_blocks * block_size``; 0 stays 0; else ``L = min(L, min(num_computed_tokens))``
     rounded down to a multiple of ``block_size``. Pass the result to :func:`use_cascade_attention`; the
     step's ``common_prefix_len`` is ``L`` if it votes yes, else 0.
+
+    With ``block_table``, the prefix columns ``[0, L / block_size)`` of every request's row must hold
+    row 0's block ids: the prefix pass reads row 0's blocks for every request, so a count larger than
+    the blocks the rows share would attend to another request's KV. vLLM's count is the blocks every
+    running request holds; the cap at the smallest context (vLLM's) makes ``L`` fit every row.
 
     Parameters
     ----------
@@ -106,6 +114,8 @@ def cascade_prefix_len(num_common_prefix_blocks: int, block_size: int, num_compu
         Tokens per KV block, > 0.
     num_computed_tokens : (num_reqs,) int32, host
         Tokens already in the KV cache for each real request (``c``).
+    block_table : (rows >= num_reqs, max_blocks_per_req) int32, host, optional
+        The step's block table: its first ``num_reqs`` rows are checked over the prefix columns.
 
     Returns
     -------
@@ -115,8 +125,11 @@ def cascade_prefix_len(num_common_prefix_blocks: int, block_size: int, num_compu
 
     Raises
     ------
+    TypeError
+        A count or size that is not an int.
     ValueError
-        Negative counts or a non-positive ``block_size``.
+        Negative counts or a non-positive ``block_size``; a request whose prefix columns differ from
+        row 0's (the message names the first row and column), or a table without them.
 
     Examples
     --------
@@ -125,6 +138,9 @@ def cascade_prefix_len(num_common_prefix_blocks: int, block_size: int, num_compu
     288
     >>> cascade_prefix_len(0, 16, np.array([300, 290, 500], np.int32))
     0
+    >>> cascade_prefix_len(3, 16, np.array([300, 290]), block_table=[[7, 8, 9], [7, 4, 9]])
+    Traceback (most recent call last):
+    ValueError: num_common_prefix_blocks=3: block_table[1, 1]=4 != block_table[0, 1]=8; the 3 shared prefix blocks (common_prefix_len=48) must be the same in every request (row 1 differs)
     """
     blocks = _check_int(num_common_prefix_blocks, "num_common_prefix_blocks")
     bs = _check_int(block_size, "block_size", positive=True)
@@ -133,8 +149,29 @@ def cascade_prefix_len(num_common_prefix_blocks: int, block_size: int, num_compu
     length = blocks * bs
     if length == 0 or c.shape[0] == 0:
         return 0
-    length = min(length, int(c.min()))
-    return length // bs * bs
+    length = min(length, int(c.min())) // bs * bs
+    if block_table is not None and length:
+        _check_shared_prefix(as_host_array(block_table, "block_table", ndim=2), c.shape[0], length // bs, blocks, bs)
+    return length
+
+
+def _check_shared_prefix(bt: np.ndarray, rows: int, nb: int, offered: int, bs: int) -> None:
+    """Every one of the first ``rows`` rows of ``bt`` holds row 0's ids in columns ``[0, nb)``."""
+    if bt.shape[0] < rows or bt.shape[1] < nb:
+        raise ValueError(
+            f"block_table: shape {bt.shape} lacks the {nb} prefix columns of the {rows} requests "
+            f"(num_common_prefix_blocks={offered}, block_size={bs})"
+        )
+    head = bt[:rows, :nb]
+    differ = head[1:] != head[0]
+    if differ.any():
+        flat = int(np.argmax(differ))  # row-major: the first row that differs, its first column
+        r, col = flat // nb + 1, flat % nb
+        raise ValueError(
+            f"num_common_prefix_blocks={offered}: block_table[{r}, {col}]={int(bt[r, col])} != block_table[0, {col}]="
+            f"{int(bt[0, col])}; the {nb} shared prefix blocks (common_prefix_len={nb * bs}) must be the same in every "
+            f"request (row {r} differs)"
+        )
 
 
 def use_cascade_attention(
@@ -182,6 +219,8 @@ def use_cascade_attention(
 
     Raises
     ------
+    TypeError
+        A count that is not an int.
     ValueError
         Negative or zero counts where positive ones are needed.
 
@@ -259,6 +298,8 @@ def cascade_arrays(
 
     Raises
     ------
+    TypeError
+        A count or size that is not an int.
     ValueError
         ``common_prefix_len`` negative or not a multiple of ``block_size``, a sequence shorter than the
         prefix, ``num_tokens`` negative or above int32, a block table with no rows or too few columns.

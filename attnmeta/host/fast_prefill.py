@@ -16,8 +16,9 @@ the fast-prefill metadata is host arithmetic: ``num_actual_tokens = len(logits_i
 What vLLM assumes of the logits indices (and attnmeta checks): every index lies in
 ``[0, query_start_loc_cpu[-1])`` (an index past the last row would make vLLM's ``scatter_add_`` go out of
 bounds), and they are sorted, so request ``i``'s queries are ``[qsl'[i], qsl'[i+1])``. The runner's
-indices are each request's last ``cnt_i`` token positions, strictly increasing; ties are accepted, as
-``bucketize`` accepts them. That each request's indices are its *last* tokens (which makes the batch
+indices are each request's last ``cnt_i`` token positions, so they are strictly increasing: a repeated
+index (which ``bucketize`` would take, counting one token as two queries of its request) is an error
+naming its position. That each request's indices are its *last* tokens (which makes the batch
 decode-like) is the runner's contract and is not checked.
 
 Shape legend
@@ -43,6 +44,7 @@ _QSL0 = 1  # query_start_loc_cpu[0] != 0
 _QSL_DEC = 2  # query_start_loc_cpu decreases at idx
 _LI_RANGE = 3  # logits_indices[idx] outside [0, qsl[-1])
 _LI_ORDER = 4  # logits_indices[idx] < logits_indices[idx - 1]
+_LI_DUPLICATE = 5  # logits_indices[idx] == logits_indices[idx - 1]
 
 
 @njit
@@ -56,13 +58,13 @@ def _fast_qsl_nb(qsl: np.ndarray, li: np.ndarray, out: np.ndarray) -> tuple[int,
     total = int(qsl[n])
     out[0] = 0
     row = 0
-    prev = 0
+    prev = -1
     for j in range(li.shape[0]):
         x = int(li[j])
         if x < 0 or x >= total:
             return _LI_RANGE, j
-        if x < prev:
-            return _LI_ORDER, j
+        if x <= prev:
+            return (_LI_ORDER if x < prev else _LI_DUPLICATE), j
         prev = x
         # Close every row that ends at or before x: all earlier indices (and no later one) belong to it.
         while qsl[row + 1] <= x:
@@ -101,7 +103,7 @@ def fast_prefill_query_start_loc(
         value.
     logits_indices : (num_logits,) int, host
         Token positions whose logits are needed (unpadded: ``logits_indices_padded[:num_logits]``), in
-        ``[0, query_start_loc_cpu[-1])`` and non-decreasing.
+        ``[0, query_start_loc_cpu[-1])`` and strictly increasing.
     out : (num_reqs + 1,) int32, host, optional
         Buffer to write into.
 
@@ -114,8 +116,8 @@ def fast_prefill_query_start_loc(
     Raises
     ------
     ValueError
-        A malformed ``query_start_loc_cpu``, a logits index out of range or out of order, or a wrong
-        ``out``.
+        A malformed ``query_start_loc_cpu``, a logits index out of range, out of order or repeated, or
+        a wrong ``out``.
 
     Examples
     --------
@@ -148,6 +150,11 @@ def fast_prefill_query_start_loc(
         raise ValueError(
             f"logits_indices[{idx}]={int(li[idx])} < logits_indices[{idx - 1}]={int(li[idx - 1])}; "
             f"logits indices must be sorted (request by request, as the runner emits them)"
+        )
+    if code == _LI_DUPLICATE:
+        raise ValueError(
+            f"logits_indices[{idx}]={int(li[idx])} == logits_indices[{idx - 1}]={int(li[idx - 1])}; logits indices must "
+            f"be strictly increasing (each token once: a repeated one would count as two queries of its request)"
         )
     return res
 
@@ -215,6 +222,8 @@ def pad_logits_indices(logits_indices: Any, num_padded: int, *, out: np.ndarray 
 
     Raises
     ------
+    TypeError
+        ``num_padded`` is not an int.
     ValueError
         No logits indices, ``num_padded < num_logits``, an index that does not fit int32, or a wrong
         ``out``.
@@ -231,8 +240,10 @@ def pad_logits_indices(logits_indices: Any, num_padded: int, *, out: np.ndarray 
         raise ValueError(
             "logits_indices: is empty; there is no last index to pad with (vLLM asserts num_logits > 0)"
         )
-    if isinstance(num_padded, bool) or not isinstance(num_padded, int | np.integer) or num_padded < n:
-        raise ValueError(f"num_padded: {num_padded!r} < num_logits={n}; padding can only add entries")
+    if isinstance(num_padded, bool) or not isinstance(num_padded, int | np.integer):
+        raise TypeError(f"num_padded: expected an int, got {type(num_padded).__name__} {num_padded!r}")
+    if num_padded < n:
+        raise ValueError(f"num_padded={num_padded} < num_logits={n} (len(logits_indices)); padding can only add entries")
     res = check_out(out, "logits_indices_padded", (int(num_padded),), np.int32)
     res[:n] = li
     res[n:] = li[n - 1]

@@ -604,8 +604,10 @@ def prefill_checkpoints(
 CONV1D_BLOCK_M = 8
 """vLLM's ``BLOCK_M`` of the causal-conv1d programs (the only value it uses)."""
 
-# Status codes of mamba_fill_nb, encoded as ``-1 - (row * 8 + code)``; the builder turns them into
-# messages by re-running the validating public function of the step that failed.
+# Status codes of mamba_fill_nb, encoded as ``-1 - (row * FILL_STATUS_STRIDE + code)``; the builder turns
+# them into messages (re-running the validating public function of the step that failed, where one exists).
+FILL_STATUS_STRIDE = 16
+"""``status = -1 - (row * FILL_STATUS_STRIDE + code)`` (every ``FILL_E_*`` code is below it)."""
 FILL_E_QSL = 1
 """A decreasing ``query_start_loc`` (classification)."""
 FILL_E_DRAFTS = 2
@@ -620,11 +622,13 @@ FILL_E_CAPACITY = 6
 """An output is shorter than the step needs; ``row`` is the count needed (graph mode: a capacity)."""
 FILL_E_CHECKPOINT = 7
 """A prefill row's checkpoint column falls outside the block table."""
+FILL_E_ACCEPTED = 8
+"""A decode row's given accepted-token count is outside ``[1, threshold]`` (``threshold = 1 + k``)."""
 
 
 @njit
 def _fail(row: int, code: int) -> tuple[int, int, int, int, int, bool, int, int]:
-    return -1 - (row * 8 + code), 0, 0, 0, 0, False, 0, 0
+    return -1 - (row * FILL_STATUS_STRIDE + code), 0, 0, 0, 0, False, 0, 0
 
 
 @njit
@@ -687,7 +691,8 @@ def mamba_fill_nb(
        prefills.
     2. State indices (:func:`state_indices_nb`): ``state_d`` ``(>= D, 1 + k)`` for the decode rows,
        ``state_p`` column 0 for the prefill rows; ``accepted_d``: ``accepted`` (1 past its end) when
-       ``accepted_given``, else ``diff(query_start_loc[:D + 1])``.
+       ``accepted_given``, each count of a decode row checked to lie in ``[1, threshold]`` (the prefill
+       rows' counts are not read, as in vLLM), else ``diff(query_start_loc[:D + 1])``.
     3. Prefill query starts and contexts (``_prefill_cpu_metadata_nb`` of :mod:`attnmeta.host.layout`): ``query_start_loc_p``,
        ``num_computed_p``, ``has_initial_p`` (``num_computed_p > 0``).
     4. Causal-conv1d programs (``count_programs_nb``, ``fill_programs_nb``) when ``batch_ptr`` is
@@ -703,7 +708,7 @@ def mamba_fill_nb(
     With ``pad`` (graph mode) every output past the step's rows gets its sentinel to its end
     (``query_start_loc_p`` / ``cu_chunk_seqlens`` repeat their last value). Returns ``(status, D,
     num_decode_tokens, tot, num_chunks, prep_initial_states, num_checkpoints, num_moved)``;
-    ``status`` is 0 or ``-1 - (row * 8 + code)`` (``FILL_E_*``).
+    ``status`` is 0 or ``-1 - (row * FILL_STATUS_STRIDE + code)`` (``FILL_E_*``).
     """
     num_reqs = seq_lens_upper_bound.shape[0]
     # 1. classification and split
@@ -725,7 +730,13 @@ def mamba_fill_nb(
         if accepted_given:
             na = accepted.shape[0]
             for i in range(D):
-                accepted_d[i] = accepted[i] if i < na else 1
+                if i < na:
+                    a = accepted[i]
+                    if a < 1 or a > threshold:
+                        return _fail(i, FILL_E_ACCEPTED)
+                    accepted_d[i] = a
+                else:
+                    accepted_d[i] = 1
         else:
             for i in range(D):
                 accepted_d[i] = query_start_loc[i + 1] - query_start_loc[i]

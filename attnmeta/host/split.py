@@ -299,7 +299,7 @@ def _scalars(num_tokens: Any, max_query_len: Any, decode_threshold: Any) -> tupl
     t = _int_arg(num_tokens, "num_tokens")
     if t > INT32_MAX:
         raise ValueError(f"num_tokens={t} overflows int32")
-    return t, _int_arg(max_query_len, "max_query_len"), _int_arg(decode_threshold, "decode_threshold")
+    return t, _int_arg(max_query_len, "max_query_len"), _int_arg(decode_threshold, "decode_threshold", minimum=1)
 
 
 def split_decodes_and_prefills(
@@ -334,7 +334,7 @@ def split_decodes_and_prefills(
     max_query_len : int
         The batch's ``max_query_len`` (an upper bound on ``q``; the shortcut in rule 1 reads it).
     decode_threshold : int
-        Longest query that counts as a decode.
+        Longest query that counts as a decode, >= 1 (with 0 no row would be a decode).
     require_uniform : bool
         Decodes must all have the query length of row 0 (zero-length padding rows allowed).
     treat_short_extends_as_decodes : bool
@@ -354,7 +354,7 @@ def split_decodes_and_prefills(
         An array is a torch tensor or of the wrong dtype; a scalar is not an int.
     ValueError
         ``query_start_loc_cpu`` empty, not starting at 0, decreasing or past ``num_tokens``; a negative
-        scalar; ``is_prefilling`` missing or of the wrong length.
+        scalar or a ``decode_threshold`` below 1; ``is_prefilling`` missing or of the wrong length.
 
     Notes
     -----
@@ -417,7 +417,7 @@ def split_decodes_prefills_and_extends(
     max_query_len : int
         The batch's ``max_query_len``.
     decode_threshold : int
-        Longest query that counts as a decode.
+        Longest query that counts as a decode, >= 1 (with 0 no row would be a decode).
 
     Returns
     -------
@@ -431,7 +431,7 @@ def split_decodes_prefills_and_extends(
         An array is a torch tensor or of the wrong dtype; a scalar is not an int.
     ValueError
         A bad ``query_start_loc_cpu`` (as in :func:`split_decodes_and_prefills`), a wrong length or a
-        negative entry in ``seq_lens_upper_bound``, a negative scalar.
+        negative entry in ``seq_lens_upper_bound``, a negative scalar, ``decode_threshold < 1``.
 
     Notes
     -----
@@ -482,7 +482,7 @@ def reorder_decodes_and_prefills(
     num_prompt_tokens : (num_reqs,) int32, host
         Prompt lengths (``P``).
     decode_threshold : int
-        Longest query that counts as a decode (the runner's ``reorder_batch_threshold``).
+        Longest query that counts as a decode (the runner's ``reorder_batch_threshold``), >= 1.
 
     Returns
     -------
@@ -495,7 +495,7 @@ def reorder_decodes_and_prefills(
     TypeError
         An array is a torch tensor or not an integer array; the threshold is not an int.
     ValueError
-        Length mismatch, a negative count or a negative threshold.
+        Length mismatch, a negative count or a threshold below 1.
 
     Examples
     --------
@@ -515,7 +515,7 @@ def reorder_decodes_and_prefills(
     n = c.shape[0]
     q = as_host_array(num_scheduled_tokens, "num_scheduled_tokens", length=n)
     prompt = as_host_array(num_prompt_tokens, "num_prompt_tokens", length=n)
-    thr = _int_arg(decode_threshold, "decode_threshold")
+    thr = _int_arg(decode_threshold, "decode_threshold", minimum=1)
     swaps = np.empty((n, 2), dtype=np.int32)
     perm = np.empty(n, dtype=np.int32)
     code, i, k = _reorder_nb(c, q, prompt, thr, swaps, perm)

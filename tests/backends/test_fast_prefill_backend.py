@@ -103,7 +103,8 @@ def test_bad_logits_fail_fast() -> None:
         (np.array([14, 28], I32), None, r"logits_indices\[1\]=28 is outside \[0, query_start_loc_cpu\[-1\]=28\)"),
         (np.array([18, 14], I32), None, r"must be sorted"),
         (np.zeros(0, I32), None, r"is empty"),
-        (LOGITS_5_5, 3, r"num_logits_padded: 3 < num_logits=4"),
+        (LOGITS_5_5, 3, r"num_logits_padded=3 < num_logits=4"),
+        (np.array([14, 18, 18, 27], I32), None, r"logits_indices\[2\]=18 == logits_indices\[1\]=18"),
     ]
     for li, opts, message in cases:
         with pytest.raises(ValueError, match=message), stager.step() as step:

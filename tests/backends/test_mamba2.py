@@ -363,7 +363,8 @@ def _checkpoint_configs(draw: st.DrawFn, bs_m: int) -> CheckpointConfig:
 @st.composite
 def _options(draw: st.DrawFn, block_size: int) -> Mamba2Options:
     align = draw(st.booleans())
-    bs_m = draw(st.sampled_from([block_size, 4, 16]))
+    # align mode: a mamba block of at least the block size (smaller ones are refused)
+    bs_m = draw(st.sampled_from([block_size, max(4, block_size), max(16, block_size), 2 * block_size]))
     ckpt = draw(st.one_of(st.none(), _checkpoint_configs(bs_m))) if align else None
     consecutive = draw(st.booleans())
     return Mamba2Options(
@@ -378,7 +379,8 @@ def _draw_accepted(spec: BatchSpec, opts: Any, data: st.DataObject) -> np.ndarra
     """Spec decode: sometimes ``num_accepted_tokens`` (one per real request or per row), else None."""
     if opts.num_speculative_tokens and data.draw(st.booleans()):
         rows = data.draw(st.sampled_from([spec.num_reqs, spec.padded_num_reqs]))
-        return np.array(data.draw(st.lists(st.integers(1, 4), min_size=rows, max_size=rows)), I32)
+        k = opts.num_speculative_tokens  # a decode row's count lies in [1, 1 + k]
+        return np.array(data.draw(st.lists(st.integers(1, 1 + k), min_size=rows, max_size=rows)), I32)
     return None
 
 
@@ -486,7 +488,8 @@ def test_mamba1_and_linear_attn_match_the_reference(device: torch.device, spec: 
 def _eager_options(draw: st.DrawFn, block_size: int) -> Mamba2Options:
     """Options without checkpoints or extra chunk formats (eager mode)."""
     return Mamba2Options(
-        chunk_size=draw(st.sampled_from([8, 64, 256, 6])), mamba_block_size=draw(st.sampled_from([None, 4, 16])),
+        chunk_size=draw(st.sampled_from([8, 64, 256, 6])),
+        mamba_block_size=draw(st.sampled_from([None, max(4, block_size), max(16, block_size)])),
         cache_mode=draw(st.sampled_from(["none", "align"])), num_speculative_tokens=draw(st.integers(0, 3)),
         needs_causal_conv1d_metadata=draw(st.booleans()),
     )
@@ -718,15 +721,15 @@ def test_slot_mapping_mode_none_gives_the_same_mamba_fields(spec: BatchSpec, con
                 assert x == y, f.name
 
 
-def test_a_too_narrow_prefill_row_names_the_fix() -> None:
-    # align mode with a mamba block (4) smaller than the common block size (16): the prefill row's
-    # state column (s=20 -> column 4) is past the 2 columns stage_common stages by default
-    spec = _spec([0], [20], [40], bs=16, width=8)
-    opts = Mamba2Options(chunk_size=8, cache_mode="align", mamba_block_size=4)
+def test_a_too_narrow_decode_row_names_the_fix() -> None:
+    # align mode with 2 speculative tokens: the decode row (s=12, block 4: state columns 2..4) reads
+    # 2 columns past the 3 that stage_common stages by default
+    spec = _spec([9], [3], [5], bs=4, width=8, num_draft_tokens=np.array([2], I32))
+    opts = Mamba2Options(chunk_size=8, cache_mode="align", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="block_table_columns"), Stager("cpu").step() as step:
         mamba2.stage(stage_common(spec, step), step, opts)
     m = mamba2.build(spec, Stager("cpu"), opts)
-    assert m.state_indices_tensor_p_cpu.tolist() == [4]
+    assert m.state_indices_tensor_d_cpu.tolist() == [[2, 3, 4]]
 
 
 
@@ -812,11 +815,12 @@ def test_meta_device_builds_pass_the_audit(profile: StaticProfile | None) -> Non
     for spec in (PREFILL, DECODE, _spec([0, 3], [0, 0], [5, 9], bs=4, width=12)):
         with no_device_sync():
             m = mamba2.build(spec, stager, GRAPH_OPTS)
-            mamba1.build(spec, stager)
-            linear_attn.build(spec, stager)
         assert m.state_indices_tensor_d.device.type == "meta"
         if m.cu_chunk_seqlen_p is not None:
             assert m.cu_chunk_seqlen_p.shape == (m.num_chunks + 1,)
+        with no_device_sync():
+            mamba1.build(spec, stager)
+            linear_attn.build(spec, stager)
 
 
 @pytest.mark.parametrize("profile", [None, PROFILE], ids=["eager", "graph"])

@@ -173,7 +173,11 @@ QSL = np.array([0, 15, 20, 28], I32)
         ),
         (lambda: max_logits_per_req(np.zeros(0, I32)), r"must have num_reqs \+ 1 >= 1"),
         (lambda: pad_logits_indices(np.zeros(0, I32), 4), r"logits_indices: is empty"),
-        (lambda: pad_logits_indices(np.array([1, 2], I32), 1), r"num_padded: 1 < num_logits=2"),
+        (lambda: pad_logits_indices(np.array([1, 2], I32), 1), r"num_padded=1 < num_logits=2 \(len\(logits_indices\)\)"),
+        (
+            lambda: fast_prefill_query_start_loc(QSL, np.array([14, 18, 18, 27], I32)),
+            r"logits_indices\[2\]=18 == logits_indices\[1\]=18; logits indices must be strictly increasing",
+        ),
         (
             lambda: pad_logits_indices(np.array([1, 2], I32), 3, out=np.empty(3, np.int64)),
             r"must have dtype int32",
@@ -183,6 +187,12 @@ QSL = np.array([0, 15, 20, 28], I32)
 def test_bad_inputs_raise_value_error(call: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()  # type: ignore[operator]
+
+
+def test_a_padded_count_that_is_not_an_int_is_a_type_error() -> None:
+    for bad in (2.0, "3", True, [3]):
+        with pytest.raises(TypeError, match="num_padded: expected an int, got"):
+            pad_logits_indices(np.array([1, 2], I32), bad)  # type: ignore[arg-type]
 
 
 def test_device_tensors_are_rejected() -> None:

@@ -270,7 +270,8 @@ def _fill_cases(draw: st.DrawFn) -> dict[str, Any]:
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     bt = rng.integers(0, 10_000, (B, W), dtype=np.int32)
     given_acc = bool(k) and draw(st.booleans())
-    accepted = rng.integers(1, 5, draw(st.sampled_from([n, B])), dtype=np.int32) if given_acc else np.zeros(0, np.int32)
+    accepted = (rng.integers(1, 2 + k, draw(st.sampled_from([n, B])), dtype=np.int32) if given_acc  # in [1, 1 + k]
+                else np.zeros(0, np.int32))
     return {"qsl": qsl, "ub": sl.copy(), "isp": isp, "drafts": drafts, "sl": sl, "bt": bt, "accepted": accepted,
             "given": given_acc, "T": T, "k": k, "C": draw(st.sampled_from([0, 4, 8, 6, 256])), "bsm": bsm,
             "align": align, "ckpt": ckpt, "conv": draw(st.booleans()), "pad": draw(st.booleans()),
@@ -435,4 +436,22 @@ def test_fill_kernel_reports_a_too_narrow_table() -> None:
             "T": 20, "k": 0, "C": 8, "bsm": 4, "align": True, "ckpt": None, "conv": True, "pad": False,
             "known": (0, 0, 0, 0)}
     status = _fill(case, _outputs(case))[0]
-    assert status == -1 - (0 * 8 + hm.FILL_E_TABLE_P)
+    assert status == -1 - (0 * hm.FILL_STATUS_STRIDE + hm.FILL_E_TABLE_P)
+
+
+def test_fill_kernel_reports_an_accepted_count_outside_one_to_one_plus_k() -> None:
+    # two spec-decode rows (k = 2) and a prefill: row 1's count 4 > 1 + k; the prefill row's is not read
+    q = i32([3, 3, 6])
+    qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+    sl = i32([12, 20, 6])
+    case = {"qsl": qsl, "ub": sl, "isp": np.array([False, False, True]), "drafts": i32([2, 2, 0]), "sl": sl,
+            "bt": np.arange(30, dtype=np.int32).reshape(3, 10), "accepted": i32([3, 4, 0]), "given": True,
+            "T": 12, "k": 2, "C": 8, "bsm": 4, "align": False, "ckpt": None, "conv": False, "pad": False,
+            "known": (0, 0, 0, 0)}
+    assert _fill(case, _outputs(case))[0] == -1 - (1 * hm.FILL_STATUS_STRIDE + hm.FILL_E_ACCEPTED)
+    for bad in (0, -5, 99):
+        case["accepted"] = i32([bad, 1, 1])
+        assert _fill(case, _outputs(case))[0] == -1 - (0 * hm.FILL_STATUS_STRIDE + hm.FILL_E_ACCEPTED)
+    case["accepted"] = i32([1, 3, 0])  # the prefill row's 0 is not read
+    out = _outputs(case)
+    assert _fill(case, out)[:2] == (0, 2) and out["accepted_d"][:2].tolist() == [1, 3]

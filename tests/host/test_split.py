@@ -152,8 +152,9 @@ def test_split_bad_input() -> None:
         split_decodes_and_prefills([0, 3, 5], num_tokens=4, max_query_len=3)
     with pytest.raises(ValueError, match="query_start_loc_cpu: must have num_reqs"):
         split_decodes_and_prefills([], num_tokens=0, max_query_len=0)
-    with pytest.raises(ValueError, match="decode_threshold: must be >= 0"):
-        split_decodes_and_prefills([0, 1], num_tokens=1, max_query_len=1, decode_threshold=-1)
+    for threshold in (0, -1):  # with 0 no row would be a decode
+        with pytest.raises(ValueError, match=f"decode_threshold: must be >= 1, got {threshold}"):
+            split_decodes_and_prefills([0, 1], num_tokens=1, max_query_len=1, decode_threshold=threshold)
     with pytest.raises(TypeError, match="num_tokens: expected an int"):
         split_decodes_and_prefills([0, 1], num_tokens=1.0, max_query_len=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="torch"):
@@ -174,7 +175,7 @@ _QSLS = query_start_locs(query_lens=st.integers(0, 6)) | query_start_locs(query_
 
 @given(
     qsl=_QSLS,
-    threshold=st.integers(0, 4),
+    threshold=st.integers(1, 4),
     require_uniform=st.booleans(),
     treat_short=st.booleans(),
     data=st.data(),
@@ -211,7 +212,7 @@ def test_split_matches_reference(
     assert got.num_decode_tokens + got.num_prefill_tokens == num_tokens
 
 
-@given(qsl=_QSLS, threshold=st.integers(0, 4), data=st.data())
+@given(qsl=_QSLS, threshold=st.integers(1, 4), data=st.data())
 def test_split3_matches_reference(qsl: np.ndarray, threshold: int, data: st.DataObject, device: torch.device) -> None:
     b = qsl.shape[0] - 1
     q = np.diff(qsl)

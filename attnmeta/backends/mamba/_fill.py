@@ -46,11 +46,18 @@ import numpy as np
 import torch
 
 from attnmeta._checks import as_host_array
-from attnmeta.backends.mamba._shared import NULL_BLOCK_ID, MambaHost, make_host, state_indices_error
+from attnmeta.backends.mamba._shared import (
+    NULL_BLOCK_ID,
+    MambaHost,
+    check_align_block_size,
+    make_host,
+    state_indices_error,
+)
 from attnmeta.host.chunks import ChunkMetadata, logical_chunks_nb, token_seq_idx_nb
 from attnmeta.host.layout import prefill_cpu_metadata
 from attnmeta.host.mamba import (
     CONV1D_BLOCK_M,
+    FILL_E_ACCEPTED,
     FILL_E_CAPACITY,
     FILL_E_CHECKPOINT,
     FILL_E_CONTEXT,
@@ -58,6 +65,7 @@ from attnmeta.host.mamba import (
     FILL_E_QSL,
     FILL_E_TABLE_D,
     FILL_E_TABLE_P,
+    FILL_STATUS_STRIDE,
     CheckpointConfig,
     PrefillCheckpoints,
     classify_mamba_rows,
@@ -503,6 +511,7 @@ def _accepted(values: Any, h: CommonHost) -> np.ndarray:
 def fill(
     common: StagedCommon,
     step: Step,
+    owner: str,
     prefix: str,
     spec_tokens: int,
     chunk_size: int,
@@ -516,26 +525,29 @@ def fill(
     num_accepted_tokens: Any,
 ) -> Filled:
     """Stage one Mamba2 (``chunk_size > 0``) or Mamba1 (``chunk_size == 0``) step: the fill path of the
-    module docstring.
+    module docstring. ``owner`` is the options type's name (for messages).
 
     Raises
     ------
     ValueError
         A block table too narrow for the state or checkpoint columns; ``num_accepted_tokens`` without
-        spec decode or of the wrong length; a checkpoint block size other than the builder's; graph
-        mode: a chunk size other than the profile's.
+        spec decode, of the wrong length, or with a decode row's count outside ``[1, 1 + k]``; in
+        ``"align"`` mode a mamba block size below the block size; a checkpoint block size other than
+        the builder's; graph mode: a chunk size other than the profile's.
     attnmeta.staging.CapacityError
         Graph mode: the step exceeds a profile capacity.
     """
     h = common.host
     B, T = h.num_reqs, h.num_actual_tokens
     bs_m = h.block_size if mamba_block_size is None else mamba_block_size
+    if align and bs_m < h.block_size:
+        check_align_block_size(owner, mamba_block_size, h.block_size)  # raises
     thr = 1 + spec_tokens
     prof = step.profile
     isp = h.is_prefilling
     if num_accepted_tokens is not None:
         if not spec_tokens:
-            raise ValueError("num_accepted_tokens: given, but spec decode is off (Mamba2Options.num_speculative_tokens == 0)")
+            raise ValueError(f"num_accepted_tokens: given, but spec decode is off ({owner}.num_speculative_tokens == 0)")
         accepted = _accepted(num_accepted_tokens, h)
     else:
         accepted = _NO_I32
@@ -597,7 +609,7 @@ def fill(
         *lay.outputs,
     )
     if status:
-        _raise_fill_error(status, h, spec_tokens, bs_m, align, checkpoint, prefix)
+        _raise_fill_error(status, h, spec_tokens, bs_m, align, checkpoint, prefix, accepted, owner)
     P = B - D
     if record is not None and (P or prof is not None):  # the pointers were written: [tot, stop) holds -1
         record.add(stamp, lay.offsets, tot, conv_rows if prof is not None else 2 * max(1024, tot), stamp - num_slots)
@@ -647,10 +659,10 @@ def _no_checkpoints(num_rows: int) -> np.ndarray:
 
 
 def _raise_fill_error(status: int, h: CommonHost, k: int, bs_m: int, align: bool, checkpoint: CheckpointConfig | None,
-                      prefix: str) -> None:
+                      prefix: str, accepted: np.ndarray, owner: str) -> None:
     """Turn the fill kernel's status into the validating functions' message (re-run on the failing part)."""
     enc = -1 - status
-    row, code = enc // 8, enc % 8
+    row, code = enc // FILL_STATUS_STRIDE, enc % FILL_STATUS_STRIDE
     qsl, ub, B = h.query_start_loc_cpu, h.seq_lens_cpu_upper_bound, h.num_reqs
     mode = "align" if align else "none"
     if code in (FILL_E_QSL, FILL_E_DRAFTS):
@@ -664,6 +676,12 @@ def _raise_fill_error(status: int, h: CommonHost, k: int, bs_m: int, align: bool
     elif code == FILL_E_CHECKPOINT and checkpoint is not None:
         q = np.diff(qsl[row : row + 2]).astype(np.int32)
         prefill_checkpoints(ub[row : row + 1], q, h.block_table_cpu[row : row + 1], config=checkpoint)
+    elif code == FILL_E_ACCEPTED:
+        raise ValueError(
+            f"num_accepted_tokens[{row}]={int(accepted[row])} is outside [1, {1 + k}] (row {row}, a decode row; "
+            f"1 + {owner}.num_speculative_tokens={k}): a decode row accepted at least its bonus token and at most "
+            f"every draft"
+        )
     elif code == FILL_E_CAPACITY:
         raise CapacityError(
             f"{prefix}: the step needs {row} rows of a field past its graph-mode capacity (raise the StaticProfile "

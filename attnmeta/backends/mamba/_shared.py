@@ -1,7 +1,9 @@
 """Pieces the Mamba builders share (private to :mod:`attnmeta.backends.mamba`).
 
-- :func:`check_state_options` / :func:`check_checkpoint_option`: the checks every Mamba options type
-  runs in ``__post_init__`` (cache mode, mamba block size, namespace, checkpoints).
+- :data:`MAMBA_BLOCK_SIZE_RULE` / :data:`CACHE_MODE_RULE`: the declared rules of the option fields
+  every Mamba options type has; :func:`check_checkpoint_option`: the check of a ``checkpoint`` option;
+  :func:`check_align_block_size`: the per-step check of the mamba block size against the step's block
+  size in ``"align"`` mode.
 - :class:`MambaMetadata`: the base of :class:`~attnmeta.backends.mamba.Mamba2Metadata` and
   :class:`~attnmeta.backends.mamba.Mamba1Metadata` (vLLM's ``BaseMambaAttentionMetadata``): the
   fields they share, declared once.
@@ -25,7 +27,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from attnmeta._checks import option_choice, option_int, option_prefix
+from attnmeta._checks import option_rule
 from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.builder import CommonNeeds
 from attnmeta.host.chunks import ChunkMetadata
@@ -40,13 +42,15 @@ from attnmeta.metadata import CommonAttentionMetadata, CommonHost
 from attnmeta.spec import BatchSpec
 
 __all__ = [
+    "CACHE_MODE_RULE",
+    "MAMBA_BLOCK_SIZE_RULE",
     "NULL_BLOCK_ID",
     "CacheMode",
     "MambaHost",
     "MambaMetadata",
     "block_table_columns",
+    "check_align_block_size",
     "check_checkpoint_option",
-    "check_state_options",
     "common_needs",
     "make_host",
     "state_indices_error",
@@ -63,12 +67,32 @@ CacheMode = Literal["none", "align"]
 # ------------------------------------------------------------------------------------------------
 
 
-def check_state_options(options: Any) -> None:
-    """``__post_init__`` checks of every Mamba options type: ``mamba_block_size`` (a positive int or
-    None), ``cache_mode`` (``"none"`` or ``"align"``) and ``prefix``."""
-    option_int(options, "mamba_block_size", minimum=1, allow_none=True)
-    option_choice(options, "cache_mode", ("none", "align"))
-    option_prefix(options)
+MAMBA_BLOCK_SIZE_RULE = option_rule("int", minimum=1, allow_none=True)
+"""The declared rule (``dataclasses.field`` metadata) of every Mamba options type's ``mamba_block_size``:
+a positive int, or None (the step's ``block_size``)."""
+CACHE_MODE_RULE = option_rule("choice", choices=("none", "align"))
+"""The declared rule of every Mamba options type's ``cache_mode``: ``"none"`` or ``"align"``."""
+
+
+def check_align_block_size(owner: str, mamba_block_size: int | None, block_size: int) -> None:
+    """In ``"align"`` mode, the mamba block size must be at least the step's block size (O(1), per step).
+
+    The state column of a row of ``s`` tokens is ``(s - 1) // mamba_block_size``; the block table
+    covers the row's ``cdiv(s, block_size)`` columns, which hold that column for every ``s`` only if
+    ``mamba_block_size >= block_size``. A smaller one reads a column past the row's blocks: a zero, the
+    null block's state. (vLLM sets ``mamba_block_size = block_size`` in align mode.)
+
+    Raises
+    ------
+    ValueError
+        ``mamba_block_size < block_size``.
+    """
+    if mamba_block_size is not None and mamba_block_size < block_size:
+        raise ValueError(
+            f"{owner}.mamba_block_size={mamba_block_size} < block_size={block_size}: cache_mode='align' reads the "
+            f"state of column (s - 1) // mamba_block_size, past the cdiv(s, block_size) blocks of a row's table (the "
+            f"null block); use a mamba block size >= the block size (vLLM: mamba_block_size = block_size) or None"
+        )
 
 
 def check_checkpoint_option(options: Any) -> None:

@@ -20,13 +20,16 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.backends._shared import require_same_step
 from attnmeta.backends.mamba._shared import (
+    CACHE_MODE_RULE,
+    MAMBA_BLOCK_SIZE_RULE,
     NULL_BLOCK_ID,
     CacheMode,
     block_table_columns,
-    check_state_options,
+    check_align_block_size,
     common_needs,
     state_indices_error,
 )
@@ -53,15 +56,16 @@ class LinearAttnOptions:
     ValueError: LinearAttnOptions.cache_mode: must be 'none' or 'align', got 'all'
     """
 
-    mamba_block_size: int | None = None
-    """Mamba block size for ``"align"`` mode; ``None``: the common metadata's ``block_size``."""
-    cache_mode: CacheMode = "none"
+    mamba_block_size: int | None = dataclasses.field(default=None, metadata=MAMBA_BLOCK_SIZE_RULE)
+    """Mamba block size for ``"align"`` mode, at least the step's ``block_size``; ``None``: the common
+    metadata's ``block_size``."""
+    cache_mode: CacheMode = dataclasses.field(default="none", metadata=CACHE_MODE_RULE)
     """vLLM's ``mamba_cache_mode``."""
-    prefix: str = "linear_attn"
+    prefix: str = dataclasses.field(default="linear_attn", metadata=option_rule("prefix"))
     """Namespace of this builder's staged fields."""
 
     def __post_init__(self) -> None:
-        check_state_options(self)
+        check_option_fields(self)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -166,22 +170,27 @@ class LinearAttnBuilder(Builder[LinearAttnOptions, LinearAttentionMetadata]):
         Raises
         ------
         ValueError
-            A block table too narrow for the state column, or ``common`` from another step.
+            A block table too narrow for the state column; ``"align"`` mode with a mamba block size
+            below the block size; ``common`` from another step.
+        TypeError
+            ``common`` not a :class:`~attnmeta.StagedCommon`, or options of another type.
         attnmeta.staging.CapacityError
             Graph mode: more rows than ``max_num_reqs``.
         """
-        if common.step is not step:
-            require_same_step(common, step)  # raises
+        if type(common) is not StagedCommon or common.step is not step:
+            require_same_step(common, step)  # raises (a subclass of the right step passes)
         o = self.options(options)
         h = common.host
         B = h.num_reqs
         bs_m = h.block_size if o.mamba_block_size is None else o.mamba_block_size
+        align = o.cache_mode == "align"
+        if align and bs_m < h.block_size:
+            check_align_block_size("LinearAttnOptions", bs_m, h.block_size)  # raises
         split = h.split(1)  # the step's shared split
         prof = step.profile
         name = o.prefix + ".state_indices_tensor"
         group = step.alloc_fields(((name, B, np.int32, prof.max_num_reqs if prof is not None else None, NULL_BLOCK_ID),))
         si = group.host[0]
-        align = o.cache_mode == "align"
         if state_indices_nb(h.block_table_cpu, h.seq_lens_cpu, bs_m, align, si.reshape(B, 1)) >= 0:
             raise state_indices_error(h, slice(0, B), bs_m, o.cache_mode, 1)
         si_ro = group.frozen[0]

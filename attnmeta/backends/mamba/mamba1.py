@@ -21,16 +21,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnmeta._checks import option_bool
+from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import keyword_factory
 from attnmeta.backends._shared import require_same_step
 from attnmeta.backends.mamba._fill import fill
 from attnmeta.backends.mamba._shared import (
+    CACHE_MODE_RULE,
+    MAMBA_BLOCK_SIZE_RULE,
     CacheMode,
     MambaHost,
     MambaMetadata,
     block_table_columns,
-    check_state_options,
     common_needs,
 )
 from attnmeta.builder import Builder, CommonNeeds, register
@@ -52,18 +53,18 @@ class Mamba1Options:
     'mamba1'
     """
 
-    mamba_block_size: int | None = None
-    """Mamba block size for ``"align"`` mode; ``None``: the common metadata's ``block_size``."""
-    cache_mode: CacheMode = "none"
+    mamba_block_size: int | None = dataclasses.field(default=None, metadata=MAMBA_BLOCK_SIZE_RULE)
+    """Mamba block size for ``"align"`` mode, at least the step's ``block_size``; ``None``: the common
+    metadata's ``block_size``."""
+    cache_mode: CacheMode = dataclasses.field(default="none", metadata=CACHE_MODE_RULE)
     """vLLM's ``mamba_cache_mode``."""
-    needs_causal_conv1d_metadata: bool = True
+    needs_causal_conv1d_metadata: bool = dataclasses.field(default=True, metadata=option_rule("bool"))
     """Emit the causal-conv1d launch metadata for prefills."""
-    prefix: str = "mamba1"
+    prefix: str = dataclasses.field(default="mamba1", metadata=option_rule("prefix"))
     """Namespace of this builder's staged fields."""
 
     def __post_init__(self) -> None:
-        check_state_options(self)
-        option_bool(self, "needs_causal_conv1d_metadata")
+        check_option_fields(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
@@ -122,14 +123,17 @@ class Mamba1Builder(Builder[Mamba1Options, Mamba1Metadata]):
         Raises
         ------
         ValueError
-            A block table too narrow for the state column, or ``common`` from another step.
+            A block table too narrow for the state column; ``"align"`` mode with a mamba block size
+            below the block size; ``common`` from another step.
+        TypeError
+            ``common`` not a :class:`~attnmeta.StagedCommon`, or options of another type.
         attnmeta.staging.CapacityError
             Graph mode: the step exceeds a profile capacity.
         """
-        if common.step is not step:
-            require_same_step(common, step)  # raises
+        if type(common) is not StagedCommon or common.step is not step:
+            require_same_step(common, step)  # raises (a subclass of the right step passes)
         o = self.options(options)
-        f = fill(common, step, o.prefix, 0, 0, o.mamba_block_size, o.cache_mode == "align",
+        f = fill(common, step, "Mamba1Options", o.prefix, 0, 0, o.mamba_block_size, o.cache_mode == "align",
                  o.needs_causal_conv1d_metadata, None, False, False, False, None)
         return Staged(step, f.host, lambda: _make_m1(**f.shared_fields(common.result())))
 

@@ -39,17 +39,18 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from attnmeta._checks import option_bool, option_int
+from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.backends._shared import require_same_step
 from attnmeta.backends.mamba._fill import fill
 from attnmeta.backends.mamba._shared import (
+    CACHE_MODE_RULE,
+    MAMBA_BLOCK_SIZE_RULE,
     CacheMode,
     MambaHost,
     MambaMetadata,
     block_table_columns,
     check_checkpoint_option,
-    check_state_options,
     common_needs,
 )
 from attnmeta.builder import Builder, CommonNeeds, register
@@ -84,36 +85,33 @@ class Mamba2Options:
     ValueError: Mamba2Options.chunk_size: must be >= 1, got 0
     """
 
-    chunk_size: int = 256
+    chunk_size: int = dataclasses.field(default=256, metadata=option_rule("int", minimum=1))
     """SSD chunk size ``C`` (vLLM ``model_config.get_mamba_chunk_size()``)."""
-    mamba_block_size: int | None = None
-    """Mamba block size (``MambaSpec.block_size``), used by ``"align"`` mode; ``None``: the common
-    metadata's ``block_size`` (the mamba group's block table)."""
-    cache_mode: CacheMode = "none"
+    mamba_block_size: int | None = dataclasses.field(default=None, metadata=MAMBA_BLOCK_SIZE_RULE)
+    """Mamba block size (``MambaSpec.block_size``), used by ``"align"`` mode, at least the step's
+    ``block_size`` (vLLM: equal); ``None``: the common metadata's ``block_size`` (the mamba group's
+    block table)."""
+    cache_mode: CacheMode = dataclasses.field(default="none", metadata=CACHE_MODE_RULE)
     """vLLM's ``mamba_cache_mode``: ``"none"`` (state in column 0) or ``"align"`` (the last blocks)."""
-    num_speculative_tokens: int = 0
+    num_speculative_tokens: int = dataclasses.field(default=0, metadata=option_rule("int", minimum=0))
     """``k``; spec decode is on when > 0: the decode threshold becomes ``1 + k``, decode rows get
     ``1 + k`` state columns, ``query_start_loc_d`` and ``num_accepted_tokens``."""
     checkpoint: CheckpointConfig | None = None
     """Prefill checkpoints (docs/semantics-mamba.md, "Prefill checkpoints"); only with
     ``cache_mode="align"``, and its ``mamba_block_size`` must equal the builder's mamba block size."""
-    needs_causal_conv1d_metadata: bool = True
+    needs_causal_conv1d_metadata: bool = dataclasses.field(default=True, metadata=option_rule("bool"))
     """Emit the causal-conv1d launch metadata for prefills."""
-    logical_chunks: bool = False
+    logical_chunks: bool = dataclasses.field(default=False, metadata=option_rule("bool"))
     """Also emit vLLM-v0 / SGLang / TRT-LLM ``chunk_indices_p`` / ``chunk_offsets_p``."""
-    token_seq_idx: bool = False
+    token_seq_idx: bool = dataclasses.field(default=False, metadata=option_rule("bool"))
     """Also emit the per-token ``token_seq_idx_p`` of the upstream ``mamba_ssm`` kernels."""
-    consecutive_seq_ids: bool = False
+    consecutive_seq_ids: bool = dataclasses.field(default=False, metadata=option_rule("bool"))
     """``token_seq_idx_p`` numbers the non-empty prefill sequences 0, 1, 2, ... instead of by row."""
-    prefix: str = "mamba2"
+    prefix: str = dataclasses.field(default="mamba2", metadata=option_rule("prefix"))
     """Namespace of this builder's staged fields."""
 
     def __post_init__(self) -> None:
-        option_int(self, "chunk_size", minimum=1)
-        check_state_options(self)
-        option_int(self, "num_speculative_tokens", minimum=0)
-        for name in ("needs_causal_conv1d_metadata", "logical_chunks", "token_seq_idx", "consecutive_seq_ids"):
-            option_bool(self, name)
+        check_option_fields(self)
         check_checkpoint_option(self)
 
 
@@ -362,7 +360,8 @@ class Mamba2Builder(Builder[Mamba2Options, Mamba2Metadata]):
             Chunk size, cache mode, spec decode, checkpoints, extra chunk formats, namespace.
         num_accepted_tokens : (num_real_reqs,) or (num_reqs,) int32, host, optional
             Spec decode only: the runner's accepted-token count of every row (padding rows 1 when only
-            the real rows are given). Default: ``diff(query_start_loc_d)`` (vLLM's capture path).
+            the real rows are given); each decode row's in ``[1, 1 + num_speculative_tokens]`` (the
+            prefill rows' are not read). Default: ``diff(query_start_loc_d)`` (vLLM's capture path).
 
         Returns
         -------
@@ -374,19 +373,22 @@ class Mamba2Builder(Builder[Mamba2Options, Mamba2Metadata]):
         Raises
         ------
         ValueError
-            ``num_accepted_tokens`` without spec decode or of the wrong length; a block table too
-            narrow for the state or checkpoint columns; a checkpoint block size other than the
-            builder's; graph mode: a chunk size other than the profile's; ``common`` from another step.
+            ``num_accepted_tokens`` without spec decode, of the wrong length, or with a decode row's
+            count outside ``[1, 1 + num_speculative_tokens]`` (naming the row); ``"align"`` mode with
+            a mamba block size below the block size; a block table too narrow for the state or
+            checkpoint columns; a checkpoint block size other than the builder's; graph mode: a chunk
+            size other than the profile's; ``common`` from another step.
         TypeError
-            A torch tensor passed as ``num_accepted_tokens``, or options of another type.
+            A torch tensor or a non-integer array passed as ``num_accepted_tokens``, ``common`` not a
+            :class:`~attnmeta.StagedCommon`, or options of another type.
         attnmeta.staging.CapacityError
             Graph mode: the step exceeds a profile capacity.
         """
-        if common.step is not step:
-            require_same_step(common, step)  # raises
+        if type(common) is not StagedCommon or common.step is not step:
+            require_same_step(common, step)  # raises (a subclass of the right step passes)
         o = self.options(options)
         C = o.chunk_size
-        f = fill(common, step, o.prefix, o.num_speculative_tokens, C, o.mamba_block_size, o.cache_mode == "align",
+        f = fill(common, step, "Mamba2Options", o.prefix, o.num_speculative_tokens, C, o.mamba_block_size, o.cache_mode == "align",
                  o.needs_causal_conv1d_metadata, o.checkpoint, o.logical_chunks, o.token_seq_idx, o.consecutive_seq_ids,
                  num_accepted_tokens)
 
