@@ -54,10 +54,19 @@ def describe_value(v: Any, limit: int) -> str:
     return summarize_value(v)
 
 
-class MetadataBase:
-    """Mixin giving metadata dataclasses their generic, sync-free methods."""
+T = TypeVar("T")
 
-    __slots__ = ()
+
+class MetadataBase:
+    """Mixin giving metadata dataclasses their generic, sync-free methods.
+
+    Its one slot, ``_lease``, holds the :class:`attnmeta.staging.Step` that owns the object once a
+    builder hands it out (:meth:`attnmeta.staging.Step.own`): when that step expires, the object
+    becomes an expired twin whose every field read raises
+    :class:`attnmeta.staging.StepExpiredError`.
+    """
+
+    __slots__ = ("_lease",)
 
     _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = ()
     _HOST_FIELDS: ClassVar[tuple[str, ...]] = ()
@@ -93,15 +102,20 @@ class MetadataBase:
                     f"twin always change together (else they would disagree)"
                 )
 
+    def _derived(self, new: T) -> T:
+        """``new``, an object derived from this one (sharing its views), tied to the same step."""
+        try:
+            lease = self._lease  # type: ignore[attr-defined]
+        except AttributeError:  # (never handed out by a step)
+            return new
+        return lease.own(new)  # type: ignore[no-any-return]
+
     def field_roles(self) -> dict[str, str]:
         """``{field: "device" | "host" | "scalar"}`` for every declared field."""
         out = {n: "device" for n in self._DEVICE_FIELDS}
         out.update({n: "host" for n in self._HOST_FIELDS})
         out.update({n: "scalar" for n in self._SCALAR_FIELDS})
         return out
-
-
-T = TypeVar("T")
 
 
 def keyword_factory(cls: type[T]) -> Callable[..., T]:

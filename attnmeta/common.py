@@ -28,7 +28,7 @@ import torch
 
 from attnmeta._fields import positional_factory
 from attnmeta._numba import pool_threads
-from attnmeta.host.common import block_table_rows_par_nb, common_pass_nb
+from attnmeta.host.common import BAD_BLOCK_ID, bad_block_id, block_table_rows_par_nb, common_pass_nb
 from attnmeta.host.paged import PagedKV, num_pages, paged_indices_par_nb, paged_kv_layout, paged_layout_nb
 from attnmeta.metadata import (
     CommonAttentionMetadata,
@@ -44,6 +44,7 @@ __all__ = ["CommonWriter", "build_common", "stage_common", "stage_paged_kv"]
 
 
 _I32, _I64, _BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_)
+_NO_LIMIT = 1 << 31  # num_kv_blocks when the KV cache's size is not given: any int32 id >= 0 is in range
 _EMPTY_I32 = np.zeros(0, np.int32)
 _PAGED_FIELDS = tuple(f.name for f in dataclasses.fields(PagedKVMetadata))
 _PK_INDICES, _PK_INDICES_CPU, _PK_NUM_PAGES = (
@@ -88,6 +89,9 @@ class CommonWriter:
     ----------
     num_reqs, block_size, columns : int
         The layout: padded rows, block size, block-table columns.
+    num_kv_blocks : int
+        The bound every used block id is checked against (the stager's ``num_kv_blocks``, else
+        ``2**31``).
     token_rows : int
         Rows staged for the per-token arrays (eager mode: bucketed; graph mode: the step's).
     paged : bool
@@ -121,6 +125,7 @@ class CommonWriter:
         "last",
         "nc",
         "nc_ro",
+        "num_kv_blocks",
         "num_reqs",
         "paged",
         "pos",
@@ -147,6 +152,8 @@ class CommonWriter:
         self._ranks = (1, 0, 1) if cp is None else (cp.world_size, cp.rank, cp.interleave)
         self.token_arrays, self.paged, self.has_drafts = token_arrays, paged, has_drafts
         self.graph = step.profile is not None
+        cap = step.stager.num_kv_blocks
+        self.num_kv_blocks = _NO_LIMIT if cap is None else cap
         host = group.host
         self.qsl, self.sl, self.bt, self.sm, self.pos = host[:5]
         self.token_rows = int(self.sm.shape[0])
@@ -199,7 +206,7 @@ class CommonWriter:
                 block_table_rows_par_nb(spec.block_table, self.bt, spec.num_reqs)
             status = common_pass_nb(
                 spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table, self.block_size, ws, rank, il,
-                spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound, self.token_arrays, serial, self.qsl, self.sl, self.bt, self.pos, self.sm, self.ub, self.nc,
+                self.num_kv_blocks, spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound, self.token_arrays, serial, self.qsl, self.sl, self.bt, self.pos, self.sm, self.ub, self.nc,
                 self.pre, self.ddt, self.paged, self.indptr, self.last, self.indices,
             )
             if not serial and self.paged and not status:
@@ -207,6 +214,8 @@ class CommonWriter:
         finally:
             if not serial:
                 numba.set_num_threads(was)
+        if status == BAD_BLOCK_ID:
+            raise bad_block_id(spec, None if self.num_kv_blocks == _NO_LIMIT else self.num_kv_blocks)
         if status:  # unreachable for a validated spec (kept as a guard)
             raise ValueError(f"stage_common: internal status {status}; the spec is inconsistent")
 
@@ -302,8 +311,7 @@ class CommonWriter:
 
     def paged_metadata(self, step: Step, num_pages: int) -> PagedKVMetadata:
         """The :class:`PagedKVMetadata` of a committed step of this layout with ``num_pages`` pages
-        (the same object while the step's device views and the page count stay the same; a new object
-        with new index views when either changes, never a view handed out before resized).
+        (one object per step, shared by the step's builders; tied to the step's lifetime).
 
         Raises
         ------
@@ -312,7 +320,7 @@ class CommonWriter:
         """
         dev = self.group.device(step)
         c = self._paged_meta
-        if c[0] is dev and c[1] == num_pages:
+        if c[0] is step and c[1] == num_pages:
             meta: PagedKVMetadata = c[2]
             return meta
         t = self._paged_template
@@ -326,8 +334,8 @@ class CommonWriter:
         # as_strided: the view a slice would make, at a fraction of the cost
         v[_PK_INDICES], v[_PK_INDICES_CPU], v[_PK_NUM_PAGES] = (
             t[1].as_strided((num_pages,), (1,)), self._indices_cpu(num_pages), num_pages)
-        meta = _make_paged_positional(*v)
-        self._paged_meta = (dev, num_pages, meta)
+        meta = step.own(_make_paged_positional(*v))
+        self._paged_meta = (step, num_pages, meta)
         return meta
 
 

@@ -195,7 +195,7 @@ class CommonAttentionMetadata(MetadataBase):
                     f"fix the shapes or pass num_computed_tokens_cpu explicitly"
                 )
             changes["num_computed_tokens_cpu"] = (sl - np.diff(qsl)).astype(np.int32)
-        return dataclasses.replace(self, **changes)
+        return self._derived(dataclasses.replace(self, **changes))
 
     def unpadded(self, num_actual_tokens: int, num_reqs: int) -> CommonAttentionMetadata:
         """The first ``num_reqs`` rows and ``num_actual_tokens`` tokens (drops padding).
@@ -209,7 +209,7 @@ class CommonAttentionMetadata(MetadataBase):
             )
         B, T = num_reqs, num_actual_tokens
         ddt = self.num_decode_draft_tokens_cpu
-        return dataclasses.replace(
+        return self._derived(dataclasses.replace(
             self,
             query_start_loc=self.query_start_loc[: B + 1],
             query_start_loc_cpu=self.query_start_loc_cpu[: B + 1],
@@ -229,7 +229,7 @@ class CommonAttentionMetadata(MetadataBase):
             num_actual_tokens=T,
             num_real_reqs=min(self.num_real_reqs, B),
             num_real_tokens=int(self.query_start_loc_cpu[B]),
-        )
+        ))
 
     def query_lens_cpu(self) -> np.ndarray:
         """(num_reqs,) int32, host: ``diff(query_start_loc_cpu)``."""
@@ -457,7 +457,7 @@ class StagedCommon(Staged[CommonHost, CommonAttentionMetadata]):
 
     def __init__(self, step: Step, host: CommonHost, make: Callable[[], CommonAttentionMetadata], *,
                  paged: Staged[PagedKV, PagedKVMetadata] | None = None, writer: CommonWriter | None = None) -> None:
-        self.step, self.host, self._make, self._result = step, host, make, None  # (Staged.__init__, inlined)
+        self.step, self.host, self._make, self._result = step, step.own(host), make, None  # (Staged.__init__, inlined)
         self.writer = writer
         self.paged = paged
 

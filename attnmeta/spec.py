@@ -48,6 +48,7 @@ class ContextParallel(NamedTuple):
 
 
 _EMPTY = np.zeros(0, np.int32)
+_NO_COPY = np.zeros((0, 0), np.int32)
 _INT_TYPES = (int, np.integer)
 # _validate_nb status codes: 0 = valid; _INVALID = some rule is broken (``diagnose=False``); else the
 # first broken rule (``diagnose=True``), numbered in the order a row's rules are checked
@@ -56,11 +57,38 @@ _NEG_C, _NEG_Q, _SEQ_OVF, _TOT_OVF, _NARROW, _NEG_BLOCK, _NEG_P, _NEG_D, _DRAFTS
 
 
 @njit
+def _own_nb(c: np.ndarray, q: np.ndarray, prompt: np.ndarray, drafts: np.ndarray, ub: np.ndarray,
+            out: np.ndarray) -> None:
+    """Copy the per-request vectors into the rows of ``out`` (``(2 + given optional arrays, n)``
+    int32): ``c``, ``q``, then each of ``prompt``, ``drafts``, ``ub`` that is not empty, in order."""
+    _copy_nb(c, out[0])
+    _copy_nb(q, out[1])
+    row = 2
+    if prompt.shape[0]:
+        _copy_nb(prompt, out[row])
+        row += 1
+    if drafts.shape[0]:
+        _copy_nb(drafts, out[row])
+        row += 1
+    if ub.shape[0]:
+        _copy_nb(ub, out[row])
+
+
+@njit
+def _copy_nb(src: np.ndarray, dst: np.ndarray) -> None:
+    for i in range(dst.shape[0]):
+        dst[i] = src[i]
+
+
+@njit
 def _validate_nb(
     c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int, bs: int,
-    prompt: np.ndarray, drafts: np.ndarray, ub: np.ndarray, diagnose: bool,
+    prompt: np.ndarray, drafts: np.ndarray, ub: np.ndarray, diagnose: bool, own: np.ndarray,
 ) -> tuple[int, int, int, int, int, int, int, int]:
-    """Every rule of BatchSpec, and the derived scalars.
+    """Every rule of BatchSpec, and the derived scalars; with a non-empty ``own``, of copies.
+
+    ``own`` is ``(0, 0)``, or ``(2 + given optional arrays, n)`` int32: the vectors are first copied
+    into its rows (:func:`_own_nb`) and the rules asked of the copies, which the spec keeps.
 
     ``prompt``, ``drafts`` and ``ub`` are empty when not given (else they have ``c``'s length: with no
     rows the two are alike). Returns ``(status, row, col, total, max_q, max_seq, max_ub, pages)``:
@@ -84,6 +112,18 @@ def _validate_nb(
       name the rule.
     """
     n = c.shape[0]
+    if own.shape[0]:
+        _own_nb(c, q, prompt, drafts, ub, own)
+        c, q = own[0], own[1]
+        row = 2
+        if prompt.shape[0]:
+            prompt = own[row]
+            row += 1
+        if drafts.shape[0]:
+            drafts = own[row]
+            row += 1
+        if ub.shape[0]:
+            ub = own[row]
     width = bt.shape[1]
     sh_bs = pow2_shift(bs)  # power-of-two sizes divide by shifts (attnmeta._intdiv)
     sh_span = pow2_shift(span)
@@ -190,7 +230,7 @@ def _raise_invalid(
     :func:`_validate_nb` with ``diagnose=True``): the field, the row, the value and the rule."""
     code, i, j = _validate_nb(
         c, q, bt, span, bs, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
-        _EMPTY if ub is None else ub, True,
+        _EMPTY if ub is None else ub, True, _NO_COPY,
     )[:3]
     assert code > 0, "_raise_invalid called for a valid spec"
     seq = int(c[i]) + int(q[i])
@@ -259,10 +299,22 @@ class BatchSpec:
     context_parallel : ContextParallel, optional
         DCP/PCP layout for the slot mapping; ``None`` means no context parallelism.
 
+    What the spec keeps
+    -------------------
+    The per-request vectors (``num_computed_tokens``, ``num_scheduled_tokens`` and the optional
+    ones) are copied at construction into one read-only buffer of the spec's own, and validated
+    there: a caller may reuse or change its arrays as soon as the constructor returns. The block
+    table is kept by reference (it is the one large array, and an engine's is usually a slice of a
+    persistent table): it is read when a step is built, and every used block id (columns
+    ``[0, cdiv(c + q, block_size))`` of each row) is checked again by the build's compiled pass, as
+    it copies them (negative, or past the stager's ``num_kv_blocks``, is a ``ValueError`` naming the
+    row and column). Change the table's used entries only between building steps.
+
     Raises
     ------
     TypeError
-        A field is a torch tensor or not an integer array.
+        A field is a torch tensor or not an integer array; ``block_size`` or a padding count is not an
+        int (a bool is not).
     ValueError
         Negative counts, length mismatches, a block table too narrow for ``c + q``, a negative block id
         in a used column, padding smaller than the real batch, totals that overflow int32.
@@ -322,8 +374,12 @@ class BatchSpec:
         n = c.shape[0]
         q = as_host_array(num_scheduled_tokens, "num_scheduled_tokens", length=n)
         bs = block_size
-        if not isinstance(bs, _INT_TYPES) or bs <= 0:
+        if isinstance(bs, bool | np.bool_) or not isinstance(bs, _INT_TYPES):
+            raise TypeError(f"block_size: expected a positive int, got {type(bs).__name__} {bs!r}")
+        if bs <= 0:
             raise ValueError(f"block_size: must be a positive int, got {bs!r}")
+        if bs > INT32_MAX:
+            raise ValueError(f"block_size: {bs} overflows int32")
         bs = int(bs)
         bt = as_host_array(block_table, "block_table", ndim=2)
         if bt.shape[0] < n:
@@ -343,15 +399,31 @@ class BatchSpec:
         ub = (None if seq_lens_upper_bound is None
               else as_host_array(seq_lens_upper_bound, "seq_lens_upper_bound", length=n))
         span = bs * (1 if cp is None else cp.world_size)  # tokens per block-table column
+        # The spec owns its per-request vectors: the kernel copies them into one read-only buffer and
+        # validates the copies, so a caller changing its arrays afterwards changes nothing here.
+        own = np.empty((2 + (prompt is not None) + (drafts is not None) + (ub is not None), n), np.int32)
         code, _, _, total, max_q, max_seq, max_ub, pages = _validate_nb(
             c, q, bt, span, bs, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
-            _EMPTY if ub is None else ub, False,  # (diagnose: only when a rule is broken, to name it)
+            _EMPTY if ub is None else ub, False, own,  # (diagnose: only when a rule is broken, to name it)
         )
+        own.setflags(write=False)
+        c, q = own[0], own[1]
+        k = 2
+        if prompt is not None:
+            prompt, k = own[k], k + 1
+        if drafts is not None:
+            drafts, k = own[k], k + 1
+        if ub is not None:
+            ub = own[k]
         if code:
             _raise_invalid(c, q, bt, span, bs, prompt, drafts, ub)
         rp = num_reqs_padded
-        if rp is not None and (not isinstance(rp, _INT_TYPES) or rp < n):
-            raise ValueError(f"num_reqs_padded: {rp!r} < num_reqs={n}; padding can only add rows")
+        for name, v in (("num_reqs_padded", rp), ("num_tokens_padded", num_tokens_padded)):
+            if v is not None and (isinstance(v, bool | np.bool_) or not isinstance(v, _INT_TYPES)):
+                raise TypeError(f"{name}: expected an int or None, got {type(v).__name__} {v!r}")
+        if rp is not None and not n <= rp <= INT32_MAX:
+            raise ValueError(f"num_reqs_padded: {rp!r} < num_reqs={n}; padding can only add rows" if rp < n
+                             else f"num_reqs_padded: {rp} overflows int32")
         tp = num_tokens_padded
         if tp is not None:
             if not isinstance(tp, _INT_TYPES) or tp < total:

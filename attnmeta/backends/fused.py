@@ -326,17 +326,18 @@ class FusedStepBuilder:
         max_q, max_seq = spec.max_query_len, spec.max_seq_len
         v = rec.cm.copy()
         v[_CM_MAX_Q], v[_CM_MAX_SEQ], v[_CM_REAL_REQS], v[_CM_REAL_TOKENS] = max_q, max_seq, spec.num_reqs, spec.num_tokens
-        cm = _make[CommonAttentionMetadata](*v)
+        own = step.own
+        cm = own(_make[CommonAttentionMetadata](*v))
         fa = fi = None
         if rec.fa is not None:
             v = rec.fa.copy()
             v[_FA_COMMON], v[_FA_MAX_Q], v[_FA_MAX_SEQ] = cm, max_q, max_seq
-            fa = _make[FlashAttentionMetadata](*v)
+            fa = own(_make[FlashAttentionMetadata](*v))
         if rec.fi is not None:
             v = rec.fi.copy()
             v[_FI_COMMON], v[_FI_PAGED], v[_FI_MAX_KV] = cm, rec.writer.paged_metadata(step, total), spec.max_exact_seq_len
             v[_FI_MAX_DQ], v[_FI_MAX_PQ] = (0, max_q) if kind else (max_q, 0)
-            fi = _make[FlashInferMetadata](*v)
+            fi = own(_make[FlashInferMetadata](*v))
         return FusedStep._make((cm, fa, fi))
 
     def _compose(self, spec: BatchSpec, step: Step, key: tuple[Any, ...] | None) -> FusedStep:

@@ -169,8 +169,8 @@ def _case(specs: list[BatchSpec], device: torch.device, mode: str = "plain") -> 
 
     raw = blocking_uploader(device, ups["reference"])
     lists = _list_uploader(device, ups["reference"])
-    host_t = [(torch.from_numpy(s.num_computed_tokens), torch.from_numpy(s.num_scheduled_tokens),
-               torch.from_numpy(s.num_prompt_tokens)) for s in specs if s.num_prompt_tokens is not None]
+    host_t = [(torch.from_numpy(s.num_computed_tokens.copy()), torch.from_numpy(s.num_scheduled_tokens.copy()),
+               torch.from_numpy(s.num_prompt_tokens.copy())) for s in specs if s.num_prompt_tokens is not None]
     assert len(host_t) == n, "the Mamba2 bench specs carry prompt lengths"
 
     def reference_step() -> Any:

@@ -29,9 +29,11 @@ from attnmeta.host.layout import (
 from attnmeta.host.paged import paged_indices_nb, paged_layout_nb
 from attnmeta.spec import BatchSpec
 
-__all__ = ["block_table_rows_par_nb", "common_layout", "common_pass_nb"]
+__all__ = ["BAD_BLOCK_ID", "bad_block_id", "block_table_rows_par_nb", "common_layout", "common_pass_nb"]
 
 _SHORT_INDICES = 1 << 20  # common_pass_nb's status for an ``indices`` shorter than the page count
+BAD_BLOCK_ID = 1 << 21
+""":func:`common_pass_nb`'s status for a used block id that is negative or ``>= num_kv_blocks``."""
 
 
 @njit
@@ -43,6 +45,7 @@ def common_pass_nb(
     world_size: int,
     rank: int,
     interleave: int,
+    num_kv_blocks: int,
     prompt: np.ndarray | None,
     drafts: np.ndarray | None,
     upper: np.ndarray | None,
@@ -75,6 +78,10 @@ def common_pass_nb(
     (:func:`attnmeta.host.paged.paged_indices_par_nb`): the same bytes, on numba's thread pool.
     ``prompt`` / ``drafts`` / ``upper`` are the spec's optional arrays, ``None`` when it has none
     (numba compiles a variant per combination, with the branches of the absent ones removed).
+
+    The one check it makes: the block table is read now, not when its spec was validated, so every
+    used block id (columns ``[0, cdiv(c + q, block_size * world_size))`` of each real row) must be
+    in ``[0, num_kv_blocks)``; else it returns :data:`BAD_BLOCK_ID` (the caller names the entry).
     Returns 0, or a non-zero status for inputs a validated spec never has.
     """
     n = q.shape[0]
@@ -89,6 +96,19 @@ def common_pass_nb(
                 dst[j] = src[j]
             for j in range(w, dst.shape[0]):
                 dst[j] = 0
+    # The used block ids, folded while in cache: a kernel writes KV through every one of them.
+    span = block_size * world_size
+    lo = np.int32(0)
+    hi = np.int32(0)
+    for i in range(n):
+        used = (np.int64(c[i]) + np.int64(q[i]) + span - 1) // span
+        row = bt[i] if used <= bt.shape[1] else table[i]
+        for j in range(used):
+            v = row[j]
+            lo = v if v < lo else lo
+            hi = v if v > hi else hi
+    if lo < 0 or np.int64(hi) >= num_kv_blocks:
+        return BAD_BLOCK_ID
     # The slot mapping reads the rows just copied (in cache) rather than the spec's wide table; a
     # staged table narrower than a request's blocks falls back to the spec's.
     if do_tokens:
@@ -146,6 +166,39 @@ def block_table_rows_par_nb(table: np.ndarray, bt: np.ndarray, n: int) -> None:
 
 
 _EMPTY_I32 = np.zeros(0, np.int32)
+_NO_LIMIT = 1 << 31  # num_kv_blocks when the cache's size is not known: every int32 id >= 0 is in range
+
+
+def bad_block_id(spec: BatchSpec, num_kv_blocks: int | None) -> ValueError:
+    """The ``ValueError`` naming the first used block id of ``spec`` that is negative or at or past
+    ``num_kv_blocks`` (row, column, value, rule), for :func:`common_pass_nb`'s :data:`BAD_BLOCK_ID`.
+
+    Examples
+    --------
+    >>> table = np.array([[3, 4], [5, 9]], np.int32)
+    >>> spec = BatchSpec(num_computed_tokens=[3, 5], num_scheduled_tokens=[1, 1], block_table=table, block_size=4)
+    >>> print(bad_block_id(spec, 8))
+    block_table[1, 1]=9 is past the KV cache's last block (num_kv_blocks=8) but column 1 holds tokens of request 1 (seq_len 6); a slot mapping through it would write outside the cache
+    """
+    cp = spec.context_parallel
+    span = spec.block_size * (1 if cp is None else cp.world_size)
+    cap = _NO_LIMIT if num_kv_blocks is None else num_kv_blocks
+    seq = spec.num_computed_tokens.astype(np.int64) + spec.num_scheduled_tokens
+    for i in range(spec.num_reqs):
+        used = spec.block_table[i, : -(-int(seq[i]) // span)]
+        bad = np.flatnonzero((used < 0) | (used >= cap))
+        if bad.size:
+            j = int(bad[0])
+            v = int(used[j])
+            what = ("is negative" if v < 0 else
+                    f"is past the KV cache's last block (num_kv_blocks={num_kv_blocks})")
+            return ValueError(
+                f"block_table[{i}, {j}]={v} {what} but column {j} holds tokens of request {i} (seq_len {int(seq[i])}); "
+                f"a slot mapping through it would write outside the cache"
+                + (" (the table changed after the BatchSpec was built: its used ids are read when a step is built)"
+                   if v < 0 else ""))
+    return ValueError("block_table: a used block id is out of range (not found again: was the table changed "
+                      "while the step was built?)")
 
 
 def common_layout(
@@ -215,6 +268,7 @@ def common_layout(
         ws,
         rank,
         il,
+        _NO_LIMIT,
         spec.num_prompt_tokens,
         spec.num_draft_tokens,
         spec.seq_lens_upper_bound,
@@ -234,5 +288,7 @@ def common_layout(
         _EMPTY_I32,
         _EMPTY_I32,
     )
+    if status == BAD_BLOCK_ID:
+        raise bad_block_id(spec, None)
     if status:  # unreachable for a validated spec and correctly sized buffers
         raise ValueError(f"common_layout: internal status {status}; the spec or a buffer is inconsistent")

@@ -15,6 +15,7 @@ from attnmeta.staging.stager import (
     StepNotCommittedError,
     StepStats,
     bucket_rows,
+    is_expired,
 )
 
 __all__ = [
@@ -32,5 +33,6 @@ __all__ = [
     "StepNotCommittedError",
     "StepStats",
     "bucket_rows",
+    "is_expired",
     "pad_out",
 ]

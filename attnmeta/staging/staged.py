@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from attnmeta._fields import MetadataBase
 from attnmeta.staging.stager import Step, StepNotCommittedError
 
 __all__ = ["Staged"]
@@ -34,6 +35,10 @@ class Staged(Generic[H, M]):
     make : callable
         Builds the finished metadata; called once, by the first :meth:`result` after the commit.
 
+    The host part (when it is a metadata object) and the finished metadata are tied to the step's
+    lifetime (:meth:`Step.own`): once a newer step claims the step's memory, reading them raises
+    :class:`~attnmeta.staging.StepExpiredError`.
+
     Examples
     --------
     >>> import numpy as np
@@ -52,7 +57,7 @@ class Staged(Generic[H, M]):
 
     def __init__(self, step: Step, host: H, make: Callable[[], M]) -> None:
         self.step = step
-        self.host = host
+        self.host = step.own(host) if isinstance(host, MetadataBase) else host
         self._make = make
         self._result: M | None = None
 
@@ -73,6 +78,8 @@ class Staged(Generic[H, M]):
                 "step.commit()) before reading device metadata"
             )
         r = self._result = self._make()
+        if isinstance(r, MetadataBase):
+            self.step.own(r)
         return r
 
     def __repr__(self) -> str:

@@ -47,16 +47,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+import typing
 import weakref
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from attnmeta._fields import MetadataBase
 from attnmeta.profile import StaticProfile
 from attnmeta.staging import _driver
 
@@ -73,6 +76,7 @@ __all__ = [
     "StepNotCommittedError",
     "StepStats",
     "bucket_rows",
+    "is_expired",
 ]
 
 logger = logging.getLogger("attnmeta.staging")
@@ -103,7 +107,8 @@ class StepNotCommittedError(RuntimeError):
 
 
 class StepExpiredError(RuntimeError):
-    """A step's device views were requested after the stager reused its slot for a newer step."""
+    """A step's metadata (a field of a metadata object, a device or host view) was read after a newer
+    step claimed the step's memory; the message names both steps and the ring slot."""
 
 
 class CapacityError(ValueError):
@@ -123,6 +128,28 @@ _CURRENT_DEVICE: Any = getattr(torch._C, "_cuda_getDevice", lambda: -2)  # -2: n
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` a stager can serve: ``cuda[:n]`` (present on this machine),
+    ``cpu`` or ``meta``; a ``TypeError`` / ``ValueError`` naming what is wrong otherwise."""
+    if not isinstance(device, torch.device | str):
+        raise TypeError(f"device: expected a torch.device or a str such as 'cuda', 'cuda:1' or 'cpu', got "
+                        f"{type(device).__name__} {device!r}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device: {device!r} is not a device ({e})") from None
+    if dev.type not in ("cuda", "cpu", "meta"):
+        raise ValueError(f"device: {device!r}; a Stager serves 'cuda[:n]', 'cpu' or 'meta'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ValueError(f"device: {device!r} but no CUDA device is available (torch {torch.__version__}, "
+                             f"{build}); use Stager('cpu') to build metadata without a GPU")
+        if dev.index is not None and not 0 <= dev.index < torch.cuda.device_count():
+            raise ValueError(f"device: {device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def bucket_rows(n: int) -> int:
@@ -197,6 +224,96 @@ class StagerStats:
     between touched it (a builder may rely on bytes that step left in the slot)."""
 
 
+T = TypeVar("T")
+
+_EXPIRED_TWINS: dict[type, type] = {}
+"""A class's expired twin (:func:`_poison`), by class."""
+_TWIN_CLASSES: set[type] = set()
+_PARTS: dict[type, tuple[str, ...]] = {}
+"""A class's fields that may hold another metadata object (poisoned with it), by class."""
+_OPEN_NAMES = frozenset({"_lease"})
+
+
+def is_expired(obj: Any) -> bool:
+    """Whether ``obj``, a metadata object handed out by a step, has expired (reading its fields would
+    raise :class:`StepExpiredError`): a newer step has claimed its step's memory.
+
+    Examples
+    --------
+    >>> from attnmeta import BatchSpec, Stager, build_common
+    >>> stager = Stager("cpu", num_slots=2)
+    >>> spec = BatchSpec(num_computed_tokens=[3], num_scheduled_tokens=[1], block_table=[[7]], block_size=4)
+    >>> first = build_common(spec, stager)
+    >>> second = build_common(spec, stager)
+    >>> is_expired(first), is_expired(second)
+    (False, False)
+    >>> third = build_common(spec, stager)  # begins on the ring slot of `first`
+    >>> is_expired(first)
+    True
+    """
+    return type(obj) in _TWIN_CLASSES
+
+
+def _expired_twin(cls: type) -> type:
+    """The subclass an expired object of ``cls`` becomes: no slots of its own (the same layout), every
+    attribute read but ``__class__`` and ``_lease`` raising :class:`StepExpiredError` with the expiry
+    of the step in ``_lease``."""
+    twin = _EXPIRED_TWINS.get(cls)
+    if twin is not None:
+        return twin
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        if name in _OPEN_NAMES or name.startswith("__"):  # (introspection: the class's dunders)
+            return object.__getattribute__(self, name)
+        raise StepExpiredError(f"{cls.__name__}.{name}: {object.__getattribute__(self, '_lease').expiry()}")
+
+    def __repr__(self: Any) -> str:
+        return f"<expired {cls.__name__}: {object.__getattribute__(self, '_lease').expiry()}>"
+
+    twin = type(f"Expired{cls.__name__}", (cls,), {
+        "__slots__": (), "__getattribute__": __getattribute__, "__repr__": __repr__, "__module__": cls.__module__,
+    })
+    _EXPIRED_TWINS[cls] = twin
+    _TWIN_CLASSES.add(twin)
+    return twin
+
+
+def _parts(cls: type) -> tuple[str, ...]:
+    """The dataclass fields of ``cls`` annotated with a :class:`MetadataBase` type (optional or not)."""
+    found = _PARTS.get(cls)
+    if found is not None:
+        return found
+    names: list[str] = []
+    if dataclasses.is_dataclass(cls):
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # an annotation that does not resolve at run time: judge by its text
+            hints = {}
+        for f in dataclasses.fields(cls):
+            hint = hints.get(f.name)
+            kinds = typing.get_args(hint) or (hint,) if hint is not None else ()
+            if any(isinstance(k, type) and issubclass(k, MetadataBase) for k in kinds) or (
+                    hint is None and "Metadata" in str(f.type)):
+                names.append(f.name)
+    _PARTS[cls] = found = tuple(names)
+    return found
+
+
+def _poison(obj: Any, step: Step) -> None:
+    """Turn ``obj`` (owned by ``step``, which has expired) and the metadata objects in its fields that
+    no other step owns into their expired twins."""
+    cls = type(obj)
+    if cls in _TWIN_CLASSES:
+        return
+    for name in _parts(cls):
+        part = object.__getattribute__(obj, name)
+        if part is not None and type(part) not in _TWIN_CLASSES and getattr(part, "_lease", step) is step:
+            object.__setattr__(part, "_lease", step)
+            _poison(part, step)
+    object.__setattr__(obj, "_lease", step)
+    object.__setattr__(obj, "__class__", _expired_twin(cls))
+
+
 class FieldLayout:
     """Where one staged field lives: byte offset, dtype, row shape, rows staged, capacity, sentinel.
 
@@ -254,7 +371,7 @@ class _Slot:
 
     __slots__ = (
         "copy_pairs", "device_arena", "dirty_rows", "event", "extras", "generation", "groups", "host", "host_np",
-        "index", "ptrs", "typed", "version", "views",
+        "index", "owner", "ptrs", "typed", "version", "views",
     )
 
     def __init__(self, index: int) -> None:
@@ -273,6 +390,7 @@ class _Slot:
         self.groups: dict[tuple[Any, ...], FieldGroup] = {}
         self.extras: dict[Any, Any] = {}  # Step.slot_extras: builders' state for this slot's bytes
         self.version = 0  # bumped whenever the slot's memory or (graph mode) the layout changes
+        self.owner: Step | None = None  # the step that began on the slot last
 
 
 _MAX_CACHED_GROUPS = 512  # per slot; the cache is dropped (and rebuilt on demand) when it outgrows this
@@ -332,7 +450,7 @@ class FieldGroup:
         StepNotCommittedError, StepExpiredError
             As :meth:`Step.device`.
         """
-        if step._generation >= 0 and (step._slot.generation == step._generation or step._stager.graph_mode):
+        if step._generation >= 0 and not step._expired:
             d = self._device
             if d is None:
                 d = self._device = [step._view(f, f.rows) for f in self.fields]
@@ -388,6 +506,35 @@ class Stager:
         allocated, so they are resident from the start: a later step that first reaches into a page
         (a new, larger layout) takes no page fault, at the price of resident memory for the whole
         slot. Pinned slots and CUDA arenas are resident anyway.
+    num_kv_blocks : int, optional
+        Blocks in the KV cache that the block tables of this stager's steps index. When given, every
+        step's common pass checks each used block id (columns ``[0, cdiv(seq_len, block_size))`` of
+        each row) against it and raises a ``ValueError`` naming the row and column of any id at or
+        past it, before anything is copied: a slot mapping never points outside the cache.
+    check_lifetimes : bool, default True
+        Expire the metadata objects of a step when a newer step claims its memory (see "Lifetimes"):
+        reading any of their fields then raises :class:`StepExpiredError`. ``False`` skips the
+        bookkeeping (a loop that proves its own lifetimes); expired objects then read whatever the
+        newer step wrote. :meth:`Step.device` checks either way.
+
+    Lifetimes
+    ---------
+    A step's memory is its ring slot's pinned bytes (its host views and twins) and, in eager mode, the
+    slot's device arena (its device views). Both are claimed by the step that next begins on the slot,
+    ``num_slots`` steps later: from then on the step has *expired*, and reading any field of its
+    metadata objects, or :meth:`Step.device`, raises :class:`StepExpiredError` naming both steps and
+    the slot. So an engine may hold the metadata of its last ``num_slots - 1`` steps while it builds
+    the next one; a larger ring holds more. A step that fails and is abandoned still claims its slot.
+    In graph mode every step commits into the one device arena, so a step also expires when a later
+    step commits. Arrays taken out of a metadata object (``cm.seq_lens_cpu``) are plain views of the
+    memory: they are not checked, so copy what you keep past the step's life.
+
+    Threads
+    -------
+    A stager is driven by one thread at a time: steps are begun, staged and committed in sequence,
+    never concurrently. Handing it over between steps is fine. A second thread that begins a step
+    while another thread's step is open gets a ``RuntimeError`` naming both threads. Several threads
+    building metadata concurrently use one stager each (one per device, or several per device).
 
     Examples
     --------
@@ -410,14 +557,29 @@ class Stager:
         profile: StaticProfile | None = None,
         stream: Any = None,
         initial_bytes: int = 1 << 20,
+        num_kv_blocks: int | None = None,
+        check_lifetimes: bool = True,
         _unsafe_disable_fencing: bool = False,
     ) -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int | np.integer):
+            raise TypeError(f"num_slots: expected an int, got {type(num_slots).__name__} {num_slots!r}")
         if num_slots < 2:
             raise ValueError(f"num_slots: must be >= 2 so a step can be built while the last copies, got {num_slots}")
-        self.device = torch.device(device)
+        if profile is not None and not isinstance(profile, StaticProfile):
+            raise TypeError(f"profile: expected a StaticProfile or None, got {type(profile).__name__}")
+        if isinstance(initial_bytes, bool) or not isinstance(initial_bytes, int | np.integer) or initial_bytes < 0:
+            raise ValueError(f"initial_bytes: expected an int >= 0, got {initial_bytes!r}")
+        if num_kv_blocks is not None and (isinstance(num_kv_blocks, bool)
+                                          or not isinstance(num_kv_blocks, int | np.integer) or num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks: expected an int >= 1 (the KV cache's blocks) or None, got {num_kv_blocks!r}")
+        self.device = _device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.num_slots = num_slots
+        self.num_kv_blocks: int | None = None if num_kv_blocks is None else int(num_kv_blocks)
+        """Blocks in the KV cache the block tables index (checked by every step's common pass), or None."""
+        self._lifetimes = bool(check_lifetimes)
+        self._graph_live: Step | None = None  # graph mode: the step whose data the device arena holds
+        self.num_slots = int(num_slots)
         self.profile = profile
         self.graph_mode = profile is not None
         self._stream = stream
@@ -615,7 +777,7 @@ class Stager:
         commits, leaving it with an exception abandons the step without copying anything.
         """
         if self._open is not None:
-            raise RuntimeError("Stager.step(): the previous step has neither committed nor been abandoned")
+            raise RuntimeError(self._busy(self._open))
         slot = self._slots[self._next]
         self._next = (self._next + 1) % self.num_slots
         if _driver._RETIRED:
@@ -624,10 +786,24 @@ class Stager:
         st.steps_begun += 1
         if slot.generation:
             st.slot_reuses += 1
+        prev = slot.owner
+        if prev is not None and not prev._expired:
+            prev._expire(st.steps_begun)  # the new step claims the slot before it writes a byte
         waits, wait_s = self._wait_slot(slot)
-        step = Step(self, slot, waits, wait_s)
+        step = slot.owner = Step(self, slot, waits, wait_s)
         self._open = step
         return step
+
+    def _busy(self, open_step: Step) -> str:
+        """The message of :meth:`step` while ``open_step`` is open."""
+        me, owner = threading.get_ident(), open_step._thread
+        if owner == me:
+            return (f"Stager.step(): step {open_step.number} has neither committed nor been abandoned; commit it "
+                    f"(or leave its `with` block) first")
+        names = {t.ident: t.name for t in threading.enumerate()}
+        return (f"Stager.step(): called from thread {names.get(me, me)!r} while step {open_step.number} of thread "
+                f"{names.get(owner, owner)!r} is open; a Stager is driven by one thread at a time (give each "
+                f"thread its own Stager, or hand it over between steps)")
 
     def _commit(self, step: Step) -> None:
         slot = step._slot
@@ -682,6 +858,11 @@ class Stager:
             copies = 1
         slot.generation += 1
         step._generation = slot.generation
+        if self.graph_mode:  # the arena now holds this step's data: the step it held before expires
+            prev = self._graph_live
+            if prev is not None and not prev._expired:
+                prev._expire(-step._number)
+            self._graph_live = step
         self._open = None
         step._raw_stats = (slot.index, copies, nbytes)  # StepStats is built on demand (Step.stats)
         s = self.stats
@@ -712,9 +893,20 @@ class Stager:
         return True
 
     def _abandon(self, step: Step) -> None:
+        """Close ``step`` without a copy. It claimed its slot when it began (the slot's previous step
+        expired then) and may have written any of its fields' bytes: what builders know of the bytes
+        the slot holds (its extras, the recorded layouts of :meth:`Step.layout`) is dropped, and in
+        graph mode the rows it may have written are refilled with their sentinels at the slot's next
+        commit."""
         self._open = None
-        # The slot's previous contents were already released (fenced); nothing was copied.
-
+        slot = step._slot
+        slot.extras = {}
+        slot.version += 1
+        if self.graph_mode:
+            dirty = slot.dirty_rows
+            for name, f in step._fields.items():
+                if f.rows > dirty.get(name, 0):
+                    dirty[name] = f.rows
     def __repr__(self) -> str:
         mode = "graph" if self.graph_mode else "eager"
         return (f"Stager(device={self.device}, mode={mode}, num_slots={self.num_slots}, "
@@ -728,10 +920,9 @@ class Step:
     """
 
     __slots__ = (
-        "_base", "_bufs", "_committed", "_fields", "_generation", "_grew", "_raw_stats", "_shared", "_slot", "_stager",
-        "_stats", "_used",
-        "_wait_s",
-        "_waits", "host_fields", "profile",
+        "_base", "_bufs", "_committed", "_expired", "_expired_by", "_fields", "_generation", "_grew", "_number",
+        "_owned", "_raw_stats", "_shared", "_slot", "_stager", "_stats", "_thread", "_used", "_wait_s", "_waits",
+        "host_fields", "profile",
     )
 
     def __init__(self, stager: Stager, slot: _Slot, waits: int, wait_s: float) -> None:
@@ -753,6 +944,68 @@ class Step:
         self._shared = False  # _fields is a recorded layout's dict: copy it before adding a field
         self.host_fields: dict[str, Any] = {}
         """Host-only values recorded with :meth:`host_only` (never staged to the device)."""
+        self._number = stager.stats.steps_begun  # this step's number: the count of steps begun, itself included
+        self._thread = threading.get_ident()
+        self._expired = False
+        self._expired_by = 0  # the step whose beginning (or, graph mode, commit) expired this one
+        self._owned: list[Any] = []  # objects whose fields view this step's memory (own())
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def number(self) -> int:
+        """This step's number: ``stats.steps_begun`` of its stager once it began (the first step is 1)."""
+        return self._number
+
+    @property
+    def expired(self) -> bool:
+        """Whether a newer step has claimed this step's memory (:meth:`Stager.step`, "Lifetimes")."""
+        return self._expired
+
+    def expiry(self) -> str:
+        """Why this step has expired (the text of its :class:`StepExpiredError`), or ``""`` if it has not."""
+        if not self._expired:
+            return ""
+        st = self._stager
+        if self._expired_by < 0:
+            return (f"step {self._number} (graph mode, ring slot {self._slot.index}) has expired: step "
+                    f"{-self._expired_by} committed into the shared device arena after it; a graph-mode step's "
+                    f"metadata is valid until the next step commits")
+        return (f"step {self._number} (ring slot {self._slot.index} of {st.num_slots}) has expired: step "
+                f"{self._expired_by} began on that slot and reuses its memory; a step's metadata is valid until "
+                f"the step {st.num_slots} steps later begins (Stager(num_slots=...) sets the ring's size)")
+
+    def own(self, obj: T) -> T:
+        """Tie ``obj`` (a metadata object whose fields view this step's memory) to this step's lifetime:
+        once a newer step claims the memory, reading any attribute of ``obj`` raises
+        :class:`StepExpiredError`, and so does reading any metadata object held in one of its fields.
+        Returns ``obj``.
+
+        Builders call it for every object they hand out (:meth:`Staged.result
+        <attnmeta.staging.Staged.result>` does it for theirs). ``obj``'s class must accept a
+        ``__class__`` change to a subclass without slots of its own (any ordinary class does, slotted
+        dataclasses included) and have a ``_lease`` slot or a ``__dict__``
+        (:class:`attnmeta._fields.MetadataBase` has the slot). With ``Stager(check_lifetimes=False)``
+        it only returns ``obj``.
+
+        Raises
+        ------
+        StepExpiredError
+            The step has expired already.
+        """
+        if self._expired:
+            raise StepExpiredError(f"own(): {self.expiry()}")
+        if self._stager._lifetimes:
+            object.__setattr__(obj, "_lease", self)
+            self._owned.append(obj)
+        return obj
+
+    def _expire(self, by: int) -> None:
+        """Mark the step expired by step ``by`` (negative: a graph-mode commit) and poison what it owns."""
+        self._expired = True
+        self._expired_by = by
+        owned, self._owned = self._owned, []
+        for obj in owned:
+            _poison(obj, self)
 
     # ------------------------------------------------------------------ staging
     @property
@@ -945,7 +1198,15 @@ class Step:
         self.host_fields[name] = value
 
     def host(self, name: str) -> np.ndarray:
-        """The staged host view of ``name`` (valid until the stager reuses this step's slot)."""
+        """The staged host view of ``name`` (valid until the stager reuses this step's slot).
+
+        Raises
+        ------
+        StepExpiredError
+            The step has expired.
+        """
+        if self._expired:
+            raise StepExpiredError(f"{name}: {self.expiry()}")
         f = self._fields[name]
         return self._stager._host_view(self._slot, f, f.rows)
 
@@ -1082,21 +1343,15 @@ class Step:
         KeyError
             ``name`` was not staged in this step.
         """
-        if self._generation >= 0 and (self._slot.generation == self._generation or self._stager.graph_mode):
+        if self._generation >= 0 and not self._expired:
             f = self._fields[name]
             return self._view(f, f.rows)
-        if not self.committed:
-            raise StepNotCommittedError(
-                f"{name}: device view requested before the step committed; stage everything, commit "
-                f"(or leave the `with stager.step()` block), then read device fields"
-            )
-        st = self._stager
-        if not st.graph_mode and self._slot.generation != self._generation:
-            raise StepExpiredError(
-                f"{name}: this step's slot was reused by a newer step ({st.num_slots} slots); device views of "
-                f"an eager step are valid until {st.num_slots} further steps have committed"
-            )
-        raise AssertionError("unreachable")  # pragma: no cover
+        if self._expired:
+            raise StepExpiredError(f"{name}: {self.expiry()}")
+        raise StepNotCommittedError(
+            f"{name}: device view requested before the step committed; stage everything, commit "
+            f"(or leave the `with stager.step()` block), then read device fields"
+        )
 
     def device_full(self, name: str) -> torch.Tensor:
         """Graph mode: the full-capacity device view of ``name`` (fixed address; rows past this step's

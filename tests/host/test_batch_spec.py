@@ -218,7 +218,9 @@ def test_scalars_and_block_check_match_a_numpy_oracle(data: st.DataObject, bs: i
     assert (spec.max_query_len, spec.max_exact_seq_len) == (int(q.max(initial=0)), int(seq.max(initial=0)))
     assert spec.max_seq_len == spec.max_exact_seq_len
     assert type(spec.block_size) is int and spec.block_size == bs and type(spec.num_reqs_padded) is int
-    assert spec.num_computed_tokens is c and spec.block_table is bt  # kept, not copied
+    assert spec.block_table is bt  # the table is kept; the vectors are the spec's own read-only copies
+    assert spec.num_computed_tokens is not c and np.array_equal(spec.num_computed_tokens, c)
+    assert not spec.num_computed_tokens.flags.writeable
 
 
 def test_replace_revalidates() -> None:
@@ -239,8 +241,10 @@ def test_fields_are_set_in_declaration_order() -> None:
     spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=_BT, block_size=4,
                      num_prompt_tokens=prompt, num_draft_tokens=drafts, seq_lens_upper_bound=ub,
                      num_reqs_padded=5, num_tokens_padded=11, context_parallel=cp)
-    assert spec.num_computed_tokens is c and spec.num_scheduled_tokens is q and spec.block_table is _BT
-    assert spec.num_prompt_tokens is prompt and spec.num_draft_tokens is drafts and spec.seq_lens_upper_bound is ub
+    for got, want in ((spec.num_computed_tokens, c), (spec.num_scheduled_tokens, q), (spec.num_prompt_tokens, prompt),
+                      (spec.num_draft_tokens, drafts), (spec.seq_lens_upper_bound, ub)):
+        assert got is not want and got.tolist() == want.tolist() and not got.flags.writeable
+    assert spec.block_table is _BT
     assert (spec.block_size, spec.num_reqs_padded, spec.num_tokens_padded, spec.context_parallel) == (4, 5, 11, cp)
     assert (spec.num_reqs, spec.num_tokens, spec.max_query_len) == (3, 7, 4)
     assert (spec.max_seq_len, spec.max_exact_seq_len, spec.num_pages) == (30, 9, 2 + 1 + 3)

@@ -364,7 +364,7 @@ def ref_mamba_metadata(
     )
 
     B, T, n = spec.padded_num_reqs, spec.padded_num_tokens, spec.num_reqs
-    c, q = spec.num_computed_tokens, spec.num_scheduled_tokens
+    c, q = spec.num_computed_tokens.copy(), spec.num_scheduled_tokens.copy()  # (writable: torch.from_numpy)
     k = getattr(options, "num_speculative_tokens", 0)
     C = getattr(options, "chunk_size", None)
     ckpt_cfg = getattr(options, "checkpoint", None)
@@ -374,7 +374,7 @@ def ref_mamba_metadata(
     ub = spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else c + q
     ub_cpu = torch.from_numpy(_padded(ub.astype(np.int32), B, 0))
     if spec.num_prompt_tokens is not None:
-        isp_cpu = ref_is_prefilling(torch.from_numpy(c), torch.from_numpy(spec.num_prompt_tokens), B)
+        isp_cpu = ref_is_prefilling(torch.from_numpy(c), torch.from_numpy(spec.num_prompt_tokens.copy()), B)
     else:
         isp_cpu = torch.zeros(B, dtype=torch.bool)
     drafts_cpu = None
@@ -465,7 +465,7 @@ def ref_linear_attn_metadata(spec: BatchSpec, options: Any, device: torch.device
     )
 
     B, n = spec.padded_num_reqs, spec.num_reqs
-    c, q = spec.num_computed_tokens, spec.num_scheduled_tokens
+    c, q = spec.num_computed_tokens.copy(), spec.num_scheduled_tokens.copy()  # (writable: torch.from_numpy)
     qsl = ref_query_start_loc(torch.from_numpy(q).to(device), B)
     seq_lens = ref_seq_lens(torch.from_numpy(c).to(device), torch.from_numpy(q).to(device), B)
     W = block_table_columns(spec, options)
