@@ -182,7 +182,8 @@ class CommonWriter:
         self._dev: tuple[Any, ...] = (None, -1, None)  # (group device views, token count, the metadata's)
         self._paged_host: tuple[Any, ...] = (-1, None)  # (page count, PagedKV)
         self._idx_host: tuple[Any, ...] = (-1, None)  # (page count, host indices view)
-        self._paged_meta: tuple[Any, ...] = (None, -1, None)  # (device views, page count, PagedKVMetadata)
+        # (step, page count, its PagedKVMetadata, device views, the object's field values)
+        self._paged_meta: tuple[Any, ...] = (None, -1, None, None, None)
         self._paged_template: tuple[Any, ...] = (None, None, None)  # (device views, full indices, field values)
         self._qsl_rows: dict[Any, Any] = {}
 
@@ -323,6 +324,10 @@ class CommonWriter:
         if c[0] is step and c[1] == num_pages:
             meta: PagedKVMetadata = c[2]
             return meta
+        if c[3] is dev and c[1] == num_pages:  # a new object of the same views (the last step's values)
+            meta = _make_paged_positional(*c[4])
+            self._paged_meta = (step, num_pages, meta, dev, c[4])
+            return meta
         t = self._paged_template
         if t[0] is not dev:  # the fields that do not depend on the page count, for this step's views
             full = step.device_full(self._idx_name) if self.graph else dev[7]
@@ -334,8 +339,8 @@ class CommonWriter:
         # as_strided: the view a slice would make, at a fraction of the cost
         v[_PK_INDICES], v[_PK_INDICES_CPU], v[_PK_NUM_PAGES] = (
             t[1].as_strided((num_pages,), (1,)), self._indices_cpu(num_pages), num_pages)
-        meta = step.own(_make_paged_positional(*v))
-        self._paged_meta = (step, num_pages, meta)
+        meta = _make_paged_positional(*v)
+        self._paged_meta = (step, num_pages, meta, dev, v)
         return meta
 
 

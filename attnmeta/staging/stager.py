@@ -299,19 +299,31 @@ def _parts(cls: type) -> tuple[str, ...]:
     return found
 
 
+def _poison_info(cls: type) -> tuple[type, tuple[str, ...]] | None:
+    """``(expired twin, metadata parts)`` of ``cls``; None for a twin (already expired)."""
+    info = None if cls in _TWIN_CLASSES else (_expired_twin(cls), _parts(cls))
+    _POISON[cls] = info
+    return info
+
+
+_POISON: dict[type, tuple[type, tuple[str, ...]] | None] = {}
+""":func:`_poison_info` by class."""
+
+
 def _poison(obj: Any, step: Step) -> None:
     """Turn ``obj`` (owned by ``step``, which has expired) and the metadata objects in its fields that
     no other step owns into their expired twins."""
     cls = type(obj)
-    if cls in _TWIN_CLASSES:
+    info = _POISON[cls] if cls in _POISON else _poison_info(cls)
+    if info is None:
         return
-    for name in _parts(cls):
+    twin, parts = info
+    object.__setattr__(obj, "__class__", twin)
+    for name in parts:
         part = object.__getattribute__(obj, name)
         if part is not None and type(part) not in _TWIN_CLASSES and getattr(part, "_lease", step) is step:
             object.__setattr__(part, "_lease", step)
             _poison(part, step)
-    object.__setattr__(obj, "_lease", step)
-    object.__setattr__(obj, "__class__", _expired_twin(cls))
 
 
 class FieldLayout:
@@ -1005,7 +1017,7 @@ class Step:
         self._expired_by = by
         owned, self._owned = self._owned, []
         for obj in owned:
-            _poison(obj, self)
+            _poison(obj, self)  # (its _lease is this step: own() set it)
 
     # ------------------------------------------------------------------ staging
     @property
