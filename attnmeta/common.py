@@ -26,6 +26,7 @@ import numba
 import numpy as np
 import torch
 
+from attnmeta._checks import INT32_MAX
 from attnmeta._fields import positional_factory
 from attnmeta._numba import pool_threads
 from attnmeta.host.common import BAD_BLOCK_ID, bad_block_id, block_table_rows_par_nb, common_pass_nb
@@ -444,12 +445,20 @@ def stage_common(
 
     Raises
     ------
+    TypeError
+        ``spec`` is not a BatchSpec or ``step`` not a Step.
     attnmeta.staging.CapacityError
         A row needs more blocks than the staged columns; graph mode: the batch exceeds a profile
         capacity.
     ValueError
-        Graph mode: the spec's block size is not the profile's.
+        Graph mode: the spec's block size is not the profile's; a used block id is negative or past
+        the stager's ``num_kv_blocks`` (named by row and column); the step's pages overflow int32.
     """
+    if type(spec) is not BatchSpec and not isinstance(spec, BatchSpec):
+        raise TypeError(f"spec: expected a BatchSpec, got {type(spec).__name__} {spec!r:.80}")
+    if type(step) is not Step:
+        raise TypeError(f"step: expected an open attnmeta.Step (`with stager.step() as step:`), got "
+                        f"{type(step).__name__} {step!r:.80}")
     B, T = spec.num_reqs, spec.num_tokens
     Bp = B if spec.num_reqs_padded is None else spec.num_reqs_padded
     Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
@@ -469,6 +478,8 @@ def stage_common(
             f"(block_table_columns / StaticProfile.max_blocks_per_req)"
         )
     paged = paged_kv and cp is None
+    if paged and spec.num_pages > INT32_MAX:
+        raise ValueError(f"paged_kv: the step's {spec.num_pages} KV pages overflow paged_kv_indptr's int32")
     Tt = Tp if token_arrays else 0
     group = _common_fields(step, prefix, spec, Bp, W, Tt, paged)
     # (whether the spec has prompts or upper bounds changes no view: the kernel reads them or not)
@@ -533,6 +544,8 @@ def stage_paged_kv(
     """
     B = kv_lens.shape[0]
     total = num_pages(kv_lens, page_size)
+    if total > INT32_MAX:
+        raise ValueError(f"{prefix}.paged_kv_indptr: {total} pages overflow int32")
     prof = step.profile
     n = prefix + "."
     if prof is not None:

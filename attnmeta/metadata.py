@@ -373,9 +373,18 @@ class CommonHost(MetadataBase):
         -------
         SplitCounts
             ``(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)``.
+
+        Raises
+        ------
+        ValueError
+            ``decode_threshold`` is not an int >= 1 (0 or less would make every row a prefill).
         """
         key = (decode_threshold, require_uniform, treat_short_extends_as_decodes)
         found = self.splits.get(key)
+        if found is None and (isinstance(decode_threshold, bool) or not isinstance(decode_threshold, int | np.integer)
+                              or decode_threshold < 1):
+            raise ValueError(f"split(): decode_threshold must be an int >= 1 (the longest query that counts as a "
+                             f"decode), got {decode_threshold!r}")
         if found is None and treat_short_extends_as_decodes and self.max_query_len <= decode_threshold and (
                 not require_uniform or decode_threshold <= 1):  # every row decodes: the split's first rule
             found = self.splits[key] = SplitCounts(self.num_reqs, 0, self.num_actual_tokens, 0)

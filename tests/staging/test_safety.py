@@ -114,6 +114,26 @@ def test_bad_scalars_of_a_spec() -> None:
         BatchSpec(num_computed_tokens=[1], num_scheduled_tokens=[1], block_table=[[1]], block_size=2**40)
 
 
+def test_a_page_count_past_int32_is_refused() -> None:
+    """Reproducer: a step whose pages overflow int32 was staged with an int32 paged_kv_indptr. (No
+    table that fits in memory reaches 2**31 pages, so the spec's count is set by hand here.)"""
+    spec = _spec([5, 7, 0], [1, 1, 4])
+    object.__setattr__(spec, "num_pages", 2**31)
+    with pytest.raises(ValueError, match=r"2147483648 KV pages overflow paged_kv_indptr's int32"), \
+            Stager("cpu").step() as step:
+        stage_common(spec, step, paged_kv=True)
+
+
+def test_split_refuses_a_decode_threshold_below_one() -> None:
+    """Reproducer: ``decode_threshold`` 0 or negative made every row a prefill."""
+    with Stager("cpu").step() as step:
+        host = stage_common(_spec([5, 7, 0], [1, 1, 4]), step).host
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match="decode_threshold must be an int >= 1"):
+            host.split(bad)
+    assert host.split(1).num_decodes == 2
+
+
 def test_wrong_stager_arguments() -> None:
     with pytest.raises(TypeError, match=r"device: expected a torch\.device or a str"):
         Stager(3)  # type: ignore[arg-type]
@@ -410,3 +430,11 @@ class StagerLifetimes(RuleBasedStateMachine):
 TestStagerLifetimes = StagerLifetimes.TestCase
 TestStagerLifetimes.settings = settings(max_examples=25, stateful_step_count=20, deadline=None,
                                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def test_stage_common_names_wrong_arguments() -> None:
+    with Stager("cpu").step() as step:
+        with pytest.raises(TypeError, match="spec: expected a BatchSpec, got NoneType"):
+            stage_common(None, step)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="step: expected an open attnmeta.Step"):
+            stage_common(_spec([1], [1], TABLE[:1]), Stager("cpu"))  # type: ignore[arg-type]
