@@ -32,6 +32,7 @@ from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetada
 from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec, ContextParallel
 from attnmeta.staging import Staged, Stager, Step
+from attnmeta.warmup import warmup
 
 __all__ = [
     "BatchSpec",
@@ -54,5 +55,6 @@ __all__ = [
     "registry",
     "stage_common",
     "unregister",
+    "warmup",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""``python -m attnmeta demo | bench | audit``: the command line (see :func:`main`)."""
+"""``python -m attnmeta demo | bench | audit | warmup``: the command line (see :func:`main`)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          "device-to-host races found (all zero when clean).")
     p_audit.add_argument("--device", default=None, help="cuda, cpu or meta (default: cuda if present, else meta)")
     p_audit.add_argument("--batches", type=int, default=50, help="generated batches per builder (default 50)")
+    p_warm = sub.add_parser(
+        "warmup", help="compile (or load from numba's cache) every kernel an engine will hit",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Build every registered builder, the fused step builder and BatchSpec over specs that cover\n"
+                    "their kernels' variants (prompts, drafts, upper bounds, padding, context parallelism; eager\n"
+                    "and graph-mode stagers), so that every kernel is compiled and in numba's on-disk cache: a\n"
+                    "later process with the same cache loads them instead of compiling. Prints one line per\n"
+                    "stage on standard error and a summary.\n\n"
+                    "Run it after installing attnmeta (e.g. in an image build), as the user and with the\n"
+                    "NUMBA_CACHE_DIR the server will have; see docs/deployment.md.")
+    p_warm.add_argument("--device", default="cpu", help="the device the stagers stage to (default cpu; the kernels "
+                                                        "run on the host whatever it is)")
+    p_warm.add_argument("--builder", action="append", default=None, metavar="NAME",
+                        help="warm only this registered builder (repeatable; default: every one; BatchSpec and "
+                             "the fused step builder are always warmed)")
+    p_warm.add_argument("--quiet", action="store_true", help="print only the summary line")
     args = parser.parse_args(argv)
     if args.cmd == "demo":
         err = _device_error(args.device, ("cuda", "cpu", "meta"))
@@ -101,6 +117,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         from attnmeta.audit import run_audit_cli
 
         return int(run_audit_cli(device=args.device, batches=args.batches))
+    if args.cmd == "warmup":
+        err = _device_error(args.device, ("cuda", "cpu"))
+        if err:
+            p_warm.error(err)
+        from attnmeta.builder import registry
+        from attnmeta.warmup import warmup
+
+        unknown = sorted(set(args.builder or ()) - set(registry()))
+        if unknown:
+            p_warm.error(f"--builder: no builder named {', '.join(map(repr, unknown))}; "
+                         f"registered: {', '.join(sorted(registry()))}")
+        report = warmup(progress=not args.quiet, device=args.device, builders=args.builder)
+        if args.quiet:
+            print(report.summary(), file=sys.stderr)
+        return 0
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

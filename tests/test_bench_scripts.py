@@ -8,6 +8,7 @@ changed, a row it drops) fails here rather than on the GPU machine. Timings are 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,18 @@ def test_bench_chunks_prints_every_size_with_its_speedup() -> None:
         cells = [c for c in r if c != "|"]
         assert all(float(c) > 0 for c in cells[3:7]), r
         assert cells[7].endswith("x") and float(cells[7][:-1]) > 0, r
+
+
+def test_bench_cold_start_prints_every_first_build_cold_and_warmed() -> None:
+    out = _script("bench_cold_start.py", "--quick")
+    lines = out.splitlines()
+    head = lines.index(next(line for line in lines if line.startswith("first build (s)")))
+    rows = [line.rsplit(None, 2) for line in lines[head + 1:] if not line.startswith("python -m attnmeta warmup")]
+    assert [r[0].strip() for r in rows] == ["import attnmeta", "BatchSpec", "flash_attn", "fused (4 builds)",
+                                            "all first builds"]
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), rows
+    assert re.fullmatch(r"python -m attnmeta warmup: [\d.]+ s on an empty cache \(after the cold run\), "
+                        r"[\d.]+ s on the warmed one \(process wall time\)", lines[-1]), lines[-1]
 
 
 def test_report_turns_bench_json_into_the_docs_table(tmp_path: Path) -> None:

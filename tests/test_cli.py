@@ -3,7 +3,8 @@
 demo: readable output, every registered builder shown, a clear error for a device this machine lacks.
 bench: --quick runs and its JSON parses; --scenario lists the names and rejects unknown ones; --plot
 without matplotlib stops before anything runs; the plot draws every scenario, one colour per path.
-audit: clean. --help: plain text, no markup. Every registered builder has a bench scenario, and a
+audit: clean. warmup: a progress line per stage and a summary on stderr (--quiet: the summary only),
+unknown builders rejected before anything runs. --help: plain text, no markup. Every registered builder has a bench scenario, and a
 builder that is not built in is benchmarked against its reference by the same machinery.
 
 Timings are never asserted (performance lives in benchmarks, not tests).
@@ -53,7 +54,7 @@ def test_demo_on_meta_device(capsys: pytest.CaptureFixture[str]) -> None:
     assert "device:meta" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", ["demo", "bench", "audit"])
+@pytest.mark.parametrize("command", ["demo", "bench", "audit", "warmup"])
 def test_cuda_without_a_gpu_is_a_clear_error(command: str, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -70,7 +71,7 @@ def test_a_device_that_does_not_exist_is_a_clear_error(capsys: pytest.CaptureFix
 
 
 # ------------------------------------------------------------------------------------------- help
-HELP = [["--help"], ["demo", "--help"], ["bench", "--help"], ["audit", "--help"]]
+HELP = [["--help"], ["demo", "--help"], ["bench", "--help"], ["audit", "--help"], ["warmup", "--help"]]
 
 
 @pytest.mark.parametrize("argv", HELP, ids=lambda a: " ".join(a))
@@ -201,6 +202,37 @@ def test_audit_cli_is_clean(capsys: pytest.CaptureFixture[str]) -> None:
     assert "clean" in out
     for name in attnmeta.registry():
         assert name in out, name
+
+
+# ------------------------------------------------------------------------------------------- warmup
+def test_warmup_prints_a_line_per_stage_and_a_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["warmup", "--builder", "flash_attn", "--builder", "mamba2"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    stages = [re.match(r"warmup: (.+) \((\d+)/(\d+)\) [\d.]+ s, (\d+) builds, (\d+) compiled, (\d+) loaded$", line)
+              for line in lines[:-1]]
+    assert all(stages), lines
+    names = [m.group(1) for m in stages if m]
+    assert names[:5] == ["BatchSpec", "common", "flash_attn", "mamba2", "fused"], names
+    assert [int(m.group(2)) for m in stages if m] == list(range(1, len(names) + 1))
+    assert {int(m.group(3)) for m in stages if m} == {len(names)}
+    assert all(int(m.group(4)) > 0 for m in stages if m)
+    assert re.fullmatch(rf"warmup: {len(names)} stages, \d+ builds in [\d.]+ s: \d+ kernel specializations "
+                        r"compiled, \d+ loaded from the cache \(.+\)", lines[-1]), lines[-1]
+
+
+def test_warmup_quiet_prints_the_summary_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["warmup", "--quiet", "--builder", "flash_attn"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warmup: ") and "kernel specializations compiled" in err[0], err
+
+
+def test_warmup_of_an_unknown_builder_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(["warmup", "--builder", "flash_atn"]) == 2
+    err = capsys.readouterr().err
+    assert "no builder named 'flash_atn'" in err and "flash_attn" in err and "warmup: BatchSpec" not in err
+    assert "Traceback" not in err
 
 
 # ------------------------------------------------------------------------------------------- registry scenarios

@@ -1,6 +1,10 @@
-"""The pytest plugin (attnmeta.testing.pytest_plugin): fixture, marker, options, ini, env."""
+"""The pytest plugin (attnmeta_pytest_plugin, alias attnmeta.testing.pytest_plugin): fixture, marker,
+options, ini, env; nothing heavy loaded until a test asks for the audit."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
@@ -8,9 +12,11 @@ from attnmeta.sync import allow_device_sync
 
 pytest_plugins = ["pytester"]
 
+ROOT = Path(__file__).resolve().parents[2]
 # Load the plugin by module name whether or not attnmeta is installed (installed, its entry point
 # `attnmeta_sync` would load it a second time under that name).
-PLUGIN = ("-p", "no:attnmeta_sync", "-p", "attnmeta.testing.pytest_plugin")
+PLUGIN = ("-p", "no:attnmeta_sync", "-p", "attnmeta_pytest_plugin")
+ALIAS = ("-p", "no:attnmeta_sync", "-p", "attnmeta.testing.pytest_plugin")
 
 TESTS = """
 import pytest
@@ -59,10 +65,10 @@ def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pyte
     return pytester
 
 
-def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+def _run(pytester: pytest.Pytester, *args: str, plugin: tuple[str, ...] = PLUGIN) -> pytest.RunResult:
     with allow_device_sync():  # the inner session runs inside this test's (maybe audited) body
         return pytester.runpytest_inprocess(
-            *PLUGIN, "--strict-markers", "-p", "no:cacheprovider", "--tb=line", *args
+            *plugin, "--strict-markers", "-p", "no:cacheprovider", "--tb=line", *args
         )
 
 
@@ -74,8 +80,9 @@ def _outcomes(result: pytest.RunResult) -> dict[str, str]:
     return outcomes
 
 
-def test_fixture_and_marker(pytester: pytest.Pytester) -> None:
-    result = _run(pytester, "--attnmeta-sync-devices=cpu")
+@pytest.mark.parametrize("plugin", [PLUGIN, ALIAS], ids=["attnmeta_pytest_plugin", "attnmeta.testing.pytest_plugin"])
+def test_fixture_and_marker(pytester: pytest.Pytester, plugin: tuple[str, ...]) -> None:
+    result = _run(pytester, "--attnmeta-sync-devices=cpu", plugin=plugin)
     assert _outcomes(result) == {
         "test_plain": "passed",
         "test_fixture": "failed",
@@ -166,3 +173,25 @@ def test_markers_and_options_are_registered(pytester: pytest.Pytester) -> None:
     help_text = _run(pytester, "--help")
     help_text.stdout.fnmatch_lines(["*--attnmeta-sync-audit*", "*--attnmeta-sync-devices*"])
     help_text.stdout.fnmatch_lines(["*attnmeta_sync_audit (bool)*", "*attnmeta_sync_devices (args)*"])
+
+
+def test_nothing_heavy_is_imported_until_a_test_asks_for_the_audit(pytester: pytest.Pytester,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a fresh pytest process the plugin registers everything without importing torch, numba or
+    attnmeta; the first test that uses the fixture imports attnmeta.sync and is audited."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    pytester.makepyfile(
+        test_light="""
+        import sys
+
+        HEAVY = ("torch", "numba", "attnmeta")
+
+        def test_plain_first():
+            assert not [m for m in sys.modules if m.split(".")[0] in HEAVY]
+
+        def test_audited_then(no_sync):
+            assert "attnmeta.sync" in sys.modules and "meta" in no_sync.devices
+        """
+    )
+    result = pytester.runpytest_subprocess(*PLUGIN, "--strict-markers", "-p", "no:cacheprovider", "test_light.py")
+    result.assert_outcomes(passed=2)
