@@ -50,10 +50,11 @@ class ContextParallel(NamedTuple):
 _EMPTY = np.zeros(0, np.int32)
 _NO_COPY = np.zeros((0, 0), np.int32)
 _INT_TYPES = (int, np.integer)
+_BOOL_TYPES = (bool, np.bool_)
 # _validate_nb status codes: 0 = valid; _INVALID = some rule is broken (``diagnose=False``); else the
 # first broken rule (``diagnose=True``), numbered in the order a row's rules are checked
 _INVALID = -1
-_NEG_C, _NEG_Q, _SEQ_OVF, _TOT_OVF, _NARROW, _NEG_BLOCK, _NEG_P, _NEG_D, _DRAFTS, _NEG_UB, _UB = range(1, 12)
+_NEG_C, _NEG_Q, _SEQ_OVF, _TOT_OVF, _NARROW, _NEG_P, _NEG_D, _DRAFTS, _NEG_UB, _UB = range(1, 11)
 
 
 @njit
@@ -95,21 +96,20 @@ def _validate_nb(
     status 0 = valid, with ``pages`` the sum of ``cdiv(seq, bs)``; else a rule is broken and the
     scalars mean nothing.
 
-    The rules come in five groups: the counts (``c, q >= 0``; ``c + q`` and the running total of
-    ``q`` fit int32; the table is wide enough: status ``_NEG_C`` to ``_NARROW``), the used block ids,
-    the prompt lengths, the drafts, the upper bounds. The rows are taken in chunks. For each chunk,
-    each group in turn folds the chunk's rows into running minimums, maximums and sums (loops
+    The rules come in four groups: the counts (``c, q >= 0``; ``c + q`` and the running total of
+    ``q`` fit int32; the table is wide enough: status ``_NEG_C`` to ``_NARROW``), the prompt lengths,
+    the drafts, the upper bounds. (The block ids are checked when a step is built, by the pass that
+    copies them: :func:`attnmeta.host.common.common_pass_nb`.) The rows are taken in chunks. For each
+    chunk, each group in turn folds the chunk's rows into running minimums, maximums and sums (loops
     without early exits, which the compiler vectorizes) and then asks its rules of them; the first
-    broken rule ends the pass, so no group reads what an earlier one found broken (a block-table
-    column beyond the table).
+    broken rule ends the pass.
 
     - ``diagnose=False``: one chunk of every row. Status ``_INVALID`` when a rule is broken. The
       usual call: a spec is valid almost always.
     - ``diagnose=True``: chunks of one row. Every rule holds for the rows before a chunk (else the
       pass would have ended there), so a rule the running reductions break is broken by this row:
       status is the first broken rule of the first broken row (a row's rules asked in status-code
-      order), at ``row`` and, for a negative block id, block-table column ``col``. Slower; run it to
-      name the rule.
+      order), at ``row``. Slower; run it to name the rule.
     """
     n = c.shape[0]
     if own.shape[0]:
@@ -129,7 +129,6 @@ def _validate_nb(
     sh_span = pow2_shift(span)
     lo_c = lo_q = lo_p = lo_d = lo_u = np.int64(0)  # running minimums: negative breaks a rule
     over = short = np.int64(0)  # max(drafts - q), max(c + q - upper bound): positive breaks one
-    low = np.int32(0)  # the smallest used block id
     total = pages = max_q = max_seq = max_ub = np.int64(0)
     code = 0
     row = 0  # (read after the loop)
@@ -145,10 +144,6 @@ def _validate_nb(
                 else _TOT_OVF if total > INT32_MAX else _NARROW if cdiv_by(max_seq, span, sh_span) > width
                 else 0)
         if code:
-            break
-        low = _fold_used_blocks(cs, qs, bt[row:end], span, sh_span, low)
-        if low < 0:
-            code = _NEG_BLOCK
             break
         if prompt.shape[0]:
             ps = prompt[row:end]
@@ -180,14 +175,10 @@ def _validate_nb(
         return 0, 0, 0, int(total), int(max_q), int(max_seq), int(max_ub), int(pages)
     if not diagnose:
         return _INVALID, 0, 0, 0, 0, 0, 0, 0
-    col = 0
-    if code == _NEG_BLOCK:  # the chunk is the row: its first negative used column
-        while bt[row, col] >= 0:
-            col += 1
-    return code, row, col, 0, 0, 0, 0, 0
+    return code, row, 0, 0, 0, 0, 0, 0
 
 
-# The two folds that divide are kernels of their own: compiled alone, each loop is split once on
+# The fold that divides is a kernel of its own: compiled alone, its loop is split once on
 # shift-or-divide and then vectorizes; inside the chunk loop of _validate_nb it would not be.
 @njit
 def _fold_counts(
@@ -208,30 +199,16 @@ def _fold_counts(
     return lo_c, lo_q, total, pages, max_q, max_seq
 
 
-@njit
-def _fold_used_blocks(
-    c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int, sh_span: int, low: np.int32,
-) -> np.int32:
-    """The running minimum ``low`` of the used block ids (columns ``[0, cdiv(c + q, span))`` of each
-    row of ``bt``), rows folded in."""
-    for i in range(c.shape[0]):
-        row = bt[i]
-        for j in range(cdiv_by(np.int64(c[i]) + np.int64(q[i]), span, sh_span)):
-            v = row[j]
-            low = v if v < low else low
-    return low
-
-
 def _raise_invalid(
     c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int, bs: int,
     prompt: np.ndarray | None, drafts: np.ndarray | None, ub: np.ndarray | None,
 ) -> NoReturn:
     """Raise the ``ValueError`` of the first broken rule of a spec that breaks one (found by
     :func:`_validate_nb` with ``diagnose=True``): the field, the row, the value and the rule."""
-    code, i, j = _validate_nb(
+    code, i = _validate_nb(
         c, q, bt, span, bs, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
         _EMPTY if ub is None else ub, True, _NO_COPY,
-    )[:3]
+    )[:2]
     assert code > 0, "_raise_invalid called for a valid spec"
     seq = int(c[i]) + int(q[i])
     if code == _NEG_C:
@@ -247,11 +224,6 @@ def _raise_invalid(
         what = f"cdiv(seq_len={seq}, block_size={bs})" if span == bs else f"cdiv(seq_len={seq}, block_size*world_size={span})"
         raise ValueError(
             f"block_table: row {i} needs {what}={need} blocks but the table has {bt.shape[1]} columns (request {i})"
-        )
-    if code == _NEG_BLOCK:
-        raise ValueError(
-            f"block_table[{i}, {j}]={int(bt[i, j])} is negative but column {j} holds tokens of "
-            f"request {i} (seq_len {seq}); block ids must be >= 0"
         )
     for name, arr, neg in (("num_prompt_tokens", prompt, _NEG_P), ("num_draft_tokens", drafts, _NEG_D),
                            ("seq_lens_upper_bound", ub, _NEG_UB)):
@@ -306,9 +278,9 @@ class BatchSpec:
     there: a caller may reuse or change its arrays as soon as the constructor returns. The block
     table is kept by reference (it is the one large array, and an engine's is usually a slice of a
     persistent table): it is read when a step is built, and every used block id (columns
-    ``[0, cdiv(c + q, block_size))`` of each row) is checked again by the build's compiled pass, as
-    it copies them (negative, or past the stager's ``num_kv_blocks``, is a ``ValueError`` naming the
-    row and column). Change the table's used entries only between building steps.
+    ``[0, cdiv(c + q, block_size))`` of each row) is checked then, by the build's compiled pass that
+    copies them (negative, or past the stager's ``num_kv_blocks``, is a ``ValueError`` naming the row
+    and column). Change the table's used entries only between building steps.
 
     Raises
     ------
@@ -316,8 +288,9 @@ class BatchSpec:
         A field is a torch tensor or not an integer array; ``block_size`` or a padding count is not an
         int (a bool is not).
     ValueError
-        Negative counts, length mismatches, a block table too narrow for ``c + q``, a negative block id
-        in a used column, padding smaller than the real batch, totals that overflow int32.
+        Negative counts, length mismatches, a block table too narrow for ``c + q``, padding smaller
+        than the real batch, totals that overflow int32. (The block ids themselves are checked when
+        a step is built: see "What the spec keeps".)
 
     Examples
     --------
@@ -374,7 +347,7 @@ class BatchSpec:
         n = c.shape[0]
         q = as_host_array(num_scheduled_tokens, "num_scheduled_tokens", length=n)
         bs = block_size
-        if isinstance(bs, bool | np.bool_) or not isinstance(bs, _INT_TYPES):
+        if type(bs) is not int and (isinstance(bs, _BOOL_TYPES) or not isinstance(bs, _INT_TYPES)):
             raise TypeError(f"block_size: expected a positive int, got {type(bs).__name__} {bs!r}")
         if bs <= 0:
             raise ValueError(f"block_size: must be a positive int, got {bs!r}")
@@ -418,9 +391,10 @@ class BatchSpec:
         if code:
             _raise_invalid(c, q, bt, span, bs, prompt, drafts, ub)
         rp = num_reqs_padded
-        for name, v in (("num_reqs_padded", rp), ("num_tokens_padded", num_tokens_padded)):
-            if v is not None and (isinstance(v, bool | np.bool_) or not isinstance(v, _INT_TYPES)):
-                raise TypeError(f"{name}: expected an int or None, got {type(v).__name__} {v!r}")
+        if rp is not None or num_tokens_padded is not None:
+            for name, v in (("num_reqs_padded", rp), ("num_tokens_padded", num_tokens_padded)):
+                if v is not None and (isinstance(v, _BOOL_TYPES) or not isinstance(v, _INT_TYPES)):
+                    raise TypeError(f"{name}: expected an int or None, got {type(v).__name__} {v!r}")
         if rp is not None and not n <= rp <= INT32_MAX:
             raise ValueError(f"num_reqs_padded: {rp!r} < num_reqs={n}; padding can only add rows" if rp < n
                              else f"num_reqs_padded: {rp} overflows int32")

@@ -335,7 +335,7 @@ class FusedStepBuilder:
             fa = own(_make[FlashAttentionMetadata](*v))
         if rec.fi is not None:
             v = rec.fi.copy()
-            v[_FI_COMMON], v[_FI_PAGED], v[_FI_MAX_KV] = cm, rec.writer.paged_metadata(step, total), spec.max_exact_seq_len
+            v[_FI_COMMON], v[_FI_PAGED], v[_FI_MAX_KV] = cm, own(rec.writer.paged_metadata(step, total)), spec.max_exact_seq_len
             v[_FI_MAX_DQ], v[_FI_MAX_PQ] = (0, max_q) if kind else (max_q, 0)
             fi = own(_make[FlashInferMetadata](*v))
         return FusedStep._make((cm, fa, fi))

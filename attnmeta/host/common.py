@@ -18,6 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from attnmeta._intdiv import cdiv_by, pow2_shift
 from attnmeta._numba import njit, njit_parallel
 from attnmeta.host.layout import (
     _TOO_NARROW,
@@ -96,17 +97,8 @@ def common_pass_nb(
                 dst[j] = src[j]
             for j in range(w, dst.shape[0]):
                 dst[j] = 0
-    # The used block ids, folded while in cache: a kernel writes KV through every one of them.
-    span = block_size * world_size
-    lo = np.int32(0)
-    hi = np.int32(0)
-    for i in range(n):
-        used = (np.int64(c[i]) + np.int64(q[i]) + span - 1) // span
-        row = bt[i] if used <= bt.shape[1] else table[i]
-        for j in range(used):
-            v = row[j]
-            lo = v if v < lo else lo
-            hi = v if v > hi else hi
+    # Every used block id (columns [0, cdiv(c + q, span)) of a real row), in the rows just copied:
+    lo, hi = _used_block_range_nb(c, q, bt, block_size * world_size)
     if lo < 0 or np.int64(hi) >= num_kv_blocks:
         return BAD_BLOCK_ID
     # The slot mapping reads the rows just copied (in cache) rather than the spec's wide table; a
@@ -148,6 +140,25 @@ def common_pass_nb(
         for i in range(Bp + 1, indptr.shape[0]):
             indptr[i] = indptr[Bp]
     return status
+
+
+@njit
+def _used_block_range_nb(c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int) -> tuple[np.int32, np.int32]:
+    """``(min(0, smallest), largest)`` of the used block ids of ``bt``'s rows: columns
+    ``[0, cdiv(c + q, span))`` of each of the ``len(q)`` real rows (at most ``bt``'s width). A kernel
+    of its own: compiled alone, its loop is split once on shift-or-divide and vectorizes (inside the
+    common pass it would not, and a fold inside the row copy stops the copy's vectorization)."""
+    sh = pow2_shift(span)
+    w = bt.shape[1]
+    lo = np.int32(0)
+    hi = np.int32(0)
+    for i in range(q.shape[0]):
+        row = bt[i]
+        for j in range(min(cdiv_by(np.int64(c[i]) + np.int64(q[i]), span, sh), w)):
+            v = row[j]
+            lo = v if v < lo else lo
+            hi = v if v > hi else hi
+    return lo, hi
 
 
 @njit_parallel
@@ -194,9 +205,7 @@ def bad_block_id(spec: BatchSpec, num_kv_blocks: int | None) -> ValueError:
                     f"is past the KV cache's last block (num_kv_blocks={num_kv_blocks})")
             return ValueError(
                 f"block_table[{i}, {j}]={v} {what} but column {j} holds tokens of request {i} (seq_len {int(seq[i])}); "
-                f"a slot mapping through it would write outside the cache"
-                + (" (the table changed after the BatchSpec was built: its used ids are read when a step is built)"
-                   if v < 0 else ""))
+                f"a slot mapping through it would write outside the cache")
     return ValueError("block_table: a used block id is out of range (not found again: was the table changed "
                       "while the step was built?)")
 

@@ -319,9 +319,9 @@ def _poison(obj: Any, step: Step) -> None:
         return
     twin, parts = info
     object.__setattr__(obj, "__class__", twin)
-    for name in parts:
+    for name in parts:  # a part no step owns (an owned one is poisoned by its own step)
         part = object.__getattribute__(obj, name)
-        if part is not None and type(part) not in _TWIN_CLASSES and getattr(part, "_lease", step) is step:
+        if part is not None and type(part) not in _TWIN_CLASSES and getattr(part, "_lease", None) is None:
             object.__setattr__(part, "_lease", step)
             _poison(part, step)
 
@@ -402,7 +402,9 @@ class _Slot:
         self.groups: dict[tuple[Any, ...], FieldGroup] = {}
         self.extras: dict[Any, Any] = {}  # Step.slot_extras: builders' state for this slot's bytes
         self.version = 0  # bumped whenever the slot's memory or (graph mode) the layout changes
-        self.owner: Step | None = None  # the step that began on the slot last
+        # The step that began on the slot last, weakly (the stager's finalizer holds the slots: a strong
+        # reference would keep the step, and through it the stager, alive).
+        self.owner: weakref.ref[Step] | None = None
 
 
 _MAX_CACHED_GROUPS = 512  # per slot; the cache is dropped (and rebuilt on demand) when it outgrows this
@@ -590,7 +592,7 @@ class Stager:
         self.num_kv_blocks: int | None = None if num_kv_blocks is None else int(num_kv_blocks)
         """Blocks in the KV cache the block tables index (checked by every step's common pass), or None."""
         self._lifetimes = bool(check_lifetimes)
-        self._graph_live: Step | None = None  # graph mode: the step whose data the device arena holds
+        self._graph_live: weakref.ref[Step] | None = None  # graph mode: the step the device arena holds
         self.num_slots = int(num_slots)
         self.profile = profile
         self.graph_mode = profile is not None
@@ -798,12 +800,13 @@ class Stager:
         st.steps_begun += 1
         if slot.generation:
             st.slot_reuses += 1
-        prev = slot.owner
+        owner = slot.owner
+        prev = None if owner is None else owner()
         if prev is not None and not prev._expired:
             prev._expire(st.steps_begun)  # the new step claims the slot before it writes a byte
         waits, wait_s = self._wait_slot(slot)
-        step = slot.owner = Step(self, slot, waits, wait_s)
-        self._open = step
+        step = self._open = Step(self, slot, waits, wait_s)
+        slot.owner = weakref.ref(step)
         return step
 
     def _busy(self, open_step: Step) -> str:
@@ -871,10 +874,11 @@ class Stager:
         slot.generation += 1
         step._generation = slot.generation
         if self.graph_mode:  # the arena now holds this step's data: the step it held before expires
-            prev = self._graph_live
+            live = self._graph_live
+            prev = None if live is None else live()
             if prev is not None and not prev._expired:
                 prev._expire(-step._number)
-            self._graph_live = step
+            self._graph_live = weakref.ref(step)
         self._open = None
         step._raw_stats = (slot.index, copies, nbytes)  # StepStats is built on demand (Step.stats)
         s = self.stats
@@ -932,9 +936,29 @@ class Step:
     """
 
     __slots__ = (
-        "_base", "_bufs", "_committed", "_expired", "_expired_by", "_fields", "_generation", "_grew", "_number",
-        "_owned", "_raw_stats", "_shared", "_slot", "_stager", "_stats", "_thread", "_used", "_wait_s", "_waits",
-        "host_fields", "profile",
+        "__weakref__",
+        "_base",
+        "_bufs",
+        "_committed",
+        "_expired",
+        "_expired_by",
+        "_fields",
+        "_generation",
+        "_grew",
+        "_lifetimes",
+        "_number",
+        "_owned",
+        "_raw_stats",
+        "_shared",
+        "_slot",
+        "_stager",
+        "_stats",
+        "_thread",
+        "_used",
+        "_wait_s",
+        "_waits",
+        "host_fields",
+        "profile",
     )
 
     def __init__(self, stager: Stager, slot: _Slot, waits: int, wait_s: float) -> None:
@@ -961,6 +985,7 @@ class Step:
         self._expired = False
         self._expired_by = 0  # the step whose beginning (or, graph mode, commit) expired this one
         self._owned: list[Any] = []  # objects whose fields view this step's memory (own())
+        self._lifetimes = stager._lifetimes
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -1006,7 +1031,7 @@ class Step:
         """
         if self._expired:
             raise StepExpiredError(f"own(): {self.expiry()}")
-        if self._stager._lifetimes:
+        if self._lifetimes:
             object.__setattr__(obj, "_lease", self)
             self._owned.append(obj)
         return obj

@@ -13,6 +13,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
+from attnmeta import Stager, build_common
 from attnmeta._checks import INT32_MAX
 from attnmeta.spec import BatchSpec, ContextParallel, spec_arguments
 from attnmeta.testing.strategies import batch_specs
@@ -77,16 +78,17 @@ def test_block_table_too_narrow() -> None:
 
 
 def test_negative_block_id_in_used_column() -> None:
+    """Block ids are checked when a step is built (the table is read then), by the pass that copies them."""
     bt = _BT.copy()
     bt[2, 2] = -1
     with pytest.raises(ValueError, match=r"block_table\[2, 2\]=-1 is negative but column 2 holds tokens of request 2"):
-        _spec(block_table=bt)
+        build_common(_spec(block_table=bt), Stager("cpu"))
     bt = _BT.copy()
     bt[1, 3] = -1  # column 3 of request 1 (seq_len 4) is unused: allowed
-    _spec(block_table=bt)
+    build_common(_spec(block_table=bt), Stager("cpu"))
     bt[0, 1] = -2  # block id 0 is valid: the first negative column is named
     with pytest.raises(ValueError, match=r"block_table\[0, 1\]=-2 is negative but column 1 holds tokens of request 0"):
-        _spec(block_table=bt)
+        build_common(_spec(block_table=bt), Stager("cpu"))
 
 
 def test_padding_smaller_than_batch() -> None:
@@ -208,9 +210,10 @@ def test_scalars_and_block_check_match_a_numpy_oracle(data: st.DataObject, bs: i
     bad = np.argwhere((bt < 0) & used)
     if len(bad):
         i, j = bad[0]
+        spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=bt, block_size=bs,
+                         context_parallel=cp)  # (the ids are checked when a step is built)
         with pytest.raises(ValueError, match=rf"block_table\[{i}, {j}\]={bt[i, j]} is negative"):
-            BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=bt, block_size=bs,
-                      context_parallel=cp)
+            build_common(spec, Stager("cpu"))
         return
     spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=bt, block_size=np.int64(bs),
                      context_parallel=cp, num_reqs_padded=np.int64(n + 1))
@@ -307,7 +310,8 @@ def _first_broken_rule(
     num_reqs_padded: int | None, num_tokens_padded: int | None,
 ) -> str | None:
     """The reference: BatchSpec's rules on plain ints, row by row, each row's rules in order; the
-    message of the first broken one, or None for a valid spec."""
+    message of the first broken one, or None for a valid spec. (Block ids are checked when a step
+    is built: :func:`_first_bad_block`.)"""
     span = bs * world
     total = 0
     for i in range(len(c)):
@@ -326,10 +330,6 @@ def _first_broken_rule(
             what = f"block_size={bs}" if world == 1 else f"block_size*world_size={span}"
             return (f"block_table: row {i} needs cdiv(seq_len={seq}, {what})={need} blocks but the table has "
                     f"{width} columns (request {i})")
-        for j in range(need):
-            if bt[i][j] < 0:
-                return (f"block_table[{i}, {j}]={bt[i][j]} is negative but column {j} holds tokens of request {i} "
-                        f"(seq_len {seq}); block ids must be >= 0")
         if prompt is not None and prompt[i] < 0:
             return f"num_prompt_tokens[{i}]={prompt[i]} is negative (request {i}); counts must be >= 0"
         if drafts is not None and drafts[i] < 0:
@@ -346,6 +346,17 @@ def _first_broken_rule(
         return f"num_reqs_padded: {num_reqs_padded} < num_reqs={len(c)}; padding can only add rows"
     if num_tokens_padded is not None and num_tokens_padded < total:
         return f"num_tokens_padded: {num_tokens_padded} < num_tokens={total}; padding can only add tokens"
+    return None
+
+
+def _first_bad_block(c: list[int], q: list[int], bt: list[list[int]], span: int) -> str | None:
+    """The reference of the build's block-id check: the first negative used id, in row order."""
+    for i in range(len(c)):
+        seq = c[i] + q[i]
+        for j in range(-(-seq // span)):
+            if bt[i][j] < 0:
+                return (f"block_table[{i}, {j}]={bt[i][j]} is negative but column {j} holds tokens of request {i} "
+                        f"(seq_len {seq}); a slot mapping through it would write outside the cache")
     return None
 
 
@@ -414,6 +425,11 @@ def test_first_broken_rule_is_reported(spec: BatchSpec, scale: int, data: st.Dat
         seqs = c.astype(np.int64) + q
         assert (again.num_tokens, again.max_exact_seq_len) == (int(q.sum()), int(seqs.max()))
         assert again.num_pages == int((-(-seqs // bs)).sum())
+        bad_block = _first_bad_block(c.tolist(), q.tolist(), bt.tolist(), bs * world)
+        if bad_block is not None:  # the spec constructs; the build names the id
+            with pytest.raises(ValueError) as err:
+                build_common(again, Stager("cpu"))
+            assert str(err.value) == bad_block
         return
     with pytest.raises(ValueError) as err:
         BatchSpec(**kw)
@@ -421,14 +437,14 @@ def test_first_broken_rule_is_reported(spec: BatchSpec, scale: int, data: st.Dat
 
 
 def test_rule_precedence_examples() -> None:
-    """Within a row the rules go in order (counts, table width, block ids, prompt, drafts, upper
+    """Within a row the rules go in order (counts, table width, prompt, drafts, upper
     bound); across rows the earlier row wins whatever its rule."""
     bt = _BT.copy()
     bt[2, 0] = -1
     with pytest.raises(ValueError, match=r"num_prompt_tokens\[1\]=-1 is negative"):
         _spec(block_table=bt, num_prompt_tokens=[0, -1, 0])  # row 1's prompt before row 2's block id
-    with pytest.raises(ValueError, match=r"block_table\[2, 0\]=-1 is negative"):
-        _spec(block_table=bt, num_prompt_tokens=[0, 0, -1])  # same row: the block id first
+    with pytest.raises(ValueError, match=r"num_prompt_tokens\[2\]=-1 is negative"):
+        _spec(block_table=bt, num_prompt_tokens=[0, 0, -1])  # block ids are checked when a step is built
     with pytest.raises(ValueError, match=r"block_table: row 2 needs"):
         _spec(block_table=bt[:, :2], num_draft_tokens=[0, 0, 9])  # same row: the width first
     with pytest.raises(ValueError, match=r"num_draft_tokens\[1\]=-1 is negative"):

@@ -436,5 +436,22 @@ def test_stage_common_names_wrong_arguments() -> None:
     with Stager("cpu").step() as step:
         with pytest.raises(TypeError, match="spec: expected a BatchSpec, got NoneType"):
             stage_common(None, step)  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match="step: expected an open attnmeta.Step"):
+        with pytest.raises(TypeError, match=r"step: expected an open attnmeta\.Step"):
             stage_common(_spec([1], [1], TABLE[:1]), Stager("cpu"))  # type: ignore[arg-type]
+
+
+def test_a_dropped_stager_is_freed() -> None:
+    """The ring slots know their last step only weakly: a stager nobody holds is collected (its
+    finalizer holds the slots, so a strong slot -> step -> stager path would make it immortal)."""
+    import gc
+    import weakref
+
+    for graph in (False, True):
+        stager = Stager("cpu", num_slots=2, profile=_PROFILE if graph else None)
+        for _ in range(3):
+            build_common(BatchSpec(num_computed_tokens=[5, 7], num_scheduled_tokens=[1, 1],
+                                   block_table=np.zeros((2, 24), np.int32), block_size=16), stager)
+        ref = weakref.ref(stager)
+        del stager
+        gc.collect()
+        assert ref() is None
