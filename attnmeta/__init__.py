@@ -20,6 +20,7 @@ import attnmeta.backends  # noqa: F401  (registers the built-in builders)
 from attnmeta.builder import (
     Builder,
     CommonNeeds,
+    UnknownBuilderError,
     UnsupportedBatchError,
     build,
     get_builder,
@@ -31,7 +32,7 @@ from attnmeta.common import build_common, stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
 from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec, ContextParallel
-from attnmeta.staging import Staged, Stager, Step
+from attnmeta.staging import Staged, Stager, Step, StepExpiredError, is_expired
 from attnmeta.warmup import warmup
 
 __all__ = [
@@ -47,10 +48,13 @@ __all__ = [
     "Stager",
     "StaticProfile",
     "Step",
+    "StepExpiredError",
+    "UnknownBuilderError",
     "UnsupportedBatchError",
     "build",
     "build_common",
     "get_builder",
+    "is_expired",
     "register",
     "registry",
     "stage_common",

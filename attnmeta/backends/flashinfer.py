@@ -509,6 +509,15 @@ class FlashInferBuilder(Builder[FlashInferOptions, FlashInferMetadata]):
 
         return Staged(step, split, make)
 
+    def unsupported_reasons(self, spec: BatchSpec, options: FlashInferOptions, **inputs: Any) -> list[str]:
+        """A context-parallel spec whose world size is not the options' ``dcp_world_size`` (its table's
+        columns hold ``block_size * world_size`` tokens; the pages are then the rank's own)."""
+        cp = spec.context_parallel
+        if cp is not None and cp.world_size != options.dcp_world_size:
+            return [f"the spec's context_parallel.world_size={cp.world_size} != FlashInferOptions.dcp_world_size="
+                    f"{options.dcp_world_size}: set dcp_world_size (and dcp_rank) to the spec's layout"]
+        return []
+
     def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[FlashInferOptions, dict[str, Any]]:
         """Random thresholds, uniformity, gather location, and DCP on about a third of the draws."""
         if rng.random() < 0.5:

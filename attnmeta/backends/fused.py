@@ -70,6 +70,7 @@ import numpy as np
 from attnmeta._fields import positional_factory
 from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionMetadata, FlashAttnOptions
 from attnmeta.backends.flashinfer import FLASHINFER, FlashInferMetadata, FlashInferOptions
+from attnmeta.builder import UnsupportedBatchError
 from attnmeta.common import CommonWriter, stage_common
 from attnmeta.host.paged import prefill_qo_indptr
 from attnmeta.metadata import CommonAttentionMetadata
@@ -274,12 +275,19 @@ class FusedStepBuilder:
 
         Raises
         ------
+        attnmeta.UnsupportedBatchError
+            A context-parallel spec the FlashInfer options do not describe (before any step begins).
         ValueError, attnmeta.staging.CapacityError
             As :func:`attnmeta.stage_common` and the backends' ``stage`` functions. The step is then
             abandoned (nothing copied) and the stager is ready for the next one.
         """
         self.stats.steps += 1
-        if not self._replay or spec.context_parallel is not None:
+        if spec.context_parallel is not None:
+            reasons = FLASHINFER.unsupported_reasons(spec, self._fi_opts) if self._fi_opts is not None else []
+            if reasons:
+                raise UnsupportedBatchError(FLASHINFER.name, reasons)
+            return self._compose(spec, self._stager.step(), None)
+        if not self._replay:
             return self._compose(spec, self._stager.step(), None)
         if spec.max_query_len <= 1:
             kind = 0  # every row decodes, in both backends' splits

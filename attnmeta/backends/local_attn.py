@@ -421,10 +421,14 @@ class LocalAttnBuilder(Builder[LocalAttnOptions, LocalAttentionMetadata]):
         return Staged(step, LocalAttnHost(local_common, lb), make)
 
     def unsupported_reasons(self, spec: BatchSpec, options: LocalAttnOptions, **inputs: Any) -> list[str]:
-        """A chunk size that is not a multiple of the block size."""
+        """A chunk size that is not a multiple of the block size; a context-parallel spec."""
+        reasons = []
         if options.attn_chunk_size % spec.block_size:
-            return [f"attn_chunk_size={options.attn_chunk_size} is not a multiple of block_size={spec.block_size}"]
-        return []
+            reasons.append(f"attn_chunk_size={options.attn_chunk_size} is not a multiple of block_size={spec.block_size}")
+        if spec.context_parallel is not None:
+            reasons.append("a context-parallel spec: the local-attention virtual batch indexes blocks of block_size "
+                           "tokens, not the block_size * world_size of a context-parallel table")
+        return reasons
 
     def defaults(self, spec: BatchSpec) -> tuple[LocalAttnOptions, dict[str, Any]]:
         """Chunks of 4 blocks (Llama 4's 8192-token chunks at block size 2048; any block size here)."""

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
+from attnmeta import BatchSpec, ContextParallel, Stager, StaticProfile, UnsupportedBatchError, stage_common
 from attnmeta.backends import flash_attn, flashinfer, fused
 from attnmeta.backends.flash_attn import FlashAttnOptions
 from attnmeta.backends.flashinfer import FlashInferOptions
@@ -500,3 +500,14 @@ def test_docstring_example() -> None:
     for t in tests:
         runner.run(t)
     assert runner.failures == 0
+
+
+def test_a_context_parallel_spec_needs_matching_flashinfer_options() -> None:
+    spec = BatchSpec(num_computed_tokens=[5, 30], num_scheduled_tokens=[1, 4], block_size=4,
+                     block_table=np.arange(10, dtype=np.int32).reshape(2, 5), context_parallel=ContextParallel(2, 0))
+    stager = Stager("cpu")
+    with pytest.raises(UnsupportedBatchError, match="dcp_world_size"):
+        FusedStepBuilder(stager).build(spec)
+    assert stager.stats.steps_begun == 0
+    _, _, fi = FusedStepBuilder(stager, flashinfer=FlashInferOptions(dcp_world_size=2)).build(spec)
+    assert fi is not None and fi.paged_kv_indptr_cpu.tolist() == [0, 1, 5]

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnmeta
-from attnmeta import BatchSpec, Stager, StaticProfile
+from attnmeta import BatchSpec, ContextParallel, Stager, StaticProfile
 from attnmeta.builder import Builder, CommonNeeds, UnsupportedBatchError
 from attnmeta.testing.builders import audit_builder, check_builder
 from attnmeta.testing.strategies import batch_specs
@@ -147,3 +147,20 @@ def test_every_builder_in_graph_mode(name: str) -> None:
         assert (a is None) == (c is None), field
         if a is not None and a.numel():
             assert a.data_ptr() == c.data_ptr(), f"{name}.{field} moved between graph-mode steps"
+
+
+@pytest.mark.parametrize("name", sorted(attnmeta.registry()))
+def test_a_context_parallel_spec_builds_or_is_reported_unsupported(name: str) -> None:
+    """With a context-parallel spec every builder, with its default and its sampled options, either
+    builds or lists why it cannot: never an error about the batch from inside its stage."""
+    spec = BatchSpec(num_computed_tokens=[5, 30, 0], num_scheduled_tokens=[1, 4, 3], num_prompt_tokens=[5, 40, 3],
+                     block_table=np.arange(15, dtype=np.int32).reshape(3, 5), block_size=4,
+                     context_parallel=ContextParallel(2, 1))
+    b = attnmeta.get_builder(name)
+    rng = np.random.default_rng(0)
+    for options, inputs in [b.defaults(spec), *(b.sample(spec, rng) for _ in range(8))]:
+        if b.unsupported_reasons(spec, options, **inputs):
+            with pytest.raises(UnsupportedBatchError):
+                attnmeta.build(spec, Stager("cpu"), b, options, **inputs)
+        else:
+            attnmeta.build(spec, Stager("cpu"), b, options, **inputs)
