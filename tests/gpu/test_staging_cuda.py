@@ -311,8 +311,14 @@ def test_a_collected_stager_keeps_its_pinned_slots_until_their_copies_complete()
     torch.cuda._sleep(50_000_000)  # the GPU is far behind: the last copies are still queued ...
     with stager.step() as step:
         step.alloc("x", 1 << 16, np.int32)[:] = 9
+    import weakref
+
+    alive = weakref.ref(stager)
     del stager, step
-    gc.collect()
+    if alive() is not None:  # (diagnosis: what holds it, if not a cycle gc breaks)
+        holders = [type(r).__name__ for r in gc.get_referrers(alive())]
+        gc.collect()
+        assert alive() is None, f"a dropped stager is still referenced by {holders}"
     assert len(_driver._RETIRED) >= 1  # ... so the collected stager's pinned slots are retired, not freed
     torch.cuda.synchronize()
     _driver.purge()
