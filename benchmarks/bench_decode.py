@@ -51,6 +51,9 @@ draft tokens a request, batch 8, 64 and 256), which has no limits.
 whose replays of batches of at least ``PARALLEL_MIN_ROWS`` (512) requests copy the block-table rows
 and page indices on numba's thread pool (those threads keep their cores busy between steps).
 
+``--paths ...,fused-unchecked`` adds the fused path on a stager made with ``check_lifetimes=False``
+(expired metadata is not turned into objects that raise): the A/B of that check.
+
 ``--gap-us 1000`` waits 1 ms before each timed step, untimed, as an engine's host waits for the GPU
 between its steps; ``--gap-mode sleep`` (the default) idles the thread, as a blocking wait does,
 ``--gap-mode spin`` keeps it busy on the clock. Back-to-back steps (no gap, the default) run with every cache and predictor warm from the step before; after a gap they do not,
@@ -120,19 +123,22 @@ def main() -> None:
           f"device {dev}, {args.rounds} rounds x {args.steps} steps, {time.strftime('%Y-%m-%d')}, "
           f"{'pinned to CPU ' + str(args.pin_cpu) if args.pin_cpu is not None else 'not pinned'}"
           f"{f', {args.gap_us:g} us {args.gap_mode} before each step' if args.gap_us else ''}")
-    print(f"{'batch':>6} {'path':<11} {'median us':>10} {'best round':>11} {'p99 us':>8} {'p99/med':>8} {'target':>7}")
+    print(f"{'batch':>6} {'path':<15} {'median us':>10} {'best round':>11} {'p99 us':>8} {'p99/med':>8} {'target':>7}")
     if args.spec:  # spec decode, k = 3 (no limits): batch 8, 64, 256
         cases = spec_decode(dev, quick=False)
     else:
         cases = [c for c in decode(dev, quick=False) if c.batch in TARGETS]
     threads = [int(t) for t in args.threads.split(",") if t]
-    walks = dict(spec_decode_walks(False) if args.spec else decode_walks(False)) if threads or "fused+spec" in wanted else {}
+    walks = (dict(spec_decode_walks(False) if args.spec else decode_walks(False))
+             if threads or "fused+spec" in wanted or "fused-unchecked" in wanted else {})
     gap = args.gap_us / 1e6
     wait = time.sleep if args.gap_mode == "sleep" else _spin
     for case in cases:  # (the scenario's paths: attnmeta, reference, per-tensor, fused)
         case.paths = {p: fn for p, fn in case.paths.items() if p in wanted}
         if "fused+spec" in wanted:
             case.paths["fused+spec"] = fused_step(walks[case.batch], dev, with_spec=True)[0]
+        if "fused-unchecked" in wanted:
+            case.paths["fused-unchecked"] = fused_step(walks[case.batch], dev, check_lifetimes=False)[0]
         for t in threads:
             case.paths[f"fused-t{t}"] = fused_step(walks[case.batch], dev, t)[0]
         samples: dict[str, list[float]] = {p: [] for p in case.paths}
@@ -173,7 +179,7 @@ def main() -> None:
         for path in case.paths:
             s = np.array(samples[path])
             target = None if args.spec else TARGETS[case.batch]
-            print(f"{case.batch:>6} {path:<11} {np.median(s):>10.1f} {s.min():>11.1f} "
+            print(f"{case.batch:>6} {path:<15} {np.median(s):>10.1f} {s.min():>11.1f} "
                   f"{np.percentile(every[path], 99):>8.1f} {np.median(ratios[path]):>8.2f} {'' if target is None or path == 'floor' or path[0] not in 'af' else target:>7}")
 
 

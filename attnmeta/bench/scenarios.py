@@ -237,7 +237,7 @@ def spec_decode_walks(quick: bool) -> list[tuple[int, list[BatchSpec]]]:
 
 
 def fused_step(specs: list[BatchSpec], device: torch.device, threads: int = 1,
-               with_spec: bool = False) -> tuple[Callable[[], Any], Stager]:
+               with_spec: bool = False, check_lifetimes: bool = True) -> tuple[Callable[[], Any], Stager]:
     """A ``fused`` path: :class:`attnmeta.backends.fused.FusedStepBuilder` on a stager of its own.
 
     Parameters
@@ -250,7 +250,9 @@ def fused_step(specs: list[BatchSpec], device: torch.device, threads: int = 1,
         The builder's ``threads``.
     with_spec : bool, default False
         Construct each step's :class:`~attnmeta.BatchSpec` (validation included) from the spec's
-        arrays inside the step, as an engine does each step from its scheduler's arrays.
+        arrays inside the step, as an engine does each step from its scheduler's (writable) arrays.
+    check_lifetimes : bool, default True
+        The stager's ``check_lifetimes`` (False: the opt-out, for its A/B).
 
     Returns
     -------
@@ -259,9 +261,12 @@ def fused_step(specs: list[BatchSpec], device: torch.device, threads: int = 1,
     """
     from attnmeta.backends.fused import FusedStepBuilder
 
-    builder = FusedStepBuilder(Stager(device), threads=threads)
+    builder = FusedStepBuilder(Stager(device, check_lifetimes=check_lifetimes), threads=threads)
     at = [0]
-    args = [spec_arguments(s) for s in specs] if with_spec else None
+    args: list[dict[str, Any]] | None = (
+        [{k: v.copy() if isinstance(v, np.ndarray) and v.ndim == 1 else v for k, v in spec_arguments(s).items()}
+         for s in specs]  # (writable vectors, as an engine's; the walk's one block table, as an engine's)
+        if with_spec else None)
 
     def step() -> Any:
         i = at[0]
