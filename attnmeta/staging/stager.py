@@ -1041,8 +1041,13 @@ class Step:
         self._expired = True
         self._expired_by = by
         owned, self._owned = self._owned, []
-        for obj in owned:
-            _poison(obj, self)  # (its _lease is this step: own() set it)
+        known, swap = _POISON, object.__setattr__
+        for obj in owned:  # (each one's _lease is this step: own() set it)
+            info = known.get(type(obj))
+            if info is not None and not info[1]:  # the usual object: no metadata parts, one class swap
+                swap(obj, "__class__", info[0])
+            else:
+                _poison(obj, self)
 
     # ------------------------------------------------------------------ staging
     @property
