@@ -1,0 +1,632 @@
+"""Multimodal bidirectional prefix ranges (docs/semantics-attention.md, "MMPrefixMetadata").
+
+Prefix-LM multimodal models (Gemma3, PaliGemma, Molmo2, DeepSeek V4 vision, ...) let the tokens of one
+image or video attend to each other bidirectionally. vLLM 0.33.0 derives, once per step, the inclusive
+prompt ranges of every request's image/video placeholders (``compute_mm_prefix_ranges``), then each
+backend turns them into its own array: the Triton/Flex form ``(num_reqs, max_ranges, 2)`` (a nested
+Python list and a fresh pinned tensor per step) or the FlashAttention-4 form, one ``[start, end]`` per
+scheduled query token (Python loops over rows and ranges). This builder does both on the host from
+flat arrays, in compiled loops, and stages the chosen form in the step's one copy; the ranges
+themselves stay host-only (never staged), as vLLM's ``keep_on_cpu`` multimodal fields do.
+
+The per-step input (host only, a CSR over the real requests)
+-----------------------------------------------------------
+- ``mm_span_indptr``: ``(num_real_reqs + 1,)`` int, ``[0] == 0``, non-decreasing; request ``i``'s
+  spans are ``indptr[i]:indptr[i + 1]``.
+- ``mm_span_starts`` / ``mm_span_lengths``: ``(num_spans,)`` int; each placeholder's ``offset >= 0``
+  and ``length >= 1`` (vLLM's ``PlaceholderRange``), image and video features only, in the order of
+  the request's features.
+- ``mm_is_embed``: ``(sum(mm_span_lengths),)`` bool, optional: every span's ``is_embed`` mask, the
+  spans concatenated (all True for a span without one; None: all True).
+
+Rules (vLLM's, kept exactly)
+----------------------------
+- A span gives one range per run of True in its ``is_embed`` (``(offset, offset + length - 1)``
+  without one); with ``span_pad`` it gives the single range ``(offset // pad * pad + pad - 1, offset +
+  length - 1)`` whatever its mask.
+- A range longer than ``sliding_window`` tokens is dropped, unless ``clamp_sliding_window`` (then it is
+  kept unchanged: the kernel clamps it).
+- Triton form: each row padded with ``(0, 0)`` to the longest row; an empty row is ``[(0, 0)]``; None
+  when every row is ``[(0, 0)]`` (a lone real range ``(0, 0)`` included).
+- FlashAttention form: one-token ranges (``start == end``) and ranges with ``start > end`` are skipped;
+  a token gets the range that covers its absolute position (context ``c = seq_lens_upper_bound - q``),
+  so a later prefill chunk gets the part of a range inside it; None when no token is covered.
+
+Shape legend
+------------
+- ``num_reqs``: request rows, padding included; ``num_real_reqs``: before padding.
+- ``num_spans``: placeholder spans of the step; ``num_ranges``: ranges derived from them.
+- ``max_ranges``: the most ranges of one row (at least 1) in the Triton form.
+- ``num_tokens``: ``query_start_loc_cpu[-1]``, the scheduled tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+
+from attnmeta._checks import as_host_array, check_option_fields, option_rule
+from attnmeta._fields import MetadataBase
+from attnmeta._numba import njit
+from attnmeta.backends._shared import require_same_step
+from attnmeta.builder import Builder, CommonNeeds, register
+from attnmeta.metadata import StagedCommon
+from attnmeta.spec import BatchSpec
+from attnmeta.staging import Staged, Step
+
+__all__ = ["MM_PREFIX", "MMPrefixBuilder", "MMPrefixMetadata", "MMPrefixOptions", "build", "mm_prefix_ranges",
+           "stage"]
+
+_I32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MMPrefixOptions:
+    """Options of the multimodal prefix-range builder (the spans are per-step inputs)."""
+
+    form: Literal["triton", "flash_attn"] = dataclasses.field(
+        default="triton", metadata=option_rule("choice", choices=("triton", "flash_attn")))
+    """Which backend form is staged: ``"triton"`` (Triton/Flex: ``mm_prefix_range_tensor``, per row) or
+    ``"flash_attn"`` (FA4 mask mod: ``mm_prefix_query_range_tensor``, per query token)."""
+    sliding_window: int | None = dataclasses.field(default=None, metadata=option_rule("int", minimum=1,
+                                                                                     allow_none=True))
+    """Drop ranges longer than this many tokens (None: keep every range)."""
+    clamp_sliding_window: bool = dataclasses.field(default=False, metadata=option_rule("bool"))
+    """Keep the ranges longer than ``sliding_window`` (Gemma4 sliding layers; the kernel clamps them)."""
+    span_pad: int | None = dataclasses.field(default=None, metadata=option_rule("int", minimum=1,
+                                                                               allow_none=True))
+    """DeepSeek V4's ``mm_prefix_span_leading_pad_modulus``: one range per span, starting at
+    ``offset // span_pad * span_pad + span_pad - 1`` (None: the ``is_embed`` runs)."""
+    prefix: str = dataclasses.field(default="mm_prefix", metadata=option_rule("prefix"))
+    """Namespace of this builder's staged fields."""
+
+    def __post_init__(self) -> None:
+        check_option_fields(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
+class MMPrefixMetadata(MetadataBase):
+    """The bidirectional ranges of a step: the staged backend form and the host-only ranges.
+
+    Examples
+    --------
+    The worked example of docs/semantics-attention.md: row 0 has an image at offset 2 (5 tokens), row
+    1 nothing, row 2 an image at offset 0 with ``is_embed = [F, T, T, F, T, T]`` and a 300-token video
+    at offset 20:
+
+    >>> import numpy as np
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[0, 0, 0], num_scheduled_tokens=[7, 3, 8],
+    ...                  block_table=np.zeros((3, 1), np.int32), block_size=512)
+    >>> spans = dict(mm_span_indptr=[0, 1, 1, 3], mm_span_starts=[2, 0, 20], mm_span_lengths=[5, 6, 300],
+    ...              mm_is_embed=np.array([1] * 5 + [0, 1, 1, 0, 1, 1] + [1] * 300, bool))
+    >>> m = build(spec, Stager("cpu"), **spans)
+    >>> m.doc_ranges()
+    {0: [(2, 6)], 1: [], 2: [(1, 2), (4, 5), (20, 319)]}
+    >>> m.mm_prefix_range_tensor.tolist()
+    [[[2, 6], [0, 0], [0, 0]], [[0, 0], [0, 0], [0, 0]], [[1, 2], [4, 5], [20, 319]]]
+    """
+
+    _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = ("mm_prefix_range_tensor", "mm_prefix_query_range_tensor")
+    _HOST_FIELDS: ClassVar[tuple[str, ...]] = (
+        "mm_prefix_range_tensor_cpu", "mm_prefix_query_range_tensor_cpu", "mm_range_indptr_cpu", "mm_ranges_cpu",
+    )
+    _SCALAR_FIELDS: ClassVar[tuple[str, ...]] = ("form", "num_ranges", "max_ranges", "num_query_range_rows")
+    _TWINS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("mm_prefix_range_tensor", "mm_prefix_range_tensor_cpu"),
+        ("mm_prefix_query_range_tensor", "mm_prefix_query_range_tensor_cpu"),
+    )
+
+    mm_prefix_range_tensor: torch.Tensor | None
+    """(num_reqs, max_ranges, 2) int32, device, or None (the ``"flash_attn"`` form, or every row
+    ``[(0, 0)]``). Triton/Flex form: row ``i``'s inclusive ``[start, end]`` ranges, padded with
+    ``(0, 0)``; padding rows and rows without ranges ``(0, 0)``."""
+    mm_prefix_query_range_tensor: torch.Tensor | None
+    """(num_tokens, 2) int32, device, or None (the ``"triton"`` form, or no token covered). FA4 form:
+    per scheduled token the absolute ``[start, end]`` of the range (``start < end``) covering its
+    position, else ``(-1, -1)``."""
+    mm_prefix_range_tensor_cpu: np.ndarray | None
+    """(num_reqs, max_ranges, 2) int32, host (pinned staged view), or None. Twin of
+    ``mm_prefix_range_tensor``."""
+    mm_prefix_query_range_tensor_cpu: np.ndarray | None
+    """(num_tokens, 2) int32, host (pinned staged view), or None. Twin of
+    ``mm_prefix_query_range_tensor``."""
+    mm_range_indptr_cpu: np.ndarray
+    """(num_real_reqs + 1,) int32, host only (never staged). Request ``i``'s ranges are
+    ``mm_ranges_cpu[indptr[i]:indptr[i + 1]]``."""
+    mm_ranges_cpu: np.ndarray
+    """(num_ranges, 2) int32, host only (never staged). vLLM's ``mm_req_doc_ranges``: inclusive absolute
+    prompt positions, one-token ranges included."""
+    form: str
+    """The staged form: ``"triton"`` or ``"flash_attn"``."""
+    num_ranges: int
+    """Ranges after the sliding-window rule."""
+    max_ranges: int
+    """Columns of ``mm_prefix_range_tensor`` (0 when it is None)."""
+    num_query_range_rows: int
+    """Rows of ``mm_prefix_query_range_tensor`` (0 when it is None: vLLM's return value)."""
+
+    def doc_ranges(self) -> dict[int, list[tuple[int, int]]]:
+        """vLLM's ``mm_req_doc_ranges`` dict from the host-only fields: every real row a key (possibly an
+        empty list), inclusive ``(start, end)`` tuples. Reads host memory only."""
+        ip, r = self.mm_range_indptr_cpu.tolist(), self.mm_ranges_cpu.tolist()
+        return {i: [(s, e) for s, e in r[ip[i]:ip[i + 1]]] for i in range(len(ip) - 1)}
+
+
+# ------------------------------------------------------------------------------------------------
+# host derivation: private compiled kernels behind the validating wrapper
+# ------------------------------------------------------------------------------------------------
+
+
+@njit
+def _ranges_nb(indptr: np.ndarray, starts: np.ndarray, lengths: np.ndarray, is_embed: np.ndarray,
+               has_embed: bool, window: int, clamp: bool, pad: int, out_indptr: np.ndarray,
+               out: np.ndarray, write: bool) -> int:  # pragma: no cover (compiled)
+    """Count (``write`` False) or write the ranges of every request; returns the count.
+    ``window``/``pad`` 0 mean unset."""
+    n = 0
+    emb_off = np.int64(0)
+    nreq = indptr.shape[0] - 1
+    for r in range(nreq):
+        if write:
+            out_indptr[r] = n
+        for j in range(indptr[r], indptr[r + 1]):
+            s = np.int64(starts[j])
+            ln = np.int64(lengths[j])
+            base = emb_off
+            emb_off = emb_off + ln
+            if pad > 0:
+                a = s // pad * pad + pad - 1
+                b = s + ln - 1
+                if window > 0 and not clamp and b - a + 1 > window:
+                    continue
+                if write:
+                    out[n, 0] = a
+                    out[n, 1] = b
+                n += 1
+                continue
+            k = 0
+            while k < ln:
+                if has_embed and not is_embed[base + k]:
+                    k += 1
+                    continue
+                e = k
+                while e + 1 < ln and (not has_embed or is_embed[base + e + 1]):
+                    e += 1
+                a = s + k
+                b = s + e
+                k = e + 1
+                if window > 0 and not clamp and b - a + 1 > window:
+                    continue
+                if write:
+                    out[n, 0] = a
+                    out[n, 1] = b
+                n += 1
+    if write:
+        out_indptr[nreq] = n
+    return n
+
+
+@njit
+def _triton_rows_nb(range_indptr: np.ndarray, ranges: np.ndarray, num_rows: int) -> int:  # pragma: no cover
+    """``max_ranges`` of the Triton form, or 0 when every row is ``[(0, 0)]`` (the form is None)."""
+    nreal = range_indptr.shape[0] - 1
+    width = 1
+    trivial = True
+    for i in range(min(nreal, num_rows)):
+        c = range_indptr[i + 1] - range_indptr[i]
+        if c > width:
+            width = c
+        if c > 1 or (c == 1 and (ranges[range_indptr[i], 0] != 0 or ranges[range_indptr[i], 1] != 0)):
+            trivial = False
+    return 0 if trivial else width
+
+
+@njit
+def _triton_fill_nb(range_indptr: np.ndarray, ranges: np.ndarray, num_rows: int, width: int,
+                    out: np.ndarray) -> None:  # pragma: no cover (compiled)
+    """Write the ``(num_rows, width, 2)`` Triton form, flattened, into ``out``."""
+    out[:] = 0
+    nreal = range_indptr.shape[0] - 1
+    for i in range(min(nreal, num_rows)):
+        for k in range(range_indptr[i + 1] - range_indptr[i]):
+            o = (i * width + k) * 2
+            out[o] = ranges[range_indptr[i] + k, 0]
+            out[o + 1] = ranges[range_indptr[i] + k, 1]
+
+
+@njit
+def _query_ranges_nb(range_indptr: np.ndarray, ranges: np.ndarray, qsl: np.ndarray, ub: np.ndarray,
+                     out: np.ndarray, write: bool) -> bool:  # pragma: no cover (compiled)
+    """vLLM's ``fill_mm_prefix_query_ranges`` loop: whether any token is covered; with ``write`` the
+    ``(-1, -1)`` fill and the covered spans into ``out`` (``(qsl[-1], 2)``)."""
+    covered = False
+    if write:
+        out[:, :] = -1
+    nreal = range_indptr.shape[0] - 1
+    for row in range(nreal):
+        q = np.int64(qsl[row + 1]) - qsl[row]
+        if q <= 0:
+            continue
+        c = np.int64(ub[row]) - q
+        for k in range(range_indptr[row], range_indptr[row + 1]):
+            start = np.int64(ranges[k, 0])
+            end = np.int64(ranges[k, 1])
+            if start >= end:
+                continue
+            first = max(start - c, 0)
+            last = min(end - c, q - 1)
+            if first <= last:
+                covered = True
+                if write:
+                    for t in range(qsl[row] + first, qsl[row] + last + 1):
+                        out[t, 0] = start
+                        out[t, 1] = end
+    return covered
+
+
+def _span_where(indptr: np.ndarray, j: int) -> str:
+    """``request i, span j`` of flat span index ``j``."""
+    return f"request {int(np.searchsorted(indptr, j, side='right')) - 1}, span {j}"
+
+
+def _check_spans(mm_span_indptr: Any, mm_span_starts: Any, mm_span_lengths: Any, mm_is_embed: Any,
+                 num_reqs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The validated spans (int32 CSR, bool mask or None); errors name the input, request and span."""
+    indptr = as_host_array(mm_span_indptr, "mm_span_indptr", length=num_reqs + 1)
+    starts = as_host_array(mm_span_starts, "mm_span_starts")
+    lengths = as_host_array(mm_span_lengths, "mm_span_lengths")
+    n = starts.shape[0]
+    if lengths.shape[0] != n:
+        raise ValueError(f"mm_span_lengths: {lengths.shape[0]} entries but mm_span_starts has {n} (one offset and "
+                         f"one length per span)")
+    if indptr[0] != 0:
+        raise ValueError(f"mm_span_indptr[0]={int(indptr[0])}, expected 0")
+    d = np.diff(indptr)
+    if d.size and int(d.min()) < 0:
+        i = int(np.argmax(d < 0))
+        raise ValueError(f"mm_span_indptr[{i + 1}]={int(indptr[i + 1])} < mm_span_indptr[{i}]={int(indptr[i])} "
+                         f"(request {i}): the offsets must not decrease")
+    if int(indptr[-1]) != n:
+        raise ValueError(f"mm_span_indptr[-1]={int(indptr[-1])} != {n} spans (len(mm_span_starts))")
+    if n:
+        if int(starts.min()) < 0:
+            j = int(np.argmax(starts < 0))
+            raise ValueError(f"mm_span_starts[{j}]={int(starts[j])} < 0 ({_span_where(indptr, j)})")
+        if int(lengths.min()) < 1:
+            j = int(np.argmax(lengths < 1))
+            raise ValueError(f"mm_span_lengths[{j}]={int(lengths[j])} < 1 ({_span_where(indptr, j)}): a placeholder "
+                             f"holds at least one token")
+        ends = starts.astype(np.int64) + lengths
+        if int(ends.max()) > _I32_MAX:
+            j = int(np.argmax(ends > _I32_MAX))
+            raise ValueError(f"mm_span_starts[{j}] + mm_span_lengths[{j}] = {int(ends[j])} does not fit int32 "
+                             f"({_span_where(indptr, j)})")
+    embed = None
+    if mm_is_embed is not None:
+        total = int(lengths.sum(dtype=np.int64))
+        embed = as_host_array(mm_is_embed, "mm_is_embed", dtype=np.bool_)
+        if embed.shape[0] != total:
+            raise ValueError(f"mm_is_embed: {embed.shape[0]} entries, expected sum(mm_span_lengths)={total} (every "
+                             f"span's mask, concatenated)")
+    return indptr, starts, lengths, embed
+
+
+def mm_prefix_ranges(
+    mm_span_indptr: Any,
+    mm_span_starts: Any,
+    mm_span_lengths: Any,
+    mm_is_embed: Any = None,
+    *,
+    sliding_window: int | None = None,
+    clamp_sliding_window: bool = False,
+    span_pad: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's ``compute_mm_prefix_ranges`` on flat host arrays: every request's inclusive ranges.
+
+    Parameters
+    ----------
+    mm_span_indptr : (num_reqs + 1,) int, host
+        Request ``i``'s spans are ``indptr[i]:indptr[i + 1]``; ``[0] == 0``, non-decreasing.
+    mm_span_starts : (num_spans,) int, host
+        Each image/video placeholder's prompt offset (``>= 0``).
+    mm_span_lengths : (num_spans,) int, host
+        Each placeholder's length (``>= 1``).
+    mm_is_embed : (sum(mm_span_lengths),) bool, host, optional
+        The spans' ``is_embed`` masks, concatenated (None: all True).
+    sliding_window : int, optional
+        Drop ranges longer than this (``end - start + 1 > sliding_window``).
+    clamp_sliding_window : bool, default False
+        Keep those ranges instead.
+    span_pad : int, optional
+        One range per span: ``(offset // span_pad * span_pad + span_pad - 1, offset + length - 1)``.
+
+    Returns
+    -------
+    range_indptr : (num_reqs + 1,) int32, host
+        Request ``i``'s ranges are ``ranges[range_indptr[i]:range_indptr[i + 1]]``.
+    ranges : (num_ranges, 2) int32, host
+        Inclusive ``(start, end)``.
+
+    Raises
+    ------
+    ValueError
+        A malformed CSR, a negative offset, a length below 1 (naming the request and span), a mask of
+        the wrong length.
+    TypeError
+        A torch tensor, a non-integer array or a non-bool mask.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> emb = np.array([1] * 5 + [0, 1, 1, 0, 1, 1] + [1] * 300, bool)
+    >>> ip, r = mm_prefix_ranges([0, 1, 1, 3], [2, 0, 20], [5, 6, 300], emb)
+    >>> ip.tolist(), r.tolist()
+    ([0, 1, 1, 4], [[2, 6], [1, 2], [4, 5], [20, 319]])
+    >>> mm_prefix_ranges([0, 1, 1, 3], [2, 0, 20], [5, 6, 300], emb, sliding_window=256)[1].tolist()
+    [[2, 6], [1, 2], [4, 5]]
+    >>> mm_prefix_ranges([0, 1, 1, 3], [2, 0, 20], [5, 6, 300], emb, span_pad=4)[1].tolist()
+    [[3, 6], [3, 5], [23, 319]]
+    """
+    ip = as_host_array(mm_span_indptr, "mm_span_indptr")
+    indptr, starts, lengths, embed = _check_spans(ip, mm_span_starts, mm_span_lengths, mm_is_embed,
+                                                  max(ip.shape[0] - 1, 0))
+    for name, v in (("sliding_window", sliding_window), ("span_pad", span_pad)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1):
+            raise ValueError(f"{name}: expected None or an int >= 1, got {v!r}")
+    return _derive_ranges(indptr, starts, lengths, embed, sliding_window, bool(clamp_sliding_window), span_pad)
+
+
+_NO_EMBED = np.zeros(0, np.bool_)
+
+
+def _derive_ranges(indptr: np.ndarray, starts: np.ndarray, lengths: np.ndarray, embed: np.ndarray | None,
+                   window: int | None, clamp: bool, pad: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The compiled two passes (count, write) over validated spans."""
+    out_ip = np.zeros(indptr.shape[0], np.int32)
+    e = _NO_EMBED if embed is None else embed
+    args = (indptr, starts, lengths, e, embed is not None, window or 0, clamp, pad or 0, out_ip)
+    n = _ranges_nb(*args, np.zeros((0, 2), np.int32), False)
+    out = np.empty((n, 2), np.int32)
+    _ranges_nb(*args, out, True)
+    return out_ip, out
+
+
+# ------------------------------------------------------------------------------------------------
+# the builder
+# ------------------------------------------------------------------------------------------------
+
+
+class MMPrefixBuilder(Builder[MMPrefixOptions, MMPrefixMetadata]):
+    """The multimodal bidirectional prefix-range builder (:data:`MM_PREFIX`).
+
+    Examples
+    --------
+    The FlashAttention form of the worked example, a later prefill chunk included: row 2 is at
+    positions 21-24 of its prompt, inside the video range (20, 319):
+
+    >>> import numpy as np
+    >>> from attnmeta import BatchSpec, Stager
+    >>> spec = BatchSpec(num_computed_tokens=[0, 17, 21], num_scheduled_tokens=[6, 3, 4],
+    ...                  block_table=np.zeros((3, 1), np.int32), block_size=512)
+    >>> m = build(spec, Stager("cpu"), MMPrefixOptions(form="flash_attn"), mm_span_indptr=[0, 1, 1, 3],
+    ...           mm_span_starts=[2, 0, 20], mm_span_lengths=[5, 6, 300],
+    ...           mm_is_embed=np.array([1] * 5 + [0, 1, 1, 0, 1, 1] + [1] * 300, bool))
+    >>> m.num_query_range_rows, m.mm_prefix_query_range_tensor[:, 0].tolist()
+    (13, [-1, -1, 2, 2, 2, 2, -1, -1, -1, 20, 20, 20, 20])
+    """
+
+    name = "mm_prefix"
+    options_type = MMPrefixOptions
+    metadata_type = MMPrefixMetadata
+    inputs = ("mm_span_indptr", "mm_span_starts", "mm_span_lengths", "mm_is_embed")
+
+    def needs(self, spec: BatchSpec, options: MMPrefixOptions) -> CommonNeeds:
+        """Only the query starts and sequence lengths: no per-token arrays."""
+        return CommonNeeds(token_arrays=False)
+
+    def stage(
+        self,
+        common: StagedCommon,
+        step: Step,
+        options: MMPrefixOptions | None = None,
+        *,
+        mm_span_indptr: Any = None,
+        mm_span_starts: Any = None,
+        mm_span_lengths: Any = None,
+        mm_is_embed: Any = None,
+    ) -> Staged[None, MMPrefixMetadata]:
+        """Derive the ranges and the chosen backend form on the host, staging the form into ``step``.
+
+        Parameters
+        ----------
+        common : StagedCommon
+            From :func:`attnmeta.stage_common` on the same ``step``.
+        step : Step
+            The open step.
+        options : MMPrefixOptions, optional
+            The form, the sliding-window rule and ``span_pad``.
+        mm_span_indptr : (num_real_reqs + 1,) int, host, optional
+            The spans of real request ``i`` are ``indptr[i]:indptr[i + 1]``. None (with no spans): no
+            request has a span.
+        mm_span_starts : (num_spans,) int, host, optional
+            Each image/video placeholder's prompt offset (``>= 0``).
+        mm_span_lengths : (num_spans,) int, host, optional
+            Each placeholder's length (``>= 1``).
+        mm_is_embed : (sum(mm_span_lengths),) bool, host, optional
+            The spans' ``is_embed`` masks, concatenated (None: all True).
+
+        Returns
+        -------
+        Staged[None, MMPrefixMetadata]
+            ``.result()`` after the commit.
+
+        Raises
+        ------
+        ValueError
+            Malformed spans (the input, request and span named), or ``common`` from another step.
+        TypeError
+            A torch tensor (pass the host array), a non-integer array or a non-bool mask.
+        attnmeta.staging.CapacityError
+            Graph mode: more scheduled tokens, requests or ranges than the profile holds.
+        """
+        if type(common) is not StagedCommon or common.step is not step:
+            require_same_step(common, step)
+        opts = self.options(options)
+        h = common.host
+        nreal = h.num_real_reqs
+        if mm_span_indptr is None and mm_span_starts is None and mm_span_lengths is None and mm_is_embed is None:
+            mm_span_indptr, mm_span_starts, mm_span_lengths = np.zeros(nreal + 1, np.int32), _NO_I32, _NO_I32
+        indptr, starts, lengths, embed = _check_spans(mm_span_indptr, mm_span_starts, mm_span_lengths, mm_is_embed,
+                                                      nreal)
+        r_ip, ranges = _derive_ranges(indptr, starts, lengths, embed, opts.sliding_window, opts.clamp_sliding_window,
+                                      opts.span_pad)
+        for a in (r_ip, ranges):
+            a.flags.writeable = False
+        p = opts.prefix + "."
+        step.host_only(p + "mm_range_indptr", r_ip)  # keep_on_cpu: never staged
+        step.host_only(p + "mm_ranges", ranges)
+        prof = step.profile
+        tri: np.ndarray | None = None
+        qr: np.ndarray | None = None
+        width = rows = 0
+        if opts.form == "triton":
+            B = h.num_reqs
+            width = int(_triton_rows_nb(r_ip, ranges, B))
+            if width:
+                cap = None if prof is None else prof.max_num_reqs * max(width, _GRAPH_RANGES) * 2
+                flat = step.alloc(p + "mm_prefix_range_tensor", B * width * 2, np.int32, capacity=cap)
+                _triton_fill_nb(r_ip, ranges, B, width, flat)
+                tri = flat.reshape(B, width, 2)
+        else:
+            qsl = h.query_start_loc_cpu
+            ub = h.seq_lens_cpu_upper_bound
+            T = int(qsl[-1])
+            if T > 0 and _query_ranges_nb(r_ip, ranges, qsl, ub, _NO_OUT, False):
+                cap = None if prof is None else prof.max_num_tokens
+                qr = step.alloc(p + "mm_prefix_query_range_tensor", (T, 2), np.int32, capacity=cap, fill=-1)
+                _query_ranges_nb(r_ip, ranges, qsl, ub, qr, True)
+                rows = T
+        for a2 in (tri, qr):
+            if a2 is not None:
+                a2.flags.writeable = False
+        form, nr = opts.form, int(ranges.shape[0])
+
+        def make() -> MMPrefixMetadata:
+            tri_d = None if tri is None else step.device(p + "mm_prefix_range_tensor").view(tri.shape)
+            qr_d = None if qr is None else step.device(p + "mm_prefix_query_range_tensor")
+            return MMPrefixMetadata(
+                mm_prefix_range_tensor=tri_d, mm_prefix_query_range_tensor=qr_d, mm_prefix_range_tensor_cpu=tri,
+                mm_prefix_query_range_tensor_cpu=qr, mm_range_indptr_cpu=r_ip, mm_ranges_cpu=ranges, form=form,
+                num_ranges=nr, max_ranges=width, num_query_range_rows=rows,
+            )
+
+        return Staged(step, None, make)
+
+    def unsupported_reasons(self, spec: BatchSpec, options: MMPrefixOptions, **inputs: Any) -> list[str]:
+        """A context-parallel batch: the ranges are absolute prompt positions and this builder does not
+        model a rank's share of the KV (vLLM's mm-prefix backends, Triton and FA4, have no DCP path)."""
+        if spec.context_parallel is not None:
+            return ["mm_prefix: context-parallel batches are not supported (the ranges are absolute prompt "
+                    "positions; a rank's local KV share is not modelled)"]
+        return []
+
+    def defaults(self, spec: BatchSpec) -> tuple[MMPrefixOptions, dict[str, Any]]:
+        """The Triton form, one image span over the first half of each real request's scheduled tokens
+        (a prefill's new tokens; nothing for a request with fewer than 2)."""
+        q = spec.num_scheduled_tokens[: spec.num_reqs].astype(np.int64)
+        c = spec.num_computed_tokens[: spec.num_reqs].astype(np.int64)
+        has = q >= 2
+        indptr = np.concatenate([[0], np.cumsum(has)]).astype(np.int32)
+        return MMPrefixOptions(), {"mm_span_indptr": indptr, "mm_span_starts": c[has].astype(np.int32),
+                                   "mm_span_lengths": (q[has] // 2).astype(np.int32)}
+
+    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[MMPrefixOptions, dict[str, Any]]:
+        """Random non-overlapping spans (0-3 per request, one-token ones included) inside each real
+        request's prompt (its sequence when the spec gives no prompts), random ``is_embed`` runs, a
+        random form, sliding window, clamp and ``span_pad``."""
+        n = spec.num_reqs
+        prompt = spec.num_prompt_tokens if spec.num_prompt_tokens is not None else spec.num_computed_tokens + \
+            spec.num_scheduled_tokens
+        counts: list[int] = []
+        starts: list[int] = []
+        lengths: list[int] = []
+        for i in range(n):
+            P = int(prompt[i])
+            k = min(int(rng.integers(0, 4)), (P + 1) // 2)
+            if k == 0 and i == n - 1 and not starts and P >= 1:
+                k = 1  # at least one span in a step that can hold one
+            if k:
+                cuts = np.sort(rng.choice(P + 1, size=2 * k, replace=False))
+                starts += cuts[0::2].tolist()
+                lengths += (cuts[1::2] - cuts[0::2]).tolist()
+            counts.append(k)
+        indptr = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int32)
+        total = int(np.sum(lengths, dtype=np.int64))
+        embed = rng.random(total) < 0.75 if rng.random() < 0.6 else np.ones(total, np.bool_)
+        opts = MMPrefixOptions(
+            form="triton" if rng.random() < 0.5 else "flash_attn",
+            sliding_window=None if rng.random() < 0.4 else int(rng.integers(1, 16)),
+            clamp_sliding_window=bool(rng.random() < 0.5),
+            span_pad=None if rng.random() < 0.6 else int(rng.integers(1, 6)),
+        )
+        return opts, {"mm_span_indptr": indptr, "mm_span_starts": np.asarray(starts, np.int32),
+                      "mm_span_lengths": np.asarray(lengths, np.int32), "mm_is_embed": embed}
+
+    def reference(self, spec: BatchSpec, options: MMPrefixOptions, device: torch.device,
+                  **inputs: Any) -> dict[str, Any]:
+        """vLLM's three functions transcribed on device tensors
+        (:mod:`attnmeta.testing.reference.mm_prefix`), syncs and all."""
+        from attnmeta.testing.reference import ref_common_fields
+        from attnmeta.testing.reference.mm_prefix import (
+            ref_mm_prefix_query_ranges,
+            ref_mm_prefix_range_tensor,
+            ref_mm_prefix_ranges,
+        )
+
+        def dev(name: str, dtype: Any) -> torch.Tensor:
+            v = inputs.get(name)
+            return torch.from_numpy(np.array([] if v is None else v, dtype)).to(device)
+
+        ip = inputs.get("mm_span_indptr")
+        ip_t = torch.zeros(spec.num_reqs + 1, dtype=torch.int32, device=device) if ip is None else \
+            dev("mm_span_indptr", np.int32)
+        emb = None if inputs.get("mm_is_embed") is None else dev("mm_is_embed", np.bool_)
+        ranges = ref_mm_prefix_ranges(ip_t, dev("mm_span_starts", np.int32), dev("mm_span_lengths", np.int32), emb,
+                                      sliding_window=options.sliding_window,
+                                      clamp_sliding_window=options.clamp_sliding_window, span_pad=options.span_pad)
+        flat = [list(r) for i in range(spec.num_reqs) for r in ranges[i]]
+        ip_ref = np.cumsum([0] + [len(ranges[i]) for i in range(spec.num_reqs)]).astype(np.int32)
+        out: dict[str, Any] = {
+            "form": options.form, "num_ranges": len(flat),
+            "mm_range_indptr_cpu": ip_ref, "mm_ranges_cpu": np.array(flat, np.int32).reshape(-1, 2),
+        }
+        common = ref_common_fields(spec, device)
+        if options.form == "triton":
+            t = ref_mm_prefix_range_tensor(ranges, spec.padded_num_reqs, device)
+            out["mm_prefix_range_tensor"] = t
+            out["max_ranges"] = 0 if t is None else int(t.shape[1])
+        else:
+            ub_np = spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else \
+                spec.num_computed_tokens + spec.num_scheduled_tokens
+            ub = torch.from_numpy(np.array(ub_np, np.int32)).to(device)
+            qt = ref_mm_prefix_query_ranges(ranges, common["query_start_loc"], ub)
+            out["mm_prefix_query_range_tensor"] = qt
+            out["num_query_range_rows"] = 0 if qt is None else int(qt.shape[0])
+        return out
+
+
+_NO_I32 = np.zeros(0, np.int32)
+_NO_OUT = np.zeros((0, 2), np.int32)
+_GRAPH_RANGES = 8
+"""Graph mode: the Triton form's capacity is ``max_num_reqs * max(8, max_ranges) * 2`` entries,
+reserved by the first step that stages it (a later step with more ranges per row than that raises
+``CapacityError``)."""
+
+MM_PREFIX = register(MMPrefixBuilder())
+"""The registered multimodal prefix-range builder."""
+stage = MM_PREFIX.stage
+build = MM_PREFIX.build
