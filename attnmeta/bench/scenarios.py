@@ -53,6 +53,7 @@ __all__ = [
     "spec_decode",
     "spec_decode_walks",
     "staging",
+    "ubatch",
 ]
 
 ScenarioFn = Callable[[torch.device, bool], list[Case]]
@@ -553,6 +554,70 @@ def staging(device: torch.device, quick: bool) -> list[Case]:
     }, ups, stager)]
 
 
+# ------------------------------------------------------------------------------------ micro-batches (DBO)
+def ubatch(device: torch.device, quick: bool) -> list[Case]:
+    """``ubatch``: a mixed step of 256 requests (64 prefills + 192 decodes, padded) in 2 micro-batches:
+    attnmeta stages every micro-batch's common metadata in ONE copy (:func:`attnmeta.ubatch.stage_ubatches`);
+    the reference builds the parent from raw uploads and slices it per micro-batch on the device, as
+    vLLM's ``split_attn_metadata`` does; :data:`MIXED_STEPS` distinct steps.
+
+    Parameters
+    ----------
+    device : torch.device
+        Where the metadata goes.
+    quick : bool
+        8 prefills + 24 decodes.
+
+    Returns
+    -------
+    list of Case
+        One case.
+    """
+    from attnmeta.testing import reference as ref
+    from attnmeta.ubatch import stage_ubatches, ubatch_slices
+
+    walk = []
+    for s in _mixed_walk(quick, seed=7):
+        args = spec_arguments(s)
+        args["num_reqs_padded"], args["num_tokens_padded"] = s.num_reqs + 3, s.num_tokens + 13
+        walk.append(BatchSpec(**args))
+    plans = [ubatch_slices(s.num_scheduled_tokens, s.padded_num_tokens, s.padded_num_reqs, 2).padded_slices
+             for s in walk]
+    stager = Stager(device)
+    ups = {"reference": Uploads()}
+    raw = blocking_uploader(device, ups["reference"])
+    at = {"attnmeta": 0, "reference": 0}
+
+    def next_step(path: str) -> int:
+        i = at[path]
+        at[path] = (i + 1) % len(walk)
+        return i
+
+    def attnmeta_step() -> Any:
+        i = next_step("attnmeta")
+        with stager.step() as step:
+            ubs = stage_ubatches(walk[i], step, plans[i])
+        return [u.result() for u in ubs]
+
+    def reference_step() -> Any:
+        i = next_step("reference")
+        spec = walk[i]
+        B, Bp, Tp = spec.num_reqs, spec.padded_num_reqs, spec.padded_num_tokens
+        W = max(1, -(-spec.max_exact_seq_len // spec.block_size))
+        c, q = raw(spec.num_computed_tokens), raw(spec.num_scheduled_tokens)
+        bt = torch.zeros((Bp, W), dtype=torch.int32, device=device)
+        bt[:B] = raw(np.ascontiguousarray(spec.block_table[:B, :W]))
+        qsl = ref.ref_query_start_loc(q, Bp)
+        sl = ref.ref_seq_lens(c, q, Bp)
+        pos, slots = ref.ref_token_layout(c, q, bt, spec.block_size, Tp)
+        qsl_cpu = qsl.cpu()
+        return ref.ref_split_attn_metadata(
+            [(u.request_slice, u.token_slice) for u in plans[i]], qsl, qsl_cpu, sl, sl.cpu(), bt, slots, pos,
+            int(torch.diff(qsl_cpu).max().item()), int(sl.max().item()))
+
+    return [Case("ubatch", walk[0].num_reqs, {"attnmeta": attnmeta_step, "reference": reference_step}, ups, stager)]
+
+
 CURATED: dict[str, ScenarioFn] = {
     "staging": staging,
     "decode": decode,
@@ -563,5 +628,6 @@ CURATED: dict[str, ScenarioFn] = {
     "local-attention": local_attention,
     "decode-common": decode_common,
     "mixed-common": mixed_common,
+    "ubatch": ubatch,
 }
 """The curated scenarios by ``--scenario`` name, in the order the bench runs them."""
