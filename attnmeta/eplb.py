@@ -237,8 +237,10 @@ class ExpertMaps:
     """The three expert maps of a committed step, on the device (views into the step's arena).
 
     Valid for work enqueued on the commit stream after the commit, until the stager reuses the step's
-    ring slot (:meth:`attnmeta.Step.device` raises :class:`attnmeta.StepExpiredError` after that);
-    :meth:`copy_into` moves them into the engine's persistent tensors. Shapes as
+    ring slot: the tensors are plain views, so after that they hold a newer step's bytes (they are not
+    checked; :func:`stage_expert_maps`'s ``result()`` raises :class:`attnmeta.StepExpiredError` if
+    first called then). :meth:`copy_into` moves them into the engine's persistent tensors; call it
+    right after the commit. Shapes as
     :func:`stage_expert_maps` describes (``L`` absent for a one-layer map).
     """
 
