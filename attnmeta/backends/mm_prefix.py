@@ -55,7 +55,7 @@ from attnmeta.backends._shared import require_same_step
 from attnmeta.builder import Builder, CommonNeeds, register
 from attnmeta.metadata import StagedCommon
 from attnmeta.spec import BatchSpec
-from attnmeta.staging import Staged, Step
+from attnmeta.staging import CapacityError, Staged, Step
 
 __all__ = ["MM_PREFIX", "MMPrefixBuilder", "MMPrefixMetadata", "MMPrefixOptions", "build", "mm_prefix_ranges",
            "stage"]
@@ -82,6 +82,10 @@ class MMPrefixOptions:
     ``offset // span_pad * span_pad + span_pad - 1`` (None: the ``is_embed`` runs)."""
     prefix: str = dataclasses.field(default="mm_prefix", metadata=option_rule("prefix"))
     """Namespace of this builder's staged fields."""
+    graph_max_ranges: int = dataclasses.field(default=8, metadata=option_rule("int", minimum=1))
+    """Graph mode, Triton form: the ranges of a row the fixed buffer holds. Every graph-mode step stages
+    ``(num_reqs, graph_max_ranges, 2)`` (rows' unused ranges ``(0, 0)``), so a captured kernel reads one
+    row stride whatever the step; a row with more ranges raises ``CapacityError``."""
 
     def __post_init__(self) -> None:
         check_option_fields(self)
@@ -496,8 +500,15 @@ class MMPrefixBuilder(Builder[MMPrefixOptions, MMPrefixMetadata]):
         if opts.form == "triton":
             B = h.num_reqs
             width = int(_triton_rows_nb(r_ip, ranges, B))
+            cap = None
+            if width and prof is not None:  # one row stride for every step (captured kernels read it)
+                g = opts.graph_max_ranges
+                if width > g:
+                    raise CapacityError(
+                        f"{p}mm_prefix_range_tensor: a row has {width} ranges but MMPrefixOptions.graph_max_ranges="
+                        f"{g} (graph mode stages (num_reqs, graph_max_ranges, 2))")
+                width, cap = g, prof.max_num_reqs * g * 2
             if width:
-                cap = None if prof is None else prof.max_num_reqs * max(width, _GRAPH_RANGES) * 2
                 flat = step.alloc(p + "mm_prefix_range_tensor", B * width * 2, np.int32, capacity=cap)
                 _triton_fill_nb(r_ip, ranges, B, width, flat)
                 tri = flat.reshape(B, width, 2)
@@ -566,7 +577,13 @@ class MMPrefixBuilder(Builder[MMPrefixOptions, MMPrefixMetadata]):
             counts.append(k)
         indptr = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int32)
         total = int(np.sum(lengths, dtype=np.int64))
-        embed = rng.random(total) < 0.75 if rng.random() < 0.6 else np.ones(total, np.bool_)
+        embed = np.ones(total, np.bool_)
+        at = 0
+        for n_tok in lengths:  # at most one non-embedded run a span: at most 6 ranges a request
+            if n_tok > 1 and rng.random() < 0.5:
+                a = int(rng.integers(0, n_tok))
+                embed[at + a: at + int(rng.integers(a + 1, n_tok + 1))] = False
+            at += n_tok
         opts = MMPrefixOptions(
             form="triton" if rng.random() < 0.5 else "flash_attn",
             sliding_window=None if rng.random() < 0.4 else int(rng.integers(1, 16)),
@@ -621,10 +638,6 @@ class MMPrefixBuilder(Builder[MMPrefixOptions, MMPrefixMetadata]):
 
 _NO_I32 = np.zeros(0, np.int32)
 _NO_OUT = np.zeros((0, 2), np.int32)
-_GRAPH_RANGES = 8
-"""Graph mode: the Triton form's capacity is ``max_num_reqs * max(8, max_ranges) * 2`` entries,
-reserved by the first step that stages it (a later step with more ranges per row than that raises
-``CapacityError``)."""
 
 MM_PREFIX = register(MMPrefixBuilder())
 """The registered multimodal prefix-range builder."""

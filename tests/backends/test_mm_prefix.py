@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import attnmeta
 from attnmeta import BatchSpec, Stager, StaticProfile
 from attnmeta.backends.mm_prefix import MM_PREFIX, MMPrefixOptions, build, mm_prefix_ranges
+from attnmeta.staging import CapacityError
 from attnmeta.testing import audit_builder, check_builder
 from attnmeta.testing.reference.mm_prefix import (
     ref_mm_prefix_query_ranges,
@@ -283,3 +284,27 @@ def test_type_errors_and_context_parallel() -> None:
                    block_table=np.zeros((2, 2), I32), block_size=4, context_parallel=ContextParallel(2, 0))
     with pytest.raises(attnmeta.UnsupportedBatchError, match="context-parallel"):
         build(cp, Stager("cpu"))
+
+
+def test_graph_mode_triton_rows_have_one_stride() -> None:
+    """Graph mode stages (num_reqs, graph_max_ranges, 2) whatever a step's widest row, so a captured
+    kernel reads one row stride; a row with more ranges is a CapacityError naming the option."""
+    prof = StaticProfile(max_num_reqs=4, max_num_tokens=64, max_blocks_per_req=2, block_size=512)
+    stager = Stager("cpu", profile=prof)
+    spec = BatchSpec(num_computed_tokens=[0, 0], num_scheduled_tokens=[20, 10], block_table=np.zeros((2, 1), np.int32),
+                     block_size=512)
+    opts = MMPrefixOptions(graph_max_ranges=4)
+    shapes, ptrs = [], []
+    for starts in ([2], [2, 6, 10]):  # one range, then three, in row 0
+        spans = dict(mm_span_indptr=[0, len(starts), len(starts)], mm_span_starts=starts,
+                     mm_span_lengths=[3] * len(starts))
+        m = build(spec, stager, opts, **spans)
+        t = m.mm_prefix_range_tensor
+        assert t is not None and m.max_ranges == 4
+        shapes.append(tuple(t.shape))
+        ptrs.append(t.data_ptr())
+        assert t[0, : len(starts)].tolist() == [[s, s + 2] for s in starts] and t[0, len(starts):].abs().sum() == 0
+    assert shapes == [(2, 4, 2)] * 2 and ptrs[0] == ptrs[1]
+    five = dict(mm_span_indptr=[0, 5, 5], mm_span_starts=[0, 3, 6, 9, 12], mm_span_lengths=[2] * 5)
+    with pytest.raises(CapacityError, match=r"a row has 5 ranges but MMPrefixOptions\.graph_max_ranges=4"):
+        build(spec, stager, opts, **five)
