@@ -248,3 +248,26 @@ def test_every_block_table_builder_reads_the_kernel_table() -> None:
     assert f.paged_kv_last_page_len_cpu.tolist() == [7, 15, 0]
     assert ca.result().common.block_table_tensor.tolist() == expanded.tolist()
     assert step.stats.copies == 1
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_kernel_table_and_capture_fill_are_sync_free(graph: bool) -> None:
+    """On a device that holds no data (``meta``) under the sync audit: the common metadata, its kernel
+    block table, a FlashAttention builder reading it and a capture-time fill, all in one copy."""
+    from attnmeta.graph_padding import apply_capture_fill, capture_fill
+    from attnmeta.sync import no_device_sync
+
+    spec = BatchSpec(num_computed_tokens=[130, 60], num_scheduled_tokens=[5, 3], block_table=[[7, 3, 9], [5, 2, 0]],
+                     block_size=64, num_reqs_padded=3)
+    prof = StaticProfile(max_num_reqs=4, max_num_tokens=16, max_blocks_per_req=3, block_size=64) if graph else None
+    stager = Stager("meta", profile=prof)
+    with no_device_sync():
+        with stager.step() as step:
+            common = stage_common(spec, step)
+            apply_capture_fill(common, capture_fill("triton_attn"))
+            k16 = stage_kernel_block_table(common, step, 16)
+            fa = flash_attn.stage(k16, step)
+        cm, meta = k16.result(), fa.result()
+    assert step.stats.copies == 1 and cm.block_table_tensor.device.type == "meta"
+    assert meta.common.block_size == 16 and tuple(cm.block_table_tensor.shape) == (3, 12)
+    assert capture_fill("triton_attn") != capture_fill("flash_attn")  # (the fill above was a real one)
