@@ -17,6 +17,6 @@ loop: the common, FlashAttention and FlashInfer metadata of a step in one call.
 
 from __future__ import annotations
 
-from attnmeta.backends import cascade, fast_prefill, flash_attn, flashinfer, local_attn, mamba, mm_prefix
+from attnmeta.backends import cascade, fast_prefill, flash_attn, flashinfer, local_attn, mamba, mla, mm_prefix
 
-__all__ = ["cascade", "fast_prefill", "flash_attn", "flashinfer", "local_attn", "mamba", "mm_prefix"]
+__all__ = ["cascade", "fast_prefill", "flash_attn", "flashinfer", "local_attn", "mamba", "mla", "mm_prefix"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ref_mla_context_chunks", "ref_mla_row_requests"]
+__all__ = ["ref_mla_context_chunks", "ref_mla_fields", "ref_mla_row_requests"]
 
 
 def ref_mla_context_chunks(
@@ -176,3 +176,81 @@ def ref_mla_row_requests(query_start_loc: torch.Tensor, num_rows: int) -> torch.
     t = torch.arange(num_rows, device=query_start_loc.device, dtype=query_start_loc.dtype)
     d = query_start_loc.shape[0] - 1
     return torch.searchsorted(query_start_loc[1:].contiguous(), t, right=True).clamp(max=d - 1)
+
+
+def ref_mla_fields(spec: Any, options: Any, device: torch.device | str) -> dict[str, Any]:
+    """The MLA builder's fields of ``spec`` the way vLLM 0.33.0's ``MLACommonMetadataBuilder.build`` computes them.
+
+    Parameters
+    ----------
+    spec : BatchSpec
+        The step.
+    options : MLAOptions
+        The builder's options.
+    device : torch.device or str
+        Where to compute.
+
+    Returns
+    -------
+    dict
+        Field name -> expected value (device tensors, ints), for :func:`attnmeta.testing.check_builder`.
+    """
+    from attnmeta.backends.mla import mla_decode_threshold
+    from attnmeta.testing.reference.layout import ref_common_fields, ref_split_decodes_and_prefills
+
+    f = ref_common_fields(spec, device)
+    qsl, seq = f["query_start_loc"], f["seq_lens"]
+    B, T = spec.padded_num_reqs, spec.padded_num_tokens
+    thr = mla_decode_threshold(options)
+    causal = options.causal is not False
+    if causal:
+        D, P, Dt, Pt = ref_split_decodes_and_prefills(qsl, T, spec.max_query_len, thr,
+                                                      options.variant in ("flashmla", "triton_mla"))
+    else:
+        D, P, Dt, Pt = B, 0, T, 0
+    W, inter = options.dcp_world_size, options.dcp_interleave
+    max_seq_len = spec.max_seq_len
+    dec_seq = seq[:D]
+    out: dict[str, Any] = {}
+    if W > 1:
+        s = dec_seq.long()
+        base = s // (W * inter) * inter
+        dec_seq = (base + (s - base * W - options.dcp_rank * inter).clamp(0, inter)).to(torch.int32)
+        out["decode_dcp_tot_seq_lens"] = seq[:D]
+        if D > 0:
+            max_seq_len = -(-max_seq_len // (W * inter)) * inter
+    q = qsl[1:] - qsl[:-1]
+    if options.variant in ("flashmla", "flashattn_mla"):
+        dec_mq = int(q[:D].max().item()) if D else 0
+    else:
+        dec_mq = min(spec.max_query_len, thr)
+    if not causal and options.variant == "flashinfer_mla" and D > 0:
+        rr = ref_mla_row_requests(qsl[: D + 1], Dt)
+        out["decode_row_req"] = rr
+        out["decode_flattened_seq_lens"] = dec_seq[rr]
+    if options.variant == "triton_mla":
+        n = max(1, max_seq_len // 512)
+        out["num_kv_splits"] = min(1 << (n - 1).bit_length(), 2 * options.num_sms)
+    pqsl = qsl[D:] - qsl[D]
+    ctx = (seq[D:] - q[D:]).to(torch.int32)
+    chunks = ref_mla_context_chunks(ctx, pqsl, workspace_size=options.workspace_size, block_size=spec.block_size,
+                                    align_chunk_to_block=options.align_chunk_to_block, dcp_world_size=W,
+                                    dcp_interleave=inter, align_indptr=options.align_indptr) if P else None
+    empty = torch.zeros(0, dtype=torch.int32, device=device)
+    get = (lambda k: chunks[k]) if chunks is not None else (lambda k: empty)
+    out.update({
+        "query_start_loc": qsl, "seq_lens": seq, "slot_mapping": f["slot_mapping"],
+        "decode_query_start_loc": qsl[: D + 1], "decode_seq_lens": dec_seq,
+        "num_reqs": B, "num_actual_tokens": T, "max_query_len": spec.max_query_len, "max_seq_len": max_seq_len,
+        "num_decodes": D, "num_prefills": P, "num_decode_tokens": Dt, "num_prefill_tokens": Pt,
+        "decode_threshold": thr, "decode_max_query_len": dec_mq,
+        "prefill_max_query_len": spec.max_query_len if P else 0,
+        "prefill_query_start_loc": pqsl, "prefill_query_lens_cpu": q[D:], "context_lens": ctx,
+        "chunk_starts": get("starts"), "chunk_seq_lens_cpu": get("seq_lens"), "chunk_cu_seq_lens": get("cu_seq_lens"),
+        "chunk_cu_seqlens_q": get("cu_seqlens_q"), "chunk_token_to_seq": get("token_to_seq"),
+        "num_chunks": len(chunks["chunks"]) if chunks is not None else 0,
+    })
+    if W > 1:
+        out["chunk_padded_local_cu_seq_lens"] = get("padded_local_cu_seq_lens")
+        out["chunk_padded_local_token_to_seq"] = get("padded_local_token_to_seq")
+    return out
