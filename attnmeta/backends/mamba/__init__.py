@@ -28,7 +28,7 @@ Examples
 
 from __future__ import annotations
 
-from attnmeta.backends.mamba import linear_attn, mamba1, mamba2
+from attnmeta.backends.mamba import gdn, linear_attn, mamba1, mamba2
 from attnmeta.backends.mamba._shared import MambaHost, MambaMetadata, block_table_columns
 from attnmeta.backends.mamba.linear_attn import LinearAttentionMetadata, LinearAttnHost, LinearAttnOptions
 from attnmeta.backends.mamba.mamba1 import Mamba1Metadata, Mamba1Options
@@ -46,6 +46,7 @@ __all__ = [
     "MambaHost",
     "MambaMetadata",
     "block_table_columns",
+    "gdn",
     "linear_attn",
     "mamba1",
     "mamba2",
