@@ -41,7 +41,7 @@ from attnmeta.backends.mamba._shared import (
 )
 from attnmeta.builder import Builder, CommonNeeds, register
 from attnmeta.host.conv1d import causal_conv1d_metadata
-from attnmeta.host.gdn import FLA_CHUNK_SIZE, fla_chunk_metadata, fla_count_nb, token_partition_nb
+from attnmeta.host.gdn import FLA_CHUNK_SIZE, fla_chunk_metadata, token_partition_nb
 from attnmeta.host.mamba import state_indices_nb
 from attnmeta.host.split import split_decodes_and_prefills
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, StagedCommon
@@ -463,15 +463,14 @@ class GdnBuilder(Builder[GdnOptions, GdnMetadata]):
         tot = maxp = 0
         if P > 0:
             if o.prefill_backend == "triton":
-                n = int(fla_count_nb(p_qsl, FLA_CHUNK_SIZE))
                 ci, co = fla_chunk_metadata(p_qsl)
-                assert ci.shape[0] == n
-                st.put("chunk_indices", ci, None if Tm is None else -(-Tm // FLA_CHUNK_SIZE) + R)  # type: ignore[operator]
+                st.put("chunk_indices", ci, None if prof is None else -(-prof.max_num_tokens // FLA_CHUNK_SIZE)
+                       + prof.max_num_reqs)
                 st.put("chunk_offsets", co, R1)
             if o.needs_causal_conv1d_metadata:
                 cm1 = causal_conv1d_metadata(ns_qsl)
                 tot, nums, mlist, offl = cm1.num_programs_total, cm1.nums, cm1.mlist, cm1.offsetlist
-                maxp = cm1.max_num_programs if Tm is None else conv1d_capacity(Tm, R)  # type: ignore[arg-type]
+                maxp = cm1.max_num_programs if prof is None else conv1d_capacity(prof.max_num_tokens, prof.max_num_reqs)
                 for f, src in (("batch_ptr", cm1.batch_ptr), ("token_chunk_offset_ptr", cm1.token_chunk_offset_ptr)):
                     full = np.full(maxp, -1, np.int32)
                     full[:tot] = src[:tot]
