@@ -29,6 +29,7 @@ import numpy.typing as npt
 
 from attnmeta._checks import as_host_array
 from attnmeta._numba import njit
+from attnmeta.host.flash_attn import _dcp_local_len  # (vLLM's get_dcp_local_seq_lens, one implementation)
 
 __all__ = [
     "MLAContextChunks",
@@ -51,18 +52,6 @@ def _padded_rows(x: int, world: int, interleave: int) -> int:
         return x
     v = world * interleave
     return (x + v - 1) // v * interleave
-
-
-@njit
-def _local_len(total: int, world: int, rank: int, interleave: int) -> int:
-    """Tokens of a ``total``-token context held by ``rank`` (vLLM ``get_dcp_local_seq_lens``)."""
-    base = total // interleave // world * interleave
-    extra = total - base * world - rank * interleave
-    if extra < 0:
-        extra = 0
-    elif extra > interleave:
-        extra = interleave
-    return base + extra
 
 
 @njit
@@ -228,7 +217,7 @@ def _flatten_nb(
 def _allranks_nb(ctx: np.ndarray, world: int, interleave: int, out: np.ndarray) -> None:
     for i in range(ctx.shape[0]):
         for r in range(world):
-            out[i, r] = _local_len(int(ctx[i]), world, r, interleave)
+            out[i, r] = _dcp_local_len(int(ctx[i]), world, r, interleave)
 
 
 class MLAContextChunks(NamedTuple):
