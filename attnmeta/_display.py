@@ -14,8 +14,9 @@ __all__ = ["format_metadata"]
 
 def _values(v: Any, limit: int) -> str:
     if isinstance(v, np.ndarray):
-        if v.ndim == 2:
-            rows = [np.array2string(r[:limit], separator=",") + ("…" if r.shape[0] > limit else "") for r in v[:limit]]
+        if v.ndim >= 2:  # one line: the rows side by side (a row of a 3-D array is itself a nested list)
+            rows = [_values(r, limit) if r.ndim > 1 else
+                    np.array2string(r[:limit], separator=",") + ("…" if r.shape[0] > limit else "") for r in v[:limit]]
             return "[" + " ".join(rows) + (" …" if v.shape[0] > limit else "") + "]"
         s = np.array2string(v[:limit], separator=",", max_line_width=10_000)
         return s[:-1] + ",…]" if v.shape[0] > limit else s
