@@ -101,7 +101,7 @@ def apply_capture_fill(common: StagedCommon, fill: CaptureFill) -> None:
     >>> with Stager("cpu").step() as step:
     ...     common = stage_common(spec, step)
     ...     apply_capture_fill(common, capture_fill("triton_attn"))
-    >>> common.result().seq_lens.tolist()
+    >>> common.result().seq_lens_cpu.tolist()  # (the host twin: the device view holds the same after the copy)
     [1, 1, 1]
     """
     if not isinstance(fill, CaptureFill):
