@@ -96,3 +96,11 @@ def test_report_turns_bench_json_into_the_docs_table(tmp_path: Path) -> None:
     assert set(by) == set(rows)
     spec = by[("spec-decode-k3", 64)]  # reference / attnmeta, per-tensor / attnmeta, attnmeta / fused
     assert all(x.endswith("x") for x in spec[2:5]) and spec[5] == "0, 0, 0, 5" and spec[6] == "1, 1, 8, 3"
+
+
+def test_ab_commit_compares_a_commit_with_this_checkout() -> None:
+    """The A/B against another commit (here HEAD itself: any clone has it) prints every path, with a ratio."""
+    rows = _run("ab_commit.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "5", "--batches", "1")
+    names = [" ".join(r[1:-3]) for r in rows if r and r[0] == "1"]
+    assert names == ["fused", "fused+spec", "composable", "lifetimes on/off"], rows
+    assert all(float(r[-1]) > 0 for r in rows if r and r[0] == "1")

@@ -1,0 +1,151 @@
+"""A/B in one process: this checkout's decode step against another commit's, and the lifetime check on/off.
+
+The other commit's package is exported with ``git archive`` into a temporary folder and imported under
+another name (``attnmeta_base``: every ``attnmeta`` import in it renamed), so both run in the same
+process, on the same machine, in alternating rounds. Paths, at batch 1 / 64 / 256 / 1024 of the decode
+walks (contexts grow by one token a step, page size 16):
+
+- ``fused``: :class:`attnmeta.backends.fused.FusedStepBuilder` on ready-made specs;
+- ``fused+spec``: the same with each step's ``BatchSpec`` constructed inside the step from writable
+  arrays (as an engine does from its scheduler's);
+- ``composable``: ``stage_common`` + FlashAttention + FlashInfer staged into one step;
+- ``lifetimes on/off``: this checkout's fused step on ``Stager(check_lifetimes=False)`` (the "base"
+  column) against the default.
+
+Each round times ``--steps`` consecutive steps of one path; the two sides alternate rounds; the table
+gives the medians over rounds of per-round medians (us) and their ratio. Garbage collection is off
+while timing.
+
+Run: ``python benchmarks/ab_commit.py BASE_COMMIT [--device cuda] [--rounds 12] [--steps 300]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import io
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import attnmeta  # noqa: E402
+from attnmeta.testing.workloads import advance, decode_spec  # noqa: E402
+
+
+def base_package(commit: str, into: Path) -> Any:
+    """``commit``'s ``attnmeta`` package, imported as ``attnmeta_base`` from a copy under ``into``."""
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "attnmeta"], capture_output=True,
+                          check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    pkg = into / "attnmeta_base"
+    (into / "attnmeta").rename(pkg)
+    for f in pkg.rglob("*.py"):
+        text = f.read_text()
+        text = re.sub(r"\battnmeta\.", "attnmeta_base.", text)
+        text = re.sub(r"^(\s*)(import|from) attnmeta\b", r"\1\2 attnmeta_base", text, flags=re.M)
+        f.write_text(text)
+    sys.path.insert(0, str(into))
+    return importlib.import_module("attnmeta_base")
+
+
+def paths(mod: Any, batch: int, device: torch.device, **stager_kw: Any) -> dict[str, Callable[[], Any]]:
+    """The three step paths of package ``mod`` on the decode walk of ``batch`` requests."""
+    fa = importlib.import_module(mod.__name__ + ".backends.flash_attn")
+    fi = importlib.import_module(mod.__name__ + ".backends.flashinfer")
+    fused = importlib.import_module(mod.__name__ + ".backends.fused")
+    raws = [dict(num_computed_tokens=s.num_computed_tokens.copy(), num_scheduled_tokens=s.num_scheduled_tokens.copy(),
+                 num_prompt_tokens=None if s.num_prompt_tokens is None else s.num_prompt_tokens.copy(),
+                 block_table=s.block_table, block_size=s.block_size)
+            for s in advance(decode_spec(batch, np.random.default_rng(batch)), 64)]
+    specs = [mod.BatchSpec(**r) for r in raws]
+    builder = fused.FusedStepBuilder(mod.Stager(device, **stager_kw))
+    builder_spec = fused.FusedStepBuilder(mod.Stager(device))
+    stager = mod.Stager(device)
+    at = [0, 0, 0]
+
+    def f() -> Any:
+        i = at[0] = at[0] + 1
+        return builder.build(specs[i % 64])
+
+    def fs() -> Any:
+        i = at[1] = at[1] + 1
+        return builder_spec.build(mod.BatchSpec(**raws[i % 64]))
+
+    def comp() -> Any:
+        i = at[2] = at[2] + 1
+        s = specs[i % 64]
+        with stager.step() as step:
+            c = mod.stage_common(s, step, paged_kv=True, block_table_columns=fused.table_columns(s))
+            a, b = fa.stage(c, step), fi.stage(c, step)
+        return c.result(), a.result(), b.result()
+
+    return {"fused": f, "fused+spec": fs, "composable": comp}
+
+
+def ab(a: Callable[[], Any], b: Callable[[], Any], rounds: int, steps: int, device: torch.device) -> tuple[float, float]:
+    """Medians over alternating rounds of the per-round median step time (us) of ``a`` and ``b``."""
+    med: tuple[list[float], list[float]] = ([], [])
+    for fn in (a, b):
+        for _ in range(min(300, 3 * steps)):
+            fn()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            for k in ((0, 1) if r % 2 == 0 else (1, 0)):
+                fn = (a, b)[k]
+                for _ in range(min(50, steps)):
+                    fn()
+                ts = np.empty(steps)
+                for j in range(steps):
+                    t0 = time.perf_counter_ns()
+                    fn()
+                    ts[j] = time.perf_counter_ns() - t0
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                med[k].append(float(np.median(ts)) / 1e3)
+    finally:
+        gc.enable()
+    return float(np.median(med[0])), float(np.median(med[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("base", help="the commit to compare with (e.g. 407a805)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batches", default="1,64,256,1024")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dev = torch.device(args.device)
+    with tempfile.TemporaryDirectory(prefix="attnmeta-ab-") as tmp:
+        base = base_package(args.base, Path(tmp))
+        print(f"# {args.device}, torch {torch.__version__}, base {args.base}, {args.rounds} rounds x {args.steps} "
+              f"steps; medians over rounds of per-round medians (us)")
+        print(f"{'batch':>6} {'path':<22} {'base':>8} {'this':>8} {'this/base':>10}")
+        for batch in [int(x) for x in args.batches.split(",")]:
+            old, new = paths(base, batch, dev), paths(attnmeta, batch, dev)
+            rows = [(name, old[name], new[name]) for name in old]
+            rows.append(("lifetimes on/off", paths(attnmeta, batch, dev, check_lifetimes=False)["fused"], new["fused"]))
+            for name, a, b in rows:
+                ta, tb = ab(a, b, args.rounds, args.steps, dev)
+                print(f"{batch:>6} {name:<22} {ta:>8.1f} {tb:>8.1f} {tb / ta:>10.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
