@@ -1,0 +1,302 @@
+"""The engine loop: schedule, build the step's metadata with attnmeta, run the model, sample.
+
+One step:
+
+1. the scheduler picks the batch (decodes first);
+2. the host describes it in a :class:`attnmeta.BatchSpec` and, in one ``stager.step()``, stages the
+   common metadata, the kernel's builders and the engine's own per-token arrays (input ids known on
+   the host, and for each token whose id is still on the device, its row in the previous step's sampled
+   tokens): **one** H2D copy per step;
+3. the kernel plans from the host twins; the model runs; the step's greedy tokens are written into a
+   device buffer and copied, non-blocking, into a pinned host ring;
+4. with async scheduling the host reads step N's tokens only after it has queued step N + 1, so the
+   device always has the next step queued when the host waits for the previous one's tokens; that
+   wait on the copy's event is the loop's one deliberate wait, counted in ``stats.token_waits``. Without
+   async scheduling the host reads each step's tokens right after queueing it.
+
+Decode steps are padded to the next of ``cfg.decode_sizes`` (CUDA-graph sizes). With
+``cfg.cuda_graphs`` (CUDA and the FlashInfer kernel) the stager runs in graph mode
+(:class:`attnmeta.StaticProfile`: every field at a fixed address) and each padded decode size is
+captured once as a CUDA graph of the whole forward, then replayed: a replayed step is attnmeta's one
+copy, FlashInfer's ``plan()`` and ``graph.replay()``.
+
+``cfg.uploads = "per-tensor"`` is the baseline of the benchmark: the same host derivation (attnmeta on
+a CPU stager), then every device field uploaded on its own from freshly pinned memory, the pattern of
+vLLM's ``async_tensor_h2d`` (eager steps only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
+from attnmeta.metadata import CommonAttentionMetadata
+from attnmeta.sync import allow_device_sync
+
+from .kernels import AttentionKernel, FlashInferKernel
+from .kv_cache import BlockPool
+from .model import PagedLlama
+from .scheduler import Request, Scheduler, SchedulerOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and modes of an engine."""
+
+    block_size: int = 16
+    num_blocks: int = 256
+    """KV blocks, the null block 0 included."""
+    max_num_tokens: int = 256
+    """Token budget of a step (chunked prefill splits longer prompts)."""
+    max_num_seqs: int = 32
+    max_model_len: int = 1024
+    async_scheduling: bool = True
+    decode_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    """Decode-only steps are padded to the next of these sizes (none larger: not padded)."""
+    cuda_graphs: bool = False
+    uploads: Literal["one-copy", "per-tensor"] = "one-copy"
+
+    @property
+    def max_blocks_per_req(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters of a run; times in seconds."""
+
+    steps: int = 0
+    decode_steps: int = 0
+    padded_steps: int = 0
+    graph_steps: int = 0
+    tokens: int = 0
+    sampled: int = 0
+    metadata_copies: int = 0
+    """attnmeta's H2D copies (the stager's), or the per-tensor uploads in the baseline."""
+    token_waits: int = 0
+    """Times the host had to wait for a step's sampled-token copy."""
+    metadata_s: float = 0.0
+    """Host time building the step's metadata: the BatchSpec, staging, the commit, the results."""
+    plan_s: float = 0.0
+    """Host time in the kernel's per-step preparation (FlashInfer's ``plan()``)."""
+    step_times: list[float] = dataclasses.field(default_factory=list)
+    step_kinds: list[str] = dataclasses.field(default_factory=list)
+    step_metadata: list[float] = dataclasses.field(default_factory=list)
+
+
+class Engine:
+    """Serves :class:`Request` s with a Hugging Face Llama model over a paged KV cache.
+
+    Parameters
+    ----------
+    model : transformers.LlamaForCausalLM
+        Weights and dtype; on the device the engine runs on.
+    kernel : AttentionKernel
+        Attention (see :mod:`.kernels`).
+    cfg : EngineConfig
+        Sizes and modes.
+    """
+
+    def __init__(self, model: Any, kernel: AttentionKernel, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.model = PagedLlama(model, cfg.num_blocks, cfg.block_size)
+        self.device = self.model.device
+        self.kernel = kernel
+        self.pool = BlockPool(cfg.num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.pool, cfg.max_num_tokens, cfg.max_num_seqs, cfg.max_blocks_per_req)
+        cuda = self.device.type == "cuda"
+        self.graphs = cfg.cuda_graphs and cuda and isinstance(kernel, FlashInferKernel) and cfg.uploads == "one-copy"
+        self.profile = StaticProfile(max_num_reqs=cfg.max_num_seqs, max_num_tokens=cfg.max_num_tokens,
+                                     max_blocks_per_req=cfg.max_blocks_per_req, block_size=cfg.block_size)
+        stage_device = "cpu" if cfg.uploads == "per-tensor" else self.device
+        self.stager = Stager(stage_device, num_slots=3, num_kv_blocks=cfg.num_blocks,
+                             profile=self.profile if self.graphs else None)
+        if isinstance(kernel, FlashInferKernel):
+            kernel.max_pages = self.profile.max_num_pages
+        self.table = np.zeros((cfg.max_num_seqs, cfg.max_blocks_per_req), np.int32)
+        self.sampled = torch.zeros(cfg.max_num_seqs, dtype=torch.int64, device=self.device)
+        host = torch.zeros((2, cfg.max_num_seqs), dtype=torch.int64, pin_memory=cuda)
+        self._host_tokens, self._host_tokens_np = host, host.numpy()
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, requests: Iterable[Request]) -> EngineStats:
+        """Serve ``requests`` to completion (each is admitted at or after its ``arrival`` step)."""
+        for r in requests:
+            self.scheduler.add(r)
+        prev: SchedulerOutput | None = None
+        while self.scheduler.has_work or prev is not None:
+            t0 = time.perf_counter()
+            out = self.scheduler.schedule() if self.scheduler.has_work else None
+            if out is not None and out.rows:
+                self._step(out)
+                if not self.cfg.async_scheduling:
+                    self._receive(out)
+                    out = None
+            else:
+                out = None
+            if prev is not None:
+                self._receive(prev)
+            prev = out
+            self.stats.step_times.append(time.perf_counter() - t0)
+        return self.stats
+
+    def _receive(self, out: SchedulerOutput) -> None:
+        slot = out.step % 2
+        ev = self._events[slot]
+        if ev is not None and not ev.query():
+            self.stats.token_waits += 1
+            with allow_device_sync():
+                ev.synchronize()
+        self.scheduler.receive(out, self._host_tokens_np[slot])
+
+    # ------------------------------------------------------------------ one step
+    def _step(self, out: SchedulerOutput) -> None:
+        cfg, st = self.cfg, self.stats
+        rows = out.rows
+        n = len(rows)
+        decode = all(r.num_new == 1 for r in rows)
+        padded = next((s for s in cfg.decode_sizes if s >= n), None) if decode else None
+        t_md = time.perf_counter()
+        num_tokens = out.num_tokens
+        total = padded if padded is not None else num_tokens
+        ids = np.zeros(total, np.int32)
+        prev_rows = np.full(total, -1, np.int32)
+        t = 0
+        for i, row in enumerate(rows):
+            req = row.req
+            self.table[i, : len(req.blocks)] = req.blocks
+            stop = row.start + row.num_new
+            known = min(stop, len(req.tokens))
+            ids[t : t + known - row.start] = req.tokens[row.start : known]
+            if known < stop:  # the newest token is still on the device: last step's sampled row
+                pin = row.pending_in
+                assert pin is not None and pin[0] == out.step - 1 and known + 1 == stop
+                prev_rows[t + row.num_new - 1] = pin[1]
+            t += row.num_new
+        spec = BatchSpec(num_computed_tokens=np.array([r.start for r in rows], np.int32),
+                         num_scheduled_tokens=np.array([r.num_new for r in rows], np.int32),
+                         block_table=self.table[:n], block_size=cfg.block_size,
+                         num_reqs_padded=padded, num_tokens_padded=padded)
+        cap = cfg.max_num_tokens if self.graphs else None
+        with self.stager.step() as step:
+            common = stage_common(spec, step)
+            self.kernel.stage(common, step, 0 if self.graphs else out.num_common_prefix_blocks)
+            step.alloc("engine.input_ids", total, np.int32, capacity=cap)[:] = ids
+            step.alloc("engine.prev_rows", total, np.int32, capacity=cap, fill=-1)[:] = prev_rows
+        cm = common.result()
+        if cfg.uploads == "per-tensor":
+            cm, dev_ids, dev_prev = self._per_tensor(cm, ids, prev_rows)
+        else:
+            dev_ids, dev_prev = step.device("engine.input_ids"), step.device("engine.prev_rows")
+            st.metadata_copies += step.stats.copies
+        t_plan = time.perf_counter()
+        graph = self.graphs and padded is not None
+        if isinstance(self.kernel, FlashInferKernel):
+            self.kernel.prepare(cm, graph_batch=padded if graph else None)
+        else:
+            self.kernel.prepare(cm)
+        t_run = time.perf_counter()
+        st.metadata_s += t_plan - t_md
+        st.plan_s += t_run - t_plan
+        st.step_metadata.append(t_plan - t_md)
+        st.step_kinds.append("decode" if decode else "mixed")
+        st.steps += 1
+        st.decode_steps += decode
+        st.padded_steps += padded is not None and padded > n
+        st.tokens += num_tokens
+        st.sampled += sum(r.samples for r in rows)
+        rows_total = padded if padded is not None else n
+        if graph:
+            assert padded is not None
+            st.graph_steps += 1
+            self._replay(step, padded)
+        else:
+            self._forward(dev_ids, dev_prev, cm.positions, cm.slot_mapping, cm.query_start_loc[1 : rows_total + 1])
+        slot = out.step % 2
+        self._host_tokens[slot, :rows_total].copy_(self.sampled[:rows_total], non_blocking=True)
+        ev = self._events[slot]
+        if ev is not None:
+            ev.record()
+
+    def _forward(self, ids: torch.Tensor, prev_rows: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor, query_ends: torch.Tensor) -> None:
+        """The model over one step's device arrays; the greedy tokens land in ``self.sampled``."""
+        input_ids = torch.where(prev_rows >= 0, self.sampled[prev_rows.clamp(min=0).long()], ids.long())
+        logits = self.model.forward(input_ids, positions, slot_mapping, (query_ends.long() - 1).clamp(min=0),
+                                    self.kernel)
+        self.sampled[: logits.shape[0]] = logits.argmax(-1)
+
+    def _replay(self, step: Any, size: int) -> None:
+        graph = self._graphs.get(size)
+        args = (step.device_full("engine.input_ids")[:size], step.device_full("engine.prev_rows")[:size],
+                step.device_full("common.positions")[:size], step.device_full("common.slot_mapping")[:size],
+                step.device_full("common.query_start_loc")[1 : size + 1])
+        if graph is None:
+            if not self._graphs:
+                self.stager.freeze()  # every field is laid out: nothing may move under a graph
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward(*args)  # warm-up (runs the step: the replay below repeats it exactly)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._forward(*args)
+            self._graphs[size] = graph
+        graph.replay()
+
+    def _per_tensor(self, cm: CommonAttentionMetadata, ids: np.ndarray,
+                    prev_rows: np.ndarray) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor]:
+        """The baseline: every device field uploaded on its own from freshly pinned memory."""
+        uploaded: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+
+        def up(a: np.ndarray) -> torch.Tensor:  # one upload per distinct host array of the step
+            key = (a.__array_interface__["data"][0], a.shape)
+            if key not in uploaded:
+                self.stats.metadata_copies += 1
+                uploaded[key] = torch.from_numpy(np.ascontiguousarray(a)).pin_memory().to(self.device, non_blocking=True)
+            return uploaded[key]
+
+        def move(meta: Any) -> Any:
+            changes: dict[str, Any] = {}
+            for dev, host in meta._TWINS:
+                h = getattr(meta, host)
+                changes[dev] = None if h is None else up(h)
+            for name in ("common", "paged"):
+                if getattr(meta, name, None) is not None:
+                    changes[name] = move(getattr(meta, name))
+            return dataclasses.replace(meta, **changes)
+
+        self.kernel.transform = move
+        return move(cm), up(ids), up(prev_rows)
+
+
+def make_kernel(name: str, model: Any, device: torch.device, *, cascade: bool = True) -> AttentionKernel:
+    """A kernel by name: ``torch-paged``, ``torch-varlen`` or ``flashinfer``, with cascade attention
+    where the kernel has it and ``cascade`` is set."""
+    from attnmeta.backends.cascade import CascadeOptions
+
+    from .kernels import TorchPagedKernel, VarlenKernel
+
+    cfg = model.config
+    h, hk = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // h)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    copts = CascadeOptions(num_query_heads=h, num_kv_heads=hk, num_sms=sms) if cascade else None
+    if name == "torch-paged":
+        return TorchPagedKernel(h, hk, d, copts)
+    if name == "torch-varlen":
+        return VarlenKernel(h, hk, d)
+    if name == "flashinfer":
+        return FlashInferKernel(h, hk, d, next(model.parameters()).dtype, device, copts)
+    raise ValueError(f"unknown kernel {name!r}: torch-paged, torch-varlen or flashinfer")
+

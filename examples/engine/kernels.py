@@ -1,0 +1,299 @@
+"""Attention kernels the engine can plug in, each fed by attnmeta's metadata of the step.
+
+A kernel stages the builders it reads into the step (so their arrays ride the step's one copy),
+prepares once per step after the commit (plans, gather indices), then attends layer by layer:
+
+- :class:`TorchPagedKernel`: paged attention written in torch, request by request, reading K/V only
+  through the common metadata's ``block_table_tensor`` and ``seq_lens``; with cascade attention it runs
+  the shared prefix once for every query and each request's suffix, merged by log-sum-exp. It runs
+  anywhere (the CPU engine's kernel) and is the reference the others are checked against.
+- :class:`VarlenKernel` (CUDA): FlashAttention's metadata through torch's ``varlen_attn``, with each
+  request's K/V gathered contiguous on the device through the block table.
+- :class:`FlashInferKernel` (CUDA): FlashInfer's paged decode and prefill wrappers (and its two-level
+  cascade wrapper when the step cascades), planned from attnmeta's pinned host arrays; decode steps
+  can be captured in CUDA graphs (:meth:`FlashInferKernel.graph_wrapper`).
+
+No kernel reads device data on the host: the host facts come from the metadata's host twins.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from attnmeta import StagedCommon
+from attnmeta.backends import cascade, flash_attn, flashinfer
+from attnmeta.backends.cascade import CascadeMetadata, CascadeOptions
+from attnmeta.backends.flashinfer import host_tensor
+from attnmeta.metadata import CommonAttentionMetadata
+from attnmeta.staging import Staged, Step
+
+
+class AttentionKernel(Protocol):
+    """What the engine asks of an attention kernel."""
+
+    name: str
+    transform: Callable[[Any], Any]
+    """Applied to every metadata object the kernel takes from the step (the per-tensor baseline
+    swaps its device fields); the identity otherwise."""
+
+    def stage(self, common: StagedCommon, step: Step, num_common_prefix_blocks: int) -> None:
+        """Stage the builders this kernel reads into the open ``step``."""
+
+    def prepare(self, cm: CommonAttentionMetadata) -> None:
+        """After the commit: take the staged results and plan the step."""
+
+    def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """``q``: (T, Hq, D); caches: (num_blocks, block_size, Hkv, D). Returns (T, Hq, D); rows of
+        padding tokens are unspecified."""
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention with grouped KV heads, in float32: ``q`` (n, Hq, D), ``k``/``v`` (m, Hkv, D),
+    ``mask`` (n, m) bool (True = attend) or None. Returns the output (n, Hq, D) in ``q``'s dtype and
+    the log-sum-exp (n, Hq) in float32."""
+    n, hq, d = q.shape
+    hk = k.shape[1]
+    qg = q.float().view(n, hk, hq // hk, d)
+    s = torch.einsum("nkgd,mkd->kgnm", qg, k.float()) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.einsum("kgnm,mkd->nkgd", torch.exp(s - lse[..., None]), v.float())
+    return o.reshape(n, hq, d).to(q.dtype), lse.permute(2, 0, 1).reshape(n, hq)
+
+
+def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """Merge two partial attentions over disjoint key sets by their log-sum-exps."""
+    lse = torch.logaddexp(l1, l2)
+    return (o1.float() * torch.exp(l1 - lse)[..., None] + o2.float() * torch.exp(l2 - lse)[..., None]).to(o1.dtype)
+
+
+def _causal_end_aligned(n: int, m: int, device: torch.device) -> torch.Tensor:
+    """Query ``i`` of ``n`` new tokens at the end of ``m`` keys sees keys ``[0, m - n + i]``."""
+    return torch.arange(m, device=device)[None, :] <= (m - n + torch.arange(n, device=device))[:, None]
+
+
+def _same(meta: Any) -> Any:
+    return meta
+
+
+def _slots(blocks: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """Flat KV slots of the first ``length`` tokens held by ``blocks`` (device, int64)."""
+    offs = torch.arange(block_size, device=blocks.device)
+    return (blocks.long()[:, None] * block_size + offs).flatten()[:length]
+
+
+class TorchPagedKernel:
+    """Paged attention in torch (any device), with cascade attention when the step shares a prefix.
+
+    Parameters
+    ----------
+    num_heads, num_kv_heads, head_dim : int
+        The model's attention shape.
+    cascade_options : CascadeOptions, optional
+        Enables cascade attention (the builder decides per step: at least 256 shared tokens and 8
+        requests, no padding rows).
+    """
+
+    name = "torch-paged"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 cascade_options: CascadeOptions | None = None) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.cascade_options = cascade_options
+        self.transform: Callable[[Any], Any] = _same
+        self._staged_cascade: Staged[Any, CascadeMetadata] | None = None
+        self.cascade_steps = 0
+        self._rows: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self._prefix: torch.Tensor | None = None
+
+    def stage(self, common: StagedCommon, step: Step, num_common_prefix_blocks: int) -> None:
+        self._staged_cascade = None
+        if self.cascade_options is not None:
+            self._staged_cascade = cascade.stage(common, step, self.cascade_options,
+                                                 num_common_prefix_blocks=num_common_prefix_blocks)
+
+    def prepare(self, cm: CommonAttentionMetadata) -> None:
+        bs, dev = cm.block_size, cm.block_table_tensor.device
+        qsl, seq = cm.query_start_loc_cpu, cm.seq_lens_cpu
+        ca = self.transform(self._staged_cascade.result()) if self._staged_cascade is not None else None
+        self._prefix = None
+        table, lens = cm.block_table_tensor, seq
+        if ca is not None and ca.use_cascade:
+            self.cascade_steps += 1
+            assert ca.shared_kv_page_indices is not None and ca.suffix_block_table is not None
+            assert ca.suffix_kv_lens_cpu is not None
+            self._prefix = _slots(ca.shared_kv_page_indices, bs, ca.common_prefix_len)
+            table, lens = ca.suffix_block_table, ca.suffix_kv_lens_cpu
+        self._rows = []
+        for i in range(cm.num_real_reqs):
+            a, b, m = int(qsl[i]), int(qsl[i + 1]), int(lens[i])
+            slots = _slots(table[i, : -(-m // bs)], bs, m)
+            # with a prefix pass, query j of the row sits at m_total - n + j; its suffix keys start at L
+            mask = _causal_end_aligned(b - a, m, dev)
+            self._rows.append((a, b, slots, mask))
+
+    def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        kf = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        vf = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        out = torch.zeros_like(q)
+        for a, b, slots, mask in self._rows:
+            out[a:b], lse = attention(q[a:b], kf[slots], vf[slots], mask, self.scale)
+            if self._prefix is not None:
+                op, lp = attention(q[a:b], kf[self._prefix], vf[self._prefix], None, self.scale)
+                out[a:b] = merge(out[a:b], lse, op, lp)
+        return out
+
+
+class VarlenKernel:
+    """FlashAttention metadata through ``torch.nn.attention.varlen.varlen_attn`` (CUDA).
+
+    The step's K/V are gathered into contiguous per-request runs once per step (gather indices from
+    ``block_table`` and ``seq_lens`` on the device; their total from the host twin ``seq_lens_cpu``).
+    """
+
+    name = "torch-varlen"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        from torch.nn.attention import varlen
+
+        self._varlen = varlen.varlen_attn
+        params = inspect.signature(self._varlen).parameters
+        self._causal: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.transform: Callable[[Any], Any] = _same
+        self._staged: Staged[Any, flash_attn.FlashAttentionMetadata] | None = None
+
+    def stage(self, common: StagedCommon, step: Step, num_common_prefix_blocks: int) -> None:
+        self._staged = flash_attn.stage(common, step)
+
+    def prepare(self, cm: CommonAttentionMetadata) -> None:
+        assert self._staged is not None
+        fa = self.transform(self._staged.result())
+        n, bs, dev = cm.num_reqs, cm.block_size, fa.seq_lens.device
+        total = int(fa.seq_lens_cpu[:n].sum())
+        cu_k = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        torch.cumsum(fa.seq_lens[:n], 0, out=cu_k[1:])
+        t = torch.arange(total, device=dev)
+        row = torch.searchsorted(cu_k[1:], t.to(torch.int32), right=True)
+        pos = t - cu_k[row]
+        self._gather = fa.block_table[row, pos // bs].long() * bs + pos % bs
+        self._args = (fa.query_start_loc[: n + 1], cu_k, fa.max_query_len, max(fa.max_seq_len, 1))
+
+    def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        group = self.num_heads // self.num_kv_heads
+        k = k_cache.view(-1, self.num_kv_heads, self.head_dim)[self._gather].repeat_interleave(group, dim=1)
+        v = v_cache.view(-1, self.num_kv_heads, self.head_dim)[self._gather].repeat_interleave(group, dim=1)
+        out = self._varlen(q, k, v, *self._args, **self._causal)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class FlashInferKernel:
+    """FlashInfer's paged wrappers (CUDA), planned from attnmeta's pinned host arrays.
+
+    Decode rows run the decode wrapper, the other rows the prefill wrapper; a step that cascades runs
+    the two-level cascade wrapper over all rows. ``paged_kv_indices`` is handed over as the device
+    view (``plan()`` only copies it); the indptrs and last-page lengths as pinned host views, which
+    ``plan()`` reads on the host and copies with non-blocking DMA (FlashInfer's own copies, on top of
+    attnmeta's one).
+    """
+
+    name = "flashinfer"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, cascade_options: CascadeOptions | None = None) -> None:
+        import flashinfer as fi_lib
+
+        self._lib = fi_lib
+        self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = num_heads, num_kv_heads, head_dim, dtype
+        self.device = device
+        self.cascade_options = cascade_options
+        self.transform: Callable[[Any], Any] = _same
+        self._ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+        self._decode = fi_lib.BatchDecodeWithPagedKVCacheWrapper(self._ws, "NHD", use_tensor_cores=True)
+        self._prefill = fi_lib.BatchPrefillWithPagedKVCacheWrapper(self._ws, "NHD")
+        self._cascade = fi_lib.MultiLevelCascadeAttentionWrapper(2, self._ws, "NHD")
+        self._graph_wrappers: dict[int, Any] = {}
+        self._staged: Staged[Any, flashinfer.FlashInferMetadata] | None = None
+        self._staged_cascade: Staged[Any, CascadeMetadata] | None = None
+        self._graph: Any = None
+        self.cascade_steps = 0
+        self.max_pages = 0
+        """Capacity of the graph wrappers' page indices (the engine sets the profile's)."""
+
+    def _plan_kw(self) -> dict[str, Any]:
+        return {"q_data_type": self.dtype, "kv_data_type": self.dtype}
+
+    def stage(self, common: StagedCommon, step: Step, num_common_prefix_blocks: int) -> None:
+        self._staged = flashinfer.stage(common, step)
+        self._staged_cascade = None
+        if self.cascade_options is not None:
+            self._staged_cascade = cascade.stage(common, step, self.cascade_options,
+                                                 num_common_prefix_blocks=num_common_prefix_blocks)
+
+    def graph_wrapper(self, batch: int) -> Any:
+        """The CUDA-graph decode wrapper of ``batch`` rows (fixed buffers), made on first use."""
+        w = self._graph_wrappers.get(batch)
+        if w is None:
+            w = self._lib.BatchDecodeWithPagedKVCacheWrapper(
+                self._ws, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=self.device),
+                paged_kv_indices_buffer=torch.zeros(self.max_pages, dtype=torch.int32, device=self.device),
+                paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=self.device))
+            self._graph_wrappers[batch] = w
+        return w
+
+    def prepare(self, cm: CommonAttentionMetadata, graph_batch: int | None = None) -> None:
+        assert self._staged is not None
+        fi = self.transform(self._staged.result())
+        self._fi = fi
+        h, hk, d, bs = self.num_heads, self.num_kv_heads, self.head_dim, cm.block_size
+        indices = fi.paged_kv_indices
+        ca = self.transform(self._staged_cascade.result()) if self._staged_cascade is not None else None
+        self._use_cascade = ca is not None and ca.use_cascade
+        self._graph = None
+        if graph_batch is not None:  # a replayed decode step: plan the graph's own wrapper
+            self._graph = self.graph_wrapper(graph_batch)
+            self._graph.plan(host_tensor(fi.paged_kv_indptr_cpu[: graph_batch + 1]), indices,
+                             host_tensor(fi.paged_kv_last_page_len_cpu[:graph_batch]), h, hk, d, bs,
+                             **self._plan_kw())
+            return
+        if self._use_cascade:
+            assert ca is not None
+            self.cascade_steps += 1
+            self._cascade.plan(
+                [host_tensor(ca.cu_prefix_query_lens_cpu), host_tensor(cm.query_start_loc_cpu)],  # type: ignore[arg-type]
+                [host_tensor(ca.shared_kv_page_indptr_cpu), host_tensor(ca.suffix_paged_kv_indptr_cpu)],  # type: ignore[arg-type]
+                [ca.shared_kv_page_indices, ca.suffix_paged_kv_indices],
+                [host_tensor(ca.shared_kv_last_page_len_cpu), host_tensor(ca.suffix_paged_kv_last_page_len_cpu)],  # type: ignore[arg-type]
+                h, hk, d, bs, causal=True, **self._plan_kw())
+            return
+        nd = fi.num_decodes
+        if nd:
+            self._decode.plan(host_tensor(fi.paged_kv_indptr_cpu[: nd + 1]), indices,
+                              host_tensor(fi.paged_kv_last_page_len_cpu[:nd]), h, hk, d, bs, **self._plan_kw())
+        if fi.num_prefills:
+            self._prefill.plan(host_tensor(fi.qo_indptr_prefill_cpu), host_tensor(fi.paged_kv_indptr_cpu[nd:]),
+                               indices, host_tensor(fi.paged_kv_last_page_len_cpu[nd:]), h, hk, d, bs,
+                               causal=True, **self._plan_kw())
+
+    def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        kv = (k_cache, v_cache)
+        if self._graph is not None:
+            return self._graph.run(q, kv)  # type: ignore[no-any-return]
+        if self._use_cascade:
+            return self._cascade.run(q, kv)  # type: ignore[no-any-return]
+        fi = self._fi
+        nd, np_ = fi.num_decode_tokens, fi.num_prefill_tokens
+        out = torch.empty_like(q)
+        if fi.num_decodes:
+            out[:nd] = self._decode.run(q[:nd], kv)
+        if fi.num_prefills and np_:
+            out[nd : nd + np_] = self._prefill.run(q[nd : nd + np_], kv)
+        return out

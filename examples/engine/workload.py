@@ -1,0 +1,103 @@
+"""Models, workloads and the token-for-token check against ``transformers``' own ``generate``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from .scheduler import Request
+
+
+def tiny_config(**overrides: Any) -> Any:
+    """A Llama config small enough for the CPU test (2 layers, 4 query / 2 KV heads of 16)."""
+    from transformers import LlamaConfig
+
+    kw: dict[str, Any] = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+                          "initializer_range": 0.2}
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def config_1b() -> Any:
+    """A ~1.2B-parameter Llama config (Llama 3.2 1B's shapes: 16 layers, 32 / 8 heads of 64)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+                       rope_theta=500000.0, tie_word_embeddings=True, initializer_range=0.02)
+
+
+def make_model(config: Any, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               seed: int = 0) -> Any:
+    """A randomly initialised ``LlamaForCausalLM`` (no download), eval mode, on ``device``."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def make_requests(num: int, vocab: int, *, seed: int = 0, prompt_len: tuple[int, int] = (5, 60),
+                  new_tokens: tuple[int, int] = (1, 24), shared_prefix: int = 0, shared_every: int = 2,
+                  arrive_over: int = 0) -> list[Request]:
+    """``num`` requests with random prompts; every ``shared_every``-th one starts with the same
+    ``shared_prefix`` tokens; arrivals spread uniformly over the first ``arrive_over`` steps."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(1, vocab, shared_prefix).tolist()
+    out = []
+    for i in range(num):
+        body = rng.integers(1, vocab, int(rng.integers(*prompt_len, endpoint=True))).tolist()
+        prompt = prefix + body if shared_prefix and i % shared_every == 0 else body
+        out.append(Request(i, prompt, int(rng.integers(*new_tokens, endpoint=True)),
+                           arrival=int(rng.integers(0, arrive_over + 1))))
+    return out
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Tokens of the engine against ``generate``'s, request by request."""
+
+    requests: int = 0
+    tokens: int = 0
+    mismatches: int = 0
+    """Tokens that differ where ``generate``'s top-2 logit margin exceeds the tolerance."""
+    near_ties: int = 0
+    """Differing tokens where the margin is within the tolerance (allowed)."""
+    min_margin: float = float("inf")
+    """The smallest top-2 logit margin over the compared tokens."""
+
+
+@torch.inference_mode()
+def compare_with_generate(model: Any, requests: list[Request], *, tolerance: float = 0.0) -> Comparison:
+    """Run ``model.generate`` (greedy) on every request's prompt alone and compare with its output.
+
+    A token may differ only where ``generate``'s top-2 logit margin is at most ``tolerance`` (0 on the
+    CPU in float32: exact); the comparison of a request stops at its first difference (the texts
+    diverge from there)."""
+    cmp = Comparison()
+    dev = next(model.parameters()).device
+    for req in requests:
+        ids = torch.tensor([req.prompt], device=dev)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=req.max_new_tokens,
+                             min_new_tokens=req.max_new_tokens, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        ref = out.sequences[0, len(req.prompt):].tolist()
+        cmp.requests += 1
+        for j, (a, b) in enumerate(zip(req.output, ref, strict=True)):
+            top2 = torch.topk(out.scores[j][0].float(), 2).values
+            margin = float(top2[0] - top2[1])
+            cmp.min_margin = min(cmp.min_margin, margin)
+            cmp.tokens += 1
+            if a != b:
+                if margin <= tolerance:
+                    cmp.near_ties += 1
+                else:
+                    cmp.mismatches += 1
+                break
+    return cmp
