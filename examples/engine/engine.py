@@ -45,6 +45,9 @@ from .model import PagedLlama
 from .scheduler import Request, Scheduler, SchedulerOutput
 
 
+_TORCH_DTYPE = {"i4": torch.int32, "i8": torch.int64, "b1": torch.bool, "f4": torch.float32}
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Sizes and modes of an engine."""
@@ -77,6 +80,12 @@ class EngineStats:
     graph_steps: int = 0
     tokens: int = 0
     sampled: int = 0
+    partial_prefills: int = 0
+    """Rows whose chunk stopped short of the prompt's end (chunked prefill)."""
+    preemptions: int = 0
+    prefix_cache_hits: int = 0
+    """Blocks reused from the prefix cache."""
+    cascade_steps: int = 0
     metadata_copies: int = 0
     """attnmeta's H2D copies (the stager's), or the per-tensor uploads in the baseline."""
     token_waits: int = 0
@@ -147,7 +156,10 @@ class Engine:
                 self._receive(prev)
             prev = out
             self.stats.step_times.append(time.perf_counter() - t0)
-        return self.stats
+        st = self.stats
+        st.preemptions, st.prefix_cache_hits = self.scheduler.preemptions, self.pool.hits
+        st.cascade_steps = getattr(self.kernel, "cascade_steps", 0)
+        return st
 
     def _receive(self, out: SchedulerOutput) -> None:
         slot = out.step % 2
@@ -214,6 +226,7 @@ class Engine:
         st.padded_steps += padded is not None and padded > n
         st.tokens += num_tokens
         st.sampled += sum(r.samples for r in rows)
+        st.partial_prefills += sum(not r.samples for r in rows)
         rows_total = padded if padded is not None else n
         if graph:
             assert padded is not None
@@ -263,7 +276,9 @@ class Engine:
             key = (a.__array_interface__["data"][0], a.shape)
             if key not in uploaded:
                 self.stats.metadata_copies += 1
-                uploaded[key] = torch.from_numpy(np.ascontiguousarray(a)).pin_memory().to(self.device, non_blocking=True)
+                host = torch.empty(a.shape, dtype=_TORCH_DTYPE[a.dtype.str[1:]], pin_memory=self.device.type == "cuda")
+                host.numpy()[...] = a  # freshly pinned memory per field, as vLLM's async_tensor_h2d
+                uploaded[key] = host.to(self.device, non_blocking=True)
             return uploaded[key]
 
         def move(meta: Any) -> Any:

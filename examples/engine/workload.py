@@ -73,25 +73,40 @@ class Comparison:
     """The smallest top-2 logit margin over the compared tokens."""
 
 
+Reference = dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]]
+"""``(prompt, max_new_tokens) -> (greedy tokens, top-2 logit margins)`` of ``generate``."""
+
+
 @torch.inference_mode()
-def compare_with_generate(model: Any, requests: list[Request], *, tolerance: float = 0.0) -> Comparison:
+def generate_reference(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """``model.generate``'s greedy tokens for ``prompt`` alone, and the top-2 margin of each step's logits."""
+    dev = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=dev)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=0)
+    top2 = torch.stack([torch.topk(s[0].float(), 2).values for s in out.scores])
+    return out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def compare_with_generate(model: Any, requests: list[Request], *, tolerance: float = 0.0,
+                          cache: Reference | None = None) -> Comparison:
     """Run ``model.generate`` (greedy) on every request's prompt alone and compare with its output.
 
     A token may differ only where ``generate``'s top-2 logit margin is at most ``tolerance`` (0 on the
     CPU in float32: exact); the comparison of a request stops at its first difference (the texts
-    diverge from there)."""
+    diverge from there). ``cache`` keeps ``generate``'s results between calls."""
     cmp = Comparison()
-    dev = next(model.parameters()).device
+    cache = {} if cache is None else cache
     for req in requests:
-        ids = torch.tensor([req.prompt], device=dev)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=req.max_new_tokens,
-                             min_new_tokens=req.max_new_tokens, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-        ref = out.sequences[0, len(req.prompt):].tolist()
+        key = (tuple(req.prompt), req.max_new_tokens)
+        if key not in cache:
+            cache[key] = generate_reference(model, req.prompt, req.max_new_tokens)
+        ref, margins = cache[key]
         cmp.requests += 1
-        for j, (a, b) in enumerate(zip(req.output, ref, strict=True)):
-            top2 = torch.topk(out.scores[j][0].float(), 2).values
-            margin = float(top2[0] - top2[1])
+        if len(req.output) != len(ref):
+            raise AssertionError(f"request {req.rid}: {len(req.output)} tokens, generate made {len(ref)}")
+        for a, b, margin in zip(req.output, ref, margins, strict=True):
             cmp.min_margin = min(cmp.min_margin, margin)
             cmp.tokens += 1
             if a != b:

@@ -1,0 +1,135 @@
+"""The reference engine (examples/engine) on the CPU: a tiny Llama served over a paged KV cache with
+attnmeta's metadata, every request's greedy tokens equal to ``transformers``' own ``generate``.
+
+The workloads force what a metadata bug would break: chunked prefill (rows whose chunk stops short of
+the prompt), prefix caching (blocks reused), preemption by recompute (a pool too small for the
+batch), padded decode steps (CUDA-graph sizes), cascade attention (10 requests sharing 270 tokens),
+and async scheduling (input tokens taken from the previous step's sampled tokens on the device).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the reference engine needs transformers (pip install -e '.[test]')")
+
+from attnmeta.sync import no_device_sync  # noqa: E402
+from examples.engine import BlockPool, Engine, EngineConfig, Request, Scheduler, make_kernel  # noqa: E402
+from examples.engine.__main__ import run_workload  # noqa: E402
+from examples.engine.kv_cache import block_hashes  # noqa: E402
+from examples.engine.workload import Reference, make_model, make_requests, tiny_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return make_model(tiny_config())
+
+
+@pytest.fixture(scope="module")
+def reference() -> Reference:
+    return {}
+
+
+def test_mixed_workload_equals_generate(model: Any, reference: Reference) -> None:
+    st, cmp = run_workload(model, "torch-paged", "mixed", cache=reference)
+    assert cmp.requests == 24 and cmp.tokens == st.sampled > 200
+    assert cmp.mismatches == 0 and cmp.near_ties == 0, cmp  # float32 on the CPU: exact
+    # the workload exercised what it is for
+    assert st.partial_prefills > 0 and st.preemptions > 0 and st.prefix_cache_hits > 0
+    assert st.padded_steps > 0 and st.decode_steps > 0 and st.decode_steps < st.steps
+    assert st.metadata_copies == st.steps  # one copy per step
+
+
+def test_cascade_workload_equals_generate(model: Any, reference: Reference) -> None:
+    st, cmp = run_workload(model, "torch-paged", "cascade", cache=reference)
+    assert st.cascade_steps > 0 and st.prefix_cache_hits > 0
+    assert cmp.mismatches == 0 and cmp.near_ties == 0, cmp
+
+
+@pytest.mark.parametrize("mode", ["sync-scheduling", "per-tensor"])
+def test_other_loop_modes_give_the_same_tokens(model: Any, reference: Reference, mode: str) -> None:
+    st, cmp = run_workload(model, "torch-paged", "mixed", cache=reference,
+                           async_scheduling=mode != "sync-scheduling",
+                           uploads="per-tensor" if mode == "per-tensor" else "one-copy")
+    assert cmp.mismatches == 0 and cmp.near_ties == 0, cmp
+    if mode == "per-tensor":
+        assert st.metadata_copies > 3 * st.steps  # the baseline: one upload per field
+
+
+def test_the_whole_loop_never_reads_the_device(model: Any) -> None:
+    """The sync audit over the entire loop, CPU tensors declared device data: the engine, the model's
+    forward, the kernel and attnmeta read nothing back (the sampled tokens reach the host only through
+    the copy into the host ring, read a step later)."""
+    reqs = make_requests(12, model.config.vocab_size, shared_prefix=32, arrive_over=4, seed=5)
+    cfg = EngineConfig(num_blocks=40, max_num_tokens=64, max_num_seqs=16, max_model_len=256)
+    engine = Engine(model, make_kernel("torch-paged", model, torch.device("cpu")), cfg)
+    with no_device_sync(devices={"cpu"}, allow_async_d2h=True):
+        st = engine.run(reqs)
+    assert st.steps > 10 and all(len(r.output) == r.max_new_tokens for r in reqs)
+
+
+def test_a_wrong_slot_mapping_is_caught(model: Any, reference: Reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check can fail: KV written one slot off (an off-by-one in ``slot_mapping``) changes the tokens.
+    (A shift of every position would not: rotary embeddings see only relative positions.)"""
+    from examples.engine import model as model_mod
+
+    real = model_mod.PagedLlama.forward
+
+    def shifted(self: Any, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                *a: Any) -> torch.Tensor:
+        return real(self, input_ids, positions, slot_mapping - 1, *a)
+
+    monkeypatch.setattr(model_mod.PagedLlama, "forward", shifted)
+    _, cmp = run_workload(model, "torch-paged", "mixed", cache=reference)
+    assert cmp.mismatches > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# the block pool and the scheduler on their own
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_block_pool_reference_counts_and_prefix_cache() -> None:
+    pool = BlockPool(6, 4)
+    a = pool.allocate(3)
+    assert 0 not in a and pool.num_free == 2
+    hashes = block_hashes(list(range(12)), 4, 3)
+    for b, h in zip(a, hashes):
+        pool.cache(b, h)
+    assert pool.lookup(hashes[:2]) == a[:2] and pool.refs[a[0]] == 2
+    pool.free(a)
+    assert pool.num_free == 3 and pool.refs[a[0]] == 1  # still held by the lookup
+    pool.free(a[:2])
+    assert pool.num_free == 5
+    assert pool.lookup(hashes) == a  # freed blocks keep their KV until handed out again
+    pool.free(a)
+    pool.allocate(5)  # evicts every cached block
+    assert pool.lookup(hashes) == []
+    with pytest.raises(MemoryError):
+        pool.allocate(1)
+
+
+def test_scheduler_respects_budget_and_frees_everything() -> None:
+    pool = BlockPool(20, 4)
+    sched = Scheduler(pool, max_num_tokens=10, max_num_seqs=4, max_blocks_per_req=16)
+    rng = np.random.default_rng(0)
+    reqs = [Request(i, rng.integers(1, 50, int(rng.integers(3, 20))).tolist(), int(rng.integers(1, 8)))
+            for i in range(8)]
+    for r in reqs:
+        sched.add(r)
+    steps = 0
+    while sched.has_work:
+        out = sched.schedule()
+        assert out.num_tokens <= 10 and len(out.rows) <= 4
+        sizes = [r.num_new for r in out.rows]
+        assert sizes == sorted(sizes, key=lambda n: n != 1)  # decodes first
+        sched.receive(out, np.full(len(out.rows), 7))
+        steps += 1
+        assert steps < 500
+    sched.schedule()  # frees the last finished requests' blocks
+    assert all(r.output == [7] * r.max_new_tokens for r in reqs)
+    assert pool.num_free == 19 and sum(pool.refs) == 0
