@@ -95,6 +95,8 @@ class EngineStats:
     plan_s: float = 0.0
     """Host time in the kernel's per-step preparation (FlashInfer's ``plan()``)."""
     step_times: list[float] = dataclasses.field(default_factory=list)
+    """Per step: one iteration of the loop (schedule, build, plan, launch, and read the previous
+    step's tokens)."""
     step_kinds: list[str] = dataclasses.field(default_factory=list)
     step_metadata: list[float] = dataclasses.field(default_factory=list)
 
@@ -145,6 +147,7 @@ class Engine:
         while self.scheduler.has_work or prev is not None:
             t0 = time.perf_counter()
             out = self.scheduler.schedule() if self.scheduler.has_work else None
+            ran = out is not None and bool(out.rows)
             if out is not None and out.rows:
                 self._step(out)
                 if not self.cfg.async_scheduling:
@@ -155,7 +158,8 @@ class Engine:
             if prev is not None:
                 self._receive(prev)
             prev = out
-            self.stats.step_times.append(time.perf_counter() - t0)
+            if ran:  # one entry per step, as step_kinds and step_metadata
+                self.stats.step_times.append(time.perf_counter() - t0)
         st = self.stats
         st.preemptions, st.prefix_cache_hits = self.scheduler.preemptions, self.pool.hits
         st.cascade_steps = getattr(self.kernel, "cascade_steps", 0)

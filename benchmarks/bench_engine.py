@@ -1,0 +1,156 @@
+"""The reference engine's steady-state decode on a ~1.2B Llama: steps and tokens per second, and
+attnmeta's share of the step, with its one copy per step against per-tensor uploads.
+
+For each concurrency (requests decoding together) and loop mode, a fresh engine serves the same
+workload twice (the first run compiles FlashInfer's kernels and captures the CUDA graphs; the second
+is timed), then once under the sync audit and once under the profiler (H2D copies counted from the
+trace). The figures are medians over the timed run's full-batch decode steps:
+
+- ``step ms``: one iteration of the async loop (schedule, build, plan, launch, read the previous step's
+  tokens): with the GPU busy, the GPU's step time;
+- ``attnmeta ms``: building the step's metadata (the ``BatchSpec``, staging, the commit, the results);
+  ``share``: of the step;
+- ``plan ms``: the kernel's per-step preparation (FlashInfer's ``plan()``);
+- ``copies/step``: the engine's metadata copies (attnmeta's stager, or the baseline's uploads);
+  ``H2D/step`` every host-to-device memcpy in the profiler trace (FlashInfer's plan copies included);
+- ``syncs/step``: syncs the audit records over the whole audited run (the loop's one deliberate wait,
+  for the previous step's sampled tokens, is counted apart as ``waits/step``).
+
+Modes: ``graphs`` (graph-mode stager, decode steps replayed as CUDA graphs, FlashInfer), ``eager``
+(FlashInfer, no graphs), ``per-tensor`` (eager, the same host derivation with every field uploaded
+on its own from freshly pinned memory, the pattern of vLLM's ``async_tensor_h2d``).
+
+Usage: python benchmarks/bench_engine.py --device cuda [--concurrency 1,64,256] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attnmeta.sync import record_device_syncs  # noqa: E402
+from examples.engine import Engine, EngineConfig, Request, make_kernel  # noqa: E402
+from examples.engine.workload import config_1b, make_model, tiny_config  # noqa: E402
+
+MODES = {"graphs": ("flashinfer", True, "one-copy"), "eager": ("flashinfer", False, "one-copy"),
+         "per-tensor": ("flashinfer", False, "per-tensor")}
+
+
+def _requests(n: int, prompt: int, new: int, vocab: int, seed: int) -> list[Request]:
+    g = torch.Generator().manual_seed(seed)
+    return [Request(i, torch.randint(1, vocab, (prompt,), generator=g).tolist(), new) for i in range(n)]
+
+
+def _engine(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device) -> Engine:
+    kernel, graphs, uploads = MODES[mode]
+    sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s <= max(n, 1))
+    blocks_per_req = -(-(prompt + new) // 16)
+    cfg = EngineConfig(block_size=16, num_blocks=n * blocks_per_req + 64, max_num_tokens=max(8192, n),
+                       max_num_seqs=max(n, 1), max_model_len=blocks_per_req * 16, decode_sizes=sizes,
+                       cuda_graphs=graphs, uploads=uploads)  # type: ignore[arg-type]
+    return Engine(model, make_kernel(kernel, model, device, cascade=False), cfg)
+
+
+def _h2d_per_step(engine: Engine, reqs: list[Request]) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    steps0 = engine.stats.steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.run(reqs)
+        torch.cuda.synchronize()  # benchmark harness, after the run: flush the trace
+    h2d = sum(1 for e in prof.events() if "Memcpy HtoD" in e.name)
+    return h2d / max(engine.stats.steps - steps0, 1)
+
+
+def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device) -> dict[str, Any]:
+    vocab = model.config.vocab_size
+    engine = _engine(model, mode, n, prompt, new, device)
+    engine.run(_requests(n, prompt, new, vocab, 0))  # warm-up: JIT, graph capture, layouts
+    gc.collect()
+    gc.disable()
+    try:
+        st0 = len(engine.stats.step_times)
+        s0 = len(engine.stats.step_kinds)
+        c0, n0, w0 = engine.stats.metadata_copies, engine.stats.steps, engine.stats.token_waits
+        plan0 = engine.stats.plan_s
+        t0 = time.perf_counter()
+        engine.run(_requests(n, prompt, new, vocab, 1))
+        wall = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    st = engine.stats
+    kinds = st.step_kinds[s0:]
+    times = st.step_times[st0:]
+    md = st.step_metadata[s0:]
+    # full-batch decode iterations (skip the first few after the prefill and the tail)
+    idx = [i for i, k in enumerate(kinds) if k == "decode"][3:-3]
+    step = statistics.median(times[i] for i in idx)
+    meta = statistics.median(md[i] for i in idx)
+    steps = st.steps - n0
+    with record_device_syncs(allow_async_d2h=True) as found:
+        w1 = engine.stats.token_waits
+        a0 = engine.stats.steps
+        engine.run(_requests(n, prompt, new, vocab, 2))
+    audited_steps = engine.stats.steps - a0
+    syncs = [e for e in found if e.kind == "sync"]
+    unsafe = [e for e in found if e.kind != "sync"]
+    h2d = _h2d_per_step(engine, _requests(n, prompt, new, vocab, 3))
+    return {"mode": mode, "concurrency": n, "step_ms": step * 1e3, "steps_per_s": 1 / step, "tokens_per_s": n / step,
+            "attnmeta_ms": meta * 1e3, "share": meta / step, "plan_ms": (st.plan_s - plan0) / steps * 1e3,
+            "copies_per_step": (st.metadata_copies - c0) / steps, "h2d_per_step": h2d,
+            "syncs_per_step": len(syncs) / audited_steps, "sync_ops": sorted({str(e).split(":")[0] for e in syncs})[:3],
+            "other_findings_per_step": len(unsafe) / audited_steps,
+            "other_findings": sorted({str(e)[:160] for e in unsafe})[:3],
+            "waits_per_step": (engine.stats.token_waits - w1) / audited_steps, "wall_s": wall,
+            "graph_steps": st.graph_steps, "decode_steps_timed": len(idx), "waits_timed": st.token_waits - w0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--concurrency", default="1,64,256")
+    p.add_argument("--modes", default="graphs,eager,per-tensor")
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--new", type=int, default=96)
+    p.add_argument("--model", choices=["1b", "tiny"], default="1b")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type != "cuda":
+        print("bench_engine: needs CUDA (FlashInfer kernels, CUDA graphs)", file=sys.stderr)
+        return 2
+    model = make_model(config_1b() if a.model == "1b" else tiny_config(), device, torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: Llama {params / 1e9:.2f}B params, bf16, {torch.cuda.get_device_name(device)}; "
+          f"prompt {a.prompt}, {a.new} new tokens per request", flush=True)
+    rows = []
+    print(f"{'mode':>10} {'reqs':>5} {'step ms':>8} {'steps/s':>8} {'tok/s':>8} {'attnmeta ms':>11} {'share':>6} "
+          f"{'plan ms':>8} {'copies':>6} {'H2D':>5} {'syncs':>5} {'waits':>5}", flush=True)
+    for n in [int(x) for x in a.concurrency.split(",")]:
+        for mode in a.modes.split(","):
+            r = measure(model, mode, n, a.prompt, a.new, device)
+            rows.append(r)
+            print(f"{mode:>10} {n:>5} {r['step_ms']:8.3f} {r['steps_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
+                  f"{r['attnmeta_ms']:11.4f} {r['share']:6.1%} {r['plan_ms']:8.3f} {r['copies_per_step']:6.2f} "
+                  f"{r['h2d_per_step']:5.1f} {r['syncs_per_step']:5.2f} {r['waits_per_step']:5.2f}"
+                  + (f"  sync ops: {r['sync_ops']}" if r["sync_ops"] else "")
+                  + (f"  other audit findings/step {r['other_findings_per_step']:.2f}: {r['other_findings']}"
+                     if r["other_findings"] else ""), flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"device": torch.cuda.get_device_name(device), "params": params,
+                                            "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
