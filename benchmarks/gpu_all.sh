@@ -11,14 +11,21 @@
 #   suites  the host / backend / staging / docs suites with the reference device fixture on cuda (these
 #           tests read device results back to compare them, so they run without the session audit), and
 #           the sync suite with the whole session under the audit in CUDA "error" mode;
-#   audit   `python -m attnmeta audit` on cuda.
+#   audit   `python -m attnmeta audit` on cuda;
+#   kernels tests/gpu/test_mla_kernels_cuda.py and test_gdn_kernels_cuda.py with -s (so the "KERNEL ..."
+#           lines, each kernel's batches and worst error, reach kernels.log): FlashInfer's MLA paged wrapper
+#           planned from attnmeta's MLA decode metadata and the chunked-context prefill through varlen_attn,
+#           against a dense float32 MLA; fla-core's gated-delta-rule Triton kernels fed by the GDN metadata,
+#           against a float64 recurrence. Needs FlashInfer (0.5.3) and fla-core (0.6.0) importable, else
+#           both files skip with the reason; FlashInfer JIT-compiles its MLA kernels on the first run and
+#           Triton autotunes fla's (a few minutes). The gpu part leaves these two files to this part.
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
-#   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit", default all). One
-#   device call allows 600 s, so a full run takes three calls: PARTS="gpu decode bench", "mamba audit",
-#   then "suites".
+#   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit kernels", default
+#   all). One device call allows 600 s, so a full run takes four calls: PARTS="gpu decode bench",
+#   "mamba audit", "suites", then "kernels".
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit} "
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -32,7 +39,8 @@ print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else 
 PYEOF
 if want gpu; then
 echo "== gpu: tests/gpu" | tee "$OUT_DIR/gpu_tests.log"
-timeout 120 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee -a "$OUT_DIR/gpu_tests.log" || status=1
+timeout 120 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu -q -rs -p no:cacheprovider \
+  --ignore=tests/gpu/test_mla_kernels_cuda.py --ignore=tests/gpu/test_gdn_kernels_cuda.py 2>&1 | tee -a "$OUT_DIR/gpu_tests.log" || status=1
 fi
 if want decode; then
 echo "== decode: steady-state decode step" | tee "$OUT_DIR/bench_decode.txt"
@@ -60,5 +68,12 @@ fi
 if want audit; then
 echo "== audit" | tee "$OUT_DIR/audit.txt"
 timeout 40 $PY -m attnmeta audit --device cuda --batches 10 2>&1 | tee -a "$OUT_DIR/audit.txt" || status=1
+fi
+if want kernels; then
+echo "== kernels: MLA (FlashInfer, varlen_attn) and GDN (fla) kernels fed by attnmeta metadata" | tee "$OUT_DIR/kernels.log"
+for f in tests/gpu/test_mla_kernels_cuda.py tests/gpu/test_gdn_kernels_cuda.py; do
+  timeout 270 $PY -m pytest -p attnmeta.testing.pytest_plugin "$f" -q -s -rs -p no:cacheprovider 2>&1 | tee -a "$OUT_DIR/kernels.log" || status=1
+done
+grep "^KERNEL " "$OUT_DIR/kernels.log" | tee "$OUT_DIR/kernels_summary.txt"
 fi
 exit $status
