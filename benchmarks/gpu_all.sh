@@ -12,8 +12,9 @@
 #           tests read device results back to compare them, so they run without the session audit), and
 #           the sync suite with the whole session under the audit in CUDA "error" mode;
 #   audit   `python -m attnmeta audit` on cuda;
-#   kernels tests/gpu/test_mla_kernels_cuda.py and test_gdn_kernels_cuda.py with -s (so the "KERNEL ..."
-#           lines, each kernel's batches and worst error, reach kernels.log): FlashInfer's MLA paged wrapper
+#   kernels tests/gpu/test_mla_kernels_cuda.py and test_gdn_kernels_cuda.py side by side, with -s (so the
+#           "KERNEL ..." lines, each kernel's batches and worst error, reach kernels.log and
+#           kernels_summary.txt; kernels_mla.log, kernels_gdn.log per file): FlashInfer's MLA paged wrapper
 #           planned from attnmeta's MLA decode metadata and the chunked-context prefill through varlen_attn,
 #           against a dense float32 MLA; fla-core's gated-delta-rule Triton kernels fed by the GDN metadata,
 #           against a float64 recurrence. Needs FlashInfer (0.5.3) and fla-core (0.6.0) importable, else
@@ -71,9 +72,14 @@ timeout 40 $PY -m attnmeta audit --device cuda --batches 10 2>&1 | tee -a "$OUT_
 fi
 if want kernels; then
 echo "== kernels: MLA (FlashInfer, varlen_attn) and GDN (fla) kernels fed by attnmeta metadata" | tee "$OUT_DIR/kernels.log"
-for f in tests/gpu/test_mla_kernels_cuda.py tests/gpu/test_gdn_kernels_cuda.py; do
-  timeout 270 $PY -m pytest -p attnmeta.testing.pytest_plugin "$f" -q -s -rs -p no:cacheprovider 2>&1 | tee -a "$OUT_DIR/kernels.log" || status=1
+pids=()
+for f in mla gdn; do  # side by side: FlashInfer's nvcc JIT and Triton's compiles overlap
+  timeout 400 $PY -m pytest -p attnmeta.testing.pytest_plugin "tests/gpu/test_${f}_kernels_cuda.py" -q -s -rs \
+    -p no:cacheprovider > "$OUT_DIR/kernels_$f.log" 2>&1 &
+  pids+=($!)
 done
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+cat "$OUT_DIR/kernels_mla.log" "$OUT_DIR/kernels_gdn.log" | tee -a "$OUT_DIR/kernels.log"
 grep "^KERNEL " "$OUT_DIR/kernels.log" | tee "$OUT_DIR/kernels_summary.txt"
 fi
 exit $status

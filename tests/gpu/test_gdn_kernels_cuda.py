@@ -1,8 +1,8 @@
 """Real gated-delta-net kernels on a GPU (flash-linear-attention's Triton kernels, ``fla-core``), fed
 by attnmeta's GDN metadata, against a float64 per-sequence recurrence.
 
-Runs only where CUDA is present and ``fla`` imports (the GPU machine, with the wheels of
-``benchmarks/gpu_all.sh``'s ``kernels`` part). Every metadata build runs under
+Runs only where CUDA is present and ``fla`` (``fla-core`` 0.6.0) imports: the GPU machine, through
+``benchmarks/gpu_all.sh``'s ``kernels`` part. Every metadata build runs under
 ``torch.cuda.set_sync_debug_mode("error")`` and :func:`attnmeta.sync.no_device_sync`; the kernels run
 outside the audit.
 
@@ -59,7 +59,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
                 allow_module_level=True)
 fla_gdr = pytest.importorskip(
     "fla.ops.gated_delta_rule",
-    reason="needs fla-core (flash-linear-attention's Triton kernels, 0.6.0: the wheels of gpu-wheels.sh)")
+    reason="needs fla-core, flash-linear-attention's Triton kernels (pip install fla-core==0.6.0)")
 fla_index = pytest.importorskip("fla.ops.utils.index", reason="needs fla-core's chunk index helpers")
 
 BLOCK = 16

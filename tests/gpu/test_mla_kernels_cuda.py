@@ -1,7 +1,7 @@
 """Real MLA kernels on a GPU, fed by attnmeta's MLA metadata, against a dense float32 MLA reference.
 
-Runs only where CUDA is present and FlashInfer imports (the GPU machine, with the wheels of
-``benchmarks/gpu_all.sh``'s ``kernels`` part). Every metadata build runs under
+Runs only where CUDA is present and FlashInfer (``flashinfer-python`` 0.5.3) imports: the GPU machine,
+through ``benchmarks/gpu_all.sh``'s ``kernels`` part. Every metadata build runs under
 ``torch.cuda.set_sync_debug_mode("error")`` and :func:`attnmeta.sync.no_device_sync`; the kernels run
 outside the audit.
 
@@ -54,7 +54,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
     pytest.skip("needs a CUDA device (run on the GPU machine: bash benchmarks/gpu_all.sh OUT kernels)",
                 allow_module_level=True)
 flashinfer_mla = pytest.importorskip(
-    "flashinfer.mla", reason="needs FlashInfer (0.5.3: the wheels of ../shared/tools/gpu-wheels.sh)")
+    "flashinfer.mla", reason="needs FlashInfer (pip install flashinfer-python==0.5.3)")
 varlen = pytest.importorskip("torch.nn.attention.varlen", reason="needs torch.nn.attention.varlen (torch >= 2.10)")
 
 PAGE = 64
