@@ -1,8 +1,10 @@
 """``CommonAttentionMetadata``: the per-step metadata every attention-like layer shares.
 
 Field names, dtypes, shapes and semantics follow vLLM 0.33.0's ``CommonAttentionMetadata``
-(docs/semantics.md), so a vLLM backend can take attnmeta's object in place of its own.
-Differences, all deliberate:
+(docs/semantics.md), but this is not vLLM's class: a vLLM backend takes it through
+:func:`attnmeta.integrations.vllm.to_vllm_common`, which builds vLLM's own object from it (device
+views as they are, host twins as CPU tensors sharing the pinned memory; docs/vllm.md lists the vLLM
+fields attnmeta does not derive, and why). Differences, all deliberate:
 
 - every device field has its numpy host twin (``<name>_cpu``), filled on the host first and copied to
   the device in the step's one H2D copy; nothing is ever copied back;
