@@ -20,13 +20,19 @@
 #           against a float64 recurrence. Needs FlashInfer (0.5.3) and fla-core (0.6.0) importable, else
 #           both files skip with the reason; FlashInfer JIT-compiles its MLA kernels on the first run and
 #           Triton autotunes fla's (a few minutes). The gpu part leaves these two files to this part.
+#   engine  the reference engine (examples/engine): tests/gpu/test_engine_cuda.py (a small Llama through
+#           every kernel, tokens against generate, the steady-state loop under the audit) -> engine.log,
+#           then `python -m examples.engine --device cuda` (the ~1.2B Llama, every kernel, both
+#           workloads) -> engine_check.txt. Needs transformers and FlashInfer (flashinfer kernels skip);
+#   enginebench  benchmarks/bench_engine.py: steady-state decode of the ~1.2B engine at 1/64/256
+#           requests, graphs / eager / per-tensor uploads -> engine_bench.txt, engine_bench.json.
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
-#   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit kernels", default
-#   all). One device call allows 600 s, so a full run takes four calls: PARTS="gpu decode bench",
-#   "mamba audit", "suites", then "kernels".
+#   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit kernels engine
+#   enginebench", default all). One device call allows 600 s, so a full run takes six calls:
+#   PARTS="gpu decode bench", "mamba audit", "suites", "kernels", "engine", then "enginebench".
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit kernels} "
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -41,7 +47,8 @@ PYEOF
 if want gpu; then
 echo "== gpu: tests/gpu" | tee "$OUT_DIR/gpu_tests.log"
 timeout 120 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu -q -rs -p no:cacheprovider \
-  --ignore=tests/gpu/test_mla_kernels_cuda.py --ignore=tests/gpu/test_gdn_kernels_cuda.py 2>&1 | tee -a "$OUT_DIR/gpu_tests.log" || status=1
+  --ignore=tests/gpu/test_mla_kernels_cuda.py --ignore=tests/gpu/test_gdn_kernels_cuda.py \
+  --ignore=tests/gpu/test_engine_cuda.py 2>&1 | tee -a "$OUT_DIR/gpu_tests.log" || status=1
 fi
 if want decode; then
 echo "== decode: steady-state decode step" | tee "$OUT_DIR/bench_decode.txt"
@@ -81,5 +88,16 @@ done
 for p in "${pids[@]}"; do wait "$p" || status=1; done
 cat "$OUT_DIR/kernels_mla.log" "$OUT_DIR/kernels_gdn.log" | tee -a "$OUT_DIR/kernels.log"
 grep "^KERNEL " "$OUT_DIR/kernels.log" | tee "$OUT_DIR/kernels_summary.txt"
+fi
+if want engine; then
+echo "== engine: the reference engine through every kernel, tokens against generate" | tee "$OUT_DIR/engine.log"
+timeout 250 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu/test_engine_cuda.py -q -s -rs \
+  -p no:cacheprovider 2>&1 | tee -a "$OUT_DIR/engine.log" || status=1
+timeout 300 $PY -m examples.engine --device cuda 2>&1 | tee "$OUT_DIR/engine_check.txt" || status=1
+fi
+if want enginebench; then
+echo "== enginebench: steady-state decode of the ~1.2B engine" | tee "$OUT_DIR/engine_bench.txt"
+timeout 500 $PY benchmarks/bench_engine.py --device cuda --json "$OUT_DIR/engine_bench.json" 2>&1 \
+  | tee -a "$OUT_DIR/engine_bench.txt" || status=1
 fi
 exit $status

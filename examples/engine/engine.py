@@ -135,7 +135,7 @@ class Engine:
         host = torch.zeros((2, cfg.max_num_seqs), dtype=torch.int64, pin_memory=cuda)
         self._host_tokens, self._host_tokens_np = host, host.numpy()
         self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ the loop
@@ -253,22 +253,28 @@ class Engine:
         self.sampled[: logits.shape[0]] = logits.argmax(-1)
 
     def _replay(self, step: Any, size: int) -> None:
-        graph = self._graphs.get(size)
+        assert isinstance(self.kernel, FlashInferKernel)
+        key = (size, self.kernel.ring_index)  # one graph per padded size and FlashInfer wrapper set
+        graph = self._graphs.get(key)
         args = (step.device_full("engine.input_ids")[:size], step.device_full("engine.prev_rows")[:size],
                 step.device_full("common.positions")[:size], step.device_full("common.slot_mapping")[:size],
                 step.device_full("common.query_start_loc")[1 : size + 1])
         if graph is None:
             if not self._graphs:
                 self.stager.freeze()  # every field is laid out: nothing may move under a graph
+            # Warm up (torch wants the captured code run once first): that runs this step for real, so
+            # put back the previous step's tokens it overwrote; the replay below then repeats it exactly.
+            prev_tokens = self.sampled.clone()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._forward(*args)  # warm-up (runs the step: the replay below repeats it exactly)
+                self._forward(*args)
             torch.cuda.current_stream().wait_stream(stream)
+            self.sampled.copy_(prev_tokens)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._forward(*args)
-            self._graphs[size] = graph
+            self._graphs[key] = graph
         graph.replay()
 
     def _per_tensor(self, cm: CommonAttentionMetadata, ids: np.ndarray,

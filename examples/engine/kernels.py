@@ -30,6 +30,7 @@ from attnmeta.backends.cascade import CascadeMetadata, CascadeOptions
 from attnmeta.backends.flashinfer import host_tensor
 from attnmeta.metadata import CommonAttentionMetadata
 from attnmeta.staging import Staged, Step
+from attnmeta.sync import allow_device_sync
 
 
 class AttentionKernel(Protocol):
@@ -194,20 +195,47 @@ class VarlenKernel:
         return out[0] if isinstance(out, tuple) else out
 
 
+class _PlanSet:
+    """Two FlashInfer prefill wrappers (the split's decode and prefill parts, or a cascade's shared and
+    per-request levels), the CUDA-graph decode wrappers, and the event fencing their plans."""
+
+    def __init__(self, lib: Any, ws: torch.Tensor) -> None:
+        # fa2: FlashInfer 0.5.3's fa3 plan() derives a cumsum of the KV lengths in pageable memory and
+        # copies it with non_blocking=True (a staged copy); fa2's plan copies only what it is given
+        self.a = lib.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+        self.b = lib.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+        self.graph: dict[int, Any] = {}
+        self.event = torch.cuda.Event()
+        self.planned = False
+
+
 class FlashInferKernel:
     """FlashInfer's paged wrappers (CUDA), planned from attnmeta's pinned host arrays.
 
-    Decode rows run the decode wrapper, the other rows the prefill wrapper; a step that cascades runs
-    the two-level cascade wrapper over all rows. ``paged_kv_indices`` is handed over as the device
-    view (``plan()`` only copies it); the indptrs and last-page lengths as pinned host views, which
-    ``plan()`` reads on the host and copies with non-blocking DMA (FlashInfer's own copies, on top of
-    attnmeta's one).
+    Eager steps run FlashInfer's batch prefill wrapper twice, over the decode rows and over the other
+    rows of attnmeta's split (its kernel takes decode rows as one-token queries), or, when the step
+    cascades, over the shared prefix (non-causal, every query) and each request's suffix (causal),
+    merged with FlashInfer's ``merge_state``. Replayed decode steps (CUDA graphs) run the decode wrapper
+    in graph mode, one per padded size.
+
+    What ``plan()`` gets: the query and page indptrs, last-page lengths and KV lengths as pinned host
+    views of the step (:func:`attnmeta.backends.flashinfer.host_tensor`), so its host reads are free
+    and its non-blocking copies are real DMA; ``paged_kv_indices`` as the device view (it only copies
+    it). The KV lengths are passed so that ``plan()`` does not derive them into pageable memory.
+
+    ``plan()`` also writes its work partition into a pinned buffer of the wrapper and copies it to the
+    device without blocking: planning the same wrapper for the next step before that copy has run
+    would rewrite it under the GPU, the race attnmeta's ring fences for its own slots. So the kernel
+    keeps a ring of ``ring`` wrapper sets, used in turn, each fenced by an event recorded after its
+    plan; a set whose last plan the GPU has not consumed is waited for and counted in
+    ``plan_waits`` (0 in an engine that reads each step's tokens a step later: that read bounds how far
+    the host runs ahead).
     """
 
     name = "flashinfer"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, cascade_options: CascadeOptions | None = None) -> None:
+                 device: torch.device, cascade_options: CascadeOptions | None = None, ring: int = 3) -> None:
         import flashinfer as fi_lib
 
         self._lib = fi_lib
@@ -216,18 +244,19 @@ class FlashInferKernel:
         self.cascade_options = cascade_options
         self.transform: Callable[[Any], Any] = _same
         self._ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-        self._decode = fi_lib.BatchDecodeWithPagedKVCacheWrapper(self._ws, "NHD", use_tensor_cores=True)
-        self._prefill = fi_lib.BatchPrefillWithPagedKVCacheWrapper(self._ws, "NHD")
-        self._cascade = fi_lib.MultiLevelCascadeAttentionWrapper(2, self._ws, "NHD")
-        self._graph_wrappers: dict[int, Any] = {}
+        self._sets = [_PlanSet(fi_lib, self._ws) for _ in range(ring)]
+        self._turn = 0
+        self.ring_index = 0
+        """The wrapper set of the current step (a graph is captured per padded size and set)."""
         self._staged: Staged[Any, flashinfer.FlashInferMetadata] | None = None
         self._staged_cascade: Staged[Any, CascadeMetadata] | None = None
-        self._graph: Any = None
+        self._mode = "split"
         self.cascade_steps = 0
+        self.plan_waits = 0
         self.max_pages = 0
         """Capacity of the graph wrappers' page indices (the engine sets the profile's)."""
 
-    def _plan_kw(self) -> dict[str, Any]:
+    def _kw(self) -> dict[str, Any]:
         return {"q_data_type": self.dtype, "kv_data_type": self.dtype}
 
     def stage(self, common: StagedCommon, step: Step, num_common_prefix_blocks: int) -> None:
@@ -238,62 +267,74 @@ class FlashInferKernel:
                                                  num_common_prefix_blocks=num_common_prefix_blocks)
 
     def graph_wrapper(self, batch: int) -> Any:
-        """The CUDA-graph decode wrapper of ``batch`` rows (fixed buffers), made on first use."""
-        w = self._graph_wrappers.get(batch)
+        """The current set's CUDA-graph decode wrapper of ``batch`` rows (fixed buffers), made on first use."""
+        ps = self._sets[self.ring_index]
+        w = ps.graph.get(batch)
         if w is None:
             w = self._lib.BatchDecodeWithPagedKVCacheWrapper(
                 self._ws, "NHD", use_cuda_graph=True, use_tensor_cores=True,
                 paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=self.device),
                 paged_kv_indices_buffer=torch.zeros(self.max_pages, dtype=torch.int32, device=self.device),
                 paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=self.device))
-            self._graph_wrappers[batch] = w
+            ps.graph[batch] = w
         return w
 
     def prepare(self, cm: CommonAttentionMetadata, graph_batch: int | None = None) -> None:
         assert self._staged is not None
         fi = self.transform(self._staged.result())
         self._fi = fi
-        h, hk, d, bs = self.num_heads, self.num_kv_heads, self.head_dim, cm.block_size
-        indices = fi.paged_kv_indices
+        h, hk, d, bs, kw = self.num_heads, self.num_kv_heads, self.head_dim, cm.block_size, self._kw()
         ca = self.transform(self._staged_cascade.result()) if self._staged_cascade is not None else None
-        self._use_cascade = ca is not None and ca.use_cascade
-        self._graph = None
+        self.ring_index = self._turn % len(self._sets)
+        self._turn += 1
+        ps = self._sets[self.ring_index]
+        if ps.planned and not ps.event.query():
+            self.plan_waits += 1  # the GPU has not consumed this set's last plan: never in the engine's loop
+            with allow_device_sync():
+                ps.event.synchronize()
+        self._set = ps
         if graph_batch is not None:  # a replayed decode step: plan the graph's own wrapper
+            self._mode = "graph"
             self._graph = self.graph_wrapper(graph_batch)
-            self._graph.plan(host_tensor(fi.paged_kv_indptr_cpu[: graph_batch + 1]), indices,
-                             host_tensor(fi.paged_kv_last_page_len_cpu[:graph_batch]), h, hk, d, bs,
-                             **self._plan_kw())
-            return
-        if self._use_cascade:
-            assert ca is not None
+            self._graph.plan(host_tensor(fi.paged_kv_indptr_cpu[: graph_batch + 1]), fi.paged_kv_indices,
+                             host_tensor(fi.paged_kv_last_page_len_cpu[:graph_batch]), h, hk, d, bs, **kw)
+        elif ca is not None and ca.use_cascade:
+            self._mode = "cascade"
             self.cascade_steps += 1
-            self._cascade.plan(
-                [host_tensor(ca.cu_prefix_query_lens_cpu), host_tensor(cm.query_start_loc_cpu)],  # type: ignore[arg-type]
-                [host_tensor(ca.shared_kv_page_indptr_cpu), host_tensor(ca.suffix_paged_kv_indptr_cpu)],  # type: ignore[arg-type]
-                [ca.shared_kv_page_indices, ca.suffix_paged_kv_indices],
-                [host_tensor(ca.shared_kv_last_page_len_cpu), host_tensor(ca.suffix_paged_kv_last_page_len_cpu)],  # type: ignore[arg-type]
-                h, hk, d, bs, causal=True, **self._plan_kw())
-            return
-        nd = fi.num_decodes
-        if nd:
-            self._decode.plan(host_tensor(fi.paged_kv_indptr_cpu[: nd + 1]), indices,
-                              host_tensor(fi.paged_kv_last_page_len_cpu[:nd]), h, hk, d, bs, **self._plan_kw())
-        if fi.num_prefills:
-            self._prefill.plan(host_tensor(fi.qo_indptr_prefill_cpu), host_tensor(fi.paged_kv_indptr_cpu[nd:]),
-                               indices, host_tensor(fi.paged_kv_last_page_len_cpu[nd:]), h, hk, d, bs,
-                               causal=True, **self._plan_kw())
+            ps.a.plan(host_tensor(ca.cu_prefix_query_lens_cpu), host_tensor(ca.shared_kv_page_indptr_cpu),
+                      ca.shared_kv_page_indices, host_tensor(ca.shared_kv_last_page_len_cpu), h, hk, d, bs,
+                      causal=False, seq_lens=host_tensor(ca.prefix_kv_lens_cpu), **kw)
+            ps.b.plan(host_tensor(cm.query_start_loc_cpu), host_tensor(ca.suffix_paged_kv_indptr_cpu),
+                      ca.suffix_paged_kv_indices, host_tensor(ca.suffix_paged_kv_last_page_len_cpu), h, hk, d, bs,
+                      causal=True, seq_lens=host_tensor(ca.suffix_kv_lens_cpu), **kw)
+        else:
+            self._mode = "split"
+            nd = fi.num_decodes
+            if nd:
+                ps.a.plan(host_tensor(fi.qo_indptr_decode_cpu), host_tensor(fi.paged_kv_indptr_cpu[: nd + 1]),
+                          fi.paged_kv_indices, host_tensor(fi.paged_kv_last_page_len_cpu[:nd]), h, hk, d, bs,
+                          causal=True, seq_lens=host_tensor(fi.kv_lens_cpu[:nd]), **kw)
+            if fi.num_prefills:
+                ps.b.plan(host_tensor(fi.qo_indptr_prefill_cpu), host_tensor(fi.paged_kv_indptr_cpu[nd:]),
+                          fi.paged_kv_indices, host_tensor(fi.paged_kv_last_page_len_cpu[nd:]), h, hk, d, bs,
+                          causal=True, seq_lens=host_tensor(fi.kv_lens_cpu[nd:]), **kw)
+        ps.event.record()
+        ps.planned = True
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         kv = (k_cache, v_cache)
-        if self._graph is not None:
+        ps = self._set
+        if self._mode == "graph":
             return self._graph.run(q, kv)  # type: ignore[no-any-return]
-        if self._use_cascade:
-            return self._cascade.run(q, kv)  # type: ignore[no-any-return]
+        if self._mode == "cascade":
+            o_s, l_s = ps.b.run(q, kv, return_lse=True)
+            o_p, l_p = ps.a.run(q, kv, return_lse=True)
+            return self._lib.merge_state(o_s, l_s, o_p, l_p)[0]  # type: ignore[no-any-return]
         fi = self._fi
         nd, np_ = fi.num_decode_tokens, fi.num_prefill_tokens
         out = torch.empty_like(q)
         if fi.num_decodes:
-            out[:nd] = self._decode.run(q[:nd], kv)
+            out[:nd] = ps.a.run(q[:nd], kv)
         if fi.num_prefills and np_:
-            out[nd : nd + np_] = self._prefill.run(q[nd : nd + np_], kv)
+            out[nd : nd + np_] = ps.b.run(q[nd : nd + np_], kv)
         return out

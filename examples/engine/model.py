@@ -45,7 +45,8 @@ class PagedLlama:
         m = self.model.model
         t = input_ids.shape[0]
         h = m.embed_tokens(input_ids)
-        cos, sin = m.rotary_emb(h, positions.long())
+        cos, sin = m.rotary_emb(h, positions.long()[None])  # (1, T, head_dim) each
+        cos, sin = cos[0], sin[0]
         slots = slot_mapping.long().clamp(min=0)
         for i, layer in enumerate(m.layers):
             att = layer.self_attn

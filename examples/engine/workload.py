@@ -28,7 +28,7 @@ def config_1b() -> Any:
 
     return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
-                       rope_theta=500000.0, tie_word_embeddings=True, initializer_range=0.02)
+                       rope_theta=500000.0, tie_word_embeddings=True, initializer_range=0.05)
 
 
 def make_model(config: Any, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -64,7 +64,10 @@ class Comparison:
     """Tokens of the engine against ``generate``'s, request by request."""
 
     requests: int = 0
+    generated: int = 0
+    """Tokens the engine generated."""
     tokens: int = 0
+    """Tokens compared (a request's comparison stops at its first near tie)."""
     mismatches: int = 0
     """Tokens that differ where ``generate``'s top-2 logit margin exceeds the tolerance."""
     near_ties: int = 0
@@ -104,6 +107,7 @@ def compare_with_generate(model: Any, requests: list[Request], *, tolerance: flo
             cache[key] = generate_reference(model, req.prompt, req.max_new_tokens)
         ref, margins = cache[key]
         cmp.requests += 1
+        cmp.generated += len(req.output)
         if len(req.output) != len(ref):
             raise AssertionError(f"request {req.rid}: {len(req.output)} tokens, generate made {len(ref)}")
         for a, b, margin in zip(req.output, ref, margins, strict=True):
@@ -116,3 +120,56 @@ def compare_with_generate(model: Any, requests: list[Request], *, tolerance: flo
                     cmp.mismatches += 1
                 break
     return cmp
+
+
+@dataclasses.dataclass
+class ForcedComparison:
+    """The engine's tokens against the model's own argmax over the same tokens (teacher forcing)."""
+
+    requests: int = 0
+    tokens: int = 0
+    mismatches: int = 0
+    """Tokens that differ where the model's top-2 logit margin exceeds ``tolerance``."""
+    near_ties: int = 0
+    """Differing tokens where the margin is within ``tolerance`` (allowed)."""
+    tolerance: float = 0.0
+    noise: float = 0.0
+    """The largest logit difference between the model's forward in its dtype and in float32."""
+
+
+@torch.inference_mode()
+def compare_teacher_forced(model: Any, requests: list[Request]) -> ForcedComparison:
+    """Check every generated token of every request, also after a near tie.
+
+    One forward of ``transformers``' model over each request's prompt and generated tokens gives its
+    greedy choice at every position; a float32 copy of the model over the same tokens measures the
+    model dtype's own noise ``noise`` (the largest logit difference). A token of the engine may differ
+    from the model's choice only where the model's top-2 margin is at most ``tolerance = 2 * noise``
+    (each of the two logits may move by ``noise``). In float32, ``tolerance`` is 0."""
+    import copy
+
+    dtype = next(model.parameters()).dtype
+    ref32 = None if dtype == torch.float32 else copy.deepcopy(model).float()
+    dev = next(model.parameters()).device
+    out = ForcedComparison()
+    rows = []
+    for req in requests:
+        seq = torch.tensor([req.prompt + req.output], device=dev)
+        logits = model(seq).logits[0, len(req.prompt) - 1 : -1].float()
+        if ref32 is not None:
+            out.noise = max(out.noise, float((ref32(seq).logits[0, len(req.prompt) - 1 : -1].float() - logits).abs().max()))
+        rows.append((req, logits))
+    out.tolerance = 2 * out.noise
+    for req, logits in rows:
+        out.requests += 1
+        top2 = torch.topk(logits, 2, dim=-1)
+        margins = (top2.values[:, 0] - top2.values[:, 1]).tolist()
+        for tok, best, margin in zip(req.output, top2.indices[:, 0].tolist(), margins, strict=True):
+            out.tokens += 1
+            if tok != best:
+                if margin <= out.tolerance:
+                    out.near_ties += 1
+                else:
+                    out.mismatches += 1
+    del ref32
+    return out

@@ -35,7 +35,8 @@ def reference() -> Reference:
 
 
 def test_mixed_workload_equals_generate(model: Any, reference: Reference) -> None:
-    st, cmp = run_workload(model, "torch-paged", "mixed", cache=reference)
+    st, cmp, forced = run_workload(model, "torch-paged", "mixed", cache=reference)
+    assert forced.mismatches == forced.near_ties == 0 and forced.tokens == cmp.tokens
     assert cmp.requests == 24 and cmp.tokens == st.sampled > 200
     assert cmp.mismatches == 0 and cmp.near_ties == 0, cmp  # float32 on the CPU: exact
     # the workload exercised what it is for
@@ -45,14 +46,14 @@ def test_mixed_workload_equals_generate(model: Any, reference: Reference) -> Non
 
 
 def test_cascade_workload_equals_generate(model: Any, reference: Reference) -> None:
-    st, cmp = run_workload(model, "torch-paged", "cascade", cache=reference)
+    st, cmp, _ = run_workload(model, "torch-paged", "cascade", cache=reference)
     assert st.cascade_steps > 0 and st.prefix_cache_hits > 0
     assert cmp.mismatches == 0 and cmp.near_ties == 0, cmp
 
 
 @pytest.mark.parametrize("mode", ["sync-scheduling", "per-tensor"])
 def test_other_loop_modes_give_the_same_tokens(model: Any, reference: Reference, mode: str) -> None:
-    st, cmp = run_workload(model, "torch-paged", "mixed", cache=reference,
+    st, cmp, _ = run_workload(model, "torch-paged", "mixed", cache=reference,
                            async_scheduling=mode != "sync-scheduling",
                            uploads="per-tensor" if mode == "per-tensor" else "one-copy")
     assert cmp.mismatches == 0 and cmp.near_ties == 0, cmp
@@ -84,8 +85,8 @@ def test_a_wrong_slot_mapping_is_caught(model: Any, reference: Reference, monkey
         return real(self, input_ids, positions, slot_mapping - 1, *a)
 
     monkeypatch.setattr(model_mod.PagedLlama, "forward", shifted)
-    _, cmp = run_workload(model, "torch-paged", "mixed", cache=reference)
-    assert cmp.mismatches > 0
+    _, cmp, forced = run_workload(model, "torch-paged", "mixed", cache=reference)
+    assert cmp.mismatches > 0 and forced.mismatches > 0
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -23,8 +23,10 @@ from examples.engine import Engine, EngineConfig, make_kernel  # noqa: E402
 from examples.engine.__main__ import run_workload  # noqa: E402
 from examples.engine.workload import Reference, make_model, make_requests, tiny_config  # noqa: E402
 
-TOLERANCE = 0.25
-"""bfloat16: a token may differ from generate's only where generate's top-2 logits are this close."""
+TOLERANCE = 0.5
+"""bfloat16, generate comparison: a token may differ from generate's only where generate's top-2 logits
+are this close (this model's bf16 logits differ from its float32 logits by up to ~0.3). The
+teacher-forced comparison measures that noise in the run and uses twice it."""
 
 KERNELS = ["torch-paged", "torch-varlen", "flashinfer", "flashinfer+graphs"]
 
@@ -54,13 +56,14 @@ def reference() -> Reference:
 def test_engine_tokens_equal_generate(model: Any, reference: Reference, kernel: str, workload: str) -> None:
     if kernel.startswith("flashinfer") and not _have_flashinfer():
         pytest.skip("flashinfer is not importable (bash ../shared/tools/gpu-wheels.sh, then carry .whl)")
-    st, cmp = run_workload(model, kernel.removesuffix("+graphs"), workload, cuda_graphs=kernel.endswith("+graphs"),
+    st, cmp, forced = run_workload(model, kernel.removesuffix("+graphs"), workload, cuda_graphs=kernel.endswith("+graphs"),
                            tolerance=TOLERANCE, cache=reference)
     print(f"\n{kernel} {workload}: requests {cmp.requests} tokens {cmp.tokens} mismatches {cmp.mismatches} "
           f"near ties {cmp.near_ties} min margin {cmp.min_margin:.3g} steps {st.steps} graph steps {st.graph_steps} "
-          f"cascade steps {st.cascade_steps} preemptions {st.preemptions}")
+          f"cascade steps {st.cascade_steps} preemptions {st.preemptions} | teacher-forced {forced}")
     assert cmp.mismatches == 0, cmp
-    assert cmp.near_ties <= max(1, cmp.requests // 8), cmp  # a near tie ends that request's comparison
+    assert forced.mismatches == 0 and forced.tokens == cmp.generated, forced
+    assert forced.near_ties <= 0.1 * forced.tokens, forced
     assert st.metadata_copies == st.steps
     if kernel.endswith("+graphs") and workload == "mixed":
         assert st.graph_steps > 0
@@ -79,6 +82,6 @@ def test_steady_state_loop_has_no_sync(model: Any, graphs: bool) -> None:
                        decode_sizes=(8, 16, 32), cuda_graphs=graphs)
     engine = Engine(model, make_kernel("flashinfer", model, torch.device("cuda"), cascade=False), cfg)
     engine.run(make_requests(32, 2048, prompt_len=(20, 40), new_tokens=(20, 30), seed=0))
-    with no_device_sync(allow_async_d2h=True, check_copies=False):
+    with no_device_sync(allow_async_d2h=True):
         st = engine.run(make_requests(32, 2048, prompt_len=(20, 40), new_tokens=(20, 30), seed=1))
     assert st.steps > 20 and (st.graph_steps > 0) == graphs
