@@ -38,9 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnmeta.sync import record_device_syncs  # noqa: E402
-from examples.engine import Engine, EngineConfig, Request, make_kernel  # noqa: E402
-from examples.engine.workload import config_1b, make_model, tiny_config  # noqa: E402
+from attnmeta.sync import record_device_syncs
+from examples.engine import Engine, EngineConfig, Request, make_kernel
+from examples.engine.workload import config_1b, make_model, tiny_config
 
 MODES = {"graphs": ("flashinfer", True, "one-copy"), "eager": ("flashinfer", False, "one-copy"),
          "per-tensor": ("flashinfer", False, "per-tensor")}
@@ -92,27 +92,29 @@ def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
     kinds = st.step_kinds[s0:]
     times = st.step_times[st0:]
     md = st.step_metadata[s0:]
+    steps = st.steps - n0
+    copies, plan_s, waits = st.metadata_copies - c0, st.plan_s - plan0, st.token_waits - w0
     # full-batch decode iterations (skip the first few after the prefill and the tail)
     idx = [i for i, k in enumerate(kinds) if k == "decode"][3:-3]
     step = statistics.median(times[i] for i in idx)
     meta = statistics.median(md[i] for i in idx)
-    steps = st.steps - n0
+    w1, a0 = st.token_waits, st.steps
     with record_device_syncs(allow_async_d2h=True) as found:
-        w1 = engine.stats.token_waits
-        a0 = engine.stats.steps
         engine.run(_requests(n, prompt, new, vocab, 2))
-    audited_steps = engine.stats.steps - a0
+    audited_steps = st.steps - a0
+    audited_waits = st.token_waits - w1
     syncs = [e for e in found if e.kind == "sync"]
     unsafe = [e for e in found if e.kind != "sync"]
     h2d = _h2d_per_step(engine, _requests(n, prompt, new, vocab, 3))
     return {"mode": mode, "concurrency": n, "step_ms": step * 1e3, "steps_per_s": 1 / step, "tokens_per_s": n / step,
-            "attnmeta_ms": meta * 1e3, "share": meta / step, "plan_ms": (st.plan_s - plan0) / steps * 1e3,
-            "copies_per_step": (st.metadata_copies - c0) / steps, "h2d_per_step": h2d,
+            "attnmeta_ms": meta * 1e3, "share": meta / step, "plan_ms": plan_s / steps * 1e3,
+            "copies_per_step": copies / steps, "h2d_per_step": h2d,
             "syncs_per_step": len(syncs) / audited_steps, "sync_ops": sorted({str(e).split(":")[0] for e in syncs})[:3],
             "other_findings_per_step": len(unsafe) / audited_steps,
             "other_findings": sorted({str(e)[:160] for e in unsafe})[:3],
-            "waits_per_step": (engine.stats.token_waits - w1) / audited_steps, "wall_s": wall,
-            "graph_steps": st.graph_steps, "decode_steps_timed": len(idx), "waits_timed": st.token_waits - w0}
+            "waits_per_step": audited_waits / audited_steps, "wall_s": wall, "steps_timed": steps,
+            "decode_steps_timed": len(idx), "waits_timed": waits,
+            "graph_steps": st.graph_steps, "plan_waits": getattr(engine.kernel, "plan_waits", 0)}
 
 
 def main(argv: list[str] | None = None) -> int:

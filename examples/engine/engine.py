@@ -44,7 +44,6 @@ from .kv_cache import BlockPool
 from .model import PagedLlama
 from .scheduler import Request, Scheduler, SchedulerOutput
 
-
 _TORCH_DTYPE = {"i4": torch.int32, "i8": torch.int64, "b1": torch.bool, "f4": torch.float32}
 
 
@@ -293,7 +292,10 @@ class Engine:
 
         def move(meta: Any) -> Any:
             changes: dict[str, Any] = {}
+            fields = {f.name for f in dataclasses.fields(meta)}
             for dev, host in meta._TWINS:
+                if dev not in fields:  # a view of a nested object's field (FlashInfer's paged layout)
+                    continue
                 h = getattr(meta, host)
                 changes[dev] = None if h is None else up(h)
             for name in ("common", "paged"):

@@ -17,11 +17,11 @@ import torch
 
 pytest.importorskip("transformers", reason="the reference engine needs transformers (pip install -e '.[test]')")
 
-from attnmeta.sync import no_device_sync  # noqa: E402
-from examples.engine import BlockPool, Engine, EngineConfig, Request, Scheduler, make_kernel  # noqa: E402
-from examples.engine.__main__ import run_workload  # noqa: E402
-from examples.engine.kv_cache import block_hashes  # noqa: E402
-from examples.engine.workload import Reference, make_model, make_requests, tiny_config  # noqa: E402
+from attnmeta.sync import no_device_sync
+from examples.engine import BlockPool, Engine, EngineConfig, Request, Scheduler, make_kernel
+from examples.engine.__main__ import run_workload
+from examples.engine.kv_cache import block_hashes
+from examples.engine.workload import Reference, make_model, make_requests, tiny_config
 
 
 @pytest.fixture(scope="module")
