@@ -90,7 +90,9 @@ class EngineStats:
     token_waits: int = 0
     """Times the host had to wait for a step's sampled-token copy."""
     metadata_s: float = 0.0
-    """Host time building the step's metadata: the BatchSpec, staging, the commit, the results."""
+    """Host time in attnmeta: the step's BatchSpec, staging (common metadata, the kernel's builders, the
+    engine's two arrays), the commit and the results (in the per-tensor baseline, its uploads too). The
+    engine's own preparation of the arrays (the scheduler, the block table rows) is not in it."""
     plan_s: float = 0.0
     """Host time in the kernel's per-step preparation (FlashInfer's ``plan()``)."""
     step_times: list[float] = dataclasses.field(default_factory=list)
@@ -135,11 +137,14 @@ class Engine:
         self._host_tokens, self._host_tokens_np = host, host.numpy()
         self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._captured = False
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ the loop
     def run(self, requests: Iterable[Request]) -> EngineStats:
         """Serve ``requests`` to completion (each is admitted at or after its ``arrival`` step)."""
+        if self.graphs and not self._captured:
+            self.capture_graphs()
         for r in requests:
             self.scheduler.add(r)
         prev: SchedulerOutput | None = None
@@ -180,7 +185,6 @@ class Engine:
         n = len(rows)
         decode = all(r.num_new == 1 for r in rows)
         padded = next((s for s in cfg.decode_sizes if s >= n), None) if decode else None
-        t_md = time.perf_counter()
         num_tokens = out.num_tokens
         total = padded if padded is not None else num_tokens
         ids = np.zeros(total, np.int32)
@@ -197,8 +201,10 @@ class Engine:
                 assert pin is not None and pin[0] == out.step - 1 and known + 1 == stop
                 prev_rows[t + row.num_new - 1] = pin[1]
             t += row.num_new
-        spec = BatchSpec(num_computed_tokens=np.array([r.start for r in rows], np.int32),
-                         num_scheduled_tokens=np.array([r.num_new for r in rows], np.int32),
+        computed = np.array([r.start for r in rows], np.int32)
+        scheduled = np.array([r.num_new for r in rows], np.int32)
+        t_md = time.perf_counter()  # attnmeta's part of the step starts here
+        spec = BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled,
                          block_table=self.table[:n], block_size=cfg.block_size,
                          num_reqs_padded=padded, num_tokens_padded=padded)
         cap = cfg.max_num_tokens if self.graphs else None
@@ -251,6 +257,34 @@ class Engine:
                                     self.kernel)
         self.sampled[: logits.shape[0]] = logits.argmax(-1)
 
+    def capture_graphs(self) -> None:
+        """Capture every decode size's graph, once per FlashInfer wrapper set, on dummy steps (null-block
+        rows), as an engine does at start-up: no capture (and its device synchronisation) in the loop."""
+        assert isinstance(self.kernel, FlashInferKernel)
+        self._captured = True
+        cfg = self.cfg
+        width = cfg.max_blocks_per_req
+        def dummy(sizes: list[int], padded: int | None) -> Any:
+            n = len(sizes)
+            spec = BatchSpec(num_computed_tokens=np.zeros(n, np.int32), num_scheduled_tokens=np.array(sizes, np.int32),
+                             block_table=np.zeros((n, width), np.int32), block_size=cfg.block_size,
+                             num_reqs_padded=padded, num_tokens_padded=padded)
+            total = padded or sum(sizes)
+            with self.stager.step() as step:
+                common = stage_common(spec, step)
+                self.kernel.stage(common, step, 0)
+                step.alloc("engine.input_ids", total, np.int32, capacity=cfg.max_num_tokens)[:] = 0
+                step.alloc("engine.prev_rows", total, np.int32, capacity=cfg.max_num_tokens, fill=-1)[:] = -1
+            return step, common.result()
+
+        step, cm = dummy([2, 1], None)  # a mixed step first: it lays out every field before freeze()
+        self.kernel.prepare(cm)
+        for size in (s for s in cfg.decode_sizes if s <= cfg.max_num_seqs):
+            for _ in range(self.kernel.ring):
+                step, cm = dummy([1], size)
+                self.kernel.prepare(cm, graph_batch=size)
+                self._replay(step, size)
+
     def _replay(self, step: Any, size: int) -> None:
         assert isinstance(self.kernel, FlashInferKernel)
         key = (size, self.kernel.ring_index)  # one graph per padded size and FlashInfer wrapper set
@@ -279,16 +313,19 @@ class Engine:
     def _per_tensor(self, cm: CommonAttentionMetadata, ids: np.ndarray,
                     prev_rows: np.ndarray) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor]:
         """The baseline: every device field uploaded on its own from freshly pinned memory."""
-        uploaded: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        uploaded: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, np.ndarray]] = {}
 
-        def up(a: np.ndarray) -> torch.Tensor:  # one upload per distinct host array of the step
+        def up2(a: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:  # one upload per distinct host array
             key = (a.__array_interface__["data"][0], a.shape)
             if key not in uploaded:
                 self.stats.metadata_copies += 1
                 host = torch.empty(a.shape, dtype=_TORCH_DTYPE[a.dtype.str[1:]], pin_memory=self.device.type == "cuda")
                 host.numpy()[...] = a  # freshly pinned memory per field, as vLLM's async_tensor_h2d
-                uploaded[key] = host.to(self.device, non_blocking=True)
+                uploaded[key] = (host.to(self.device, non_blocking=True), host.numpy())
             return uploaded[key]
+
+        def up(a: np.ndarray) -> torch.Tensor:
+            return up2(a)[0]
 
         def move(meta: Any) -> Any:
             changes: dict[str, Any] = {}
@@ -297,7 +334,8 @@ class Engine:
                 if dev not in fields:  # a view of a nested object's field (FlashInfer's paged layout)
                     continue
                 h = getattr(meta, host)
-                changes[dev] = None if h is None else up(h)
+                if h is not None:  # the device field, and its host twin in the pinned copy (plan() reads it)
+                    changes[dev], changes[host] = up2(h)
             for name in ("common", "paged"):
                 if getattr(meta, name, None) is not None:
                     changes[name] = move(getattr(meta, name))

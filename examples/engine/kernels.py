@@ -244,6 +244,7 @@ class FlashInferKernel:
         self.cascade_options = cascade_options
         self.transform: Callable[[Any], Any] = _same
         self._ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+        self.ring = ring
         self._sets = [_PlanSet(fi_lib, self._ws) for _ in range(ring)]
         self._turn = 0
         self.ring_index = 0
