@@ -277,7 +277,7 @@ class Engine:
                 step.alloc("engine.prev_rows", total, np.int32, capacity=cfg.max_num_tokens, fill=-1)[:] = -1
             return step, common.result()
 
-        step, cm = dummy([2, 1], None)  # a mixed step first: it lays out every field before freeze()
+        step, cm = dummy([2], None)  # a prefill step first: it lays out every field before freeze()
         self.kernel.prepare(cm)
         for size in (s for s in cfg.decode_sizes if s <= cfg.max_num_seqs):
             for _ in range(self.kernel.ring):
