@@ -28,13 +28,20 @@ def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
                     reason="ruff not installed (pip install -e '.[dev]')")
 def test_ruff_clean() -> None:
     ruff = str(Path(sys.executable).with_name("ruff")) if Path(sys.executable).with_name("ruff").exists() else "ruff"
-    r = _run(ruff, "check", "attnmeta", "tests", "benchmarks")
+    r = _run(ruff, "check", "attnmeta", "tests", "benchmarks", "examples")
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_mypy_clean() -> None:
     pytest.importorskip("mypy", reason="mypy not installed (pip install -e '.[dev]')")
     r = _run(sys.executable, "-m", "mypy")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_mypy_clean_reference_engine() -> None:
+    """The reference engine (examples/engine) is typed like the library (strict, as configured)."""
+    pytest.importorskip("mypy", reason="mypy not installed (pip install -e '.[dev]')")
+    r = _run(sys.executable, "-m", "mypy", "examples/engine")
     assert r.returncode == 0, r.stdout + r.stderr
 
 

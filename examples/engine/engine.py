@@ -135,7 +135,7 @@ class Engine:
         self.sampled = torch.zeros(cfg.max_num_seqs, dtype=torch.int64, device=self.device)
         host = torch.zeros((2, cfg.max_num_seqs), dtype=torch.int64, pin_memory=cuda)
         self._host_tokens, self._host_tokens_np = host, host.numpy()
-        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]  # type: ignore[no-untyped-call]
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._captured = False
         self.stats = EngineStats()
@@ -172,7 +172,7 @@ class Engine:
     def _receive(self, out: SchedulerOutput) -> None:
         slot = out.step % 2
         ev = self._events[slot]
-        if ev is not None and not ev.query():
+        if ev is not None and not ev.query():  # type: ignore[no-untyped-call]
             self.stats.token_waits += 1
             with allow_device_sync():
                 ev.synchronize()
@@ -298,7 +298,7 @@ class Engine:
             # Warm up (torch wants the captured code run once first): that runs this step for real, so
             # put back the previous step's tokens it overwrote; the replay below then repeats it exactly.
             prev_tokens = self.sampled.clone()
-            stream = torch.cuda.Stream()
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._forward(*args)

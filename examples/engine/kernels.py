@@ -205,7 +205,7 @@ class _PlanSet:
         self.a = lib.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
         self.b = lib.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
         self.graph: dict[int, Any] = {}
-        self.event = torch.cuda.Event()
+        self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.planned = False
 
 
@@ -289,7 +289,7 @@ class FlashInferKernel:
         self.ring_index = self._turn % len(self._sets)
         self._turn += 1
         ps = self._sets[self.ring_index]
-        if ps.planned and not ps.event.query():
+        if ps.planned and not ps.event.query():  # type: ignore[no-untyped-call]
             self.plan_waits += 1  # the GPU has not consumed this set's last plan: never in the engine's loop
             with allow_device_sync():
                 ps.event.synchronize()
