@@ -330,12 +330,17 @@ class Engine:
         def move(meta: Any) -> Any:
             changes: dict[str, Any] = {}
             fields = {f.name for f in dataclasses.fields(meta)}
-            for dev, host in meta._TWINS:
-                if dev not in fields:  # a view of a nested object's field (FlashInfer's paged layout)
+            twins = dict(meta._TWINS)
+            for dev in meta._DEVICE_FIELDS:
+                if dev not in fields or getattr(meta, dev) is None:  # (a view of a nested object's field)
                     continue
-                h = getattr(meta, host)
-                if h is not None:  # the device field, and its host twin in the pinned copy (plan() reads it)
-                    changes[dev], changes[host] = up2(h)
+                host = twins.get(dev)
+                h = getattr(meta, host) if host is not None else None
+                # the device field, and its host twin in the pinned copy (plan() reads it); a field
+                # without a twin (FlashInfer's page indices) is uploaded from the CPU stager's bytes
+                changes[dev], pinned = up2(h if h is not None else getattr(meta, dev).numpy())
+                if host is not None and h is not None:
+                    changes[host] = pinned
             for name in ("common", "paged"):
                 if getattr(meta, name, None) is not None:
                     changes[name] = move(getattr(meta, name))

@@ -134,3 +134,23 @@ def test_scheduler_respects_budget_and_frees_everything() -> None:
     sched.schedule()  # frees the last finished requests' blocks
     assert all(r.output == [7] * r.max_new_tokens for r in reqs)
     assert pool.num_free == 19 and sum(pool.refs) == 0
+
+
+def test_per_tensor_baseline_uploads_every_device_field(model: Any) -> None:
+    """The baseline hands kernels no tensor of its host-side stager: every device field is a fresh
+    upload (FlashInfer's page indices, which have no host twin in the nested layout, included)."""
+    from attnmeta import BatchSpec
+    from attnmeta.backends import flashinfer
+
+    cfg = EngineConfig(num_blocks=64, max_num_tokens=64, max_num_seqs=8, max_model_len=128, uploads="per-tensor")
+    engine = Engine(model, make_kernel("torch-paged", model, torch.device("cpu")), cfg)
+    spec = BatchSpec(num_computed_tokens=[5, 7, 0], num_scheduled_tokens=[1, 1, 4],
+                     block_table=[[10, 11], [20, 21], [30, 31]], block_size=16)
+    fi = flashinfer.build(spec, engine.stager)
+    engine._per_tensor(fi.common, np.zeros(6, np.int32), np.zeros(6, np.int32))
+    moved = engine.kernel.transform(fi)
+    for obj, orig in ((moved, fi), (moved.paged, fi.paged), (moved.common, fi.common)):
+        for name in orig._DEVICE_FIELDS:
+            new, old = getattr(obj, name), getattr(orig, name)
+            if old is not None:
+                assert new.data_ptr() != old.data_ptr() and torch.equal(new, old), name
