@@ -36,9 +36,13 @@ import numpy as np
 import torch
 
 from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
+from attnmeta.backends.mamba import mamba2
+from attnmeta.backends.mamba.mamba2 import Mamba2Metadata, Mamba2Options
+from attnmeta.backends.mamba.mamba2 import block_table_columns as mamba_columns
 from attnmeta.metadata import CommonAttentionMetadata
 from attnmeta.sync import allow_device_sync
 
+from .hybrid import PagedBamba
 from .kernels import AttentionKernel, FlashInferKernel
 from .kv_cache import BlockPool
 from .model import PagedLlama
@@ -117,13 +121,25 @@ class Engine:
 
     def __init__(self, model: Any, kernel: AttentionKernel, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self.model = PagedLlama(model, cfg.num_blocks, cfg.block_size)
+        # a hybrid model (Bamba: attention and Mamba2 layers) has a second KV-cache group: a state slot
+        # a request, read through attnmeta's mamba2 metadata; eager, one copy, no prefix caching
+        self.hybrid = getattr(model.config, "model_type", "") == "bamba"
+        slots = cfg.max_num_seqs + 1 if self.hybrid else 0
+        if self.hybrid and cfg.uploads != "one-copy":
+            raise ValueError("Engine: a hybrid model runs with uploads='one-copy' only")
+        self.model: PagedLlama | PagedBamba = (PagedBamba(model, cfg.num_blocks, cfg.block_size, slots) if self.hybrid
+                                               else PagedLlama(model, cfg.num_blocks, cfg.block_size))
+        self.mamba_options = Mamba2Options(chunk_size=int(getattr(model.config, "mamba_chunk_size", 256)))
+        self.state_table = np.zeros((cfg.max_num_seqs, 1), np.int32)
+        self._mamba: Mamba2Metadata | None = None
         self.device = self.model.device
         self.kernel = kernel
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.pool, cfg.max_num_tokens, cfg.max_num_seqs, cfg.max_blocks_per_req)
+        self.scheduler = Scheduler(self.pool, cfg.max_num_tokens, cfg.max_num_seqs, cfg.max_blocks_per_req,
+                                   num_state_slots=slots, prefix_caching=not self.hybrid)
         cuda = self.device.type == "cuda"
-        self.graphs = cfg.cuda_graphs and cuda and isinstance(kernel, FlashInferKernel) and cfg.uploads == "one-copy"
+        self.graphs = (cfg.cuda_graphs and cuda and isinstance(kernel, FlashInferKernel) and cfg.uploads == "one-copy"
+                       and not self.hybrid)
         self.profile = StaticProfile(max_num_reqs=cfg.max_num_seqs, max_num_tokens=cfg.max_num_tokens,
                                      max_blocks_per_req=cfg.max_blocks_per_req, block_size=cfg.block_size)
         stage_device = "cpu" if cfg.uploads == "per-tensor" else self.device
@@ -203,17 +219,29 @@ class Engine:
             t += row.num_new
         computed = np.array([r.start for r in rows], np.int32)
         scheduled = np.array([r.num_new for r in rows], np.int32)
+        if self.hybrid:
+            self.state_table[:n, 0] = [r.req.state_slot for r in rows]
         t_md = time.perf_counter()  # attnmeta's part of the step starts here
         spec = BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled,
                          block_table=self.table[:n], block_size=cfg.block_size,
                          num_reqs_padded=padded, num_tokens_padded=padded)
+        if self.hybrid:  # the Mamba group: one block (the state slot) a request
+            mspec = BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled,
+                              block_table=self.state_table[:n], block_size=cfg.max_model_len,
+                              num_reqs_padded=padded, num_tokens_padded=padded)
         cap = cfg.max_num_tokens if self.graphs else None
         with self.stager.step() as step:
             common = stage_common(spec, step)
             self.kernel.stage(common, step, 0 if self.graphs else out.num_common_prefix_blocks)
+            if self.hybrid:
+                mcommon = stage_common(mspec, step, prefix="mamba_common", token_arrays=False,
+                                       block_table_columns=mamba_columns(mspec, self.mamba_options))
+                staged_mamba = mamba2.stage(mcommon, step, self.mamba_options)
             step.alloc("engine.input_ids", total, np.int32, capacity=cap)[:] = ids
             step.alloc("engine.prev_rows", total, np.int32, capacity=cap, fill=-1)[:] = prev_rows
         cm = common.result()
+        if self.hybrid:
+            self._mamba = staged_mamba.result()
         if cfg.uploads == "per-tensor":
             cm, dev_ids, dev_prev = self._per_tensor(cm, ids, prev_rows)
         else:
@@ -237,6 +265,8 @@ class Engine:
         st.sampled += sum(r.samples for r in rows)
         st.partial_prefills += sum(not r.samples for r in rows)
         rows_total = padded if padded is not None else n
+        if isinstance(self.model, PagedBamba):  # fresh states for rows that start from their first token
+            self.model.reset_slots([r.req.state_slot for r in rows if r.start == 0])
         if graph:
             assert padded is not None
             st.graph_steps += 1
@@ -253,8 +283,12 @@ class Engine:
                  slot_mapping: torch.Tensor, query_ends: torch.Tensor) -> None:
         """The model over one step's device arrays; the greedy tokens land in ``self.sampled``."""
         input_ids = torch.where(prev_rows >= 0, self.sampled[prev_rows.clamp(min=0).long()], ids.long())
-        logits = self.model.forward(input_ids, positions, slot_mapping, (query_ends.long() - 1).clamp(min=0),
-                                    self.kernel)
+        logits_index = (query_ends.long() - 1).clamp(min=0)
+        if isinstance(self.model, PagedBamba):
+            assert self._mamba is not None
+            logits = self.model.forward(input_ids, positions, slot_mapping, logits_index, self.kernel, self._mamba)
+        else:
+            logits = self.model.forward(input_ids, positions, slot_mapping, logits_index, self.kernel)
         self.sampled[: logits.shape[0]] = logits.argmax(-1)
 
     def capture_graphs(self) -> None:

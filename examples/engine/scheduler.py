@@ -41,6 +41,8 @@ class Request:
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_cached_blocks: int = 0
     """Prompt blocks named in the prefix cache (or found there)."""
+    state_slot: int = 0
+    """Slot of this request's Mamba states (hybrid models; 0 while it holds none)."""
     pending: tuple[int, int] | None = None
     """``(step, row)`` of the sampled tokens holding this request's newest token, not yet received."""
     preemptions: int = 0
@@ -108,9 +110,14 @@ class Scheduler:
         Most requests in a step.
     max_blocks_per_req : int
         Block-table width: a request may hold at most this many blocks.
+    num_state_slots : int, default 0
+        Hybrid models: slots of the Mamba state pool (slot 0 reserved); a running request holds one.
+    prefix_caching : bool, default True
+        Reuse cached prompt blocks (off for hybrid models: a Mamba state has no per-block cache).
     """
 
-    def __init__(self, pool: BlockPool, max_num_tokens: int, max_num_seqs: int, max_blocks_per_req: int) -> None:
+    def __init__(self, pool: BlockPool, max_num_tokens: int, max_num_seqs: int, max_blocks_per_req: int,
+                 num_state_slots: int = 0, prefix_caching: bool = True) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_tokens = max_num_tokens
@@ -122,12 +129,20 @@ class Scheduler:
         self._to_free: list[Request] = []
         self.step_index = 0
         self.preemptions = 0
+        self.prefix_caching = prefix_caching
+        self._num_state_slots = num_state_slots
+        self.free_slots = list(range(num_state_slots - 1, 0, -1))
 
     def add(self, req: Request) -> None:
         """Queue a request (admitted at or after ``req.arrival``)."""
         if -(-(len(req.prompt) + req.max_new_tokens) // self.block_size) > self.max_blocks_per_req:
             raise ValueError(f"request {req.rid}: longer than max_blocks_per_req * block_size tokens")
         self.waiting.append(req)
+
+    @property
+    def has_slots(self) -> bool:
+        """Whether requests hold Mamba state slots (a hybrid model)."""
+        return self._num_state_slots > 0
 
     @property
     def has_work(self) -> bool:
@@ -141,8 +156,14 @@ class Scheduler:
             req.blocks += self.pool.allocate(need)
         return True
 
+    def _release_slot(self, req: Request) -> None:
+        if req.state_slot:
+            self.free_slots.append(req.state_slot)
+            req.state_slot = 0
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._release_slot(req)
         self.pool.free(req.blocks)
         req.blocks, req.num_computed, req.num_cached_blocks = [], 0, 0
         req.preemptions += 1
@@ -154,6 +175,7 @@ class Scheduler:
         for req in self._to_free:  # finished last step: that step may still read their blocks, this one not
             self.pool.free(req.blocks)
             req.blocks = []
+            self._release_slot(req)
         self._to_free = []
         budget = self.max_num_tokens
         rows: list[ScheduledRow] = []
@@ -175,10 +197,12 @@ class Scheduler:
                 continue
             break  # req preempted itself
         while (not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and self.waiting[0].arrival <= self.step_index and self.waiting[0].pending is None):
+               and self.waiting[0].arrival <= self.step_index and self.waiting[0].pending is None
+               and (self.free_slots or not self.has_slots)):
             req = self.waiting[0]
             full = (req.num_tokens - 1) // self.block_size  # at least one token is computed
-            hits = self.pool.lookup(block_hashes(req.tokens, self.block_size, min(full, len(req.prompt) // self.block_size)))
+            cacheable = min(full, len(req.prompt) // self.block_size) if self.prefix_caching else 0
+            hits = self.pool.lookup(block_hashes(req.tokens, self.block_size, cacheable))
             req.blocks, req.num_computed, req.num_cached_blocks = hits, len(hits) * self.block_size, len(hits)
             num_new = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, num_new):
@@ -187,13 +211,15 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
+            if self.has_slots:
+                req.state_slot = self.free_slots.pop()
             rows.append(ScheduledRow(req, num_new, req.num_computed, req.num_computed + num_new == req.num_tokens))
             budget -= num_new
         for row in rows:  # the step writes these tokens' KV; name the prompt blocks it completes
             req = row.req
             req.num_computed += row.num_new
             full = min(req.num_computed, len(req.prompt)) // self.block_size
-            if full > req.num_cached_blocks:
+            if self.prefix_caching and full > req.num_cached_blocks:
                 for b, h in zip(req.blocks[req.num_cached_blocks : full],
                                 block_hashes(req.prompt, self.block_size, full)[req.num_cached_blocks :]):
                     self.pool.cache(b, h)

@@ -22,6 +22,19 @@ def tiny_config(**overrides: Any) -> Any:
     return LlamaConfig(**kw)
 
 
+def tiny_hybrid_config(**overrides: Any) -> Any:
+    """A Bamba config (Mamba2 and attention layers in turn) small enough for the CPU test."""
+    from transformers import BambaConfig
+
+    kw: dict[str, Any] = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                          "attn_layer_indices": [1, 3], "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_n_groups": 2, "mamba_d_state": 16,
+                          "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 16, "initializer_range": 0.2,
+                          "max_position_embeddings": 2048}
+    kw.update(overrides)
+    return BambaConfig(**kw)
+
+
 def config_1b() -> Any:
     """A ~1.2B-parameter Llama config (Llama 3.2 1B's shapes: 16 layers, 32 / 8 heads of 64)."""
     from transformers import LlamaConfig
@@ -33,13 +46,15 @@ def config_1b() -> Any:
 
 def make_model(config: Any, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                seed: int = 0) -> Any:
-    """A randomly initialised ``LlamaForCausalLM`` (no download), eval mode, on ``device``."""
-    from transformers import LlamaForCausalLM
+    """A randomly initialised ``LlamaForCausalLM`` (or ``BambaForCausalLM`` for a Bamba config; no
+    download), eval mode, on ``device``."""
+    from transformers import BambaForCausalLM, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config._attn_implementation = "sdpa"
+    cls = BambaForCausalLM if config.model_type == "bamba" else LlamaForCausalLM
     with torch.device(device):
-        model = LlamaForCausalLM(config)
+        model = cls(config)
     return model.to(dtype).eval()  # type: ignore[arg-type]
 
 
@@ -83,11 +98,17 @@ Reference = dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]]
 @torch.inference_mode()
 def generate_reference(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """``model.generate``'s greedy tokens for ``prompt`` alone, and the top-2 margin of each step's logits."""
+    import copy
+
     dev = next(model.parameters()).device
     ids = torch.tensor([prompt], device=dev)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, pad_token_id=0)
+    # no end-of-sequence token: the engine's requests run to their length, and generate's
+    # min_new_tokens would instead mask the EOS logit (a different argmax where EOS wins)
+    gc = copy.deepcopy(model.generation_config)
+    gc.eos_token_id = None
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc, eos_token_id=None,
+                         pad_token_id=0, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True)
     top2 = torch.stack([torch.topk(s[0].float(), 2).values for s in out.scores])
     return out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).tolist()
 

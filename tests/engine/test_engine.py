@@ -154,3 +154,53 @@ def test_per_tensor_baseline_uploads_every_device_field(model: Any) -> None:
             new, old = getattr(obj, name), getattr(orig, name)
             if old is not None:
                 assert new.data_ptr() != old.data_ptr() and torch.equal(new, old), name
+
+
+# ---------------------------------------------------------------------------------------------------
+# a hybrid model: Mamba2 layers read attnmeta's mamba2 metadata of the step's second KV-cache group
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_model() -> Any:
+    from examples.engine.workload import tiny_hybrid_config
+
+    return make_model(tiny_hybrid_config())
+
+
+def test_hybrid_workload_equals_generate(hybrid_model: Any) -> None:
+    st, cmp, forced = run_workload(hybrid_model, "torch-paged", "hybrid")
+    assert cmp.mismatches == cmp.near_ties == 0 and cmp.tokens == cmp.generated == st.sampled > 150, cmp
+    assert forced.mismatches == forced.near_ties == 0, forced
+    # chunked prefills continue their Mamba state; preempted requests start theirs again
+    assert st.partial_prefills > 0 and st.preemptions > 0 and st.padded_steps > 0
+    assert st.metadata_copies == st.steps  # both KV-cache groups in the step's one copy
+
+
+def test_hybrid_check_catches_a_lost_initial_state(hybrid_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check can fail: a Mamba layer that ignores ``has_initial_states_p`` (every chunk of a chunked
+    prefill starting from zeros) changes the tokens."""
+    import dataclasses
+
+    from examples.engine import hybrid
+
+    real = hybrid.mamba2_mixer
+
+    def forgetful(mixer: Any, x: torch.Tensor, meta: Any, state: Any) -> torch.Tensor:
+        if meta.has_initial_states_p is not None:
+            meta = dataclasses.replace(meta, has_initial_states_p=torch.zeros_like(meta.has_initial_states_p),
+                                       has_initial_states_p_cpu=np.zeros_like(meta.has_initial_states_p_cpu))
+        return real(mixer, x, meta, state)
+
+    monkeypatch.setattr(hybrid, "mamba2_mixer", forgetful)
+    _, _, forced = run_workload(hybrid_model, "torch-paged", "hybrid")
+    assert forced.mismatches > 0
+
+
+def test_hybrid_loop_never_reads_the_device(hybrid_model: Any) -> None:
+    reqs = make_requests(8, hybrid_model.config.vocab_size, arrive_over=3, seed=7)
+    cfg = EngineConfig(num_blocks=24, max_num_tokens=48, max_num_seqs=8, max_model_len=256)
+    engine = Engine(hybrid_model, make_kernel("torch-paged", hybrid_model, torch.device("cpu")), cfg)
+    with no_device_sync(devices={"cpu"}, allow_async_d2h=True):
+        st = engine.run(reqs)
+    assert st.steps > 5 and all(len(r.output) == r.max_new_tokens for r in reqs)
