@@ -103,7 +103,9 @@ class EngineStats:
     """Per step: one iteration of the loop (schedule, build, plan, launch, and read the previous
     step's tokens)."""
     step_kinds: list[str] = dataclasses.field(default_factory=list)
+    """Per step: ``"decode"`` (every row one token) or ``"mixed"``."""
     step_metadata: list[float] = dataclasses.field(default_factory=list)
+    """Per step: attnmeta's host time (as ``metadata_s``)."""
 
 
 class Engine:
@@ -111,8 +113,9 @@ class Engine:
 
     Parameters
     ----------
-    model : transformers.LlamaForCausalLM
-        Weights and dtype; on the device the engine runs on.
+    model : transformers.LlamaForCausalLM or transformers.BambaForCausalLM
+        Weights and dtype; on the device the engine runs on. A Bamba (hybrid) model adds the Mamba
+        state group (:mod:`.hybrid`): eager steps, one-copy uploads, no prefix caching.
     kernel : AttentionKernel
         Attention (see :mod:`.kernels`).
     cfg : EngineConfig
