@@ -26,13 +26,26 @@
 #           workloads) -> engine_check.txt. Needs transformers and FlashInfer (flashinfer kernels skip);
 #   enginebench  benchmarks/bench_engine.py: steady-state decode of the ~1.2B engine at 1/64/256
 #           requests, graphs / eager / per-tensor uploads -> engine_bench.txt, engine_bench.json.
+#   mamba-kernels  tests/kernels/test_mamba_kernels.py with -s on cuda: vLLM 0.33.0's own Mamba2 Triton
+#           kernels (mamba_chunk_scan_combined_varlen, causal_conv1d_fn / _update, selective_state_update,
+#           store_prefill_checkpoint) and upstream mamba_ssm's mamba_chunk_scan_combined fed by attnmeta's
+#           Mamba2 metadata, against a float64 recurrence -> mamba_kernels.log and mamba_kernels_summary.txt
+#           (the "KERNEL ...", "NOTE ..." and "MUTATION ..." lines). The kernels are third-party files in
+#           the ignored folder .kernels/ (vLLM's kernel files with stand-ins for what they import, and
+#           mamba_ssm and einops unpacked; 2 MB): make it on the dev machine with
+#           `python tests/kernels/fetch_kernels.py` (--vllm-dir PATH or --vllm-wheel PATH, else it downloads
+#           the 340 MB vLLM wheel; a Python with torch, to build mamba_ssm) and carry it: the device call
+#           names ".kernels" in carry. Without it the part fails with that message. Triton compiles and
+#           autotunes the kernels on the first batches (about 300 configs, a few minutes);
+#           ATTNMETA_KERNELS_FIRST_CONFIG=1 keeps each kernel's first config instead, should that not fit.
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
 #   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit kernels engine
-#   enginebench", default all). One device call allows 600 s, so a full run takes six calls:
-#   PARTS="gpu decode bench", "mamba audit", "suites", "kernels", "engine", then "enginebench".
+#   enginebench mamba-kernels", default all). One device call allows 600 s, so a full run takes seven
+#   calls: PARTS="gpu decode bench", "mamba audit", "suites", "kernels", "engine", "enginebench", then
+#   "mamba-kernels" (with carry [".kernels"]).
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench} "
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -99,5 +112,17 @@ if want enginebench; then
 echo "== enginebench: steady-state decode of the ~1.2B engine" | tee "$OUT_DIR/engine_bench.txt"
 timeout 500 $PY benchmarks/bench_engine.py --device cuda --json "$OUT_DIR/engine_bench.json" 2>&1 \
   | tee -a "$OUT_DIR/engine_bench.txt" || status=1
+fi
+if want mamba-kernels; then
+echo "== mamba-kernels: vLLM's and mamba_ssm's Mamba2 kernels fed by attnmeta metadata" | tee "$OUT_DIR/mamba_kernels.log"
+if [[ -f .kernels/MANIFEST.txt ]]; then
+  timeout 560 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/kernels/test_mamba_kernels.py -q -s -rs \
+    --durations=5 -p no:cacheprovider 2>&1 | tee -a "$OUT_DIR/mamba_kernels.log" || status=1
+  grep -E "^(KERNEL|NOTE|MUTATION) " "$OUT_DIR/mamba_kernels.log" | tee "$OUT_DIR/mamba_kernels_summary.txt"
+else
+  echo "no .kernels/: run python tests/kernels/fetch_kernels.py on the dev machine and carry .kernels" \
+    | tee -a "$OUT_DIR/mamba_kernels.log"
+  status=1
+fi
 fi
 exit $status
