@@ -1,0 +1,278 @@
+"""The shared ring: one writer derives, every reader copies; the protocol's fences, on the CPU.
+
+Most tests run the writer and its readers in this process, one after the other (each reader maps
+the segment through its own ``SharedRing.attach``). The race test runs readers in spawned processes
+whose copies are held back, and checks every step's bytes against what the writer wrote; its control
+(a writer that does not wait for releases) must see torn steps. The CUDA half is
+tests/gpu/test_multi_cuda.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import attnmeta
+from attnmeta import StaticProfile, stage_common
+from attnmeta.backends import flash_attn, flashinfer
+from attnmeta.backends.fused import FusedStepBuilder
+from attnmeta.staging import CapacityError, NotReplicableError, StepExpiredError
+from attnmeta.staging.shared import (
+    DescriptionError,
+    RingOverrunError,
+    RingReader,
+    RingWriter,
+    SharedRing,
+)
+from attnmeta.staging.stager import is_expired
+from attnmeta.testing.multi import assert_replica, run_reader, run_writer
+from attnmeta.testing.workloads import mixed_spec
+
+PROFILE = StaticProfile(max_num_reqs=16, max_num_tokens=4096, max_blocks_per_req=256, block_size=16)
+
+
+@pytest.fixture
+def ring() -> Iterator[SharedRing]:
+    r = SharedRing.create(num_readers=2, num_slots=3, slot_bytes=1 << 20)
+    yield r
+    r.unlink()
+
+
+def _spec(rng: np.random.Generator) -> Any:
+    return mixed_spec(rng, prefills=3, decodes=5, max_prompt=200, max_context=500)
+
+
+# ------------------------------------------------------------------------------------------ the protocol
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_readers_get_the_writers_metadata(ring: SharedRing, graph: bool) -> None:
+    """The composable builders in the writer; each reader's objects equal the writer's, in its own
+    device memory, host views in its own mapping of the shared slot; one copy per reader per step."""
+    writer = RingWriter(ring, "cpu", timeout=10, profile=PROFILE if graph else None)
+    readers = [RingReader(SharedRing.attach(ring.name), r, "cpu") for r in range(2)]
+    rng = np.random.default_rng(1)
+    for n in range(1, 10):
+        spec = _spec(rng)
+        with writer.step() as step:
+            common = stage_common(spec, step, paged_kv=True)
+            fa = flash_attn.stage(common, step)
+            fi = flashinfer.stage(common, step)
+        writer.publish({"fa": fa.result(), "fi": fi.result()})
+        for rd in readers:
+            got = rd.receive(timeout=10)
+            assert got is not None and got.number == n and sorted(got.names) == ["fa", "fi"]
+            gfa, gfi = got.result("fa"), got.result("fi")
+            assert gfa.common is gfi.common, "a part shared in the writer is shared in the reader"
+            assert_replica(fa.result(), gfa, shared_host=False)
+            assert_replica(fi.result(), gfi, shared_host=False)
+            np.testing.assert_array_equal(gfa.query_start_loc_cpu, fa.result().query_start_loc_cpu)
+            assert not gfa.seq_lens_cpu.flags.writeable, "a reader never writes the shared slot"
+            assert torch.equal(got.device("common.seq_lens"), step.device("common.seq_lens"))
+            np.testing.assert_array_equal(got.host("common.slot_mapping"), step.host("common.slot_mapping"))
+    assert [rd.stats.copies for rd in readers] == [9, 9]
+    assert writer.ring_stats.published == 9 and writer.ring_stats.waits == 0
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_fused_steps_go_as_patches_and_stay_exact(ring: SharedRing, graph: bool) -> None:
+    """FusedStepBuilder's replays change a few fields a step: the description goes as patches, and
+    every reader's objects stay equal to the writer's, step after step."""
+    from attnmeta.bench.scenarios import decode_walks
+
+    specs = dict(decode_walks(True))[8]
+    writer = RingWriter(ring, "cpu", timeout=10, profile=StaticProfile(
+        max_num_reqs=8, max_num_tokens=64, max_blocks_per_req=128, block_size=16) if graph else None)
+    builder = FusedStepBuilder(writer)
+    rd = RingReader(SharedRing.attach(ring.name), 0, "cpu")
+    idle = RingReader(SharedRing.attach(ring.name), 1, "cpu")  # receives, never decodes
+    sizes = []
+    for spec in specs[:30]:
+        fs = builder.build(spec)
+        writer.publish({"step": fs})
+        got = rd.receive(timeout=10)
+        assert got is not None and idle.receive(timeout=10) is not None
+        sizes.append(got._meta_len)
+        assert_replica(fs, got.result("step"), shared_host=False)
+    assert builder.stats.replayed > 0
+    assert max(sizes[10:]) < sizes[0], "replayed steps are described as patches, smaller than the first"
+
+
+def test_a_reader_that_never_decodes_stays_in_step(ring: SharedRing) -> None:
+    writer = RingWriter(ring, "cpu", timeout=10)
+    builder = FusedStepBuilder(writer)
+    readers = [RingReader(SharedRing.attach(ring.name), r, "cpu") for r in range(2)]
+    rng = np.random.default_rng(2)
+    specs = [_spec(rng) for _ in range(4)]
+    for i in range(24):
+        fs = builder.build(specs[i % 4])
+        writer.publish({"step": fs})
+        lazy = readers[0].receive(timeout=10)
+        eager = readers[1].receive(timeout=10)
+        assert lazy is not None and eager is not None
+        assert_replica(fs, eager.result("step"), shared_host=False)
+        if i % 5 == 4:  # the lazy reader decodes only now and then
+            assert_replica(fs, lazy.result("step"), shared_host=False)
+
+
+def test_lifetimes_and_releases(ring: SharedRing) -> None:
+    """A reader holds its last num_slots - 1 steps; a step expires (its objects raise) when the one
+    num_slots - 1 later is received, and only then is its slot released."""
+    writer = RingWriter(ring, "cpu", timeout=10)
+    rd = RingReader(SharedRing.attach(ring.name), 0, "cpu")
+    other = RingReader(SharedRing.attach(ring.name), 1, "cpu")
+    spec = _spec(np.random.default_rng(3))
+    got, objs = [], []
+    for _ in range(3):
+        meta = attnmeta.build(spec, writer, "flash_attn")
+        writer.publish({"fa": meta})
+        got.append(rd.receive(timeout=10))
+        objs.append(got[-1].result("fa"))
+        other.receive(timeout=10)
+    first = objs[0]
+    assert is_expired(first), "step 1 expired when step 3 was received (num_slots - 1 = 2 later)"
+    with pytest.raises(StepExpiredError, match="ring step 1"):
+        got[0].result("fa")
+    assert not is_expired(objs[1]) and got[1].result("fa") is objs[1]
+    assert ring.done(0, 0) == 1 and ring.done(0, 1) == 0, "step 1's slot released, step 2's held"
+    assert ring.received(0) == 3
+
+
+def test_abandoned_steps_are_skipped(ring: SharedRing) -> None:
+    writer = RingWriter(ring, "cpu", timeout=10)
+    rd = RingReader(SharedRing.attach(ring.name), 0, "cpu")
+    rd1 = RingReader(SharedRing.attach(ring.name), 1, "cpu")
+    with pytest.raises(RuntimeError, match="boom"), writer.step() as step:
+        step.alloc("x", 2, np.int32)[:] = 5
+        raise RuntimeError("boom")
+    with writer.step() as step:
+        step.alloc("x", 2, np.int32)[:] = 7
+    writer.publish()
+    for r in (rd, rd1):
+        got = r.receive(timeout=10)
+        assert got is not None and got.number == 2 and got.device("x").tolist() == [7, 7]
+        assert r.stats.steps == 2 and r.stats.copies == 1
+
+
+def test_publish_is_required_and_checked(ring: SharedRing) -> None:
+    writer = RingWriter(ring, "cpu", timeout=10)
+    with pytest.raises(RuntimeError, match="no committed step"):
+        writer.publish()
+    spec = _spec(np.random.default_rng(4))
+    meta = attnmeta.build(spec, writer, "flashinfer", flashinfer.FlashInferOptions(indices="device"))
+    with pytest.raises(RuntimeError, match="was not published"):
+        writer.step()
+    with pytest.raises(NotReplicableError):
+        writer.publish({"fi": meta})
+    writer.publish()  # the step goes without it
+    with pytest.raises(RuntimeError, match="not published"):
+        attnmeta.build(spec, writer, "flash_attn")
+        writer.close()
+    writer.publish()
+    writer.close()
+    rd = RingReader(SharedRing.attach(ring.name), 0, "cpu")
+    assert rd.receive(timeout=10) is not None and rd.receive(timeout=10) is not None
+    assert rd.receive(timeout=10) is None, "a closed ring ends after its last step"
+
+
+def test_capacities_are_fixed(ring: SharedRing) -> None:
+    small = SharedRing.create(num_readers=1, num_slots=2, slot_bytes=4096, meta_bytes=4096)
+    try:
+        writer = RingWriter(small, "cpu")
+        with pytest.raises(CapacityError, match="never grow"), writer.step() as step:
+            step.alloc("x", 5000, np.int64)
+        gwriter_ring = SharedRing.create(num_readers=1, num_slots=2, slot_bytes=4096)
+        try:
+            gw = RingWriter(gwriter_ring, "cpu", profile=PROFILE)
+            with pytest.raises(CapacityError, match="graph layout"), gw.step() as step:
+                step.alloc("x", 1, np.int64, capacity=10_000)
+        finally:
+            gwriter_ring.unlink()
+    finally:
+        small.unlink()
+    with pytest.raises(ValueError, match="num_slots"):
+        SharedRing.create(num_readers=1, num_slots=1)
+    with pytest.raises(ValueError, match="hold"):
+        RingReader(ring, 0, "cpu", hold=3)
+
+
+def test_a_writer_that_outruns_its_readers_times_out_naming_them(ring: SharedRing) -> None:
+    writer = RingWriter(ring, "cpu", timeout=0.2)
+    rd = RingReader(SharedRing.attach(ring.name), 0, "cpu")
+    for _ in range(3):
+        with writer.step() as step:
+            step.alloc("x", 1, np.int32)[:] = 1
+        writer.publish()
+    rd.receive(timeout=10)
+    with pytest.raises(TimeoutError, match=r"readers \[0, 1\] have not released step 1"):
+        writer.step()
+
+
+def test_overrun_and_description_mismatch_are_caught(ring: SharedRing) -> None:
+    """What the protocol rules out is detected, not silently read: a slot that holds a later step than
+    the reader expects, and a patch of a description state the reader does not hold."""
+    writer = RingWriter(ring, "cpu", timeout=10)
+    late = RingReader(SharedRing.attach(ring.name), 1, "cpu")
+    with writer.step() as step:
+        step.alloc("x", 1, np.int32)[:] = 1
+    writer.publish()
+    ring.header[16] = 4  # slot 0's seq: as if the writer had lapped this reader (it never does while fencing)
+    with pytest.raises(RingOverrunError, match="slot 0 holds step 4, expected step 1"):
+        late.receive(timeout=1)
+    ring2 = SharedRing.create(num_readers=1, num_slots=2)
+    try:
+        w2 = RingWriter(ring2, "cpu", timeout=10)
+        fb = FusedStepBuilder(w2)
+        rd = RingReader(SharedRing.attach(ring2.name), 0, "cpu", hold=1)
+        spec = _spec(np.random.default_rng(5))
+        for _ in range(2):
+            w2.publish({"s": fb.build(spec)})
+            rd.receive(timeout=10)
+        rd._resolver.states.clear()  # as if this reader had missed steps 1 and 2
+        w2.publish({"s": fb.build(spec)})  # step 3, slot 0: a patch of step 1's description
+        with pytest.raises(DescriptionError, match="receive every step"):
+            rd.receive(timeout=10)
+    finally:
+        ring2.unlink()
+
+
+# ------------------------------------------------------------------------------------------ the race test
+READERS = 3
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[Any]:
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(READERS) as p:
+        yield p
+
+
+def _race(pool: Any, steps: int, fencing: bool, num_slots: int) -> tuple[dict[str, float], list[dict[str, int]]]:
+    ring = SharedRing.create(num_readers=READERS, num_slots=num_slots, slot_bytes=64 << 10, meta_bytes=4096)
+    try:
+        jobs = [pool.apply_async(run_reader, (ring.name, r, 11), {"hold_every": 4, "hold_seconds": 0.003})
+                for r in range(READERS)]
+        stats = run_writer(ring, steps, 11, fencing=fencing)
+        return stats, [j.get(timeout=300) for j in jobs]
+    finally:
+        ring.unlink()
+
+
+def test_race_free_with_fencing_under_held_copies(pool: Any) -> None:
+    """Three reader processes whose copies are held back (every 4th copy waits 3 ms): with the
+    protocol's fences no reader ever sees a step other than the one the writer wrote."""
+    stats, results = _race(pool, 1500, fencing=True, num_slots=3)
+    for r in results:
+        assert r == {"steps": 1500, "torn_device": 0, "torn_host": 0, "overruns": 0}, r
+    assert stats["waits"] > 0, "the writer had to wait for held readers (else the test held nothing)"
+
+
+def test_race_test_detects_missing_fencing(pool: Any) -> None:
+    """The same test with a writer that waits only until readers have received a step must see torn
+    steps, or it proves nothing."""
+    _, results = _race(pool, 600, fencing=False, num_slots=2)
+    torn = sum(r["torn_device"] + r["torn_host"] + r["overruns"] for r in results)
+    assert torn > 0, results
