@@ -26,7 +26,8 @@ one rank's loop; one-process, the one thread's). Medians over rounds; garbage co
 
 On a CPU "device" (``--device cpu``: ``N`` CPU arenas stand for ``N`` devices) each copy is a
 ``memcpy`` of the step's staged bytes, which a GPU's DMA engine does instead; the ``copies`` row
-times ``N`` such copies alone, the part of every path's total that is the simulated devices' own.
+(CPU only) times ``N`` such copies alone, the part of every path's total that is the simulated
+devices' own.
 With ``--device cuda`` the ranks are ``cuda:0`` .. ``cuda:N-1`` (``N`` at most the device count).
 
 Run: ``python benchmarks/bench_multi_rank.py [--device cpu|cuda] [--ranks 2,4,8] [--batches 1,64,256,1024]
@@ -195,8 +196,9 @@ def main() -> None:
         for n in ranks:
             devices = [f"cuda:{r}" for r in range(n)] if args.device.startswith("cuda") else ["cpu"] * n
             paths = _Paths(n, specs, devices, build, args.block, slot_bytes=8 << 20)
-            fns = {"independent": paths.independent, "one-process": paths.one_process, "ring": paths.ring_path,
-                   "copies": paths.copies}
+            fns = {"independent": paths.independent, "one-process": paths.one_process, "ring": paths.ring_path}
+            if not args.device.startswith("cuda"):  # (a GPU's copies are DMA, not host work)
+                fns["copies"] = paths.copies
             for _ in range(args.warm):
                 for fn in fns.values():
                     fn()

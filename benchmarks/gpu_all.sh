@@ -38,14 +38,23 @@
 #           names ".kernels" in carry. Without it the part fails with that message. Triton compiles and
 #           autotunes the kernels on the first batches (about 300 configs, a few minutes);
 #           ATTNMETA_KERNELS_FIRST_CONFIG=1 keeps each kernel's first config instead, should that not fit.
+#   multi   needs 2 GPUs (the nvidia-h200-x2 machine; on fewer the part says so and fails), so it runs only
+#           when named: tests/gpu/test_multi_cuda.py with -s (MultiStager on cuda:0 and cuda:1: one H2D per
+#           device per step from a profiler trace, no sync, the race test with both streams held and its
+#           control, CUDA-graph replay on both devices, the "MULTI ..." lines of host time against two
+#           independent stagers; the shared ring with a reader process on cuda:1: its race test and control,
+#           receives without a sync) -> multi_tests.log, multi_summary.txt; then benchmarks/bench_multi_rank.py
+#           --device cuda --ranks 2 (independent / one-process / ring; decode batch 1 to 1024, then the mixed
+#           step) -> multi_bench.txt. The gpu part leaves test_multi_cuda.py to this part.
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
 #   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit kernels engine
-#   enginebench mamba-kernels", default all). One device call allows 600 s, so a full run takes seven
-#   calls: PARTS="gpu decode bench", "mamba audit", "suites", "kernels", "engine", "enginebench", then
-#   "mamba-kernels" (with carry [".kernels"]).
+#   enginebench mamba-kernels multi", default all but multi). One device call allows 600 s, so a full run
+#   takes seven calls: PARTS="gpu decode bench", "mamba audit", "suites", "kernels", "engine",
+#   "enginebench", then "mamba-kernels" (with carry [".kernels"]); on the nvidia-h200-x2 machine
+#   PARTS="multi" is one more.
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels} "
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels} "  # multi: by name
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -61,7 +70,7 @@ if want gpu; then
 echo "== gpu: tests/gpu" | tee "$OUT_DIR/gpu_tests.log"
 timeout 120 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu -q -rs -p no:cacheprovider \
   --ignore=tests/gpu/test_mla_kernels_cuda.py --ignore=tests/gpu/test_gdn_kernels_cuda.py \
-  --ignore=tests/gpu/test_engine_cuda.py 2>&1 | tee -a "$OUT_DIR/gpu_tests.log" || status=1
+  --ignore=tests/gpu/test_engine_cuda.py --ignore=tests/gpu/test_multi_cuda.py 2>&1 | tee -a "$OUT_DIR/gpu_tests.log" || status=1
 fi
 if want decode; then
 echo "== decode: steady-state decode step" | tee "$OUT_DIR/bench_decode.txt"
@@ -123,6 +132,22 @@ else
   echo "no .kernels/: run python tests/kernels/fetch_kernels.py on the dev machine and carry .kernels" \
     | tee -a "$OUT_DIR/mamba_kernels.log"
   status=1
+fi
+fi
+if want multi; then
+echo "== multi: several GPUs (MultiStager, the shared ring)" | tee "$OUT_DIR/multi_tests.log"
+ngpu=$($PY -c "import torch; print(torch.cuda.device_count())")
+if [ "$ngpu" -lt 2 ]; then
+  echo "multi: needs 2 CUDA devices, this machine has $ngpu (run it on nvidia-h200-x2)" | tee -a "$OUT_DIR/multi_tests.log"
+  status=1
+else
+  timeout 300 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu/test_multi_cuda.py -q -s -rs \
+    -p no:cacheprovider 2>&1 | tee -a "$OUT_DIR/multi_tests.log" || status=1
+  grep "^MULTI " "$OUT_DIR/multi_tests.log" | tee "$OUT_DIR/multi_summary.txt"
+  echo "== multi: host work of a step, derived once vs by every rank" | tee "$OUT_DIR/multi_bench.txt"
+  timeout 150 $PY benchmarks/bench_multi_rank.py --device cuda --ranks 2 2>&1 | tee -a "$OUT_DIR/multi_bench.txt" || status=1
+  timeout 100 $PY benchmarks/bench_multi_rank.py --device cuda --ranks 2 --scenario mixed 2>&1 \
+    | tee -a "$OUT_DIR/multi_bench.txt" || status=1
 fi
 fi
 exit $status

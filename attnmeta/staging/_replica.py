@@ -23,6 +23,7 @@ arena.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import operator
@@ -40,7 +41,7 @@ from attnmeta.staging.stager import StepExpiredError, StepNotCommittedError
 if TYPE_CHECKING:
     from attnmeta.staging.stager import Stager, Step
 
-__all__ = ["ArrayAt", "Decoder", "DescriptionError", "Encoder", "NotReplicableError", "Resolver", "Retarget", "TensorAt", "arena_keys", "owner", "placement"]
+__all__ = ["ArenaIndex", "ArrayAt", "Decoder", "DescriptionError", "Encoder", "NotReplicableError", "Resolver", "Retarget", "TensorAt", "arena_keys", "owner", "placement"]
 
 
 class NotReplicableError(ValueError):
@@ -78,6 +79,7 @@ KINDS: dict[type, int] = {t: ATOM for t in (int, float, bool, str, bytes, comple
                                               torch.dtype, torch.device, np.dtype)}
 KINDS.update({torch.Tensor: TENSOR, np.ndarray: ARRAY, tuple: TUPLE, list: LIST, dict: DICT})
 GETTERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+_PLAIN = frozenset((int, float, bool, str, type(None)))
 FACTORIES: dict[type, Callable[..., Any]] = {}
 
 
@@ -136,15 +138,50 @@ def _storage_key(t: torch.Tensor) -> int:
 
 def arena_keys(stager: Stager) -> dict[int, int]:
     """``{storage identity: arena}`` of ``stager``'s device arenas now (eager: the ring slots'; graph
-    mode: -1 for the one arena), for :func:`placement`. Valid until an arena is reallocated (a step
-    that grew a slot or the graph layout)."""
+    mode: -1 for the one arena)."""
     if stager.graph_mode:
         arena = stager._graph_arena
         return {} if arena is None else {_storage_key(arena): -1}
     return {_storage_key(s.device_arena): s.index for s in stager._slots if s.device_arena is not None}
 
 
-def placement(stager: Stager, t: torch.Tensor, arenas: dict[int, int] | None = None) -> TensorAt:
+class ArenaIndex:
+    """Which arena of a stager a device view lies in, found fast: by the view's root tensor (the
+    typed view of an arena every field view is carved from) once that root has been seen, else by
+    its storage. Valid until an arena is reallocated (a step that grew a slot or the graph layout):
+    the caller makes a new one then.
+
+    Parameters
+    ----------
+    stager : Stager
+        The stager whose arenas to index.
+    """
+
+    __slots__ = ("fields", "keys", "roots")
+
+    def __init__(self, stager: Stager) -> None:
+        self.keys = arena_keys(stager)
+        self.roots: dict[int, tuple[torch.Tensor, int]] = {}
+        self.fields: tuple[list[int], list[Any]] | None = None
+        if stager.graph_mode:  # the graph layout by offset, for the staged-rows check
+            laid = sorted(stager._layout.values(), key=lambda f: f.offset)
+            self.fields = ([f.offset for f in laid], laid)
+
+    def find(self, t: torch.Tensor) -> int:
+        """The arena of ``t`` (:attr:`TensorAt.arena`), or -2 for none of the stager's."""
+        root = t._base
+        if root is None:
+            root = t
+        hit = self.roots.get(id(root))
+        if hit is not None and hit[0] is root:
+            return hit[1]
+        at = self.keys.get(_storage_key(t), -2)
+        if at != -2:
+            self.roots[id(root)] = (root, at)
+        return at
+
+
+def placement(stager: Stager, t: torch.Tensor, index: ArenaIndex | None = None) -> TensorAt:
     """Where ``t``, a device tensor of a committed step of ``stager``, lies in the stager's arenas.
 
     Parameters
@@ -153,8 +190,8 @@ def placement(stager: Stager, t: torch.Tensor, arenas: dict[int, int] | None = N
         The stager whose step handed ``t`` out.
     t : torch.Tensor
         On ``stager.device``.
-    arenas : dict, optional
-        :func:`arena_keys` of ``stager``, if the caller keeps it; default: computed here.
+    index : ArenaIndex, optional
+        The caller's :class:`ArenaIndex` of ``stager``; default: a new one.
 
     Returns
     -------
@@ -169,7 +206,9 @@ def placement(stager: Stager, t: torch.Tensor, arenas: dict[int, int] | None = N
     StepExpiredError, StepNotCommittedError
         The arena's step has expired (a newer step claimed the memory) or has not committed.
     """
-    at = (arena_keys(stager) if arenas is None else arenas).get(_storage_key(t), -2)
+    if index is None:
+        index = ArenaIndex(stager)
+    at = index.find(t)
     if at == -2:
         raise NotReplicableError(
             f"a {tuple(t.shape)} {t.dtype} tensor on {t.device} is not a view of the step's copy: a builder "
@@ -177,7 +216,8 @@ def placement(stager: Stager, t: torch.Tensor, arenas: dict[int, int] | None = N
             f"fields on the host, e.g. FlashInfer indices='host', local attention block_table='host')")
     step = owner(stager, at)
     size = t.element_size()
-    lo = t.storage_offset() * size
+    off = int(t.storage_offset())
+    lo = off * size
     n = _extent(t)
     if n:
         hi = lo + n * size
@@ -186,18 +226,23 @@ def placement(stager: Stager, t: torch.Tensor, arenas: dict[int, int] | None = N
                 raise NotReplicableError(f"a {tuple(t.shape)} {t.dtype} view reaches byte {hi} of the step's "
                                          f"arena, past the {step._used} bytes the step copied")
         else:
-            for f in stager._layout.values():
-                end = f.offset + f.capacity * f.row_bytes
-                if f.offset <= lo < end:
-                    staged = step._fields.get(f.name)
-                    if staged is None or staged.rows == 0 or hi > end:
-                        raise NotReplicableError(
-                            f"{f.name}: a {tuple(t.shape)} {t.dtype} view of a field the step staged "
-                            f"{0 if staged is None else staged.rows} rows of: a buffer a builder filled on "
-                            f"the device when result() ran, which no other device's copy holds (stage the "
-                            f"field on the host)")
-                    break
-    return TensorAt(at, int(t.storage_offset()), t.dtype, tuple(t.shape), tuple(t.stride()))
+            if index.fields is None or len(index.fields[1]) != len(stager._layout):
+                index.fields = None
+                laid = sorted(stager._layout.values(), key=lambda f: f.offset)
+                index.fields = ([f.offset for f in laid], laid)
+            offsets, laid = index.fields
+            j = bisect.bisect_right(offsets, lo) - 1
+            f = laid[j] if j >= 0 else None
+            end = 0 if f is None else f.offset + f.capacity * f.row_bytes
+            if f is not None and lo < end:
+                staged = step._fields.get(f.name)
+                if staged is None or staged.rows == 0 or hi > end:
+                    raise NotReplicableError(
+                        f"{f.name}: a {tuple(t.shape)} {t.dtype} view of a field the step staged "
+                        f"{0 if staged is None else staged.rows} rows of: a buffer a builder filled on "
+                        f"the device when result() ran, which no other device's copy holds (stage the "
+                        f"field on the host)")
+    return TensorAt(at, off, t.dtype, tuple(t.shape), tuple(t.stride()))
 
 
 def owner(stager: Stager, arena: int) -> Step:
@@ -350,7 +395,12 @@ class Encoder:
                     pos = sorted(set(pos).union(compress(range(len(vals)), map(operator.not_, lsticky))))
                 new = []
                 for i in pos:
-                    e, sticky[i] = self.encode(vals[i])
+                    x = vals[i]
+                    if type(x) in _PLAIN:
+                        e = x
+                        sticky[i] = True
+                    else:
+                        e, sticky[i] = self.encode(x)
                     encs[i] = e
                     new.append(e)
                 out = (W_PATCH, _class_key(t), self.gen, base, tuple(pos), tuple(new), tag)
@@ -475,7 +525,8 @@ class Decoder:
             if last is not None and len(last[0]) == len(vals):
                 new = list(last[1])
                 for i in compress(range(len(vals)), map(operator.is_not, vals, last[0])):
-                    new[i] = self(vals[i])
+                    x = vals[i]
+                    new[i] = self(x) if type(x) is tuple else x
             else:
                 new = [self(x) for x in vals]
             self.lasts[key] = (vals, new)
@@ -518,7 +569,8 @@ class Retarget:
     def __init__(self, tensor: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.tensor = tensor
         self.twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.lasts: dict[tuple[type, int], tuple[tuple[Any, ...], list[Any]]] = {}
+        # per (type, slot): the last values and their replicas (the values themselves: a host-only object)
+        self.lasts: dict[tuple[type, int], tuple[tuple[Any, ...], list[Any] | tuple[Any, ...]]] = {}
         self.memo: dict[int, tuple[Any, Any]] = {}
         self.own: Callable[[Any], Any] | None = None
         """Called with each new metadata object (``Step.own`` of the step being replicated), or None."""
@@ -562,12 +614,14 @@ class Retarget:
             if last is not None:
                 new = list(last[1])
                 for i in compress(range(len(vals)), map(operator.is_not, vals, last[0])):
-                    new[i] = self(vals[i])
+                    x = vals[i]
+                    new[i] = x if type(x) in _PLAIN else self(x)
             else:
                 new = [self(x) for x in vals]
             self.lasts[key] = (vals, new)
-            if all(map(operator.is_, new, vals)):
-                out = v
+            if (last is None or last[1] is last[0] or not new) and all(map(operator.is_, new, vals)):
+                out = v  # nothing to replicate: the object itself (its lasts entry says so next time)
+                self.lasts[key] = (vals, vals)
             else:
                 out = FACTORIES[t](*new)
                 if self.own is not None and isinstance(out, MetadataBase):

@@ -61,7 +61,7 @@ import torch
 
 from attnmeta._fields import MetadataBase
 from attnmeta.profile import StaticProfile
-from attnmeta.staging._replica import NotReplicableError, Retarget, TensorAt, arena_keys, owner, placement
+from attnmeta.staging._replica import ArenaIndex, NotReplicableError, Retarget, TensorAt, owner, placement
 from attnmeta.staging.staged import Staged
 from attnmeta.staging.stager import (
     _GET_CURRENT_STREAM,
@@ -278,7 +278,7 @@ class MultiStager(Stager):
         self._mirrors = [_Mirror(d, self.num_slots) for d in devs[1:]]
         self._primary = DeviceStats()
         self._places: dict[int, tuple[torch.Tensor, TensorAt]] = {}  # id(device view) -> its placement
-        self._arenas: dict[int, int] | None = None  # arena_keys(self), while no arena moves
+        self._arenas: ArenaIndex | None = None  # where views lie, while no arena moves
         self._retargets = [Retarget(functools.partial(self._twin, k)) for k in range(len(self._mirrors))]
         if not self.graph_mode:
             for m in self._mirrors:
@@ -471,7 +471,7 @@ class MultiStager(Stager):
             at = hit[1]
         else:
             if self._arenas is None:
-                self._arenas = arena_keys(self)
+                self._arenas = ArenaIndex(self)
             at = placement(self, t, self._arenas)
             if len(self._places) >= 4096:
                 self._places.clear()

@@ -97,13 +97,13 @@ import torch
 
 from attnmeta.profile import StaticProfile
 from attnmeta.staging._replica import (
+    ArenaIndex,
     ArrayAt,
     Decoder,
     DescriptionError,
     Encoder,
     Resolver,
     TensorAt,
-    arena_keys,
     placement,
 )
 from attnmeta.staging.stager import (
@@ -462,7 +462,7 @@ class RingWriter(Stager):
         super().__init__(dev, num_slots=ring.num_slots, profile=profile, initial_bytes=ring.slot_bytes,
                          num_kv_blocks=num_kv_blocks, check_lifetimes=check_lifetimes,
                          _unsafe_disable_fencing=_unsafe_disable_fencing)
-        self._arenas: dict[int, int] | None = None
+        self._arenas: ArenaIndex | None = None
         self._places: dict[int, tuple[torch.Tensor, TensorAt]] = {}
         self._arrays: dict[int, tuple[np.ndarray, ArrayAt | None]] = {}
         self._publishing = -1  # the slot of the step publish() is describing
@@ -590,7 +590,7 @@ class RingWriter(Stager):
         skel: dict[str, Any] = {}
         if results:
             if self._arenas is None:
-                self._arenas = arena_keys(self)
+                self._arenas = ArenaIndex(self)
             enc = self._encoder
             self._publishing = enc.slot = step._slot.index
             enc.memo.clear()
@@ -635,7 +635,7 @@ class RingWriter(Stager):
             at = hit[1]
         else:
             if self._arenas is None:
-                self._arenas = arena_keys(self)
+                self._arenas = ArenaIndex(self)
             at = placement(self, t, self._arenas)
             if len(self._places) >= 4096:
                 self._places.clear()
