@@ -245,6 +245,29 @@ def placement(stager: Stager, t: torch.Tensor, index: ArenaIndex | None = None) 
     return TensorAt(at, off, t.dtype, tuple(t.shape), tuple(t.stride()))
 
 
+def arena_view(at: TensorAt, arena: torch.Tensor | None, typed: dict[tuple[int, torch.dtype], torch.Tensor],
+               views: dict[TensorAt, torch.Tensor]) -> torch.Tensor:
+    """The tensor at ``at`` in ``arena`` (the uint8 device arena ``at`` names), a view of its bytes.
+
+    ``views`` caches the views per placement (cleared past 4096), ``typed`` each arena's
+    reinterpretation per dtype; a holder drops both when it reallocates an arena.
+    """
+    v = views.get(at)
+    if v is not None:
+        return v
+    assert arena is not None, "a placement in an arena this device has not received"
+    key = (at.arena, at.dtype)
+    t = typed.get(key)
+    if t is None:
+        size = torch.empty((), dtype=at.dtype).element_size()
+        t = typed[key] = arena[: arena.shape[0] // size * size].view(at.dtype)
+    v = t.as_strided(at.shape, at.stride, at.offset)
+    if len(views) >= 4096:
+        views.clear()
+    views[at] = v
+    return v
+
+
 def owner(stager: Stager, arena: int) -> Step:
     """The committed, live step whose data the arena ``arena`` (:attr:`TensorAt.arena`) of ``stager``
     holds.

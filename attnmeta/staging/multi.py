@@ -61,7 +61,15 @@ import torch
 
 from attnmeta._fields import MetadataBase
 from attnmeta.profile import StaticProfile
-from attnmeta.staging._replica import ArenaIndex, NotReplicableError, Retarget, TensorAt, owner, placement
+from attnmeta.staging._replica import (
+    ArenaIndex,
+    NotReplicableError,
+    Retarget,
+    TensorAt,
+    arena_view,
+    owner,
+    placement,
+)
 from attnmeta.staging.staged import Staged
 from attnmeta.staging.stager import (
     _GET_CURRENT_STREAM,
@@ -170,21 +178,8 @@ class _Mirror:
 
     def view(self, at: TensorAt) -> torch.Tensor:
         """The view at ``at`` in this device's arena (cached per placement)."""
-        v = self.views.get(at)
-        if v is not None:
-            return v
         arena = self.arenas[at.arena] if at.arena >= 0 else self.graph_arena
-        assert arena is not None, "a placement in an arena this device has not received"
-        key = (at.arena, at.dtype)
-        typed = self.typed.get(key)
-        if typed is None:
-            size = torch.empty((), dtype=at.dtype).element_size()
-            typed = self.typed[key] = arena[: arena.shape[0] // size * size].view(at.dtype)
-        v = typed.as_strided(at.shape, at.stride, at.offset)
-        if len(self.views) >= 4096:
-            self.views.clear()
-        self.views[at] = v
-        return v
+        return arena_view(at, arena, self.typed, self.views)
 
     def forget(self) -> None:
         """Drop the cached views (an arena was reallocated)."""

@@ -104,6 +104,7 @@ from attnmeta.staging._replica import (
     Encoder,
     Resolver,
     TensorAt,
+    arena_view,
     placement,
 )
 from attnmeta.staging.stager import (
@@ -923,21 +924,8 @@ class RingReader:
 
     # ---------------------------------------------------------------- views
     def _device_view(self, at: TensorAt) -> torch.Tensor:
-        v = self._views.get(at)
-        if v is not None:
-            return v
         arena = self._arenas[at.arena] if at.arena >= 0 else self._graph_arena
-        assert arena is not None
-        key = (at.arena, at.dtype)
-        typed = self._typed.get(key)
-        if typed is None:
-            size = torch.empty((), dtype=at.dtype).element_size()
-            typed = self._typed[key] = arena[: arena.shape[0] // size * size].view(at.dtype)
-        v = typed.as_strided(at.shape, at.stride, at.offset)
-        if len(self._views) >= 4096:
-            self._views.clear()
-        self._views[at] = v
-        return v
+        return arena_view(at, arena, self._typed, self._views)
 
     def _host_view(self, at: ArrayAt) -> np.ndarray:
         v = self._host.get(at)
