@@ -41,16 +41,15 @@ printed at the end of the module (run with ``-s``; ``benchmarks/gpu_all.sh OUT k
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
+from audit_helpers import audited
 
 from attnmeta import BatchSpec, Stager
 from attnmeta.backends.mamba.gdn import FLA_CHUNK_SIZE, GdnMetadata, GdnOptions
 from attnmeta.backends.mamba.gdn import build as build_gdn
-from attnmeta.sync import no_device_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -91,18 +90,6 @@ def _summary() -> Iterator[None]:
     for name, r in RESULTS.items():
         print(f"\nKERNEL {name}: {int(r['batches'])} batches, {int(r['rows'])} rows, worst |err| {r['worst']:.3e} "
               f"(atol {ATOL}, rtol {RTOL})")
-
-
-@contextmanager
-def audited() -> Iterator[None]:
-    """torch's sync debug mode at "error" plus attnmeta's audit (host reads, unsafe copies)."""
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with no_device_sync():
-            yield
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -19,20 +19,18 @@ call raises. The kernels then run outside the audit and are compared with dense 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from audit_helpers import audited
 
 from attnmeta import BatchSpec, Stager, stage_common
 from attnmeta.backends import fast_prefill, flash_attn, flashinfer, local_attn
 from attnmeta.backends.flashinfer import FlashInferOptions, host_tensor
 from attnmeta.backends.local_attn import LocalAttnOptions
-from attnmeta.sync import no_device_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -44,18 +42,6 @@ PAGE = 16
 HEADS = 4
 HEAD_DIM = 64
 SEEDS = range(12)
-
-
-@contextmanager
-def audited() -> Iterator[None]:
-    """torch's sync debug mode at "error" plus attnmeta's audit (host reads, unsafe copies)."""
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with no_device_sync():
-            yield
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
 
 
 # ------------------------------------------------------------------------------------------------

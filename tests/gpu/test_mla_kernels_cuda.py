@@ -35,18 +35,17 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from audit_helpers import audited
 
 from attnmeta import BatchSpec, Stager
 from attnmeta.backends.flashinfer import host_tensor
 from attnmeta.backends.mla import MLAMetadata, MLAOptions
 from attnmeta.backends.mla import build as build_mla
-from attnmeta.sync import no_device_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -94,18 +93,6 @@ def _summary() -> Iterator[None]:
         chunks = f", {int(r['chunks'])} context chunks" if r["chunks"] else ""
         print(f"\nKERNEL {name}: {int(r['batches'])} batches, {int(r['rows'])} rows{chunks}, "
               f"worst |err| {r['worst']:.3e} (atol {ATOL}, rtol {RTOL})")
-
-
-@contextmanager
-def audited() -> Iterator[None]:
-    """torch's sync debug mode at "error" plus attnmeta's audit (host reads, unsafe copies)."""
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with no_device_sync():
-            yield
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
 
 
 # ------------------------------------------------------------------------------------------------

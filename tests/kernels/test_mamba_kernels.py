@@ -85,12 +85,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from audit_helpers import audited
 
 from attnmeta import BatchSpec, Stager
 from attnmeta.backends.mamba.mamba2 import Mamba2Metadata, Mamba2Options
 from attnmeta.backends.mamba.mamba2 import build as build_mamba2
 from attnmeta.host.mamba import CheckpointConfig
-from attnmeta.sync import no_device_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / ".kernels"
@@ -146,22 +146,6 @@ def _summary() -> Iterator[None]:
               f"{r['worst']:.3e} (atol {ATOL}, rtol {RTOL}; {WHERE})")
     for note, count in NOTES.items():
         print(f"\nNOTE {note}: {count}")
-
-
-@contextlib.contextmanager
-def audited() -> Iterator[None]:
-    """On CUDA, torch's sync debug mode at "error" plus attnmeta's audit; on the CPU, the audit."""
-    if DEVICE.type != "cuda":
-        with no_device_sync():
-            yield
-        return
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with no_device_sync():
-            yield
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
 
 
 # ------------------------------------------------------------------------------------------------
