@@ -40,6 +40,7 @@ from attnmeta.backends.mamba import mamba2
 from attnmeta.backends.mamba.mamba2 import Mamba2Metadata, Mamba2Options
 from attnmeta.backends.mamba.mamba2 import block_table_columns as mamba_columns
 from attnmeta.metadata import CommonAttentionMetadata
+from attnmeta.staging import STAGEABLE_DTYPES
 from attnmeta.sync import allow_device_sync
 
 from .hybrid import PagedBamba
@@ -47,8 +48,6 @@ from .kernels import AttentionKernel, FlashInferKernel
 from .kv_cache import BlockPool
 from .model import PagedLlama
 from .scheduler import Request, Scheduler, SchedulerOutput
-
-_TORCH_DTYPE = {"i4": torch.int32, "i8": torch.int64, "b1": torch.bool, "f4": torch.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,7 +355,7 @@ class Engine:
             key = (a.__array_interface__["data"][0], a.shape)
             if key not in uploaded:
                 self.stats.metadata_copies += 1
-                host = torch.empty(a.shape, dtype=_TORCH_DTYPE[a.dtype.str[1:]], pin_memory=self.device.type == "cuda")
+                host = torch.empty(a.shape, dtype=STAGEABLE_DTYPES[a.dtype], pin_memory=self.device.type == "cuda")
                 host.numpy()[...] = a  # freshly pinned memory per field, as vLLM's async_tensor_h2d
                 uploaded[key] = (host.to(self.device, non_blocking=True), host.numpy())
             return uploaded[key]
