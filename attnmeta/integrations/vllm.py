@@ -410,7 +410,7 @@ def spec_from_vllm(
             num_reqs_padded=B if n < B else None, num_tokens_padded=T if total < T else None,
             context_parallel=context_parallel,
         )
-    except ValueError as e:
+    except ValueError as e:  # q is a numpy array of host data: its tolist() reads no device
         raise ValueError(
             f"spec_from_vllm: {e} (vLLM batch: num_reqs={B}, real rows {n}, num_actual_tokens={T}, "
             f"query lengths {q[:8].tolist()}{' ...' if B > 8 else ''})"
