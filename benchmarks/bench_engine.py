@@ -20,7 +20,15 @@ Modes: ``graphs`` (graph-mode stager, decode steps replayed as CUDA graphs, Flas
 (FlashInfer, no graphs), ``per-tensor`` (eager, the same host derivation with every field uploaded
 on its own from freshly pinned memory, the pattern of vLLM's ``async_tensor_h2d``).
 
-Usage: python benchmarks/bench_engine.py --device cuda [--concurrency 1,64,256] [--json FILE]
+``--model hybrid-1b``: a ~1.4B Bamba (13 Mamba2 layers through vLLM's Triton kernels, 3 attention
+layers through FlashInfer), eager steps only (the engine captures no graphs for a hybrid model). Two
+more columns: ``mamba ms``, the part of attnmeta's time that builds the Mamba state group's metadata
+(its spec, ``stage_common``, ``mamba2.stage``, the result; the one copy is shared), and its share of
+the step; and a second line per concurrency, ``prefill``, with the medians over the steps that carry
+prompt tokens (where the Mamba2 chunk metadata is built).
+
+Usage: python benchmarks/bench_engine.py --device cuda [--model 1b|hybrid-1b] [--concurrency 1,64,256]
+[--json FILE]
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnmeta.sync import record_device_syncs
 from examples.engine import Engine, EngineConfig, Request, make_kernel
-from examples.engine.workload import config_1b, make_model, tiny_config
+from examples.engine.workload import config_1b, config_hybrid_1b, make_model, tiny_config
 
 MODES = {"graphs": ("flashinfer", True, "one-copy"), "eager": ("flashinfer", False, "one-copy"),
          "per-tensor": ("flashinfer", False, "per-tensor")}
@@ -57,7 +65,7 @@ def _engine(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
     blocks_per_req = -(-(prompt + new) // 16)
     cfg = EngineConfig(block_size=16, num_blocks=n * blocks_per_req + 64, max_num_tokens=max(8192, n),
                        max_num_seqs=max(n, 1), max_model_len=blocks_per_req * 16, decode_sizes=sizes,
-                       cuda_graphs=graphs, uploads=uploads)  # type: ignore[arg-type]
+                       cuda_graphs=graphs, uploads=uploads, mamba_kernels="vllm")  # type: ignore[arg-type]
     return Engine(model, make_kernel(kernel, model, device, cascade=False), cfg)
 
 
@@ -98,6 +106,18 @@ def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
     idx = [i for i, k in enumerate(kinds) if k == "decode"][3:-3]
     step = statistics.median(times[i] for i in idx)
     meta = statistics.median(md[i] for i in idx)
+    extra: dict[str, Any] = {}
+    if engine.hybrid:  # the Mamba group's part; and the steps that carry prompt tokens
+        mam = st.step_mamba[s0:]
+        pre = [i for i, k in enumerate(kinds) if k == "mixed"]
+        extra = {"mamba_ms": statistics.median(mam[i] for i in idx) * 1e3,
+                 "mamba_share": statistics.median(mam[i] for i in idx) / step, "prefill_steps": len(pre)}
+        if pre:
+            pstep = statistics.median(times[i] for i in pre)
+            extra.update(prefill_step_ms=pstep * 1e3, prefill_attnmeta_ms=statistics.median(md[i] for i in pre) * 1e3,
+                         prefill_mamba_ms=statistics.median(mam[i] for i in pre) * 1e3,
+                         prefill_share=statistics.median(md[i] for i in pre) / pstep,
+                         prefill_mamba_share=statistics.median(mam[i] for i in pre) / pstep)
     w1, a0 = st.token_waits, st.steps
     with record_device_syncs(allow_async_d2h=True) as found:
         engine.run(_requests(n, prompt, new, vocab, 2))
@@ -114,7 +134,7 @@ def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
             "other_findings": sorted({str(e)[:160] for e in unsafe})[:3],
             "waits_per_step": audited_waits / audited_steps, "wall_s": wall, "steps_timed": steps,
             "decode_steps_timed": len(idx), "waits_timed": waits,
-            "graph_steps": st.graph_steps, "plan_waits": getattr(engine.kernel, "plan_waits", 0)}
+            "graph_steps": st.graph_steps, "plan_waits": getattr(engine.kernel, "plan_waits", 0), **extra}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,30 +144,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="graphs,eager,per-tensor")
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=96)
-    p.add_argument("--model", choices=["1b", "tiny"], default="1b")
+    p.add_argument("--model", choices=["1b", "hybrid-1b", "tiny"], default="1b")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type != "cuda":
         print("bench_engine: needs CUDA (FlashInfer kernels, CUDA graphs)", file=sys.stderr)
         return 2
-    model = make_model(config_1b() if a.model == "1b" else tiny_config(), device, torch.bfloat16)
+    hybrid = a.model == "hybrid-1b"
+    config = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config}[a.model]()
+    model = make_model(config, device, torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: Llama {params / 1e9:.2f}B params, bf16, {torch.cuda.get_device_name(device)}; "
-          f"prompt {a.prompt}, {a.new} new tokens per request", flush=True)
+    print(f"model: {'Bamba (Mamba2 layers: vLLM kernels)' if hybrid else 'Llama'} {params / 1e9:.2f}B params, bf16, "
+          f"{torch.cuda.get_device_name(device)}; prompt {a.prompt}, {a.new} new tokens per request", flush=True)
+    modes = "eager" if hybrid and a.modes == p.get_default("modes") else a.modes
+    if hybrid and modes != "eager":
+        print("bench_engine: a hybrid model runs eager steps with one copy only (--modes eager)", file=sys.stderr)
+        return 2
     rows = []
     print(f"{'mode':>10} {'reqs':>5} {'step ms':>8} {'steps/s':>8} {'tok/s':>8} {'attnmeta ms':>11} {'share':>6} "
-          f"{'plan ms':>8} {'copies':>6} {'H2D':>5} {'syncs':>5} {'waits':>5}", flush=True)
+          f"{'plan ms':>8} {'copies':>6} {'H2D':>5} {'syncs':>5} {'waits':>5}"
+          + (f" {'mamba ms':>8} {'share':>6}" if hybrid else ""), flush=True)
     for n in [int(x) for x in a.concurrency.split(",")]:
-        for mode in a.modes.split(","):
+        for mode in modes.split(","):
             r = measure(model, mode, n, a.prompt, a.new, device)
             rows.append(r)
             print(f"{mode:>10} {n:>5} {r['step_ms']:8.3f} {r['steps_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
                   f"{r['attnmeta_ms']:11.4f} {r['share']:6.1%} {r['plan_ms']:8.3f} {r['copies_per_step']:6.2f} "
                   f"{r['h2d_per_step']:5.1f} {r['syncs_per_step']:5.2f} {r['waits_per_step']:5.2f}"
+                  + (f" {r['mamba_ms']:8.4f} {r['mamba_share']:6.1%}" if hybrid else "")
                   + (f"  sync ops: {r['sync_ops']}" if r["sync_ops"] else "")
                   + (f"  other audit findings/step {r['other_findings_per_step']:.2f}: {r['other_findings']}"
                      if r["other_findings"] else ""), flush=True)
+            if hybrid and r.get("prefill_steps"):
+                print(f"{'prefill':>10} {n:>5} {r['prefill_step_ms']:8.3f} {'':>8} {'':>8} {r['prefill_attnmeta_ms']:11.4f} "
+                      f"{r['prefill_share']:6.1%} {'':>8} {'':>6} {'':>5} {'':>5} {'':>5} {r['prefill_mamba_ms']:8.4f} "
+                      f"{r['prefill_mamba_share']:6.1%}  ({r['prefill_steps']} steps)", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"device": torch.cuda.get_device_name(device), "params": params,
                                             "rows": rows}, indent=1))

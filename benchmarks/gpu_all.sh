@@ -26,6 +26,14 @@
 #           workloads) -> engine_check.txt. Needs transformers and FlashInfer (flashinfer kernels skip);
 #   enginebench  benchmarks/bench_engine.py: steady-state decode of the ~1.2B engine at 1/64/256
 #           requests, graphs / eager / per-tensor uploads -> engine_bench.txt, engine_bench.json.
+#   hybrid  the reference engine's hybrid model (Bamba: Mamba2 and attention layers), its Mamba2 layers through
+#           vLLM 0.33.0's Triton kernels (needs .kernels carried, as mamba-kernels): the hybrid tests of
+#           tests/gpu/test_engine_cuda.py (a small Bamba, tokens against generate and teacher-forced, a broken
+#           initial-state flag caught, the loop under the audit) -> hybrid.log; `python -m examples.engine
+#           --device cuda --model hybrid-1b` (a ~1.4B Bamba, torch-paged and FlashInfer attention) ->
+#           hybrid_check.txt; `benchmarks/bench_engine.py --model hybrid-1b` (its steady state, and the Mamba
+#           group's part of the step) -> hybrid_bench.txt, hybrid_bench.json. Triton autotunes the SSD kernels
+#           in each of the three processes' warm-ups.
 #   mamba-kernels  tests/kernels/test_mamba_kernels.py with -s on cuda: vLLM 0.33.0's own Mamba2 Triton
 #           kernels (mamba_chunk_scan_combined_varlen, causal_conv1d_fn / _update, selective_state_update,
 #           store_prefill_checkpoint) and upstream mamba_ssm's mamba_chunk_scan_combined fed by attnmeta's
@@ -48,13 +56,13 @@
 #           step) -> multi_bench.txt. The gpu part leaves test_multi_cuda.py to this part.
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
 #   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit kernels engine
-#   enginebench mamba-kernels multi", default all but multi). One device call allows 600 s, so a full run
-#   takes seven calls: PARTS="gpu decode bench", "mamba audit", "suites", "kernels", "engine",
-#   "enginebench", then "mamba-kernels" (with carry [".kernels"]); on the nvidia-h200-x2 machine
-#   PARTS="multi" is one more.
+#   enginebench mamba-kernels hybrid multi", default all but multi). One device call allows 600 s, so a full
+#   run takes eight calls: PARTS="gpu decode bench", "mamba audit", "suites", "kernels", "engine",
+#   "enginebench", then "mamba-kernels" and "hybrid" (each with carry [".kernels"]; hybrid also ".whl");
+#   on the nvidia-h200-x2 machine PARTS="multi" is one more.
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels} "  # multi: by name
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid} "  # multi: by name
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -114,7 +122,7 @@ fi
 if want engine; then
 echo "== engine: the reference engine through every kernel, tokens against generate" | tee "$OUT_DIR/engine.log"
 timeout 250 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu/test_engine_cuda.py -q -s -rs \
-  -p no:cacheprovider 2>&1 | tee -a "$OUT_DIR/engine.log" || status=1
+  -k "not hybrid" -p no:cacheprovider 2>&1 | tee -a "$OUT_DIR/engine.log" || status=1
 timeout 300 $PY -m examples.engine --device cuda 2>&1 | tee "$OUT_DIR/engine_check.txt" || status=1
 fi
 if want enginebench; then
@@ -131,6 +139,21 @@ if [[ -f .kernels/MANIFEST.txt ]]; then
 else
   echo "no .kernels/: run python tests/kernels/fetch_kernels.py on the dev machine and carry .kernels" \
     | tee -a "$OUT_DIR/mamba_kernels.log"
+  status=1
+fi
+fi
+if want hybrid; then
+echo "== hybrid: the hybrid engine, Mamba2 layers through vLLM's kernels" | tee "$OUT_DIR/hybrid.log"
+if [[ -f .kernels/MANIFEST.txt ]]; then
+  export TRITON_CACHE_AUTOTUNING=1  # where Triton supports it, the three processes share autotuning results
+  timeout 170 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu/test_engine_cuda.py -q -s -rs -k hybrid \
+    -p no:cacheprovider 2>&1 | tee -a "$OUT_DIR/hybrid.log" || status=1
+  timeout 130 $PY -m examples.engine --device cuda --model hybrid-1b 2>&1 | tee "$OUT_DIR/hybrid_check.txt" || status=1
+  timeout 290 $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --json "$OUT_DIR/hybrid_bench.json" 2>&1 \
+    | tee "$OUT_DIR/hybrid_bench.txt" || status=1
+else
+  echo "no .kernels/: run python tests/kernels/fetch_kernels.py on the dev machine and carry .kernels" \
+    | tee -a "$OUT_DIR/hybrid.log"
   status=1
 fi
 fi

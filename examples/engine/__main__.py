@@ -25,6 +25,7 @@ from .workload import (
     compare_teacher_forced,
     compare_with_generate,
     config_1b,
+    config_hybrid_1b,
     make_model,
     make_requests,
     tiny_config,
@@ -45,11 +46,11 @@ WORKLOADS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 
 
 def run_workload(model: Any, kernel: str, workload: str, *, cuda_graphs: bool = False, async_scheduling: bool = True,
-                 uploads: str = "one-copy", tolerance: float = 0.0,
+                 uploads: str = "one-copy", tolerance: float = 0.0, mamba_kernels: str = "torch",
                  cache: Reference | None = None) -> tuple[EngineStats, Comparison, ForcedComparison]:
     """Serve one workload and compare it with ``generate`` (until each request's first near tie) and
     with the model's own argmax over the engine's tokens (every token); returns the engine's stats and
-    both comparisons."""
+    both comparisons. ``mamba_kernels``: a hybrid model's Mamba2 mixer (``EngineConfig.mamba_kernels``)."""
     req_kw, cfg_kw = WORKLOADS[workload]
     reqs = make_requests(vocab=model.config.vocab_size, **req_kw)
     if workload == "cascade":
@@ -57,7 +58,7 @@ def run_workload(model: Any, kernel: str, workload: str, *, cuda_graphs: bool = 
             r.arrival = 2
     device = next(model.parameters()).device
     cfg = EngineConfig(cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, uploads=uploads,  # type: ignore[arg-type]
-                       **cfg_kw)
+                       mamba_kernels=mamba_kernels, **cfg_kw)  # type: ignore[arg-type]
     engine = Engine(model, make_kernel(kernel, model, device), cfg)
     stats = engine.run(reqs)
     return stats, compare_with_generate(model, reqs, tolerance=tolerance, cache=cache), compare_teacher_forced(model, reqs)
@@ -67,9 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--model", choices=["tiny", "1b", "tiny-hybrid"], default=None,
-                   help="tiny (float32, default on cpu), 1b (a ~1.2B Llama in bfloat16, default on cuda) or "
-                        "tiny-hybrid (a Bamba of Mamba2 and attention layers, float32; its workload: hybrid)")
+    p.add_argument("--model", choices=["tiny", "1b", "tiny-hybrid", "hybrid-1b"], default=None,
+                   help="tiny (float32, default on cpu), 1b (a ~1.2B Llama in bfloat16, default on cuda), "
+                        "tiny-hybrid (a Bamba of Mamba2 and attention layers, float32) or hybrid-1b (a ~1.4B "
+                        "Bamba in bfloat16); a hybrid's default workload is hybrid")
+    p.add_argument("--mamba-kernels", choices=["torch", "vllm"], default=None,
+                   help="a hybrid model's Mamba2 layers: the torch reference (default on cpu) or vLLM's Triton "
+                        "kernels (default on cuda; python tests/kernels/fetch_kernels.py puts them in .kernels/)")
     p.add_argument("--kernels", default=None,
                    help="comma-separated: torch-paged, torch-varlen, flashinfer, flashinfer+graphs "
                         "(default: torch-paged on cpu, all on cuda)")
@@ -80,14 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     device = torch.device(a.device)
     size = a.model or ("1b" if device.type == "cuda" else "tiny")
-    dtype = torch.bfloat16 if size == "1b" else torch.float32
-    if size == "tiny-hybrid" and a.workloads == "mixed,cascade":
+    dtype = torch.bfloat16 if size.endswith("1b") else torch.float32
+    mamba_kernels = a.mamba_kernels or ("vllm" if device.type == "cuda" else "torch")
+    if "hybrid" in size:
+        print(f"Mamba2 layers: {mamba_kernels}", flush=True)
+    if "hybrid" in size and a.workloads == "mixed,cascade":
         a.workloads = "hybrid"
     tol = a.tolerance if a.tolerance is not None else (0.5 if dtype == torch.bfloat16 else 0.0)
-    kernels = (a.kernels or ("torch-paged,torch-varlen,flashinfer,flashinfer+graphs" if device.type == "cuda"
-                             else "torch-paged")).split(",")
+    on_gpu = ("torch-paged,flashinfer" if "hybrid" in size  # a hybrid model runs eager steps only
+              else "torch-paged,torch-varlen,flashinfer,flashinfer+graphs")
+    kernels = (a.kernels or (on_gpu if device.type == "cuda" else "torch-paged")).split(",")
     print(f"model {size} ({dtype}), device {device}, tolerance {tol}", flush=True)
-    config = {"1b": config_1b, "tiny": tiny_config, "tiny-hybrid": tiny_hybrid_config}[size]()
+    config = {"1b": config_1b, "tiny": tiny_config, "tiny-hybrid": tiny_hybrid_config,
+              "hybrid-1b": config_hybrid_1b}[size]()
     model = make_model(config, device, dtype)
     cache: Reference = {}
     bad = 0
@@ -95,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         for workload in a.workloads.split(","):
             t0 = time.perf_counter()
             st, cmp, forced = run_workload(model, kernel.removesuffix("+graphs"), workload,
-                                   cuda_graphs=kernel.endswith("+graphs"), tolerance=tol, cache=cache)
+                                   cuda_graphs=kernel.endswith("+graphs"), tolerance=tol, mamba_kernels=mamba_kernels,
+                                   cache=cache)
             bad += cmp.mismatches + forced.mismatches
             counts = {k: v for k, v in dataclasses.asdict(st).items() if isinstance(v, int)}
             print(f"{kernel:18} {workload:8} {time.perf_counter() - t0:6.1f}s  requests {cmp.requests}  tokens "

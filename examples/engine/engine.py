@@ -66,6 +66,9 @@ class EngineConfig:
     """Decode-only steps are padded to the next of these sizes (none larger: not padded)."""
     cuda_graphs: bool = False
     uploads: Literal["one-copy", "per-tensor"] = "one-copy"
+    mamba_kernels: Literal["torch", "vllm"] = "torch"
+    """A hybrid model's Mamba2 layers: the torch reference mixer, or vLLM 0.33.0's Triton kernels (GPU;
+    the files ``tests/kernels/fetch_kernels.py`` puts into ``.kernels/``)."""
 
     @property
     def max_blocks_per_req(self) -> int:
@@ -105,6 +108,9 @@ class EngineStats:
     """Per step: ``"decode"`` (every row one token) or ``"mixed"``."""
     step_metadata: list[float] = dataclasses.field(default_factory=list)
     """Per step: attnmeta's host time (as ``metadata_s``)."""
+    step_mamba: list[float] = dataclasses.field(default_factory=list)
+    """Per step of a hybrid model: the part of ``step_metadata`` that builds the Mamba state group's
+    metadata (its spec, ``stage_common``, ``mamba2.stage``, the result; the shared copy not included)."""
 
 
 class Engine:
@@ -129,8 +135,15 @@ class Engine:
         slots = cfg.max_num_seqs + 1 if self.hybrid else 0
         if self.hybrid and cfg.uploads != "one-copy":
             raise ValueError("Engine: a hybrid model runs with uploads='one-copy' only")
-        self.model: PagedLlama | PagedBamba = (PagedBamba(model, cfg.num_blocks, cfg.block_size, slots) if self.hybrid
-                                               else PagedLlama(model, cfg.num_blocks, cfg.block_size))
+        if cfg.mamba_kernels not in ("torch", "vllm"):
+            raise ValueError(f"Engine: mamba_kernels is 'torch' or 'vllm', not {cfg.mamba_kernels!r}")
+        ops = None
+        if self.hybrid and cfg.mamba_kernels == "vllm":
+            from .vllm_mamba import load_ops
+
+            ops = load_ops()
+        self.model: PagedLlama | PagedBamba = (PagedBamba(model, cfg.num_blocks, cfg.block_size, slots, ops)
+                                               if self.hybrid else PagedLlama(model, cfg.num_blocks, cfg.block_size))
         self.mamba_options = Mamba2Options(chunk_size=int(getattr(model.config, "mamba_chunk_size", 256)))
         self.state_table = np.zeros((cfg.max_num_seqs, 1), np.int32)
         self._mamba: Mamba2Metadata | None = None
@@ -227,23 +240,31 @@ class Engine:
         spec = BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled,
                          block_table=self.table[:n], block_size=cfg.block_size,
                          num_reqs_padded=padded, num_tokens_padded=padded)
+        t_mamba = 0.0  # the Mamba group's part (hybrid models), timed apart
         if self.hybrid:  # the Mamba group: one block (the state slot) a request
+            t0 = time.perf_counter()
             mspec = BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled,
                               block_table=self.state_table[:n], block_size=cfg.max_model_len,
                               num_reqs_padded=padded, num_tokens_padded=padded)
+            t_mamba = time.perf_counter() - t0
         cap = cfg.max_num_tokens if self.graphs else None
         with self.stager.step() as step:
             common = stage_common(spec, step)
             self.kernel.stage(common, step, 0 if self.graphs else out.num_common_prefix_blocks)
             if self.hybrid:
+                t0 = time.perf_counter()
                 mcommon = stage_common(mspec, step, prefix="mamba_common", token_arrays=False,
                                        block_table_columns=mamba_columns(mspec, self.mamba_options))
                 staged_mamba = mamba2.stage(mcommon, step, self.mamba_options)
+                t_mamba += time.perf_counter() - t0
             step.alloc("engine.input_ids", total, np.int32, capacity=cap)[:] = ids
             step.alloc("engine.prev_rows", total, np.int32, capacity=cap, fill=-1)[:] = prev_rows
         cm = common.result()
         if self.hybrid:
+            t0 = time.perf_counter()
             self._mamba = staged_mamba.result()
+            t_mamba += time.perf_counter() - t0
+            st.step_mamba.append(t_mamba)
         if cfg.uploads == "per-tensor":
             cm, dev_ids, dev_prev = self._per_tensor(cm, ids, prev_rows)
         else:

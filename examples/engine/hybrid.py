@@ -10,12 +10,15 @@ second KV-cache group:
   ``state_indices_tensor_p``, and ``has_initial_states_p`` says whether a row continues the state in
   its slot (a later chunk of a chunked prefill) or starts from zeros.
 
-The Mamba2 mixer here is the CPU reference: the conv and the SSM recurrence written in torch, row by
-row and token by token, in float32.
+Two Mamba2 mixers read that metadata: :func:`mamba2_mixer`, the reference (the conv and the SSM
+recurrence written in torch, row by row and token by token, in float32; CPU or GPU), and
+:func:`.vllm_mamba.vllm_mamba2_mixer`, vLLM's own Triton kernels (GPU), chosen by ``PagedBamba``'s
+``mamba_ops``.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from attnmeta.backends.mamba.mamba2 import Mamba2Metadata
 
 from .kernels import AttentionKernel
+from .vllm_mamba import vllm_mamba2_mixer
 
 
 def _apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,10 +38,13 @@ def _apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
 
 class Mamba2State:
     """One Mamba2 layer's state pool: ``conv`` (slots, conv_dim, d_conv - 1) and ``ssm`` (slots, heads,
-    head_dim, d_state) float32, on the model's device; slot 0 is the null slot (padding rows)."""
+    head_dim, d_state) float32, on the model's device; slot 0 is the null slot (padding rows).
+
+    ``conv`` is a transposed view of (slots, d_conv - 1, conv_dim) storage: channels have stride 1, the
+    layout vLLM's conv1d kernels take."""
 
     def __init__(self, mixer: Any, num_slots: int, device: torch.device) -> None:
-        self.conv = torch.zeros(num_slots, mixer.conv_dim, mixer.conv_kernel_size - 1, device=device)
+        self.conv = torch.zeros(num_slots, mixer.conv_kernel_size - 1, mixer.conv_dim, device=device).transpose(1, 2)
         self.ssm = torch.zeros(num_slots, mixer.num_heads, mixer.head_dim, mixer.ssm_state_size, device=device)
 
 
@@ -103,10 +110,18 @@ def mamba2_mixer(mixer: Any, x: torch.Tensor, meta: Mamba2Metadata, state: Mamba
 
 class PagedBamba:
     """A ``BambaForCausalLM``'s weights over a paged KV cache (its attention layers) and a state pool of
-    ``num_state_slots`` slots (its Mamba2 layers)."""
+    ``num_state_slots`` slots (its Mamba2 layers).
 
-    def __init__(self, model: Any, num_blocks: int, block_size: int, num_state_slots: int) -> None:
+    ``mamba_ops``: vLLM's kernels (:func:`.vllm_mamba.load_ops`) for the Mamba2 layers, or ``None`` for
+    the torch reference mixer."""
+
+    def __init__(self, model: Any, num_blocks: int, block_size: int, num_state_slots: int,
+                 mamba_ops: types.SimpleNamespace | None = None) -> None:
         cfg = model.config
+        if mamba_ops is not None and tuple(cfg.time_step_limit or (0.0, float("inf"))) != (0.0, float("inf")):
+            # selective_state_update (decode rows) takes no dt limit
+            raise ValueError(f"vLLM's Mamba2 kernels: time_step_limit must be (0, inf), not {cfg.time_step_limit}")
+        self.mamba_ops = mamba_ops
         self.model = model.eval()
         self.layer_types = list(cfg.layer_types)
         first_attn = model.model.layers[self.layer_types.index("full_attention")].self_attn
@@ -145,7 +160,9 @@ class PagedBamba:
         slots = slot_mapping.long().clamp(min=0)
         for i, layer in enumerate(m.layers):
             x = layer.input_layernorm(h)
-            if i in self.states:
+            if i in self.states and self.mamba_ops is not None:
+                h = h + vllm_mamba2_mixer(self.mamba_ops, layer.mamba, x, mamba, self.states[i])
+            elif i in self.states:
                 h = h + mamba2_mixer(layer.mamba, x, mamba, self.states[i])
             else:
                 att = layer.self_attn

@@ -35,6 +35,18 @@ def tiny_hybrid_config(**overrides: Any) -> Any:
     return BambaConfig(**kw)
 
 
+def config_hybrid_1b() -> Any:
+    """A ~1.4B-parameter Bamba config: 16 layers, 3 of them attention (32 / 8 heads of 64), 13 Mamba2
+    (64 heads of 64, one group, state size 128, chunk size 256): the proportions of Bamba 9B."""
+    from transformers import BambaConfig
+
+    return BambaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       attn_layer_indices=[4, 9, 14], num_attention_heads=32, num_key_value_heads=8,
+                       mamba_n_heads=64, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4,
+                       mamba_expand=2, mamba_chunk_size=256, max_position_embeddings=4096, tie_word_embeddings=True,
+                       initializer_range=0.05)
+
+
 def config_1b() -> Any:
     """A ~1.2B-parameter Llama config (Llama 3.2 1B's shapes: 16 layers, 32 / 8 heads of 64)."""
     from transformers import LlamaConfig

@@ -204,3 +204,16 @@ def test_hybrid_loop_never_reads_the_device(hybrid_model: Any) -> None:
     with no_device_sync(devices={"cpu"}, allow_async_d2h=True):
         st = engine.run(reqs)
     assert st.steps > 5 and all(len(r.output) == r.max_new_tokens for r in reqs)
+
+
+def test_vllm_mamba_kernels_missing_names_the_fetch_command(hybrid_model: Any, tmp_path: Any) -> None:
+    """Without vLLM's kernel files the engine refuses ``mamba_kernels="vllm"`` with the command that
+    fetches them; an unknown mixer name is refused too."""
+    from examples.engine import vllm_mamba
+
+    with pytest.raises(FileNotFoundError, match=r"fetch_kernels\.py"):
+        vllm_mamba.load_ops(tmp_path)
+    cfg = EngineConfig(num_blocks=24, max_num_tokens=48, max_num_seqs=8, max_model_len=256,
+                       mamba_kernels="triton")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="mamba_kernels"):
+        Engine(hybrid_model, make_kernel("torch-paged", hybrid_model, torch.device("cpu")), cfg)

@@ -85,3 +85,92 @@ def test_steady_state_loop_has_no_sync(model: Any, graphs: bool) -> None:
     with no_device_sync(allow_async_d2h=True):
         st = engine.run(make_requests(32, 2048, prompt_len=(20, 40), new_tokens=(20, 30), seed=1))
     assert st.steps > 20 and (st.graph_steps > 0) == graphs
+
+
+# ---------------------------------------------------------------------------------------------------
+# the hybrid model (Bamba: Mamba2 and attention layers), its Mamba2 layers through vLLM's kernels
+# ---------------------------------------------------------------------------------------------------
+
+
+def _vllm_mamba_kernels() -> None:
+    from examples.engine.vllm_mamba import FETCH, KERNELS, OPS
+
+    if not (KERNELS / "vllm" / OPS.replace(".", "/") / "ssd_combined.py").is_file():
+        pytest.skip(f"vLLM's Mamba kernel files are not in .kernels/vllm: run {FETCH} on the dev machine and carry "
+                    ".kernels (benchmarks/gpu_all.sh, part hybrid)")
+    pytest.importorskip("triton", reason="vLLM's Mamba kernels are Triton kernels")
+
+
+@pytest.fixture(scope="module")
+def hybrid_model() -> Any:
+    from examples.engine.workload import tiny_hybrid_config
+
+    cfg = tiny_hybrid_config(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=2, mamba_n_heads=16, mamba_d_head=64,
+                             mamba_n_groups=2, mamba_d_state=64, mamba_chunk_size=32, initializer_range=0.05)
+    return make_model(cfg, "cuda", torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def hybrid_reference() -> Reference:
+    return {}
+
+
+@pytest.mark.parametrize("kernel", ["torch-paged", "flashinfer"])
+@pytest.mark.parametrize("mamba", ["vllm", "torch"])
+def test_hybrid_engine_tokens(hybrid_model: Any, hybrid_reference: Reference, kernel: str, mamba: str) -> None:
+    """The hybrid workload (chunked prefills that continue their Mamba states, preemption, padded decode
+    steps) in bfloat16: tokens against ``generate`` and teacher-forced, as for the Llama engine; the
+    Mamba2 layers through vLLM 0.33.0's Triton kernels, or the torch reference mixer on the GPU."""
+    if mamba == "vllm":
+        _vllm_mamba_kernels()
+    if kernel == "flashinfer" and not _have_flashinfer():
+        pytest.skip("flashinfer is not importable (bash ../shared/tools/gpu-wheels.sh, then carry .whl)")
+    st, cmp, forced = run_workload(hybrid_model, kernel, "hybrid", tolerance=TOLERANCE, mamba_kernels=mamba,
+                                   cache=hybrid_reference)
+    print(f"\nhybrid {kernel} mamba={mamba}: requests {cmp.requests} tokens {cmp.tokens} mismatches {cmp.mismatches} "
+          f"near ties {cmp.near_ties} min margin {cmp.min_margin:.3g} steps {st.steps} partial prefills "
+          f"{st.partial_prefills} preemptions {st.preemptions} padded {st.padded_steps} | teacher-forced {forced}")
+    assert cmp.mismatches == 0, cmp
+    assert forced.mismatches == 0 and forced.tokens == cmp.generated == st.sampled, forced
+    assert forced.near_ties <= 0.1 * forced.tokens, forced
+    assert st.partial_prefills > 0 and st.preemptions > 0 and st.padded_steps > 0
+    assert st.metadata_copies == st.steps
+
+
+def test_hybrid_check_catches_a_lost_initial_state_on_the_gpu(hybrid_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU check can fail: vLLM's kernels told that no prefill row continues its state (every chunk
+    of a chunked prefill from zeros) change the tokens beyond the bfloat16 tolerance."""
+    import dataclasses
+
+    import numpy as np
+
+    from examples.engine import hybrid
+    from examples.engine.vllm_mamba import vllm_mamba2_mixer as real
+
+    _vllm_mamba_kernels()
+
+    def forgetful(ops: Any, mixer: Any, x: torch.Tensor, meta: Any, state: Any) -> torch.Tensor:
+        if meta.has_initial_states_p is not None:
+            meta = dataclasses.replace(meta, has_initial_states_p=torch.zeros_like(meta.has_initial_states_p),
+                                       has_initial_states_p_cpu=np.zeros_like(meta.has_initial_states_p_cpu),
+                                       prep_initial_states=False)
+        return real(ops, mixer, x, meta, state)
+
+    monkeypatch.setattr(hybrid, "vllm_mamba2_mixer", forgetful)
+    _, _, forced = run_workload(hybrid_model, "torch-paged", "hybrid", mamba_kernels="vllm")
+    assert forced.mismatches > 0, forced
+
+
+def test_hybrid_steady_state_loop_has_no_sync(hybrid_model: Any) -> None:
+    """After a warm-up (Triton's compiles and autotuning), a whole hybrid run with vLLM's Mamba kernels
+    under the audit in CUDA error mode: neither attnmeta nor the kernels read the device."""
+    _vllm_mamba_kernels()
+    kernel = "flashinfer" if _have_flashinfer() else "torch-paged"
+    cfg = EngineConfig(num_blocks=256, max_num_tokens=256, max_num_seqs=16, max_model_len=256,
+                       decode_sizes=(8, 16), mamba_kernels="vllm")
+    engine = Engine(hybrid_model, make_kernel(kernel, hybrid_model, torch.device("cuda"), cascade=False), cfg)
+    engine.run(make_requests(16, 2048, prompt_len=(20, 90), new_tokens=(10, 20), seed=0))
+    with no_device_sync(allow_async_d2h=True):
+        st = engine.run(make_requests(16, 2048, prompt_len=(20, 90), new_tokens=(10, 20), arrive_over=4, seed=1))
+    assert st.steps > 10 and len(st.step_mamba) == st.steps
