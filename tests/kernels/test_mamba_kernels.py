@@ -70,36 +70,29 @@ The worst error of each kernel is printed at the end of the module (``-s``) as `
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import math
-import os
 import sys
 import types
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from audit_helpers import audited
+from triton_interpreter import INTERPRET, cuda_device_shim, first_config_only, int1_comparisons
+from triton_interpreter import conv1d_metadata as interpreter_conv1d_metadata
 
 from attnmeta import BatchSpec, Stager
 from attnmeta.backends.mamba.mamba2 import Mamba2Metadata, Mamba2Options
 from attnmeta.backends.mamba.mamba2 import build as build_mamba2
 from attnmeta.host.mamba import CheckpointConfig
+from examples.engine.vllm_mamba import FETCH, KERNELS, isolated_import, load_ops
 
-ROOT = Path(__file__).resolve().parents[2]
-KERNELS = ROOT / ".kernels"
-OPS = "vllm.model_executor.layers.mamba.ops"
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# first config of every autotuned kernel: always under the interpreter; on CUDA with this variable = 1
-FIRST_CONFIG = INTERPRET or os.environ.get("ATTNMETA_KERNELS_FIRST_CONFIG", "0") == "1"
 CPU_RUN = "TRITON_INTERPRET=1 python -m pytest tests/kernels -s"
-FETCH = "python tests/kernels/fetch_kernels.py"
 
 if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover - CPU CI
     pytest.skip(f"needs CUDA, or Triton's interpreter on the CPU: {FETCH}, then {CPU_RUN} "
@@ -153,64 +146,15 @@ def _summary() -> Iterator[None]:
 # ------------------------------------------------------------------------------------------------
 
 
-def _first_config_only(modules: list[types.ModuleType]) -> None:
-    """Under the interpreter (or with ``ATTNMETA_KERNELS_FIRST_CONFIG=1``), keep only the first config
-    of every autotuned kernel in ``modules``."""
-    if not FIRST_CONFIG:
-        return
-    from triton.runtime.autotuner import Autotuner
-
-    for mod in modules:
-        for obj in vars(mod).values():
-            if isinstance(obj, Autotuner):
-                obj.configs = obj.configs[:1]
-
-
-@contextlib.contextmanager
-def _isolated_import(prefix: str, path: Path | None, bare: dict[str, list[str]]) -> Iterator[None]:
-    """Import modules named ``prefix...`` from ``path`` (put first on ``sys.path``) and bare packages
-    (name -> ``__path__``), then restore ``sys.modules`` and ``sys.path``: the imported modules live
-    on through the functions taken from them, and never shadow an installed package of that name."""
-    saved = {k: v for k, v in sys.modules.items() if k == prefix or k.startswith(prefix + ".")}
-    for k in saved:
-        del sys.modules[k]
-    if path is not None:
-        sys.path.insert(0, str(path))
-    for name, where in bare.items():
-        pkg = types.ModuleType(name)
-        pkg.__path__ = where
-        sys.modules[name] = pkg
-    try:
-        yield
-    finally:
-        if path is not None:
-            sys.path.remove(str(path))
-        for k in [k for k in sys.modules if k == prefix or k.startswith(prefix + ".")]:
-            del sys.modules[k]
-        sys.modules.update(saved)
-
-
 @pytest.fixture(scope="module")
 def vllm_ops() -> types.SimpleNamespace:
     """vLLM 0.33.0's kernel functions from ``.kernels/vllm``; skips where :data:`FETCH` has not run."""
-    root = KERNELS / "vllm"
-    if not (root / OPS.replace(".", "/") / "ssd_combined.py").is_file():
-        pytest.skip(f"needs vLLM 0.33.0's Mamba kernel files in .kernels/vllm: run {FETCH} "
-                    "(--vllm-dir PATH or --vllm-wheel PATH, else it downloads the wheel)")
-    with _isolated_import("vllm", root, {}):
-        mods = {n: importlib.import_module(f"{OPS}.{n}")
-                for n in ("ssd_combined", "causal_conv1d", "mamba_ssm", "ssd_checkpoint", "ssd_chunk_scan",
-                          "ssd_chunk_state", "ssd_state_passing", "ssd_bmm")}
-        ckpt = importlib.import_module("vllm.model_executor.layers.mamba.checkpoint")
-    _first_config_only(list(mods.values()))
-    return types.SimpleNamespace(
-        ssd_varlen=mods["ssd_combined"].mamba_chunk_scan_combined_varlen,
-        conv1d_fn=mods["causal_conv1d"].causal_conv1d_fn,
-        conv1d_update=mods["causal_conv1d"].causal_conv1d_update,
-        state_update=mods["mamba_ssm"].selective_state_update,
-        store_checkpoint=mods["ssd_checkpoint"].store_prefill_checkpoint,
-        checkpoint_type=ckpt.MambaPrefillCheckpointMetadata,
-    )
+    try:
+        ops = load_ops()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    first_config_only(list(ops.modules.values()))
+    return ops
 
 
 @pytest.fixture(scope="module")
@@ -232,56 +176,22 @@ def mamba_ssm_scan() -> Callable[..., Any]:
     if extra is not None:
         sys.path.append(str(extra))  # for einops: mamba_ssm itself is the bare package below
     try:
-        with _isolated_import("mamba_ssm", None, {"mamba_ssm": where}):
+        with isolated_import("mamba_ssm", None, {"mamba_ssm": where}):
             mod = importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
             mods = [mod] + [importlib.import_module(f"mamba_ssm.ops.triton.{n}")
                             for n in ("ssd_chunk_scan", "ssd_chunk_state", "ssd_state_passing", "ssd_bmm")]
     finally:
         if extra is not None:
             sys.path.remove(str(extra))
-    _first_config_only(mods)
+    first_config_only(mods)
     fn: Callable[..., Any] = mod.mamba_chunk_scan_combined
     return fn
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter_compare_fix() -> Iterator[None]:
-    """Under Triton's interpreter, comparisons yield int1 handles.
-
-    Triton's interpreter (3.6 and 3.9 at least) keeps the operands' type on a comparison's result (an int64 compare
-    gives bool data in an "int64" handle); broadcasting such a scalar condition into a block then
-    makes int64 data, and a load masked by it fails ("mask has unsupported dtype"), as in
-    ``causal_conv1d``'s ``(coord < num_cache_lines) & ...``. Compiled code types every comparison
-    i1; this makes the interpreter do the same. Nothing is changed on CUDA.
-    """
-    if not INTERPRET:
-        yield
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    def as_int1(create: Callable[..., Any]) -> Callable[..., Any]:
-        def compare(self: Any, lhs: Any, rhs: Any) -> Any:
-            return interpreter.TensorHandle(create(self, lhs, rhs).data.astype(np.bool_), tl.int1)
-        return compare
-
-    with pytest.MonkeyPatch.context() as mp:
-        for name in dir(interpreter.InterpreterBuilder):
-            if name.startswith(("create_icmp", "create_fcmp")):
-                create = getattr(interpreter.InterpreterBuilder, name)
-                mp.setattr(interpreter.InterpreterBuilder, name, as_int1(create))
-        yield
-
-
-@contextlib.contextmanager
-def _cuda_device_shim() -> Iterator[None]:
-    """``torch.cuda.device(None)`` fails on a CPU-only torch; ``mamba_ssm`` enters
-    ``torch.cuda.device(x.device.index)`` around its launches. A no-op there under the interpreter."""
-    if torch.cuda.is_available():
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    """Under Triton's interpreter, comparisons yield int1 handles (:func:`int1_comparisons`)."""
+    with int1_comparisons():
         yield
 
 
@@ -585,21 +495,9 @@ class Outputs:
 
 
 def conv1d_metadata(v: types.SimpleNamespace) -> types.SimpleNamespace:
-    """What ``causal_conv1d_fn`` reads as ``metadata=``: ``nums_dict`` and the two program arrays, the
-    arrays taken from ``v`` (so a test's change reaches the kernel).
-
-    The kernel's grid function swaps its ``batch_ptr`` / ``token_chunk_offset_ptr`` arguments for
-    ``nums_dict[8]``'s (the same tensors here). Compiled, that works; Triton's interpreter converts the
-    arguments to pointers before it calls the grid function, so there ``nums_dict`` holds the converted
-    pointers to the same memory.
-    """
-    nd = dict(v.nums_dict[8], batch_ptr=v.batch_ptr, token_chunk_offset_ptr=v.token_chunk_offset_ptr)
-    if INTERPRET:
-        from triton.runtime.interpreter import _implicit_cvt
-
-        nd.update(batch_ptr=_implicit_cvt(v.batch_ptr), token_chunk_offset_ptr=_implicit_cvt(v.token_chunk_offset_ptr))
-    return types.SimpleNamespace(nums_dict={8: nd}, batch_ptr=v.batch_ptr,
-                                 token_chunk_offset_ptr=v.token_chunk_offset_ptr)
+    """What ``causal_conv1d_fn`` reads as ``metadata=``, its program arrays taken from ``v`` (so a test's
+    change reaches the kernel); see :func:`triton_interpreter.conv1d_metadata`."""
+    return interpreter_conv1d_metadata(v.nums_dict, v.batch_ptr, v.token_chunk_offset_ptr)
 
 
 def run_vllm(ops: types.SimpleNamespace, v: types.SimpleNamespace, inp: Inputs) -> Outputs:
@@ -821,7 +719,7 @@ def check_mamba_ssm(batch: Batch, scan: Callable[..., Any],
     d = inp.to(DEVICE)
     p = slice(Dt, Dt + Pt)
     init = d.ssm_pool[v.state_indices_tensor_p[:1].long()] if has0 else None
-    with _cuda_device_shim():
+    with cuda_device_shim():
         y, varlen = scan(d.x[p][None], d.dt[p][None], d.A, d.B[p][None], d.C[p][None], C, D=d.D, dt_bias=d.dt_bias,
                          initial_states=init, seq_idx=v.token_seq_idx_p[None], cu_seqlens=v.query_start_loc_p,
                          dt_softplus=True, return_varlen_states=True)
