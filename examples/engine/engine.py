@@ -108,6 +108,8 @@ class EngineStats:
     """Per step: ``"decode"`` (every row one token) or ``"mixed"``."""
     step_metadata: list[float] = dataclasses.field(default_factory=list)
     """Per step: attnmeta's host time (as ``metadata_s``)."""
+    step_slots: list[int] = dataclasses.field(default_factory=list)
+    """Per step: the stager's ring slot (a slot's first step of a new layout builds that layout)."""
     step_mamba: list[float] = dataclasses.field(default_factory=list)
     """Per step of a hybrid model: the part of ``step_metadata`` that builds the Mamba state group's
     metadata (its spec, ``stage_common``, ``mamba2.stage``, the result; the shared copy not included)."""
@@ -281,6 +283,7 @@ class Engine:
         st.plan_s += t_run - t_plan
         st.step_metadata.append(t_plan - t_md)
         st.step_kinds.append("decode" if decode else "mixed")
+        st.step_slots.append(step.stats.slot)
         st.steps += 1
         st.decode_steps += decode
         st.padded_steps += padded is not None and padded > n
