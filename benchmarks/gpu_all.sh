@@ -28,12 +28,13 @@
 #           requests, graphs / eager / per-tensor uploads -> engine_bench.txt, engine_bench.json.
 #   hybrid  the reference engine's hybrid model (Bamba: Mamba2 and attention layers), its Mamba2 layers through
 #           vLLM 0.33.0's Triton kernels (needs .kernels carried, as mamba-kernels): the hybrid tests of
-#           tests/gpu/test_engine_cuda.py (a small Bamba, tokens against generate and teacher-forced, a broken
-#           initial-state flag caught, the loop under the audit) -> hybrid.log; `python -m examples.engine
-#           --device cuda --model hybrid-1b` (a ~1.4B Bamba, torch-paged and FlashInfer attention) ->
-#           hybrid_check.txt; `benchmarks/bench_engine.py --model hybrid-1b` (its steady state, and the Mamba
-#           group's part of the step) -> hybrid_bench.txt, hybrid_bench.json. Triton autotunes the SSD kernels
-#           in each of the three processes' warm-ups.
+#           tests/gpu/test_engine_cuda.py (a small Bamba, both Mamba cache modes, tokens against generate and
+#           teacher-forced, a broken initial-state flag caught, the loop under the audit) -> hybrid.log; then
+#           `python -m examples.engine --device cuda --model hybrid-1b` (a ~1.4B Bamba, torch-paged and
+#           FlashInfer attention, workloads hybrid and hybrid-align) -> hybrid_check.txt;
+#   hybridbench  `benchmarks/bench_engine.py --model hybrid-1b` (its steady state, and the Mamba group's part
+#           of the step) -> hybrid_bench.txt, hybrid_bench.json (carry .kernels). Triton autotunes the SSD
+#           kernels in each process's warm-up.
 #   mamba-kernels  tests/kernels/test_mamba_kernels.py with -s on cuda: vLLM 0.33.0's own Mamba2 Triton
 #           kernels (mamba_chunk_scan_combined_varlen, causal_conv1d_fn / _update, selective_state_update,
 #           store_prefill_checkpoint) and upstream mamba_ssm's mamba_chunk_scan_combined fed by attnmeta's
@@ -56,13 +57,14 @@
 #           step) -> multi_bench.txt. The gpu part leaves test_multi_cuda.py to this part.
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
 #   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit kernels engine
-#   enginebench mamba-kernels hybrid multi", default all but multi). One device call allows 600 s, so a full
-#   run takes eight calls: PARTS="gpu decode bench", "mamba audit", "suites", "kernels", "engine",
-#   "enginebench", then "mamba-kernels" and "hybrid" (each with carry [".kernels"]; hybrid also ".whl");
+#   enginebench mamba-kernels hybrid hybridbench multi", default all but multi). One device call allows
+#   600 s, so a full run takes nine calls: PARTS="gpu decode bench", "mamba audit", "suites", "kernels",
+#   "engine", "enginebench", then "mamba-kernels", "hybrid" and "hybridbench" (each with carry
+#   [".kernels"]; the last two also ".whl");
 #   on the nvidia-h200-x2 machine PARTS="multi" is one more.
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid} "  # multi: by name
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi: by name
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -145,15 +147,24 @@ fi
 if want hybrid; then
 echo "== hybrid: the hybrid engine, Mamba2 layers through vLLM's kernels" | tee "$OUT_DIR/hybrid.log"
 if [[ -f .kernels/MANIFEST.txt ]]; then
-  export TRITON_CACHE_AUTOTUNING=1  # where Triton supports it, the three processes share autotuning results
-  timeout 170 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu/test_engine_cuda.py -q -s -rs -k hybrid \
+  export TRITON_CACHE_AUTOTUNING=1  # where Triton supports it, the processes share autotuning results
+  timeout 260 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu/test_engine_cuda.py -q -s -rs -k hybrid \
     -p no:cacheprovider 2>&1 | tee -a "$OUT_DIR/hybrid.log" || status=1
-  timeout 130 $PY -m examples.engine --device cuda --model hybrid-1b 2>&1 | tee "$OUT_DIR/hybrid_check.txt" || status=1
-  timeout 290 $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --json "$OUT_DIR/hybrid_bench.json" 2>&1 \
-    | tee "$OUT_DIR/hybrid_bench.txt" || status=1
+  timeout 300 $PY -m examples.engine --device cuda --model hybrid-1b 2>&1 | tee "$OUT_DIR/hybrid_check.txt" || status=1
 else
   echo "no .kernels/: run python tests/kernels/fetch_kernels.py on the dev machine and carry .kernels" \
     | tee -a "$OUT_DIR/hybrid.log"
+  status=1
+fi
+fi
+if want hybridbench; then
+echo "== hybridbench: the ~1.4B hybrid engine's steady state" | tee "$OUT_DIR/hybrid_bench.txt"
+if [[ -f .kernels/MANIFEST.txt ]]; then
+  timeout 560 $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --json "$OUT_DIR/hybrid_bench.json" 2>&1 \
+    | tee -a "$OUT_DIR/hybrid_bench.txt" || status=1
+else
+  echo "no .kernels/: run python tests/kernels/fetch_kernels.py on the dev machine and carry .kernels" \
+    | tee -a "$OUT_DIR/hybrid_bench.txt"
   status=1
 fi
 fi

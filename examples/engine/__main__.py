@@ -3,8 +3,12 @@ tokens against ``transformers``' own ``generate``.
 
 Two workloads per kernel: ``mixed`` (24 requests arriving over 6 steps, a shared prompt prefix, chunked
 prefill, a KV pool small enough to preempt, padded decode steps) and ``cascade`` (10 requests sharing a
-270-token prefix: steps that cascade). Exits non-zero if a token differs where ``generate``'s top-2
-logit margin exceeds the tolerance.
+270-token prefix: steps that cascade). A hybrid model (``--model tiny-hybrid`` or ``hybrid-1b``) serves
+``hybrid`` (16 requests, one Mamba state slot each: chunked prefills that continue their states,
+preemption, padded decode steps) and ``hybrid-align`` (20 requests sharing a 40-token prefix in vLLM's
+"align" Mamba cache mode: prefix-cache hits that resume from cached Mamba states, prefill
+checkpoints). Exits non-zero if a token differs where ``generate``'s top-2 logit margin exceeds the
+tolerance.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ WORKLOADS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # for the hybrid model: no prefix caching (a Mamba state has no per-block cache), the rest as "mixed"
     "hybrid": ({"num": 16, "arrive_over": 6, "seed": 3},
                {"num_blocks": 24, "max_num_tokens": 48, "max_num_seqs": 8, "max_model_len": 256}),
+    # the hybrid model in vLLM's "align" Mamba cache mode: prefix caching of Mamba states (a shared
+    # 40-token prefix), block-aligned prompt chunks, prefill checkpoints, preemption
+    "hybrid-align": ({"num": 20, "shared_prefix": 40, "arrive_over": 8, "seed": 4},
+                     {"num_blocks": 26, "max_num_tokens": 48, "max_num_seqs": 8, "max_model_len": 256,
+                      "mamba_cache_mode": "align"}),
 }
 
 
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=["tiny", "1b", "tiny-hybrid", "hybrid-1b"], default=None,
                    help="tiny (float32, default on cpu), 1b (a ~1.2B Llama in bfloat16, default on cuda), "
                         "tiny-hybrid (a Bamba of Mamba2 and attention layers, float32) or hybrid-1b (a ~1.4B "
-                        "Bamba in bfloat16); a hybrid's default workload is hybrid")
+                        "Bamba in bfloat16); a hybrid's default workloads are hybrid and hybrid-align")
     p.add_argument("--mamba-kernels", choices=["torch", "vllm"], default=None,
                    help="a hybrid model's Mamba2 layers: the torch reference (default on cpu) or vLLM's Triton "
                         "kernels (default on cuda; python tests/kernels/fetch_kernels.py puts them in .kernels/)")
@@ -90,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if "hybrid" in size:
         print(f"Mamba2 layers: {mamba_kernels}", flush=True)
     if "hybrid" in size and a.workloads == "mixed,cascade":
-        a.workloads = "hybrid"
+        a.workloads = "hybrid,hybrid-align"
     tol = a.tolerance if a.tolerance is not None else (0.5 if dtype == torch.bfloat16 else 0.0)
     on_gpu = ("torch-paged,flashinfer" if "hybrid" in size  # a hybrid model runs eager steps only
               else "torch-paged,torch-varlen,flashinfer,flashinfer+graphs")

@@ -39,6 +39,7 @@ from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
 from attnmeta.backends.mamba import mamba2
 from attnmeta.backends.mamba.mamba2 import Mamba2Metadata, Mamba2Options
 from attnmeta.backends.mamba.mamba2 import block_table_columns as mamba_columns
+from attnmeta.host.mamba import CheckpointConfig
 from attnmeta.metadata import CommonAttentionMetadata
 from attnmeta.staging import STAGEABLE_DTYPES
 from attnmeta.sync import allow_device_sync
@@ -66,6 +67,10 @@ class EngineConfig:
     """Decode-only steps are padded to the next of these sizes (none larger: not padded)."""
     cuda_graphs: bool = False
     uploads: Literal["one-copy", "per-tensor"] = "one-copy"
+    mamba_cache_mode: Literal["none", "align"] = "none"
+    """A hybrid model's Mamba state cache: ``"none"`` (one state slot a request, no prefix caching) or
+    vLLM's ``"align"`` (a state block per KV block, block-aligned prompt chunks, prefill checkpoints,
+    prefix caching of the states at prompt block ends)."""
     mamba_kernels: Literal["torch", "vllm"] = "torch"
     """A hybrid model's Mamba2 layers: the torch reference mixer, or vLLM 0.33.0's Triton kernels (GPU;
     the files ``tests/kernels/fetch_kernels.py`` puts into ``.kernels/``)."""
@@ -89,6 +94,12 @@ class EngineStats:
     """Rows whose chunk stopped short of the prompt's end (chunked prefill)."""
     preemptions: int = 0
     prefix_cache_hits: int = 0
+    mamba_cache_hits: int = 0
+    """Hybrid models in align mode: Mamba states taken from the prefix cache (one per hit)."""
+    mamba_checkpoints: int = 0
+    """Align mode: prefill checkpoints written (a state at a block end inside a prompt chunk)."""
+    mamba_state_copies: int = 0
+    """Align mode: rows whose running state moved to the block of their last token before a step."""
     """Blocks reused from the prefix cache."""
     cascade_steps: int = 0
     metadata_copies: int = 0
@@ -122,7 +133,8 @@ class Engine:
     ----------
     model : transformers.LlamaForCausalLM or transformers.BambaForCausalLM
         Weights and dtype; on the device the engine runs on. A Bamba (hybrid) model adds the Mamba
-        state group (:mod:`.hybrid`): eager steps, one-copy uploads, no prefix caching.
+        state group (:mod:`.hybrid`): eager steps, one-copy uploads, prefix caching only in the
+        ``"align"`` Mamba cache mode (``EngineConfig.mamba_cache_mode``).
     kernel : AttentionKernel
         Attention (see :mod:`.kernels`).
     cfg : EngineConfig
@@ -131,10 +143,13 @@ class Engine:
 
     def __init__(self, model: Any, kernel: AttentionKernel, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        # a hybrid model (Bamba: attention and Mamba2 layers) has a second KV-cache group: a state slot
-        # a request, read through attnmeta's mamba2 metadata; eager, one copy, no prefix caching
+        # a hybrid model (Bamba: attention and Mamba2 layers) has a second KV-cache group, read through
+        # attnmeta's mamba2 metadata: a state slot a request, or in align mode a state block per KV block
         self.hybrid = getattr(model.config, "model_type", "") == "bamba"
-        slots = cfg.max_num_seqs + 1 if self.hybrid else 0
+        if cfg.mamba_cache_mode not in ("none", "align"):
+            raise ValueError(f"Engine: mamba_cache_mode is 'none' or 'align', not {cfg.mamba_cache_mode!r}")
+        self.align = self.hybrid and cfg.mamba_cache_mode == "align"
+        slots = (cfg.num_blocks if self.align else cfg.max_num_seqs + 1) if self.hybrid else 0
         if self.hybrid and cfg.uploads != "one-copy":
             raise ValueError("Engine: a hybrid model runs with uploads='one-copy' only")
         if cfg.mamba_kernels not in ("torch", "vllm"):
@@ -146,14 +161,21 @@ class Engine:
             ops = load_ops()
         self.model: PagedLlama | PagedBamba = (PagedBamba(model, cfg.num_blocks, cfg.block_size, slots, ops)
                                                if self.hybrid else PagedLlama(model, cfg.num_blocks, cfg.block_size))
-        self.mamba_options = Mamba2Options(chunk_size=int(getattr(model.config, "mamba_chunk_size", 256)))
-        self.state_table = np.zeros((cfg.max_num_seqs, 1), np.int32)
+        chunk = int(getattr(model.config, "mamba_chunk_size", 256))
+        bs = cfg.block_size
+        self.mamba_options = (Mamba2Options(chunk_size=chunk, cache_mode="align", mamba_block_size=bs,
+                                            checkpoint=CheckpointConfig(hash_block_size=bs, cache_hit_alignment_tokens=bs,
+                                                                        mamba_block_size=bs, checkpoint_alignment=1))
+                              if self.align else Mamba2Options(chunk_size=chunk))
+        self.state_table = np.zeros((cfg.max_num_seqs, cfg.max_blocks_per_req if self.align else 1), np.int32)
         self._mamba: Mamba2Metadata | None = None
         self.device = self.model.device
         self.kernel = kernel
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size)
+        self.mamba_pool = BlockPool(cfg.num_blocks, cfg.block_size) if self.align else None
         self.scheduler = Scheduler(self.pool, cfg.max_num_tokens, cfg.max_num_seqs, cfg.max_blocks_per_req,
-                                   num_state_slots=slots, prefix_caching=not self.hybrid)
+                                   num_state_slots=0 if self.align else slots,
+                                   prefix_caching=not self.hybrid or self.align, mamba_pool=self.mamba_pool)
         cuda = self.device.type == "cuda"
         self.graphs = (cfg.cuda_graphs and cuda and isinstance(kernel, FlashInferKernel) and cfg.uploads == "one-copy"
                        and not self.hybrid)
@@ -199,6 +221,7 @@ class Engine:
                 self.stats.step_times.append(time.perf_counter() - t0)
         st = self.stats
         st.preemptions, st.prefix_cache_hits = self.scheduler.preemptions, self.pool.hits
+        st.mamba_cache_hits = self.mamba_pool.hits if self.mamba_pool is not None else 0
         st.cascade_steps = getattr(self.kernel, "cascade_steps", 0)
         return st
 
@@ -237,7 +260,11 @@ class Engine:
         computed = np.array([r.start for r in rows], np.int32)
         scheduled = np.array([r.num_new for r in rows], np.int32)
         if self.hybrid:
-            self.state_table[:n, 0] = [r.req.state_slot for r in rows]
+            if self.align:
+                for i, row in enumerate(rows):
+                    self.state_table[i, : len(row.req.mamba_blocks)] = row.req.mamba_blocks
+            else:
+                self.state_table[:n, 0] = [r.req.state_slot for r in rows]
         t_md = time.perf_counter()  # attnmeta's part of the step starts here
         spec = BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled,
                          block_table=self.table[:n], block_size=cfg.block_size,
@@ -246,7 +273,7 @@ class Engine:
         if self.hybrid:  # the Mamba group: one block (the state slot) a request
             t0 = time.perf_counter()
             mspec = BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled,
-                              block_table=self.state_table[:n], block_size=cfg.max_model_len,
+                              block_table=self.state_table[:n], block_size=cfg.block_size if self.align else cfg.max_model_len,
                               num_reqs_padded=padded, num_tokens_padded=padded)
             t_mamba = time.perf_counter() - t0
         cap = cfg.max_num_tokens if self.graphs else None
@@ -291,8 +318,8 @@ class Engine:
         st.sampled += sum(r.samples for r in rows)
         st.partial_prefills += sum(not r.samples for r in rows)
         rows_total = padded if padded is not None else n
-        if isinstance(self.model, PagedBamba):  # fresh states for rows that start from their first token
-            self.model.reset_slots([r.req.state_slot for r in rows if r.start == 0])
+        if isinstance(self.model, PagedBamba):
+            self._prepare_states(rows)
         if graph:
             assert padded is not None
             st.graph_steps += 1
@@ -304,6 +331,33 @@ class Engine:
         ev = self._events[slot]
         if ev is not None:
             ev.record()
+
+    def _prepare_states(self, rows: list[Any]) -> None:
+        """Before a hybrid step's forward: zero the states of rows that start from their first token
+        (a one-token prompt takes the decode path, which has no initial-state flag); in align mode,
+        move each row's running state to the block of its last token when that block is a new one
+        (vLLM's align-mode state copy), and name the step's prefill checkpoints in the prefix cache."""
+        assert isinstance(self.model, PagedBamba)
+        if not self.align:
+            self.model.reset_slots([r.req.state_slot for r in rows if r.start == 0])
+            return
+        bs, fresh, moves = self.cfg.block_size, [], []
+        for r in rows:
+            blocks = r.req.mamba_blocks
+            dst = blocks[(r.start + r.num_new - 1) // bs]
+            if r.start == 0:
+                fresh.append(dst)
+            elif blocks[(r.start - 1) // bs] != dst:
+                moves.append((blocks[(r.start - 1) // bs], dst))
+        self.model.reset_slots(fresh)
+        self.model.copy_slots(moves)
+        self.stats.mamba_state_copies += len(moves)
+        meta = self._mamba
+        ck = meta.checkpoint_meta if meta is not None else None
+        if ck is not None:  # prefill row i is the step's row first_row + i
+            for i in np.flatnonzero(ck.offsets_cpu):
+                self.stats.mamba_checkpoints += 1
+                self.scheduler.cache_mamba_state(rows[ck.first_row + int(i)].req, int(ck.cols_cpu[i]))
 
     def _forward(self, ids: torch.Tensor, prev_rows: torch.Tensor, positions: torch.Tensor,
                  slot_mapping: torch.Tensor, query_ends: torch.Tensor) -> None:

@@ -8,7 +8,10 @@ second KV-cache group:
   (padding rows: slot 0, the null slot); one recurrent update for all of them;
 - prefill rows: their tokens are ``query_start_loc_p`` (from ``num_decode_tokens`` on), their slots
   ``state_indices_tensor_p``, and ``has_initial_states_p`` says whether a row continues the state in
-  its slot (a later chunk of a chunked prefill) or starts from zeros.
+  its slot (a later chunk of a chunked prefill) or starts from zeros;
+- in vLLM's "align" cache mode, a slot is the Mamba block of the row's last token, and a prefill row
+  may also store a checkpoint (``checkpoint_meta``: the state after ``offsets`` tokens of its chunk,
+  into ``state_indices``), a block's end state for the prefix cache.
 
 Two Mamba2 mixers read that metadata: :func:`mamba2_mixer`, the reference (the conv and the SSM
 recurrence written in torch, row by row and token by token, in float32; CPU or GPU), and
@@ -89,6 +92,7 @@ def mamba2_mixer(mixer: Any, x: torch.Tensor, meta: Mamba2Metadata, state: Mamba
         state.ssm[slots], y[:nd] = _ssm_update(mixer, state.ssm[slots], xs, b, c, dt[:nd])
     if meta.num_prefills and meta.query_start_loc_p_cpu is not None and meta.has_initial_states_p is not None:
         qsl = meta.query_start_loc_p_cpu
+        ck = meta.checkpoint_meta  # align mode: a row may also store its state at a block end inside its chunk
         for i in range(meta.num_prefills):
             a, e = nd + int(qsl[i]), nd + int(qsl[i + 1])
             if a == e:
@@ -100,9 +104,15 @@ def mamba2_mixer(mixer: Any, x: torch.Tensor, meta: Mamba2Metadata, state: Mamba
             conv = F.silu(F.conv1d(seq[None], w[:, None, :], bias, groups=conv_dim)[0].T)  # (n, conv_dim)
             xs, b, c = ssm_inputs(conv)
             h = state.ssm[slot] * keep
+            off = int(ck.offsets_cpu[i]) if ck is not None else 0
             for j in range(e - a):
                 h, y[a + j : a + j + 1] = _ssm_update(mixer, h, xs[j : j + 1], b[j : j + 1], c[j : j + 1],
                                                       dt[a + j : a + j + 1])
+                if off and j + 1 == off:  # the state after `off` tokens, and the inputs before them
+                    assert ck is not None and ck.state_indices_cpu is not None
+                    cslot = int(ck.state_indices_cpu[i])
+                    state.ssm[cslot] = h[0]
+                    state.conv[cslot] = seq[:, off : off + w.shape[1] - 1]
             state.ssm[slot] = h
     out = mixer.norm(y.reshape(t, -1).to(x.dtype), gate)
     return mixer.out_proj(out.to(x.dtype))  # type: ignore[no-any-return]
@@ -147,6 +157,14 @@ class PagedBamba:
             for s in slots:
                 st.conv[s].zero_()
                 st.ssm[s].zero_()
+
+    def copy_slots(self, moves: list[tuple[int, int]]) -> None:
+        """Copy every Mamba layer's states from slot ``src`` to slot ``dst`` for each ``(src, dst)``
+        (host-known slot numbers: device copies, no read)."""
+        for st in self.states.values():
+            for src, dst in moves:
+                st.conv[dst].copy_(st.conv[src])
+                st.ssm[dst].copy_(st.ssm[src])
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

@@ -73,8 +73,11 @@ class BlockPool:
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block; blocks reaching 0 join the free queue, the last block first
-        (a request's tail is the least likely to be shared, so it is evicted first)."""
+        (a request's tail is the least likely to be shared, so it is evicted first). Null blocks in
+        ``blocks`` (a hybrid request's Mamba columns that hold no state) are skipped."""
         for b in reversed(blocks):
+            if b == NULL_BLOCK:
+                continue
             self.refs[b] -= 1
             if self.refs[b] == 0:
                 self._free[b] = None
@@ -92,6 +95,19 @@ class BlockPool:
             out.append(b)
         self.hits += len(out)
         return out
+
+    def cached(self, h: int) -> bool:
+        """Whether a block is named by prefix hash ``h``."""
+        return h in self._by_hash
+
+    def take(self, h: int) -> int:
+        """The block named by ``h`` (see :meth:`cached`), with one more reference; counts one hit."""
+        b = self._by_hash[h]
+        if self.refs[b] == 0:
+            del self._free[b]
+        self.refs[b] += 1
+        self.hits += 1
+        return b
 
     def cache(self, block: int, h: int) -> None:
         """Name a held, fully written block by its prefix hash (a no-op if the hash has a block already)."""

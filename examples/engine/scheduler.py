@@ -43,6 +43,10 @@ class Request:
     """Prompt blocks named in the prefix cache (or found there)."""
     state_slot: int = 0
     """Slot of this request's Mamba states (hybrid models; 0 while it holds none)."""
+    mamba_blocks: list[int] = dataclasses.field(default_factory=list)
+    """Hybrid models in "align" mode: a Mamba state block per KV block (column ``j`` holds the state
+    after ``(j + 1) * block_size`` tokens, or the running state in the last column; the null block 0
+    where a prefix-cache hit needs no state)."""
     pending: tuple[int, int] | None = None
     """``(step, row)`` of the sampled tokens holding this request's newest token, not yet received."""
     preemptions: int = 0
@@ -113,11 +117,18 @@ class Scheduler:
     num_state_slots : int, default 0
         Hybrid models: slots of the Mamba state pool (slot 0 reserved); a running request holds one.
     prefix_caching : bool, default True
-        Reuse cached prompt blocks (off for hybrid models: a Mamba state has no per-block cache).
+        Reuse cached prompt blocks (for a hybrid model only with ``mamba_pool``: a Mamba state of one
+        slot per request has no per-block cache).
+    mamba_pool : BlockPool, optional
+        Hybrid models in vLLM's "align" Mamba cache mode (instead of ``num_state_slots``): Mamba state
+        blocks, one per KV block of a request (:attr:`Request.mamba_blocks`). A prompt chunk that
+        does not finish the prompt ends on a block boundary, so its final state is a block's state; a
+        state at the end of a full prompt block is named in this pool's prefix cache; a prefix-cache
+        hit stops at the last block whose state is cached.
     """
 
     def __init__(self, pool: BlockPool, max_num_tokens: int, max_num_seqs: int, max_blocks_per_req: int,
-                 num_state_slots: int = 0, prefix_caching: bool = True) -> None:
+                 num_state_slots: int = 0, prefix_caching: bool = True, mamba_pool: BlockPool | None = None) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_tokens = max_num_tokens
@@ -132,6 +143,9 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self._num_state_slots = num_state_slots
         self.free_slots = list(range(num_state_slots - 1, 0, -1))
+        self.mamba_pool = mamba_pool
+        if mamba_pool is not None and (num_state_slots or mamba_pool.block_size != pool.block_size):
+            raise ValueError("Scheduler: mamba_pool (align mode) replaces num_state_slots, with the KV block size")
 
     def add(self, req: Request) -> None:
         """Queue a request (admitted at or after ``req.arrival``)."""
@@ -150,10 +164,37 @@ class Scheduler:
 
     def _grow(self, req: Request, num_new: int) -> bool:
         need = -(-(req.num_computed + num_new) // self.block_size) - len(req.blocks)
-        if need > self.pool.num_free:
+        if need > self.pool.num_free or (self.mamba_pool is not None and need > self.mamba_pool.num_free):
             return False
         if need > 0:
             req.blocks += self.pool.allocate(need)
+            if self.mamba_pool is not None:
+                req.mamba_blocks += self.mamba_pool.allocate(need)
+        return True
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens of ``req`` to compute this step; in align mode a chunk that stops short of the last
+        token ends on a block boundary (0: none fits this step)."""
+        num_new = min(req.num_tokens - req.num_computed, budget)
+        if self.mamba_pool is not None and req.num_computed + num_new < req.num_tokens:
+            num_new = max((req.num_computed + num_new) // self.block_size * self.block_size - req.num_computed, 0)
+        return num_new
+
+    def _drop_blocks(self, req: Request) -> None:
+        self.pool.free(req.blocks)
+        if self.mamba_pool is not None:
+            self.mamba_pool.free(req.mamba_blocks)
+        req.blocks, req.mamba_blocks, req.num_computed, req.num_cached_blocks = [], [], 0, 0
+
+    def cache_mamba_state(self, req: Request, col: int) -> bool:
+        """Align mode: name ``req``'s Mamba block of column ``col``, which holds (or is being written
+        with) the state after ``(col + 1) * block_size`` tokens, in the prefix cache, if those tokens are
+        prompt tokens. Returns whether it was named."""
+        assert self.mamba_pool is not None
+        n = col + 1
+        if n * self.block_size > len(req.prompt) or req.mamba_blocks[col] == 0:
+            return False
+        self.mamba_pool.cache(req.mamba_blocks[col], block_hashes(req.prompt, self.block_size, n)[col])
         return True
 
     def _release_slot(self, req: Request) -> None:
@@ -164,8 +205,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release_slot(req)
-        self.pool.free(req.blocks)
-        req.blocks, req.num_computed, req.num_cached_blocks = [], 0, 0
+        self._drop_blocks(req)
         req.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(req)
@@ -173,8 +213,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step's batch (possibly empty while requests have not arrived yet)."""
         for req in self._to_free:  # finished last step: that step may still read their blocks, this one not
-            self.pool.free(req.blocks)
-            req.blocks = []
+            self._drop_blocks(req)
             self._release_slot(req)
         self._to_free = []
         budget = self.max_num_tokens
@@ -183,7 +222,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed, budget)
+            num_new = self._chunk(req, budget)
+            if num_new == 0:  # align mode: no block-aligned chunk fits what is left of the budget
+                i += 1
+                continue
             while not self._grow(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -202,12 +244,20 @@ class Scheduler:
             req = self.waiting[0]
             full = (req.num_tokens - 1) // self.block_size  # at least one token is computed
             cacheable = min(full, len(req.prompt) // self.block_size) if self.prefix_caching else 0
-            hits = self.pool.lookup(block_hashes(req.tokens, self.block_size, cacheable))
+            hashes = block_hashes(req.tokens, self.block_size, cacheable)
+            hits = self.pool.lookup(hashes)
+            if self.mamba_pool is not None:  # the hit ends where a Mamba state is cached
+                k = len(hits)
+                while k > 0 and not self.mamba_pool.cached(hashes[k - 1]):
+                    k -= 1
+                self.pool.free(hits[k:])
+                self.pool.hits -= len(hits) - k
+                hits = hits[:k]
+                req.mamba_blocks = [0] * (k - 1) + [self.mamba_pool.take(hashes[k - 1])] if k else []
             req.blocks, req.num_computed, req.num_cached_blocks = hits, len(hits) * self.block_size, len(hits)
-            num_new = min(req.num_tokens - req.num_computed, budget)
-            if not self._grow(req, num_new):
-                self.pool.free(req.blocks)
-                req.blocks, req.num_computed, req.num_cached_blocks = [], 0, 0
+            num_new = self._chunk(req, budget)
+            if num_new == 0 or not self._grow(req, num_new):
+                self._drop_blocks(req)
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -218,6 +268,8 @@ class Scheduler:
         for row in rows:  # the step writes these tokens' KV; name the prompt blocks it completes
             req = row.req
             req.num_computed += row.num_new
+            if self.mamba_pool is not None and self.prefix_caching and req.num_computed % self.block_size == 0:
+                self.cache_mamba_state(req, req.num_computed // self.block_size - 1)  # the step's final state
             full = min(req.num_computed, len(req.prompt)) // self.block_size
             if self.prefix_caching and full > req.num_cached_blocks:
                 for b, h in zip(req.blocks[req.num_cached_blocks : full],

@@ -14,7 +14,11 @@ shadow an installed vLLM.
   ``token_chunk_offset_ptr``, the conv1d programs); then ``mamba_chunk_scan_combined_varlen`` with
   ``cu_chunk_seqlen_p``, ``seq_idx_p``, ``last_chunk_indices_p``, the initial states
   ``where(has_initial_states_p, ssm[state_indices_tensor_p], 0)`` when ``prep_initial_states``, and
-  the final states written into ``ssm[state_indices_tensor_p]``;
+  the final states written into ``ssm[state_indices_tensor_p]``; in vLLM's "align" cache mode with
+  prefill checkpoints (``checkpoint_meta``), the scan returns its chunk states instead, and
+  ``store_prefill_checkpoint`` writes each checkpoint's SSM and conv state into
+  ``checkpoint_meta.state_indices`` (the chunk ``checkpoint_chunk_idx`` ends at it) before the final
+  states are gathered from ``last_chunk_indices_p``;
 - decode rows: ``causal_conv1d_update`` and ``selective_state_update`` with ``state_indices_tensor_d``
   (a padding row's slot is the null slot 0, which both kernels skip).
 
@@ -143,7 +147,8 @@ def vllm_mamba2_mixer(ops: types.SimpleNamespace, mixer: Any, x: torch.Tensor, m
 
     if meta.num_prefills:
         p = slice(nd, nd + meta.num_prefill_tokens)
-        conv = ops.conv1d_fn(xbc[p].transpose(0, 1), w, bias, conv_states=state.conv,
+        x_t = xbc[p].transpose(0, 1)  # (conv_dim, Pt), channel stride 1
+        conv = ops.conv1d_fn(x_t, w, bias, conv_states=state.conv,
                              query_start_loc=meta.query_start_loc_p, cache_indices=meta.state_indices_tensor_p,
                              has_initial_state=meta.has_initial_states_p, activation="silu",
                              metadata=meta).transpose(0, 1)
@@ -153,11 +158,19 @@ def vllm_mamba2_mixer(ops: types.SimpleNamespace, mixer: Any, x: torch.Tensor, m
             assert meta.has_initial_states_p is not None and meta.state_indices_tensor_p is not None
             init = torch.where(meta.has_initial_states_p[:, None, None, None],
                                state.ssm[meta.state_indices_tensor_p.long()], 0)
-        ops.ssd_varlen(xs, dt[p], a, b, c, chunk_size=meta.chunk_size, cu_seqlens=meta.query_start_loc_p,
-                       cu_chunk_seqlens=meta.cu_chunk_seqlen_p, last_chunk_indices=meta.last_chunk_indices_p,
-                       seq_idx=meta.seq_idx_p, out=y[p], D=d_skip, dt_bias=dt_bias, initial_states=init,
-                       dt_softplus=True, dt_limit=tuple(mixer.time_step_limit or (0.0, float("inf"))), state_dtype=torch.float32,
-                       final_states_out=state.ssm, final_state_indices=meta.state_indices_tensor_p)
+        ck = meta.checkpoint_meta  # align mode: rows that also store a block end's state inside their chunk
+        chunk_states = ops.ssd_varlen(
+            xs, dt[p], a, b, c, chunk_size=meta.chunk_size, cu_seqlens=meta.query_start_loc_p,
+            cu_chunk_seqlens=meta.cu_chunk_seqlen_p, last_chunk_indices=meta.last_chunk_indices_p,
+            seq_idx=meta.seq_idx_p, out=y[p], D=d_skip, dt_bias=dt_bias, initial_states=init, dt_softplus=True,
+            dt_limit=tuple(mixer.time_step_limit or (0.0, float("inf"))), state_dtype=torch.float32,
+            return_intermediate_states=ck is not None, final_states_out=None if ck is not None else state.ssm,
+            final_state_indices=None if ck is not None else meta.state_indices_tensor_p)
+        if ck is not None:  # the chunk states come back: store the checkpoints, then each row's final state
+            assert meta.checkpoint_chunk_idx is not None and meta.last_chunk_indices_p is not None
+            ops.store_checkpoint(ops.checkpoint_type(ck.offsets, ck.state_indices), meta.checkpoint_chunk_idx, x_t,
+                                 state.conv, chunk_states, state.ssm, meta.query_start_loc_p, state_len=w.shape[1] - 1)
+            state.ssm[meta.state_indices_tensor_p.long()] = chunk_states[meta.last_chunk_indices_p.long()]
     if meta.num_decodes:
         si = meta.state_indices_tensor_d
         conv = ops.conv1d_update(xbc[:nd], state.conv, w, bias, "silu", conv_state_indices=si,

@@ -197,9 +197,11 @@ def test_hybrid_check_catches_a_lost_initial_state(hybrid_model: Any, monkeypatc
     assert forced.mismatches > 0
 
 
-def test_hybrid_loop_never_reads_the_device(hybrid_model: Any) -> None:
-    reqs = make_requests(8, hybrid_model.config.vocab_size, arrive_over=3, seed=7)
-    cfg = EngineConfig(num_blocks=24, max_num_tokens=48, max_num_seqs=8, max_model_len=256)
+@pytest.mark.parametrize("mode", ["none", "align"])
+def test_hybrid_loop_never_reads_the_device(hybrid_model: Any, mode: str) -> None:
+    reqs = make_requests(8, hybrid_model.config.vocab_size, arrive_over=3, seed=7, shared_prefix=20)
+    cfg = EngineConfig(num_blocks=40, max_num_tokens=48, max_num_seqs=8, max_model_len=256,
+                       mamba_cache_mode=mode)  # type: ignore[arg-type]
     engine = Engine(hybrid_model, make_kernel("torch-paged", hybrid_model, torch.device("cpu")), cfg)
     with no_device_sync(devices={"cpu"}, allow_async_d2h=True):
         st = engine.run(reqs)
@@ -217,3 +219,72 @@ def test_vllm_mamba_kernels_missing_names_the_fetch_command(hybrid_model: Any, t
                        mamba_kernels="triton")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="mamba_kernels"):
         Engine(hybrid_model, make_kernel("torch-paged", hybrid_model, torch.device("cpu")), cfg)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the hybrid model in vLLM's "align" Mamba cache mode: prefix caching of Mamba states
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_hybrid_align_workload_equals_generate(hybrid_model: Any) -> None:
+    """Align mode: a state block per KV block, block-aligned prompt chunks, states moved to the block of
+    each row's last token, prefill checkpoints, and prefix-cache hits that resume from a cached Mamba
+    state (and preempted requests that find their own); every token equal to ``generate``'s."""
+    st, cmp, forced = run_workload(hybrid_model, "torch-paged", "hybrid-align")
+    assert cmp.mismatches == cmp.near_ties == 0 and cmp.tokens == cmp.generated == st.sampled > 200, cmp
+    assert forced.mismatches == forced.near_ties == 0, forced
+    assert st.prefix_cache_hits > 0 and st.mamba_cache_hits > 0 and st.mamba_checkpoints > 0
+    assert st.mamba_state_copies > 0 and st.preemptions > 0 and st.partial_prefills > 0 and st.padded_steps > 0
+    assert st.metadata_copies == st.steps
+
+
+@pytest.mark.parametrize("broken", ["no state moves", "no checkpoints"])
+def test_hybrid_align_check_catches_broken_state_handling(hybrid_model: Any, monkeypatch: pytest.MonkeyPatch,
+                                                          broken: str) -> None:
+    """The check can fail: a step that leaves the running state in its old block, or a mixer that
+    ignores ``checkpoint_meta`` (a later hit resumes from a block that holds no state), change tokens."""
+    import dataclasses
+
+    from examples.engine import hybrid
+
+    if broken == "no state moves":
+        monkeypatch.setattr(hybrid.PagedBamba, "copy_slots", lambda self, moves: None)
+    else:
+        real = hybrid.mamba2_mixer
+
+        def no_checkpoints(mixer: Any, x: torch.Tensor, meta: Any, state: Any) -> torch.Tensor:
+            return real(mixer, x, dataclasses.replace(meta, checkpoint_meta=None), state)
+
+        monkeypatch.setattr(hybrid, "mamba2_mixer", no_checkpoints)
+    _, _, forced = run_workload(hybrid_model, "torch-paged", "hybrid-align")
+    assert forced.mismatches > 0, forced
+
+
+def test_align_scheduler_chunks_end_on_block_boundaries_and_hits_need_a_state() -> None:
+    """A prompt chunk that stops short of the prompt ends on a block boundary; a prefix hit stops at the
+    last block whose Mamba state is cached; both pools are empty once everything has finished."""
+    pool, mpool = BlockPool(40, 4), BlockPool(40, 4)
+    sched = Scheduler(pool, max_num_tokens=10, max_num_seqs=4, max_blocks_per_req=16, mamba_pool=mpool)
+    first = Request(0, list(range(1, 23)), 2)  # 22 prompt tokens
+    sched.add(first)
+    chunks = []
+    while first.num_generated == 0:
+        out = sched.schedule()
+        chunks += [(r.start, r.num_new) for r in out.rows]
+        sched.receive(out, np.full(len(out.rows), 7))
+    assert chunks == [(0, 8), (8, 8), (16, 6)]  # 10-token budget: aligned to 4-token blocks, then the rest
+    assert len(first.mamba_blocks) == len(first.blocks) == 6
+    # the chunk ends at 8 and 16 named the states of blocks 1 and 3; no state is cached for block 4
+    for col in (0, 2, 4):
+        assert not mpool.cached(block_hashes(first.prompt, 4, col + 1)[col])
+    second = Request(1, [*range(1, 21), 99, 98, 97], 1)  # shares 5 blocks with the first
+    sched.add(second)
+    out = sched.schedule()
+    row = next(r for r in out.rows if r.req is second)
+    assert row.start == 16  # 5 attention blocks cached, the hit stops at the state after block 3
+    assert second.mamba_blocks[:3] == [0, 0, 0] and second.mamba_blocks[3] == first.mamba_blocks[3]
+    while sched.has_work:
+        sched.receive(out, np.full(len(out.rows), 7))
+        out = sched.schedule()
+    sched.schedule()
+    assert sum(pool.refs) == sum(mpool.refs) == 0

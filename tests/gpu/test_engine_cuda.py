@@ -117,18 +117,22 @@ def hybrid_reference() -> Reference:
 
 
 @pytest.mark.parametrize("kernel", ["torch-paged", "flashinfer"])
-@pytest.mark.parametrize("mamba", ["vllm", "torch"])
-def test_hybrid_engine_tokens(hybrid_model: Any, hybrid_reference: Reference, kernel: str, mamba: str) -> None:
-    """The hybrid workload (chunked prefills that continue their Mamba states, preemption, padded decode
-    steps) in bfloat16: tokens against ``generate`` and teacher-forced, as for the Llama engine; the
-    Mamba2 layers through vLLM 0.33.0's Triton kernels, or the torch reference mixer on the GPU."""
+@pytest.mark.parametrize(("workload", "mamba"), [("hybrid", "vllm"), ("hybrid", "torch"), ("hybrid-align", "vllm")])
+def test_hybrid_engine_tokens(hybrid_model: Any, hybrid_reference: Reference, kernel: str, workload: str,
+                              mamba: str) -> None:
+    """The hybrid workloads in bfloat16: tokens against ``generate`` and teacher-forced, as for the Llama
+    engine; the Mamba2 layers through vLLM 0.33.0's Triton kernels, or the torch reference mixer on the
+    GPU. ``hybrid``: chunked prefills that continue their Mamba states, preemption, padded decode steps;
+    ``hybrid-align``: vLLM's "align" cache mode, with prefix-cache hits on Mamba states, state moves
+    between blocks and prefill checkpoints (``store_prefill_checkpoint``)."""
     if mamba == "vllm":
         _vllm_mamba_kernels()
     if kernel == "flashinfer" and not _have_flashinfer():
         pytest.skip("flashinfer is not importable (bash ../shared/tools/gpu-wheels.sh, then carry .whl)")
-    st, cmp, forced = run_workload(hybrid_model, kernel, "hybrid", tolerance=TOLERANCE, mamba_kernels=mamba,
+    st, cmp, forced = run_workload(hybrid_model, kernel, workload, tolerance=TOLERANCE, mamba_kernels=mamba,
                                    cache=hybrid_reference)
-    print(f"\nhybrid {kernel} mamba={mamba}: requests {cmp.requests} tokens {cmp.tokens} mismatches {cmp.mismatches} "
+    print(f"\n{workload} {kernel} mamba={mamba}: Mamba cache hits {st.mamba_cache_hits} checkpoints "
+          f"{st.mamba_checkpoints} state moves {st.mamba_state_copies} | requests {cmp.requests} tokens {cmp.tokens} mismatches {cmp.mismatches} "
           f"near ties {cmp.near_ties} min margin {cmp.min_margin:.3g} steps {st.steps} partial prefills "
           f"{st.partial_prefills} preemptions {st.preemptions} padded {st.padded_steps} | teacher-forced {forced}")
     assert cmp.mismatches == 0, cmp
@@ -136,6 +140,8 @@ def test_hybrid_engine_tokens(hybrid_model: Any, hybrid_reference: Reference, ke
     assert forced.near_ties <= 0.1 * forced.tokens, forced
     assert st.partial_prefills > 0 and st.preemptions > 0 and st.padded_steps > 0
     assert st.metadata_copies == st.steps
+    if workload == "hybrid-align":
+        assert st.mamba_cache_hits > 0 and st.mamba_checkpoints > 0 and st.mamba_state_copies > 0
 
 
 def test_hybrid_check_catches_a_lost_initial_state_on_the_gpu(hybrid_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -62,15 +62,22 @@ def model() -> Any:
     return make_model(tiny_hybrid_config())
 
 
-def test_hybrid_engine_with_vllm_kernels_equals_generate(model: Any) -> None:
-    st, cmp, forced = run_workload(model, "torch-paged", "hybrid", mamba_kernels="vllm")
-    print(f"\nHYBRID vLLM kernels, interpreter, float32: requests {cmp.requests} tokens {cmp.tokens} mismatches "
-          f"{cmp.mismatches} | teacher-forced {forced.tokens} tokens, {forced.mismatches} mismatches | steps "
-          f"{st.steps}, partial prefills {st.partial_prefills}, preemptions {st.preemptions}, padded {st.padded_steps}")
+@pytest.mark.parametrize("workload", ["hybrid", "hybrid-align"])
+def test_hybrid_engine_with_vllm_kernels_equals_generate(model: Any, workload: str) -> None:
+    """Both Mamba cache modes; "align" adds prefix-cache hits on Mamba states, the state moves between
+    blocks and the prefill checkpoints (``store_prefill_checkpoint``)."""
+    st, cmp, forced = run_workload(model, "torch-paged", workload, mamba_kernels="vllm")
+    print(f"\nHYBRID {workload}, vLLM kernels, interpreter, float32: requests {cmp.requests} tokens {cmp.tokens} "
+          f"mismatches {cmp.mismatches} | teacher-forced {forced.tokens} tokens, {forced.mismatches} mismatches | "
+          f"steps {st.steps}, partial prefills {st.partial_prefills}, preemptions {st.preemptions}, padded "
+          f"{st.padded_steps}, Mamba cache hits {st.mamba_cache_hits}, checkpoints {st.mamba_checkpoints}, "
+          f"state moves {st.mamba_state_copies}")
     assert cmp.mismatches == cmp.near_ties == 0 and cmp.tokens == cmp.generated == st.sampled > 150, cmp
     assert forced.mismatches == forced.near_ties == 0, forced
     assert st.partial_prefills > 0 and st.preemptions > 0 and st.padded_steps > 0
     assert st.metadata_copies == st.steps
+    if workload == "hybrid-align":
+        assert st.mamba_cache_hits > 0 and st.mamba_checkpoints > 0 and st.mamba_state_copies > 0
 
 
 def test_vllm_kernels_with_a_lost_initial_state_fail(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
