@@ -80,20 +80,26 @@ def test_hybrid_engine_with_vllm_kernels_equals_generate(model: Any, workload: s
         assert st.mamba_cache_hits > 0 and st.mamba_checkpoints > 0 and st.mamba_state_copies > 0
 
 
-def test_vllm_kernels_with_a_lost_initial_state_fail(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The check can fail: vLLM's kernels told that no prefill row continues its state change the tokens."""
+@pytest.mark.parametrize(("workload", "broken"), [("hybrid", "lost initial states"),
+                                                  ("hybrid-align", "no checkpoints")])
+def test_vllm_kernels_with_broken_metadata_fail(model: Any, monkeypatch: pytest.MonkeyPatch, workload: str,
+                                                broken: str) -> None:
+    """The check can fail: vLLM's kernels told that no prefill row continues its state, or given no
+    prefill checkpoints (a later hit resumes from a block that holds no state), change the tokens."""
     from examples.engine import hybrid
 
     real = vllm_mamba.vllm_mamba2_mixer
 
-    def forgetful(ops: Any, mixer: Any, x: torch.Tensor, meta: Any, state: Any) -> torch.Tensor:
-        if meta.has_initial_states_p is not None:
+    def damaged(ops: Any, mixer: Any, x: torch.Tensor, meta: Any, state: Any) -> torch.Tensor:
+        if broken == "no checkpoints":
+            meta = dataclasses.replace(meta, checkpoint_meta=None, checkpoint_chunk_idx=None)
+        elif meta.has_initial_states_p is not None:
             meta = dataclasses.replace(meta, has_initial_states_p=torch.zeros_like(meta.has_initial_states_p),
                                        has_initial_states_p_cpu=np.zeros_like(meta.has_initial_states_p_cpu),
                                        prep_initial_states=False)
         return real(ops, mixer, x, meta, state)
 
-    monkeypatch.setattr(hybrid, "vllm_mamba2_mixer", forgetful)
-    _, _, forced = run_workload(model, "torch-paged", "hybrid", mamba_kernels="vllm")
+    monkeypatch.setattr(hybrid, "vllm_mamba2_mixer", damaged)
+    _, _, forced = run_workload(model, "torch-paged", workload, mamba_kernels="vllm")
     assert forced.mismatches > 0, forced
 
