@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
-from audit_helpers import audited
+from audit_helpers import KernelResults, audited
 
 from attnmeta import BatchSpec, Stager
 from attnmeta.backends.mamba.gdn import FLA_CHUNK_SIZE, GdnMetadata, GdnOptions
@@ -72,24 +72,15 @@ SPEC_K = 2
 Recurrent = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 # Worst absolute error and batch/row counts per kernel, over the module's tests (printed at the end).
-RESULTS: dict[str, dict[str, float]] = {}
-
-
-def record(kernel: str, err: float, rows: int) -> None:
-    """Fold one batch's worst error and its row count into :data:`RESULTS`."""
-    r = RESULTS.setdefault(kernel, {"batches": 0, "rows": 0, "worst": 0.0})
-    r["batches"] += 1
-    r["rows"] += rows
-    r["worst"] = max(r["worst"], err)
+RESULTS = KernelResults(f"atol {ATOL}, rtol {RTOL}")
+record = RESULTS.record
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _summary() -> Iterator[None]:
     """Print each kernel's batches and worst error once the module's tests have run."""
     yield
-    for name, r in RESULTS.items():
-        print(f"\nKERNEL {name}: {int(r['batches'])} batches, {int(r['rows'])} rows, worst |err| {r['worst']:.3e} "
-              f"(atol {ATOL}, rtol {RTOL})")
+    RESULTS.print()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -365,7 +356,8 @@ def test_gdn_metadata_drives_fla_kernels(seed: int) -> None:
 
     def build(spec: BatchSpec, opts: GdnOptions, acc: np.ndarray | None) -> GdnMetadata:
         with audited():
-            return build_gdn(spec, stager, opts, num_accepted_tokens=acc)
+            m: GdnMetadata = build_gdn(spec, stager, opts, num_accepted_tokens=acc)
+        return m
 
     done = check_batch(seed, dev, fla_recurrent, fla_chunked, build,
                        lambda cu: fla_index.prepare_chunk_offsets(cu, FLA_CHUNK_SIZE))

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from audit_helpers import audited
+from audit_helpers import KernelResults, audited
 
 from attnmeta import BatchSpec, Stager
 from attnmeta.backends.flashinfer import host_tensor
@@ -72,27 +72,16 @@ VARIANTS = ("flashinfer_mla", "flashmla", "triton_mla", "flashattn_mla")
 Kernel = Callable[..., torch.Tensor]
 VarlenKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
-# Worst absolute error and batch/row counts per kernel, over the module's tests (printed at the end).
-RESULTS: dict[str, dict[str, float]] = {}
-
-
-def record(kernel: str, err: float, rows: int, chunks: int = 0) -> None:
-    """Fold one batch's worst error, its row count and its context chunks into :data:`RESULTS`."""
-    r = RESULTS.setdefault(kernel, {"batches": 0, "rows": 0, "chunks": 0, "worst": 0.0})
-    r["batches"] += 1
-    r["rows"] += rows
-    r["chunks"] += chunks
-    r["worst"] = max(r["worst"], err)
+# Worst absolute error and batch/row/chunk counts per kernel, over the module's tests (printed at the end).
+RESULTS = KernelResults(f"atol {ATOL}, rtol {RTOL}")
+record = RESULTS.record
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _summary() -> Iterator[None]:
     """Print each kernel's batches and worst error once the module's tests have run."""
     yield
-    for name, r in RESULTS.items():
-        chunks = f", {int(r['chunks'])} context chunks" if r["chunks"] else ""
-        print(f"\nKERNEL {name}: {int(r['batches'])} batches, {int(r['rows'])} rows{chunks}, "
-              f"worst |err| {r['worst']:.3e} (atol {ATOL}, rtol {RTOL})")
+    RESULTS.print()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -389,7 +378,8 @@ def test_mla_metadata_drives_flashinfer_mla_and_chunked_prefill(seed: int, mla_w
 
     def build(spec: BatchSpec, opts: MLAOptions) -> MLAMetadata:
         with audited():
-            return build_mla(spec, stager, opts)
+            m: MLAMetadata = build_mla(spec, stager, opts)
+        return m
 
     def decode(m: MLAMetadata, q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor,
                kpe: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from audit_helpers import audited
+from audit_helpers import KernelResults, audited
 from triton_interpreter import INTERPRET, cuda_device_shim, first_config_only, int1_comparisons
 from triton_interpreter import conv1d_metadata as interpreter_conv1d_metadata
 
@@ -111,34 +111,17 @@ ATOL = RTOL = 1e-3 if INTERPRET else 2e-2
 SEEDS = range(16)
 MAMBA_SSM_SEEDS = [s for s in range(12) if s % 4 != 3]  # batches with prefills
 
-# Worst absolute error and batch/row counts per kernel, over the module's tests (printed at the end).
-RESULTS: dict[str, dict[str, float]] = {}
-# Counts of notable cases (printed at the end as NOTE lines).
-NOTES: dict[str, int] = {}
-
-
-def note(what: str) -> None:
-    """Count one notable case in :data:`NOTES`."""
-    NOTES[what] = NOTES.get(what, 0) + 1
-
-
-def record(kernel: str, err: float, rows: int) -> None:
-    """Fold one batch's worst error and its row count into :data:`RESULTS`."""
-    r = RESULTS.setdefault(kernel, {"batches": 0, "rows": 0, "worst": 0.0})
-    r["batches"] += 1
-    r["rows"] += rows
-    r["worst"] = max(r["worst"], err)
+# Worst absolute error and batch/row counts per kernel, and counts of notable cases, over the module's
+# tests (printed at the end as KERNEL and NOTE lines).
+RESULTS = KernelResults(f"atol {ATOL}, rtol {RTOL}; {WHERE}")
+record, note = RESULTS.record, RESULTS.note
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _summary() -> Iterator[None]:
     """Print each kernel's batches and worst error once the module's tests have run."""
     yield
-    for name, r in RESULTS.items():
-        print(f"\nKERNEL {name}: {int(r['batches'])} batches, {int(r['rows'])} rows, worst |err| "
-              f"{r['worst']:.3e} (atol {ATOL}, rtol {RTOL}; {WHERE})")
-    for note, count in NOTES.items():
-        print(f"\nNOTE {note}: {count}")
+    RESULTS.print()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -643,7 +626,7 @@ def check_vllm(batch: Batch, ops: types.SimpleNamespace,
 
 
 def count_cases(batch: Batch) -> None:
-    """Count the kinds of rows of ``batch`` in :data:`NOTES`."""
+    """Count the kinds of rows of ``batch`` in :data:`RESULTS`' notes."""
     spec, C = batch.spec, batch.options.chunk_size
     for i in range(spec.num_reqs):
         c = int(spec.num_computed_tokens[i])
@@ -681,7 +664,7 @@ def check_mamba_ssm(batch: Batch, scan: Callable[..., Any],
     Returns
     -------
     tuple
-        The worst error, the prefill rows, and the notable cases (for :data:`NOTES`).
+        The worst error, the prefill rows, and the notable cases (for :data:`RESULTS`' notes).
 
     Raises
     ------
