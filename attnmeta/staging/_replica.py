@@ -41,7 +41,7 @@ from attnmeta.staging.stager import StepExpiredError, StepNotCommittedError
 if TYPE_CHECKING:
     from attnmeta.staging.stager import Stager, Step
 
-__all__ = ["ArenaIndex", "ArrayAt", "Decoder", "DescriptionError", "Encoder", "NotReplicableError", "Resolver", "Retarget", "TensorAt", "arena_keys", "owner", "placement"]
+__all__ = ["ArenaIndex", "ArrayAt", "Decoder", "DescriptionError", "Encoder", "NotReplicableError", "PlacementCache", "Resolver", "Retarget", "TensorAt", "arena_keys", "owner", "placement"]
 
 
 class NotReplicableError(ValueError):
@@ -178,6 +178,43 @@ class ArenaIndex:
         at = self.keys.get(_storage_key(t), -2)
         if at != -2:
             self.roots[id(root)] = (root, at)
+        return at
+
+
+class PlacementCache:
+    """:func:`placement` of a stager's device views, remembered by identity (a step's views are looked
+    up again on every use; cleared past 4096 entries), with one :class:`ArenaIndex`. Valid while no
+    arena moves: :meth:`clear` after a step that grew a slot or the graph layout.
+
+    Parameters
+    ----------
+    stager : Stager
+        The stager whose views to place.
+    """
+
+    __slots__ = ("_index", "_places", "stager")
+
+    def __init__(self, stager: Stager) -> None:
+        self.stager = stager
+        self._index: ArenaIndex | None = None
+        self._places: dict[int, tuple[torch.Tensor, TensorAt]] = {}  # id(device view) -> its placement
+
+    def clear(self) -> None:
+        """Forget every placement and the arena index (an arena moved)."""
+        self._places.clear()
+        self._index = None
+
+    def __call__(self, t: torch.Tensor) -> TensorAt:
+        """:func:`placement` of ``t`` (same errors)."""
+        hit = self._places.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        if self._index is None:
+            self._index = ArenaIndex(self.stager)
+        at = placement(self.stager, t, self._index)
+        if len(self._places) >= 4096:
+            self._places.clear()
+        self._places[id(t)] = (t, at)
         return at
 
 

@@ -62,8 +62,8 @@ import torch
 from attnmeta._fields import MetadataBase
 from attnmeta.profile import StaticProfile
 from attnmeta.staging._replica import (
-    ArenaIndex,
     NotReplicableError,
+    PlacementCache,
     Retarget,
     TensorAt,
     arena_view,
@@ -272,8 +272,7 @@ class MultiStager(Stager):
         """The devices, the primary first."""
         self._mirrors = [_Mirror(d, self.num_slots) for d in devs[1:]]
         self._primary = DeviceStats()
-        self._places: dict[int, tuple[torch.Tensor, TensorAt]] = {}  # id(device view) -> its placement
-        self._arenas: ArenaIndex | None = None  # where views lie, while no arena moves
+        self._placed = PlacementCache(self)  # where device views lie, while no arena moves
         self._retargets = [Retarget(functools.partial(self._twin, k)) for k in range(len(self._mirrors))]
         if not self.graph_mode:
             for m in self._mirrors:
@@ -359,8 +358,7 @@ class MultiStager(Stager):
 
     def _forget(self) -> None:
         """Drop every cached placement, view and replica (an arena moved)."""
-        self._places.clear()
-        self._arenas = None
+        self._placed.clear()
         for m in self._mirrors:
             m.forget()
         for rt in self._retargets:
@@ -461,17 +459,7 @@ class MultiStager(Stager):
         if t.device != self.device:
             raise ValueError(f"view(): a {tuple(t.shape)} tensor on {t.device}, not on this stager's primary "
                              f"({self.device})")
-        hit = self._places.get(id(t))
-        if hit is not None and hit[0] is t:
-            at = hit[1]
-        else:
-            if self._arenas is None:
-                self._arenas = ArenaIndex(self)
-            at = placement(self, t, self._arenas)
-            if len(self._places) >= 4096:
-                self._places.clear()
-            self._places[id(t)] = (t, at)
-        return self._mirrors[k].view(at)
+        return self._mirrors[k].view(self._placed(t))
 
     def __repr__(self) -> str:
         mode = "graph" if self.graph_mode else "eager"

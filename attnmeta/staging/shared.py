@@ -97,15 +97,14 @@ import torch
 
 from attnmeta.profile import StaticProfile
 from attnmeta.staging._replica import (
-    ArenaIndex,
     ArrayAt,
     Decoder,
     DescriptionError,
     Encoder,
+    PlacementCache,
     Resolver,
     TensorAt,
     arena_view,
-    placement,
 )
 from attnmeta.staging.stager import (
     STAGEABLE_DTYPES,
@@ -463,8 +462,7 @@ class RingWriter(Stager):
         super().__init__(dev, num_slots=ring.num_slots, profile=profile, initial_bytes=ring.slot_bytes,
                          num_kv_blocks=num_kv_blocks, check_lifetimes=check_lifetimes,
                          _unsafe_disable_fencing=_unsafe_disable_fencing)
-        self._arenas: ArenaIndex | None = None
-        self._places: dict[int, tuple[torch.Tensor, TensorAt]] = {}
+        self._placed = PlacementCache(self)
         self._arrays: dict[int, tuple[np.ndarray, ArrayAt | None]] = {}
         self._publishing = -1  # the slot of the step publish() is describing
         self._encoder = Encoder(self._place, self._array)
@@ -554,8 +552,7 @@ class RingWriter(Stager):
     def _commit(self, step: Step) -> None:
         super()._commit(step)
         if step._grew:
-            self._arenas = None
-            self._places.clear()
+            self._placed.clear()
             self._encoder.forget()
         self._unpublished = step
 
@@ -590,8 +587,6 @@ class RingWriter(Stager):
             raise RuntimeError("RingWriter.publish(): no committed step to publish (each step is published once)")
         skel: dict[str, Any] = {}
         if results:
-            if self._arenas is None:
-                self._arenas = ArenaIndex(self)
             enc = self._encoder
             self._publishing = enc.slot = step._slot.index
             enc.memo.clear()
@@ -631,16 +626,7 @@ class RingWriter(Stager):
         self.ring_stats.published += 1
 
     def _place(self, t: torch.Tensor) -> TensorAt:
-        hit = self._places.get(id(t))
-        if hit is not None and hit[0] is t:
-            at = hit[1]
-        else:
-            if self._arenas is None:
-                self._arenas = ArenaIndex(self)
-            at = placement(self, t, self._arenas)
-            if len(self._places) >= 4096:
-                self._places.clear()
-            self._places[id(t)] = (t, at)
+        at = self._placed(t)
         if at.arena >= 0 and at.arena != self._publishing:
             raise ValueError(f"publish(): a {tuple(t.shape)} tensor of the step in slot {at.arena}, not of the step "
                              f"being published (slot {self._publishing})")
