@@ -13,20 +13,26 @@ from attnmeta.sync import no_device_sync
 
 
 @contextmanager
+def sync_error_mode() -> Iterator[None]:
+    """torch's own sync debug mode at "error" (CUDA): a synchronising call torch sees raises."""
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
+@contextmanager
 def audited() -> Iterator[None]:
-    """attnmeta's audit (host reads, unsafe copies), plus torch's own sync debug mode at "error" where
-    CUDA is present, so a sync torch sees inside a kernel raises too."""
+    """attnmeta's audit (host reads, unsafe copies), plus :func:`sync_error_mode` where CUDA is
+    present, so a sync torch sees inside a kernel raises too."""
     if not torch.cuda.is_available():
         with no_device_sync():
             yield
         return
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with no_device_sync():
-            yield
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
+    with sync_error_mode(), no_device_sync():
+        yield
 
 
 @dataclasses.dataclass

@@ -20,12 +20,12 @@ import gc
 import multiprocessing
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from audit_helpers import sync_error_mode
 
 from attnmeta.profile import StaticProfile
 from attnmeta.staging import MultiStager, Stager
@@ -40,16 +40,6 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:  # pragma: no
 
 DEVICES = ["cuda:0", "cuda:1"]
 _NAMES = ("qsl", "seq_lens", "slots", "mask")
-
-
-@contextmanager
-def sync_error_mode() -> Iterator[None]:
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
 
 
 def _checksum(views: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:

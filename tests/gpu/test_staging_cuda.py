@@ -6,13 +6,13 @@ runs under ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from audit_helpers import sync_error_mode
 
 from attnmeta.profile import StaticProfile
 from attnmeta.staging import Stager
@@ -21,16 +21,6 @@ pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():  # pragma: no cover - CPU CI
     pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
-
-
-@contextmanager
-def sync_error_mode() -> Iterator[None]:
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
 
 
 def _random_fields(rng: np.random.Generator) -> dict[str, np.ndarray]:
