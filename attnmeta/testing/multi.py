@@ -40,7 +40,7 @@ import torch
 
 from attnmeta.staging.shared import RingOverrunError, RingReader, RingWriter, SharedRing
 
-__all__ = ["HeldCopyEngine", "assert_replica", "host_checksum", "run_reader", "run_writer", "step_fields"]
+__all__ = ["HeldCopyEngine", "assert_replica", "host_checksum", "random_fields", "run_reader", "run_writer", "step_fields"]
 
 _NAMES = ("qsl", "seq_lens", "slots", "mask")
 
@@ -124,7 +124,11 @@ def step_fields(number: int, seed: int) -> dict[str, np.ndarray]:
         ``qsl`` (B + 1,) int32, ``seq_lens`` (B,) int32, ``slots`` (T,) int64, ``mask`` (B,) bool, host,
         with 1 <= B < 64 and B <= T < 512 drawn too.
     """
-    rng = np.random.default_rng([seed, number])
+    return random_fields(np.random.default_rng([seed, number]))
+
+
+def random_fields(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The fields of :func:`step_fields`, drawn from ``rng`` (host arrays; the same shapes and dtypes)."""
     b = int(rng.integers(1, 64))
     t = int(rng.integers(b, 512))
     return {

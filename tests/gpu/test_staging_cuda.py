@@ -16,22 +16,12 @@ from audit_helpers import sync_error_mode
 
 from attnmeta.profile import StaticProfile
 from attnmeta.staging import Stager
+from attnmeta.testing.multi import random_fields
 
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():  # pragma: no cover - CPU CI
     pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
-
-
-def _random_fields(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    b = int(rng.integers(1, 64))
-    t = int(rng.integers(b, 512))
-    return {
-        "qsl": np.concatenate([[0], np.cumsum(rng.integers(0, 9, size=b))]).astype(np.int32),
-        "seq_lens": rng.integers(0, 1 << 20, size=b).astype(np.int32),
-        "slots": rng.integers(-1, 1 << 40, size=t).astype(np.int64),
-        "mask": rng.integers(0, 2, size=b).astype(np.bool_),
-    }
 
 
 def _checksum(views: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
@@ -64,7 +54,7 @@ def _corrupted_steps(stager: Stager, steps: int, seed: int, hold_every: int, sle
         for i in range(steps):
             if i % hold_every == 0:
                 torch.cuda._sleep(sleep_cycles)  # the host runs many steps ahead
-            data = _random_fields(rng)
+            data = random_fields(rng)
             with stager.step() as step:
                 for name, arr in data.items():
                     step.alloc(name, arr.shape, arr.dtype)[...] = arr
@@ -98,7 +88,7 @@ def test_one_h2d_per_step_no_d2h_no_sync_in_profile() -> None:
     stager = Stager(dev)
     for _ in range(3):  # warm: first-use allocations and lazy module loads
         with stager.step() as step:
-            for name, arr in _random_fields(rng).items():
+            for name, arr in random_fields(rng).items():
                 step.alloc(name, arr.shape, arr.dtype)[...] = arr
     torch.cuda.synchronize()
     n = 50
@@ -106,7 +96,7 @@ def test_one_h2d_per_step_no_d2h_no_sync_in_profile() -> None:
         with sync_error_mode(), torch.profiler.record_function("attnmeta.steps"):
             for _ in range(n):
                 with stager.step() as step:
-                    for name, arr in _random_fields(rng).items():
+                    for name, arr in random_fields(rng).items():
                         step.alloc(name, arr.shape, arr.dtype)[...] = arr
         torch.cuda.synchronize()  # outside the counted region: lets the profiler see every memcpy
     events = prof.events()
@@ -138,7 +128,7 @@ def test_cuda_graph_replay_after_later_commits() -> None:
                 step.alloc(name, arr.shape, arr.dtype, capacity=cap, fill=fill)[...] = arr
         return {name: step.device_full(name) for name in data}
 
-    full = stage(_random_fields(rng))
+    full = stage(random_fields(rng))
     stager.freeze()
     weights = torch.arange(1, 4096 + 1, dtype=torch.int64, device=dev)
     out = torch.zeros((), dtype=torch.int64, device=dev)
@@ -157,7 +147,7 @@ def test_cuda_graph_replay_after_later_commits() -> None:
     mismatches = torch.zeros((), dtype=torch.int64, device=dev)
     with sync_error_mode():
         for _ in range(1000):
-            views = stage(_random_fields(rng))
+            views = stage(random_fields(rng))
             assert all(views[k].data_ptr() == full[k].data_ptr() for k in full)
             g.replay()
             eager = _checksum(list(views.values()), weights)
