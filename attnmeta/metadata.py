@@ -158,8 +158,10 @@ class CommonAttentionMetadata(MetadataBase):
     """(num_reqs,) bool, host only. ``num_computed_tokens < num_prompt_tokens``; padding rows False;
     all False when the spec gives no prompt lengths."""
     num_decode_draft_tokens_cpu: np.ndarray | None
-    """(num_reqs,) int32, host only, or None without spec decode. Drafts of row i when
-    ``q_i == drafts_i + 1``, else -1; padding rows -1 (docs/semantics.md, "Draft tokens")."""
+    """(num_reqs,) int32, host only, or None without spec decode. vLLM's runner rule: ``d_i`` when
+    ``d_i > 0`` and ``q_i == d_i + 1``; else 0 when ``q_i == 1`` and row i is past its prompt (a spec
+    row with zero drafts); else -1 (a prompt chunk, a one-token one included); padding rows -1
+    (docs/semantics.md, "Draft tokens")."""
     # ---- host scalars
     num_reqs: int
     """Request rows, padding included."""

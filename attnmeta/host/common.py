@@ -118,9 +118,15 @@ def common_pass_nb(
             ub[i] = upper[i]
     for i in range(n):
         nc[i] = c[i]
-    if drafts is not None:
+    if drafts is not None:  # vLLM's runner rule (docs/semantics.md, "Draft tokens")
         for i in range(n):
-            ddt[i] = drafts[i] if q[i] == drafts[i] + 1 else -1
+            d = drafts[i]
+            if d > 0 and q[i] == d + 1:
+                ddt[i] = d  # drafts plus the bonus token
+            elif q[i] == 1 and (prompt is None or c[i] >= prompt[i]):
+                ddt[i] = 0  # a one-token decode past its prompt: a spec row with zero drafts
+            else:
+                ddt[i] = -1  # a prompt chunk (a one-token one included), or drafts that are not all scheduled
         for i in range(n, Bp):
             ddt[i] = -1
     for i in range(n, Bp):
@@ -249,7 +255,9 @@ def common_layout(
     is_prefilling : (num_reqs_padded,) bool, host
         ``c < prompt``; all False without prompt lengths.
     num_decode_draft_tokens : (num_reqs_padded,) int32, host, or None
-        Required when the spec has drafts: ``drafts`` where ``q == drafts + 1`` else -1; padding -1.
+        Required when the spec has drafts: vLLM's runner rule, ``d`` where ``d > 0`` and ``q == d + 1``;
+        else 0 for a one-token row past its prompt (``q == 1`` and ``c >= prompt``; every row counts as
+        past its prompt without prompt lengths); else -1. Padding -1.
 
     Examples
     --------

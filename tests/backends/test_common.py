@@ -30,6 +30,7 @@ from attnmeta.staging import CapacityError, bucket_rows
 from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
 from attnmeta.testing.reference import (
     ref_is_prefilling,
+    ref_num_decode_draft_tokens,
     ref_query_start_loc,
     ref_seq_lens,
     ref_token_layout,
@@ -160,8 +161,10 @@ def check_common(cm: CommonAttentionMetadata, spec: BatchSpec, device: torch.dev
     if spec.num_draft_tokens is None:
         assert cm.num_decode_draft_tokens_cpu is None
     else:
-        d = _t(spec.num_draft_tokens, device)
-        ddt = _pad(torch.where(q == d + 1, d, torch.full_like(d, -1)), Bp, -1)
+        prompt = None if spec.num_prompt_tokens is None else torch.from_numpy(spec.num_prompt_tokens.copy())
+        ddt = ref_num_decode_draft_tokens(torch.from_numpy(spec.num_scheduled_tokens.copy()),
+                                          torch.from_numpy(spec.num_draft_tokens.copy()),
+                                          torch.from_numpy(spec.num_computed_tokens.copy()), prompt, Bp).to(device)
         assert_matches_device(cm.num_decode_draft_tokens_cpu, ddt, "num_decode_draft_tokens_cpu")
 
     # host scalars

@@ -13,7 +13,7 @@ k_t^T) + beta_t k_t v_t^T`` in the (K, V) layout.
 
 Each seed is one random batch built by :data:`attnmeta.backends.mamba.gdn.GDN`, a third each: no spec
 decode (decodes, continued prefills with a state, fresh prefills, in random order), all spec decode
-(``k = 2``, FULL-graph staging on some), spec decode mixed with prefills and a plain one-token row;
+(``k = 2``, FULL-graph staging on some), spec decode mixed with prefills and one-token prompt chunks;
 padding rows throughout. States live in a pool indexed by state slot (the block ids of the state
 column; slot 0 is the null block). The kernels see only the metadata:
 
@@ -94,9 +94,10 @@ def random_batch(seed: int) -> tuple[BatchSpec, GdnOptions, np.ndarray | None]:
     ``seed % 3 == 0``: no spec decode; decodes (context ``1 .. 300``, ``q = 1``), continued prefills
     (context ``1 .. 300``, ``q = 1 .. 150``: a one-token chunk with a state is a decode for GDN) and
     fresh prefills, in random order half the time. Otherwise ``k = 2``: spec rows first (``d`` drafts,
-    ``q = d + 1``, accepted counts ``1 .. k + 1``); ``seed % 3 == 2`` adds continued and fresh prefills
-    and a plain one-token row (``num_draft_tokens = 1 != q - 1``, so not a spec row: vLLM makes it a
-    prefill of a spec batch); ``seed % 3 == 1`` is all spec, FULL-graph staged half the time.
+    ``q = d + 1``, past their prompts, accepted counts ``1 .. k + 1``); ``seed % 3 == 2`` adds continued
+    and fresh prefills and one-token prompt chunks, continued or fresh (not spec rows by the runner's
+    rule: vLLM makes them prefills of a spec batch); ``seed % 3 == 1`` is all spec, FULL-graph staged half
+    the time.
     Distinct blocks per request (ids from 1), 0 to 2 padding rows.
     """
     rng = np.random.default_rng(seed)
@@ -123,13 +124,13 @@ def random_batch(seed: int) -> tuple[BatchSpec, GdnOptions, np.ndarray | None]:
             prompt.append(ci)
             drafts.append(d)
         if mode == 2:
-            for kind in rng.integers(0, 3, int(rng.integers(1, 4))).tolist():
-                ci = 0 if kind == 2 else int(rng.integers(1, 300))
-                qi = 1 if kind == 0 else int(rng.integers(2, 150))
+            for kind in rng.integers(0, 4, int(rng.integers(1, 4))).tolist():
+                ci = 0 if kind >= 2 else int(rng.integers(1, 300))
+                qi = 1 if kind in (0, 3) else int(rng.integers(2, 150))
                 c.append(ci)
                 q.append(qi)
-                prompt.append(ci if kind == 0 else ci + qi + int(rng.integers(0, 50)))
-                drafts.append(1 if kind == 0 else 0)
+                prompt.append(ci + qi + int(rng.integers(0, 50)))
+                drafts.append(0)
     n = len(q)
     s = np.array(c) + np.array(q)
     width = max(SPEC_K + 1, int((-(-s // BLOCK)).max())) + int(rng.integers(0, 3))
@@ -149,11 +150,15 @@ def random_batch(seed: int) -> tuple[BatchSpec, GdnOptions, np.ndarray | None]:
 
 
 def spec_rows(spec: BatchSpec, k: int) -> np.ndarray:
-    """(num_reqs,) bool: rows that take the spec path (``k > 0`` and ``q == drafts + 1``)."""
+    """(num_reqs,) bool: rows that take the spec path, by vLLM 0.33.0's runner rule (``k > 0``; ``d > 0``
+    drafts all scheduled with the bonus token, ``q == d + 1``, or one token past the prompt, ``q == 1``
+    and ``c >= prompt``). A one-token prompt chunk is not one."""
     d = spec.num_draft_tokens
     if not k or d is None:
         return np.zeros(spec.num_reqs, bool)
-    return np.asarray(spec.num_scheduled_tokens == d + 1)
+    q, c = spec.num_scheduled_tokens, spec.num_computed_tokens
+    past_prompt = np.ones(spec.num_reqs, bool) if spec.num_prompt_tokens is None else c >= spec.num_prompt_tokens
+    return np.asarray(((d > 0) & (q == d + 1)) | ((q == 1) & past_prompt))
 
 
 def inputs(spec: BatchSpec, seed: int) -> dict[str, torch.Tensor]:
@@ -312,8 +317,10 @@ def fla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 def check_batch(seed: int, device: torch.device, recurrent: Recurrent, chunked: Recurrent,
                 build: Callable[[BatchSpec, GdnOptions, np.ndarray | None], GdnMetadata],
-                offsets: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, tuple[float, int]]:
-    """Build ``seed``'s GDN metadata, run the kernels, compare outputs and the state pool.
+                offsets: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                batch: tuple[BatchSpec, GdnOptions, np.ndarray | None] | None = None) -> dict[str, tuple[float, int]]:
+    """Build ``seed``'s GDN metadata (or ``batch``'s, with ``seed``'s inputs), run the kernels, compare
+    outputs and the state pool.
 
     Returns each kernel's (worst error, rows); ``offsets`` (fla's ``prepare_chunk_offsets``) checks
     the metadata's ``chunk_offsets``.
@@ -323,7 +330,7 @@ def check_batch(seed: int, device: torch.device, recurrent: Recurrent, chunked: 
     AssertionError
         An output or a pool slot outside ``atol = rtol = 3e-2`` of the float64 reference.
     """
-    spec, opts, acc = random_batch(seed)
+    spec, opts, acc = random_batch(seed) if batch is None else batch
     m = build(spec, opts, acc)
     x = inputs(spec, seed)
     ref_out, ref_pool, written = reference(spec, x, opts.num_speculative_tokens, acc)
@@ -349,21 +356,45 @@ def check_batch(seed: int, device: torch.device, recurrent: Recurrent, chunked: 
     return done
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_gdn_metadata_drives_fla_kernels(seed: int) -> None:
-    dev = torch.device("cuda")
-    stager = Stager(dev)
+NAMES = {"decode": "fla fused_recurrent_gated_delta_rule, decode rows",
+         "spec": "fla fused_recurrent_gated_delta_rule, spec-decode rows",
+         "prefill": "fla chunk_gated_delta_rule, prefill rows",
+         "states": "state pool after the step (all kernels), written slots"}
+
+
+def audited_build(stager: Stager) -> Callable[[BatchSpec, GdnOptions, np.ndarray | None], GdnMetadata]:
+    """The GDN builder on ``stager``, every build under the sync audit."""
 
     def build(spec: BatchSpec, opts: GdnOptions, acc: np.ndarray | None) -> GdnMetadata:
         with audited():
             m: GdnMetadata = build_gdn(spec, stager, opts, num_accepted_tokens=acc)
         return m
 
-    done = check_batch(seed, dev, fla_recurrent, fla_chunked, build,
+    return build
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gdn_metadata_drives_fla_kernels(seed: int) -> None:
+    dev = torch.device("cuda")
+    done = check_batch(seed, dev, fla_recurrent, fla_chunked, audited_build(Stager(dev)),
                        lambda cu: fla_index.prepare_chunk_offsets(cu, FLA_CHUNK_SIZE))
-    names = {"decode": "fla fused_recurrent_gated_delta_rule, decode rows",
-             "spec": "fla fused_recurrent_gated_delta_rule, spec-decode rows",
-             "prefill": "fla chunk_gated_delta_rule, prefill rows",
-             "states": "state pool after the step (all kernels), written slots"}
     for kind, (err, rows) in done.items():
-        record(names[kind], err, rows)
+        record(NAMES[kind], err, rows)
+
+
+def test_a_fresh_one_token_prompt_starts_from_zeros_not_a_recycled_state_slot() -> None:
+    """Spec decode on (``k = 2``): a fresh request whose first prompt chunk is one token is a prefill
+    without initial state (vLLM's runner gives it -1 drafts), as is a one-token chunk in the middle of a
+    prompt (which continues its state). The fresh row's state slot holds another request's state (the
+    pool is random), which a spec-path read would take as its initial state."""
+    spec = BatchSpec(num_computed_tokens=[50, 30, 0, 7], num_scheduled_tokens=[3, 1, 1, 1],
+                     num_prompt_tokens=[20, 30, 10, 12], num_draft_tokens=[2, 0, 0, 0],
+                     block_table=(1 + np.arange(4 * 8, dtype=np.int32)).reshape(4, 8), block_size=BLOCK)
+    acc = np.array([2, 1, 2, 3], np.int32)  # the counts a recycled row's stale entries might hold
+    opts = GdnOptions(num_speculative_tokens=SPEC_K)
+    assert spec_rows(spec, SPEC_K).tolist() == [True, True, False, False]
+    dev = torch.device("cuda")
+    done = check_batch(1000, dev, fla_recurrent, fla_chunked, audited_build(Stager(dev)), batch=(spec, opts, acc))
+    assert set(done) == {"spec", "prefill", "states"}
+    for kind, (err, rows) in done.items():
+        record(NAMES[kind], err, rows)

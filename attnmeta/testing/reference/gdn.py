@@ -33,6 +33,7 @@ def ref_gdn_metadata(
     ``GdnOptions``, read by attribute; ``num_accepted_tokens``: host int32 per real request or row)."""
     from attnmeta.backends.mamba import block_table_columns
     from attnmeta.testing.reference.layout import (
+        ref_num_decode_draft_tokens,
         ref_query_start_loc,
         ref_seq_lens,
         ref_split_decodes_and_prefills,
@@ -54,9 +55,9 @@ def ref_gdn_metadata(
         is_pre[:n] = torch.from_numpy(c_np < spec.num_prompt_tokens)
     drafts = None
     if spec.num_draft_tokens is not None:
-        d = torch.from_numpy(spec.num_draft_tokens.copy())
-        drafts = torch.full((B,), -1, dtype=torch.int32)
-        drafts[:n] = torch.where(torch.from_numpy(q_np) == d + 1, d, -1)
+        prompt = None if spec.num_prompt_tokens is None else torch.from_numpy(spec.num_prompt_tokens.copy())
+        drafts = ref_num_decode_draft_tokens(torch.from_numpy(q_np), torch.from_numpy(spec.num_draft_tokens.copy()),
+                                             torch.from_numpy(c_np), prompt, B)
     W = block_table_columns(spec, options)
     table = np.zeros((B, W), np.int32)
     w = min(W, spec.block_table.shape[1])

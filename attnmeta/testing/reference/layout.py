@@ -31,6 +31,7 @@ __all__ = [
     "ref_common_fields",
     "ref_dcp_local_seq_lens",
     "ref_is_prefilling",
+    "ref_num_decode_draft_tokens",
     "ref_positions",
     "ref_prefill_cpu_metadata",
     "ref_query_positions",
@@ -143,6 +144,50 @@ def ref_is_prefilling(
     tensor([False,  True,  True, False])
     """
     return _pad_rows(num_computed_tokens < num_prompt_tokens, num_reqs_padded, False)
+
+
+def ref_num_decode_draft_tokens(
+    num_scheduled_tokens: Tensor,
+    num_draft_tokens: Tensor,
+    num_computed_tokens: Tensor,
+    num_prompt_tokens: Tensor | None,
+    num_reqs_padded: int | None = None,
+) -> Tensor:
+    """The runner's ``num_decode_draft_tokens`` under spec decode, as vLLM 0.33.0's
+    ``GPUModelRunner._prepare_inputs`` fills it (not a host function's twin: the rule itself).
+
+    Every row starts at -1. A row the scheduler gave drafts (``d > 0``) gets ``d`` when all of them
+    and the bonus token are scheduled (``q == d + 1``). Then every row still at -1 that schedules one
+    token past its prompt (``c >= prompt``) gets 0: a decode without drafts is a spec row with zero
+    drafts, while a prompt chunk (a one-token one included) stays -1. Padding rows -1.
+
+    Parameters
+    ----------
+    num_scheduled_tokens, num_draft_tokens, num_computed_tokens : (num_reqs,) int32, host (CPU tensors)
+        ``q``, ``d`` and ``c``.
+    num_prompt_tokens : (num_reqs,) int32, host (a CPU tensor), or None
+        Prompt lengths; None: every row counts as past its prompt.
+    num_reqs_padded : int, optional
+        Request rows including padding.
+
+    Returns
+    -------
+    (num_reqs_padded,) int32, host (a CPU tensor)
+
+    Examples
+    --------
+    >>> i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+    >>> ref_num_decode_draft_tokens(i32([3, 1, 1, 4]), i32([2, 0, 0, 0]), i32([9, 17, 0, 5]),
+    ...                             i32([4, 4, 10, 30]), 5)
+    tensor([ 2,  0, -1, -1, -1], dtype=torch.int32)
+    """
+    q, d, c = num_scheduled_tokens, num_draft_tokens, num_computed_tokens
+    out = torch.full_like(q, -1)
+    scheduled_with_drafts = (d > 0) & (q == d + 1)
+    out[scheduled_with_drafts] = d[scheduled_with_drafts]
+    past_prompt = torch.ones_like(q, dtype=torch.bool) if num_prompt_tokens is None else c >= num_prompt_tokens
+    out[(out < 0) & past_prompt & (q == 1)] = 0
+    return _pad_rows(out, num_reqs_padded, -1)
 
 
 def ref_token_req_indices(num_scheduled_tokens: Tensor) -> Tensor:

@@ -357,6 +357,7 @@ def ref_mamba_metadata(
     from attnmeta.backends.mamba import block_table_columns
     from attnmeta.testing.reference.layout import (
         ref_is_prefilling,
+        ref_num_decode_draft_tokens,
         ref_prefill_cpu_metadata,
         ref_query_start_loc,
         ref_seq_lens,
@@ -379,8 +380,9 @@ def ref_mamba_metadata(
         isp_cpu = torch.zeros(B, dtype=torch.bool)
     drafts_cpu = None
     if spec.num_draft_tokens is not None:
-        d = spec.num_draft_tokens
-        drafts_cpu = torch.from_numpy(_padded(np.where(q == d + 1, d, -1).astype(np.int32), B, -1))
+        prompt = None if spec.num_prompt_tokens is None else torch.from_numpy(spec.num_prompt_tokens.copy())
+        drafts_cpu = ref_num_decode_draft_tokens(torch.from_numpy(q), torch.from_numpy(spec.num_draft_tokens.copy()),
+                                                 torch.from_numpy(c), prompt, B)
     # the runner's device tensors (CAM device fields), uploaded
     qsl = ref_query_start_loc(torch.from_numpy(q).to(device), B)
     seq_lens = ref_seq_lens(torch.from_numpy(c).to(device), torch.from_numpy(q).to(device), B)
