@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnmeta.builder import Builder, registry
+from attnmeta.builder import AnyBuilder, registry
 from attnmeta.staging import Stager
+from attnmeta.testing.lab import lab
 from attnmeta.testing.workloads import KINDS, random_spec
 
 __all__ = ["FUSED_TARGET", "builder_target", "register_builtin_targets", "run_audit_cli"]
@@ -37,7 +38,7 @@ def _stager(device: torch.device) -> Stager:
     return st
 
 
-def builder_target(builder: Builder[Any, Any]) -> Callable[[torch.device, int], None]:
+def builder_target(builder: AnyBuilder) -> Callable[[torch.device, int], None]:
     """The audit target of ``builder``: ``run(device, seed)`` builds one random batch of every kind of
     :data:`~attnmeta.testing.workloads.KINDS` with options and inputs from ``builder.sample`` (a batch
     the builder reports it cannot serve is skipped), each through :func:`attnmeta.build`."""
@@ -45,12 +46,13 @@ def builder_target(builder: Builder[Any, Any]) -> Callable[[torch.device, int], 
     def run(device: torch.device, seed: int) -> None:
         rng = np.random.default_rng(seed)
         stager = _stager(device)
+        entry = lab(builder)
         for kind in KINDS:
             spec = random_spec(rng, kind)
-            options, inputs = builder.sample(spec, rng)
-            if builder.unsupported_reasons(spec, options, **inputs):
+            options, inputs = entry.sample(spec, rng)
+            if builder.unsupported_reasons(spec, builder.options(options), builder.inputs(inputs)):
                 continue
-            builder.build(spec, stager, options, **inputs)
+            builder.build(spec, stager, options, inputs)
 
     run.__name__ = f"audit_{builder.name}"
     return run

@@ -1,31 +1,37 @@
-"""The builder protocol, the registry of builders, and the one generic :func:`build`.
+"""The builder contract, the registry of builders, and the one generic :func:`build`.
 
 A **builder** turns a step's common metadata into one backend family's metadata. Every builder is an
-object of one protocol (:class:`Builder`):
+object of one production contract (:class:`Builder`), named after its family ``<Family>``:
 
-- a ``name`` and an **options type**: a frozen dataclass validated once, when it is constructed (a
-  wrong type is a ``TypeError`` naming the option, a bad value a ``ValueError``), whose ``prefix``
-  names the builder's staged fields (``<prefix>.<field>``; graph-mode users read the full-capacity
-  views as ``step.device_full("<prefix>.<field>")``);
+- a ``name`` (its registry key, and the default namespace of its staged fields);
+- ``<Family>Options`` (:attr:`Builder.options_type`): a frozen dataclass validated once, when it is
+  constructed (a wrong type is a ``TypeError`` naming the option, a bad value a ``ValueError``), whose
+  ``prefix`` names the builder's staged fields (``<prefix>.<field>``; graph-mode users read the
+  full-capacity views as ``step.device_full("<prefix>.<field>")``);
+- ``<Family>Inputs`` (:attr:`Builder.inputs_type`), or None: a frozen dataclass of the step's own
+  inputs (accepted-token counts, logits indices, the shared prefix, ...), every field optional;
+- ``<Family>Metadata`` (:attr:`Builder.metadata_type`): what :meth:`Staged.result
+  <attnmeta.staging.Staged.result>` returns after the commit;
+- ``<Family>Host`` where it has one: the typed host part its :class:`~attnmeta.staging.Staged` hands
+  to builders staged after it in the same step;
 - :meth:`Builder.needs`: which common fields it reads (:class:`CommonNeeds`), so that :func:`build`
   derives and stages only those;
-- :meth:`Builder.stage`: ``stage(common, step, options, **inputs) -> Staged``, the host derivation
-  written into an open step, with the step's per-step inputs (accepted-token counts, logits indices,
-  the shared prefix, ...) as keyword arguments named in :attr:`Builder.inputs`;
-- :meth:`Builder.unsupported_reasons`: every reason a batch/options pair cannot be served (an
-  empty list when it can);
-- :meth:`Builder.defaults`, :meth:`Builder.sample` and :meth:`Builder.reference`: representative and
-  random valid options and inputs for a batch, and the device-side reference values of its fields,
-  from which the demo, the sync audit, the benchmarks and the generic equivalence check
-  (:func:`attnmeta.testing.check_builder`) work.
+- :meth:`Builder.derive`: the host derivation, written into an open step;
+- :meth:`Builder.unsupported_reasons`: every reason a batch/options/inputs triple cannot be served.
+
+:meth:`Builder.stage` is the same for every builder and is not overridden: it does the shared
+preamble once (the common metadata staged into this very step, the options and inputs of the right
+types, their defaults) and then calls :meth:`Builder.derive`. The **lab** (what tests, the audit,
+the demo and the benchmarks need besides: reference values, random options and inputs, the options
+a demo shows) is a separate contract, registered by builder name in :mod:`attnmeta.testing.lab`;
+production code never imports it.
 
 For writing one, this module also exports the pieces every builder uses: :class:`MetadataBase` (the
 field roles and the sync-free ``repr``/``describe`` of metadata types), :func:`keyword_factory` (a
-builder's fast keyword constructor of its metadata type), the declared option rules
+builder's fast keyword constructor of its metadata type) and the declared option rules
 (:func:`option_rule` in a field's metadata, :class:`OptionRule`, checked by
 :func:`check_option_fields`: one declaration for ``__post_init__`` and for the bad-input test that
-walks every registered builder's options) and the single checks :func:`option_int`,
-:func:`option_bool`, :func:`option_choice`, :func:`option_prefix`.
+walks every registered builder's options).
 
 :func:`register` adds a builder to the registry that ``python -m attnmeta audit``, ``python -m
 attnmeta demo``, ``python -m attnmeta bench`` and the test suite read, so a builder is audited and
@@ -49,11 +55,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
-
-import numpy as np
+from typing import Any, ClassVar, Generic, TypeVar, final
 
 from attnmeta._checks import (
     OptionRule,
@@ -66,13 +70,12 @@ from attnmeta._checks import (
 )
 from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.common import stage_common
+from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
-from attnmeta.staging import Staged, Stager
-
-if TYPE_CHECKING:
-    import torch
+from attnmeta.staging import Staged, Stager, Step
 
 __all__ = [
+    "AnyBuilder",
     "Builder",
     "CommonNeeds",
     "MetadataBase",
@@ -90,10 +93,13 @@ __all__ = [
     "option_rule",
     "register",
     "registry",
+    "require_same_step",
     "unregister",
 ]
 
 OptionsT = TypeVar("OptionsT")
+InputsT = TypeVar("InputsT")
+HostT = TypeVar("HostT")
 MetadataT = TypeVar("MetadataT")
 
 
@@ -143,30 +149,75 @@ class UnknownBuilderError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
-class Builder(Generic[OptionsT, MetadataT]):
-    """One backend family's metadata builder (the protocol every builder implements).
+def require_same_step(common: Any, step: Step) -> None:
+    """Raise unless ``common`` is a :class:`~attnmeta.StagedCommon` staged into ``step``.
 
-    Subclasses set the class attributes and implement :attr:`stage`; the other methods have
-    defaults. A builder object holds no per-step state (its caches, if any, live with the staging
-    slots), so one instance serves every stager and thread.
+    :meth:`Builder.stage` calls it when its cheap inline test fails (``type(common) is not
+    StagedCommon or common.step is not step``); a subclass of ``StagedCommon`` staged into ``step``
+    passes. A builder's device views and the common metadata's must come from one upload.
+
+    Raises
+    ------
+    TypeError
+        ``common`` is not a ``StagedCommon`` (the metadata object itself, a spec, None, ...).
+    ValueError
+        ``common`` was staged into another step.
+    """
+    if not isinstance(common, StagedCommon):
+        what = type(common).__name__
+        hint = (" (pass the StagedCommon that stage_common returned, not its .result())"
+                if isinstance(common, CommonAttentionMetadata) else "")
+        raise TypeError(
+            f"common: expected the StagedCommon of this step (from attnmeta.stage_common(spec, step)), got {what}{hint}"
+        )
+    if common.step is not step:
+        raise ValueError(
+            "common: staged in another step; stage the common metadata and this builder into the same step "
+            "(their device views come from one upload)"
+        )
+
+
+def _described(value: Any) -> str:
+    """``<type> <repr>`` of a wrong argument, the repr cut short."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
+    """One backend family's metadata builder: the production contract every builder implements.
+
+    Type parameters: the options, the per-step inputs (``None`` for a builder without inputs), the
+    host part of its :class:`~attnmeta.staging.Staged` and the metadata.
+
+    A subclass sets :attr:`name`, :attr:`options_type`, :attr:`metadata_type` (and
+    :attr:`inputs_type` when it takes per-step inputs) and implements :meth:`derive`; :meth:`needs`
+    and :meth:`unsupported_reasons` have defaults. A builder object holds no per-step state (its
+    caches, if any, live with the staging slots), so one instance serves every stager and thread.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         missing = [a for a in ("name", "options_type", "metadata_type") if not hasattr(cls, a)]
-        if "stage" not in vars(cls) and not any("stage" in vars(b) for b in cls.__mro__[1:-1] if b is not Builder):
-            missing.append("stage")
+        if "derive" not in vars(cls) and not any("derive" in vars(b) for b in cls.__mro__[1:-1] if b is not Builder):
+            missing.append("derive")
         if missing:
             raise TypeError(f"{cls.__name__}: a Builder must define {', '.join(missing)}")
+        if "stage" in vars(cls):
+            raise TypeError(f"{cls.__name__}: Builder.stage is the shared preamble; implement derive() instead")
+        it = vars(cls).get("inputs_type")
+        if it is not None and not dataclasses.is_dataclass(it):
+            raise TypeError(f"{cls.__name__}.inputs_type: expected a dataclass of per-step inputs (or None), "
+                            f"got {it!r}")
 
     name: ClassVar[str]
     """Registry name (also the default ``prefix`` of its options)."""
     options_type: ClassVar[type]
-    """The frozen dataclass of its options; ``options_type()`` gives the defaults."""
+    """``<Family>Options``: the frozen dataclass of its options; ``options_type()`` gives the defaults."""
+    inputs_type: ClassVar[type | None] = None
+    """``<Family>Inputs``: the frozen dataclass of its per-step inputs (every field optional), or None
+    for a builder without any."""
     metadata_type: ClassVar[type]
-    """The metadata class :meth:`stage`'s ``result()`` returns."""
-    inputs: ClassVar[tuple[str, ...]] = ()
-    """Names of the per-step keyword inputs :meth:`stage` accepts."""
+    """``<Family>Metadata``: the class :meth:`derive`'s ``result()`` returns."""
 
     def options(self, options: OptionsT | None) -> OptionsT:
         """``options``, or the defaults for None; a ``TypeError`` naming the builder for another type.
@@ -186,52 +237,97 @@ class Builder(Generic[OptionsT, MetadataT]):
             raise TypeError(f"{self.name}: options must be {t}, got {got}")
         return options
 
+    def inputs(self, inputs: InputsT | None) -> InputsT:
+        """``inputs``, or the empty inputs for None (``inputs_type()``, or None for a builder without
+        inputs); a ``TypeError`` naming the builder for another type."""
+        t = self.inputs_type
+        if inputs is None:
+            if t is None:
+                return None  # type: ignore[return-value]
+            empty: InputsT | None = self.__dict__.get("_empty_inputs")
+            if empty is None:
+                empty = self.__dict__["_empty_inputs"] = t()
+            return empty
+        if t is None:
+            raise TypeError(f"{self.name}: takes no per-step inputs, got {_described(inputs)}")
+        if type(inputs) is not t and not isinstance(inputs, t):
+            got = type(inputs).__name__
+            if isinstance(inputs, Mapping):
+                got += f" {inputs!r} (make the inputs from it: {t.__name__}(**inputs))"
+            raise TypeError(f"{self.name}: inputs must be {t.__name__}, got {got}")
+        return inputs
+
     def needs(self, spec: BatchSpec, options: OptionsT) -> CommonNeeds:
         """The common fields this builder reads for ``spec`` with ``options`` (default: every field,
         no paged-KV layout, the default block-table width)."""
         return _ALL_TOKENS
 
-    stage: Callable[..., Staged[Any, MetadataT]]
-    """``stage(common, step, options=None, **inputs) -> Staged[host part, metadata]``: derive this
-    builder's metadata from the staged common metadata, staging into the same step. ``common`` must
-    come from :func:`attnmeta.stage_common` on ``step`` (with at least :meth:`needs`); ``.result()`` of
-    the returned :class:`~attnmeta.staging.Staged` gives the metadata after the commit. Each builder
-    implements it, with its per-step inputs (:attr:`inputs`) as keyword-only arguments."""
+    @final
+    def stage(
+        self, common: StagedCommon, step: Step, options: OptionsT | None = None, inputs: InputsT | None = None
+    ) -> Staged[HostT, MetadataT]:
+        """Derive this builder's metadata from the staged common metadata, staging into the same step.
 
-    def unsupported_reasons(self, spec: BatchSpec, options: OptionsT, **inputs: Any) -> list[str]:
+        The shared preamble, then :meth:`derive`.
+
+        Parameters
+        ----------
+        common : StagedCommon
+            From :func:`attnmeta.stage_common` on the same ``step``, with at least :meth:`needs`.
+        step : Step
+            The open step.
+        options : the builder's ``<Family>Options``, optional
+            Default: the builder's default options.
+        inputs : the builder's ``<Family>Inputs``, optional
+            This step's inputs; default: none given (every field at its default).
+
+        Returns
+        -------
+        Staged[host part, metadata]
+            ``.host`` now (for builders staged after it), ``.result()`` after the commit.
+
+        Raises
+        ------
+        TypeError
+            ``common`` is not a :class:`~attnmeta.StagedCommon`, or options or inputs of another type.
+        ValueError
+            ``common`` was staged into another step; as the builder's :meth:`derive`.
+        """
+        if type(common) is not StagedCommon or common.step is not step:
+            require_same_step(common, step)  # raises (a subclass of the right step passes)
+        return self.derive(common, step, self.options(options), self.inputs(inputs))
+
+    def derive(self, common: StagedCommon, step: Step, options: OptionsT, inputs: InputsT) -> Staged[HostT, MetadataT]:
+        """The builder's derivation (called by :meth:`stage`, after the preamble): write this step's
+        fields into ``step`` and return the host part and how to make the metadata after the commit.
+
+        ``options`` and ``inputs`` are of the builder's types (never None, but for a builder without
+        inputs); ``common`` was staged into ``step``. Each builder implements it."""
+        raise NotImplementedError  # pragma: no cover - __init_subclass__ requires it
+
+    def unsupported_reasons(self, spec: BatchSpec, options: OptionsT, inputs: InputsT) -> list[str]:
         """Every reason this builder cannot serve ``spec`` with ``options`` and ``inputs`` (an empty
         list when it can). :func:`build` raises :class:`UnsupportedBatchError` listing them."""
         return []
 
-    def defaults(self, spec: BatchSpec) -> tuple[OptionsT, dict[str, Any]]:
-        """The options and inputs ``python -m attnmeta demo`` and the benchmarks use for ``spec``:
-        the default options and no inputs, unless the builder needs more (its own choice, documented)."""
-        return self.options(None), {}
-
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[OptionsT, dict[str, Any]]:
-        """Random valid options and inputs for ``spec`` (the audit's and the benchmarks' variety);
-        default: the default options, no inputs."""
-        return self.options_type(), {}
-
-    def reference(self, spec: BatchSpec, options: OptionsT, device: torch.device, **inputs: Any) -> dict[str, Any] | None:
-        """Device-side reference values of this builder's fields for ``spec`` (the straightforward
-        torch computations of :mod:`attnmeta.testing.reference`, syncs and all), by field name:
-        tensors for device fields, host values for the rest. None when there is no reference."""
-        return None
-
-    def build(self, spec: BatchSpec, stager: Stager, options: OptionsT | None = None, **inputs: Any) -> MetadataT:
+    def build(self, spec: BatchSpec, stager: Stager, options: OptionsT | None = None,
+              inputs: InputsT | None = None) -> MetadataT:
         """:func:`build` with this builder: common + this builder's metadata in one step of its own."""
-        return build(spec, stager, self, options, **inputs)
+        return build(spec, stager, self, options, inputs)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 
 
+AnyBuilder = Builder[Any, Any, Any, Any]
+"""A builder of any types (the registry's entries)."""
+
 _ALL_TOKENS = CommonNeeds()
-_REGISTRY: dict[str, Builder[Any, Any]] = {}
+_REGISTRY: dict[str, AnyBuilder] = {}
 
 
-def register(builder: Builder[Any, Any], *, replace: bool = False) -> Builder[Any, Any]:
+def register(builder: Builder[OptionsT, InputsT, HostT, MetadataT], *,
+             replace: bool = False) -> Builder[OptionsT, InputsT, HostT, MetadataT]:
     """Add ``builder`` to the registry under ``builder.name``; returns it.
 
     Raises
@@ -250,7 +346,7 @@ def register(builder: Builder[Any, Any], *, replace: bool = False) -> Builder[An
     return builder
 
 
-def unregister(name: str) -> Builder[Any, Any]:
+def unregister(name: str) -> AnyBuilder:
     """Remove the builder registered as ``name`` (a test that registered one of its own cleans up);
     returns it.
 
@@ -265,13 +361,13 @@ def unregister(name: str) -> Builder[Any, Any]:
     return _REGISTRY.pop(name)
 
 
-def registry() -> Mapping[str, Builder[Any, Any]]:
+def registry() -> Mapping[str, AnyBuilder]:
     """Every registered builder by name (read-only), the built-in ones included."""
     importlib.import_module("attnmeta.backends")  # registers the built-in builders on first import
     return MappingProxyType(_REGISTRY)
 
 
-def get_builder(name: str) -> Builder[Any, Any]:
+def get_builder(name: str) -> AnyBuilder:
     """The registered builder called ``name``.
 
     Raises
@@ -287,13 +383,8 @@ def get_builder(name: str) -> Builder[Any, Any]:
     return found
 
 
-def _described(value: Any) -> str:
-    """``<type> <repr>`` of a wrong argument, the repr cut short."""
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
-
-
-def build(spec: BatchSpec, stager: Stager, builder: Builder[Any, MetadataT] | str, options: Any = None, **inputs: Any) -> MetadataT:
+def build(spec: BatchSpec, stager: Stager, builder: Builder[Any, Any, Any, MetadataT] | str, options: Any = None,
+          inputs: Any = None) -> MetadataT:
     """Common + one builder's metadata of ``spec`` in a step of its own (one copy).
 
     The common metadata is staged with exactly what the builder reads (:meth:`Builder.needs`).
@@ -308,8 +399,8 @@ def build(spec: BatchSpec, stager: Stager, builder: Builder[Any, MetadataT] | st
         The builder, or its registry name.
     options : the builder's options type, optional
         Default: the builder's default options.
-    **inputs
-        The builder's per-step inputs (:attr:`Builder.inputs`).
+    inputs : the builder's inputs type, optional
+        The builder's per-step inputs (:attr:`Builder.inputs_type`).
 
     Returns
     -------
@@ -322,19 +413,19 @@ def build(spec: BatchSpec, stager: Stager, builder: Builder[Any, MetadataT] | st
         The builder cannot serve the batch (every reason listed); nothing is staged.
     TypeError
         ``spec`` not a :class:`BatchSpec`, ``stager`` not a :class:`~attnmeta.staging.Stager`,
-        ``builder`` neither a :class:`Builder` nor a str, options of another type, or an input the
-        builder does not take (each before any step begins).
+        ``builder`` neither a :class:`Builder` nor a str, options or inputs of another type (each
+        before any step begins).
     UnknownBuilderError
         No builder is registered as ``builder`` (a ``ValueError`` and a ``KeyError``).
     ValueError, attnmeta.staging.CapacityError
-        As the builder's ``stage`` and :func:`attnmeta.stage_common`.
+        As the builder's :meth:`~Builder.derive` and :func:`attnmeta.stage_common`.
     """
     if type(spec) is not BatchSpec and not isinstance(spec, BatchSpec):
         raise TypeError(f"spec: expected a BatchSpec, got {_described(spec)}")
     if type(stager) is not Stager and not isinstance(stager, Stager):
         raise TypeError(f"stager: expected an attnmeta.Stager (e.g. Stager('cpu'), created once and kept), got "
                         f"{_described(stager)}")
-    b: Builder[Any, MetadataT]
+    b: Builder[Any, Any, Any, MetadataT]
     if isinstance(builder, str):
         b = get_builder(builder)
     elif isinstance(builder, Builder):
@@ -342,15 +433,13 @@ def build(spec: BatchSpec, stager: Stager, builder: Builder[Any, MetadataT] | st
     else:
         raise TypeError(f"builder: expected a Builder or a registered name (str), got {_described(builder)}")
     opts = b.options(options)
-    unknown = set(inputs) - set(b.inputs)
-    if unknown:
-        raise TypeError(f"{b.name}: unknown input(s) {sorted(unknown)}; it takes {list(b.inputs)}")
-    reasons = b.unsupported_reasons(spec, opts, **inputs)
+    inp = b.inputs(inputs)
+    reasons = b.unsupported_reasons(spec, opts, inp)
     if reasons:
         raise UnsupportedBatchError(b.name, reasons)
     needs = b.needs(spec, opts)
     with stager.step() as step:
         common = stage_common(spec, step, token_arrays=needs.token_arrays, paged_kv=needs.paged_kv,
                               block_table_columns=None if stager.graph_mode else needs.block_table_columns)
-        staged = b.stage(common, step, opts, **inputs)
+        staged = b.stage(common, step, opts, inp)
     return staged.result()

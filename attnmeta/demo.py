@@ -40,24 +40,25 @@ def demo_spec() -> BatchSpec:
 
 
 def run_demo(device: str, *, limit: int = 16) -> str:
-    """Build the common metadata and every registered builder's (with its
-    :meth:`~attnmeta.builder.Builder.defaults`) for :func:`demo_spec` on ``device``, all in ONE step,
+    """Build the common metadata and every registered builder's (with its lab defaults,
+    :meth:`attnmeta.testing.lab.Lab.defaults`) for :func:`demo_spec` on ``device``, all in ONE step,
     and return the printout."""
     from attnmeta.builder import CommonNeeds, registry
     from attnmeta.common import stage_common
     from attnmeta.staging import Stager
+    from attnmeta.testing.lab import lab
 
     spec = demo_spec()
     stager = Stager(device)
     builders = sorted(registry().items())
-    chosen = [(name, b, *b.defaults(spec)) for name, b in builders]
+    chosen = [(name, b, *lab(b).defaults(spec)) for name, b in builders]
     needs = CommonNeeds(token_arrays=True)
     for _name, b, options, _inputs in chosen:
-        needs = needs.merge(b.needs(spec, options))
+        needs = needs.merge(b.needs(spec, b.options(options)))
     with stager.step() as step:
         common = stage_common(spec, step, token_arrays=needs.token_arrays, paged_kv=needs.paged_kv,
                               block_table_columns=needs.block_table_columns)
-        staged = [(name, options, b.stage(common, step, options, **inputs)) for name, b, options, inputs in chosen]
+        staged = [(name, options, b.stage(common, step, options, inputs)) for name, b, options, inputs in chosen]
     out = [
         "attnmeta demo: one step of a mixed batch, built on the host and staged in ONE copy",
         "",

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attnmeta import _numba
-from attnmeta.builder import Builder, registry
+from attnmeta.builder import AnyBuilder, registry
 from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec, ContextParallel
 from attnmeta.staging import Stager
@@ -242,17 +242,21 @@ def _common_stage(specs: Sequence[BatchSpec], stagers: _Stagers) -> int:
     return 2 * len(specs)
 
 
-def _builder_stage(builder: Builder[Any, Any], specs: Sequence[BatchSpec], stagers: _Stagers) -> int:
-    """Build ``builder`` over ``specs`` with its defaults and seeded samples, eager and in graph mode."""
+def _builder_stage(builder: AnyBuilder, specs: Sequence[BatchSpec], stagers: _Stagers) -> int:
+    """Build ``builder`` over ``specs`` with its lab defaults and seeded samples, eager and in graph mode."""
+    from attnmeta.testing.lab import lab
+
+    entry = lab(builder)
     rng = np.random.default_rng(1)
     builds = 0
     for spec in specs:
-        choices = [builder.defaults(spec), *(builder.sample(spec, rng) for _ in range(_SAMPLES))]
+        choices = [entry.defaults(spec), *(entry.sample(spec, rng) for _ in range(_SAMPLES))]
         for options, inputs in choices:
-            if builder.unsupported_reasons(spec, options, **inputs):
+            options, inputs = builder.options(options), builder.inputs(inputs)
+            if builder.unsupported_reasons(spec, options, inputs):
                 continue
             for stager in stagers.both(options):
-                builder.build(spec, stager, options, **inputs)
+                builder.build(spec, stager, options, inputs)
                 builds += 1
     stagers.drop_graph()
     return builds

@@ -50,7 +50,7 @@ import torch
 
 from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import MetadataBase
-from attnmeta.backends._shared import alloc_indptr, require_same_step
+from attnmeta.backends._shared import alloc_indptr
 from attnmeta.builder import Builder, register
 from attnmeta.host.cascade import cascade_arrays, cascade_prefix_len, use_cascade_attention
 from attnmeta.host.paged import num_pages, paged_kv_layout
@@ -58,7 +58,7 @@ from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Step
 
-__all__ = ["CASCADE", "CascadeBuilder", "CascadeDecision", "CascadeMetadata", "CascadeOptions", "build", "stage"]
+__all__ = ["CASCADE", "CascadeBuilder", "CascadeHost", "CascadeInputs", "CascadeMetadata", "CascadeOptions", "build", "stage"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,7 +87,7 @@ class CascadeOptions:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class CascadeDecision:
+class CascadeHost:
     """The host part of a staged cascade metadata: the step's decision, for builders staged after it
     (a FlashAttention or FlashInfer wrapper choosing its cascade path)."""
 
@@ -126,7 +126,7 @@ class CascadeMetadata(MetadataBase):
     >>> spec = BatchSpec(num_computed_tokens=[300, 310, 320, 330, 340, 350, 360, 370],
     ...                  num_scheduled_tokens=[1] * 8, block_table=table, block_size=128)
     >>> ca = build(spec, Stager("cpu"), CascadeOptions(num_query_heads=8, num_kv_heads=8, num_sms=132),
-    ...            num_common_prefix_blocks=2)
+    ...            CascadeInputs(num_common_prefix_blocks=2))
     >>> ca.use_cascade, ca.common_prefix_len, ca.num_prefix_blocks
     (True, 256, 2)
     >>> ca.cu_prefix_query_lens_cpu, ca.prefix_kv_lens_cpu, ca.suffix_kv_lens
@@ -199,7 +199,23 @@ class CascadeMetadata(MetadataBase):
     """``common_prefix_len // block_size``."""
 
 
-class CascadeBuilder(Builder[CascadeOptions, CascadeMetadata]):
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CascadeInputs:
+    """Per-step inputs of the cascade builder.
+
+    Examples
+    --------
+    >>> CascadeInputs(num_common_prefix_blocks=2).num_common_prefix_blocks
+    2
+    """
+
+    num_common_prefix_blocks: int = 0
+    """KV blocks every running request shares (from the KV-cache manager), >= 0. The prefix the step
+    uses (capped at the smallest context, in whole blocks) must be the same block ids in every real
+    request's row."""
+
+
+class CascadeBuilder(Builder[CascadeOptions, CascadeInputs, CascadeHost, CascadeMetadata]):
     """The cascade-attention builder (:data:`CASCADE`).
 
     Examples
@@ -210,15 +226,15 @@ class CascadeBuilder(Builder[CascadeOptions, CascadeMetadata]):
     >>> spec = BatchSpec(num_computed_tokens=[300, 400], num_scheduled_tokens=[1, 1],
     ...                  block_table=[[3, 4, 5, 6], [3, 4, 7, 8]], block_size=128)
     >>> ca = build(spec, Stager("cpu"), CascadeOptions(num_query_heads=8, num_kv_heads=8, num_sms=132),
-    ...            num_common_prefix_blocks=2)
+    ...            CascadeInputs(num_common_prefix_blocks=2))
     >>> ca.use_cascade, ca.common_prefix_len, ca.suffix_kv_lens
     (False, 0, None)
     """
 
     name = "cascade"
     options_type = CascadeOptions
+    inputs_type = CascadeInputs
     metadata_type = CascadeMetadata
-    inputs = ("num_common_prefix_blocks",)
 
     def options(self, options: CascadeOptions | None) -> CascadeOptions:
         """``options``; there are no defaults (heads and SMs are the model's and the device's)."""
@@ -227,10 +243,8 @@ class CascadeBuilder(Builder[CascadeOptions, CascadeMetadata]):
                             "num_sms=...)")
         return super().options(options)
 
-    def stage(
-        self, common: StagedCommon, step: Step, options: CascadeOptions | None = None, *,
-        num_common_prefix_blocks: int = 0,
-    ) -> Staged[CascadeDecision, CascadeMetadata]:
+    def derive(self, common: StagedCommon, step: Step, options: CascadeOptions,
+               inputs: CascadeInputs) -> Staged[CascadeHost, CascadeMetadata]:
         """Decide on cascade attention for the step and stage its arrays into the same step.
 
         Parameters
@@ -241,29 +255,25 @@ class CascadeBuilder(Builder[CascadeOptions, CascadeMetadata]):
             The open step.
         options : CascadeOptions
             Heads, SM count, model features that rule cascade out (required).
-        num_common_prefix_blocks : int, default 0
-            KV blocks every running request shares (from the KV-cache manager), >= 0. The prefix the
-            step uses (capped at the smallest context, in whole blocks) must be the same block ids in
-            every real request's row.
+        inputs : CascadeInputs
+            The blocks every running request shares (default 0).
 
         Returns
         -------
-        Staged[CascadeDecision, CascadeMetadata]
+        Staged[CascadeHost, CascadeMetadata]
             ``.host`` is the decision; ``.result()`` after the commit.
 
         Raises
         ------
         TypeError
-            A block count that is not an int; ``common`` not a :class:`~attnmeta.StagedCommon`.
+            A block count that is not an int.
         ValueError
-            A negative block count, a request whose prefix blocks differ from row 0's (naming the row
-            and column), or ``common`` from another step.
+            A negative block count, or a request whose prefix blocks differ from row 0's (naming the row
+            and column).
         attnmeta.staging.CapacityError
             Graph mode: a capacity of the profile is exceeded.
         """
-        if type(common) is not StagedCommon or common.step is not step:
-            require_same_step(common, step)  # raises (a subclass of the right step passes)
-        return _stage(common, step, self.options(options), num_common_prefix_blocks)
+        return _stage(common, step, options, inputs.num_common_prefix_blocks)
 
     def defaults(self, spec: BatchSpec) -> tuple[CascadeOptions, dict[str, Any]]:
         """An H100-like device (132 SMs), 32 query and 8 KV heads, no shared prefix."""
@@ -308,7 +318,7 @@ class CascadeBuilder(Builder[CascadeOptions, CascadeMetadata]):
 
 
 def _stage(common: StagedCommon, step: Step, options: CascadeOptions,
-           num_common_prefix_blocks: int) -> Staged[CascadeDecision, CascadeMetadata]:
+           num_common_prefix_blocks: int) -> Staged[CascadeHost, CascadeMetadata]:
     h = common.host
     B, B_real, bs = h.num_reqs, h.num_real_reqs, h.block_size
     qsl, sl, nc, bt = h.query_start_loc_cpu, h.seq_lens_cpu, h.num_computed_tokens_cpu, h.block_table_cpu
@@ -333,7 +343,7 @@ def _stage(common: StagedCommon, step: Step, options: CascadeOptions,
                 common=common.result(), use_cascade=False, common_prefix_len=0, num_prefix_blocks=0, **fields
             )
 
-        return Staged(step, CascadeDecision(False, 0), make_off)
+        return Staged(step, CascadeHost(False, 0), make_off)
 
     p = options.prefix + "."
     prof = step.profile
@@ -386,7 +396,7 @@ def _stage(common: StagedCommon, step: Step, options: CascadeOptions,
             **fields,
         )
 
-    return Staged(step, CascadeDecision(True, length), make)
+    return Staged(step, CascadeHost(True, length), make)
 
 
 CASCADE = register(CascadeBuilder())

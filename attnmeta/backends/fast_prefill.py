@@ -62,18 +62,19 @@ import dataclasses
 from typing import Any, ClassVar
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from attnmeta._checks import as_host_array, check_option_fields, option_rule
 from attnmeta._fields import MetadataBase
-from attnmeta.backends._shared import alloc_indptr, require_same_step
+from attnmeta.backends._shared import alloc_indptr
 from attnmeta.builder import Builder, register
 from attnmeta.host.fast_prefill import fast_prefill_query_start_loc, max_logits_per_req, pad_logits_indices
 from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import CapacityError, Staged, Step
 
-__all__ = ["FAST_PREFILL", "FastPrefillBuilder", "FastPrefillHost", "FastPrefillMetadata", "FastPrefillOptions",
+__all__ = ["FAST_PREFILL", "FastPrefillBuilder", "FastPrefillHost", "FastPrefillInputs", "FastPrefillMetadata", "FastPrefillOptions",
            "build", "stage"]
 
 
@@ -154,7 +155,26 @@ class FastPrefillMetadata(MetadataBase):
     """``common.max_query_len``: ``max(cnt)`` when applied."""
 
 
-class FastPrefillBuilder(Builder[FastPrefillOptions, FastPrefillMetadata]):
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class FastPrefillInputs:
+    """Per-step inputs of the fast-prefill builder.
+
+    Examples
+    --------
+    >>> FastPrefillInputs(logits_indices=[0, 1], num_logits_padded=4).num_logits_padded
+    4
+    """
+
+    logits_indices: npt.ArrayLike | None = None
+    """(num_logits,) int, host: token positions whose logits are needed (unpadded), strictly
+    increasing, each in ``[0, query_start_loc_cpu[-1])``: each request's last ``cnt_i`` tokens
+    (``cnt_i = num_draft_tokens + 1`` under spec decode). None: not armed, nothing changes."""
+    num_logits_padded: int | None = None
+    """Length of ``logits_indices_padded`` (the CUDA-graph dispatcher's padded count, ``>= L``);
+    default ``L``."""
+
+
+class FastPrefillBuilder(Builder[FastPrefillOptions, FastPrefillInputs, FastPrefillHost, FastPrefillMetadata]):
     """The KV-sharing fast-prefill builder (:data:`FAST_PREFILL`).
 
     Examples
@@ -164,25 +184,18 @@ class FastPrefillBuilder(Builder[FastPrefillOptions, FastPrefillMetadata]):
     >>> from attnmeta import BatchSpec, Stager
     >>> spec = BatchSpec(num_computed_tokens=[4, 9], num_scheduled_tokens=[1, 1],
     ...                  block_table=[[1, 2], [3, 4]], block_size=8)
-    >>> fp = build(spec, Stager("cpu"), logits_indices=[0, 1])
+    >>> fp = build(spec, Stager("cpu"), inputs=FastPrefillInputs(logits_indices=[0, 1]))
     >>> fp.applied, fp.common.query_start_loc_cpu, fp.logits_indices_padded_cpu
     (False, array([0, 1, 2], dtype=int32), array([0, 1], dtype=int32))
     """
 
     name = "fast_prefill"
     options_type = FastPrefillOptions
+    inputs_type = FastPrefillInputs
     metadata_type = FastPrefillMetadata
-    inputs = ("logits_indices", "num_logits_padded")
 
-    def stage(
-        self,
-        common: StagedCommon,
-        step: Step,
-        options: FastPrefillOptions | None = None,
-        *,
-        logits_indices: Any = None,
-        num_logits_padded: int | None = None,
-    ) -> Staged[FastPrefillHost, FastPrefillMetadata]:
+    def derive(self, common: StagedCommon, step: Step, options: FastPrefillOptions,
+               inputs: FastPrefillInputs) -> Staged[FastPrefillHost, FastPrefillMetadata]:
         """Derive the fast-prefill batch from the staged common metadata, staging into the same step.
 
         Parameters
@@ -191,15 +204,10 @@ class FastPrefillBuilder(Builder[FastPrefillOptions, FastPrefillMetadata]):
             From :func:`attnmeta.stage_common` on the same ``step``.
         step : Step
             The open step.
-        options : FastPrefillOptions, optional
+        options : FastPrefillOptions
             Field namespace.
-        logits_indices : (num_logits,) int, host, optional
-            Token positions whose logits are needed (unpadded), strictly increasing, each in
-            ``[0, query_start_loc_cpu[-1])``: each request's last ``cnt_i`` tokens (``cnt_i =
-            num_draft_tokens + 1`` under spec decode). None: not armed, nothing changes.
-        num_logits_padded : int, optional
-            Length of ``logits_indices_padded`` (the CUDA-graph dispatcher's padded count, ``>= L``);
-            default ``L``.
+        inputs : FastPrefillInputs
+            The logits indices (None: not armed, nothing changes) and their padded count.
 
         Returns
         -------
@@ -210,17 +218,15 @@ class FastPrefillBuilder(Builder[FastPrefillOptions, FastPrefillMetadata]):
         Raises
         ------
         ValueError
-            Logits indices out of range, unsorted, repeated or empty, ``num_logits_padded < L``, or
-            ``common`` from another step.
+            Logits indices out of range, unsorted, repeated or empty, or ``num_logits_padded < L``.
         TypeError
             ``logits_indices`` is a torch tensor (pass the host array) or not an integer array,
-            ``num_logits_padded`` not an int, ``common`` not a :class:`~attnmeta.StagedCommon`.
+            ``num_logits_padded`` not an int.
         attnmeta.staging.CapacityError
             Graph mode: ``num_logits_padded`` above ``profile.max_num_tokens``.
         """
-        if type(common) is not StagedCommon or common.step is not step:
-            require_same_step(common, step)  # raises (a subclass of the right step passes)
-        opts = self.options(options)
+        opts = options
+        logits_indices, num_logits_padded = inputs.logits_indices, inputs.num_logits_padded
         h = common.host
         prof = step.profile
         p = opts.prefix + "."

@@ -24,39 +24,47 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from attnmeta._checks import check_option_fields, option_rule, reject_tensor
 from attnmeta._fields import MetadataBase, keyword_factory
-from attnmeta.backends._shared import require_same_step
 from attnmeta.builder import Builder, register
 from attnmeta.host.flash_attn import causal_per_request, dcp_context_kv_lens, max_dcp_context_kv_len
 from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Step
 
-__all__ = ["FLASH_ATTN", "FlashAttentionMetadata", "FlashAttnBuilder", "FlashAttnOptions", "build", "stage"]
+__all__ = [
+    "FLASH_ATTN",
+    "FlashAttentionBuilder",
+    "FlashAttentionInputs",
+    "FlashAttentionMetadata",
+    "FlashAttentionOptions",
+    "build",
+    "stage",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class FlashAttnOptions:
+class FlashAttentionOptions:
     """Options of the FlashAttention builder (validated when constructed).
 
     Examples
     --------
-    >>> FlashAttnOptions(dcp_world_size=2, dcp_rank=1).dcp_interleave
+    >>> FlashAttentionOptions(dcp_world_size=2, dcp_rank=1).dcp_interleave
     1
-    >>> FlashAttnOptions(dcp_world_size=2, dcp_rank=2)
+    >>> FlashAttentionOptions(dcp_world_size=2, dcp_rank=2)
     Traceback (most recent call last):
-    ValueError: FlashAttnOptions.dcp_rank: must be <= 1, got 2
+    ValueError: FlashAttentionOptions.dcp_rank: must be <= 1, got 2
     """
 
     causal: bool | None = dataclasses.field(default=None, metadata=option_rule("bool", allow_none=True))
     """One causal flag for every request; None: the common metadata's ``causal``. Per-request flags
-    are a per-step input (``stage(..., causal=flags)``)."""
+    are a per-step input (``FlashAttentionInputs(causal=flags)``)."""
     dcp_world_size: int = dataclasses.field(default=1, metadata=option_rule("int", minimum=1))
     """Decode-context-parallel world size ``W`` (1: off)."""
     dcp_rank: int = dataclasses.field(default=0, metadata=option_rule("int", minimum=0, below="dcp_world_size"))
@@ -84,7 +92,7 @@ class FlashAttentionMetadata(MetadataBase):
     >>> from attnmeta import BatchSpec, Stager
     >>> spec = BatchSpec(num_computed_tokens=[5, 7, 0], num_scheduled_tokens=[1, 1, 4],
     ...                  block_table=[[10, 11], [20, 21], [30, 31]], block_size=4)
-    >>> fa = build(spec, Stager("cpu"), FlashAttnOptions(dcp_world_size=2, dcp_rank=1))
+    >>> fa = build(spec, Stager("cpu"), FlashAttentionOptions(dcp_world_size=2, dcp_rank=1))
     >>> fa.query_start_loc.tolist(), fa.seq_lens.tolist(), fa.max_query_len, fa.max_seq_len
     ([0, 1, 2, 6], [6, 8, 4], 4, 8)
     >>> fa.dcp_context_kv_lens_cpu.tolist(), fa.max_dcp_context_kv_len
@@ -177,22 +185,31 @@ class FlashAttentionMetadata(MetadataBase):
 _make_fa = keyword_factory(FlashAttentionMetadata)
 
 
-class FlashAttnBuilder(Builder[FlashAttnOptions, FlashAttentionMetadata]):
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class FlashAttentionInputs:
+    """Per-step inputs of the FlashAttention builder.
+
+    Examples
+    --------
+    >>> FlashAttentionInputs(causal=[True, False]).causal
+    [True, False]
+    """
+
+    causal: npt.ArrayLike | None = None
+    """(num_real_reqs,) bool or 0/1 int, host: this step's causal flag of every real request, staged
+    as an int32 device array (padding rows 1); overrides ``FlashAttentionOptions.causal``."""
+
+
+class FlashAttentionBuilder(Builder[FlashAttentionOptions, FlashAttentionInputs, None, FlashAttentionMetadata]):
     """The FlashAttention builder (:data:`FLASH_ATTN`)."""
 
     name = "flash_attn"
-    options_type = FlashAttnOptions
+    options_type = FlashAttentionOptions
+    inputs_type = FlashAttentionInputs
     metadata_type = FlashAttentionMetadata
-    inputs = ("causal",)
 
-    def stage(
-        self,
-        common: StagedCommon,
-        step: Step,
-        options: FlashAttnOptions | None = None,
-        *,
-        causal: Any = None,
-    ) -> Staged[None, FlashAttentionMetadata]:
+    def derive(self, common: StagedCommon, step: Step, options: FlashAttentionOptions,
+               inputs: FlashAttentionInputs) -> Staged[None, FlashAttentionMetadata]:
         """Derive FlashAttention metadata from the staged common metadata, staging into the same step.
 
         Parameters
@@ -201,11 +218,10 @@ class FlashAttnBuilder(Builder[FlashAttnOptions, FlashAttentionMetadata]):
             From :func:`attnmeta.stage_common` on the same ``step``.
         step : Step
             The open step.
-        options : FlashAttnOptions, optional
-            DCP layout, split threshold, split count; default :class:`FlashAttnOptions`.
-        causal : (num_real_reqs,) bool or 0/1 int, host, optional
-            This step's causal flag of every real request, staged as an int32 device array (padding
-            rows 1); overrides ``options.causal``.
+        options : FlashAttentionOptions
+            DCP layout, split threshold, split count.
+        inputs : FlashAttentionInputs
+            Per-request causal flags (optional).
 
         Returns
         -------
@@ -215,17 +231,14 @@ class FlashAttnBuilder(Builder[FlashAttnOptions, FlashAttentionMetadata]):
         Raises
         ------
         ValueError
-            ``causal`` flags of the wrong length or values, or ``common`` from another step.
+            ``causal`` flags of the wrong length or values.
         TypeError
-            ``causal`` flags that are a torch tensor or not bool / integer, ``common`` not a
-            :class:`~attnmeta.StagedCommon`, or options of another type.
+            ``causal`` flags that are a torch tensor or not bool / integer.
         """
-        if type(common) is not StagedCommon or common.step is not step:
-            require_same_step(common, step)  # raises (a subclass of the right step passes)
-        opts = self.options(options)
+        opts = options
         h = common.host
         split = h.split(opts.decode_threshold)
-        flags = causal
+        flags = inputs.causal
         causal = h.causal if opts.causal is None else opts.causal
         dcp_name = causal_name = ""
         dcp_host = causal_host = None
@@ -272,34 +285,16 @@ class FlashAttnBuilder(Builder[FlashAttnOptions, FlashAttentionMetadata]):
 
         return Staged(step, None, make)
 
-    def unsupported_reasons(self, spec: BatchSpec, options: FlashAttnOptions, **inputs: Any) -> list[str]:
+    def unsupported_reasons(self, spec: BatchSpec, options: FlashAttentionOptions,
+                            inputs: FlashAttentionInputs) -> list[str]:
         """A ``causal`` input without one flag per real request."""
-        flags = inputs.get("causal")
+        flags = inputs.causal
         if flags is not None and np.shape(flags) != (spec.num_reqs,):
             return [f"causal: expected one flag per real request ({spec.num_reqs}), got shape {np.shape(flags)}"]
         return []
 
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[FlashAttnOptions, dict[str, Any]]:
-        """DCP on half the draws (world size 2, a random rank), else per-request causal flags."""
-        if rng.random() < 0.5:
-            return FlashAttnOptions(dcp_world_size=2, dcp_rank=int(rng.integers(0, 2))), {}
-        return FlashAttnOptions(decode_threshold=int(rng.integers(1, 4))), {
-            "causal": rng.random(spec.num_reqs) < 0.7}
 
-    def reference(self, spec: BatchSpec, options: FlashAttnOptions, device: torch.device,
-                  **inputs: Any) -> dict[str, Any]:
-        """The common fields it passes on and its split (the DCP lengths: the FlashAttention tests)."""
-        from attnmeta.testing.reference.layout import ref_common_fields, ref_split_decodes_and_prefills
-
-        ref = ref_common_fields(spec, device)
-        nd, np_, ndt, npt = ref_split_decodes_and_prefills(
-            ref["query_start_loc"], spec.padded_num_tokens, spec.max_query_len, options.decode_threshold)
-        return {"query_start_loc": ref["query_start_loc"], "seq_lens": ref["seq_lens"],
-                "slot_mapping": ref["slot_mapping"], "num_decode_reqs": nd, "num_prefill_reqs": np_,
-                "num_decode_tokens": ndt, "num_prefill_tokens": npt}
-
-
-FLASH_ATTN = register(FlashAttnBuilder())
+FLASH_ATTN = register(FlashAttentionBuilder())
 """The registered FlashAttention builder."""
 stage = FLASH_ATTN.stage
 build = FLASH_ATTN.build

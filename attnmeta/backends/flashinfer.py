@@ -91,7 +91,6 @@ import torch
 
 from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import MetadataBase, keyword_factory
-from attnmeta.backends._shared import require_same_step
 from attnmeta.builder import Builder, CommonNeeds, register
 from attnmeta.common import stage_paged_kv
 from attnmeta.host.flash_attn import dcp_context_kv_lens
@@ -372,7 +371,7 @@ def _gather_indices(
     return out[:total]
 
 
-class FlashInferBuilder(Builder[FlashInferOptions, FlashInferMetadata]):
+class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInferMetadata]):
     """The FlashInfer builder (:data:`FLASHINFER`).
 
     Examples
@@ -395,8 +394,8 @@ class FlashInferBuilder(Builder[FlashInferOptions, FlashInferMetadata]):
         """Every common field, and the common pass's page table unless DCP or device-side indices."""
         return _WITH_PAGES if options.dcp_world_size == 1 and options.indices == "host" else _WITHOUT_PAGES
 
-    def stage(
-        self, common: StagedCommon, step: Step, options: FlashInferOptions | None = None
+    def derive(
+        self, common: StagedCommon, step: Step, options: FlashInferOptions, inputs: None
     ) -> Staged[SplitCounts, FlashInferMetadata]:
         """Derive FlashInfer metadata from the staged common metadata, staging into the same step.
 
@@ -407,8 +406,10 @@ class FlashInferBuilder(Builder[FlashInferOptions, FlashInferMetadata]):
             ``paged_kv=True`` its page table is reused.
         step : Step
             The open step.
-        options : FlashInferOptions, optional
-            Split, gather location, DCP layout, field namespace; default :class:`FlashInferOptions`.
+        options : FlashInferOptions
+            Split, gather location, DCP layout, field namespace.
+        inputs : None
+            The builder takes no per-step inputs.
 
         Returns
         -------
@@ -419,15 +420,11 @@ class FlashInferBuilder(Builder[FlashInferOptions, FlashInferMetadata]):
         Raises
         ------
         ValueError
-            A block table too narrow for a row's pages, or ``common`` from another step.
-        TypeError
-            ``common`` not a :class:`~attnmeta.StagedCommon`, or options of another type.
+            A block table too narrow for a row's pages.
         attnmeta.staging.CapacityError
             Graph mode: more pages than ``profile.max_num_pages``.
         """
-        if type(common) is not StagedCommon or common.step is not step:
-            require_same_step(common, step)  # raises (a subclass of the right step passes)
-        opts = self.options(options)
+        opts = options
         h = common.host
         qsl = h.query_start_loc_cpu
         B, T, page = h.num_reqs, h.num_actual_tokens, h.block_size
@@ -509,7 +506,7 @@ class FlashInferBuilder(Builder[FlashInferOptions, FlashInferMetadata]):
 
         return Staged(step, split, make)
 
-    def unsupported_reasons(self, spec: BatchSpec, options: FlashInferOptions, **inputs: Any) -> list[str]:
+    def unsupported_reasons(self, spec: BatchSpec, options: FlashInferOptions, inputs: None) -> list[str]:
         """A context-parallel spec whose world size is not the options' ``dcp_world_size`` (its table's
         columns hold ``block_size * world_size`` tokens; the pages are then the rank's own)."""
         cp = spec.context_parallel

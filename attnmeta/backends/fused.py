@@ -68,7 +68,7 @@ import numba
 import numpy as np
 
 from attnmeta._fields import positional_factory
-from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionMetadata, FlashAttnOptions
+from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionMetadata, FlashAttentionOptions
 from attnmeta.backends.flashinfer import FLASHINFER, FlashInferMetadata, FlashInferOptions
 from attnmeta.builder import UnsupportedBatchError
 from attnmeta.common import CommonWriter, stage_common
@@ -161,7 +161,7 @@ class FusedStepBuilder:
     ----------
     stager : Stager
         Owns the pinned ring; every :meth:`build` is one step of it (begun and committed inside).
-    flash_attn : FlashAttnOptions, True or None, default True
+    flash_attn : FlashAttentionOptions, True or None, default True
         Options of the FlashAttention metadata (True: the defaults); None builds none.
     flashinfer : FlashInferOptions, True or None, default True
         Options of the FlashInfer metadata (True: the defaults); None builds none. With the default
@@ -215,7 +215,7 @@ class FusedStepBuilder:
         self,
         stager: Stager,
         *,
-        flash_attn: FlashAttnOptions | bool | None = True,
+        flash_attn: FlashAttentionOptions | bool | None = True,
         flashinfer: FlashInferOptions | bool | None = True,
         causal: bool = True,
         prefix: str = "common",
@@ -230,14 +230,14 @@ class FusedStepBuilder:
         if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= most:
             raise ValueError(f"threads: expected an int in [1, {most}] (numba's thread pool, NUMBA_NUM_THREADS), "
                              f"got {threads!r}")
-        fa = FlashAttnOptions() if flash_attn is True else flash_attn or None
+        fa = FlashAttentionOptions() if flash_attn is True else flash_attn or None
         fi = FlashInferOptions() if flashinfer is True else flashinfer or None
-        if fa is not None and not isinstance(fa, FlashAttnOptions):
-            raise TypeError(f"flash_attn: expected FlashAttnOptions, True or None, got {type(fa).__name__}")
+        if fa is not None and not isinstance(fa, FlashAttentionOptions):
+            raise TypeError(f"flash_attn: expected FlashAttentionOptions, True or None, got {type(fa).__name__}")
         if fi is not None and not isinstance(fi, FlashInferOptions):
             raise TypeError(f"flashinfer: expected FlashInferOptions, True or None, got {type(fi).__name__}")
         self._stager = stager
-        self._fa_opts: FlashAttnOptions | None = fa
+        self._fa_opts: FlashAttentionOptions | None = fa
         self._fi_opts: FlashInferOptions | None = fi
         self._causal = bool(causal)
         self._prefix = prefix
@@ -283,7 +283,7 @@ class FusedStepBuilder:
         """
         self.stats.steps += 1
         if spec.context_parallel is not None:
-            reasons = FLASHINFER.unsupported_reasons(spec, self._fi_opts) if self._fi_opts is not None else []
+            reasons = FLASHINFER.unsupported_reasons(spec, self._fi_opts, None) if self._fi_opts is not None else []
             if reasons:
                 raise UnsupportedBatchError(FLASHINFER.name, reasons)
             return self._compose(spec, self._stager.step(), None)

@@ -78,7 +78,7 @@ import torch
 
 from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import MetadataBase
-from attnmeta.backends._shared import alloc_indptr, require_same_step
+from attnmeta.backends._shared import alloc_indptr
 from attnmeta.builder import Builder, register
 from attnmeta.host.local_attn import LocalBatches, local_virtual_batches, num_virtual_reqs
 from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
@@ -86,12 +86,20 @@ from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import CapacityError, Staged, Step
 
-__all__ = ["LOCAL_ATTN", "LocalAttentionMetadata", "LocalAttnBuilder", "LocalAttnHost", "LocalAttnOptions", "build",
-           "max_virtual_reqs", "stage"]
+__all__ = [
+    "LOCAL_ATTN",
+    "LocalAttentionBuilder",
+    "LocalAttentionHost",
+    "LocalAttentionMetadata",
+    "LocalAttentionOptions",
+    "build",
+    "max_virtual_reqs",
+    "stage",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class LocalAttnOptions:
+class LocalAttentionOptions:
     """Options of the chunked-local-attention builder (validated when constructed)."""
 
     attn_chunk_size: int = dataclasses.field(metadata=option_rule("int", minimum=1))
@@ -107,7 +115,7 @@ class LocalAttnOptions:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class LocalAttnHost:
+class LocalAttentionHost:
     """The host part of a staged local-attention metadata, for builders staged after it."""
 
     common: StagedCommon
@@ -165,7 +173,7 @@ class LocalAttentionMetadata(MetadataBase):
     ...                  block_table=np.arange(30, dtype=np.int32).reshape(3, 10), block_size=2)
     >>> with Stager("cpu").step() as step:
     ...     common = stage_common(spec, step, block_table_columns=10)
-    ...     staged = stage(common, step, LocalAttnOptions(attn_chunk_size=4))
+    ...     staged = stage(common, step, LocalAttentionOptions(attn_chunk_size=4))
     >>> la = staged.result()
     >>> la.query_start_loc_cpu
     array([ 0,  2,  4,  5,  9, 13, 14, 18, 19], dtype=int32)
@@ -264,7 +272,7 @@ def _gather_rows(
     return out[:v]
 
 
-class LocalAttnBuilder(Builder[LocalAttnOptions, LocalAttentionMetadata]):
+class LocalAttentionBuilder(Builder[LocalAttentionOptions, None, LocalAttentionHost, LocalAttentionMetadata]):
     """The chunked-local-attention builder (:data:`LOCAL_ATTN`).
 
     Examples
@@ -275,7 +283,7 @@ class LocalAttnBuilder(Builder[LocalAttnOptions, LocalAttentionMetadata]):
     >>> from attnmeta import BatchSpec, Stager
     >>> spec = BatchSpec(num_computed_tokens=[4], num_scheduled_tokens=[1], block_table=[[7, 8, 9]],
     ...                  block_size=2, num_reqs_padded=2)
-    >>> la = build(spec, Stager("cpu"), LocalAttnOptions(attn_chunk_size=4, block_table="device"))
+    >>> la = build(spec, Stager("cpu"), LocalAttentionOptions(attn_chunk_size=4, block_table="device"))
     >>> la.seq_lens_cpu, la.query_start_loc_cpu, la.block_starts_cpu
     (array([1, 4], dtype=int32), array([0, 1, 1], dtype=int32), array([2, 0], dtype=int32))
     >>> la.block_table
@@ -284,18 +292,18 @@ class LocalAttnBuilder(Builder[LocalAttnOptions, LocalAttentionMetadata]):
     """
 
     name = "local_attn"
-    options_type = LocalAttnOptions
+    options_type = LocalAttentionOptions
     metadata_type = LocalAttentionMetadata
 
-    def options(self, options: LocalAttnOptions | None) -> LocalAttnOptions:
+    def options(self, options: LocalAttentionOptions | None) -> LocalAttentionOptions:
         """``options``; there are no defaults (the chunk size is the model's)."""
         if options is None:
-            raise TypeError("local_attn: options are required: LocalAttnOptions(attn_chunk_size=...)")
+            raise TypeError("local_attn: options are required: LocalAttentionOptions(attn_chunk_size=...)")
         return super().options(options)
 
-    def stage(
-        self, common: StagedCommon, step: Step, options: LocalAttnOptions | None = None
-    ) -> Staged[LocalAttnHost, LocalAttentionMetadata]:
+    def derive(
+        self, common: StagedCommon, step: Step, options: LocalAttentionOptions, inputs: None
+    ) -> Staged[LocalAttentionHost, LocalAttentionMetadata]:
         """Derive the chunked-local-attention virtual batch from the staged common metadata.
 
         Parameters
@@ -304,12 +312,14 @@ class LocalAttnBuilder(Builder[LocalAttnOptions, LocalAttentionMetadata]):
             From :func:`attnmeta.stage_common` on the same ``step``.
         step : Step
             The open step.
-        options : LocalAttnOptions
+        options : LocalAttentionOptions
             Chunk size, where to gather the virtual block table, field namespace (required).
+        inputs : None
+            The builder takes no per-step inputs.
 
         Returns
         -------
-        Staged[LocalAttnHost, LocalAttentionMetadata]
+        Staged[LocalAttentionHost, LocalAttentionMetadata]
             ``.result()`` after the commit (with ``block_table="device"`` it enqueues the gather on the
             current stream the first time). ``.host.common`` is the staged virtual common metadata, to
             stage other backends over it in the same step.
@@ -317,21 +327,17 @@ class LocalAttnBuilder(Builder[LocalAttnOptions, LocalAttentionMetadata]):
         Raises
         ------
         ValueError
-            ``attn_chunk_size`` not a multiple of the block size, or ``common`` from another step.
-        TypeError
-            ``common`` not a :class:`~attnmeta.StagedCommon`, or options of another type.
+            ``attn_chunk_size`` not a multiple of the block size.
         attnmeta.staging.CapacityError
             Graph mode: more virtual rows than :func:`max_virtual_reqs` (cannot happen within the profile).
         """
-        if type(common) is not StagedCommon or common.step is not step:
-            require_same_step(common, step)  # raises (a subclass of the right step passes)
-        opts = self.options(options)
+        opts = options
         mode = opts.block_table
         h = common.host
         qsl, sl, bt = h.query_start_loc_cpu, h.seq_lens_cpu, h.block_table_cpu
         A, bs, B = opts.attn_chunk_size, h.block_size, h.num_reqs
         if A % bs:
-            raise ValueError(f"LocalAttnOptions.attn_chunk_size: must be a positive multiple of block_size={bs}, got {A!r}")
+            raise ValueError(f"LocalAttentionOptions.attn_chunk_size: must be a positive multiple of block_size={bs}, got {A!r}")
         p = opts.prefix + "."
         prof = step.profile
         V = num_virtual_reqs(qsl, sl, A)
@@ -418,9 +424,9 @@ class LocalAttnBuilder(Builder[LocalAttnOptions, LocalAttentionMetadata]):
                 block_table_mode=mode,
             )
 
-        return Staged(step, LocalAttnHost(local_common, lb), make)
+        return Staged(step, LocalAttentionHost(local_common, lb), make)
 
-    def unsupported_reasons(self, spec: BatchSpec, options: LocalAttnOptions, **inputs: Any) -> list[str]:
+    def unsupported_reasons(self, spec: BatchSpec, options: LocalAttentionOptions, inputs: None) -> list[str]:
         """A chunk size that is not a multiple of the block size; a context-parallel spec."""
         reasons = []
         if options.attn_chunk_size % spec.block_size:
@@ -430,16 +436,16 @@ class LocalAttnBuilder(Builder[LocalAttnOptions, LocalAttentionMetadata]):
                            "tokens, not the block_size * world_size of a context-parallel table")
         return reasons
 
-    def defaults(self, spec: BatchSpec) -> tuple[LocalAttnOptions, dict[str, Any]]:
+    def defaults(self, spec: BatchSpec) -> tuple[LocalAttentionOptions, dict[str, Any]]:
         """Chunks of 4 blocks (Llama 4's 8192-token chunks at block size 2048; any block size here)."""
-        return LocalAttnOptions(attn_chunk_size=4 * spec.block_size), {}
+        return LocalAttentionOptions(attn_chunk_size=4 * spec.block_size), {}
 
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[LocalAttnOptions, dict[str, Any]]:
+    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[LocalAttentionOptions, dict[str, Any]]:
         """A chunk of 1-4 blocks, the table gathered on the host or the device."""
-        return LocalAttnOptions(attn_chunk_size=spec.block_size * int(rng.integers(1, 5)),
+        return LocalAttentionOptions(attn_chunk_size=spec.block_size * int(rng.integers(1, 5)),
                                 block_table="device" if rng.random() < 0.5 else "host"), {}
 
-    def reference(self, spec: BatchSpec, options: LocalAttnOptions, device: torch.device,
+    def reference(self, spec: BatchSpec, options: LocalAttentionOptions, device: torch.device,
                   **inputs: Any) -> dict[str, Any]:
         """The virtual batch by a literal tensor transcription of vLLM's formulas, over the block table
         the common metadata stages by default (the longest request's blocks; padding rows 0)."""
@@ -456,7 +462,7 @@ class LocalAttnBuilder(Builder[LocalAttnOptions, LocalAttentionMetadata]):
                 "num_virtual_reqs": lb.num_virtual_reqs}
 
 
-LOCAL_ATTN = register(LocalAttnBuilder())
+LOCAL_ATTN = register(LocalAttentionBuilder())
 """The registered chunked-local-attention builder."""
 stage = LOCAL_ATTN.stage
 build = LOCAL_ATTN.build

@@ -48,7 +48,6 @@ import torch
 
 from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import MetadataBase, keyword_factory
-from attnmeta.backends._shared import require_same_step
 from attnmeta.builder import Builder, register
 from attnmeta.host.mla import (
     MLAContextChunks,
@@ -363,18 +362,15 @@ def _alignment(block_size: int, opts: MLAOptions) -> int:
     return a
 
 
-class MLABuilder(Builder[MLAOptions, MLAMetadata]):
+class MLABuilder(Builder[MLAOptions, None, None, MLAMetadata]):
     """The dense MLA builder (:data:`MLA`): split, chunked context, decode fields of each variant."""
 
     name = "mla"
     options_type = MLAOptions
     metadata_type = MLAMetadata
 
-    def stage(
-        self,
-        common: StagedCommon,
-        step: Step,
-        options: MLAOptions | None = None,
+    def derive(
+        self, common: StagedCommon, step: Step, options: MLAOptions, inputs: None
     ) -> Staged[None, MLAMetadata]:
         """Derive the MLA metadata from the staged common metadata, staging into the same step.
 
@@ -384,7 +380,7 @@ class MLABuilder(Builder[MLAOptions, MLAMetadata]):
             From :func:`attnmeta.stage_common` on the same ``step``.
         step : Step
             The open step.
-        options : MLAOptions, optional
+        options : MLAOptions
             Variant, workspace, DCP layout; default :class:`MLAOptions`.
 
         Returns
@@ -402,9 +398,7 @@ class MLABuilder(Builder[MLAOptions, MLAMetadata]):
         CapacityError
             Graph mode: a field past its profile capacity.
         """
-        if type(common) is not StagedCommon or common.step is not step:
-            require_same_step(common, step)
-        opts = self.options(options)
+        opts = options
         h = common.host
         B, T = h.num_reqs, h.num_actual_tokens
         qsl = h.query_start_loc_cpu
@@ -541,7 +535,7 @@ class MLABuilder(Builder[MLAOptions, MLAMetadata]):
 
         return Staged(step, None, make)
 
-    def unsupported_reasons(self, spec: BatchSpec, options: MLAOptions, **inputs: Any) -> list[str]:
+    def unsupported_reasons(self, spec: BatchSpec, options: MLAOptions, inputs: None) -> list[str]:
         """A context-parallel spec of another world size; a workspace below the split alignment;
         non-causal rows of unequal length."""
         reasons = []

@@ -46,18 +46,18 @@ import dataclasses
 from typing import Any, ClassVar, Literal
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from attnmeta._checks import as_host_array, check_option_fields, option_rule
 from attnmeta._fields import MetadataBase
 from attnmeta._numba import njit
-from attnmeta.backends._shared import require_same_step
 from attnmeta.builder import Builder, CommonNeeds, register
 from attnmeta.metadata import StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import CapacityError, Staged, Step
 
-__all__ = ["MM_PREFIX", "MMPrefixBuilder", "MMPrefixMetadata", "MMPrefixOptions", "build", "mm_prefix_ranges",
+__all__ = ["MM_PREFIX", "MMPrefixBuilder", "MMPrefixInputs", "MMPrefixMetadata", "MMPrefixOptions", "build", "mm_prefix_ranges",
            "stage"]
 
 _I32_MAX = 2**31 - 1
@@ -404,7 +404,28 @@ def _derive_ranges(indptr: np.ndarray, starts: np.ndarray, lengths: np.ndarray, 
 # ------------------------------------------------------------------------------------------------
 
 
-class MMPrefixBuilder(Builder[MMPrefixOptions, MMPrefixMetadata]):
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MMPrefixInputs:
+    """Per-step inputs of the multimodal prefix-range builder: the step's image/video spans (all None:
+    no request has a span).
+
+    Examples
+    --------
+    >>> MMPrefixInputs(mm_span_indptr=[0, 1], mm_span_starts=[2], mm_span_lengths=[5]).mm_is_embed is None
+    True
+    """
+
+    mm_span_indptr: npt.ArrayLike | None = None
+    """(num_real_reqs + 1,) int, host: the spans of real request ``i`` are ``indptr[i]:indptr[i + 1]``."""
+    mm_span_starts: npt.ArrayLike | None = None
+    """(num_spans,) int, host: each image/video placeholder's prompt offset (``>= 0``)."""
+    mm_span_lengths: npt.ArrayLike | None = None
+    """(num_spans,) int, host: each placeholder's length (``>= 1``)."""
+    mm_is_embed: npt.ArrayLike | None = None
+    """(sum(mm_span_lengths),) bool, host: the spans' ``is_embed`` masks, concatenated (None: all True)."""
+
+
+class MMPrefixBuilder(Builder[MMPrefixOptions, MMPrefixInputs, None, MMPrefixMetadata]):
     """The multimodal bidirectional prefix-range builder (:data:`MM_PREFIX`).
 
     Examples
@@ -416,33 +437,24 @@ class MMPrefixBuilder(Builder[MMPrefixOptions, MMPrefixMetadata]):
     >>> from attnmeta import BatchSpec, Stager
     >>> spec = BatchSpec(num_computed_tokens=[0, 17, 21], num_scheduled_tokens=[6, 3, 4],
     ...                  block_table=np.zeros((3, 1), np.int32), block_size=512)
-    >>> m = build(spec, Stager("cpu"), MMPrefixOptions(form="flash_attn"), mm_span_indptr=[0, 1, 1, 3],
-    ...           mm_span_starts=[2, 0, 20], mm_span_lengths=[5, 6, 300],
-    ...           mm_is_embed=np.array([1] * 5 + [0, 1, 1, 0, 1, 1] + [1] * 300, bool))
+    >>> m = build(spec, Stager("cpu"), MMPrefixOptions(form="flash_attn"), MMPrefixInputs(
+    ...           mm_span_indptr=[0, 1, 1, 3], mm_span_starts=[2, 0, 20], mm_span_lengths=[5, 6, 300],
+    ...           mm_is_embed=np.array([1] * 5 + [0, 1, 1, 0, 1, 1] + [1] * 300, bool)))
     >>> m.num_query_range_rows, m.mm_prefix_query_range_tensor[:, 0].tolist()
     (13, [-1, -1, 2, 2, 2, 2, -1, -1, -1, 20, 20, 20, 20])
     """
 
     name = "mm_prefix"
     options_type = MMPrefixOptions
+    inputs_type = MMPrefixInputs
     metadata_type = MMPrefixMetadata
-    inputs = ("mm_span_indptr", "mm_span_starts", "mm_span_lengths", "mm_is_embed")
 
     def needs(self, spec: BatchSpec, options: MMPrefixOptions) -> CommonNeeds:
         """Only the query starts and sequence lengths: no per-token arrays."""
         return CommonNeeds(token_arrays=False)
 
-    def stage(
-        self,
-        common: StagedCommon,
-        step: Step,
-        options: MMPrefixOptions | None = None,
-        *,
-        mm_span_indptr: Any = None,
-        mm_span_starts: Any = None,
-        mm_span_lengths: Any = None,
-        mm_is_embed: Any = None,
-    ) -> Staged[None, MMPrefixMetadata]:
+    def derive(self, common: StagedCommon, step: Step, options: MMPrefixOptions,
+               inputs: MMPrefixInputs) -> Staged[None, MMPrefixMetadata]:
         """Derive the ranges and the chosen backend form on the host, staging the form into ``step``.
 
         Parameters
@@ -451,17 +463,10 @@ class MMPrefixBuilder(Builder[MMPrefixOptions, MMPrefixMetadata]):
             From :func:`attnmeta.stage_common` on the same ``step``.
         step : Step
             The open step.
-        options : MMPrefixOptions, optional
+        options : MMPrefixOptions
             The form, the sliding-window rule and ``span_pad``.
-        mm_span_indptr : (num_real_reqs + 1,) int, host, optional
-            The spans of real request ``i`` are ``indptr[i]:indptr[i + 1]``. None (with no spans): no
-            request has a span.
-        mm_span_starts : (num_spans,) int, host, optional
-            Each image/video placeholder's prompt offset (``>= 0``).
-        mm_span_lengths : (num_spans,) int, host, optional
-            Each placeholder's length (``>= 1``).
-        mm_is_embed : (sum(mm_span_lengths),) bool, host, optional
-            The spans' ``is_embed`` masks, concatenated (None: all True).
+        inputs : MMPrefixInputs
+            The step's spans (all None: no request has a span).
 
         Returns
         -------
@@ -471,15 +476,15 @@ class MMPrefixBuilder(Builder[MMPrefixOptions, MMPrefixMetadata]):
         Raises
         ------
         ValueError
-            Malformed spans (the input, request and span named), or ``common`` from another step.
+            Malformed spans (the input, request and span named).
         TypeError
             A torch tensor (pass the host array), a non-integer array or a non-bool mask.
         attnmeta.staging.CapacityError
             Graph mode: more scheduled tokens, requests or ranges than the profile holds.
         """
-        if type(common) is not StagedCommon or common.step is not step:
-            require_same_step(common, step)
-        opts = self.options(options)
+        opts = options
+        mm_span_indptr, mm_span_starts = inputs.mm_span_indptr, inputs.mm_span_starts
+        mm_span_lengths, mm_is_embed = inputs.mm_span_lengths, inputs.mm_is_embed
         h = common.host
         nreal = h.num_real_reqs
         if mm_span_indptr is None and mm_span_starts is None and mm_span_lengths is None and mm_is_embed is None:
@@ -537,7 +542,7 @@ class MMPrefixBuilder(Builder[MMPrefixOptions, MMPrefixMetadata]):
 
         return Staged(step, None, make)
 
-    def unsupported_reasons(self, spec: BatchSpec, options: MMPrefixOptions, **inputs: Any) -> list[str]:
+    def unsupported_reasons(self, spec: BatchSpec, options: MMPrefixOptions, inputs: MMPrefixInputs) -> list[str]:
         """A context-parallel batch: the ranges are absolute prompt positions and this builder does not
         model a rank's share of the KV (vLLM's mm-prefix backends, Triton and FA4, have no DCP path)."""
         if spec.context_parallel is not None:

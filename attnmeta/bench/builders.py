@@ -2,7 +2,7 @@
 
 For each builder of :func:`attnmeta.registry` there is a scenario ``builder:<name>`` that times the
 generic :func:`attnmeta.build` (common metadata with exactly what the builder reads, the builder's
-metadata, one copy, ``result()``) with the builder's :meth:`~attnmeta.Builder.defaults`, on mixed
+metadata, one copy, ``result()``) with the builder's lab defaults (:meth:`attnmeta.testing.lab.Lab.defaults`), on mixed
 steps of :func:`attnmeta.testing.workloads.mixed_spec` at :data:`SIZES`, against the builder's
 :meth:`~attnmeta.Builder.reference` path when it has one (the straightforward device-side
 computations, syncs and all). So a new builder is benchmarked by being registered: nothing here
@@ -28,9 +28,10 @@ import torch
 
 from attnmeta.bench.harness import Case, PathFn
 from attnmeta.bench.scenarios import ScenarioFn
-from attnmeta.builder import Builder, build, registry
+from attnmeta.builder import AnyBuilder, build, registry
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager
+from attnmeta.testing.lab import lab
 from attnmeta.testing.workloads import mixed_spec
 
 __all__ = ["PREFIX", "SIZES", "STEPS", "builder_cases", "builder_scenarios"]
@@ -49,13 +50,14 @@ _Step = tuple[BatchSpec, Any, dict[str, Any]]
 """One step of a walk: the spec, the builder's options and inputs for it."""
 
 
-def _steps(builder: Builder[Any, Any], prefills: int, decodes: int, seed: int) -> list[_Step]:
+def _steps(builder: AnyBuilder, prefills: int, decodes: int, seed: int) -> list[_Step]:
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(STEPS):
         spec = mixed_spec(rng, prefills=prefills, decodes=decodes)
-        options, inputs = builder.defaults(spec)
-        reasons = builder.unsupported_reasons(spec, options, **inputs)
+        options, inputs = lab(builder).defaults(spec)
+        options, inputs = builder.options(options), builder.inputs(inputs)
+        reasons = builder.unsupported_reasons(spec, options, inputs)
         if reasons:
             raise ValueError(f"{PREFIX}{builder.name}: the builder's defaults() cannot serve a mixed step of "
                              f"{prefills} prefills and {decodes} decodes: " + "; ".join(reasons))
@@ -63,7 +65,7 @@ def _steps(builder: Builder[Any, Any], prefills: int, decodes: int, seed: int) -
     return out
 
 
-def builder_cases(builder: Builder[Any, Any], device: torch.device, quick: bool) -> list[Case]:
+def builder_cases(builder: AnyBuilder, device: torch.device, quick: bool) -> list[Case]:
     """The cases of the scenario ``builder:<name>`` of one builder.
 
     Parameters
@@ -83,7 +85,7 @@ def builder_cases(builder: Builder[Any, Any], device: torch.device, quick: bool)
     Raises
     ------
     ValueError
-        The builder's :meth:`~attnmeta.Builder.defaults` give options or inputs it cannot serve a mixed
+        The builder's lab defaults (:meth:`attnmeta.testing.lab.Lab.defaults`) give options or inputs it cannot serve a mixed
         step with (every reason listed).
     """
     dev = torch.device(device)
@@ -91,7 +93,7 @@ def builder_cases(builder: Builder[Any, Any], device: torch.device, quick: bool)
             for i, (prefills, decodes) in enumerate(SIZES[:2] if quick else SIZES)]
 
 
-def _case(builder: Builder[Any, Any], device: torch.device, steps: list[_Step], batch: int) -> Case:
+def _case(builder: AnyBuilder, device: torch.device, steps: list[_Step], batch: int) -> Case:
     stager = Stager(device)
     at = {"attnmeta": 0, "reference": 0}
 
@@ -102,15 +104,14 @@ def _case(builder: Builder[Any, Any], device: torch.device, steps: list[_Step], 
 
     def attnmeta_step() -> Any:
         spec, options, inputs = nxt("attnmeta")
-        return build(spec, stager, builder, options, **inputs)
+        return build(spec, stager, builder, options, inputs)
 
     def reference_step() -> Any:
         spec, options, inputs = nxt("reference")
-        return builder.reference(spec, options, device, **inputs)
+        return lab(builder).reference(spec, options, device, inputs)
 
     paths: dict[str, PathFn] = {"attnmeta": attnmeta_step}
-    spec0, options0, inputs0 = steps[0]
-    if builder.reference(spec0, options0, device, **inputs0) is not None:
+    if lab(builder).has_reference:
         paths["reference"] = reference_step
     return Case(PREFIX + builder.name, batch, paths, {}, stager, oracle_paths=frozenset({"reference"}))
 

@@ -385,7 +385,7 @@ def fast_prefill(device: torch.device, quick: bool) -> list[Case]:
     li = _last_tokens(spec)
 
     def stage_extra(common: Any, step: Any) -> Any:
-        return fp.stage(common, step, logits_indices=li)
+        return fp.stage(common, step, None, fp.FastPrefillInputs(logits_indices=li))
 
     def ref_extra(s: BatchSpec) -> Callable[[dict[str, Any], Callable[[np.ndarray], torch.Tensor]], Any]:
         def extra(fields: dict[str, Any], up: Callable[[np.ndarray], torch.Tensor]) -> Any:
@@ -431,7 +431,7 @@ def local_attention(device: torch.device, quick: bool) -> list[Case]:
     rng = np.random.default_rng(4)
     spec = mixed_spec(rng, prefills=8 if quick else 64, decodes=24 if quick else 192)
     chunk = 8192
-    opts = la.LocalAttnOptions(attn_chunk_size=chunk)
+    opts = la.LocalAttentionOptions(attn_chunk_size=chunk)
 
     def stage_extra(common: Any, step: Any) -> Any:
         return la.stage(common, step, opts)

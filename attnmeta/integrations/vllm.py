@@ -11,7 +11,7 @@ read host arrays and host scalars only, and hand device tensors on as they are (
   ``is_prefilling``, ``num_reqs``, ``num_actual_tokens``) plus the caller's **host** block table.
   vLLM's metadata holds the block table on the device only, and attnmeta has no mode that builds
   from a device block table (its device-gather modes, ``FlashInferOptions(indices="device")`` and
-  ``LocalAttnOptions(block_table="device")``, gather from the table attnmeta itself staged from the
+  ``LocalAttentionOptions(block_table="device")``, gather from the table attnmeta itself staged from the
   host one): without a host table the call raises, saying where vLLM keeps it.
 - :func:`to_vllm_common`: a real vLLM ``CommonAttentionMetadata`` whose device fields are attnmeta's
   device views and whose host fields are CPU torch tensors sharing attnmeta's host arrays' memory (no
@@ -234,7 +234,7 @@ def _no_host_table(got: str) -> ValueError | TypeError:
         f"table, input_batch.block_table[kv_cache_group_id].get_numpy_array() (its rows [0, num_reqs) are "
         f"what block_table_tensor was copied from). attnmeta has no mode that builds from a device block "
         f"table: its device-gather modes (FlashInferOptions(indices='device'), "
-        f"LocalAttnOptions(block_table='device')) gather from the table it staged from the host one "
+        f"LocalAttentionOptions(block_table='device')) gather from the table it staged from the host one "
         f"(docs/vllm.md, 'The block table')"
     )
     return ValueError(message) if got == "None" else TypeError(message)

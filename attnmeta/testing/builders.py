@@ -4,12 +4,12 @@ Every registered builder can be checked the same way, which is how a new one is 
 machinery as the built-in ones (docs/extending.md):
 
 - :func:`check_builder`: build the metadata of a batch through :func:`attnmeta.build` and compare every
-  field the builder's :meth:`~attnmeta.builder.Builder.reference` names with that reference: a device
-  field's values, dtype and shape, its host twin (``<name>_cpu``) where there is one, and host
-  values and scalars by equality;
+  field the builder's lab reference (:meth:`attnmeta.testing.lab.Lab.reference`) names with that
+  reference: a device field's values, dtype and shape, its host twin (``<name>_cpu``) where there is
+  one, and host values and scalars by equality;
 - :func:`audit_builder`: run the builder under the sync audit (:func:`attnmeta.sync.run_audit`) on
-  generated batches of every kind, with options and inputs it draws itself
-  (:meth:`~attnmeta.builder.Builder.sample`).
+  generated batches of every kind, with options and inputs its lab entry draws
+  (:meth:`attnmeta.testing.lab.Lab.sample`).
 
 These are test helpers: :func:`check_builder` reads device tensors back to compare them.
 """
@@ -21,40 +21,42 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnmeta.builder import Builder, build, get_builder
+from attnmeta.builder import AnyBuilder, build, get_builder
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Stager
 from attnmeta.sync import AuditRow, register_audit_target, run_audit, unregister_audit_target
 from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
+from attnmeta.testing.lab import lab
 
 __all__ = ["audit_builder", "check_builder"]
 
 
 def check_builder(
-    builder: Builder[Any, Any] | str,
+    builder: AnyBuilder | str,
     spec: BatchSpec,
     device: torch.device | str = "cpu",
     options: Any = None,
+    inputs: Any = None,
     *,
     stager: Stager | None = None,
-    **inputs: Any,
 ) -> Any:
-    """Build ``builder``'s metadata of ``spec`` and assert every field its reference names equals it.
+    """Build ``builder``'s metadata of ``spec`` and assert every field its lab reference names equals it.
 
     Parameters
     ----------
     builder : Builder or str
-        The builder or its registry name; it must have a :meth:`~attnmeta.builder.Builder.reference`.
+        The builder or its registry name; its lab entry (:func:`attnmeta.testing.lab.register_lab`)
+        must have a reference.
     spec : BatchSpec
         The batch.
     device : torch.device or str, default "cpu"
         Where the metadata and the reference live.
     options : the builder's options, optional
         Default: the builder's defaults.
+    inputs : the builder's inputs, optional
+        The builder's per-step inputs (its ``<Family>Inputs``).
     stager : Stager, optional
         Stage through this stager (e.g. a graph-mode one); default a new eager one on ``device``.
-    **inputs
-        The builder's per-step inputs.
 
     Returns
     -------
@@ -77,12 +79,13 @@ def check_builder(
     3
     """
     b = get_builder(builder) if isinstance(builder, str) else builder
-    opts = b.options(options)
+    opts, inp = b.options(options), b.inputs(inputs)
     dev = torch.device(device)
-    expected = b.reference(spec, opts, dev, **inputs)
+    expected = lab(b).reference(spec, opts, dev, inp)
     if expected is None:
-        raise ValueError(f"{b.name}: the builder has no reference() to check against")
-    meta = build(spec, stager if stager is not None else Stager(dev), b, opts, **inputs)
+        raise ValueError(f"{b.name}: the builder's lab entry has no reference to check against "
+                         f"(attnmeta.testing.lab.register_lab)")
+    meta = build(spec, stager if stager is not None else Stager(dev), b, opts, inp)
     _compare(meta, expected, b.name, dev)
     return meta
 
@@ -117,7 +120,7 @@ def _compare(obj: Any, expected: dict[str, Any], path: str, dev: torch.device) -
 
 
 def audit_builder(
-    builder: Builder[Any, Any] | str,
+    builder: AnyBuilder | str,
     *,
     devices: tuple[str, ...] = ("meta", "cpu"),
     batches: int = 4,

@@ -26,7 +26,7 @@ import attnmeta
 from attnmeta import BatchSpec, Stager, stage_common
 from attnmeta.backends import cascade, fast_prefill, flash_attn, mamba
 from attnmeta.backends.cascade import CascadeOptions
-from attnmeta.backends.mamba import LinearAttnOptions, Mamba1Options, Mamba2Options
+from attnmeta.backends.mamba import LinearAttentionOptions, Mamba1Options, Mamba2Options
 from attnmeta.builder import Builder
 from attnmeta.host.fast_prefill import fast_prefill_query_start_loc
 from attnmeta.host.split import (
@@ -213,7 +213,7 @@ def test_the_declared_rules_are_the_ones_checked() -> None:
             for f in dataclasses.fields(b.options_type):
                 if _rule(b.options_type, f).kind != "object":
                     assert "rule" in f.metadata, f"{b.options_type.__name__}.{f.name} declares no rule"
-    fa = {f.name: f.metadata["rule"] for f in dataclasses.fields(flash_attn.FlashAttnOptions)}
+    fa = {f.name: f.metadata["rule"] for f in dataclasses.fields(flash_attn.FlashAttentionOptions)}
     assert fa["decode_threshold"].minimum == 1 and fa["dcp_rank"].below == "dcp_world_size"
 
 
@@ -294,14 +294,14 @@ def test_accepted_counts_outside_one_to_one_plus_k_name_the_row() -> None:
     assert m.num_decodes == 3 and m.num_accepted_tokens_cpu.tolist() == [1, 3, 2]  # row 3 (a prefill): unread
 
 
-@pytest.mark.parametrize("options_type", [Mamba2Options, Mamba1Options, LinearAttnOptions])
+@pytest.mark.parametrize("options_type", [Mamba2Options, Mamba1Options, LinearAttentionOptions])
 def test_align_mode_with_a_mamba_block_smaller_than_the_block_size_is_refused(options_type: type) -> None:
     """Item 2: with ``cache_mode="align"`` the state column is ``(s - 1) // mamba_block_size``; a mamba
     block smaller than the block size puts it past the row's ``cdiv(s, block_size)`` blocks (a zero
     column: the null block). vLLM sets ``mamba_block_size = block_size`` in align mode."""
     spec = BatchSpec(num_computed_tokens=[9, 0], num_scheduled_tokens=[1, 7], block_table=[[5, 6, 0, 0], [7, 0, 0, 0]],
                      block_size=8)
-    name = {Mamba2Options: "mamba2", Mamba1Options: "mamba1", LinearAttnOptions: "linear_attn"}[options_type]
+    name = {Mamba2Options: "mamba2", Mamba1Options: "mamba1", LinearAttentionOptions: "linear_attn"}[options_type]
     opts = options_type(cache_mode="align", mamba_block_size=2)
     msg = (rf"{options_type.__name__}\.mamba_block_size=2 < block_size=8: cache_mode='align' reads the state of "
            r"column \(s - 1\) // mamba_block_size")
@@ -370,8 +370,8 @@ def test_a_decode_threshold_below_one_is_refused_wherever_it_enters() -> None:
                                                decode_threshold=threshold)
         with pytest.raises(ValueError, match=msg):
             reorder_decodes_and_prefills([1, 1], [1, 1], [1, 1], decode_threshold=threshold)
-        with pytest.raises(ValueError, match=rf"FlashAttnOptions\.decode_threshold: must be >= 1, got {threshold}"):
-            flash_attn.FlashAttnOptions(decode_threshold=threshold)
+        with pytest.raises(ValueError, match=rf"FlashAttentionOptions\.decode_threshold: must be >= 1, got {threshold}"):
+            flash_attn.FlashAttentionOptions(decode_threshold=threshold)
     with pytest.raises(TypeError, match="decode_threshold: expected an int, got bool"):
         split_decodes_and_prefills([0, 1], num_tokens=1, max_query_len=1, decode_threshold=True)
 
@@ -386,7 +386,7 @@ def test_wrong_input_types_name_the_input() -> None:
         fast_prefill.build(spec, STAGER, logits_indices=[3, 7], num_logits_padded=3.0)
     with pytest.raises(TypeError, match=r"logits_indices: expected an integer array, got dtype float64"):
         fast_prefill.build(spec, STAGER, logits_indices=np.array([3.0, 7.0]))
-    with pytest.raises(TypeError, match=r"flash_attn: options must be FlashAttnOptions, got dict"):
+    with pytest.raises(TypeError, match=r"flash_attn: options must be FlashAttentionOptions, got dict"):
         flash_attn.build(spec, STAGER, {"causal": True})  # type: ignore[arg-type]
 
 

@@ -68,7 +68,7 @@ def test_a_fresh_one_token_prompt_is_a_gdn_prefill_without_initial_state() -> No
     """The issue's reproducer: with spec decode on, a fresh request whose first chunk is one token."""
     spec = BatchSpec(num_computed_tokens=[0], num_scheduled_tokens=[1], num_prompt_tokens=[10],
                      num_draft_tokens=[0], block_table=[[7, 8]], block_size=16)
-    m = gdn.build(spec, Stager("cpu"), gdn.GdnOptions(num_speculative_tokens=1), num_accepted_tokens=[1])
+    m = gdn.build(spec, Stager("cpu"), gdn.GDNOptions(num_speculative_tokens=1), num_accepted_tokens=[1])
     # vLLM 0.33: no spec row (so no spec path), one prefill, has_initial_state [False]
     assert (m.num_spec_decodes, m.num_prefills, m.num_decodes) == (0, 1, 0)
     assert m.spec_sequence_masks is None and m.spec_state_indices_tensor is None
@@ -78,7 +78,7 @@ def test_a_fresh_one_token_prompt_is_a_gdn_prefill_without_initial_state() -> No
 
 def test_gdn_spec_rows_follow_the_runner_rule() -> None:
     """vLLM's GDN build: spec mask ``drafts >= 0``; the non-spec rows' one-token decodes become prefills."""
-    m = gdn.build(_spec(pad=1), Stager("cpu"), gdn.GdnOptions(num_speculative_tokens=K),
+    m = gdn.build(_spec(pad=1), Stager("cpu"), gdn.GDNOptions(num_speculative_tokens=K),
                   num_accepted_tokens=np.array([2, 1, 1, 1, 1], I32))
     assert (m.num_spec_decodes, m.num_decodes, m.num_prefills) == (2, 0, 3)
     assert m.spec_sequence_masks_cpu is not None

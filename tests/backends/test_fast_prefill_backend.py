@@ -215,7 +215,7 @@ def test_one_copy_with_common_and_flash_attention(profile: StaticProfile | None)
         common = stage_common(SPEC_5_5, step)
         fa_full = flash_attn.stage(common, step)
         fp = fast_prefill.stage(common, step, logits_indices=LOGITS_5_5)
-        fa_fast = flash_attn.stage(fp.host.common, step, flash_attn.FlashAttnOptions(prefix="flash_attn_fast"))
+        fa_fast = flash_attn.stage(fp.host.common, step, flash_attn.FlashAttentionOptions(prefix="flash_attn_fast"))
     assert step.stats.copies == 1
     fast = fa_fast.result()
     assert fast.common is fp.result().common

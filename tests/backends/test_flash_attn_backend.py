@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
 from attnmeta.backends import flash_attn
-from attnmeta.backends.flash_attn import FlashAttentionMetadata, FlashAttnOptions
+from attnmeta.backends.flash_attn import FlashAttentionMetadata, FlashAttentionOptions
 from attnmeta.metadata import CommonAttentionMetadata
 from attnmeta.testing.assertions import assert_matches_device
 from attnmeta.testing.reference import ref_query_start_loc, ref_seq_lens, ref_split_decodes_and_prefills
@@ -35,13 +35,13 @@ from attnmeta.testing.strategies import batch_specs
 I32 = np.int32
 _TORCH = {"int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
 _NUMPY = {"int32": np.dtype(I32), "int64": np.dtype(np.int64), "bool": np.dtype(np.bool_)}
-PREFIX = FlashAttnOptions().prefix + "."
+PREFIX = FlashAttentionOptions().prefix + "."
 
 SPECS = batch_specs(max_reqs=12)
 GRAPH_SPECS = batch_specs(max_reqs=8, max_context_len=64, block_sizes=st.just(4))
 PROFILE = StaticProfile(max_num_reqs=12, max_num_tokens=600, max_blocks_per_req=34, block_size=4)
 
-Case = tuple[BatchSpec, FlashAttnOptions, Any]
+Case = tuple[BatchSpec, FlashAttentionOptions, Any]
 
 
 @st.composite
@@ -53,7 +53,7 @@ def cases(draw: st.DrawFn, specs: st.SearchStrategy[BatchSpec] = SPECS) -> Case:
     flags = st.lists(st.booleans(), min_size=spec.num_reqs, max_size=spec.num_reqs)
     causal = draw(st.one_of(st.booleans(), flags, flags.map(lambda f: np.array(f, dtype=np.bool_))))
     per_request = None if isinstance(causal, bool) else causal
-    return spec, FlashAttnOptions(
+    return spec, FlashAttentionOptions(
         causal=causal if per_request is None else None,
         dcp_world_size=world,
         dcp_rank=draw(st.integers(0, world - 1)),
@@ -101,7 +101,7 @@ def addr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
 
 
-def build_in_step(spec: BatchSpec, stager: Stager, options: FlashAttnOptions,
+def build_in_step(spec: BatchSpec, stager: Stager, options: FlashAttentionOptions,
                   flags: Any = None) -> tuple[FlashAttentionMetadata, Any]:
     with stager.step() as step:
         staged = flash_attn.stage(stage_common(spec, step), step, options, causal=flags)
@@ -123,7 +123,7 @@ def flags_of(per_request: Any) -> list[bool] | None:
     return None if per_request is None else [bool(v) for v in per_request]
 
 
-def check_flash(m: FlashAttentionMetadata, spec: BatchSpec, options: FlashAttnOptions, device: torch.device,
+def check_flash(m: FlashAttentionMetadata, spec: BatchSpec, options: FlashAttentionOptions, device: torch.device,
                 per_request: Any = None) -> None:
     """Every FlashAttention field of ``m`` against ``spec`` / ``options`` / the per-request flags."""
     cm = m.common
@@ -223,7 +223,7 @@ DOC_SPEC = BatchSpec(num_computed_tokens=[5, 7, 0], num_scheduled_tokens=[1, 1, 
 PADDED_SPEC = BatchSpec(num_computed_tokens=[5, 7, 0], num_scheduled_tokens=[1, 1, 4],
                         block_table=[[10, 11], [20, 21], [30, 31]], block_size=4,
                         num_reqs_padded=5, num_tokens_padded=9)
-FULL_OPTIONS = FlashAttnOptions(dcp_world_size=2, dcp_rank=1, dcp_interleave=2)
+FULL_OPTIONS = FlashAttentionOptions(dcp_world_size=2, dcp_rank=1, dcp_interleave=2)
 FULL_FLAGS = [True, False, True]
 EMPTY_PADDED = BatchSpec(num_computed_tokens=np.zeros(0, I32), num_scheduled_tokens=np.zeros(0, I32),
                          block_table=np.zeros((2, 1), I32), block_size=4, num_reqs_padded=2, num_tokens_padded=3)
@@ -245,10 +245,10 @@ def test_field_roles() -> None:
     assert {"query_start_loc", "seq_lens", "dcp_context_kv_lens"} <= {d for d, _ in F._TWINS}
 
 
-@pytest.mark.parametrize("options, flags", [(FlashAttnOptions(), None), (FULL_OPTIONS, FULL_FLAGS)],
+@pytest.mark.parametrize("options, flags", [(FlashAttentionOptions(), None), (FULL_OPTIONS, FULL_FLAGS)],
                          ids=["plain", "dcp+causal"])
 @pytest.mark.parametrize("dev", ["cpu", "meta"])
-def test_layout_repr_and_read_only_host_arrays(dev: str, options: FlashAttnOptions, flags: Any) -> None:
+def test_layout_repr_and_read_only_host_arrays(dev: str, options: FlashAttentionOptions, flags: Any) -> None:
     m = flash_attn.build(PADDED_SPEC, Stager(dev), options, causal=flags)
     check_documented_layout(m, dev)
     with OpLog() as log:
@@ -271,8 +271,8 @@ def test_layout_repr_and_read_only_host_arrays(dev: str, options: FlashAttnOptio
 
 @given(case=cases())
 @example(case=(PADDED_SPEC, FULL_OPTIONS, FULL_FLAGS))
-@example(case=(DOC_SPEC, FlashAttnOptions(decode_threshold=4), np.array([False, False, False])))
-@example(case=(EMPTY_PADDED, FlashAttnOptions(dcp_world_size=4, dcp_rank=3, dcp_interleave=16), []))
+@example(case=(DOC_SPEC, FlashAttentionOptions(decode_threshold=4), np.array([False, False, False])))
+@example(case=(EMPTY_PADDED, FlashAttentionOptions(dcp_world_size=4, dcp_rank=3, dcp_interleave=16), []))
 def test_flash_attn_matches_references(device: torch.device, case: Case) -> None:
     spec, options, flags = case
     m, _ = build_in_step(spec, eager_stager(device), options, flags)
@@ -305,8 +305,8 @@ def test_causal_flags_must_be_zero_or_one() -> None:
 
 
 @given(steps=st.lists(cases(GRAPH_SPECS), min_size=1, max_size=4))
-@example(steps=[(EMPTY_PADDED, FlashAttnOptions(), None), (PADDED_SPEC, FULL_OPTIONS, FULL_FLAGS),
-                (DOC_SPEC, FlashAttnOptions(), None)])
+@example(steps=[(EMPTY_PADDED, FlashAttentionOptions(), None), (PADDED_SPEC, FULL_OPTIONS, FULL_FLAGS),
+                (DOC_SPEC, FlashAttentionOptions(), None)])
 def test_graph_mode(device: torch.device, steps: list[Case]) -> None:
     stager = Stager(device, profile=PROFILE)
     build_in_step(PADDED_SPEC, stager, FULL_OPTIONS, FULL_FLAGS)  # declare every field, then fix the layout

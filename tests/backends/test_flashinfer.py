@@ -287,7 +287,7 @@ def test_common_from_another_step_is_rejected() -> None:
     stages = [
         lambda step: flashinfer.stage(common, step),
         lambda step: fast_prefill.stage(common, step, logits_indices=np.array([0, 1, 5], I32)),
-        lambda step: local_attn.stage(common, step, local_attn.LocalAttnOptions(attn_chunk_size=4)),
+        lambda step: local_attn.stage(common, step, local_attn.LocalAttentionOptions(attn_chunk_size=4)),
         lambda step: cascade.stage(common, step, cascade.CascadeOptions(8, 8, 132), num_common_prefix_blocks=1),
     ]
     for stage in stages:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from attnmeta import BatchSpec, ContextParallel, Stager, StaticProfile, UnsupportedBatchError, stage_common
 from attnmeta.backends import flash_attn, flashinfer, fused
-from attnmeta.backends.flash_attn import FlashAttnOptions
+from attnmeta.backends.flash_attn import FlashAttentionOptions
 from attnmeta.backends.flashinfer import FlashInferOptions
 from attnmeta.backends.fused import FusedStep, FusedStepBuilder
 from attnmeta.staging import CapacityError, StepExpiredError, is_expired
@@ -65,7 +65,7 @@ def _assert_same(got: Any, want: Any, path: str) -> None:
             assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
 
 
-def _check_walk(specs: list[Any], device: torch.device, fa_opts: Any = FlashAttnOptions(),
+def _check_walk(specs: list[Any], device: torch.device, fa_opts: Any = FlashAttentionOptions(),
                 fi_opts: Any = FlashInferOptions(), column_step: int = 1, threads: int = 1,
                 **stager_kw: Any) -> FusedStepBuilder:
     builder = FusedStepBuilder(Stager(device, **stager_kw), flash_attn=fa_opts, flashinfer=fi_opts,
@@ -234,7 +234,7 @@ def test_decode_and_prefill_only_steps_of_one_shape_are_two_layouts(device: torc
     assert builder.stats.replayed == len(specs) - 6 - (profile is not None), builder.stats
 
 
-@pytest.mark.parametrize("fa_opts", [FlashAttnOptions(), FlashAttnOptions(decode_threshold=4)])
+@pytest.mark.parametrize("fa_opts", [FlashAttentionOptions(), FlashAttentionOptions(decode_threshold=4)])
 def test_steps_with_decode_rows_and_longer_queries_compose(device: torch.device, fa_opts: Any) -> None:
     """A first row within a backend's decode threshold while a later row is longer than one token: the
     split depends on every row's query, and such steps always compose (spec decode with a raised
@@ -276,7 +276,7 @@ def test_slot_growth_invalidates_recorded_layouts(device: torch.device) -> None:
 
 @pytest.mark.parametrize("which", ["flash_attn", "flashinfer"])
 def test_one_backend_only(device: torch.device, which: str) -> None:
-    fa = FlashAttnOptions() if which == "flash_attn" else None
+    fa = FlashAttentionOptions() if which == "flash_attn" else None
     fi = FlashInferOptions() if which == "flashinfer" else None
     builder = _check_walk(_decode_walk(8, 10, max_context=100, table_width=16), device, fa, fi)
     assert builder.stats.replayed > 0
@@ -285,9 +285,9 @@ def test_one_backend_only(device: torch.device, which: str) -> None:
 
 
 @pytest.mark.parametrize("fa_opts, fi_opts", [
-    (FlashAttnOptions(max_num_splits=4), FlashInferOptions(indices="device")),
-    (FlashAttnOptions(dcp_world_size=2, dcp_rank=1), FlashInferOptions(dcp_world_size=2, dcp_rank=1)),
-    (FlashAttnOptions(causal=False), FlashInferOptions(decode_threshold=2, require_uniform=False)),
+    (FlashAttentionOptions(max_num_splits=4), FlashInferOptions(indices="device")),
+    (FlashAttentionOptions(dcp_world_size=2, dcp_rank=1), FlashInferOptions(dcp_world_size=2, dcp_rank=1)),
+    (FlashAttentionOptions(causal=False), FlashInferOptions(decode_threshold=2, require_uniform=False)),
 ])
 def test_other_options_compose_every_step(device: torch.device, fa_opts: Any, fi_opts: Any) -> None:
     builder = _check_walk(_decode_walk(6, 6, max_context=100, table_width=16), device, fa_opts, fi_opts)
@@ -308,7 +308,7 @@ def test_graph_mode_replays_and_matches_arena_and_all(device: torch.device, fi_o
            for s in _decode_walk(11, 10, seed=2, max_context=200, table_width=16)]
     mixed = mixed_spec(rng, prefills=2, decodes=3, max_prompt=20, max_context=100)
     specs = [*small, *big[:5], mixed, *small[:4], *big[5:], *small[4:]]
-    builder = _check_walk(specs, device, FlashAttnOptions(), fi_opts, profile=prof)
+    builder = _check_walk(specs, device, FlashAttentionOptions(), fi_opts, profile=prof)
     assert builder.stats.replayed >= len(specs) // 2, builder.stats
 
 
@@ -468,10 +468,10 @@ def test_threads_start_numbas_pool_only_when_used_and_keep_torchs_thread_count()
 
 
 def test_bad_options_fail_fast() -> None:
-    with pytest.raises(TypeError, match="flash_attn: expected FlashAttnOptions"):
+    with pytest.raises(TypeError, match="flash_attn: expected FlashAttentionOptions"):
         FusedStepBuilder(Stager("cpu"), flash_attn="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="flashinfer: expected FlashInferOptions"):
-        FusedStepBuilder(Stager("cpu"), flashinfer=FlashAttnOptions())  # type: ignore[arg-type]
+        FusedStepBuilder(Stager("cpu"), flashinfer=FlashAttentionOptions())  # type: ignore[arg-type]
     for bad in (0, -8, 2.0, True):
         with pytest.raises(ValueError, match="table_column_step: expected an int >= 1"):
             FusedStepBuilder(Stager("cpu"), table_column_step=bad)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import attnmeta
 from attnmeta import BatchSpec, StagedCommon, Stager, StaticProfile, stage_common
 from attnmeta.backends.mamba import block_table_columns, gdn
-from attnmeta.backends.mamba.gdn import GDN, GdnMetadata, GdnOptions
+from attnmeta.backends.mamba.gdn import GDN, GDNMetadata, GDNOptions
 from attnmeta.host.gdn import fla_chunk_metadata, plan_flashinfer_checkpoints, spec_token_partition
 from attnmeta.testing import check_builder
 from attnmeta.testing.reference.gdn import ref_fla_chunk_metadata
@@ -39,7 +39,7 @@ def _dev(t: Any) -> list[Any]:
     return t.cpu().tolist()
 
 
-def _stage_with_drafts(spec: BatchSpec, opts: GdnOptions, drafts: list[int], **inputs: Any) -> GdnMetadata:
+def _stage_with_drafts(spec: BatchSpec, opts: GDNOptions, drafts: list[int], **inputs: Any) -> GDNMetadata:
     """Stage with vLLM's ``num_decode_draft_tokens_cpu`` given literally (the worked examples set it by
     hand; a BatchSpec derives it from its drafts)."""
     stager = Stager("cpu")
@@ -84,7 +84,7 @@ def test_example_a_no_spec_mixed(device: torch.device) -> None:
     assert _dev(m.batch_ptr)[:15] == [0, 1, 2, *[3] * 9, 4, 4, -1]
     assert m.nums_dict is not None and m.nums_dict[8]["tot"] == 14
     assert m.spec_sequence_masks is None and m.spec_token_indx is None and m.num_accepted_tokens is None
-    check_builder(GDN, _example_a(), device, GdnOptions())
+    check_builder(GDN, _example_a(), device, GDNOptions())
 
 
 def test_example_b_no_spec_decode_full_graph() -> None:
@@ -107,7 +107,7 @@ def _example_c(q: list[int], drafts: list[int]) -> BatchSpec:
 
 def test_example_c_all_spec_full_graph(device: torch.device) -> None:
     spec = _example_c([3, 3, 3], [2, 2, 2])
-    opts = GdnOptions(num_speculative_tokens=2, cudagraph_max_bs=16)
+    opts = GDNOptions(num_speculative_tokens=2, cudagraph_max_bs=16)
     acc = np.array([1, 3, 2], I32)
     m = gdn.build(spec, Stager("cpu"), opts, num_accepted_tokens=acc)
     assert (m.num_spec_decodes, m.num_spec_decode_tokens, m.uniform_spec_sequence_length) == (3, 9, 3)
@@ -134,7 +134,7 @@ def test_full_staging_only_within_the_decode_graph_bound() -> None:
     """``S`` or ``St`` above ``cudagraph_max_bs`` (or FULL graphs off): no staging, S rows."""
     spec = _example_c([3, 3, 3], [2, 2, 2])
     for mbs in (None, 8):  # St = 9 > 8
-        m = gdn.build(spec, Stager("cpu"), GdnOptions(num_speculative_tokens=2, cudagraph_max_bs=mbs))
+        m = gdn.build(spec, Stager("cpu"), GDNOptions(num_speculative_tokens=2, cudagraph_max_bs=mbs))
         assert _dev(m.spec_query_start_loc) == [0, 3, 6, 9] and _dev(m.num_accepted_tokens) == [3, 3, 3]
         assert m.spec_state_indices_tensor is not None and m.spec_state_indices_tensor.shape == (3, 3)
 
@@ -144,7 +144,7 @@ def test_example_d_spec_mixed(device: torch.device) -> None:
     spec = BatchSpec(num_computed_tokens=[37, 16, 21, 0], num_scheduled_tokens=[3, 1, 2, 6],
                      num_prompt_tokens=[5, 5, 5, 6], num_draft_tokens=[2, 0, 1, 0], block_table=_table(4),
                      block_size=16, num_reqs_padded=5)
-    m = _stage_with_drafts(spec, GdnOptions(num_speculative_tokens=2), [2, -1, 1, -1, -1],
+    m = _stage_with_drafts(spec, GDNOptions(num_speculative_tokens=2), [2, -1, 1, -1, -1],
                            num_accepted_tokens=np.array([2, 3, 1, 3], I32))
     assert (m.num_spec_decodes, m.num_spec_decode_tokens) == (2, 5)
     assert (m.num_prefills, m.num_prefill_tokens, m.num_decodes, m.num_decode_tokens) == (2, 7, 0, 0)
@@ -179,7 +179,7 @@ def test_fresh_one_token_prompt_is_a_prefill_and_a_resumed_one_token_chunk_a_dec
     assert (m.num_decodes, m.num_prefills, m.num_prefill_tokens) == (1, 1, 1)
     assert _dev(m.prefill_has_initial_state) == [False] and _dev(m.prefill_query_start_loc) == [0, 1]
     for spec in (resumed, fresh):
-        check_builder(GDN, spec, device, GdnOptions())
+        check_builder(GDN, spec, device, GDNOptions())
 
 
 def test_trailing_padding_rows_leave_the_prefill_count_not_the_prefill_view() -> None:
@@ -194,17 +194,17 @@ def test_trailing_padding_rows_leave_the_prefill_count_not_the_prefill_view() ->
 def test_spec_rows_with_more_drafts_than_k_and_bad_accepted_counts_name_the_row() -> None:
     spec = _example_c([3, 3, 3], [2, 2, 2])
     with pytest.raises(attnmeta.UnsupportedBatchError, match="num_draft_tokens"):
-        gdn.build(spec, Stager("cpu"), GdnOptions(num_speculative_tokens=1))
+        gdn.build(spec, Stager("cpu"), GDNOptions(num_speculative_tokens=1))
     with pytest.raises(ValueError, match=r"num_accepted_tokens\[1\]=4 is outside \[1, 3\] \(row 1"):
-        gdn.build(spec, Stager("cpu"), GdnOptions(num_speculative_tokens=2), num_accepted_tokens=np.array([1, 4, 1], I32))
+        gdn.build(spec, Stager("cpu"), GDNOptions(num_speculative_tokens=2), num_accepted_tokens=np.array([1, 4, 1], I32))
     with pytest.raises(attnmeta.UnsupportedBatchError, match="spec decode is off"):
-        gdn.build(spec, Stager("cpu"), GdnOptions(), num_accepted_tokens=np.array([1, 1, 1], I32))
+        gdn.build(spec, Stager("cpu"), GDNOptions(), num_accepted_tokens=np.array([1, 1, 1], I32))
 
 
 def test_graph_mode_keeps_addresses_and_writes_the_staged_tails() -> None:
     prof = StaticProfile(max_num_reqs=8, max_num_tokens=64, max_blocks_per_req=8, block_size=16)
     stager = Stager("cpu", profile=prof)
-    opts = GdnOptions(num_speculative_tokens=2, cudagraph_max_bs=16)
+    opts = GDNOptions(num_speculative_tokens=2, cudagraph_max_bs=16)
     a = gdn.build(_example_c([3, 3, 3], [2, 2, 2]), stager, opts)
     ptrs = {f: getattr(a, f).data_ptr() for f in ("spec_query_start_loc", "spec_state_indices_tensor",
                                                      "num_accepted_tokens", "spec_sequence_masks")}
@@ -258,12 +258,12 @@ def test_spec_token_partition_is_the_stable_argsort(rows: list[tuple[int, bool]]
 
 
 @st.composite
-def _cases(draw: st.DrawFn, long: bool) -> tuple[BatchSpec, GdnOptions, dict[str, Any]]:
+def _cases(draw: st.DrawFn, long: bool) -> tuple[BatchSpec, GDNOptions, dict[str, Any]]:
     spec = draw(batch_specs(max_reqs=10, max_query_len=40, max_context_len=300, long_prefills=long,
                             max_long_prefill_len=300))
     d = spec.num_draft_tokens
     k = max(int(d.max()) if d is not None and d.size else 0, draw(st.integers(0, 3)))
-    opts = GdnOptions(num_speculative_tokens=k, cache_mode=draw(st.sampled_from(["none", "align"])),
+    opts = GDNOptions(num_speculative_tokens=k, cache_mode=draw(st.sampled_from(["none", "align"])),
                       prefill_backend=draw(st.sampled_from(["triton", "flashinfer"])),
                       cudagraph_max_bs=draw(st.sampled_from([None, 2, 64])),
                       needs_causal_conv1d_metadata=draw(st.booleans()))
@@ -277,13 +277,13 @@ def _cases(draw: st.DrawFn, long: bool) -> tuple[BatchSpec, GdnOptions, dict[str
 
 @given(case=_cases(long=False))
 def test_random_batches_match_the_vllm_reference(device: torch.device,
-                                                 case: tuple[BatchSpec, GdnOptions, dict[str, Any]]) -> None:
+                                                 case: tuple[BatchSpec, GDNOptions, dict[str, Any]]) -> None:
     spec, opts, inputs = case
     check_builder(GDN, spec, device, opts, **inputs)
 
 
 @given(case=_cases(long=True))
 def test_long_prefills_match_the_vllm_reference(device: torch.device,
-                                                case: tuple[BatchSpec, GdnOptions, dict[str, Any]]) -> None:
+                                                case: tuple[BatchSpec, GDNOptions, dict[str, Any]]) -> None:
     spec, opts, inputs = case
     check_builder(GDN, spec, device, opts, **inputs)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
 from attnmeta.backends import flash_attn, local_attn
-from attnmeta.backends.local_attn import LocalAttentionMetadata, LocalAttnOptions, max_virtual_reqs
+from attnmeta.backends.local_attn import LocalAttentionMetadata, LocalAttentionOptions, max_virtual_reqs
 from attnmeta.staging import CapacityError
 from attnmeta.sync import no_device_sync
 from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
@@ -28,7 +28,7 @@ def _stager(device: torch.device) -> Stager:
     return _STAGERS[key]
 
 
-def _build(spec: BatchSpec, stager: Stager, opts: LocalAttnOptions, columns: int | None = None) -> LocalAttentionMetadata:
+def _build(spec: BatchSpec, stager: Stager, opts: LocalAttentionOptions, columns: int | None = None) -> LocalAttentionMetadata:
     with stager.step() as step:
         staged = local_attn.stage(stage_common(spec, step, block_table_columns=columns), step, opts)
     return staged.result()
@@ -48,7 +48,7 @@ ROWS_5_6 = [[0, 1], [2, 3], [12, 13], [14, 15], [16, 17], [18, 19], [22, 23], [2
 
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_worked_example_5_6(device: torch.device, mode: str) -> None:
-    la = _build(SPEC_5_6, _stager(device), LocalAttnOptions(attn_chunk_size=4, block_table=mode), columns=10)  # type: ignore[arg-type]
+    la = _build(SPEC_5_6, _stager(device), LocalAttentionOptions(attn_chunk_size=4, block_table=mode), columns=10)  # type: ignore[arg-type]
     cm = la.common
     # The corrected cu_seqlens_q_local (the upstream comment's [0,4,6,10,14,18,19,23,24] is wrong),
     # plus the padding row's empty virtual row.
@@ -76,7 +76,7 @@ def test_worked_example_5_6(device: torch.device, mode: str) -> None:
 def test_positions_and_slot_mapping_are_carried() -> None:
     with Stager("cpu").step() as step:
         common = stage_common(SPEC_5_6, step)
-        staged = local_attn.stage(common, step, LocalAttnOptions(attn_chunk_size=4))
+        staged = local_attn.stage(common, step, LocalAttentionOptions(attn_chunk_size=4))
     cm, cm0 = staged.result().common, common.result()
     for name in ("slot_mapping", "slot_mapping_cpu", "positions", "positions_cpu"):
         assert getattr(cm, name) is getattr(cm0, name), name
@@ -86,15 +86,15 @@ def test_positions_and_slot_mapping_are_carried() -> None:
 def test_staged_width_clips_unused_columns() -> None:
     # Eager staging keeps cdiv(17, 2) = 9 columns; the row whose chunk starts at column 8 repeats
     # column 8 where vLLM's 10-column table reads (the unused) column 9.
-    la = _build(SPEC_5_6, Stager("cpu"), LocalAttnOptions(attn_chunk_size=4))
+    la = _build(SPEC_5_6, Stager("cpu"), LocalAttentionOptions(attn_chunk_size=4))
     assert la.block_table.tolist()[5] == [18, 18] and la.seq_lens_cpu[5] == 1
 
 
 def test_bad_options_fail_fast() -> None:
     with pytest.raises(ValueError, match="positive multiple of block_size=2"):
-        _build(SPEC_5_6, Stager("cpu"), LocalAttnOptions(attn_chunk_size=3))
+        _build(SPEC_5_6, Stager("cpu"), LocalAttentionOptions(attn_chunk_size=3))
     with pytest.raises(ValueError, match="block_table: must be 'host' or 'device'"):
-        _build(SPEC_5_6, Stager("cpu"), LocalAttnOptions(attn_chunk_size=4, block_table="gpu"))  # type: ignore[arg-type]
+        _build(SPEC_5_6, Stager("cpu"), LocalAttentionOptions(attn_chunk_size=4, block_table="gpu"))  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def test_bad_options_fail_fast() -> None:
 )
 def test_matches_device_reference(device: torch.device, spec: BatchSpec, blocks_per_chunk: int, mode: str) -> None:
     chunk = spec.block_size * blocks_per_chunk
-    opts = LocalAttnOptions(attn_chunk_size=chunk, block_table=mode)  # type: ignore[arg-type]
+    opts = LocalAttentionOptions(attn_chunk_size=chunk, block_table=mode)  # type: ignore[arg-type]
     with no_device_sync(devices={device.type}), _stager(device).step() as step:
         common = stage_common(spec, step)
         staged = local_attn.stage(common, step, opts)
@@ -149,7 +149,7 @@ SMALL = BatchSpec(num_computed_tokens=np.array([5], I32), num_scheduled_tokens=n
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_graph_mode_fixed_addresses_and_sentinels(mode: str) -> None:
     stager = Stager("cpu", profile=PROFILE)
-    opts = LocalAttnOptions(attn_chunk_size=4, block_table=mode)  # type: ignore[arg-type]
+    opts = LocalAttentionOptions(attn_chunk_size=4, block_table=mode)  # type: ignore[arg-type]
     cap = max_virtual_reqs(PROFILE, 4)
     assert cap == 22
     names = ["query_start_loc", "seq_lens", "block_table"] + (["req_indices", "block_starts"] if mode == "device" else [])
@@ -178,14 +178,14 @@ def test_graph_mode_capacity_is_never_exceeded_within_the_profile() -> None:
     # A worst case for the bound: every request has one query before a chunk boundary and the rest after.
     spec = BatchSpec(num_computed_tokens=np.array([3] * 6, I32), num_scheduled_tokens=np.array([6, 6, 6, 6, 6, 10], I32),
                      block_table=np.zeros((6, 12), I32), block_size=2)
-    la = _build(spec, Stager("cpu", profile=PROFILE), LocalAttnOptions(attn_chunk_size=4))
+    la = _build(spec, Stager("cpu", profile=PROFILE), LocalAttentionOptions(attn_chunk_size=4))
     assert la.num_virtual_reqs <= max_virtual_reqs(PROFILE, 4)
     with pytest.raises(ValueError, match="attn_chunk_size"):
         max_virtual_reqs(PROFILE, 0)
     # A profile too small for the step fails in the common staging, before the virtual batch.
     tiny = StaticProfile(max_num_reqs=2, max_num_tokens=8, max_blocks_per_req=12, block_size=2)
     with pytest.raises(CapacityError):
-        _build(spec, Stager("cpu", profile=tiny), LocalAttnOptions(attn_chunk_size=4))
+        _build(spec, Stager("cpu", profile=tiny), LocalAttentionOptions(attn_chunk_size=4))
 
 
 @pytest.mark.parametrize("mode", ["host", "device"])
@@ -194,7 +194,7 @@ def test_meta_device_build_passes_the_audit(mode: str, profile: StaticProfile | 
     stager = Stager("meta", profile=profile)
     for spec in (SPEC_5_6, SMALL):
         with no_device_sync():
-            la = local_attn.build(spec, stager, LocalAttnOptions(attn_chunk_size=4, block_table=mode))  # type: ignore[arg-type]
+            la = local_attn.build(spec, stager, LocalAttentionOptions(attn_chunk_size=4, block_table=mode))  # type: ignore[arg-type]
         assert la.block_table.device.type == "meta"
         assert la.block_table.shape == (la.num_virtual_reqs, 2)
 
@@ -205,8 +205,8 @@ def test_one_copy_with_common_and_flash_attention(profile: StaticProfile | None)
     with stager.step() as step:
         common = stage_common(SPEC_5_6, step)
         flash_attn.stage(common, step)
-        la = local_attn.stage(common, step, LocalAttnOptions(attn_chunk_size=4))
-        fa_local = flash_attn.stage(la.host.common, step, flash_attn.FlashAttnOptions(prefix="flash_attn_local"))
+        la = local_attn.stage(common, step, LocalAttentionOptions(attn_chunk_size=4))
+        fa_local = flash_attn.stage(la.host.common, step, flash_attn.FlashAttentionOptions(prefix="flash_attn_local"))
     assert step.stats.copies == 1
     fa = fa_local.result()
     assert fa.common is la.result().common

@@ -24,7 +24,7 @@ from hypothesis.control import currently_in_test_context
 from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
 from attnmeta.backends import flash_attn
 from attnmeta.backends.mamba import (
-    LinearAttnOptions,
+    LinearAttentionOptions,
     Mamba1Options,
     Mamba2Metadata,
     Mamba2Options,
@@ -454,7 +454,7 @@ def test_mamba1_and_linear_attn_match_the_reference(device: torch.device, spec: 
     mode = "align" if align else "none"
     with no_device_sync(devices={device.type}):
         m1 = mamba1.build(spec, _stager(device), Mamba1Options(cache_mode=mode))
-        la = linear_attn.build(spec, _stager(device), LinearAttnOptions(cache_mode=mode))
+        la = linear_attn.build(spec, _stager(device), LinearAttentionOptions(cache_mode=mode))
     # Mamba1 = the Mamba2 reference with thr 1, no spec decode, no chunk fields
     ref = _vllm_reference(spec, Mamba2Options(cache_mode=mode), None, device)
     for name in ("num_decodes", "num_prefills", "num_decode_tokens", "num_prefill_tokens", "num_reqs"):
@@ -472,7 +472,7 @@ def test_mamba1_and_linear_attn_match_the_reference(device: torch.device, spec: 
     assert (la.num_decodes, la.num_prefills, la.num_decode_tokens, la.num_prefill_tokens) == split
     _same(la.state_indices_tensor, torch.cat([ref["state_indices_tensor_d"][:, 0], ref["state_indices_tensor_p"]]),
           "state_indices_tensor")
-    la_ref = ref_linear_attn_metadata(spec, LinearAttnOptions(cache_mode=mode), device)
+    la_ref = ref_linear_attn_metadata(spec, LinearAttentionOptions(cache_mode=mode), device)
     for name in ("query_start_loc", "seq_lens", "state_indices_tensor"):
         _same(getattr(la, name), la_ref[name], name)
     assert la.query_start_loc is la.common.query_start_loc and la.seq_lens is la.common.seq_lens
@@ -900,7 +900,7 @@ def test_registered_and_built_through_the_generic_build() -> None:
     assert m.common.block_table_tensor.shape == (4, needs.block_table_columns)
     _check_against_reference(m, _vllm_reference(spec, opts, np.array([1, 1, 1], I32), torch.device("cpu")))
     for name, builder, opts1 in (("mamba1", mamba1.MAMBA1, Mamba1Options()),
-                                 ("linear_attn", linear_attn.LINEAR_ATTN, LinearAttnOptions())):
+                                 ("linear_attn", linear_attn.LINEAR_ATTN, LinearAttentionOptions())):
         assert not builder.needs(spec, opts1).token_arrays
         assert generic_build(spec, Stager("cpu"), name, opts1).common.slot_mapping.shape == (0,)
     with pytest.raises(ValueError, match="spec decode is off"):  # UnsupportedBatchError, a ValueError
@@ -938,8 +938,8 @@ def test_sampled_options_match_the_builders_references(device: torch.device, spe
 def test_options_are_validated_when_constructed() -> None:
     with pytest.raises(TypeError, match=r"Mamba1Options\.needs_causal_conv1d_metadata"):
         Mamba1Options(needs_causal_conv1d_metadata=1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"LinearAttnOptions\.mamba_block_size"):
-        LinearAttnOptions(mamba_block_size=0)
+    with pytest.raises(ValueError, match=r"LinearAttentionOptions\.mamba_block_size"):
+        LinearAttentionOptions(mamba_block_size=0)
     with pytest.raises(ValueError, match=r"Mamba2Options\.prefix"):
         Mamba2Options(prefix="a.b")
     with pytest.raises(TypeError, match="options must be Mamba2Options"):

@@ -87,7 +87,7 @@ def test_generic_build_errors_name_the_builder_and_what_is_wrong() -> None:
     spec = BatchSpec(num_computed_tokens=[3, 0], num_scheduled_tokens=[1, 5], block_table=[[1, 2], [3, 4]],
                      block_size=4)
     stager = Stager("cpu")
-    with pytest.raises(TypeError, match="flash_attn: options must be FlashAttnOptions, got FlashInferOptions"):
+    with pytest.raises(TypeError, match="flash_attn: options must be FlashAttentionOptions, got FlashInferOptions"):
         attnmeta.build(spec, stager, "flash_attn", attnmeta.get_builder("flashinfer").options(None))
     with pytest.raises(TypeError, match=r"flashinfer: unknown input\(s\) \['causal'\]"):
         attnmeta.build(spec, stager, "flashinfer", causal=[True, False])

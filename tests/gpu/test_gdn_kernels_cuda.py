@@ -48,7 +48,7 @@ import torch
 from audit_helpers import KernelResults, audited
 
 from attnmeta import BatchSpec, Stager
-from attnmeta.backends.mamba.gdn import FLA_CHUNK_SIZE, GdnMetadata, GdnOptions
+from attnmeta.backends.mamba.gdn import FLA_CHUNK_SIZE, GDNMetadata, GDNOptions
 from attnmeta.backends.mamba.gdn import build as build_gdn
 
 pytestmark = pytest.mark.gpu
@@ -88,7 +88,7 @@ def _summary() -> Iterator[None]:
 # ------------------------------------------------------------------------------------------------
 
 
-def random_batch(seed: int) -> tuple[BatchSpec, GdnOptions, np.ndarray | None]:
+def random_batch(seed: int) -> tuple[BatchSpec, GDNOptions, np.ndarray | None]:
     """``seed``'s batch, options and accepted counts (spec decode only).
 
     ``seed % 3 == 0``: no spec decode; decodes (context ``1 .. 300``, ``q = 1``), continued prefills
@@ -142,9 +142,9 @@ def random_batch(seed: int) -> tuple[BatchSpec, GdnOptions, np.ndarray | None]:
                      block_size=BLOCK, num_reqs_padded=n + pad,
                      num_tokens_padded=int(sum(q)) + (int(rng.integers(0, 5)) if pad else 0))
     if mode == 0:
-        return spec, GdnOptions(), None
+        return spec, GDNOptions(), None
     staged = mode == 1 and rng.random() < 0.5
-    opts = GdnOptions(num_speculative_tokens=SPEC_K, cudagraph_max_bs=512 if staged else None)
+    opts = GDNOptions(num_speculative_tokens=SPEC_K, cudagraph_max_bs=512 if staged else None)
     acc = np.where(spec_rows(spec, SPEC_K), rng.integers(1, SPEC_K + 2, n), 1).astype(np.int32)
     return spec, opts, acc
 
@@ -227,7 +227,7 @@ def reference(spec: BatchSpec, x: dict[str, torch.Tensor], k: int, acc: np.ndarr
 # ------------------------------------------------------------------------------------------------
 
 
-def run_kernels(m: GdnMetadata, x: dict[str, torch.Tensor], pool: torch.Tensor, recurrent: Recurrent,
+def run_kernels(m: GDNMetadata, x: dict[str, torch.Tensor], pool: torch.Tensor, recurrent: Recurrent,
                 chunked: Recurrent) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, int]]]:
     """Run the step's spec-decode, decode and prefill kernels on device inputs ``x``, updating ``pool``
     in place.
@@ -316,9 +316,9 @@ def fla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 
 def check_batch(seed: int, device: torch.device, recurrent: Recurrent, chunked: Recurrent,
-                build: Callable[[BatchSpec, GdnOptions, np.ndarray | None], GdnMetadata],
+                build: Callable[[BatchSpec, GDNOptions, np.ndarray | None], GDNMetadata],
                 offsets: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                batch: tuple[BatchSpec, GdnOptions, np.ndarray | None] | None = None) -> dict[str, tuple[float, int]]:
+                batch: tuple[BatchSpec, GDNOptions, np.ndarray | None] | None = None) -> dict[str, tuple[float, int]]:
     """Build ``seed``'s GDN metadata (or ``batch``'s, with ``seed``'s inputs), run the kernels, compare
     outputs and the state pool.
 
@@ -362,12 +362,12 @@ NAMES = {"decode": "fla fused_recurrent_gated_delta_rule, decode rows",
          "states": "state pool after the step (all kernels), written slots"}
 
 
-def audited_build(stager: Stager) -> Callable[[BatchSpec, GdnOptions, np.ndarray | None], GdnMetadata]:
+def audited_build(stager: Stager) -> Callable[[BatchSpec, GDNOptions, np.ndarray | None], GDNMetadata]:
     """The GDN builder on ``stager``, every build under the sync audit."""
 
-    def build(spec: BatchSpec, opts: GdnOptions, acc: np.ndarray | None) -> GdnMetadata:
+    def build(spec: BatchSpec, opts: GDNOptions, acc: np.ndarray | None) -> GDNMetadata:
         with audited():
-            m: GdnMetadata = build_gdn(spec, stager, opts, num_accepted_tokens=acc)
+            m: GDNMetadata = build_gdn(spec, stager, opts, num_accepted_tokens=acc)
         return m
 
     return build
@@ -391,7 +391,7 @@ def test_a_fresh_one_token_prompt_starts_from_zeros_not_a_recycled_state_slot() 
                      num_prompt_tokens=[20, 30, 10, 12], num_draft_tokens=[2, 0, 0, 0],
                      block_table=(1 + np.arange(4 * 8, dtype=np.int32)).reshape(4, 8), block_size=BLOCK)
     acc = np.array([2, 1, 2, 3], np.int32)  # the counts a recycled row's stale entries might hold
-    opts = GdnOptions(num_speculative_tokens=SPEC_K)
+    opts = GDNOptions(num_speculative_tokens=SPEC_K)
     assert spec_rows(spec, SPEC_K).tolist() == [True, True, False, False]
     dev = torch.device("cuda")
     done = check_batch(1000, dev, fla_recurrent, fla_chunked, audited_build(Stager(dev)), batch=(spec, opts, acc))

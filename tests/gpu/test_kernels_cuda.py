@@ -30,7 +30,7 @@ from audit_helpers import audited
 from attnmeta import BatchSpec, Stager, stage_common
 from attnmeta.backends import fast_prefill, flash_attn, flashinfer, local_attn
 from attnmeta.backends.flashinfer import FlashInferOptions, host_tensor
-from attnmeta.backends.local_attn import LocalAttnOptions
+from attnmeta.backends.local_attn import LocalAttentionOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -261,7 +261,7 @@ def test_local_attention_virtual_batch_equals_the_chunked_local_mask(seed: int, 
     spec, q, k_cache, v_cache = _setup(seed, torch.float32)
     stager = Stager(DEV)
     with audited():
-        la = local_attn.build(spec, stager, LocalAttnOptions(attn_chunk_size=chunk, block_table=mode))  # type: ignore[arg-type]
+        la = local_attn.build(spec, stager, LocalAttentionOptions(attn_chunk_size=chunk, block_table=mode))  # type: ignore[arg-type]
     cm = la.common
     # Virtual rows through the paged gather: row v's pages are its virtual block-table row.
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

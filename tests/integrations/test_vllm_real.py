@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 import attnmeta
 from attnmeta import BatchSpec, CommonAttentionMetadata, Stager, build_common, stage_common
-from attnmeta.backends.flash_attn import FlashAttnOptions
+from attnmeta.backends.flash_attn import FlashAttentionOptions
 from attnmeta.integrations import vllm as adapter
 from attnmeta.sync import no_device_sync
 from attnmeta.testing.strategies import batch_specs
@@ -258,7 +258,7 @@ def test_the_recipe_registers_and_builds_attnmetas_metadata(recipe: ModuleType) 
 
     got = builder.build(0, vcm)
     want = attnmeta.build(spec_of(vcm, spec, tables[0].get_numpy_array()), Stager("cpu"), "flash_attn",
-                          FlashAttnOptions(decode_threshold=1))
+                          FlashAttentionOptions(decode_threshold=1))
     for name, role in want.field_roles().items():
         x, y = getattr(got, name), getattr(want, name)
         if role == "scalar" or x is None or y is None:

@@ -30,14 +30,18 @@ from __future__ import annotations
 
 from attnmeta.backends.mamba import gdn, linear_attn, mamba1, mamba2
 from attnmeta.backends.mamba._shared import MambaHost, MambaMetadata, block_table_columns
-from attnmeta.backends.mamba.linear_attn import LinearAttentionMetadata, LinearAttnHost, LinearAttnOptions
+from attnmeta.backends.mamba.linear_attn import (
+    LinearAttentionHost,
+    LinearAttentionMetadata,
+    LinearAttentionOptions,
+)
 from attnmeta.backends.mamba.mamba1 import Mamba1Metadata, Mamba1Options
 from attnmeta.backends.mamba.mamba2 import Mamba2Metadata, Mamba2Options, MambaCheckpointMetadata
 
 __all__ = [
+    "LinearAttentionHost",
     "LinearAttentionMetadata",
-    "LinearAttnHost",
-    "LinearAttnOptions",
+    "LinearAttentionOptions",
     "Mamba1Metadata",
     "Mamba1Options",
     "Mamba2Metadata",

@@ -12,7 +12,7 @@ Shape legend
 ------------
 - ``num_reqs`` (``B``): request rows, CUDA-graph padding rows included.
 - ``num_spec_decodes`` (``S``): spec-decode rows (``num_decode_draft_tokens_cpu >= 0``).
-- ``num_spec_tokens`` (``k``): ``GdnOptions.num_speculative_tokens``.
+- ``num_spec_tokens`` (``k``): ``GDNOptions.num_speculative_tokens``.
 - ``num_decodes`` (``D``), ``num_prefills`` (``P``) and their token counts ``Dt`` / ``Pt``.
 - ``num_chunks`` (``N``): FLA chunks of the prefill rows, ``sum(cdiv(q_i, 64))``.
 """
@@ -23,11 +23,11 @@ import dataclasses
 from typing import Any, ClassVar, Literal
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from attnmeta._checks import as_host_array, check_option_fields, option_rule
 from attnmeta._fields import MetadataBase, keyword_factory
-from attnmeta.backends._shared import require_same_step
 from attnmeta.backends.mamba._fill import conv1d_capacity
 from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
@@ -48,24 +48,24 @@ from attnmeta.metadata import CommonAttentionMetadata, CommonHost, StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Step
 
-__all__ = ["FLA_CHUNK_SIZE", "GDN", "GdnBuilder", "GdnMetadata", "GdnOptions", "build", "stage"]
+__all__ = ["FLA_CHUNK_SIZE", "GDN", "GDNBuilder", "GDNInputs", "GDNMetadata", "GDNOptions", "build", "stage"]
 
 PrefillBackend = Literal["triton", "flashinfer"]
 """vLLM's ``gdn_prefill_backend`` values this builder serves (FlashInfer skips the FLA chunk fields)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class GdnOptions:
+class GDNOptions:
     """Options of the GDN builder (the static part of vLLM's ``GDNAttentionMetadataBuilder``), validated
     when constructed.
 
     Examples
     --------
-    >>> GdnOptions(num_speculative_tokens=2).prefix
+    >>> GDNOptions(num_speculative_tokens=2).prefix
     'gdn'
-    >>> GdnOptions(prefill_backend="cutedsl")
+    >>> GDNOptions(prefill_backend="cutedsl")
     Traceback (most recent call last):
-    ValueError: GdnOptions.prefill_backend: must be 'triton' or 'flashinfer', got 'cutedsl'
+    ValueError: GDNOptions.prefill_backend: must be 'triton' or 'flashinfer', got 'cutedsl'
     """
 
     num_speculative_tokens: int = dataclasses.field(default=0, metadata=option_rule("int", minimum=0))
@@ -95,7 +95,7 @@ class GdnOptions:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
-class GdnMetadata(MetadataBase):
+class GDNMetadata(MetadataBase):
     """GDN metadata (vLLM's ``GDNAttentionMetadata``). Fields vLLM leaves ``None`` in a case are None
     here too (spec fields without spec rows, non-spec fields in an all-spec batch, prefill fields
     without prefills).
@@ -111,7 +111,7 @@ class GdnMetadata(MetadataBase):
     ...                  num_prompt_tokens=[5, 5, 5, 6], num_draft_tokens=[2, 0, 1, 0],
     ...                  block_table=np.arange(40, dtype=np.int32).reshape(4, 10), block_size=16,
     ...                  num_reqs_padded=5)
-    >>> m = build(spec, Stager("cpu"), GdnOptions(num_speculative_tokens=2),
+    >>> m = build(spec, Stager("cpu"), GDNOptions(num_speculative_tokens=2),
     ...           num_accepted_tokens=np.array([2, 1, 1, 1], np.int32))
     >>> m.num_spec_decodes, m.num_prefills, m.num_decodes, m.num_prefill_tokens
     (3, 1, 0, 6)
@@ -264,13 +264,13 @@ class GdnMetadata(MetadataBase):
     "token_chunk_offset_ptr"}}``, host numpy arrays and the two device tensors), or None."""
 
 
-_make = keyword_factory(GdnMetadata)
+_make = keyword_factory(GDNMetadata)
 
 
 def _accepted(values: Any, h: CommonHost, k: int) -> np.ndarray:
     """``num_accepted_tokens`` as a (B,) int32 host array (padding rows 1)."""
     if not k:
-        raise ValueError("num_accepted_tokens: given, but spec decode is off (GdnOptions.num_speculative_tokens == 0)")
+        raise ValueError("num_accepted_tokens: given, but spec decode is off (GDNOptions.num_speculative_tokens == 0)")
     a = as_host_array(values, "num_accepted_tokens", dtype=np.int32)
     if a.shape[0] != h.num_real_reqs and a.shape[0] != h.num_reqs:
         raise ValueError(f"num_accepted_tokens: expected one count per real request ({h.num_real_reqs}) or per row "
@@ -297,21 +297,36 @@ class _Stage:
         self.names[field] = name
 
 
-class GdnBuilder(Builder[GdnOptions, GdnMetadata]):
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GDNInputs:
+    """Per-step inputs of the GDN builder.
+
+    Examples
+    --------
+    >>> GDNInputs(num_accepted_tokens=[2, 1]).num_accepted_tokens
+    [2, 1]
+    """
+
+    num_accepted_tokens: npt.ArrayLike | None = None
+    """(num_real_reqs,) or (num_reqs,) int32, host. Spec decode only: the runner's accepted-token
+    count of every row (padding rows 1 when only the real rows are given); each spec row's in
+    ``[1, 1 + k]``. Default: the rows' ``q`` (vLLM's capture path)."""
+
+
+class GDNBuilder(Builder[GDNOptions, GDNInputs, None, GDNMetadata]):
     """The GDN builder (:data:`GDN`)."""
 
     name = "gdn"
-    options_type = GdnOptions
-    metadata_type = GdnMetadata
-    inputs = ("num_accepted_tokens",)
+    options_type = GDNOptions
+    inputs_type = GDNInputs
+    metadata_type = GDNMetadata
 
-    def needs(self, spec: BatchSpec, options: GdnOptions) -> CommonNeeds:
+    def needs(self, spec: BatchSpec, options: GDNOptions) -> CommonNeeds:
         """No per-token arrays; :func:`~attnmeta.backends.mamba.block_table_columns` columns."""
         return common_needs(block_table_columns(spec, options))
 
-    def stage(
-        self, common: StagedCommon, step: Step, options: GdnOptions | None = None, *, num_accepted_tokens: Any = None
-    ) -> Staged[None, GdnMetadata]:
+    def derive(self, common: StagedCommon, step: Step, options: GDNOptions,
+               inputs: GDNInputs) -> Staged[None, GDNMetadata]:
         """Derive GDN metadata from the staged common metadata, staging into the same step.
 
         Parameters
@@ -321,16 +336,14 @@ class GdnBuilder(Builder[GdnOptions, GdnMetadata]):
             orders a batch), with at least :func:`~attnmeta.backends.mamba.block_table_columns` columns.
         step : Step
             The open step.
-        options : GdnOptions, optional
+        options : GDNOptions
             Spec tokens, cache mode, prefill backend, FULL-graph staging, namespace.
-        num_accepted_tokens : (num_real_reqs,) or (num_reqs,) int32, host, optional
-            Spec decode only: the runner's accepted-token count of every row (padding rows 1 when only
-            the real rows are given); each spec row's in ``[1, 1 + k]``. Default: the rows' ``q``
-            (vLLM's capture path).
+        inputs : GDNInputs
+            Spec decode only: the accepted-token counts.
 
         Returns
         -------
-        Staged[None, GdnMetadata]
+        Staged[None, GDNMetadata]
             ``.result()`` after the commit.
 
         Raises
@@ -345,15 +358,14 @@ class GdnBuilder(Builder[GdnOptions, GdnMetadata]):
         attnmeta.staging.CapacityError
             Graph mode: more rows or tokens than the profile holds.
         """
-        if type(common) is not StagedCommon or common.step is not step:
-            require_same_step(common, step)  # raises
-        o = self.options(options)
+        o = options
+        num_accepted_tokens = inputs.num_accepted_tokens
         h = common.host
         B, T, k = h.num_reqs, h.num_actual_tokens, o.num_speculative_tokens
         bs_m = h.block_size if o.mamba_block_size is None else o.mamba_block_size
         align = o.cache_mode == "align"
         if align and bs_m < h.block_size:
-            check_align_block_size("GdnOptions", bs_m, h.block_size)  # raises
+            check_align_block_size("GDNOptions", bs_m, h.block_size)  # raises
         acc = None if num_accepted_tokens is None else _accepted(num_accepted_tokens, h, k)
         qsl = h.query_start_loc_cpu
         q = np.diff(qsl).astype(np.int32)
@@ -481,7 +493,7 @@ class GdnBuilder(Builder[GdnOptions, GdnMetadata]):
         names = st.names
         cm_qsl = use_cm_qsl
 
-        def make() -> GdnMetadata:
+        def make() -> GDNMetadata:
             cm = common.result()
             dev: dict[str, Any] = {f: step.device(nm) for f, nm in names.items()}
             hv: dict[str, Any] = {f + "_cpu": v for f, v in host.items()}
@@ -502,8 +514,8 @@ class GdnBuilder(Builder[GdnOptions, GdnMetadata]):
                                "has_initial_state": "has_initial_state"}[f]
                         dev["prefill_" + f] = dev[src]
                         hv["prefill_" + f + "_cpu"] = hv[src + "_cpu"]
-            fields: dict[str, Any] = {f: dev.get(f) for f in GdnMetadata._DEVICE_FIELDS}
-            fields.update({f + "_cpu": hv.get(f + "_cpu") for f in GdnMetadata._DEVICE_FIELDS})
+            fields: dict[str, Any] = {f: dev.get(f) for f in GDNMetadata._DEVICE_FIELDS}
+            fields.update({f + "_cpu": hv.get(f + "_cpu") for f in GDNMetadata._DEVICE_FIELDS})
             nd = None
             if nums is not None:
                 nd = {8: {"nums": nums, "tot": tot, "mlist": mlist, "mlist_len": tot, "offsetlist": offl,
@@ -517,18 +529,18 @@ class GdnBuilder(Builder[GdnOptions, GdnMetadata]):
 
         return Staged(step, None, make)
 
-    def unsupported_reasons(self, spec: BatchSpec, options: GdnOptions, **inputs: Any) -> list[str]:
+    def unsupported_reasons(self, spec: BatchSpec, options: GDNOptions, inputs: GDNInputs) -> list[str]:
         """Context parallelism (vLLM's GDN has none), ``num_accepted_tokens`` without spec decode or of
         the wrong length, and spec rows with more drafts than ``num_speculative_tokens``."""
         reasons = []
         if spec.context_parallel is not None:
             reasons.append("context parallelism: vLLM's GDN builder has no DCP/PCP support")
         k = options.num_speculative_tokens
-        acc = inputs.get("num_accepted_tokens")
+        acc = inputs.num_accepted_tokens
         if acc is not None:
             if not k:
                 reasons.append("num_accepted_tokens: given, but spec decode is off "
-                               "(GdnOptions.num_speculative_tokens == 0)")
+                               "(GDNOptions.num_speculative_tokens == 0)")
             elif np.shape(acc) not in ((spec.num_reqs,), (spec.padded_num_reqs,)):
                 reasons.append(f"num_accepted_tokens: expected one count per real request ({spec.num_reqs}) or per "
                                f"row ({spec.padded_num_reqs}), got shape {np.shape(acc)}")
@@ -537,17 +549,17 @@ class GdnBuilder(Builder[GdnOptions, GdnMetadata]):
             spec_rows = (spec.num_scheduled_tokens == d + 1) & (d > k)
             if spec_rows.any():
                 r = int(np.argmax(spec_rows))
-                reasons.append(f"num_draft_tokens[{r}]={int(d[r])} > GdnOptions.num_speculative_tokens={k} "
+                reasons.append(f"num_draft_tokens[{r}]={int(d[r])} > GDNOptions.num_speculative_tokens={k} "
                                f"(request {r})")
         return reasons
 
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[GdnOptions, dict[str, Any]]:
+    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[GDNOptions, dict[str, Any]]:
         """Random spec tokens (at least the spec's drafts on most draws), cache mode, prefill backend,
         FULL-graph staging and conv1d, and accepted counts under spec decode."""
         d = spec.num_draft_tokens
         dmax = int(d.max()) if d is not None and d.size else 0
         k = max(dmax, int(rng.integers(0, 4)))
-        opts = GdnOptions(
+        opts = GDNOptions(
             num_speculative_tokens=k, cache_mode="align" if rng.random() < 0.5 else "none",
             prefill_backend="flashinfer" if rng.random() < 0.2 else "triton",
             cudagraph_max_bs=int(rng.choice([1, 4, 512])) if rng.random() < 0.5 else None,
@@ -558,14 +570,14 @@ class GdnBuilder(Builder[GdnOptions, GdnMetadata]):
             inputs["num_accepted_tokens"] = rng.integers(1, k + 2, size=spec.num_reqs).astype(np.int32)
         return opts, inputs
 
-    def reference(self, spec: BatchSpec, options: GdnOptions, device: torch.device, **inputs: Any) -> dict[str, Any]:
+    def reference(self, spec: BatchSpec, options: GDNOptions, device: torch.device, **inputs: Any) -> dict[str, Any]:
         """:func:`attnmeta.testing.reference.gdn.ref_gdn_metadata`: vLLM 0.33.0's formulas on ``device``."""
         from attnmeta.testing.reference.gdn import ref_gdn_metadata
 
         return ref_gdn_metadata(spec, options, device, num_accepted_tokens=inputs.get("num_accepted_tokens"))
 
 
-GDN = register(GdnBuilder())
+GDN = register(GDNBuilder())
 """The registered GDN builder."""
 stage = GDN.stage
 build = GDN.build

@@ -22,7 +22,6 @@ import torch
 
 from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import MetadataBase, keyword_factory
-from attnmeta.backends._shared import require_same_step
 from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
     MAMBA_BLOCK_SIZE_RULE,
@@ -40,20 +39,28 @@ from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Step
 
-__all__ = ["LINEAR_ATTN", "LinearAttentionMetadata", "LinearAttnBuilder", "LinearAttnHost", "LinearAttnOptions",
-           "block_table_columns", "build", "stage"]
+__all__ = [
+    "LINEAR_ATTN",
+    "LinearAttentionBuilder",
+    "LinearAttentionHost",
+    "LinearAttentionMetadata",
+    "LinearAttentionOptions",
+    "block_table_columns",
+    "build",
+    "stage",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class LinearAttnOptions:
+class LinearAttentionOptions:
     """Options of the linear-attention builder (vLLM ``LinearAttentionMetadataBuilder``), validated
     when constructed.
 
     Examples
     --------
-    >>> LinearAttnOptions(cache_mode="all")
+    >>> LinearAttentionOptions(cache_mode="all")
     Traceback (most recent call last):
-    ValueError: LinearAttnOptions.cache_mode: must be 'none' or 'align', got 'all'
+    ValueError: LinearAttentionOptions.cache_mode: must be 'none' or 'align', got 'all'
     """
 
     mamba_block_size: int | None = dataclasses.field(default=None, metadata=MAMBA_BLOCK_SIZE_RULE)
@@ -69,7 +76,7 @@ class LinearAttnOptions:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class LinearAttnHost:
+class LinearAttentionHost:
     """The host part of a staged linear-attention metadata (``Staged.host``)."""
 
     split: SplitCounts
@@ -137,20 +144,20 @@ class LinearAttentionMetadata(MetadataBase):
 _make_la = keyword_factory(LinearAttentionMetadata)
 
 
-class LinearAttnBuilder(Builder[LinearAttnOptions, LinearAttentionMetadata]):
+class LinearAttentionBuilder(Builder[LinearAttentionOptions, None, LinearAttentionHost, LinearAttentionMetadata]):
     """The linear-attention builder (:data:`LINEAR_ATTN`)."""
 
     name = "linear_attn"
-    options_type = LinearAttnOptions
+    options_type = LinearAttentionOptions
     metadata_type = LinearAttentionMetadata
 
-    def needs(self, spec: BatchSpec, options: LinearAttnOptions) -> CommonNeeds:
+    def needs(self, spec: BatchSpec, options: LinearAttentionOptions) -> CommonNeeds:
         """No per-token arrays; :func:`~attnmeta.backends.mamba.block_table_columns` columns."""
         return common_needs(block_table_columns(spec, options))
 
-    def stage(
-        self, common: StagedCommon, step: Step, options: LinearAttnOptions | None = None
-    ) -> Staged[LinearAttnHost, LinearAttentionMetadata]:
+    def derive(
+        self, common: StagedCommon, step: Step, options: LinearAttentionOptions, inputs: None
+    ) -> Staged[LinearAttentionHost, LinearAttentionMetadata]:
         """Derive linear-attention metadata from the staged common metadata, staging into the same step.
 
         Parameters
@@ -159,12 +166,12 @@ class LinearAttnBuilder(Builder[LinearAttnOptions, LinearAttentionMetadata]):
             From :func:`attnmeta.stage_common` on the same ``step``.
         step : Step
             The open step.
-        options : LinearAttnOptions, optional
+        options : LinearAttentionOptions
             Cache mode, mamba block size, namespace.
 
         Returns
         -------
-        Staged[LinearAttnHost, LinearAttentionMetadata]
+        Staged[LinearAttentionHost, LinearAttentionMetadata]
             ``.host`` (the split and the host state indices); ``.result()`` after the commit.
 
         Raises
@@ -177,15 +184,13 @@ class LinearAttnBuilder(Builder[LinearAttnOptions, LinearAttentionMetadata]):
         attnmeta.staging.CapacityError
             Graph mode: more rows than ``max_num_reqs``.
         """
-        if type(common) is not StagedCommon or common.step is not step:
-            require_same_step(common, step)  # raises (a subclass of the right step passes)
-        o = self.options(options)
+        o = options
         h = common.host
         B = h.num_reqs
         bs_m = h.block_size if o.mamba_block_size is None else o.mamba_block_size
         align = o.cache_mode == "align"
         if align and bs_m < h.block_size:
-            check_align_block_size("LinearAttnOptions", bs_m, h.block_size)  # raises
+            check_align_block_size("LinearAttentionOptions", bs_m, h.block_size)  # raises
         split = h.split(1)  # the step's shared split
         prof = step.profile
         name = o.prefix + ".state_indices_tensor"
@@ -204,13 +209,13 @@ class LinearAttnBuilder(Builder[LinearAttnOptions, LinearAttentionMetadata]):
                 query_start_loc_cpu=cm.query_start_loc_cpu, seq_lens_cpu=cm.seq_lens_cpu, state_indices_tensor_cpu=si_ro,
             )
 
-        return Staged(step, LinearAttnHost(split, si_ro), make)
+        return Staged(step, LinearAttentionHost(split, si_ro), make)
 
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[LinearAttnOptions, dict[str, Any]]:
+    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[LinearAttentionOptions, dict[str, Any]]:
         """A random cache mode."""
-        return LinearAttnOptions(cache_mode="align" if rng.random() < 0.5 else "none"), {}
+        return LinearAttentionOptions(cache_mode="align" if rng.random() < 0.5 else "none"), {}
 
-    def reference(self, spec: BatchSpec, options: LinearAttnOptions, device: torch.device,
+    def reference(self, spec: BatchSpec, options: LinearAttentionOptions, device: torch.device,
                   **inputs: Any) -> dict[str, Any]:
         """:func:`attnmeta.testing.reference.ref_linear_attn_metadata`."""
         from attnmeta.testing.reference.mamba import ref_linear_attn_metadata
@@ -218,7 +223,7 @@ class LinearAttnBuilder(Builder[LinearAttnOptions, LinearAttentionMetadata]):
         return ref_linear_attn_metadata(spec, options, device)
 
 
-LINEAR_ATTN = register(LinearAttnBuilder())
+LINEAR_ATTN = register(LinearAttentionBuilder())
 """The registered linear-attention builder."""
 stage = LINEAR_ATTN.stage
 build = LINEAR_ATTN.build

@@ -23,7 +23,6 @@ import torch
 
 from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import keyword_factory
-from attnmeta.backends._shared import require_same_step
 from attnmeta.backends.mamba._fill import fill
 from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
@@ -90,7 +89,7 @@ class Mamba1Metadata(MambaMetadata):
 _make_m1 = keyword_factory(Mamba1Metadata)
 
 
-class Mamba1Builder(Builder[Mamba1Options, Mamba1Metadata]):
+class Mamba1Builder(Builder[Mamba1Options, None, MambaHost, Mamba1Metadata]):
     """The Mamba1 builder (:data:`MAMBA1`)."""
 
     name = "mamba1"
@@ -101,8 +100,8 @@ class Mamba1Builder(Builder[Mamba1Options, Mamba1Metadata]):
         """No per-token arrays; :func:`~attnmeta.backends.mamba.block_table_columns` columns."""
         return common_needs(block_table_columns(spec, options))
 
-    def stage(
-        self, common: StagedCommon, step: Step, options: Mamba1Options | None = None
+    def derive(
+        self, common: StagedCommon, step: Step, options: Mamba1Options, inputs: None
     ) -> Staged[MambaHost, Mamba1Metadata]:
         """Derive Mamba1 metadata from the staged common metadata, staging into the same step.
 
@@ -112,7 +111,7 @@ class Mamba1Builder(Builder[Mamba1Options, Mamba1Metadata]):
             From :func:`attnmeta.stage_common` on the same ``step``.
         step : Step
             The open step.
-        options : Mamba1Options, optional
+        options : Mamba1Options
             Cache mode, mamba block size, conv1d metadata, namespace.
 
         Returns
@@ -130,9 +129,7 @@ class Mamba1Builder(Builder[Mamba1Options, Mamba1Metadata]):
         attnmeta.staging.CapacityError
             Graph mode: the step exceeds a profile capacity.
         """
-        if type(common) is not StagedCommon or common.step is not step:
-            require_same_step(common, step)  # raises (a subclass of the right step passes)
-        o = self.options(options)
+        o = options
         f = fill(common, step, "Mamba1Options", o.prefix, 0, 0, o.mamba_block_size, o.cache_mode == "align",
                  o.needs_causal_conv1d_metadata, None, False, False, False, None)
         return Staged(step, f.host, lambda: _make_m1(**f.shared_fields(common.result())))

@@ -37,11 +37,11 @@ import dataclasses
 from typing import Any, ClassVar
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import MetadataBase, keyword_factory
-from attnmeta.backends._shared import require_same_step
 from attnmeta.backends.mamba._fill import fill
 from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
@@ -62,6 +62,7 @@ from attnmeta.staging import Staged, Step
 __all__ = [
     "MAMBA2",
     "Mamba2Builder",
+    "Mamba2Inputs",
     "Mamba2Metadata",
     "Mamba2Options",
     "MambaCheckpointMetadata",
@@ -304,7 +305,24 @@ _NO_PREFILLS: dict[str, Any] = dict.fromkeys((
 _NO_PREFILLS.update(prep_initial_states=False, num_chunks=0)
 
 
-class Mamba2Builder(Builder[Mamba2Options, Mamba2Metadata]):
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Mamba2Inputs:
+    """Per-step inputs of the Mamba2 builder.
+
+    Examples
+    --------
+    >>> Mamba2Inputs(num_accepted_tokens=[2, 1]).num_accepted_tokens
+    [2, 1]
+    """
+
+    num_accepted_tokens: npt.ArrayLike | None = None
+    """(num_real_reqs,) or (num_reqs,) int32, host. Spec decode only: the runner's accepted-token
+    count of every row (padding rows 1 when only the real rows are given); each decode row's in
+    ``[1, 1 + num_speculative_tokens]`` (the prefill rows' are not read). Default:
+    ``diff(query_start_loc_d)`` (vLLM's capture path)."""
+
+
+class Mamba2Builder(Builder[Mamba2Options, Mamba2Inputs, MambaHost, Mamba2Metadata]):
     """The Mamba2 builder (:data:`MAMBA2`).
 
     Examples
@@ -331,21 +349,15 @@ class Mamba2Builder(Builder[Mamba2Options, Mamba2Metadata]):
 
     name = "mamba2"
     options_type = Mamba2Options
+    inputs_type = Mamba2Inputs
     metadata_type = Mamba2Metadata
-    inputs = ("num_accepted_tokens",)
 
     def needs(self, spec: BatchSpec, options: Mamba2Options) -> CommonNeeds:
         """No per-token arrays; :func:`~attnmeta.backends.mamba.block_table_columns` columns."""
         return common_needs(block_table_columns(spec, options))
 
-    def stage(
-        self,
-        common: StagedCommon,
-        step: Step,
-        options: Mamba2Options | None = None,
-        *,
-        num_accepted_tokens: Any = None,
-    ) -> Staged[MambaHost, Mamba2Metadata]:
+    def derive(self, common: StagedCommon, step: Step, options: Mamba2Options,
+               inputs: Mamba2Inputs) -> Staged[MambaHost, Mamba2Metadata]:
         """Derive Mamba2 metadata from the staged common metadata, staging into the same step.
 
         Parameters
@@ -356,12 +368,10 @@ class Mamba2Builder(Builder[Mamba2Options, Mamba2Metadata]):
             :func:`~attnmeta.backends.mamba.block_table_columns` columns.
         step : Step
             The open step.
-        options : Mamba2Options, optional
+        options : Mamba2Options
             Chunk size, cache mode, spec decode, checkpoints, extra chunk formats, namespace.
-        num_accepted_tokens : (num_real_reqs,) or (num_reqs,) int32, host, optional
-            Spec decode only: the runner's accepted-token count of every row (padding rows 1 when only
-            the real rows are given); each decode row's in ``[1, 1 + num_speculative_tokens]`` (the
-            prefill rows' are not read). Default: ``diff(query_start_loc_d)`` (vLLM's capture path).
+        inputs : Mamba2Inputs
+            Spec decode only: the accepted-token counts.
 
         Returns
         -------
@@ -377,20 +387,17 @@ class Mamba2Builder(Builder[Mamba2Options, Mamba2Metadata]):
             count outside ``[1, 1 + num_speculative_tokens]`` (naming the row); ``"align"`` mode with
             a mamba block size below the block size; a block table too narrow for the state or
             checkpoint columns; a checkpoint block size other than the builder's; graph mode: a chunk
-            size other than the profile's; ``common`` from another step.
+            size other than the profile's.
         TypeError
-            A torch tensor or a non-integer array passed as ``num_accepted_tokens``, ``common`` not a
-            :class:`~attnmeta.StagedCommon`, or options of another type.
+            A torch tensor or a non-integer array passed as ``num_accepted_tokens``.
         attnmeta.staging.CapacityError
             Graph mode: the step exceeds a profile capacity.
         """
-        if type(common) is not StagedCommon or common.step is not step:
-            require_same_step(common, step)  # raises (a subclass of the right step passes)
-        o = self.options(options)
+        o = options
         C = o.chunk_size
         f = fill(common, step, "Mamba2Options", o.prefix, o.num_speculative_tokens, C, o.mamba_block_size, o.cache_mode == "align",
                  o.needs_causal_conv1d_metadata, o.checkpoint, o.logical_chunks, o.token_seq_idx, o.consecutive_seq_ids,
-                 num_accepted_tokens)
+                 inputs.num_accepted_tokens)
 
         def make() -> Mamba2Metadata:
             shared = f.shared_fields(common.result())
@@ -421,9 +428,9 @@ class Mamba2Builder(Builder[Mamba2Options, Mamba2Metadata]):
 
         return Staged(step, f.host, make)
 
-    def unsupported_reasons(self, spec: BatchSpec, options: Mamba2Options, **inputs: Any) -> list[str]:
+    def unsupported_reasons(self, spec: BatchSpec, options: Mamba2Options, inputs: Mamba2Inputs) -> list[str]:
         """``num_accepted_tokens`` without spec decode, or not one count per real request or row."""
-        acc = inputs.get("num_accepted_tokens")
+        acc = inputs.num_accepted_tokens
         if acc is None:
             return []
         if not options.num_speculative_tokens:

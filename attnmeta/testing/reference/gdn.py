@@ -1,7 +1,7 @@
 """Device-side reference of the GDN builder: vLLM 0.33.0's ``GDNAttentionMetadataBuilder.build``
 transcribed with torch on the device (host-mask gathers, ``repeat_interleave``, stable ``argsort``,
 ``cumsum``, ``.item()`` where vLLM reads host tensors), the oracle of
-:class:`attnmeta.backends.mamba.gdn.GdnBuilder`.
+:class:`attnmeta.backends.mamba.gdn.GDNBuilder`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def ref_gdn_metadata(
     spec: Any, options: Any, device: torch.device | str, *, num_accepted_tokens: Any = None
 ) -> dict[str, Any]:
     """Every GDN field the way vLLM 0.33.0 computes it (``spec``: a ``BatchSpec``; ``options``: a
-    ``GdnOptions``, read by attribute; ``num_accepted_tokens``: host int32 per real request or row)."""
+    ``GDNOptions``, read by attribute; ``num_accepted_tokens``: host int32 per real request or row)."""
     from attnmeta.backends.mamba import block_table_columns
     from attnmeta.testing.reference.layout import (
         ref_num_decode_draft_tokens,

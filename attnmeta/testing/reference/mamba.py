@@ -458,7 +458,7 @@ def ref_linear_attn_metadata(spec: BatchSpec, options: Any, device: torch.device
     """The linear-attention fields the way vLLM 0.33.0 computes them: the plain split at threshold 1
     on the host query starts, the common ``query_start_loc`` / ``seq_lens``, and column 0 of the
     state indices of every row gathered from the device block table (``options``: a
-    ``LinearAttnOptions``, read by attribute)."""
+    ``LinearAttentionOptions``, read by attribute)."""
     from attnmeta.backends.mamba import block_table_columns
     from attnmeta.testing.reference.layout import (
         ref_query_start_loc,
