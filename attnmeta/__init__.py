@@ -16,6 +16,8 @@ Builders (one per backend family, of one protocol) are listed by :func:`registry
 contributor guide (adding a builder) and the field semantics.
 """
 
+from typing import TYPE_CHECKING, Any
+
 import attnmeta.backends  # noqa: F401  (registers the built-in builders)
 from attnmeta.builder import (
     Builder,
@@ -33,7 +35,6 @@ from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetada
 from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec, ContextParallel
 from attnmeta.staging import Staged, Stager, Step, StepExpiredError, is_expired
-from attnmeta.warmup import warmup
 
 __all__ = [
     "BatchSpec",
@@ -62,3 +63,16 @@ __all__ = [
     "warmup",
 ]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from attnmeta.bench.warmup import warmup
+
+
+def __getattr__(name: str) -> Any:
+    """``attnmeta.warmup``, loaded on first use: the warm-up runs every builder with its lab samples
+    (:mod:`attnmeta.bench.warmup`), which ``import attnmeta`` does not load."""
+    if name == "warmup":
+        from attnmeta.bench.warmup import warmup as run
+
+        return run
+    raise AttributeError(f"module 'attnmeta' has no attribute {name!r}")

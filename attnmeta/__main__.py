@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         err = _device_error(args.device, ("cuda", "cpu", "meta"))
         if err:
             p_demo.error(err)
-        from attnmeta.demo import run_demo
+        from attnmeta.bench.demo import run_demo
 
         print(run_demo(args.device or _default_device(), limit=args.limit))
         return 0
@@ -114,15 +114,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         err = _device_error(args.device, ("cuda", "cpu", "meta"))
         if err:
             p_audit.error(err)
-        from attnmeta.audit import run_audit_cli
+        from attnmeta.bench.audit import run_audit_cli
 
         return int(run_audit_cli(device=args.device, batches=args.batches))
     if args.cmd == "warmup":
         err = _device_error(args.device, ("cuda", "cpu"))
         if err:
             p_warm.error(err)
+        from attnmeta.bench.warmup import warmup
         from attnmeta.builder import registry
-        from attnmeta.warmup import warmup
 
         unknown = sorted(set(args.builder or ()) - set(registry()))
         if unknown:

@@ -111,11 +111,20 @@ class MetadataBase:
         return lease.own(new)  # type: ignore[no-any-return]
 
     def field_roles(self) -> dict[str, str]:
-        """``{field: "device" | "host" | "scalar"}`` for every declared field."""
-        out = {n: "device" for n in self._DEVICE_FIELDS}
+        """``{field: "device" | "host" | "scalar"}`` for every declared field: the scalars, then the
+        device fields, then the host fields, each in declaration order."""
+        out = {n: "scalar" for n in self._SCALAR_FIELDS}
+        out.update({n: "device" for n in self._DEVICE_FIELDS})
         out.update({n: "host" for n in self._HOST_FIELDS})
-        out.update({n: "scalar" for n in self._SCALAR_FIELDS})
         return out
+
+    def host_twin(self, field: str) -> str | None:
+        """The host twin of device field ``field`` (``query_start_loc`` -> ``"query_start_loc_cpu"``), or
+        None for a device field without one (or a field that is not a device field)."""
+        for dev, host in self._TWINS:
+            if dev == field:
+                return host
+        return None
 
 
 def keyword_factory(cls: type[T]) -> Callable[..., T]:

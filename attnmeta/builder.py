@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Generic, TypeVar, final
 
@@ -70,7 +70,7 @@ from attnmeta._checks import (
 )
 from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.common import stage_common
-from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Stager, Step
 
@@ -80,6 +80,7 @@ __all__ = [
     "CommonNeeds",
     "MetadataBase",
     "OptionRule",
+    "Replayer",
     "UnknownBuilderError",
     "UnsupportedBatchError",
     "build",
@@ -181,6 +182,30 @@ def _described(value: Any) -> str:
     """``<type> <repr>`` of a wrong argument, the repr cut short."""
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+class Replayer(Generic[InputsT, MetadataT]):
+    """How a builder replays a step it staged before: a steady-state step of the same layout on the same
+    ring slot (:class:`attnmeta.compose.StepBuilder`).
+
+    :meth:`Builder.replayer` makes one from a step it staged; it keeps that step's host and device
+    views of the builder's own fields (the slot's memory, unchanged while the layout lasts) and what
+    the builder's metadata shares from step to step. A replay of a later step of the layout then
+    costs :meth:`rewrite` (before the commit) and :meth:`result` (after it), instead of a
+    :meth:`~Builder.derive`. Both compute the step's values the way ``derive`` does, with the same
+    functions: a replay's metadata equals the one ``derive`` would have made, field for field.
+    """
+
+    def rewrite(self, step: Step, host: CommonHost, inputs: InputsT) -> None:
+        """Write ``step``'s values into every byte of the builder's own staged fields (the slot holds
+        another step's), before the commit; ``host`` is the step's common host part. Default: the
+        builder stages no fields of its own for this layout."""
+
+    def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
+               inputs: InputsT) -> MetadataT:
+        """``step``'s metadata, after the commit: ``common`` and ``paged`` (the group's paged-KV layout,
+        when staged) are the step's, ``host`` its common host part."""
+        raise NotImplementedError
 
 
 class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
@@ -309,6 +334,21 @@ class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
         """Every reason this builder cannot serve ``spec`` with ``options`` and ``inputs`` (an empty
         list when it can). :func:`build` raises :class:`UnsupportedBatchError` listing them."""
         return []
+
+    def replay_key(self, spec: BatchSpec, options: OptionsT, inputs: InputsT) -> Hashable | None:
+        """What the fields this builder stages for ``spec`` depend on, beyond the common metadata's
+        layout (their names, shapes and order, and which views its metadata holds): two steps of one
+        key on one ring slot stage the same fields at the same places. None: this step is staged the
+        ordinary way (:meth:`derive`), never replayed. Default None (a builder opts in to replay by
+        implementing this and :meth:`replayer`)."""
+        return None
+
+    def replayer(self, staged: Staged[HostT, MetadataT], common: StagedCommon, step: Step, options: OptionsT,
+                 inputs: InputsT) -> Replayer[InputsT, MetadataT] | None:
+        """A :class:`Replayer` of ``staged``, what :meth:`stage` returned in ``step`` (committed) for a
+        spec whose :meth:`replay_key` was not None; None when this step cannot be replayed after all.
+        Default None."""
+        return None
 
     def build(self, spec: BatchSpec, stager: Stager, options: OptionsT | None = None,
               inputs: InputsT | None = None) -> MetadataT:

@@ -81,7 +81,7 @@ class CommonWriter:
     with the group, and every read-only view handed out, built once per slot and layout. Every step
     of that layout on that slot then costs one compiled call (:meth:`write`) and the objects.
 
-    A builder that replays a layout (:class:`attnmeta.backends.fused.FusedStepBuilder`) keeps the
+    The step composer (:class:`attnmeta.compose.StepBuilder`), which replays a layout, keeps the
     writer of the step it recorded, restages the step's fields (:meth:`attnmeta.staging.Step.restage`)
     and calls :meth:`write`, which rewrites every staged byte of the common fields, then
     :meth:`metadata` after the commit.
@@ -454,6 +454,13 @@ def stage_common(
         Graph mode: the spec's block size is not the profile's; a used block id is negative or past
         the stager's ``num_kv_blocks`` (named by row and column); the step's pages overflow int32.
     """
+    return _stage_common(spec, step, prefix, causal, block_table_columns, token_arrays, paged_kv)[0]
+
+
+def _stage_common(spec: BatchSpec, step: Step, prefix: str, causal: bool, block_table_columns: int | None,
+                  token_arrays: bool, paged_kv: bool) -> tuple[StagedCommon, CommonWriter]:
+    """:func:`stage_common`, and the :class:`CommonWriter` that wrote the step (for the step composer,
+    :class:`attnmeta.compose.StepBuilder`, which replays the layout on a later step of the slot)."""
     if type(spec) is not BatchSpec and not isinstance(spec, BatchSpec):
         raise TypeError(f"spec: expected a BatchSpec, got {type(spec).__name__} {spec!r:.80}")
     if type(step) is not Step:
@@ -493,12 +500,13 @@ def stage_common(
     writer.write(spec)
     host = writer.host(spec, causal)
     paged_part: Staged[PagedKV, PagedKVMetadata] | None = None
+    w = writer
     if paged:
         total = spec.num_pages
-        w = writer
         paged_part = Staged(step, w.paged_host(total), lambda: w.paged_metadata(step, total))
-    w = writer
-    return StagedCommon(step, host, lambda: w.metadata(step, spec, causal), paged=paged_part, writer=writer)
+    staged = StagedCommon(step, host, lambda: w.metadata(step, spec, causal), paged=paged_part,
+                          rows=lambda n: w.query_start_loc_rows(step, n), prefix=prefix)
+    return staged, w
 
 
 def stage_paged_kv(

@@ -82,7 +82,7 @@ def apply_capture_fill(common: StagedCommon, fill: CaptureFill) -> None:
     Parameters
     ----------
     common : StagedCommon
-        A common metadata from :func:`attnmeta.stage_common` (it has a writer) of an open step.
+        A common metadata from :func:`attnmeta.stage_common` (with its ``prefix``) of an open step.
     fill : CaptureFill
 
     Raises
@@ -106,12 +106,13 @@ def apply_capture_fill(common: StagedCommon, fill: CaptureFill) -> None:
     """
     if not isinstance(fill, CaptureFill):
         raise TypeError(f"fill: expected a CaptureFill, got {type(fill).__name__}")
-    w = getattr(common, "writer", None)
-    if w is None:
-        raise TypeError("common: expected the StagedCommon of stage_common (with a writer), got a derived one")
-    if common.step.committed:
+    prefix = getattr(common, "prefix", None)
+    if prefix is None:
+        raise TypeError("common: expected the StagedCommon of stage_common (with its prefix), got a derived one")
+    step = common.step
+    if step.committed:
         raise RuntimeError("apply_capture_fill: the step has committed; apply the fill before the commit")
     if fill.seq_lens is not None:
-        w.sl[: w.num_reqs] = fill.seq_lens
+        step.host(f"{prefix}.seq_lens")[: common.host.num_reqs] = fill.seq_lens
     if fill.zero_query_start_loc:
-        w.qsl[:] = 0
+        step.host(f"{prefix}.query_start_loc")[:] = 0

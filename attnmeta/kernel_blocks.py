@@ -58,7 +58,7 @@ def stage_kernel_block_table(
     ``num_pages`` (``sum(cdiv(seq_lens_cpu, kernel_block_size))``). The slot mapping stays in manager
     units; for ``S == R`` it is also the flat slot index in kernel units (under context parallelism
     when the interleave divides ``kernel_block_size``). It carries no page table (a FlashInfer builder
-    staged on it builds its own over the kernel table) and no writer.
+    staged on it builds its own over the kernel table); its ``prefix`` is None (a derived common metadata).
 
     Parameters
     ----------

@@ -25,10 +25,8 @@ The staged form
 ---------------
 :func:`~attnmeta.stage_common` returns a :class:`StagedCommon`: the step's :class:`CommonHost` (the
 host twins and scalars, and the step's decode/prefill splits) for the builders staged after it,
-optionally the paged-KV layout of the step (:class:`PagedKVMetadata`, FlashInfer's page-table format)
-that the compiled pass built alongside, and the :class:`~attnmeta.common.CommonWriter` that wrote it,
-for a builder that replays the same layout on a later step
-(:class:`attnmeta.backends.fused.FusedStepBuilder`).
+and optionally the paged-KV layout of the step (:class:`PagedKVMetadata`, FlashInfer's page-table
+format) that the compiled pass built alongside.
 
 Shape legend
 ------------
@@ -42,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -51,9 +49,6 @@ from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.host.paged import PagedKV
 from attnmeta.host.split import SplitCounts, split_counts_nb
 from attnmeta.staging import Staged, Step
-
-if TYPE_CHECKING:
-    from attnmeta.common import CommonWriter
 
 __all__ = ["CommonAttentionMetadata", "CommonHost", "PagedKVMetadata", "StagedCommon"]
 
@@ -449,7 +444,7 @@ make_paged = keyword_factory(PagedKVMetadata)
 
 class StagedCommon(Staged[CommonHost, CommonAttentionMetadata]):
     """:func:`stage_common`'s result: ``host`` (:class:`CommonHost`) now, :meth:`result` after the
-    commit, and two optional parts.
+    commit, and the optional paged-KV part.
 
     Attributes
     ----------
@@ -459,26 +454,27 @@ class StagedCommon(Staged[CommonHost, CommonAttentionMetadata]):
         The step's paged-KV layout (page size = block size) when staged with ``paged_kv=True``:
         ``paged.host`` the three host arrays (:class:`attnmeta.host.paged.PagedKV`), ``paged.result()``
         the :class:`PagedKVMetadata` after the commit. A FlashInfer builder of the step reuses it.
-    writer : CommonWriter or None
-        The compiled pass that wrote this step, with its views: for builders that replay the same
-        layout on a later step of the same ring slot (:meth:`attnmeta.staging.Step.restage`). None
-        for a common metadata derived from another (a backend's transformed batch, such as the
-        fast-prefill or local-attention ones).
+    prefix : str or None
+        The namespace of the common fields staged in the step (``<prefix>.seq_lens``, ...); None for
+        a common metadata derived from another (a backend's transformed batch: fast prefill, local
+        attention, a micro-batch), whose fields are views of another's.
     """
 
-    __slots__ = ("paged", "writer")
+    __slots__ = ("_rows", "paged", "prefix")
 
     def __init__(self, step: Step, host: CommonHost, make: Callable[[], CommonAttentionMetadata], *,
-                 paged: Staged[PagedKV, PagedKVMetadata] | None = None, writer: CommonWriter | None = None) -> None:
+                 paged: Staged[PagedKV, PagedKVMetadata] | None = None,
+                 rows: Callable[[int], tuple[torch.Tensor, np.ndarray]] | None = None, prefix: str | None = None) -> None:
         self.step, self.host, self._make, self._result = step, step.own(host), make, None  # (Staged.__init__, inlined)
-        self.writer = writer
         self.paged = paged
+        self._rows = rows
+        self.prefix = prefix
 
     def query_start_loc_rows(self, rows: int) -> tuple[torch.Tensor, np.ndarray]:
         """The device and host views of ``query_start_loc``'s first ``rows`` entries, after the commit
         (e.g. the decode rows' query starts, ``rows = num_decodes + 1``): cached with the step's layout
-        where the common metadata was written by a :class:`CommonWriter`, sliced otherwise."""
-        if self.writer is not None:
-            return self.writer.query_start_loc_rows(self.step, rows)
+        where :func:`stage_common` staged the common metadata, sliced otherwise."""
+        if self._rows is not None:
+            return self._rows(rows)
         cm = self.result()
         return cm.query_start_loc[:rows], cm.query_start_loc_cpu[:rows]

@@ -366,7 +366,7 @@ def stage_ubatches(
     ``num_reqs`` / ``num_actual_tokens`` the slice's rows and tokens; ``num_real_reqs`` /
     ``num_real_tokens`` its real ones. ``is_prefilling``, ``num_computed_tokens_cpu``,
     ``num_decode_draft_tokens_cpu`` and ``causal``, which vLLM drops, are the micro-batch's own.
-    ``.writer`` is None (the metadata is derived from a transformed batch).
+    ``.prefix`` is None (the metadata is derived from a transformed batch).
 
     Parameters
     ----------

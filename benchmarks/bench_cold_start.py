@@ -4,8 +4,8 @@ Every measurement runs in a fresh Python process with ``NUMBA_CACHE_DIR`` set to
 this script's own (never the checkout's ``__pycache__``):
 
 1. **cold**: an empty cache directory. The process imports attnmeta, constructs the demo batch's
-   ``BatchSpec`` (``attnmeta.demo.demo_spec``: decodes, a chunked prefill, a fresh prefill, prompts,
-   CUDA-graph padding), then builds every registered builder once with its ``defaults()``, each
+   ``BatchSpec`` (``attnmeta.bench.demo.demo_spec``: decodes, a chunked prefill, a fresh prefill, prompts,
+   CUDA-graph padding), then builds every registered builder once with its lab defaults, each
    through ``Builder.build`` on one eager CPU stager, in registry order, then the fused step builder
    (4 builds: compose, then a replay); each first build is timed. A builder's time is what it
    compiles that the builders before it did not (the common pass is compiled by the first one).
@@ -47,7 +47,8 @@ t0 = time.perf_counter()
 import attnmeta
 from attnmeta import Stager
 from attnmeta.backends.fused import FusedStepBuilder
-from attnmeta.demo import demo_spec
+from attnmeta.bench.demo import demo_spec
+from attnmeta.testing.lab import lab
 rows = [("import attnmeta", time.perf_counter() - t0)]
 only = set(sys.argv[1:])
 t = time.perf_counter()
@@ -57,9 +58,9 @@ stager = Stager("cpu")
 for name, builder in sorted(attnmeta.registry().items()):
     if only and name not in only:
         continue
-    options, inputs = builder.defaults(spec)
+    options, inputs = lab(builder).defaults(spec)
     t = time.perf_counter()
-    builder.build(spec, stager, options, **inputs)
+    builder.build(spec, stager, options, inputs)
     rows.append((name, time.perf_counter() - t))
 fused = FusedStepBuilder(stager)
 t = time.perf_counter()

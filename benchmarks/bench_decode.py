@@ -56,11 +56,18 @@ and page indices on numba's thread pool (those threads keep their cores busy bet
 
 ``--gap-us 1000`` waits 1 ms before each timed step, untimed, as an engine's host waits for the GPU
 between its steps; ``--gap-mode sleep`` (the default) idles the thread, as a blocking wait does,
-``--gap-mode spin`` keeps it busy on the clock. Back-to-back steps (no gap, the default) run with every cache and predictor warm from the step before; after a gap they do not,
-and every path is slower.
+``--gap-mode spin`` keeps it busy on the clock, ``--gap-mode event`` (CUDA only) enqueues that much GPU
+work and blocks on an event recorded after it, as an engine's host blocks on its last step's results.
+Back-to-back steps (no gap, the default) run with every cache and predictor warm from the step before;
+after a gap they do not, and every path is slower.
+
+``--cold`` times what an engine's loop sees: every path three ways in the same rounds, back to back
+(``tight``), right after a blocking wait on a GPU event that follows ``--cold-us`` of GPU work
+(``event``, CUDA only) and right after a sleep of ``--cold-us`` (``sleep``); the table gets one row per
+path and way (``fused@event``, ...).
 
 Run: ``python benchmarks/bench_decode.py [--device cpu|cuda] [--rounds 10] [--steps 400] [--paths attnmeta,fused]
-[--pin-cpu N] [--spec] [--threads N,M] [--gap-us US] [--gap-mode sleep|spin]``.
+[--pin-cpu N] [--spec] [--threads N,M] [--gap-us US] [--gap-mode sleep|spin|event] [--cold] [--cold-us US]``.
 """
 
 from __future__ import annotations
@@ -110,9 +117,15 @@ def main() -> None:
     ap.add_argument("--gap-us", type=float, default=0.0, metavar="US",
                     help="wait this long before each timed step (not timed), as an engine's host waits "
                          "for the GPU between steps (default 0: steps back to back)")
-    ap.add_argument("--gap-mode", choices=("sleep", "spin"), default="sleep",
-                    help="how the gap waits: sleep (the thread idles, as in a blocking GPU wait: its core may "
-                         "slow down or run other work) or spin (busy on the clock, the core stays awake)")
+    ap.add_argument("--gap-mode", choices=("sleep", "spin", "event"), default="sleep",
+                    help="how the gap waits: sleep (the thread idles: its core may slow down or run other "
+                         "work), spin (busy on the clock, the core stays awake) or event (CUDA: that much GPU "
+                         "work, then a blocking wait on an event recorded after it)")
+    ap.add_argument("--cold", action="store_true",
+                    help="time every path three ways in the same rounds: back to back (tight), right after a "
+                         "blocking wait on a GPU event (event, CUDA only) and right after a sleep (sleep)")
+    ap.add_argument("--cold-us", type=float, default=2000.0, metavar="US",
+                    help="--cold: the GPU work before the event wait and the sleep's length (default 2000)")
     args = ap.parse_args()
     if args.pin_cpu is not None:
         os.sched_setaffinity(0, {args.pin_cpu})
@@ -131,8 +144,16 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",") if t]
     walks = (dict(spec_decode_walks(False) if args.spec else decode_walks(False))
              if threads or "fused+spec" in wanted or "fused-unchecked" in wanted else {})
+    if args.gap_mode == "event" and dev.type != "cuda":
+        ap.error("--gap-mode event needs --device cuda")
     gap = args.gap_us / 1e6
-    wait = time.sleep if args.gap_mode == "sleep" else _spin
+    waits: dict[str, Callable[[float], None]] = {"sleep": time.sleep, "spin": _spin, "event": _gpu_waiter(dev)}
+    wait = waits[args.gap_mode]
+    ways: list[tuple[str, float, Callable[[float], None]]] = [("", gap, wait)]
+    if args.cold:
+        cold = args.cold_us / 1e6
+        ways = [("@tight", 0.0, wait), *([("@event", cold, waits["event"])] if dev.type == "cuda" else []),
+                ("@sleep", cold, time.sleep)]
     for case in cases:  # (the scenario's paths: attnmeta, reference, per-tensor, fused)
         case.paths = {p: fn for p, fn in case.paths.items() if p in wanted}
         if "fused+spec" in wanted:
@@ -141,46 +162,69 @@ def main() -> None:
             case.paths["fused-unchecked"] = fused_step(walks[case.batch], dev, check_lifetimes=False)[0]
         for t in threads:
             case.paths[f"fused-t{t}"] = fused_step(walks[case.batch], dev, t)[0]
-        samples: dict[str, list[float]] = {p: [] for p in case.paths}
-        every: dict[str, list[float]] = {p: [] for p in case.paths}
-        ratios: dict[str, list[float]] = {p: [] for p in case.paths}  # a round's p99 / its median
+        rows = [p + w for p in case.paths for w, *_r in ways]
+        samples: dict[str, list[float]] = {r: [] for r in rows}
+        every: dict[str, list[float]] = {r: [] for r in rows}
+        ratios: dict[str, list[float]] = {r: [] for r in rows}  # a round's p99 / its median
         for fn in case.paths.values():  # warm-up (compilation, slot layouts, caches)
             for _ in range(50):
                 fn()
-        if "floor" in wanted and "fused" in case.stagers:
-            case.paths["floor"] = _floor(case.stagers["fused"], dev)
-            samples["floor"], every["floor"], ratios["floor"] = [], [], []
-        if "jitter" in wanted and "fused" in case.paths:
-            case.paths["jitter"] = _jitter(_median_us(case.paths["fused"], 400))
-            samples["jitter"], every["jitter"], ratios["jitter"] = [], [], []
+        for extra in ("floor", "jitter"):
+            if extra in wanted and ("fused" in case.stagers if extra == "floor" else "fused" in case.paths):
+                case.paths[extra] = (_floor(case.stagers["fused"], dev) if extra == "floor"
+                                     else _jitter(_median_us(case.paths["fused"], 400)))
+                for w, *_r in ways:
+                    samples[extra + w], every[extra + w], ratios[extra + w] = [], [], []
         gc.disable()
         try:
             for _ in range(args.rounds):
                 for path, fn in case.paths.items():
                     fast = path in ("attnmeta", "floor", "jitter") or path.startswith("fused")
                     steps = args.steps if fast else max(args.steps // 10, 20)
-                    for _ in range(args.warm if fast else max(args.warm // 10, 2)):
-                        fn()
-                    ts = np.empty(steps)
-                    for i in range(steps):
-                        if gap:
-                            wait(gap)
-                        t0 = time.perf_counter_ns()
-                        fn()
-                        ts[i] = (time.perf_counter_ns() - t0) / 1e3
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize(dev)  # harness only, between rounds: drain the queue
-                    med = float(np.median(ts[steps // 10:]))
-                    samples[path].append(med)
-                    every[path].extend(ts.tolist())
-                    ratios[path].append(float(np.percentile(ts, 99)) / med)
+                    for way, pause, wait_fn in ways:
+                        if pause and not fast:
+                            steps = max(steps // 4, 10)  # (slow paths after a wait: a few suffice)
+                        for _ in range(args.warm if fast else max(args.warm // 10, 2)):
+                            fn()
+                        ts = np.empty(steps)
+                        for i in range(steps):
+                            if pause:
+                                wait_fn(pause)
+                            t0 = time.perf_counter_ns()
+                            fn()
+                            ts[i] = (time.perf_counter_ns() - t0) / 1e3
+                        if dev.type == "cuda":
+                            torch.cuda.synchronize(dev)  # harness only, between rounds: drain the queue
+                        med = float(np.median(ts[steps // 10:]))
+                        samples[path + way].append(med)
+                        every[path + way].extend(ts.tolist())
+                        ratios[path + way].append(float(np.percentile(ts, 99)) / med)
         finally:
             gc.enable()
-        for path in case.paths:
-            s = np.array(samples[path])
+        for row in samples:
+            s = np.array(samples[row])
             target = None if args.spec else TARGETS[case.batch]
-            print(f"{case.batch:>6} {path:<15} {np.median(s):>10.1f} {s.min():>11.1f} "
-                  f"{np.percentile(every[path], 99):>8.1f} {np.median(ratios[path]):>8.2f} {'' if target is None or path == 'floor' or path[0] not in 'af' else target:>7}")
+            plain = row.split("@")[0]
+            shown = "" if target is None or plain == "floor" or plain[0] not in "af" or "@" in row else target
+            print(f"{case.batch:>6} {row:<15} {np.median(s):>10.1f} {s.min():>11.1f} "
+                  f"{np.percentile(every[row], 99):>8.1f} {np.median(ratios[row]):>8.2f} {shown:>7}")
+
+
+def _gpu_waiter(dev: torch.device) -> Callable[[float], None]:
+    """``wait(seconds)``: about that much GPU work on the current stream, then a blocking wait on an
+    event recorded after it (the ``event`` gap: the host blocks on the GPU, as an engine's on its last
+    step's sampled tokens). On a CPU device a sleep."""
+    if dev.type != "cuda":
+        return time.sleep
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    rate = torch.cuda.get_device_properties(dev).clock_rate * 1e3  # cycles per second (kHz -> Hz)
+
+    def wait(seconds: float) -> None:
+        torch.cuda._sleep(int(seconds * rate))  # type: ignore[no-untyped-call]
+        event.record()
+        event.synchronize()  # harness only: the wait before the step, not timed
+
+    return wait
 
 
 def _spin(seconds: float) -> None:

@@ -16,10 +16,10 @@ import dataclasses
 import json
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -29,6 +29,7 @@ from attnmeta.__main__ import main
 from attnmeta.bench import BenchRow, builder_cases, builder_scenarios, measure, scenario_names
 from attnmeta.bench import cli as bench_cli
 from attnmeta.bench.report import panels, path_colours
+from attnmeta.testing.lab import register_lab, unregister_lab
 
 
 def _exit_code(argv: list[str]) -> int:
@@ -247,28 +248,38 @@ class _ToyOptions:
     factor: int = 2
 
 
-class _Toy(Builder[_ToyOptions, np.ndarray]):
+class _Toy(Builder[_ToyOptions, None, None, torch.Tensor]):
     """A builder that is not built in: ``factor * seq_lens`` (int32, device)."""
 
     name = "toy_scaled_seq_lens"
     options_type = _ToyOptions
     metadata_type = torch.Tensor
 
-    def stage(self, common: StagedCommon, step: Step, options: _ToyOptions | None = None,
-              **inputs: Any) -> Staged[None, Any]:
-        opts = self.options(options)
-        step.stage(opts.prefix + ".scaled", common.host.seq_lens_cpu * opts.factor)
-        return Staged(step, None, lambda: step.device(opts.prefix + ".scaled"))
-
-    def reference(self, spec: BatchSpec, options: _ToyOptions, device: torch.device,
-                  **inputs: Any) -> dict[str, Any]:
-        from attnmeta.testing.reference import ref_common_fields
-
-        return {"scaled": ref_common_fields(spec, device)["seq_lens"] * options.factor}
+    def derive(self, common: StagedCommon, step: Step, options: _ToyOptions, inputs: None) -> Staged[None, Any]:
+        step.stage(options.prefix + ".scaled", common.host.seq_lens_cpu * options.factor)
+        return Staged(step, None, lambda: step.device(options.prefix + ".scaled"))
 
 
-def test_a_new_builder_is_benchmarked_against_its_reference() -> None:
-    cases = builder_cases(_Toy(), torch.device("cpu"), quick=True)
+def _toy_reference(spec: BatchSpec, options: _ToyOptions, device: torch.device, inputs: None) -> dict[str, Any]:
+    from attnmeta.testing.reference import ref_common_fields
+
+    return {"scaled": ref_common_fields(spec, device)["seq_lens"] * options.factor}
+
+
+@pytest.fixture
+def toy() -> Iterator[_Toy]:
+    """The toy builder, registered with a lab reference for the test (and removed afterwards)."""
+    b = attnmeta.register(_Toy())
+    register_lab(b.name, reference=_toy_reference)
+    try:
+        yield b
+    finally:
+        unregister_lab(b.name)
+        attnmeta.unregister(b.name)
+
+
+def test_a_new_builder_is_benchmarked_against_its_reference(toy: _Toy) -> None:
+    cases = builder_cases(toy, torch.device("cpu"), quick=True)
     assert [(c.scenario, c.batch, list(c.paths)) for c in cases] == [
         ("builder:toy_scaled_seq_lens", 4, ["attnmeta", "reference"]),
         ("builder:toy_scaled_seq_lens", 32, ["attnmeta", "reference"])]
@@ -283,14 +294,15 @@ def test_a_new_builder_is_benchmarked_against_its_reference() -> None:
     # The attnmeta path builds the builder's metadata through the generic attnmeta.build.
     spec = BatchSpec(num_computed_tokens=[5, 0], num_scheduled_tokens=[1, 3], block_table=[[1, 2], [3, 4]],
                      block_size=4)
-    assert attnmeta.build(spec, attnmeta.Stager("cpu"), _Toy()).tolist() == [12, 6]
+    assert attnmeta.build(spec, attnmeta.Stager("cpu"), toy).tolist() == [12, 6]
+    assert [list(c.paths) for c in builder_cases(_Toy(), torch.device("cpu"), quick=True)] == [["attnmeta"]] * 2
 
 
 def test_a_builder_whose_defaults_it_cannot_serve_is_named() -> None:
     class Picky(_Toy):
         name = "picky"
 
-        def unsupported_reasons(self, spec: BatchSpec, options: _ToyOptions, **inputs: Any) -> list[str]:
+        def unsupported_reasons(self, spec: BatchSpec, options: _ToyOptions, inputs: None) -> list[str]:
             return ["no prefills, please"] if spec.max_query_len > 1 else []
 
     with pytest.raises(ValueError, match=r"builder:picky: the builder's defaults\(\) cannot serve .*no prefills"):

@@ -179,6 +179,7 @@ import numpy as np
 import attnmeta
 from attnmeta import Stager, StaticProfile, _numba
 from attnmeta.backends.fused import FusedStepBuilder
+from attnmeta.testing.lab import lab
 from attnmeta.testing.workloads import KINDS, random_spec
 
 report = attnmeta.warmup(progress=False)
@@ -193,13 +194,13 @@ for seed in range(int(sys.argv[1])):
     for name, builder in sorted(attnmeta.registry().items()):
         for kind in KINDS:
             spec = random_spec(rng, kind)
-            options, inputs = builder.sample(spec, rng)
-            if builder.unsupported_reasons(spec, options, **inputs):
+            options, inputs = lab(builder).sample(spec, rng)
+            if builder.unsupported_reasons(spec, builder.options(options), builder.inputs(inputs)):
                 continue
             graph = Stager("cpu", profile=dataclasses.replace(
                 profile, chunk_size=getattr(options, "chunk_size", profile.chunk_size)))
             for stager in (eager, graph):
-                builder.build(spec, stager, options, **inputs)
+                builder.build(spec, stager, options, inputs)
     fused = FusedStepBuilder(eager)
     for kind in KINDS:
         spec = random_spec(rng, kind)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import itertools
 import pkgutil
 import re
 import shutil
@@ -200,38 +201,50 @@ def test_private_names_stay_in_their_package() -> None:
     assert not bad, "private names used outside their package:\n" + "\n".join(bad)
 
 
-def _module_imports(tree: ast.Module, name: str, modules: set[str]) -> set[str]:
-    """attnmeta modules ``name`` imports when it is imported (module level, not under TYPE_CHECKING)."""
-    out: set[str] = set()
-
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue
-            if isinstance(node, ast.If | ast.Try):
-                visit([*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
-                       *[s for h in getattr(node, "handlers", []) for s in h.body]])
-            elif isinstance(node, ast.Import):
-                out.update(a.name for a in node.names if a.name in modules)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                subs = {f"{node.module}.{a.name}" for a in node.names} & modules
-                out.update(subs)
-                if node.module in modules and len(subs) < len(node.names):  # names of the module itself
-                    out.add(node.module)
-
-    visit(tree.body)
-    out.discard(name)
+def _module_imports(tree: ast.Module, name: str, modules: set[str]) -> dict[str, int]:
+    """Every attnmeta module ``name`` imports, wherever the import stands (module level, inside a
+    function, under ``TYPE_CHECKING``), with the line of its first import. ``from pkg import name``
+    imports the module ``pkg.name`` when there is one, else ``pkg``. A relative import is resolved
+    against ``name``'s package."""
+    out: dict[str, int] = {}
+    is_pkg = name in _PACKAGES
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".")
+                up = parts if is_pkg else parts[:-1]
+                up = up[: len(up) - (node.level - 1)]
+                base = ".".join([*up, *([base] if base else [])])
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+            targets = subs
+            if len(subs) < len(node.names):  # names of the module itself
+                targets.append(base)
+        for t in targets:
+            if t in modules and t != name:
+                out.setdefault(t, node.lineno)
     return out
 
 
-def test_no_import_circle() -> None:
-    """Importing any attnmeta module never re-enters a module being imported: the graph of
-    module-level imports between attnmeta modules has no cycle (imports inside functions and under
-    ``TYPE_CHECKING`` excepted). A package's ``__init__`` that imports its children closes a circle
-    as soon as a child imports names from that ``__init__``."""
+def _import_graph() -> dict[str, dict[str, int]]:
+    """attnmeta module -> {imported attnmeta module: line}, every import included."""
     files = {_module_name(f): f for f in PKG.rglob("*.py")}
     modules = set(files)
-    graph = {m: _module_imports(ast.parse(f.read_text()), m, modules) for m, f in files.items()}
+    return {m: _module_imports(ast.parse(f.read_text()), m, modules) for m, f in files.items()}
+
+
+_PACKAGES = {_module_name(f) for f in PKG.rglob("__init__.py")}
+
+
+def test_no_import_circle() -> None:
+    """The graph of every import between attnmeta modules has no cycle: module level, inside functions
+    and under ``TYPE_CHECKING`` alike (a function-level import that closes a circle still ties the two
+    modules together; DESIGN.md, "Imports run one way"). A package's ``__init__`` that imports its
+    children closes a circle as soon as a child imports names from that ``__init__``."""
+    graph = _import_graph()
     cycles: list[list[str]] = []
     state: dict[str, int] = {}
     path: list[str] = []
@@ -247,10 +260,51 @@ def test_no_import_circle() -> None:
         path.pop()
         state[m] = 2
 
-    for m in sorted(modules):
+    for m in sorted(graph):
         if m not in state:
             walk(m)
-    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    shown = [" -> ".join(f"{a} (line {graph[a][b]})" for a, b in itertools.pairwise(c)) for c in cycles]
+    assert not cycles, "import circles:\n" + "\n".join(shown)
+
+
+_PRODUCTION = ("attnmeta.backends", "attnmeta.host", "attnmeta.staging", "attnmeta.sync", "attnmeta.integrations")
+
+
+def _is_production(module: str) -> bool:
+    """The serving library: its builders, kernels, staging, the sync audit's mechanism, the adapters, and
+    the package's top-level modules (``attnmeta.spec``, ``attnmeta.common``, ``attnmeta/__init__``, ...)."""
+    top_level = module.count(".") == 1 and module.split(".")[1] not in ("testing", "bench")
+    return module == "attnmeta" or top_level or module in _PRODUCTION or module.startswith(
+        tuple(p + "." for p in _PRODUCTION))
+
+
+def test_production_never_imports_the_lab() -> None:
+    """Nothing in attnmeta.backends, .host, .staging, .sync, .integrations or the package's top-level
+    modules imports attnmeta.testing, anywhere in the module (DESIGN.md, "The builder layer": the lab is
+    a separate contract); and none of them but the command line (``__main__``) and the package's
+    ``attnmeta.warmup`` attribute imports attnmeta.bench (the library never imports its benchmarks; the
+    lab's commands live in the lab)."""
+    face = {"attnmeta", "attnmeta.__main__"}
+    bad = [f"{m} imports {n} (line {line})" for m, imports in sorted(_import_graph().items()) if _is_production(m)
+           for n, line in sorted(imports.items())
+           if n.startswith("attnmeta.testing") or (n.startswith("attnmeta.bench") and m not in face)]
+    assert not bad, "production code imports the lab:\n" + "\n".join(bad)
+
+
+def test_references_share_no_code_with_what_they_check() -> None:
+    """The references and lab entries (attnmeta.testing.reference, attnmeta.testing.labs) import nothing
+    from attnmeta.host or the builder modules but the builders' options and inputs types (and the
+    ``*Config`` types inside options): an oracle that shares a helper with the code under test cannot
+    catch that helper's bugs."""
+    bad = []
+    for f in sorted([*(PKG / "testing" / "reference").rglob("*.py"), *(PKG / "testing" / "labs").rglob("*.py")]):
+        m = _module_name(f)
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(("attnmeta.host", "attnmeta.backends")):
+                names = [a.name for a in node.names]
+                if not all(n.endswith(("Options", "Inputs", "Config")) for n in names):
+                    bad.append(f"{m}:{node.lineno}: from {node.module} import {', '.join(names)}")
+    assert not bad, "references that share code with the builders they check:\n" + "\n".join(bad)
 
 
 def test_long_modules_say_why() -> None:

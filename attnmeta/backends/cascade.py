@@ -9,7 +9,7 @@ host data, so attnmeta decides and derives on the host and stages the arrays wit
 
 The decision (:func:`attnmeta.host.cascade.cascade_prefix_len`, then
 :func:`attnmeta.host.cascade.use_cascade_attention` over the real requests): ``L`` is the shared blocks
-capped at the smallest ``num_computed_tokens`` and rounded down to a block; cascade runs if ``L >= 256``,
+(the step's :class:`CascadeInputs`, ``num_common_prefix_blocks``) capped at the smallest ``num_computed_tokens`` and rounded down to a block; cascade runs if ``L >= 256``,
 at least 8 requests, no ALiBi / sliding window / local attention / DCP, and (for flash-decoding batches)
 the cost model prefers it. A step with CUDA-graph padding rows never cascades (vLLM turns full graphs
 off for cascade steps).
@@ -55,10 +55,18 @@ from attnmeta.builder import Builder, register
 from attnmeta.host.cascade import cascade_arrays, cascade_prefix_len, use_cascade_attention
 from attnmeta.host.paged import num_pages, paged_kv_layout
 from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
-from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Step
 
-__all__ = ["CASCADE", "CascadeBuilder", "CascadeHost", "CascadeInputs", "CascadeMetadata", "CascadeOptions", "build", "stage"]
+__all__ = [
+    "CASCADE",
+    "CascadeBuilder",
+    "CascadeHost",
+    "CascadeInputs",
+    "CascadeMetadata",
+    "CascadeOptions",
+    "build",
+    "stage",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -274,47 +282,6 @@ class CascadeBuilder(Builder[CascadeOptions, CascadeInputs, CascadeHost, Cascade
             Graph mode: a capacity of the profile is exceeded.
         """
         return _stage(common, step, options, inputs.num_common_prefix_blocks)
-
-    def defaults(self, spec: BatchSpec) -> tuple[CascadeOptions, dict[str, Any]]:
-        """An H100-like device (132 SMs), 32 query and 8 KV heads, no shared prefix."""
-        return CascadeOptions(num_query_heads=32, num_kv_heads=8, num_sms=132), {"num_common_prefix_blocks": 0}
-
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[CascadeOptions, dict[str, Any]]:
-        """8 query heads, 1 or 8 KV heads, 132 SMs, and a block count the requests' rows bear out: up
-        to the leading columns every real row shares, or any of 0-63 when the smallest context caps
-        the prefix within them."""
-        opts = CascadeOptions(num_query_heads=8, num_kv_heads=int(rng.choice([1, 8])), num_sms=132)
-        n, bs = spec.num_reqs, spec.block_size
-        cap = int(spec.num_computed_tokens.min()) // bs if n else 0  # prefix columns the cap allows
-        head = spec.block_table[:n, :cap]
-        differ = (head != head[:1]).any(axis=0)
-        shared = int(np.argmax(differ)) if differ.any() else cap  # leading columns every row shares
-        top = 63 if shared == cap else shared
-        return opts, {"num_common_prefix_blocks": int(rng.integers(0, top + 1))}
-
-    def reference(self, spec: BatchSpec, options: CascadeOptions, device: torch.device,
-                  **inputs: Any) -> dict[str, Any]:
-        """The decision and the prefix arrays the pre-removal vLLM builders made (``torch.all`` +
-        ``bool`` for the decision, ``torch.tensor(list, device)`` uploads)."""
-        from attnmeta.testing.reference import (
-            ref_cascade_arrays,
-            ref_common_fields,
-            ref_use_cascade_attention,
-        )
-
-        f = ref_common_fields(spec, device)
-        qsl, sl = f["query_start_loc"], f["seq_lens"]
-        length = cascade_prefix_len(int(inputs.get("num_common_prefix_blocks", 0)), spec.block_size,
-                                    spec.num_computed_tokens)
-        q = (qsl[1:] - qsl[:-1])[: spec.num_reqs]
-        use = spec.padded_num_reqs == spec.num_reqs and ref_use_cascade_attention(
-            length, q, options.num_query_heads, options.num_kv_heads, options.use_alibi, options.use_sliding_window,
-            options.use_local_attention, options.num_sms, options.dcp_world_size)
-        if not use:
-            return {"use_cascade": False, "common_prefix_len": 0}
-        arrays = ref_cascade_arrays(length, sl, spec.padded_num_tokens, spec.block_size,
-                                    torch.from_numpy(spec.block_table).to(device))
-        return {"use_cascade": True, "common_prefix_len": length, **{k: v for k, v in arrays.items() if v is not None}}
 
 
 def _stage(common: StagedCommon, step: Step, options: CascadeOptions,

@@ -3,7 +3,8 @@
 With ``kv_sharing_fast_prefill``, the layers that reuse an earlier layer's KV cache compute only the
 tokens whose logits are needed. Their attention runs a decode-like batch: row ``i`` holds the ``cnt_i``
 logits positions of request ``i`` (its last tokens), aligned to the end of its full ``seq_lens[i]``-long
-KV. This module turns the step's common metadata plus the host logits indices into that batch.
+KV. This module turns the step's common metadata plus the host logits indices (the step's
+:class:`FastPrefillInputs`) into that batch.
 
 vLLM 0.33.0 derives the new ``query_start_loc`` on the device (``bucketize`` + ``scatter_add_`` +
 ``cumsum``) and takes its host twin from a non-blocking D2H copy that is still queued when builders read
@@ -59,7 +60,7 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -71,11 +72,18 @@ from attnmeta.backends._shared import alloc_indptr
 from attnmeta.builder import Builder, register
 from attnmeta.host.fast_prefill import fast_prefill_query_start_loc, max_logits_per_req, pad_logits_indices
 from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
-from attnmeta.spec import BatchSpec
 from attnmeta.staging import CapacityError, Staged, Step
 
-__all__ = ["FAST_PREFILL", "FastPrefillBuilder", "FastPrefillHost", "FastPrefillInputs", "FastPrefillMetadata", "FastPrefillOptions",
-           "build", "stage"]
+__all__ = [
+    "FAST_PREFILL",
+    "FastPrefillBuilder",
+    "FastPrefillHost",
+    "FastPrefillInputs",
+    "FastPrefillMetadata",
+    "FastPrefillOptions",
+    "build",
+    "stage",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,7 +125,8 @@ class FastPrefillMetadata(MetadataBase):
     >>> from attnmeta import BatchSpec, Stager
     >>> spec = BatchSpec(num_computed_tokens=[26, 26, 32], num_scheduled_tokens=[15, 5, 8],
     ...                  block_table=np.arange(9, dtype=np.int32).reshape(3, 3), block_size=16)
-    >>> fp = build(spec, Stager("cpu"), logits_indices=np.array([14, 18, 19, 27]), num_logits_padded=5)
+    >>> fp = build(spec, Stager("cpu"), None,
+    ...            FastPrefillInputs(logits_indices=np.array([14, 18, 19, 27]), num_logits_padded=5))
     >>> fp.applied, fp.common.query_start_loc_cpu, fp.common.query_start_loc
     (True, array([0, 1, 3, 4], dtype=int32), tensor([0, 1, 3, 4], dtype=torch.int32))
     >>> fp.common.num_actual_tokens, fp.common.max_query_len, fp.common.seq_lens_cpu
@@ -184,7 +193,7 @@ class FastPrefillBuilder(Builder[FastPrefillOptions, FastPrefillInputs, FastPref
     >>> from attnmeta import BatchSpec, Stager
     >>> spec = BatchSpec(num_computed_tokens=[4, 9], num_scheduled_tokens=[1, 1],
     ...                  block_table=[[1, 2], [3, 4]], block_size=8)
-    >>> fp = build(spec, Stager("cpu"), inputs=FastPrefillInputs(logits_indices=[0, 1]))
+    >>> fp = build(spec, Stager("cpu"), None, FastPrefillInputs(logits_indices=[0, 1]))
     >>> fp.applied, fp.common.query_start_loc_cpu, fp.logits_indices_padded_cpu
     (False, array([0, 1, 2], dtype=int32), array([0, 1], dtype=int32))
     """
@@ -290,48 +299,6 @@ class FastPrefillBuilder(Builder[FastPrefillOptions, FastPrefillInputs, FastPref
             )
 
         return _wrap(step, StagedCommon(step, fast_host, make_common), li_padded, p, L, applied=True)
-
-    def defaults(self, spec: BatchSpec) -> tuple[FastPrefillOptions, dict[str, Any]]:
-        """The logits of each scheduled request's last token (the plain sampling case)."""
-        ends = np.cumsum(spec.num_scheduled_tokens, dtype=np.int64)
-        last = (ends - 1)[spec.num_scheduled_tokens > 0].astype(np.int32)
-        return FastPrefillOptions(), ({"logits_indices": last} if last.size else {})
-
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[FastPrefillOptions, dict[str, Any]]:
-        """The last 1-3 tokens of each request as logits indices, padded by 0-3 entries."""
-        q = spec.num_scheduled_tokens.astype(np.int64)
-        ends = np.cumsum(q)
-        cnt = np.minimum(rng.integers(1, 4, q.shape[0]), q)  # the last cnt_i tokens of each request
-        starts = np.cumsum(cnt) - cnt
-        li = (np.repeat(ends - cnt, cnt) + np.arange(int(cnt.sum())) - np.repeat(starts, cnt)).astype(np.int32)
-        if not li.size:
-            return FastPrefillOptions(), {}
-        return FastPrefillOptions(), {"logits_indices": li, "num_logits_padded": li.shape[0] + int(rng.integers(0, 4))}
-
-    def reference(self, spec: BatchSpec, options: FastPrefillOptions, device: torch.device,
-                  **inputs: Any) -> dict[str, Any]:
-        """The fast batch's query starts, the padded logits indices and the scalars, computed the
-        reference way (vLLM's device bucketize / scatter_add / cumsum, ``.item()`` for the maxima)."""
-        from attnmeta.testing.reference import (
-            ref_common_fields,
-            ref_fast_prefill_query_start_loc,
-            ref_max_logits_per_req,
-            ref_pad_logits_indices,
-        )
-
-        qsl = ref_common_fields(spec, device)["query_start_loc"]
-        li = inputs.get("logits_indices")
-        if li is None:
-            return {"applied": False, "num_logits_indices": None, "query_start_loc": qsl}
-        li_t = torch.from_numpy(np.asarray(li, np.int32)).to(device)
-        n_pad = inputs.get("num_logits_padded") or li_t.shape[0]
-        applied = spec.max_query_len != 1
-        fqsl = ref_fast_prefill_query_start_loc(qsl, li_t) if applied else qsl
-        return {
-            "applied": applied, "num_logits_indices": int(li_t.shape[0]), "query_start_loc": fqsl,
-            "logits_indices_padded": ref_pad_logits_indices(li_t, int(n_pad)),
-            "max_query_len": ref_max_logits_per_req(fqsl) if applied else spec.max_query_len,
-        }
 
 
 def _wrap(

@@ -24,7 +24,8 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Hashable
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -32,9 +33,9 @@ import torch
 
 from attnmeta._checks import check_option_fields, option_rule, reject_tensor
 from attnmeta._fields import MetadataBase, keyword_factory
-from attnmeta.builder import Builder, register
+from attnmeta.builder import Builder, Replayer, register
 from attnmeta.host.flash_attn import causal_per_request, dcp_context_kv_lens, max_dcp_context_kv_len
-from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Step
 
@@ -200,6 +201,69 @@ class FlashAttentionInputs:
     as an int32 device array (padding rows 1); overrides ``FlashAttentionOptions.causal``."""
 
 
+_View = tuple[np.ndarray, np.ndarray, str]
+"""A staged field of the builder's own: its writable host view, the read-only view handed out, its name."""
+
+
+def _write_dcp(h: CommonHost, opts: FlashAttentionOptions, out: np.ndarray) -> None:
+    """This rank's share of every row's context, into ``out`` (``(num_reqs,)`` int32)."""
+    dcp_context_kv_lens(h.seq_lens_cpu, np.diff(h.query_start_loc_cpu).astype(np.int32), opts.dcp_world_size,
+                        opts.dcp_rank, opts.dcp_interleave, out=out)
+
+
+def _write_causal(h: CommonHost, flags: Any, out: np.ndarray) -> None:
+    """The step's causal flag of every real request into ``out`` (``(num_reqs,)`` int32, padding rows 1)."""
+    reject_tensor(flags, "causal")  # host data only: a device tensor here would mean a sync
+    flags = np.asarray(flags)
+    n_real = h.num_real_reqs
+    if flags.shape != (n_real,):
+        raise ValueError(f"causal: expected one flag per real request ({n_real}), got shape {flags.shape}")
+    causal_per_request(flags, out=out[:n_real])
+    out[n_real:] = 1  # padding rows: causal
+
+
+def _metadata(cm: CommonAttentionMetadata, h: CommonHost, opts: FlashAttentionOptions,
+              dcp: tuple[torch.Tensor, np.ndarray] | None,
+              causal: tuple[torch.Tensor, np.ndarray] | None) -> FlashAttentionMetadata:
+    """The step's FlashAttention metadata from its common metadata and host part, and the device and
+    read-only host views of the builder's own staged fields (after the commit): every value a step
+    changes is computed here, for a staged and a replayed step alike."""
+    split = h.split(opts.decode_threshold)
+    if causal is not None:
+        is_causal = bool(causal[1].all())
+    else:
+        is_causal = h.causal if opts.causal is None else opts.causal
+    W = opts.dcp_world_size
+    return _make_fa(
+        common=cm, query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,
+        block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping,
+        dcp_context_kv_lens=dcp[0] if dcp is not None else None,
+        causal_tensor=causal[0] if causal is not None else None,
+        query_start_loc_cpu=cm.query_start_loc_cpu, seq_lens_cpu=cm.seq_lens_cpu,
+        dcp_context_kv_lens_cpu=dcp[1] if dcp is not None else None,
+        causal_cpu=causal[1] if causal is not None else None, num_actual_tokens=cm.num_actual_tokens,
+        max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len, causal=is_causal,
+        num_decode_reqs=split.num_decodes, num_prefill_reqs=split.num_prefills,
+        num_decode_tokens=split.num_decode_tokens, num_prefill_tokens=split.num_prefill_tokens,
+        max_dcp_context_kv_len=max_dcp_context_kv_len(h.max_seq_len, W, opts.dcp_interleave) if W > 1 else 0,
+        max_num_splits=opts.max_num_splits,
+    )
+
+
+def _views(step: Step, field: _View | None) -> tuple[torch.Tensor, np.ndarray] | None:
+    """The device and read-only host views of an own field of a committed step."""
+    return None if field is None else (step.device(field[2]), field[1])
+
+
+def _own_field(step: Step, name: str, rows: int, fill: int) -> _View:
+    """Stage an int32 field of ``rows`` rows (graph mode: at the profile's request capacity)."""
+    prof = step.profile
+    w = step.alloc(name, rows, np.int32, fill=fill, capacity=prof.max_num_reqs if prof is not None else None)
+    ro = w.view()
+    ro.flags.writeable = False  # the step's own view: handed out read-only
+    return w, ro, name
+
+
 class FlashAttentionBuilder(Builder[FlashAttentionOptions, FlashAttentionInputs, None, FlashAttentionMetadata]):
     """The FlashAttention builder (:data:`FLASH_ATTN`)."""
 
@@ -235,55 +299,16 @@ class FlashAttentionBuilder(Builder[FlashAttentionOptions, FlashAttentionInputs,
         TypeError
             ``causal`` flags that are a torch tensor or not bool / integer.
         """
-        opts = options
         h = common.host
-        split = h.split(opts.decode_threshold)
-        flags = inputs.causal
-        causal = h.causal if opts.causal is None else opts.causal
-        dcp_name = causal_name = ""
-        dcp_host = causal_host = None
-        max_dcp = 0
-        B = h.num_reqs
-        p = opts.prefix + "."
-        prof = step.profile
-        cap = prof.max_num_reqs if prof is not None else None
-        if opts.dcp_world_size > 1:
-            dcp_name = p + "dcp_context_kv_lens"
-            dcp_host = step.alloc(dcp_name, B, np.int32, fill=0, capacity=cap)
-            dcp_context_kv_lens(h.seq_lens_cpu, np.diff(h.query_start_loc_cpu).astype(np.int32), opts.dcp_world_size,
-                                opts.dcp_rank, opts.dcp_interleave, out=dcp_host)
-            max_dcp = max_dcp_context_kv_len(h.max_seq_len, opts.dcp_world_size, opts.dcp_interleave)
-            dcp_host.flags.writeable = False  # this step's own view: handed out read-only
-        if flags is not None:
-            reject_tensor(flags, "causal")  # host data only: a device tensor here would mean a sync
-            flags = np.asarray(flags)
-            n_real = h.num_real_reqs
-            if flags.shape != (n_real,):
-                raise ValueError(f"causal: expected one flag per real request ({n_real}), got shape {flags.shape}")
-            causal_name = p + "causal"
-            causal_host = step.alloc(causal_name, B, np.int32, fill=1, capacity=cap)
-            causal_per_request(flags, out=causal_host[:n_real])
-            causal_host[n_real:] = 1  # padding rows: causal
-            causal = bool(causal_host.all())
-            causal_host.flags.writeable = False
-        max_splits = opts.max_num_splits
-
-        def make() -> FlashAttentionMetadata:
-            cm = common.result()
-            return _make_fa(
-                common=cm, query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,
-                block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping,
-                dcp_context_kv_lens=step.device(dcp_name) if dcp_host is not None else None,
-                causal_tensor=step.device(causal_name) if causal_host is not None else None,
-                query_start_loc_cpu=cm.query_start_loc_cpu, seq_lens_cpu=cm.seq_lens_cpu,
-                dcp_context_kv_lens_cpu=dcp_host, causal_cpu=causal_host, num_actual_tokens=cm.num_actual_tokens,
-                max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len, causal=causal,
-                num_decode_reqs=split.num_decodes, num_prefill_reqs=split.num_prefills,
-                num_decode_tokens=split.num_decode_tokens, num_prefill_tokens=split.num_prefill_tokens,
-                max_dcp_context_kv_len=max_dcp, max_num_splits=max_splits,
-            )
-
-        return Staged(step, None, make)
+        p = options.prefix + "."
+        dcp = causal = None
+        if options.dcp_world_size > 1:
+            dcp = _own_field(step, p + "dcp_context_kv_lens", h.num_reqs, 0)
+            _write_dcp(h, options, dcp[0])
+        if inputs.causal is not None:
+            causal = _own_field(step, p + "causal", h.num_reqs, 1)
+            _write_causal(h, inputs.causal, causal[0])
+        return _Staged(step, None, common, h, options, dcp, causal)
 
     def unsupported_reasons(self, spec: BatchSpec, options: FlashAttentionOptions,
                             inputs: FlashAttentionInputs) -> list[str]:
@@ -292,6 +317,51 @@ class FlashAttentionBuilder(Builder[FlashAttentionOptions, FlashAttentionInputs,
         if flags is not None and np.shape(flags) != (spec.num_reqs,):
             return [f"causal: expected one flag per real request ({spec.num_reqs}), got shape {np.shape(flags)}"]
         return []
+
+    def replay_key(self, spec: BatchSpec, options: FlashAttentionOptions, inputs: FlashAttentionInputs) -> Hashable:
+        """Whether the step has per-request causal flags (the only field the options do not fix)."""
+        return inputs.causal is not None
+
+    def replayer(self, staged: Staged[None, FlashAttentionMetadata], common: StagedCommon, step: Step,
+                 options: FlashAttentionOptions, inputs: FlashAttentionInputs) -> _Replayer:
+        """Replays keep the recorded step's own fields (the DCP lengths, the causal flags) and rewrite them."""
+        assert isinstance(staged, _Staged)
+        return _Replayer(step, options, staged.dcp, staged.causal)
+
+
+class _Staged(Staged[None, FlashAttentionMetadata]):
+    """A staged step's FlashAttention part: what :func:`_metadata` needs after the commit."""
+
+    __slots__ = ("causal", "dcp")
+
+    def __init__(self, step: Step, host: None, common: StagedCommon, h: CommonHost, options: FlashAttentionOptions,
+                 dcp: _View | None, causal: _View | None) -> None:
+        super().__init__(step, host, lambda: _metadata(common.result(), h, options, _views(step, dcp),
+                                                       _views(step, causal)))
+        self.dcp, self.causal = dcp, causal
+
+
+class _Replayer(Replayer[FlashAttentionInputs, FlashAttentionMetadata]):
+    """Replays of a FlashAttention layout: rewrite the own fields, make the metadata (:func:`_metadata`).
+
+    It keeps the recorded step's views of the own fields: a replay stages them at the same places of
+    the same slot (the device views name the same bytes)."""
+
+    __slots__ = ("causal", "causal_views", "dcp", "dcp_views", "options")
+
+    def __init__(self, step: Step, options: FlashAttentionOptions, dcp: _View | None, causal: _View | None) -> None:
+        self.options, self.dcp, self.causal = options, dcp, causal
+        self.dcp_views, self.causal_views = _views(step, dcp), _views(step, causal)
+
+    def rewrite(self, step: Step, host: CommonHost, inputs: FlashAttentionInputs) -> None:
+        if self.dcp is not None:
+            _write_dcp(host, self.options, self.dcp[0])
+        if self.causal is not None:
+            _write_causal(host, inputs.causal, self.causal[0])
+
+    def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
+               inputs: FlashAttentionInputs) -> FlashAttentionMetadata:
+        return _metadata(common, host, self.options, self.dcp_views, self.causal_views)
 
 
 FLASH_ATTN = register(FlashAttentionBuilder())

@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable, Hashable
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -91,12 +92,12 @@ import torch
 
 from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import MetadataBase, keyword_factory
-from attnmeta.builder import Builder, CommonNeeds, register
+from attnmeta.builder import Builder, CommonNeeds, Replayer, register
 from attnmeta.common import stage_paged_kv
 from attnmeta.host.flash_attn import dcp_context_kv_lens
 from attnmeta.host.paged import prefill_qo_indptr
 from attnmeta.host.split import SplitCounts
-from attnmeta.metadata import CommonAttentionMetadata, PagedKVMetadata, StagedCommon
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Step
 
@@ -371,6 +372,57 @@ def _gather_indices(
     return out[:total]
 
 
+_QsRows = Callable[[int], tuple[torch.Tensor, np.ndarray]]
+"""``rows -> (device, host)`` views of the first ``rows`` entries of the common ``query_start_loc``."""
+
+
+def _own_views(step: Step, name: str, qo: tuple[str, np.ndarray] | None
+               ) -> tuple[torch.Tensor, np.ndarray] | None:
+    """The device and host views of the staged prefill query indptr (graph mode: its whole buffer)."""
+    if qo is None:
+        return None
+    return (step.device_full(name) if step.profile is not None else step.device(name)), qo[1]
+
+
+def _metadata(cm: CommonAttentionMetadata, pk: PagedKVMetadata, h: CommonHost, opts: FlashInferOptions,
+              split: SplitCounts, kv: torch.Tensor, kv_cpu: np.ndarray, qo: tuple[torch.Tensor, np.ndarray] | None,
+              rows: _QsRows, max_kv: int) -> FlashInferMetadata:
+    """The step's FlashInfer metadata after the commit, from its split and the views of its fields:
+    every value a step changes is computed here, for a staged and a replayed step alike."""
+    qsl = h.query_start_loc_cpu
+    B = h.num_reqs
+    D, P = split.num_decodes, split.num_prefills
+    if D == B:
+        mdq, mpq = h.max_query_len, 0
+    elif D == 0:
+        mdq, mpq = 0, h.max_query_len
+    else:
+        mdq, mpq = _max_query(qsl, 0, D), _max_query(qsl, D, B)
+    qd = cm.query_start_loc
+    if qo is not None:  # the staged prefill indptr: graph mode its whole buffer, eager mode its P + 1 rows
+        qo_d, qo_h = qo[0][: P + 1], qo[1][: P + 1]
+        qo_h = qo_h.view()
+        qo_h.flags.writeable = False
+    elif P == 0:
+        qo_d, qo_h = rows(1)
+    else:
+        qo_d, qo_h = qd, qsl
+    return _make_fi(
+        common=cm, paged=pk, kv_lens=kv, qo_indptr_decode=qd if D == B else rows(D + 1)[0], qo_indptr_prefill=qo_d,
+        kv_lens_cpu=kv_cpu, qo_indptr_decode_cpu=qsl if D == B else qsl[: D + 1], qo_indptr_prefill_cpu=qo_h,
+        num_decodes=D, num_prefills=P, num_decode_tokens=split.num_decode_tokens,
+        num_prefill_tokens=split.num_prefill_tokens, max_decode_query_len=mdq, max_prefill_query_len=mpq,
+        max_kv_len=max_kv, causal=bool(opts.causal), indices=opts.indices,
+    )
+
+
+def _split(h: CommonHost, opts: FlashInferOptions) -> SplitCounts:
+    """The step's decode/prefill split (every row a prefill row without causal attention)."""
+    if opts.causal:
+        return h.split(opts.decode_threshold, opts.require_uniform)
+    return SplitCounts(0, h.num_reqs, 0, h.num_actual_tokens)
+
+
 class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInferMetadata]):
     """The FlashInfer builder (:data:`FLASHINFER`).
 
@@ -427,11 +479,8 @@ class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInfer
         opts = options
         h = common.host
         qsl = h.query_start_loc_cpu
-        B, T, page = h.num_reqs, h.num_actual_tokens, h.block_size
-        if opts.causal:
-            split = h.split(opts.decode_threshold, opts.require_uniform)
-        else:
-            split = SplitCounts(0, B, 0, T)
+        B, page = h.num_reqs, h.block_size
+        split = _split(h, opts)
         D, P = split.num_decodes, split.num_prefills
         p = opts.prefix + "."
         prof = step.profile
@@ -453,33 +502,17 @@ class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInfer
             paged = stage_paged_kv(step, opts.prefix, kv, h.block_table_cpu, page, host_indices=host_indices)
         # The prefill rows' query indptr, rebased to 0. Graph mode: its own fixed buffer, always
         # written. Eager mode: staged only when both parts have rows (else a view of query_start_loc).
-        qo_name = ""
+        qo: tuple[str, np.ndarray] | None = None
         if prof is not None:
-            qo_name = p + "qo_indptr_prefill"
-            qo_full = step.alloc(qo_name, prof.max_num_reqs + 1, np.int32, capacity=prof.max_num_reqs + 1)
-            prefill_qo_indptr(qsl, D, out=qo_full)
-            qo_ro = qo_full[: P + 1]
-            qo_ro.flags.writeable = False
-        elif P == 0:
-            qo_ro = qsl[:1]
-        elif D == 0:
-            qo_ro = qsl
-        else:
-            qo_name = p + "qo_indptr_prefill"
-            qo = step.alloc(qo_name, P + 1, np.int32)
-            np.subtract(qsl[D : B + 1], qsl[D], out=qo)
-            qo.flags.writeable = False
-            qo_ro = qo
-        if D == B:
-            mdq, mpq = h.max_query_len, 0
-        elif D == 0:
-            mdq, mpq = 0, h.max_query_len
-        else:
-            mdq, mpq = _max_query(qsl, 0, D), _max_query(qsl, D, B)
-        qo_dec_ro = qsl if D == B else qsl[: D + 1]
-        causal = bool(opts.causal)
-        mode = opts.indices
+            qo = (p + "qo_indptr_prefill", step.alloc(p + "qo_indptr_prefill", prof.max_num_reqs + 1, np.int32,
+                                                      capacity=prof.max_num_reqs + 1))
+            prefill_qo_indptr(qsl, D, out=qo[1])
+        elif D and P:
+            qo = (p + "qo_indptr_prefill", step.alloc(p + "qo_indptr_prefill", P + 1, np.int32))
+            np.subtract(qsl[D : B + 1], qsl[D], out=qo[1])
+        kv_host = kv
         paged_part = paged
+        qo_name = qo[0] if qo is not None else ""
 
         def make() -> FlashInferMetadata:
             cm = common.result()
@@ -488,23 +521,33 @@ class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInfer
                 fixed = step.device_full(p + "paged_kv_indices") if graph else None
                 pk = dataclasses.replace(
                     pk, paged_kv_indices=_gather_indices(pk.paged_kv_indptr, cm.block_table_tensor, pk.num_pages, fixed))
-            qd = cm.query_start_loc
-            if qo_name:
-                qo_d = step.device(qo_name)
-                if graph:
-                    qo_d = qo_d[: P + 1]
-            else:
-                qo_d = common.query_start_loc_rows(1)[0] if P == 0 else qd
-            return _make_fi(
-                common=cm, paged=pk, kv_lens=step.device(kv_name) if kv_name else cm.seq_lens,
-                qo_indptr_decode=qd if D == B else common.query_start_loc_rows(D + 1)[0], qo_indptr_prefill=qo_d,
-                kv_lens_cpu=kv, qo_indptr_decode_cpu=qo_dec_ro, qo_indptr_prefill_cpu=qo_ro, num_decodes=D,
-                num_prefills=P, num_decode_tokens=split.num_decode_tokens,
-                num_prefill_tokens=split.num_prefill_tokens, max_decode_query_len=mdq, max_prefill_query_len=mpq,
-                max_kv_len=mkv, causal=causal, indices=mode,
-            )
+            return _metadata(cm, pk, h, opts, split, step.device(kv_name) if kv_name else cm.seq_lens, kv_host,
+                             _own_views(step, qo_name, qo), common.query_start_loc_rows, mkv)
 
-        return Staged(step, split, make)
+        return _Staged(step, split, make, qo)
+
+    def replay_key(self, spec: BatchSpec, options: FlashInferOptions, inputs: None) -> Hashable | None:
+        """Steps whose fields do not depend on their split: every row a decode row, or every row a
+        prefill row (in graph mode, where the prefill query indptr is a fixed buffer, any split); with
+        the page table from the common pass (no DCP, host-side indices). Else None: composed."""
+        if options.dcp_world_size != 1 or options.indices != "host":
+            return None
+        if not options.causal:
+            return "prefill"
+        thr = options.decode_threshold
+        if spec.max_query_len <= thr and (not options.require_uniform or thr <= 1):
+            return "decode"
+        if spec.num_reqs and int(spec.num_scheduled_tokens[0]) > thr:
+            return "prefill"
+        return None if spec.num_reqs_padded is None else "mixed"  # (the graph-mode buffer; else composed)
+
+    def replayer(self, staged: Staged[SplitCounts, FlashInferMetadata], common: StagedCommon, step: Step,
+                 options: FlashInferOptions, inputs: None) -> _Replayer | None:
+        """Replays of the layouts :meth:`replay_key` names (graph mode rewrites the prefill query indptr)."""
+        assert isinstance(staged, _Staged)
+        if common.paged is None or (staged.qo is not None and step.profile is None):
+            return None  # (eager mode stages the prefill indptr only for mixed steps, never replayed)
+        return _Replayer(step, options, staged.qo)
 
     def unsupported_reasons(self, spec: BatchSpec, options: FlashInferOptions, inputs: None) -> list[str]:
         """A context-parallel spec whose world size is not the options' ``dcp_world_size`` (its table's
@@ -515,52 +558,49 @@ class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInfer
                     f"{options.dcp_world_size}: set dcp_world_size (and dcp_rank) to the spec's layout"]
         return []
 
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[FlashInferOptions, dict[str, Any]]:
-        """Random thresholds, uniformity, gather location, and DCP on about a third of the draws."""
-        if rng.random() < 0.5:
-            return FlashInferOptions(), {}
-        dcp = rng.random() < 0.3
-        return FlashInferOptions(
-            decode_threshold=int(rng.integers(1, 5)), require_uniform=bool(rng.random() < 0.5),
-            indices="device" if rng.random() < 0.5 else "host", dcp_world_size=2 if dcp else 1,
-            dcp_rank=int(rng.integers(0, 2)) if dcp else 0,
-        ), {}
 
-    def reference(self, spec: BatchSpec, options: FlashInferOptions, device: torch.device,
-                  **inputs: Any) -> dict[str, Any]:
-        """The split, the KV lengths and the page table, computed the reference way on ``device``."""
-        from attnmeta.testing.reference import (
-            ref_common_fields,
-            ref_dcp_context_kv_lens,
-            ref_paged_kv_indices,
-            ref_paged_kv_indptr,
-            ref_paged_kv_last_page_len,
-            ref_split_decodes_and_prefills,
-        )
+class _Staged(Staged[SplitCounts, FlashInferMetadata]):
+    """A staged FlashInfer step: its split, and its own prefill query indptr (for a replayer)."""
 
-        f = ref_common_fields(spec, device)
-        qsl, sl = f["query_start_loc"], f["seq_lens"]
-        rows, tokens = spec.padded_num_reqs, spec.padded_num_tokens
-        if options.causal:
-            split = ref_split_decodes_and_prefills(qsl, tokens, spec.max_query_len, options.decode_threshold,
-                                                   options.require_uniform)
-        else:
-            split = (0, rows, 0, tokens)
-        d = split[0]
-        W = options.dcp_world_size
-        kv = ref_dcp_context_kv_lens(qsl, sl, W, options.dcp_rank, options.dcp_interleave, num_decodes=d) \
-            if W > 1 else sl
-        padded_table = np.zeros((spec.padded_num_reqs, spec.block_table.shape[1]), np.int32)
-        padded_table[: spec.num_reqs] = spec.block_table[: spec.num_reqs]  # padding rows: no pages
-        table = torch.from_numpy(padded_table).to(device)
-        page = spec.block_size
-        return {
-            "num_decodes": split[0], "num_prefills": split[1], "num_decode_tokens": split[2],
-            "num_prefill_tokens": split[3], "paged_kv_indptr": ref_paged_kv_indptr(kv, page),
-            "paged_kv_indices": ref_paged_kv_indices(table, kv, page),
-            "paged_kv_last_page_len": ref_paged_kv_last_page_len(kv, page), "kv_lens": kv,
-            "qo_indptr_decode": qsl[: d + 1], "qo_indptr_prefill": qsl[d:] - qsl[d],
-        }
+    __slots__ = ("qo",)
+
+    def __init__(self, step: Step, split: SplitCounts, make: Callable[[], FlashInferMetadata],
+                 qo: tuple[str, np.ndarray] | None) -> None:
+        super().__init__(step, split, make)
+        self.qo = qo
+
+
+class _Replayer(Replayer[None, FlashInferMetadata]):
+    """Replays of a FlashInfer layout whose page table the common pass writes: graph mode rewrites the
+    fixed prefill query indptr, then :func:`_metadata`. The decode query starts come from the common
+    ``query_start_loc``, sliced once per layout and row count."""
+
+    __slots__ = ("options", "qo", "qo_views", "rows_cache")
+
+    def __init__(self, step: Step, options: FlashInferOptions, qo: tuple[str, np.ndarray] | None) -> None:
+        self.options, self.qo = options, qo
+        self.qo_views = _own_views(step, qo[0], qo) if qo is not None else None
+        self.rows_cache: dict[Any, Any] = {}
+
+    def rewrite(self, step: Step, host: CommonHost, inputs: None) -> None:
+        if self.qo is not None:
+            prefill_qo_indptr(host.query_start_loc_cpu, _split(host, self.options).num_decodes, out=self.qo[1])
+
+    def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
+               inputs: None) -> FlashInferMetadata:
+        assert paged is not None
+        cache, qd, qh = self.rows_cache, common.query_start_loc, host.query_start_loc_cpu
+
+        def rows(n: int) -> tuple[torch.Tensor, np.ndarray]:
+            found = cache.get(n)
+            if found is None or found[0] is not qd:  # (the same views while the layout lasts)
+                if len(cache) > 64:
+                    cache.clear()
+                found = cache[n] = (qd, qd[:n], qh[:n])
+            return found[1], found[2]
+
+        return _metadata(common, paged, host, self.options, _split(host, self.options), common.seq_lens,
+                         host.seq_lens_cpu, self.qo_views, rows, host.max_exact_seq_len)
 
 
 _WITH_PAGES = CommonNeeds(paged_kv=True)

@@ -436,31 +436,6 @@ class LocalAttentionBuilder(Builder[LocalAttentionOptions, None, LocalAttentionH
                            "tokens, not the block_size * world_size of a context-parallel table")
         return reasons
 
-    def defaults(self, spec: BatchSpec) -> tuple[LocalAttentionOptions, dict[str, Any]]:
-        """Chunks of 4 blocks (Llama 4's 8192-token chunks at block size 2048; any block size here)."""
-        return LocalAttentionOptions(attn_chunk_size=4 * spec.block_size), {}
-
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[LocalAttentionOptions, dict[str, Any]]:
-        """A chunk of 1-4 blocks, the table gathered on the host or the device."""
-        return LocalAttentionOptions(attn_chunk_size=spec.block_size * int(rng.integers(1, 5)),
-                                block_table="device" if rng.random() < 0.5 else "host"), {}
-
-    def reference(self, spec: BatchSpec, options: LocalAttentionOptions, device: torch.device,
-                  **inputs: Any) -> dict[str, Any]:
-        """The virtual batch by a literal tensor transcription of vLLM's formulas, over the block table
-        the common metadata stages by default (the longest request's blocks; padding rows 0)."""
-        from attnmeta.testing.reference import ref_common_fields, ref_local_virtual_batches
-
-        f = ref_common_fields(spec, device)
-        span = spec.block_size * (1 if spec.context_parallel is None else spec.context_parallel.world_size)
-        width = max(1, -(-spec.max_exact_seq_len // span))
-        table = np.zeros((spec.padded_num_reqs, width), np.int32)
-        table[: spec.num_reqs] = spec.block_table[: spec.num_reqs, :width]
-        lb = ref_local_virtual_batches(f["query_start_loc"], f["seq_lens"], options.attn_chunk_size, spec.block_size,
-                                       torch.from_numpy(table).to(device))
-        return {"query_start_loc": lb.query_start_loc, "seq_lens": lb.seq_lens, "block_table": lb.block_table,
-                "num_virtual_reqs": lb.num_virtual_reqs}
-
 
 LOCAL_ATTN = register(LocalAttentionBuilder())
 """The registered chunked-local-attention builder."""

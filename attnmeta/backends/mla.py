@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -60,7 +60,16 @@ from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import CapacityError, Staged, Step
 
-__all__ = ["MLA", "MLABuilder", "MLAChunk", "MLAMetadata", "MLAOptions", "build", "mla_decode_threshold", "stage"]
+__all__ = [
+    "MLA",
+    "MLABuilder",
+    "MLAChunk",
+    "MLAMetadata",
+    "MLAOptions",
+    "build",
+    "mla_decode_threshold",
+    "stage",
+]
 
 Variant = Literal["flashmla", "flashattn_mla", "flashinfer_mla", "triton_mla"]
 _VARIANTS: tuple[str, ...] = ("flashmla", "flashattn_mla", "flashinfer_mla", "triton_mla")
@@ -381,7 +390,9 @@ class MLABuilder(Builder[MLAOptions, None, None, MLAMetadata]):
         step : Step
             The open step.
         options : MLAOptions
-            Variant, workspace, DCP layout; default :class:`MLAOptions`.
+            Variant, workspace, DCP layout, field namespace.
+        inputs : None
+            The builder takes no per-step inputs.
 
         Returns
         -------
@@ -391,11 +402,8 @@ class MLABuilder(Builder[MLAOptions, None, None, MLAMetadata]):
         Raises
         ------
         ValueError
-            Non-causal decode rows of unequal length, a workspace smaller than the split alignment, or
-            ``common`` from another step.
-        TypeError
-            ``common`` not a :class:`~attnmeta.StagedCommon`, or options of another type.
-        CapacityError
+            Non-causal decode rows of unequal length, or a workspace smaller than the split alignment.
+        attnmeta.staging.CapacityError
             Graph mode: a field past its profile capacity.
         """
         opts = options
@@ -553,27 +561,6 @@ class MLABuilder(Builder[MLAOptions, None, None, MLAMetadata]):
                 reasons.append("non-causal decode: the active rows must all have the first row's query length "
                                "and be followed only by empty rows")
         return reasons
-
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[MLAOptions, dict[str, Any]]:
-        """A random variant, draft count and small workspace (so contexts chunk); DCP on about a third of
-        the draws (the spec's world size when it has one)."""
-        variant = _VARIANTS[int(rng.integers(0, 4))]
-        cp = spec.context_parallel
-        W = cp.world_size if cp is not None else (2 if rng.random() < 0.3 else 1)
-        rank = cp.rank if cp is not None else (int(rng.integers(0, W)))
-        inter = 1 if variant == "flashinfer_mla" or W == 1 else int(rng.choice([1, 2]))
-        opts = MLAOptions(variant=variant, num_speculative_tokens=int(rng.integers(0, 3)),  # type: ignore[arg-type]
-                          dcp_world_size=W, dcp_rank=rank, dcp_interleave=inter,
-                          align_indptr=bool(rng.random() < 0.3), num_sms=int(rng.choice([1, 4, 132])))
-        align = _alignment(spec.block_size, opts)
-        ws = int(rng.integers(1, 9)) * align * W
-        return dataclasses.replace(opts, workspace_size=ws), {}
-
-    def reference(self, spec: BatchSpec, options: MLAOptions, device: torch.device, **inputs: Any) -> dict[str, Any]:
-        """vLLM's formulas on ``device`` (:mod:`attnmeta.testing.reference.mla`)."""
-        from attnmeta.testing.reference.mla import ref_mla_fields
-
-        return ref_mla_fields(spec, options, device)
 
 
 def _check_non_causal(qsl: np.ndarray) -> None:

@@ -9,8 +9,8 @@ scheduled query token (Python loops over rows and ranges). This builder does bot
 flat arrays, in compiled loops, and stages the chosen form in the step's one copy; the ranges
 themselves stay host-only (never staged), as vLLM's ``keep_on_cpu`` multimodal fields do.
 
-The per-step input (host only, a CSR over the real requests)
------------------------------------------------------------
+The per-step inputs (:class:`MMPrefixInputs`, host only, a CSR over the real requests)
+-------------------------------------------------------------------------------------
 - ``mm_span_indptr``: ``(num_real_reqs + 1,)`` int, ``[0] == 0``, non-decreasing; request ``i``'s
   spans are ``indptr[i]:indptr[i + 1]``.
 - ``mm_span_starts`` / ``mm_span_lengths``: ``(num_spans,)`` int; each placeholder's ``offset >= 0``
@@ -57,8 +57,16 @@ from attnmeta.metadata import StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import CapacityError, Staged, Step
 
-__all__ = ["MM_PREFIX", "MMPrefixBuilder", "MMPrefixInputs", "MMPrefixMetadata", "MMPrefixOptions", "build", "mm_prefix_ranges",
-           "stage"]
+__all__ = [
+    "MM_PREFIX",
+    "MMPrefixBuilder",
+    "MMPrefixInputs",
+    "MMPrefixMetadata",
+    "MMPrefixOptions",
+    "build",
+    "mm_prefix_ranges",
+    "stage",
+]
 
 _I32_MAX = 2**31 - 1
 
@@ -105,9 +113,9 @@ class MMPrefixMetadata(MetadataBase):
     >>> from attnmeta import BatchSpec, Stager
     >>> spec = BatchSpec(num_computed_tokens=[0, 0, 0], num_scheduled_tokens=[7, 3, 8],
     ...                  block_table=np.zeros((3, 1), np.int32), block_size=512)
-    >>> spans = dict(mm_span_indptr=[0, 1, 1, 3], mm_span_starts=[2, 0, 20], mm_span_lengths=[5, 6, 300],
-    ...              mm_is_embed=np.array([1] * 5 + [0, 1, 1, 0, 1, 1] + [1] * 300, bool))
-    >>> m = build(spec, Stager("cpu"), **spans)
+    >>> spans = MMPrefixInputs(mm_span_indptr=[0, 1, 1, 3], mm_span_starts=[2, 0, 20], mm_span_lengths=[5, 6, 300],
+    ...                        mm_is_embed=np.array([1] * 5 + [0, 1, 1, 0, 1, 1] + [1] * 300, bool))
+    >>> m = build(spec, Stager("cpu"), None, spans)
     >>> m.doc_ranges()
     {0: [(2, 6)], 1: [], 2: [(1, 2), (4, 5), (20, 319)]}
     >>> m.mm_prefix_range_tensor.tolist()
@@ -549,96 +557,6 @@ class MMPrefixBuilder(Builder[MMPrefixOptions, MMPrefixInputs, None, MMPrefixMet
             return ["mm_prefix: context-parallel batches are not supported (the ranges are absolute prompt "
                     "positions; a rank's local KV share is not modelled)"]
         return []
-
-    def defaults(self, spec: BatchSpec) -> tuple[MMPrefixOptions, dict[str, Any]]:
-        """The Triton form, one image span over the first half of each real request's scheduled tokens
-        (a prefill's new tokens; nothing for a request with fewer than 2)."""
-        q = spec.num_scheduled_tokens[: spec.num_reqs].astype(np.int64)
-        c = spec.num_computed_tokens[: spec.num_reqs].astype(np.int64)
-        has = q >= 2
-        indptr = np.concatenate([[0], np.cumsum(has)]).astype(np.int32)
-        return MMPrefixOptions(), {"mm_span_indptr": indptr, "mm_span_starts": c[has].astype(np.int32),
-                                   "mm_span_lengths": (q[has] // 2).astype(np.int32)}
-
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[MMPrefixOptions, dict[str, Any]]:
-        """Random non-overlapping spans (0-3 per request, one-token ones included) inside each real
-        request's prompt (its sequence when the spec gives no prompts), random ``is_embed`` runs, a
-        random form, sliding window, clamp and ``span_pad``."""
-        n = spec.num_reqs
-        prompt = spec.num_prompt_tokens if spec.num_prompt_tokens is not None else spec.num_computed_tokens + \
-            spec.num_scheduled_tokens
-        counts: list[int] = []
-        starts: list[int] = []
-        lengths: list[int] = []
-        for i in range(n):
-            P = int(prompt[i])
-            k = min(int(rng.integers(0, 4)), (P + 1) // 2)
-            if k == 0 and i == n - 1 and not starts and P >= 1:
-                k = 1  # at least one span in a step that can hold one
-            if k:
-                cuts = np.sort(rng.choice(P + 1, size=2 * k, replace=False))
-                starts += cuts[0::2].tolist()
-                lengths += (cuts[1::2] - cuts[0::2]).tolist()
-            counts.append(k)
-        indptr = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int32)
-        total = int(np.sum(lengths, dtype=np.int64))
-        embed = np.ones(total, np.bool_)
-        at = 0
-        for n_tok in lengths:  # at most one non-embedded run a span: at most 6 ranges a request
-            if n_tok > 1 and rng.random() < 0.5:
-                a = int(rng.integers(0, n_tok))
-                embed[at + a: at + int(rng.integers(a + 1, n_tok + 1))] = False
-            at += n_tok
-        opts = MMPrefixOptions(
-            form="triton" if rng.random() < 0.5 else "flash_attn",
-            sliding_window=None if rng.random() < 0.4 else int(rng.integers(1, 16)),
-            clamp_sliding_window=bool(rng.random() < 0.5),
-            span_pad=None if rng.random() < 0.6 else int(rng.integers(1, 6)),
-        )
-        return opts, {"mm_span_indptr": indptr, "mm_span_starts": np.asarray(starts, np.int32),
-                      "mm_span_lengths": np.asarray(lengths, np.int32), "mm_is_embed": embed}
-
-    def reference(self, spec: BatchSpec, options: MMPrefixOptions, device: torch.device,
-                  **inputs: Any) -> dict[str, Any]:
-        """vLLM's three functions transcribed on device tensors
-        (:mod:`attnmeta.testing.reference.mm_prefix`), syncs and all."""
-        from attnmeta.testing.reference import ref_common_fields
-        from attnmeta.testing.reference.mm_prefix import (
-            ref_mm_prefix_query_ranges,
-            ref_mm_prefix_range_tensor,
-            ref_mm_prefix_ranges,
-        )
-
-        def dev(name: str, dtype: Any) -> torch.Tensor:
-            v = inputs.get(name)
-            return torch.from_numpy(np.array([] if v is None else v, dtype)).to(device)
-
-        ip = inputs.get("mm_span_indptr")
-        ip_t = torch.zeros(spec.num_reqs + 1, dtype=torch.int32, device=device) if ip is None else \
-            dev("mm_span_indptr", np.int32)
-        emb = None if inputs.get("mm_is_embed") is None else dev("mm_is_embed", np.bool_)
-        ranges = ref_mm_prefix_ranges(ip_t, dev("mm_span_starts", np.int32), dev("mm_span_lengths", np.int32), emb,
-                                      sliding_window=options.sliding_window,
-                                      clamp_sliding_window=options.clamp_sliding_window, span_pad=options.span_pad)
-        flat = [list(r) for i in range(spec.num_reqs) for r in ranges[i]]
-        ip_ref = np.cumsum([0] + [len(ranges[i]) for i in range(spec.num_reqs)]).astype(np.int32)
-        out: dict[str, Any] = {
-            "form": options.form, "num_ranges": len(flat),
-            "mm_range_indptr_cpu": ip_ref, "mm_ranges_cpu": np.array(flat, np.int32).reshape(-1, 2),
-        }
-        common = ref_common_fields(spec, device)
-        if options.form == "triton":
-            t = ref_mm_prefix_range_tensor(ranges, spec.padded_num_reqs, device)
-            out["mm_prefix_range_tensor"] = t
-            out["max_ranges"] = 0 if t is None else int(t.shape[1])
-        else:
-            ub_np = spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else \
-                spec.num_computed_tokens + spec.num_scheduled_tokens
-            ub = torch.from_numpy(np.array(ub_np, np.int32)).to(device)
-            qt = ref_mm_prefix_query_ranges(ranges, common["query_start_loc"], ub)
-            out["mm_prefix_query_range_tensor"] = qt
-            out["num_query_range_rows"] = 0 if qt is None else int(qt.shape[0])
-        return out
 
 
 _NO_I32 = np.zeros(0, np.int32)

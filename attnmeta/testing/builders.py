@@ -16,6 +16,7 @@ These are test helpers: :func:`check_builder` reads device tensors back to compa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,8 +28,9 @@ from attnmeta.staging import Stager
 from attnmeta.sync import AuditRow, register_audit_target, run_audit, unregister_audit_target
 from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
 from attnmeta.testing.lab import lab
+from attnmeta.testing.workloads import KINDS, random_spec
 
-__all__ = ["audit_builder", "check_builder"]
+__all__ = ["audit_builder", "audit_stager", "builder_target", "check_builder"]
 
 
 def check_builder(
@@ -119,6 +121,38 @@ def _compare(obj: Any, expected: dict[str, Any], path: str, dev: torch.device) -
             assert got == want, f"{where}: {got!r} != {want!r}"
 
 
+_STAGERS: dict[str, Stager] = {}
+
+
+def audit_stager(device: torch.device) -> Stager:
+    """The stager the audit targets build on, one per device (kept: a target runs many seeds)."""
+    key = str(device)
+    st = _STAGERS.get(key)
+    if st is None:
+        st = _STAGERS[key] = Stager(device)
+    return st
+
+
+def builder_target(builder: AnyBuilder) -> Callable[[torch.device, int], None]:
+    """The audit target of ``builder``: ``run(device, seed)`` builds one random batch of every kind of
+    :data:`~attnmeta.testing.workloads.KINDS` with options and inputs from ``builder.sample`` (a batch
+    the builder reports it cannot serve is skipped), each through :func:`attnmeta.build`."""
+
+    def run(device: torch.device, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        stager = audit_stager(device)
+        entry = lab(builder)
+        for kind in KINDS:
+            spec = random_spec(rng, kind)
+            options, inputs = entry.sample(spec, rng)
+            if builder.unsupported_reasons(spec, builder.options(options), builder.inputs(inputs)):
+                continue
+            builder.build(spec, stager, options, inputs)
+
+    run.__name__ = f"audit_{builder.name}"
+    return run
+
+
 def audit_builder(
     builder: AnyBuilder | str,
     *,
@@ -127,7 +161,7 @@ def audit_builder(
 ) -> list[AuditRow]:
     """Run ``builder`` under the sync audit on generated batches of every kind, one row per device.
 
-    The target is :func:`attnmeta.audit.builder_target` (what ``python -m attnmeta audit`` runs for
+    The target is :func:`builder_target` (what ``python -m attnmeta audit`` runs for
     every registered builder), registered for the run and removed afterwards.
 
     Parameters
@@ -150,8 +184,6 @@ def audit_builder(
     >>> [row.clean for row in audit_builder("flash_attn", batches=1)]
     [True, True]
     """
-    from attnmeta.audit import builder_target
-
     b = get_builder(builder) if isinstance(builder, str) else builder
     name = f"check:{b.name}"
     register_audit_target(name, builder_target(b), replace=True)

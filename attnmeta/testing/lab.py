@@ -130,8 +130,9 @@ def unregister_lab(name: str) -> None:
 
 
 def lab(builder: AnyBuilder | str) -> Lab:
-    """The lab entry of ``builder`` (a registered builder or its name); a builder without one gets an
-    entry of defaults (no reference, the default options, no inputs).
+    """The lab entry of ``builder`` (a builder, or a registered builder's name); a builder without one
+    (an unregistered one included) gets an entry of defaults (no reference, the default options, no
+    inputs).
 
     Raises
     ------
@@ -139,9 +140,8 @@ def lab(builder: AnyBuilder | str) -> Lab:
         No builder is registered under that name.
     """
     _load_builtin()
-    name = builder if isinstance(builder, str) else builder.name
-    b = get_builder(name)
-    entry = _LABS.get(name)
+    b = get_builder(builder) if isinstance(builder, str) else builder
+    entry = _LABS.get(b.name)
     if entry is None or entry.builder is not b:
         return Lab(b)
     return entry

@@ -3,10 +3,12 @@
 One step:
 
 1. the scheduler picks the batch (decodes first);
-2. the host describes it in a :class:`attnmeta.BatchSpec` and, in one ``stager.step()``, stages the
-   common metadata, the kernel's builders and the engine's own per-token arrays (input ids known on
-   the host, and for each token whose id is still on the device, its row in the previous step's sampled
-   tokens): **one** H2D copy per step;
+2. the host describes it in a :class:`attnmeta.BatchSpec` and the step composer
+   (:class:`attnmeta.compose.StepBuilder`, one call) stages the common metadata, the kernel's builders,
+   for a hybrid model the Mamba group, and the engine's own per-token arrays (input ids known on the
+   host, and for each token whose id is still on the device, its row in the previous step's sampled
+   tokens): **one** H2D copy per step. A step whose layout its ring slot held before (every steady
+   decode step) is replayed: the composer rewrites the recorded fields instead of staging them anew;
 3. the kernel plans from the host twins; the model runs; the step's greedy tokens are written into a
    device buffer and copied, non-blocking, into a pinned host ring;
 4. with async scheduling the host reads step N's tokens only after it has queued step N + 1, so the
@@ -35,10 +37,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
-from attnmeta.backends.mamba import mamba2
-from attnmeta.backends.mamba.mamba2 import Mamba2Metadata, Mamba2Options
-from attnmeta.backends.mamba.mamba2 import block_table_columns as mamba_columns
+from attnmeta import BatchSpec, Stager, StaticProfile
+from attnmeta.backends.mamba.mamba2 import MAMBA2, Mamba2Metadata, Mamba2Options
+from attnmeta.compose import Array, ComposedStep, Group, StepBuilder
 from attnmeta.host.mamba import CheckpointConfig
 from attnmeta.metadata import CommonAttentionMetadata
 from attnmeta.staging import STAGEABLE_DTYPES
@@ -107,9 +108,10 @@ class EngineStats:
     token_waits: int = 0
     """Times the host had to wait for a step's sampled-token copy."""
     metadata_s: float = 0.0
-    """Host time in attnmeta: the step's BatchSpec, staging (common metadata, the kernel's builders, the
-    engine's two arrays), the commit and the results (in the per-tensor baseline, its uploads too). The
-    engine's own preparation of the arrays (the scheduler, the block table rows) is not in it."""
+    """Host time in attnmeta: the step's BatchSpecs and the composer's build (common metadata, the kernel's
+    builders, the Mamba group, the engine's two arrays, the commit, the results; in the per-tensor
+    baseline, its uploads too). The engine's own preparation of the arrays (the scheduler, the block
+    table rows) is not in it."""
     plan_s: float = 0.0
     """Host time in the kernel's per-step preparation (FlashInfer's ``plan()``)."""
     step_times: list[float] = dataclasses.field(default_factory=list)
@@ -121,9 +123,11 @@ class EngineStats:
     """Per step: attnmeta's host time (as ``metadata_s``)."""
     step_slots: list[int] = dataclasses.field(default_factory=list)
     """Per step: the stager's ring slot (a slot's first step of a new layout builds that layout)."""
-    step_mamba: list[float] = dataclasses.field(default_factory=list)
-    """Per step of a hybrid model: the part of ``step_metadata`` that builds the Mamba state group's
-    metadata (its spec, ``stage_common``, ``mamba2.stage``, the result; the shared copy not included)."""
+    step_replayed: list[bool] = dataclasses.field(default_factory=list)
+    """Per step: whether the composer replayed the slot's recorded layout."""
+    step_fence: list[float] = dataclasses.field(default_factory=list)
+    """Per step: the part of ``step_metadata`` the stager spent waiting for its ring slot's last copy
+    (0 unless the host runs ``num_slots - 1`` steps ahead of the GPU)."""
 
 
 class Engine:
@@ -186,6 +190,13 @@ class Engine:
                              profile=self.profile if self.graphs else None)
         if isinstance(kernel, FlashInferKernel):
             kernel.max_pages = self.profile.max_num_pages
+        cap = cfg.max_num_tokens if self.graphs else None
+        groups = [Group(kernel.builders())]
+        if self.hybrid:  # one state block (none mode: the state slot) a request, its own table
+            groups.append(Group({"mamba": (MAMBA2, self.mamba_options)}, prefix="mamba_common", table_column_step=1))
+        self.composer = StepBuilder(self.stager, *groups, arrays=[Array("engine.input_ids", np.int32, capacity=cap),
+                                                                   Array("engine.prev_rows", np.int32, capacity=cap,
+                                                                         fill=-1)])
         self.table = np.zeros((cfg.max_num_seqs, cfg.max_blocks_per_req), np.int32)
         self.sampled = torch.zeros(cfg.max_num_seqs, dtype=torch.int64, device=self.device)
         host = torch.zeros((2, cfg.max_num_seqs), dtype=torch.int64, pin_memory=cuda)
@@ -194,6 +205,9 @@ class Engine:
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._captured = False
         self.stats = EngineStats()
+        self.trace: list[tuple[tuple[BatchSpec, ...], dict[str, Any], dict[str, np.ndarray]]] | None = None
+        """None, or a list to which every step appends what it gave the composer (its specs, with their
+        own copies of the block tables, the kernel's inputs and the arrays): a benchmark replays them."""
 
     # ------------------------------------------------------------------ the loop
     def run(self, requests: Iterable[Request]) -> EngineStats:
@@ -269,48 +283,40 @@ class Engine:
         spec = BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled,
                          block_table=self.table[:n], block_size=cfg.block_size,
                          num_reqs_padded=padded, num_tokens_padded=padded)
-        t_mamba = 0.0  # the Mamba group's part (hybrid models), timed apart
+        specs: tuple[BatchSpec, ...] = (spec,)
         if self.hybrid:  # the Mamba group: one block (the state slot) a request
-            t0 = time.perf_counter()
-            mspec = BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled,
-                              block_table=self.state_table[:n], block_size=cfg.block_size if self.align else cfg.max_model_len,
-                              num_reqs_padded=padded, num_tokens_padded=padded)
-            t_mamba = time.perf_counter() - t0
-        cap = cfg.max_num_tokens if self.graphs else None
-        with self.stager.step() as step:
-            common = stage_common(spec, step)
-            self.kernel.stage(common, step, 0 if self.graphs else out.num_common_prefix_blocks)
-            if self.hybrid:
-                t0 = time.perf_counter()
-                mcommon = stage_common(mspec, step, prefix="mamba_common", token_arrays=False,
-                                       block_table_columns=mamba_columns(mspec, self.mamba_options))
-                staged_mamba = mamba2.stage(mcommon, step, self.mamba_options)
-                t_mamba += time.perf_counter() - t0
-            step.alloc("engine.input_ids", total, np.int32, capacity=cap)[:] = ids
-            step.alloc("engine.prev_rows", total, np.int32, capacity=cap, fill=-1)[:] = prev_rows
-        cm = common.result()
+            specs = (spec, BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled,
+                                     block_table=self.state_table[:n],
+                                     block_size=cfg.block_size if self.align else cfg.max_model_len,
+                                     num_reqs_padded=padded, num_tokens_padded=padded))
+        replays = self.composer.stats.replayed
+        inputs = self.kernel.inputs(0 if self.graphs else out.num_common_prefix_blocks)
+        arrays = {"engine.input_ids": ids, "engine.prev_rows": prev_rows}
+        built = self.composer.build(specs, inputs, arrays)
+        cm, step = built.common, built.step
         if self.hybrid:
-            t0 = time.perf_counter()
-            self._mamba = staged_mamba.result()
-            t_mamba += time.perf_counter() - t0
-            st.step_mamba.append(t_mamba)
+            self._mamba = built["mamba"]
         if cfg.uploads == "per-tensor":
             cm, dev_ids, dev_prev = self._per_tensor(cm, ids, prev_rows)
         else:
-            dev_ids, dev_prev = step.device("engine.input_ids"), step.device("engine.prev_rows")
+            dev_ids, dev_prev = built.arrays["engine.input_ids"], built.arrays["engine.prev_rows"]
             st.metadata_copies += step.stats.copies
         t_plan = time.perf_counter()
         graph = self.graphs and padded is not None
         if isinstance(self.kernel, FlashInferKernel):
-            self.kernel.prepare(cm, graph_batch=padded if graph else None)
+            self.kernel.prepare(cm, built.metadata, graph_batch=padded if graph else None)
         else:
-            self.kernel.prepare(cm)
+            self.kernel.prepare(cm, built.metadata)
         t_run = time.perf_counter()
         st.metadata_s += t_plan - t_md
         st.plan_s += t_run - t_plan
         st.step_metadata.append(t_plan - t_md)
         st.step_kinds.append("decode" if decode else "mixed")
         st.step_slots.append(step.stats.slot)
+        st.step_replayed.append(self.composer.stats.replayed > replays)
+        st.step_fence.append(step.stats.wait_seconds)
+        if self.trace is not None:
+            self.trace.append((tuple(_owned(s) for s in specs), inputs, arrays))
         st.steps += 1
         st.decode_steps += decode
         st.padded_steps += padded is not None and padded > n
@@ -378,26 +384,22 @@ class Engine:
         self._captured = True
         cfg = self.cfg
         width = cfg.max_blocks_per_req
-        def dummy(sizes: list[int], padded: int | None) -> Any:
+        def dummy(sizes: list[int], padded: int | None) -> ComposedStep:
             n = len(sizes)
             spec = BatchSpec(num_computed_tokens=np.zeros(n, np.int32), num_scheduled_tokens=np.array(sizes, np.int32),
                              block_table=np.zeros((n, width), np.int32), block_size=cfg.block_size,
                              num_reqs_padded=padded, num_tokens_padded=padded)
             total = padded or sum(sizes)
-            with self.stager.step() as step:
-                common = stage_common(spec, step)
-                self.kernel.stage(common, step, 0)
-                step.alloc("engine.input_ids", total, np.int32, capacity=cfg.max_num_tokens)[:] = 0
-                step.alloc("engine.prev_rows", total, np.int32, capacity=cfg.max_num_tokens, fill=-1)[:] = -1
-            return step, common.result()
+            return self.composer.build(spec, self.kernel.inputs(0), {"engine.input_ids": np.zeros(total, np.int32),
+                                                                      "engine.prev_rows": np.full(total, -1, np.int32)})
 
-        step, cm = dummy([2], None)  # a prefill step first: it lays out every field before freeze()
-        self.kernel.prepare(cm)
+        built = dummy([2], None)  # a prefill step first: it lays out every field before freeze()
+        self.kernel.prepare(built.common, built.metadata)
         for size in (s for s in cfg.decode_sizes if s <= cfg.max_num_seqs):
             for _ in range(self.kernel.ring):
-                step, cm = dummy([1], size)
-                self.kernel.prepare(cm, graph_batch=size)
-                self._replay(step, size)
+                built = dummy([1], size)
+                self.kernel.prepare(built.common, built.metadata, graph_batch=size)
+                self._replay(built.step, size)
 
     def _replay(self, step: Any, size: int) -> None:
         assert isinstance(self.kernel, FlashInferKernel)
@@ -462,6 +464,15 @@ class Engine:
 
         self.kernel.transform = move
         return move(cm), up(ids), up(prev_rows)
+
+
+def _owned(spec: BatchSpec) -> BatchSpec:
+    """``spec`` with a block table of its own (the engine's table is rewritten every step)."""
+    return BatchSpec(num_computed_tokens=spec.num_computed_tokens, num_scheduled_tokens=spec.num_scheduled_tokens,
+                     block_table=spec.block_table.copy(), block_size=spec.block_size,
+                     num_prompt_tokens=spec.num_prompt_tokens, num_draft_tokens=spec.num_draft_tokens,
+                     seq_lens_upper_bound=spec.seq_lens_upper_bound, num_reqs_padded=spec.num_reqs_padded,
+                     num_tokens_padded=spec.num_tokens_padded, context_parallel=spec.context_parallel)
 
 
 def make_kernel(name: str, model: Any, device: torch.device, *, cascade: bool = True) -> AttentionKernel:

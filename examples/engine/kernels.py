@@ -1,7 +1,9 @@
 """Attention kernels the engine can plug in, each fed by attnmeta's metadata of the step.
 
-A kernel stages the builders it reads into the step (so their arrays ride the step's one copy),
-prepares once per step after the commit (plans, gather indices), then attends layer by layer:
+A kernel names the registered builders it reads (:meth:`AttentionKernel.builders`: the engine's step
+composer, :class:`attnmeta.compose.StepBuilder`, stages them over the attention group's common metadata,
+so their arrays ride the step's one copy), prepares once per step after the commit from their metadata
+(plans, gather indices), then attends layer by layer:
 
 - :class:`TorchPagedKernel`: paged attention written in torch, request by request, reading K/V only
   through the common metadata's ``block_table_tensor`` and ``seq_lens``; with cascade attention it runs
@@ -24,12 +26,10 @@ from typing import Any, Protocol
 
 import torch
 
-from attnmeta import StagedCommon
-from attnmeta.backends import cascade, flash_attn, flashinfer
-from attnmeta.backends.cascade import CascadeMetadata, CascadeOptions
-from attnmeta.backends.flashinfer import host_tensor
+from attnmeta.backends.cascade import CASCADE, CascadeInputs, CascadeOptions
+from attnmeta.backends.flash_attn import FLASH_ATTN
+from attnmeta.backends.flashinfer import FLASHINFER, host_tensor
 from attnmeta.metadata import CommonAttentionMetadata
-from attnmeta.staging import Staged, Step
 from attnmeta.sync import allow_device_sync
 
 
@@ -41,11 +41,15 @@ class AttentionKernel(Protocol):
     """Applied to every metadata object the kernel takes from the step (the per-tensor baseline
     swaps its device fields); the identity otherwise."""
 
-    def stage(self, common: StagedCommon, step: Step, num_common_prefix_blocks: int) -> None:
-        """Stage the builders this kernel reads into the open ``step``."""
+    def builders(self) -> dict[str, Any]:
+        """The registered builders this kernel reads, by name (a builder, or ``(builder, options)``): one
+        :class:`attnmeta.compose.Group` over the attention group's common metadata."""
 
-    def prepare(self, cm: CommonAttentionMetadata) -> None:
-        """After the commit: take the staged results and plan the step."""
+    def inputs(self, num_common_prefix_blocks: int) -> dict[str, Any]:
+        """This step's inputs of those builders, by name."""
+
+    def prepare(self, cm: CommonAttentionMetadata, metadata: dict[str, Any]) -> None:
+        """After the commit: plan the step from its common metadata and the builders' metadata."""
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """``q``: (T, Hq, D); caches: (num_blocks, block_size, Hkv, D). Returns (T, Hq, D); rows of
@@ -109,21 +113,22 @@ class TorchPagedKernel:
         self.scale = head_dim ** -0.5
         self.cascade_options = cascade_options
         self.transform: Callable[[Any], Any] = _same
-        self._staged_cascade: Staged[Any, CascadeMetadata] | None = None
         self.cascade_steps = 0
         self._rows: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         self._prefix: torch.Tensor | None = None
 
-    def stage(self, common: StagedCommon, step: Step, num_common_prefix_blocks: int) -> None:
-        self._staged_cascade = None
-        if self.cascade_options is not None:
-            self._staged_cascade = cascade.stage(common, step, self.cascade_options,
-                                                 num_common_prefix_blocks=num_common_prefix_blocks)
+    def builders(self) -> dict[str, Any]:
+        return {"cascade": (CASCADE, self.cascade_options)} if self.cascade_options is not None else {}
 
-    def prepare(self, cm: CommonAttentionMetadata) -> None:
+    def inputs(self, num_common_prefix_blocks: int) -> dict[str, Any]:
+        if self.cascade_options is None:
+            return {}
+        return {"cascade": CascadeInputs(num_common_prefix_blocks=num_common_prefix_blocks)}
+
+    def prepare(self, cm: CommonAttentionMetadata, metadata: dict[str, Any]) -> None:
         bs, dev = cm.block_size, cm.block_table_tensor.device
         qsl, seq = cm.query_start_loc_cpu, cm.seq_lens_cpu
-        ca = self.transform(self._staged_cascade.result()) if self._staged_cascade is not None else None
+        ca = self.transform(metadata["cascade"]) if "cascade" in metadata else None
         self._prefix = None
         table, lens = cm.block_table_tensor, seq
         if ca is not None and ca.use_cascade:
@@ -169,14 +174,15 @@ class VarlenKernel:
         self._causal: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.transform: Callable[[Any], Any] = _same
-        self._staged: Staged[Any, flash_attn.FlashAttentionMetadata] | None = None
 
-    def stage(self, common: StagedCommon, step: Step, num_common_prefix_blocks: int) -> None:
-        self._staged = flash_attn.stage(common, step)
+    def builders(self) -> dict[str, Any]:
+        return {"flash_attn": FLASH_ATTN}
 
-    def prepare(self, cm: CommonAttentionMetadata) -> None:
-        assert self._staged is not None
-        fa = self.transform(self._staged.result())
+    def inputs(self, num_common_prefix_blocks: int) -> dict[str, Any]:
+        return {}
+
+    def prepare(self, cm: CommonAttentionMetadata, metadata: dict[str, Any]) -> None:
+        fa = self.transform(metadata["flash_attn"])
         n, bs, dev = cm.num_reqs, cm.block_size, fa.seq_lens.device
         total = int(fa.seq_lens_cpu[:n].sum())
         cu_k = torch.zeros(n + 1, dtype=torch.int32, device=dev)
@@ -249,8 +255,6 @@ class FlashInferKernel:
         self._turn = 0
         self.ring_index = 0
         """The wrapper set of the current step (a graph is captured per padded size and set)."""
-        self._staged: Staged[Any, flashinfer.FlashInferMetadata] | None = None
-        self._staged_cascade: Staged[Any, CascadeMetadata] | None = None
         self._mode = "split"
         self.cascade_steps = 0
         self.plan_waits = 0
@@ -260,12 +264,16 @@ class FlashInferKernel:
     def _kw(self) -> dict[str, Any]:
         return {"q_data_type": self.dtype, "kv_data_type": self.dtype}
 
-    def stage(self, common: StagedCommon, step: Step, num_common_prefix_blocks: int) -> None:
-        self._staged = flashinfer.stage(common, step)
-        self._staged_cascade = None
+    def builders(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"flashinfer": FLASHINFER}
         if self.cascade_options is not None:
-            self._staged_cascade = cascade.stage(common, step, self.cascade_options,
-                                                 num_common_prefix_blocks=num_common_prefix_blocks)
+            out["cascade"] = (CASCADE, self.cascade_options)
+        return out
+
+    def inputs(self, num_common_prefix_blocks: int) -> dict[str, Any]:
+        if self.cascade_options is None:
+            return {}
+        return {"cascade": CascadeInputs(num_common_prefix_blocks=num_common_prefix_blocks)}
 
     def graph_wrapper(self, batch: int) -> Any:
         """The current set's CUDA-graph decode wrapper of ``batch`` rows (fixed buffers), made on first use."""
@@ -280,12 +288,11 @@ class FlashInferKernel:
             ps.graph[batch] = w
         return w
 
-    def prepare(self, cm: CommonAttentionMetadata, graph_batch: int | None = None) -> None:
-        assert self._staged is not None
-        fi = self.transform(self._staged.result())
+    def prepare(self, cm: CommonAttentionMetadata, metadata: dict[str, Any], graph_batch: int | None = None) -> None:
+        fi = self.transform(metadata["flashinfer"])
         self._fi = fi
         h, hk, d, bs, kw = self.num_heads, self.num_kv_heads, self.head_dim, cm.block_size, self._kw()
-        ca = self.transform(self._staged_cascade.result()) if self._staged_cascade is not None else None
+        ca = self.transform(metadata["cascade"]) if "cascade" in metadata else None
         self.ring_index = self._turn % len(self._sets)
         self._turn += 1
         ps = self._sets[self.ring_index]

@@ -5,7 +5,7 @@ result (issue 18, "every option and input checked where it enters").
 The walk names no builder. The option fields come from ``dataclasses.fields`` of each builder's
 options type, with the rule each declares (:class:`attnmeta.builder.OptionRule`, the one its
 ``__post_init__`` checks) or, without one, the kind its annotation says; the per-step inputs come from
-``builder.inputs``, their valid values from ``builder.sample``. A builder registered tomorrow is walked
+``builder.inputs_type``, their valid values from the builder's lab samples. A builder registered tomorrow is walked
 too. The second part pins the issue's reproducers, one test each.
 """
 
@@ -25,15 +25,17 @@ import torch
 import attnmeta
 from attnmeta import BatchSpec, Stager, stage_common
 from attnmeta.backends import cascade, fast_prefill, flash_attn, mamba
-from attnmeta.backends.cascade import CascadeOptions
-from attnmeta.backends.mamba import LinearAttentionOptions, Mamba1Options, Mamba2Options
-from attnmeta.builder import Builder
+from attnmeta.backends.cascade import CascadeInputs, CascadeOptions
+from attnmeta.backends.fast_prefill import FastPrefillInputs
+from attnmeta.backends.mamba import LinearAttentionOptions, Mamba1Options, Mamba2Inputs, Mamba2Options
+from attnmeta.builder import AnyBuilder
 from attnmeta.host.fast_prefill import fast_prefill_query_start_loc
 from attnmeta.host.split import (
     reorder_decodes_and_prefills,
     split_decodes_and_prefills,
     split_decodes_prefills_and_extends,
 )
+from attnmeta.testing.lab import lab
 
 I32 = np.int32
 BUILDERS = sorted(attnmeta.registry())
@@ -65,25 +67,28 @@ def _names(field: str) -> str:
 def test_wrong_arguments_of_build_name_the_argument(name: str) -> None:
     b = attnmeta.get_builder(name)
     spec = SPECS[0]
-    options, inputs = b.defaults(spec)
+    options, inputs = lab(name).defaults(spec)
     for bad_spec in (None, "spec", {"num_computed_tokens": [1]}, spec.block_table):
         with pytest.raises(TypeError, match=r"spec: expected a BatchSpec"):
-            attnmeta.build(bad_spec, STAGER, name, options, **inputs)  # type: ignore[arg-type]
+            attnmeta.build(bad_spec, STAGER, name, options, inputs)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=r"spec: expected a BatchSpec"):
-            b.build(bad_spec, STAGER, options, **inputs)  # type: ignore[arg-type]
+            b.build(bad_spec, STAGER, options, inputs)  # type: ignore[arg-type]
     for bad_stager in ("cpu", None, torch.device("cpu")):
         with pytest.raises(TypeError, match=r"stager: expected an attnmeta\.Stager"):
-            attnmeta.build(spec, bad_stager, name, options, **inputs)  # type: ignore[arg-type]
+            attnmeta.build(spec, bad_stager, name, options, inputs)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=r"stager: expected an attnmeta\.Stager"):
-            b.build(spec, bad_stager, options, **inputs)  # type: ignore[arg-type]
+            b.build(spec, bad_stager, options, inputs)  # type: ignore[arg-type]
     for bad_options in ({}, {"prefix": "x"}, "default", 0):
         with pytest.raises(TypeError, match=rf"{name}: options must be {b.options_type.__name__}"):
-            attnmeta.build(spec, STAGER, name, bad_options, **inputs)
+            attnmeta.build(spec, STAGER, name, bad_options, inputs)
     for other in BUILDERS:
-        theirs, _ = attnmeta.get_builder(other).defaults(spec)
+        theirs, their_inputs = lab(other).defaults(spec)
         if type(theirs) is not b.options_type:
             with pytest.raises(TypeError, match=rf"options must be {b.options_type.__name__}, got {type(theirs).__name__}"):
-                attnmeta.build(spec, STAGER, name, theirs, **inputs)
+                attnmeta.build(spec, STAGER, name, theirs, inputs)
+        if their_inputs is not None and type(their_inputs) is not b.inputs_type:
+            with pytest.raises(TypeError, match=rf"{name}: (inputs must be|takes no per-step inputs)"):
+                attnmeta.build(spec, STAGER, name, options, their_inputs)
 
 
 def test_a_builder_that_is_neither_a_builder_nor_a_registered_name() -> None:
@@ -109,23 +114,27 @@ def test_argument_errors_come_before_any_step() -> None:
 
 @pytest.mark.parametrize("name", BUILDERS)
 def test_wrong_arguments_of_stage_name_the_argument(name: str) -> None:
-    """``stage(common, step, options, **inputs)`` called directly (an engine's own step): ``common``
-    must be a StagedCommon of that step, ``options`` the builder's options."""
+    """``stage(common, step, options, inputs)`` called directly (an engine's own step): ``common``
+    must be a StagedCommon of that step, ``options`` the builder's options, ``inputs`` its inputs."""
     b = attnmeta.get_builder(name)
     spec = SPECS[0]
-    options, inputs = b.defaults(spec)
-    cols = b.needs(spec, options).block_table_columns
+    options, inputs = lab(name).defaults(spec)
+    cols = b.needs(spec, b.options(options)).block_table_columns
     for bad_common in ("common", None, spec, 3):
         with pytest.raises(TypeError, match=r"common: expected the StagedCommon"), STAGER.step() as step:
-            b.stage(bad_common, step, options, **inputs)
+            b.stage(bad_common, step, options, inputs)
     other = Stager("cpu")
     with other.step() as other_step:
         theirs = stage_common(spec, other_step, block_table_columns=cols)
         with pytest.raises(ValueError, match=r"common: staged in another step"), STAGER.step() as step:
-            b.stage(theirs, step, options, **inputs)
+            b.stage(theirs, step, options, inputs)
     for bad_options in ({}, "x"):
         with pytest.raises(TypeError, match=rf"{name}: options must be"), STAGER.step() as step:
-            b.stage(stage_common(spec, step, block_table_columns=cols), step, bad_options, **inputs)
+            b.stage(stage_common(spec, step, block_table_columns=cols), step, bad_options, inputs)
+    for bad_inputs in ({}, "x", 3):
+        with pytest.raises(TypeError, match=rf"{name}: (inputs must be|takes no per-step inputs)"), \
+                STAGER.step() as step:
+            b.stage(stage_common(spec, step, block_table_columns=cols), step, options, bad_inputs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,8 +200,7 @@ def _bad_values(rule: _Rule, good: Any) -> Iterator[Any]:
 
 @pytest.mark.parametrize("name", BUILDERS)
 def test_every_option_field_rejects_wrong_types_and_out_of_range_values(name: str) -> None:
-    b = attnmeta.get_builder(name)
-    good, _ = b.defaults(SPECS[0])
+    good, _ = lab(name).defaults(SPECS[0])
     owner = type(good).__name__
     walked = 0
     for f in dataclasses.fields(good):
@@ -222,14 +230,20 @@ def test_the_declared_rules_are_the_ones_checked() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _valid_inputs(b: Builder[Any, Any]) -> tuple[BatchSpec, Any, dict[str, Any]]:
-    """A spec of the walk, options and inputs from ``b.sample`` that give every declared input."""
+def _valid_inputs(b: AnyBuilder) -> tuple[BatchSpec, Any, Any]:
+    """A spec of the walk, options and inputs from the builder's lab samples that set every field of its
+    inputs type."""
+    it = b.inputs_type
+    assert it is not None
     for spec in SPECS:
         for seed in range(100):
-            options, inputs = b.sample(spec, np.random.default_rng(seed))
-            if set(b.inputs) <= set(inputs) and not b.unsupported_reasons(spec, options, **inputs):
+            options, inputs = lab(b).sample(spec, np.random.default_rng(seed))
+            if inputs is None:
+                continue
+            every = all(getattr(inputs, f.name) is not None for f in dataclasses.fields(it))
+            if every and not b.unsupported_reasons(spec, options, inputs):
                 return spec, options, inputs
-    raise AssertionError(f"{b.name}.sample() never gave every declared input {b.inputs} on the walk's specs")
+    raise AssertionError(f"{b.name}: the lab's sample() never gave every field of {it.__name__} on the walk's specs")
 
 
 def _corruptions(value: Any) -> Iterator[tuple[str, Any]]:
@@ -245,22 +259,23 @@ def _corruptions(value: Any) -> Iterator[tuple[str, Any]]:
                 ("2-D", arr.reshape(1, -1)))
 
 
-@pytest.mark.parametrize("name", [n for n in BUILDERS if attnmeta.get_builder(n).inputs])
+@pytest.mark.parametrize("name", [n for n in BUILDERS if attnmeta.get_builder(n).inputs_type is not None])
 def test_every_input_rejects_wrong_types_negative_values_and_wrong_lengths(name: str) -> None:
     b = attnmeta.get_builder(name)
     spec, options, inputs = _valid_inputs(b)
-    attnmeta.build(spec, STAGER, b, options, **inputs)  # the valid inputs build
+    attnmeta.build(spec, STAGER, b, options, inputs)  # the valid inputs build
     cols = b.needs(spec, options).block_table_columns
-    for key in b.inputs:
-        for what, bad in _corruptions(inputs[key]):
-            given = {**inputs, key: bad}
+    for f in dataclasses.fields(inputs):
+        key = f.name
+        for what, bad in _corruptions(getattr(inputs, key)):
+            given = dataclasses.replace(inputs, **{key: bad})
             for path in ("build", "stage"):
                 try:
                     if path == "build":
-                        attnmeta.build(spec, STAGER, b, options, **given)
+                        attnmeta.build(spec, STAGER, b, options, given)
                     else:  # an engine's own step: stage() checks it too
                         with STAGER.step() as step:
-                            b.stage(stage_common(spec, step, block_table_columns=cols), step, options, **given)
+                            b.stage(stage_common(spec, step, block_table_columns=cols), step, options, given)
                 except ERRORS as e:
                     assert re.search(_names(key), str(e)), f"{name}.{path}: {key} as {what}: not named in {e!r}"
                 else:
@@ -286,11 +301,11 @@ def test_accepted_counts_outside_one_to_one_plus_k_name_the_row() -> None:
     for counts, row in (([99, -5, 1, 1], 0), ([3, -5, 1, 1], 1), ([1, 2, 0, 1], 2), ([1, 2, 4, 1], 2)):
         msg = rf"num_accepted_tokens\[{row}\]={counts[row]} is outside \[1, 3\] \(row {row}, a decode row; 1 \+ Mamba2Options\.num_speculative_tokens=2\)"
         with pytest.raises(ValueError, match=msg):
-            attnmeta.build(spec, STAGER, "mamba2", opts, num_accepted_tokens=np.array(counts, I32))
+            attnmeta.build(spec, STAGER, "mamba2", opts, Mamba2Inputs(num_accepted_tokens=np.array(counts, I32)))
         with pytest.raises(ValueError, match=msg), STAGER.step() as step:
             mamba.mamba2.stage(stage_common(spec, step, block_table_columns=8, token_arrays=False), step, opts,
-                               num_accepted_tokens=counts)
-    m = attnmeta.build(spec, STAGER, "mamba2", opts, num_accepted_tokens=np.array([1, 3, 2, 99], I32))
+                               Mamba2Inputs(num_accepted_tokens=counts))
+    m = attnmeta.build(spec, STAGER, "mamba2", opts, Mamba2Inputs(num_accepted_tokens=np.array([1, 3, 2, 99], I32)))
     assert m.num_decodes == 3 and m.num_accepted_tokens_cpu.tolist() == [1, 3, 2]  # row 3 (a prefill): unread
 
 
@@ -325,23 +340,23 @@ def test_cascade_prefix_blocks_the_rows_do_not_share_name_the_row_and_column() -
     row must hold the same blocks there (checked on the host over those columns)."""
     table = np.array([[3, 4, 10 + i, 20 + i] for i in range(8)], I32)
     opts = CascadeOptions(num_query_heads=8, num_kv_heads=8, num_sms=132)
-    assert cascade.build(_eight_decodes(table), STAGER, opts, num_common_prefix_blocks=2).use_cascade
+    assert cascade.build(_eight_decodes(table), STAGER, opts, CascadeInputs(num_common_prefix_blocks=2)).use_cascade
     # 3 blocks offered, capped at the smallest context (300 tokens): 2 prefix columns, which they share
-    assert cascade.build(_eight_decodes(table), STAGER, opts, num_common_prefix_blocks=3).num_prefix_blocks == 2
+    assert cascade.build(_eight_decodes(table), STAGER, opts, CascadeInputs(num_common_prefix_blocks=3)).num_prefix_blocks == 2
     bad = table.copy()
     bad[5, 1] = 99
     msg = (r"num_common_prefix_blocks=2: block_table\[5, 1\]=99 != block_table\[0, 1\]=4; the 2 shared prefix "
            r"blocks \(common_prefix_len=256\) must be the same in every request \(row 5 differs\)")
     with pytest.raises(ValueError, match=msg):
-        cascade.build(_eight_decodes(bad), STAGER, opts, num_common_prefix_blocks=2)
+        cascade.build(_eight_decodes(bad), STAGER, opts, CascadeInputs(num_common_prefix_blocks=2))
     with pytest.raises(ValueError, match=msg), STAGER.step() as step:
-        cascade.stage(stage_common(_eight_decodes(bad), step), step, opts, num_common_prefix_blocks=2)
-    assert cascade.build(_eight_decodes(bad), STAGER, opts, num_common_prefix_blocks=1).num_prefix_blocks == 0
+        cascade.stage(stage_common(_eight_decodes(bad), step), step, opts, CascadeInputs(num_common_prefix_blocks=2))
+    assert cascade.build(_eight_decodes(bad), STAGER, opts, CascadeInputs(num_common_prefix_blocks=1)).num_prefix_blocks == 0
     # fewer than 8 requests never cascade, but a wrong count is still named
     few = BatchSpec(num_computed_tokens=[300, 400], num_scheduled_tokens=[1, 1], block_table=[[3, 4, 5, 6], [3, 9, 8, 7]],
                     block_size=128)
     with pytest.raises(ValueError, match=r"block_table\[1, 1\]=9 != block_table\[0, 1\]=4"):
-        cascade.build(few, STAGER, opts, num_common_prefix_blocks=2)
+        cascade.build(few, STAGER, opts, CascadeInputs(num_common_prefix_blocks=2))
 
 
 def test_duplicate_logits_indices_name_the_position() -> None:
@@ -350,13 +365,13 @@ def test_duplicate_logits_indices_name_the_position() -> None:
     spec = BatchSpec(num_computed_tokens=[0, 0], num_scheduled_tokens=[4, 4], block_table=[[1], [2]], block_size=8)
     msg = r"logits_indices\[1\]=3 == logits_indices\[0\]=3; logits indices must be strictly increasing"
     with pytest.raises(ValueError, match=msg):
-        attnmeta.build(spec, STAGER, "fast_prefill", logits_indices=[3, 3, 7])
+        attnmeta.build(spec, STAGER, "fast_prefill", None, FastPrefillInputs(logits_indices=[3, 3, 7]))
     with pytest.raises(ValueError, match=msg):
         fast_prefill_query_start_loc(np.array([0, 4, 8], I32), np.array([3, 3, 7], I32))
     with pytest.raises(ValueError, match=r"logits_indices\[2\]=2 < logits_indices\[1\]=7"):
-        attnmeta.build(spec, STAGER, "fast_prefill", logits_indices=[3, 7, 2])
+        attnmeta.build(spec, STAGER, "fast_prefill", None, FastPrefillInputs(logits_indices=[3, 7, 2]))
     with pytest.raises(ValueError, match=r"logits_indices\[1\]=8 is outside \[0, query_start_loc_cpu\[-1\]=8\)"):
-        attnmeta.build(spec, STAGER, "fast_prefill", logits_indices=[3, 8])
+        attnmeta.build(spec, STAGER, "fast_prefill", None, FastPrefillInputs(logits_indices=[3, 8]))
 
 
 def test_a_decode_threshold_below_one_is_refused_wherever_it_enters() -> None:
@@ -381,11 +396,11 @@ def test_wrong_input_types_name_the_input() -> None:
     spec = SPECS[0]
     opts = CascadeOptions(num_query_heads=8, num_kv_heads=8, num_sms=132)
     with pytest.raises(TypeError, match=r"num_common_prefix_blocks: expected an int, got list \[2\]"):
-        cascade.build(spec, STAGER, opts, num_common_prefix_blocks=[2])
+        cascade.build(spec, STAGER, opts, CascadeInputs(num_common_prefix_blocks=[2]))
     with pytest.raises(TypeError, match=r"num_logits_padded: expected an int or None, got float 3\.0"):
-        fast_prefill.build(spec, STAGER, logits_indices=[3, 7], num_logits_padded=3.0)
+        fast_prefill.build(spec, STAGER, None, FastPrefillInputs(logits_indices=[3, 7], num_logits_padded=3.0))
     with pytest.raises(TypeError, match=r"logits_indices: expected an integer array, got dtype float64"):
-        fast_prefill.build(spec, STAGER, logits_indices=np.array([3.0, 7.0]))
+        fast_prefill.build(spec, STAGER, None, FastPrefillInputs(logits_indices=np.array([3.0, 7.0])))
     with pytest.raises(TypeError, match=r"flash_attn: options must be FlashAttentionOptions, got dict"):
         flash_attn.build(spec, STAGER, {"causal": True})  # type: ignore[arg-type]
 

@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 
 from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
 from attnmeta.backends import cascade, flash_attn, flashinfer
-from attnmeta.backends.cascade import CascadeMetadata, CascadeOptions
+from attnmeta.backends.cascade import CascadeInputs, CascadeMetadata, CascadeOptions
 from attnmeta.sync import no_device_sync
 from attnmeta.testing.assertions import assert_matches_device
+from attnmeta.testing.builders import check_builder
+from attnmeta.testing.lab import lab
 from attnmeta.testing.reference import (
     ref_cascade_arrays,
     ref_paged_kv_indices,
@@ -55,7 +57,7 @@ def _twins(meta: CascadeMetadata) -> None:
 
 
 def test_worked_example(device: torch.device) -> None:
-    ca = cascade.build(_eight_decodes(), _stager(device), OPTIONS, num_common_prefix_blocks=2)
+    ca = cascade.build(_eight_decodes(), _stager(device), OPTIONS, CascadeInputs(num_common_prefix_blocks=2))
     assert (ca.use_cascade, ca.common_prefix_len, ca.num_prefix_blocks) == (True, 256, 2)
     assert ca.cu_prefix_query_lens is not None and ca.cu_prefix_query_lens.cpu().tolist() == [0, 8]
     assert ca.prefix_kv_lens is not None and ca.prefix_kv_lens.cpu().tolist() == [256]
@@ -85,7 +87,8 @@ def test_worked_example(device: torch.device) -> None:
 )
 def test_no_cascade(spec: BatchSpec, blocks: int, options: CascadeOptions, why: str) -> None:
     with Stager("cpu").step() as step:
-        staged = cascade.stage(stage_common(spec, step), step, options, num_common_prefix_blocks=blocks)
+        staged = cascade.stage(stage_common(spec, step), step, options,
+                               CascadeInputs(num_common_prefix_blocks=blocks))
     ca = staged.result()
     assert not ca.use_cascade and ca.common_prefix_len == 0 and ca.num_prefix_blocks == 0, why
     assert (staged.host.use_cascade, staged.host.common_prefix_len) == (False, 0)
@@ -95,7 +98,7 @@ def test_no_cascade(spec: BatchSpec, blocks: int, options: CascadeOptions, why: 
 
 def test_prefix_capped_at_the_smallest_context() -> None:
     # 3 shared blocks of 128 offered, but one request has only 300 cached tokens: L = 256.
-    ca = cascade.build(_eight_decodes(), Stager("cpu"), OPTIONS, num_common_prefix_blocks=3)
+    ca = cascade.build(_eight_decodes(), Stager("cpu"), OPTIONS, CascadeInputs(num_common_prefix_blocks=3))
     assert (ca.common_prefix_len, ca.num_prefix_blocks) == (256, 2)
 
 
@@ -123,7 +126,8 @@ def test_matches_device_reference(device: torch.device, batch: CascadeBatch, hea
     options = CascadeOptions(num_query_heads=heads[0], num_kv_heads=heads[1], num_sms=sms)
     with no_device_sync(devices={device.type}), _stager(device).step() as step:
         common = stage_common(spec, step)
-        staged = cascade.stage(common, step, options, num_common_prefix_blocks=batch.num_common_prefix_blocks)
+        staged = cascade.stage(common, step, options,
+                               CascadeInputs(num_common_prefix_blocks=batch.num_common_prefix_blocks))
     ca, cm = staged.result(), common.result()
     bs = batch.block_size
     c = torch.from_numpy(batch.num_computed_tokens).to(device)
@@ -150,6 +154,25 @@ def test_matches_device_reference(device: torch.device, batch: CascadeBatch, hea
     _twins(ca)
 
 
+@given(batch=_sharing_batches(), seed=st.integers(0, 2**32 - 1))
+def test_lab_defaults_and_sample_match_the_lab_reference(device: torch.device, batch: CascadeBatch, seed: int) -> None:
+    """The lab's demo and random options and inputs (a block count the rows bear out) against its
+    reference, which derives the prefix length by the runner's rule itself."""
+    spec = BatchSpec(num_computed_tokens=batch.num_computed_tokens, num_scheduled_tokens=batch.query_lens,
+                     block_table=batch.block_table, block_size=batch.block_size)
+    entry = lab("cascade")
+    for options, inputs in (entry.defaults(spec), entry.sample(spec, np.random.default_rng(seed))):
+        assert isinstance(inputs, CascadeInputs)
+        check_builder("cascade", spec, device, options, inputs)
+
+
+def test_lab_reference_caps_the_prefix_at_the_smallest_context() -> None:
+    ref = lab("cascade").reference(_eight_decodes(), OPTIONS, "cpu", CascadeInputs(num_common_prefix_blocks=3))
+    assert ref is not None and (ref["use_cascade"], ref["common_prefix_len"]) == (True, 256)
+    ref = lab("cascade").reference(_eight_decodes(), OPTIONS, "cpu", CascadeInputs(num_common_prefix_blocks=1))
+    assert ref == {"use_cascade": False, "common_prefix_len": 0}
+
+
 # ------------------------------------------------------------------------------------------------
 # graph mode, meta device, one copy
 # ------------------------------------------------------------------------------------------------
@@ -164,7 +187,8 @@ def test_graph_mode_fixed_addresses_and_sentinels() -> None:
     addresses = None
     for blocks in (2, 0, 2):
         with stager.step() as step:
-            staged = cascade.stage(stage_common(_eight_decodes(), step), step, OPTIONS, num_common_prefix_blocks=blocks)
+            staged = cascade.stage(stage_common(_eight_decodes(), step), step, OPTIONS,
+                                   CascadeInputs(num_common_prefix_blocks=blocks))
         ca = staged.result()
         full = {n: step.device_full("cascade." + n) for n in names}
         now = {n: t.data_ptr() for n, t in full.items()}
@@ -183,7 +207,8 @@ def test_meta_device_build_passes_the_audit(profile: StaticProfile | None) -> No
     stager = Stager("meta", profile=profile)
     for blocks in (2, 1):
         with no_device_sync():
-            ca = cascade.build(_eight_decodes(), stager, OPTIONS, num_common_prefix_blocks=blocks)
+            ca = cascade.build(_eight_decodes(), stager, OPTIONS,
+                               CascadeInputs(num_common_prefix_blocks=blocks))
         assert ca.use_cascade == (blocks == 2)
         if ca.suffix_paged_kv_indices is not None:
             assert ca.suffix_paged_kv_indices.device.type == "meta"
@@ -194,6 +219,6 @@ def test_one_copy_with_common_flash_attention_and_flashinfer() -> None:
         common = stage_common(_eight_decodes(), step)
         flash_attn.stage(common, step)
         flashinfer.stage(common, step)
-        staged = cascade.stage(common, step, OPTIONS, num_common_prefix_blocks=2)
+        staged = cascade.stage(common, step, OPTIONS, CascadeInputs(num_common_prefix_blocks=2))
     assert step.stats.copies == 1
     assert staged.result().use_cascade

@@ -68,7 +68,7 @@ def test_a_fresh_one_token_prompt_is_a_gdn_prefill_without_initial_state() -> No
     """The issue's reproducer: with spec decode on, a fresh request whose first chunk is one token."""
     spec = BatchSpec(num_computed_tokens=[0], num_scheduled_tokens=[1], num_prompt_tokens=[10],
                      num_draft_tokens=[0], block_table=[[7, 8]], block_size=16)
-    m = gdn.build(spec, Stager("cpu"), gdn.GDNOptions(num_speculative_tokens=1), num_accepted_tokens=[1])
+    m = gdn.build(spec, Stager("cpu"), gdn.GDNOptions(num_speculative_tokens=1), gdn.GDNInputs(num_accepted_tokens=[1]))
     # vLLM 0.33: no spec row (so no spec path), one prefill, has_initial_state [False]
     assert (m.num_spec_decodes, m.num_prefills, m.num_decodes) == (0, 1, 0)
     assert m.spec_sequence_masks is None and m.spec_state_indices_tensor is None
@@ -79,7 +79,7 @@ def test_a_fresh_one_token_prompt_is_a_gdn_prefill_without_initial_state() -> No
 def test_gdn_spec_rows_follow_the_runner_rule() -> None:
     """vLLM's GDN build: spec mask ``drafts >= 0``; the non-spec rows' one-token decodes become prefills."""
     m = gdn.build(_spec(pad=1), Stager("cpu"), gdn.GDNOptions(num_speculative_tokens=K),
-                  num_accepted_tokens=np.array([2, 1, 1, 1, 1], I32))
+                  gdn.GDNInputs(num_accepted_tokens=np.array([2, 1, 1, 1, 1], I32)))
     assert (m.num_spec_decodes, m.num_decodes, m.num_prefills) == (2, 0, 3)
     assert m.spec_sequence_masks_cpu is not None
     assert m.spec_sequence_masks_cpu.tolist() == [True, True, False, False, False, False]
@@ -94,7 +94,7 @@ def test_mamba2_moves_only_the_stateful_one_token_chunk_to_the_decodes() -> None
     """vLLM's Mamba2 build (threshold 1 + k with accepted counts): row 2 continues a state and has one
     token, so it moves to the decodes; row 3 has no prior state and stays a prefill."""
     m = mamba2.build(_spec(), Stager("cpu"), mamba2.Mamba2Options(num_speculative_tokens=K, chunk_size=8),
-                     num_accepted_tokens=np.array([2, 1, 1, 1, 1], I32))
+                     mamba2.Mamba2Inputs(num_accepted_tokens=np.array([2, 1, 1, 1, 1], I32)))
     assert (m.num_decodes, m.num_prefills, m.num_decode_tokens, m.num_prefill_tokens) == (3, 2, 5, 7)
     assert m.has_initial_states_p_cpu is not None and m.has_initial_states_p_cpu.tolist() == [False, False]
     assert m.num_accepted_tokens_cpu is not None and m.num_accepted_tokens_cpu.tolist() == [2, 1, 1]

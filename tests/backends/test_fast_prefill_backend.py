@@ -10,9 +10,12 @@ from hypothesis import strategies as st
 
 from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
 from attnmeta.backends import fast_prefill, flash_attn
+from attnmeta.backends.fast_prefill import FastPrefillInputs
 from attnmeta.staging import CapacityError
 from attnmeta.sync import no_device_sync
 from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
+from attnmeta.testing.builders import check_builder
+from attnmeta.testing.lab import lab
 from attnmeta.testing.reference import (
     ref_fast_prefill_query_start_loc,
     ref_max_logits_per_req,
@@ -49,7 +52,8 @@ def test_worked_example_5_5(device: torch.device) -> None:
     stager = _stager(device)
     with stager.step() as step:
         common = stage_common(SPEC_5_5, step)
-        staged = fast_prefill.stage(common, step, logits_indices=LOGITS_5_5, num_logits_padded=5)
+        staged = fast_prefill.stage(common, step, None,
+                                    FastPrefillInputs(logits_indices=LOGITS_5_5, num_logits_padded=5))
     fp, cm0 = staged.result(), common.result()
     cm = fp.common
     assert fp.applied and fp.num_logits_indices == 4
@@ -79,7 +83,8 @@ def test_all_decode_step_is_unchanged() -> None:
                      block_table=np.array([[1, 2], [3, 4], [5, 6]], I32), block_size=8)
     with Stager("cpu").step() as step:
         common = stage_common(spec, step)
-        staged = fast_prefill.stage(common, step, logits_indices=np.array([0, 1, 2], I32), num_logits_padded=4)
+        staged = fast_prefill.stage(common, step, None,
+                                    FastPrefillInputs(logits_indices=np.array([0, 1, 2], I32), num_logits_padded=4))
     fp = staged.result()
     assert not fp.applied and fp.common is common.result() and staged.host.common is common
     assert fp.num_logits_indices == 3
@@ -90,7 +95,7 @@ def test_all_decode_step_is_unchanged() -> None:
 def test_not_armed_is_unchanged() -> None:
     with Stager("cpu").step() as step:
         common = stage_common(SPEC_5_5, step)
-        staged = fast_prefill.stage(common, step, logits_indices=None)
+        staged = fast_prefill.stage(common, step, None, FastPrefillInputs(logits_indices=None))
     fp = staged.result()
     assert not fp.applied and fp.common is common.result()
     assert fp.logits_indices_padded is None and fp.logits_indices_padded_cpu is None
@@ -108,9 +113,11 @@ def test_bad_logits_fail_fast() -> None:
     ]
     for li, opts, message in cases:
         with pytest.raises(ValueError, match=message), stager.step() as step:
-            fast_prefill.stage(stage_common(SPEC_5_5, step), step, logits_indices=li, num_logits_padded=opts)
+            fast_prefill.stage(stage_common(SPEC_5_5, step), step, None,
+                               FastPrefillInputs(logits_indices=li, num_logits_padded=opts))
     with pytest.raises(TypeError), stager.step() as step:
-        fast_prefill.stage(stage_common(SPEC_5_5, step), step, logits_indices=torch.tensor([14, 18]))
+        fast_prefill.stage(stage_common(SPEC_5_5, step), step, None,
+                           FastPrefillInputs(logits_indices=torch.tensor([14, 18])))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -135,7 +142,8 @@ def test_matches_device_reference(device: torch.device, step: tuple[BatchSpec, n
     if li.shape[0] == 0:
         return  # no token at all: vLLM asserts num_logits > 0 (covered by test_bad_logits_fail_fast)
     with no_device_sync(devices={device.type}):
-        fp = fast_prefill.build(spec, _stager(device), logits_indices=li, num_logits_padded=n_pad)
+        fp = fast_prefill.build(spec, _stager(device), None,
+                                FastPrefillInputs(logits_indices=li, num_logits_padded=n_pad))
     rows = spec.padded_num_reqs
     c = torch.from_numpy(spec.num_computed_tokens).to(device)
     q = torch.from_numpy(spec.num_scheduled_tokens).to(device)
@@ -164,6 +172,21 @@ def test_matches_device_reference(device: torch.device, step: tuple[BatchSpec, n
     cm.validate()
 
 
+@given(spec=batch_specs(max_reqs=8, max_query_len=20, max_context_len=100), seed=st.integers(0, 2**32 - 1))
+def test_lab_defaults_and_sample_match_the_lab_reference(device: torch.device, spec: BatchSpec, seed: int) -> None:
+    """The lab's demo inputs (each request's last token) and random ones (its last 1-3 tokens, padded)
+    against its reference."""
+    entry = lab("fast_prefill")
+    for options, inputs in (entry.defaults(spec), entry.sample(spec, np.random.default_rng(seed))):
+        assert inputs is None or isinstance(inputs, FastPrefillInputs)
+        check_builder("fast_prefill", spec, device, options, inputs)
+    options, inputs = entry.defaults(spec)
+    if spec.num_tokens:
+        assert inputs is not None and np.asarray(inputs.logits_indices).tolist() == [
+            int(e) - 1 for e, q in zip(np.cumsum(spec.num_scheduled_tokens), spec.num_scheduled_tokens, strict=True)
+            if q > 0]
+
+
 # ------------------------------------------------------------------------------------------------
 # graph mode, meta device, one copy
 # ------------------------------------------------------------------------------------------------
@@ -180,7 +203,8 @@ def test_graph_mode_fixed_addresses_and_sentinels() -> None:
     addresses = None
     for spec, li, n_pad in ((SPEC_5_5, LOGITS_5_5, 6), (SMALL, LOGITS_SMALL, 2), (SPEC_5_5, LOGITS_5_5, 4)):
         with stager.step() as step:
-            staged = fast_prefill.stage(stage_common(spec, step), step, logits_indices=li, num_logits_padded=n_pad)
+            staged = fast_prefill.stage(stage_common(spec, step), step, None,
+                                        FastPrefillInputs(logits_indices=li, num_logits_padded=n_pad))
         fp = staged.result()
         full = {n: step.device_full("fast_prefill." + n) for n in names}
         now = {n: t.data_ptr() for n, t in full.items()}
@@ -195,7 +219,8 @@ def test_graph_mode_fixed_addresses_and_sentinels() -> None:
         assert full["positions"][li.shape[0] :].eq(0).all()
     assert fp.common.query_start_loc.tolist() == [0, 1, 3, 4]
     with pytest.raises(CapacityError, match="logits_indices_padded"), stager.step() as step:
-        fast_prefill.stage(stage_common(SMALL, step), step, logits_indices=LOGITS_SMALL, num_logits_padded=49)
+        fast_prefill.stage(stage_common(SMALL, step), step, None,
+                           FastPrefillInputs(logits_indices=LOGITS_SMALL, num_logits_padded=49))
 
 
 @pytest.mark.parametrize("profile", [None, PROFILE], ids=["eager", "graph"])
@@ -203,7 +228,8 @@ def test_meta_device_build_passes_the_audit(profile: StaticProfile | None) -> No
     stager = Stager("meta", profile=profile)
     for spec, li in ((SPEC_5_5, LOGITS_5_5), (SMALL, LOGITS_SMALL)):
         with no_device_sync():
-            fp = fast_prefill.build(spec, stager, logits_indices=li, num_logits_padded=li.shape[0] + 1)
+            fp = fast_prefill.build(spec, stager, None,
+                                    FastPrefillInputs(logits_indices=li, num_logits_padded=li.shape[0] + 1))
         assert fp.common.query_start_loc.device.type == "meta"
         assert fp.common.positions.shape == (li.shape[0],)
 
@@ -214,7 +240,7 @@ def test_one_copy_with_common_and_flash_attention(profile: StaticProfile | None)
     with stager.step() as step:
         common = stage_common(SPEC_5_5, step)
         fa_full = flash_attn.stage(common, step)
-        fp = fast_prefill.stage(common, step, logits_indices=LOGITS_5_5)
+        fp = fast_prefill.stage(common, step, None, FastPrefillInputs(logits_indices=LOGITS_5_5))
         fa_fast = flash_attn.stage(fp.host.common, step, flash_attn.FlashAttentionOptions(prefix="flash_attn_fast"))
     assert step.stats.copies == 1
     fast = fa_fast.result()

@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
 from attnmeta.backends import flash_attn
-from attnmeta.backends.flash_attn import FlashAttentionMetadata, FlashAttentionOptions
+from attnmeta.backends.flash_attn import FlashAttentionInputs, FlashAttentionMetadata, FlashAttentionOptions
 from attnmeta.metadata import CommonAttentionMetadata
 from attnmeta.testing.assertions import assert_matches_device
 from attnmeta.testing.reference import ref_query_start_loc, ref_seq_lens, ref_split_decodes_and_prefills
@@ -104,7 +104,7 @@ def addr(t: torch.Tensor) -> int:
 def build_in_step(spec: BatchSpec, stager: Stager, options: FlashAttentionOptions,
                   flags: Any = None) -> tuple[FlashAttentionMetadata, Any]:
     with stager.step() as step:
-        staged = flash_attn.stage(stage_common(spec, step), step, options, causal=flags)
+        staged = flash_attn.stage(stage_common(spec, step), step, options, FlashAttentionInputs(causal=flags))
     assert step.stats.copies == 1, "common + FlashAttention metadata must travel in one copy"
     return staged.result(), step
 
@@ -249,7 +249,7 @@ def test_field_roles() -> None:
                          ids=["plain", "dcp+causal"])
 @pytest.mark.parametrize("dev", ["cpu", "meta"])
 def test_layout_repr_and_read_only_host_arrays(dev: str, options: FlashAttentionOptions, flags: Any) -> None:
-    m = flash_attn.build(PADDED_SPEC, Stager(dev), options, causal=flags)
+    m = flash_attn.build(PADDED_SPEC, Stager(dev), options, FlashAttentionInputs(causal=flags))
     check_documented_layout(m, dev)
     with OpLog() as log:
         text, described = repr(m), m.describe()
@@ -283,20 +283,20 @@ def test_flash_attn_matches_references(device: torch.device, case: Case) -> None
 def test_causal_of_the_wrong_length_raises(flags: Any) -> None:
     stager = Stager("cpu")
     with pytest.raises(ValueError, match=r"causal: expected one flag per real request \(3\), got shape"):
-        flash_attn.build(PADDED_SPEC, stager, causal=flags)
+        flash_attn.build(PADDED_SPEC, stager, None, FlashAttentionInputs(causal=flags))
     # the failed step was abandoned; the stager goes on
-    m = flash_attn.build(PADDED_SPEC, stager, causal=[False, True, True])
+    m = flash_attn.build(PADDED_SPEC, stager, None, FlashAttentionInputs(causal=[False, True, True]))
     assert m.causal_cpu is not None and m.causal_cpu.tolist() == [0, 1, 1, 1, 1] and m.causal is False
 
 
 def test_causal_flags_from_a_torch_tensor_are_refused() -> None:
     with pytest.raises(TypeError, match=r"causal: got a torch\.Tensor"):
-        flash_attn.build(DOC_SPEC, Stager("cpu"), causal=torch.tensor([True, False, True]))
+        flash_attn.build(DOC_SPEC, Stager("cpu"), None, FlashAttentionInputs(causal=torch.tensor([True, False, True])))
 
 
 def test_causal_flags_must_be_zero_or_one() -> None:
     with pytest.raises(ValueError, match=r"causal\[1\]=2; integer causal flags must be 0 or 1"):
-        flash_attn.build(DOC_SPEC, Stager("cpu"), causal=np.array([1, 2, 0]))
+        flash_attn.build(DOC_SPEC, Stager("cpu"), None, FlashAttentionInputs(causal=np.array([1, 2, 0])))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from attnmeta.backends.flashinfer import FlashInferMetadata, FlashInferOptions
 from attnmeta.staging import CapacityError
 from attnmeta.sync import no_device_sync
 from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
+from attnmeta.testing.builders import check_builder
+from attnmeta.testing.lab import lab
 from attnmeta.testing.reference import (
     ref_dcp_context_kv_lens,
     ref_paged_kv_indices,
@@ -190,6 +192,16 @@ def test_matches_device_reference(
     assert fi.max_prefill_query_len == (int(q[d:].max()) if d < rows else 0)
 
 
+@given(spec=batch_specs(max_reqs=8, max_query_len=24, max_context_len=200), seed=st.integers(0, 2**32 - 1))
+def test_lab_sample_matches_the_lab_reference(device: torch.device, spec: BatchSpec, seed: int) -> None:
+    """The lab's random options (thresholds, uniformity, gather location, DCP) against its reference."""
+    options, inputs = lab("flashinfer").sample(spec, np.random.default_rng(seed))
+    assert inputs is None
+    if flashinfer.FLASHINFER.unsupported_reasons(spec, options, None):
+        return
+    check_builder("flashinfer", spec, device, options)
+
+
 @given(spec=batch_specs(max_reqs=6, max_query_len=16, max_context_len=100))
 def test_pages_read_back_the_tokens_the_common_slot_mapping_wrote(spec: BatchSpec) -> None:
     """Paging semantics end to end: the KV slots reached through indptr/indices/last_page_len are
@@ -286,9 +298,11 @@ def test_common_from_another_step_is_rejected() -> None:
         common = stage_common(MIXED, first)
     stages = [
         lambda step: flashinfer.stage(common, step),
-        lambda step: fast_prefill.stage(common, step, logits_indices=np.array([0, 1, 5], I32)),
+        lambda step: fast_prefill.stage(common, step, None,
+                                        fast_prefill.FastPrefillInputs(logits_indices=np.array([0, 1, 5], I32))),
         lambda step: local_attn.stage(common, step, local_attn.LocalAttentionOptions(attn_chunk_size=4)),
-        lambda step: cascade.stage(common, step, cascade.CascadeOptions(8, 8, 132), num_common_prefix_blocks=1),
+        lambda step: cascade.stage(common, step, cascade.CascadeOptions(8, 8, 132),
+                                   cascade.CascadeInputs(num_common_prefix_blocks=1)),
     ]
     for stage in stages:
         with pytest.raises(ValueError, match="staged in another step"), stager.step() as step:

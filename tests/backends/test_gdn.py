@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 import attnmeta
 from attnmeta import BatchSpec, StagedCommon, Stager, StaticProfile, stage_common
 from attnmeta.backends.mamba import block_table_columns, gdn
-from attnmeta.backends.mamba.gdn import GDN, GDNMetadata, GDNOptions
+from attnmeta.backends.mamba.gdn import GDN, GDNInputs, GDNMetadata, GDNOptions
 from attnmeta.host.gdn import fla_chunk_metadata, plan_flashinfer_checkpoints, spec_token_partition
 from attnmeta.testing import check_builder
+from attnmeta.testing.lab import lab
 from attnmeta.testing.reference.gdn import ref_fla_chunk_metadata
 from attnmeta.testing.strategies import batch_specs
 
@@ -39,14 +40,15 @@ def _dev(t: Any) -> list[Any]:
     return t.cpu().tolist()
 
 
-def _stage_with_drafts(spec: BatchSpec, opts: GDNOptions, drafts: list[int], **inputs: Any) -> GDNMetadata:
+def _stage_with_drafts(spec: BatchSpec, opts: GDNOptions, drafts: list[int],
+                       inputs: GDNInputs | None = None) -> GDNMetadata:
     """Stage with vLLM's ``num_decode_draft_tokens_cpu`` given literally (the worked examples set it by
     hand; a BatchSpec derives it from its drafts)."""
     stager = Stager("cpu")
     with stager.step() as step:
         c = stage_common(spec, step, block_table_columns=block_table_columns(spec, opts), token_arrays=False)
         host = dataclasses.replace(c.host, num_decode_draft_tokens_cpu=np.array(drafts, I32))
-        staged = gdn.stage(StagedCommon(step, host, c.result), step, opts, **inputs)
+        staged = gdn.stage(StagedCommon(step, host, c.result), step, opts, inputs)
     return staged.result()
 
 
@@ -84,7 +86,7 @@ def test_example_a_no_spec_mixed(device: torch.device) -> None:
     assert _dev(m.batch_ptr)[:15] == [0, 1, 2, *[3] * 9, 4, 4, -1]
     assert m.nums_dict is not None and m.nums_dict[8]["tot"] == 14
     assert m.spec_sequence_masks is None and m.spec_token_indx is None and m.num_accepted_tokens is None
-    check_builder(GDN, _example_a(), device, GDNOptions())
+    check_builder("gdn", _example_a(), device, GDNOptions())
 
 
 def test_example_b_no_spec_decode_full_graph() -> None:
@@ -109,7 +111,7 @@ def test_example_c_all_spec_full_graph(device: torch.device) -> None:
     spec = _example_c([3, 3, 3], [2, 2, 2])
     opts = GDNOptions(num_speculative_tokens=2, cudagraph_max_bs=16)
     acc = np.array([1, 3, 2], I32)
-    m = gdn.build(spec, Stager("cpu"), opts, num_accepted_tokens=acc)
+    m = gdn.build(spec, Stager("cpu"), opts, GDNInputs(num_accepted_tokens=acc))
     assert (m.num_spec_decodes, m.num_spec_decode_tokens, m.uniform_spec_sequence_length) == (3, 9, 3)
     assert (m.num_decodes, m.num_prefills) == (0, 0)
     assert _dev(m.spec_query_start_loc) == [0, 3, 6, 9, 9]
@@ -121,13 +123,13 @@ def test_example_c_all_spec_full_graph(device: torch.device) -> None:
     assert m.non_spec_token_indx.numel() == 0
     assert _dev(m.num_accepted_tokens) == [1, 3, 2, 1]
     assert m.non_spec_query_start_loc is None and m.non_spec_state_indices_tensor is None
-    check_builder(GDN, spec, device, opts, num_accepted_tokens=acc)
+    check_builder("gdn", spec, device, opts, GDNInputs(num_accepted_tokens=acc))
     # the capture build: q = [3, 3, 0, 0], accepted = diff(qsl) (the default)
     cap = _example_c([3, 3], [2, 2])
     m = gdn.build(cap, Stager("cpu"), opts)
     assert m.num_spec_decodes == 2 and _dev(m.num_accepted_tokens) == [3, 3, 1, 1]
     assert _dev(m.spec_query_start_loc) == [0, 3, 6, 6, 6]
-    check_builder(GDN, cap, device, opts)
+    check_builder("gdn", cap, device, opts)
 
 
 def test_full_staging_only_within_the_decode_graph_bound() -> None:
@@ -145,7 +147,7 @@ def test_example_d_spec_mixed(device: torch.device) -> None:
                      num_prompt_tokens=[5, 5, 5, 6], num_draft_tokens=[2, 0, 1, 0], block_table=_table(4),
                      block_size=16, num_reqs_padded=5)
     m = _stage_with_drafts(spec, GDNOptions(num_speculative_tokens=2), [2, -1, 1, -1, -1],
-                           num_accepted_tokens=np.array([2, 3, 1, 3], I32))
+                           GDNInputs(num_accepted_tokens=np.array([2, 3, 1, 3], I32)))
     assert (m.num_spec_decodes, m.num_spec_decode_tokens) == (2, 5)
     assert (m.num_prefills, m.num_prefill_tokens, m.num_decodes, m.num_decode_tokens) == (2, 7, 0, 0)
     assert m.uniform_spec_sequence_length is None
@@ -179,7 +181,7 @@ def test_fresh_one_token_prompt_is_a_prefill_and_a_resumed_one_token_chunk_a_dec
     assert (m.num_decodes, m.num_prefills, m.num_prefill_tokens) == (1, 1, 1)
     assert _dev(m.prefill_has_initial_state) == [False] and _dev(m.prefill_query_start_loc) == [0, 1]
     for spec in (resumed, fresh):
-        check_builder(GDN, spec, device, GDNOptions())
+        check_builder("gdn", spec, device, GDNOptions())
 
 
 def test_trailing_padding_rows_leave_the_prefill_count_not_the_prefill_view() -> None:
@@ -196,9 +198,10 @@ def test_spec_rows_with_more_drafts_than_k_and_bad_accepted_counts_name_the_row(
     with pytest.raises(attnmeta.UnsupportedBatchError, match="num_draft_tokens"):
         gdn.build(spec, Stager("cpu"), GDNOptions(num_speculative_tokens=1))
     with pytest.raises(ValueError, match=r"num_accepted_tokens\[1\]=4 is outside \[1, 3\] \(row 1"):
-        gdn.build(spec, Stager("cpu"), GDNOptions(num_speculative_tokens=2), num_accepted_tokens=np.array([1, 4, 1], I32))
+        gdn.build(spec, Stager("cpu"), GDNOptions(num_speculative_tokens=2),
+                  GDNInputs(num_accepted_tokens=np.array([1, 4, 1], I32)))
     with pytest.raises(attnmeta.UnsupportedBatchError, match="spec decode is off"):
-        gdn.build(spec, Stager("cpu"), GDNOptions(), num_accepted_tokens=np.array([1, 1, 1], I32))
+        gdn.build(spec, Stager("cpu"), GDNOptions(), GDNInputs(num_accepted_tokens=np.array([1, 1, 1], I32)))
 
 
 def test_graph_mode_keeps_addresses_and_writes_the_staged_tails() -> None:
@@ -258,7 +261,7 @@ def test_spec_token_partition_is_the_stable_argsort(rows: list[tuple[int, bool]]
 
 
 @st.composite
-def _cases(draw: st.DrawFn, long: bool) -> tuple[BatchSpec, GDNOptions, dict[str, Any]]:
+def _cases(draw: st.DrawFn, long: bool) -> tuple[BatchSpec, GDNOptions, GDNInputs | None]:
     spec = draw(batch_specs(max_reqs=10, max_query_len=40, max_context_len=300, long_prefills=long,
                             max_long_prefill_len=300))
     d = spec.num_draft_tokens
@@ -267,23 +270,36 @@ def _cases(draw: st.DrawFn, long: bool) -> tuple[BatchSpec, GDNOptions, dict[str
                       prefill_backend=draw(st.sampled_from(["triton", "flashinfer"])),
                       cudagraph_max_bs=draw(st.sampled_from([None, 2, 64])),
                       needs_causal_conv1d_metadata=draw(st.booleans()))
-    inputs: dict[str, Any] = {}
+    inputs = None
     if k and d is not None and draw(st.booleans()):
         rows = draw(st.sampled_from([spec.num_reqs, spec.padded_num_reqs]))
-        inputs["num_accepted_tokens"] = np.array(draw(st.lists(st.integers(1, 1 + k), min_size=rows, max_size=rows)),
-                                                 I32)
+        inputs = GDNInputs(num_accepted_tokens=np.array(
+            draw(st.lists(st.integers(1, 1 + k), min_size=rows, max_size=rows)), I32))
     return spec, opts, inputs
 
 
 @given(case=_cases(long=False))
 def test_random_batches_match_the_vllm_reference(device: torch.device,
-                                                 case: tuple[BatchSpec, GDNOptions, dict[str, Any]]) -> None:
+                                                 case: tuple[BatchSpec, GDNOptions, GDNInputs | None]) -> None:
     spec, opts, inputs = case
-    check_builder(GDN, spec, device, opts, **inputs)
+    check_builder("gdn", spec, device, opts, inputs)
 
 
 @given(case=_cases(long=True))
 def test_long_prefills_match_the_vllm_reference(device: torch.device,
-                                                case: tuple[BatchSpec, GDNOptions, dict[str, Any]]) -> None:
+                                                case: tuple[BatchSpec, GDNOptions, GDNInputs | None]) -> None:
     spec, opts, inputs = case
-    check_builder(GDN, spec, device, opts, **inputs)
+    check_builder("gdn", spec, device, opts, inputs)
+
+
+@given(spec=batch_specs(max_reqs=8, max_query_len=40, max_context_len=300), seed=st.integers(0, 2**32 - 1))
+def test_the_lab_sample_is_served_and_matches_the_lab_reference(device: torch.device, spec: BatchSpec,
+                                                               seed: int) -> None:
+    """The GDN lab entry (attnmeta.testing.labs.mamba, registered as "gdn"): its sample gives options
+    and inputs the builder serves, and check_builder compares the build with its reference."""
+    opts, inputs = lab("gdn").sample(spec, np.random.default_rng(seed))
+    assert isinstance(opts, GDNOptions) and (inputs is None or isinstance(inputs, GDNInputs))
+    assert not GDN.unsupported_reasons(spec, opts, GDN.inputs(inputs))
+    assert lab("gdn").builder is GDN and lab("gdn").has_reference
+    assert not any(hasattr(GDN, m) for m in ("sample", "reference", "defaults"))
+    check_builder("gdn", spec, device, opts, inputs)

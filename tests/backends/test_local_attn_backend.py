@@ -14,6 +14,8 @@ from attnmeta.backends.local_attn import LocalAttentionMetadata, LocalAttentionO
 from attnmeta.staging import CapacityError
 from attnmeta.sync import no_device_sync
 from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
+from attnmeta.testing.builders import check_builder
+from attnmeta.testing.lab import lab
 from attnmeta.testing.reference import ref_local_virtual_batches, ref_query_start_loc, ref_seq_lens
 from attnmeta.testing.strategies import batch_specs
 
@@ -135,6 +137,20 @@ def test_matches_device_reference(device: torch.device, spec: BatchSpec, blocks_
     assert cm.num_real_reqs == ref.num_virtual_reqs - (rows - spec.num_reqs)
     assert_host_equal(cm.num_computed_tokens_cpu, (ref.seq_lens - (ref.query_start_loc[1:] - ref.query_start_loc[:-1])).cpu().numpy())
     cm.validate()
+
+
+@given(spec=batch_specs(max_reqs=8, max_query_len=24, max_context_len=80, block_sizes=st.sampled_from([1, 2, 4])),
+       seed=st.integers(0, 2**32 - 1))
+def test_lab_defaults_and_sample_match_the_lab_reference(device: torch.device, spec: BatchSpec, seed: int) -> None:
+    """The lab's demo options (chunks of 4 blocks) and random ones (1-4 blocks, either gather) against
+    its reference."""
+    entry = lab("local_attn")
+    for options, inputs in (entry.defaults(spec), entry.sample(spec, np.random.default_rng(seed))):
+        assert inputs is None and options.attn_chunk_size % spec.block_size == 0
+        if local_attn.LOCAL_ATTN.unsupported_reasons(spec, options, None):
+            continue
+        check_builder("local_attn", spec, device, options)
+    assert entry.defaults(spec)[0].attn_chunk_size == 4 * spec.block_size
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Mamba2 / Mamba1 / linear-attention metadata (docs/semantics-mamba.md) against vLLM-style device references.
 
-The reference (:func:`attnmeta.testing.reference.ref_mamba_metadata`, the builders' ``reference()``)
+The reference (:func:`attnmeta.testing.reference.ref_mamba_metadata`, the builders' lab reference)
 rebuilds every field the way vLLM 0.33.0's builder does: host classification and split on CPU
 tensors, state indices gathered from the *device* block table with the *device* ``seq_lens``,
 ``has_initial_states_p`` and ``query_start_loc_p`` computed on the device, the chunk layout by the
@@ -26,6 +26,7 @@ from attnmeta.backends import flash_attn
 from attnmeta.backends.mamba import (
     LinearAttentionOptions,
     Mamba1Options,
+    Mamba2Inputs,
     Mamba2Metadata,
     Mamba2Options,
     MambaMetadata,
@@ -41,6 +42,7 @@ from attnmeta.host.split import split_decodes_and_prefills
 from attnmeta.staging import CapacityError
 from attnmeta.sync import no_device_sync
 from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
+from attnmeta.testing.lab import lab
 from attnmeta.testing.reference import (
     ref_linear_attn_metadata,
     ref_mamba_metadata,
@@ -140,7 +142,7 @@ def _check_against_reference(m: Mamba2Metadata, ref: dict[str, Any]) -> None:
 def _build(spec: BatchSpec, options: Mamba2Options, device: torch.device | str = "cpu",
            accepted: np.ndarray | None = None) -> Mamba2Metadata:
     with no_device_sync(devices={torch.device(device).type}):
-        m = mamba2.build(spec, _stager(device), options, num_accepted_tokens=accepted)
+        m = mamba2.build(spec, _stager(device), options, Mamba2Inputs(num_accepted_tokens=accepted))
     _check_against_reference(m, _vllm_reference(spec, options, accepted, torch.device(device)))
     if not currently_in_test_context():
         return m
@@ -313,13 +315,13 @@ def test_bad_options_fail_fast() -> None:
         with pytest.raises(ValueError, match=msg):
             mamba2.build(spec, Stager("cpu"), Mamba2Options(**kwargs))
     with pytest.raises(ValueError, match="spec decode is off"):
-        mamba2.build(spec, Stager("cpu"), Mamba2Options(), num_accepted_tokens=np.array([1], I32))
+        mamba2.build(spec, Stager("cpu"), Mamba2Options(), Mamba2Inputs(num_accepted_tokens=np.array([1], I32)))
     with pytest.raises(ValueError, match="num_accepted_tokens"):
         mamba2.build(spec, Stager("cpu"), Mamba2Options(num_speculative_tokens=1),
-                     num_accepted_tokens=np.array([1, 1, 1], I32))
+                     Mamba2Inputs(num_accepted_tokens=np.array([1, 1, 1], I32)))
     # the same checks in stage() itself (the generic build lists them as unsupported reasons first)
     with pytest.raises(ValueError, match="spec decode is off"), Stager("cpu").step() as step:
-        mamba2.stage(stage_common(spec, step), step, Mamba2Options(), num_accepted_tokens=np.array([1], I32))
+        mamba2.stage(stage_common(spec, step), step, Mamba2Options(), Mamba2Inputs(num_accepted_tokens=np.array([1], I32)))
     # a wrong type is a TypeError naming the option; a checkpoint's block size is checked against the
     # common block size when the options leave the mamba block size unset
     with pytest.raises(TypeError, match=r"Mamba2Options\.chunk_size"):
@@ -504,7 +506,7 @@ def test_eager_steps_and_their_host_part_match_the_vllm_reference(device: torch.
     # the host part for other builders of the step: the split and is_prefilling after the moves
     with _stager("cpu").step() as step:
         common = stage_common(spec, step, block_table_columns=block_table_columns(spec, opts), token_arrays=False)
-        staged = mamba2.stage(common, step, opts, num_accepted_tokens=accepted)
+        staged = mamba2.stage(common, step, opts, Mamba2Inputs(num_accepted_tokens=accepted))
     h = common.host
     k = opts.num_speculative_tokens
     isp, _ = classify_mamba_rows(h.query_start_loc_cpu, h.seq_lens_cpu_upper_bound, h.is_prefilling,
@@ -895,7 +897,7 @@ def test_registered_and_built_through_the_generic_build() -> None:
     opts = Mamba2Options(chunk_size=8, cache_mode="align", num_speculative_tokens=1, logical_chunks=True)
     needs = mamba2.MAMBA2.needs(spec, opts)
     assert not needs.token_arrays and needs.block_table_columns == block_table_columns(spec, opts)
-    m = generic_build(spec, Stager("cpu"), "mamba2", opts, num_accepted_tokens=np.array([1, 1, 1], I32))
+    m = generic_build(spec, Stager("cpu"), "mamba2", opts, Mamba2Inputs(num_accepted_tokens=np.array([1, 1, 1], I32)))
     assert m.common.slot_mapping.shape == (0,) and m.common.positions.shape == (0,)
     assert m.common.block_table_tensor.shape == (4, needs.block_table_columns)
     _check_against_reference(m, _vllm_reference(spec, opts, np.array([1, 1, 1], I32), torch.device("cpu")))
@@ -904,22 +906,27 @@ def test_registered_and_built_through_the_generic_build() -> None:
         assert not builder.needs(spec, opts1).token_arrays
         assert generic_build(spec, Stager("cpu"), name, opts1).common.slot_mapping.shape == (0,)
     with pytest.raises(ValueError, match="spec decode is off"):  # UnsupportedBatchError, a ValueError
-        generic_build(spec, Stager("cpu"), "mamba2", Mamba2Options(), num_accepted_tokens=np.ones(3, I32))
+        generic_build(spec, Stager("cpu"), "mamba2", Mamba2Options(), Mamba2Inputs(num_accepted_tokens=np.ones(3, I32)))
 
 
 @given(spec=batch_specs(max_reqs=8, max_query_len=40, max_context_len=300), seed=st.integers(0, 2**32 - 1))
 def test_sampled_options_match_the_builders_references(device: torch.device, spec: BatchSpec, seed: int) -> None:
-    """Each builder's sample() gives options and inputs it serves; its reference() gives the fields
-    it builds (the audit and the benchmarks use both)."""
+    """Each builder's lab sample gives options and inputs it serves; its lab reference gives the
+    fields it builds (the audit and the benchmarks use both)."""
     rng = np.random.default_rng(seed)
-    opts, inputs = mamba2.MAMBA2.sample(spec, rng)
-    assert not mamba2.MAMBA2.unsupported_reasons(spec, opts, **inputs)
+    opts, inputs = lab("mamba2").sample(spec, rng)
+    assert isinstance(opts, Mamba2Options) and (inputs is None or isinstance(inputs, Mamba2Inputs))
+    assert not mamba2.MAMBA2.unsupported_reasons(spec, opts, mamba2.MAMBA2.inputs(inputs))
     with no_device_sync(devices={device.type}):
-        m = mamba2.build(spec, _stager(device), opts, **inputs)
-    _check_against_reference(m, mamba2.MAMBA2.reference(spec, opts, device, **inputs))
-    opts1, _ = mamba1.MAMBA1.sample(spec, rng)
+        m = mamba2.build(spec, _stager(device), opts, inputs)
+    ref = lab("mamba2").reference(spec, opts, device, inputs)
+    assert ref is not None
+    _check_against_reference(m, ref)
+    opts1, inputs1 = lab("mamba1").sample(spec, rng)
+    assert isinstance(opts1, Mamba1Options) and inputs1 is None
     m1 = mamba1.build(spec, _stager(device), opts1)
-    ref1 = mamba1.MAMBA1.reference(spec, opts1, device)
+    ref1 = lab("mamba1").reference(spec, opts1, device)
+    assert ref1 is not None
     for name in ("state_indices_tensor_d", "state_indices_tensor_p", "has_initial_states_p", "query_start_loc_p",
                  "batch_ptr", "token_chunk_offset_ptr", "num_decodes", "num_prefills", "num_decode_tokens"):
         a = getattr(m1, name)
@@ -927,12 +934,28 @@ def test_sampled_options_match_the_builders_references(device: torch.device, spe
             _same(a, ref1[name], name)
         else:
             assert a == ref1[name], name
-    opts2, _ = linear_attn.LINEAR_ATTN.sample(spec, rng)
+    opts2, inputs2 = lab("linear_attn").sample(spec, rng)
+    assert isinstance(opts2, LinearAttentionOptions) and inputs2 is None
     la = linear_attn.build(spec, _stager(device), opts2)
-    ref2 = linear_attn.LINEAR_ATTN.reference(spec, opts2, device)
+    ref2 = lab("linear_attn").reference(spec, opts2, device)
+    assert ref2 is not None
     for name in ("query_start_loc", "seq_lens", "state_indices_tensor"):
         _same(getattr(la, name), ref2[name], name)
     assert (la.num_decodes, la.num_prefills) == (ref2["num_decodes"], ref2["num_prefills"])
+
+
+def test_the_lab_entries_are_registered_by_builder_name() -> None:
+    """The Mamba-family lab functions live in attnmeta.testing.labs.mamba, registered under the
+    builders' registry names; the builders themselves carry no sample / reference / defaults."""
+    from attnmeta.testing.labs import mamba as mamba_labs
+
+    assert set(mamba_labs.ENTRIES) == {"mamba2", "mamba1", "linear_attn", "gdn"}
+    for name, builder in (("mamba2", mamba2.MAMBA2), ("mamba1", mamba1.MAMBA1),
+                          ("linear_attn", linear_attn.LINEAR_ATTN)):
+        entry = lab(name)
+        assert entry.builder is builder and entry.has_reference, name
+        assert not any(hasattr(builder, m) for m in ("sample", "reference", "defaults")), name
+        assert entry.defaults(_spec([3], [4], [9])) == (builder.options(None), None), name
 
 
 def test_options_are_validated_when_constructed() -> None:

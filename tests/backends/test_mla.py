@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from attnmeta import BatchSpec, ContextParallel, Stager, StaticProfile
 from attnmeta.backends.mla import MLA, MLAOptions, build, mla_decode_threshold
 from attnmeta.testing.builders import check_builder
+from attnmeta.testing.lab import lab
+from attnmeta.testing.reference.mla import ref_mla_decode_threshold
 from attnmeta.testing.strategies import batch_specs
 
 
@@ -102,6 +104,23 @@ def test_checklist_split_per_variant() -> None:
     assert mla_decode_threshold(MLAOptions(variant="flashattn_mla", num_speculative_tokens=600)) == 601
 
 
+@pytest.mark.parametrize("variant", ["flashmla", "flashattn_mla", "flashinfer_mla", "triton_mla"])
+def test_reference_threshold_is_vllms_rule(variant: str) -> None:
+    """The reference derives the threshold itself (vLLM's ``_init_reorder_batch_threshold``); it agrees
+    with the builder's over spec decode and every DCP layout."""
+    base = {"flashmla": 128, "flashattn_mla": 512, "flashinfer_mla": 1, "triton_mla": 1}[variant]
+    for k in (0, 1, 3, 600):
+        for world, inter in ((1, 1), (2, 1), (2, 8), (4, 1)):
+            if variant == "flashinfer_mla" and world > 1 and inter != 1:
+                continue  # an options error
+            opts = MLAOptions(variant=variant, num_speculative_tokens=k, dcp_world_size=world,  # type: ignore[arg-type]
+                              dcp_interleave=inter)
+            keeps = world == 1 or variant == "flashinfer_mla" or (variant == "flashattn_mla" and inter == 1)
+            want = max(base, 1 + k) if keeps else 1
+            assert ref_mla_decode_threshold(variant, k, world, inter) == want
+            assert mla_decode_threshold(opts) == want
+
+
 def test_checklist_max_query_len_promised_vs_measured() -> None:
     spec = _spec([1, 1, 40], [5, 6, 40])
     fi = build(spec, Stager("cpu"), MLAOptions(variant="flashinfer_mla", num_speculative_tokens=3))
@@ -128,11 +147,11 @@ def test_bad_options_and_unsupported_batches() -> None:
     with pytest.raises(ValueError, match=r"MLAOptions\.variant"):
         MLAOptions(variant="cutlass")  # type: ignore[arg-type]
     spec = _spec([3, 2], [10, 20])
-    assert MLA.unsupported_reasons(spec, MLAOptions(variant="triton_mla", causal=False))
+    assert MLA.unsupported_reasons(spec, MLAOptions(variant="triton_mla", causal=False), None)
     cp = _spec([1, 4], [10, 20], block_size=16, context_parallel=ContextParallel(2, 0))
-    assert any("world_size" in r for r in MLA.unsupported_reasons(cp, MLAOptions()))
-    assert not MLA.unsupported_reasons(cp, MLAOptions(dcp_world_size=2))
-    assert MLA.unsupported_reasons(spec, MLAOptions(workspace_size=8))
+    assert any("world_size" in r for r in MLA.unsupported_reasons(cp, MLAOptions(), None))
+    assert not MLA.unsupported_reasons(cp, MLAOptions(dcp_world_size=2), None)
+    assert MLA.unsupported_reasons(spec, MLAOptions(workspace_size=8), None)
 
 
 def test_graph_mode_tails_and_addresses() -> None:
@@ -173,3 +192,14 @@ def test_builder_matches_reference(spec: BatchSpec, seed: int, variant: str, dcp
     align = math.lcm(spec.block_size, dcp * inter if dcp > 1 else 1)
     opts = dataclasses.replace(opts, workspace_size=ws_units * align * dcp)
     check_builder(MLA, spec, torch.device("cpu"), opts)
+
+
+@given(spec=_SPECS, seed=st.integers(0, 2**32 - 1))
+def test_lab_sample_matches_reference(spec: BatchSpec, seed: int) -> None:
+    """The lab's random options (a workspace of whole split alignments, so contexts chunk) build and
+    match the reference."""
+    options, inputs = lab("mla").sample(spec, np.random.default_rng(seed))
+    assert inputs is None
+    if MLA.unsupported_reasons(spec, options, None):
+        return
+    check_builder("mla", spec, "cpu", options)

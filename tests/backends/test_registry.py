@@ -20,6 +20,7 @@ import attnmeta
 from attnmeta import BatchSpec, ContextParallel, Stager, StaticProfile
 from attnmeta.builder import Builder, CommonNeeds, UnsupportedBatchError
 from attnmeta.testing.builders import audit_builder, check_builder
+from attnmeta.testing.lab import lab
 from attnmeta.testing.strategies import batch_specs
 
 BUILDERS = sorted(attnmeta.registry())
@@ -28,7 +29,7 @@ SPECS = batch_specs(max_reqs=10, max_query_len=40, max_context_len=300)
 
 def test_the_builtin_builders_are_registered() -> None:
     assert {"flash_attn", "flashinfer", "cascade", "fast_prefill", "local_attn", "mamba2", "mamba1",
-            "linear_attn"} <= set(BUILDERS)
+            "linear_attn", "gdn", "mla", "mm_prefix"} <= set(BUILDERS)
 
 
 @pytest.mark.parametrize("name", BUILDERS)
@@ -37,8 +38,14 @@ def test_every_builder_declares_the_protocol(name: str) -> None:
     assert isinstance(b, Builder) and b.name == name
     assert dataclasses.is_dataclass(b.options_type) and b.options_type.__dataclass_params__.frozen  # type: ignore[attr-defined]
     assert dataclasses.is_dataclass(b.metadata_type)
-    assert b.__doc__ and b.stage.__doc__
-    assert all(isinstance(i, str) for i in b.inputs)
+    assert b.__doc__ and b.derive.__doc__
+    it = b.inputs_type
+    assert it is None or (dataclasses.is_dataclass(it) and it.__dataclass_params__.frozen)  # type: ignore[attr-defined]
+    if it is not None:  # every per-step input is optional: the empty inputs are the builder's default
+        assert dataclasses.is_dataclass(b.inputs(None))
+    for attr in ("reference", "sample", "defaults"):  # the lab's, registered by name (attnmeta.testing.lab)
+        assert not hasattr(b, attr), f"{name}.{attr}: the lab contract lives in attnmeta.testing.lab"
+    assert lab(name).has_reference
 
 
 @pytest.mark.parametrize("name", BUILDERS)
@@ -48,12 +55,12 @@ def test_every_builder_equals_its_reference(device: torch.device, name: str, spe
     """The generic check: every field the builder's reference names, with options and inputs the
     builder draws for the batch."""
     b = attnmeta.get_builder(name)
-    options, inputs = b.sample(spec, np.random.default_rng(seed))
-    if b.unsupported_reasons(spec, options, **inputs):
+    options, inputs = lab(name).sample(spec, np.random.default_rng(seed))
+    if b.unsupported_reasons(spec, b.options(options), b.inputs(inputs)):
         with pytest.raises(UnsupportedBatchError):
-            attnmeta.build(spec, Stager("cpu"), b, options, **inputs)
+            attnmeta.build(spec, Stager("cpu"), b, options, inputs)
         return
-    check_builder(b, spec, device, options, **inputs)
+    check_builder(b, spec, device, options, inputs)
 
 
 @pytest.mark.parametrize("name", BUILDERS)
@@ -71,10 +78,9 @@ def _bad_value(annotation: Any) -> Any:
 def test_every_option_is_checked_when_constructed(name: str) -> None:
     """Options are frozen dataclasses validated in ``__post_init__``: each field, given a value of the
     wrong type, raises a TypeError or ValueError that names it; nothing is checked again per step."""
-    b = attnmeta.get_builder(name)
     spec = BatchSpec(num_computed_tokens=[3, 0], num_scheduled_tokens=[1, 5], block_table=[[1, 2], [3, 4]],
                      block_size=4)
-    good, _ = b.defaults(spec)
+    good, _ = lab(name).defaults(spec)
     hints = typing.get_type_hints(type(good))
     for f in dataclasses.fields(good):
         with pytest.raises((TypeError, ValueError), match=rf"{type(good).__name__}\.{f.name}\b"):
@@ -89,10 +95,15 @@ def test_generic_build_errors_name_the_builder_and_what_is_wrong() -> None:
     stager = Stager("cpu")
     with pytest.raises(TypeError, match="flash_attn: options must be FlashAttentionOptions, got FlashInferOptions"):
         attnmeta.build(spec, stager, "flash_attn", attnmeta.get_builder("flashinfer").options(None))
-    with pytest.raises(TypeError, match=r"flashinfer: unknown input\(s\) \['causal'\]"):
-        attnmeta.build(spec, stager, "flashinfer", causal=[True, False])
+    fa_inputs = attnmeta.get_builder("flash_attn").inputs_type
+    assert fa_inputs is not None
+    with pytest.raises(TypeError, match=r"flashinfer: takes no per-step inputs, got FlashAttentionInputs"):
+        attnmeta.build(spec, stager, "flashinfer", None, fa_inputs(causal=[True, False]))
+    with pytest.raises(TypeError, match=r"flash_attn: inputs must be FlashAttentionInputs, got dict .* "
+                                        r"\(make the inputs from it: FlashAttentionInputs\(\*\*inputs\)\)"):
+        attnmeta.build(spec, stager, "flash_attn", None, {"causal": [True]})
     with pytest.raises(UnsupportedBatchError, match="flash_attn: cannot serve this batch: causal: expected one flag"):
-        attnmeta.build(spec, stager, "flash_attn", causal=[True])
+        attnmeta.build(spec, stager, "flash_attn", None, fa_inputs(causal=[True]))
     with pytest.raises(KeyError, match="no builder named 'nope'; registered: "):
         attnmeta.build(spec, stager, "nope")
     assert stager.stats.steps_begun == 0  # every error came before a step began
@@ -122,8 +133,13 @@ def test_registry_is_read_only_and_register_refuses_a_taken_name() -> None:
 
 
 def test_a_builder_class_without_the_protocol_is_refused() -> None:
-    with pytest.raises(TypeError, match="Incomplete: a Builder must define name, options_type, metadata_type, stage"):
+    with pytest.raises(TypeError, match="Incomplete: a Builder must define name, options_type, metadata_type, derive"):
         type("Incomplete", (Builder,), {})
+    fa = type(attnmeta.get_builder("flash_attn"))
+    with pytest.raises(TypeError, match=r"Builder\.stage is the shared preamble; implement derive"):
+        type("OwnStage", (fa,), {"stage": lambda self, *a: None})
+    with pytest.raises(TypeError, match="inputs_type: expected a dataclass of per-step inputs"):
+        type("BadInputs", (fa,), {"inputs_type": dict})
 
 
 @pytest.mark.parametrize("name", BUILDERS)
@@ -135,13 +151,13 @@ def test_every_builder_in_graph_mode(name: str) -> None:
                      block_table=np.arange(3 * 16, dtype=np.int32).reshape(3, 16), block_size=4, num_reqs_padded=4,
                      num_tokens_padded=10)
     b = attnmeta.get_builder(name)
-    options, inputs = b.defaults(spec)
+    options, inputs = lab(name).defaults(spec)
     if hasattr(options, "chunk_size"):
         options = dataclasses.replace(options, chunk_size=prof.chunk_size)
     stager = Stager("cpu", profile=prof)
-    first = attnmeta.build(spec, stager, b, options, **inputs)
+    first = attnmeta.build(spec, stager, b, options, inputs)
     views = {field: getattr(first, field) for field in type(first)._DEVICE_FIELDS}  # (first expires below)
-    again = attnmeta.build(spec, stager, b, options, **inputs)
+    again = attnmeta.build(spec, stager, b, options, inputs)
     for field in type(first)._DEVICE_FIELDS:
         a, c = views[field], getattr(again, field)
         assert (a is None) == (c is None), field
@@ -158,9 +174,10 @@ def test_a_context_parallel_spec_builds_or_is_reported_unsupported(name: str) ->
                      context_parallel=ContextParallel(2, 1))
     b = attnmeta.get_builder(name)
     rng = np.random.default_rng(0)
-    for options, inputs in [b.defaults(spec), *(b.sample(spec, rng) for _ in range(8))]:
-        if b.unsupported_reasons(spec, options, **inputs):
+    entry = lab(name)
+    for options, inputs in [entry.defaults(spec), *(entry.sample(spec, rng) for _ in range(8))]:
+        if b.unsupported_reasons(spec, b.options(options), b.inputs(inputs)):
             with pytest.raises(UnsupportedBatchError):
-                attnmeta.build(spec, Stager("cpu"), b, options, **inputs)
+                attnmeta.build(spec, Stager("cpu"), b, options, inputs)
         else:
-            attnmeta.build(spec, Stager("cpu"), b, options, **inputs)
+            attnmeta.build(spec, Stager("cpu"), b, options, inputs)

@@ -179,4 +179,4 @@ def test_hybrid_steady_state_loop_has_no_sync(hybrid_model: Any) -> None:
     engine.run(make_requests(16, 2048, prompt_len=(20, 90), new_tokens=(10, 20), seed=0))
     with no_device_sync(allow_async_d2h=True):
         st = engine.run(make_requests(16, 2048, prompt_len=(20, 90), new_tokens=(10, 20), arrive_over=4, seed=1))
-    assert st.steps > 10 and len(st.step_mamba) == st.steps
+    assert st.steps > 10 and len(st.step_replayed) == st.steps

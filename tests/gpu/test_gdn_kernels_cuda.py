@@ -48,7 +48,7 @@ import torch
 from audit_helpers import KernelResults, audited
 
 from attnmeta import BatchSpec, Stager
-from attnmeta.backends.mamba.gdn import FLA_CHUNK_SIZE, GDNMetadata, GDNOptions
+from attnmeta.backends.mamba.gdn import FLA_CHUNK_SIZE, GDNInputs, GDNMetadata, GDNOptions
 from attnmeta.backends.mamba.gdn import build as build_gdn
 
 pytestmark = pytest.mark.gpu
@@ -367,7 +367,7 @@ def audited_build(stager: Stager) -> Callable[[BatchSpec, GDNOptions, np.ndarray
 
     def build(spec: BatchSpec, opts: GDNOptions, acc: np.ndarray | None) -> GDNMetadata:
         with audited():
-            m: GDNMetadata = build_gdn(spec, stager, opts, num_accepted_tokens=acc)
+            m: GDNMetadata = build_gdn(spec, stager, opts, GDNInputs(num_accepted_tokens=acc))
         return m
 
     return build

@@ -237,7 +237,8 @@ def test_fast_prefill_rows_equal_full_attention_rows(seed: int) -> None:
         staged = flash_attn.stage(stage_common(spec, step), step)
     full_meta = staged.result()
     with audited():
-        fp = fast_prefill.build(spec, stager, logits_indices=li, num_logits_padded=li.shape[0] + 3)
+        fp = fast_prefill.build(spec, stager, None,
+                                fast_prefill.FastPrefillInputs(logits_indices=li, num_logits_padded=li.shape[0] + 3))
     cm = fp.common
     n = spec.num_reqs
     seq = full_meta.seq_lens[:n]

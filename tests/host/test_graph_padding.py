@@ -19,6 +19,7 @@ from attnmeta.host.dcp import (
 )
 from attnmeta.host.padding import LAST, REPLAY_PADDING, bailing_state_indices
 from attnmeta.kernel_blocks import stage_kernel_block_table
+from attnmeta.testing.lab import lab
 
 PROF = StaticProfile(max_num_reqs=6, max_num_tokens=16, max_blocks_per_req=4, block_size=16)
 B, BP, T, TP = 3, 5, 3, 5
@@ -65,11 +66,12 @@ def test_replay_values_of_every_builder_20_2() -> None:
     spec = _spec()
     seen = set()
     for name, builder in registry().items():
-        opts, inputs = builder.defaults(spec)
+        opts, inputs = lab(builder).defaults(spec)
+        opts = builder.options(opts)
         needs = builder.needs(spec, opts)
         with Stager("cpu", profile=PROF).step() as step:
             common = stage_common(spec, step, token_arrays=needs.token_arrays)
-            staged = builder.stage(common, step, opts, **inputs)
+            staged = builder.stage(common, step, opts, inputs)
         m = staged.result()
         for field in type(m)._DEVICE_FIELDS:
             v = getattr(m, field, None)

@@ -16,6 +16,7 @@ import attnmeta
 from attnmeta import BatchSpec, Stager
 from attnmeta.builder import CommonNeeds
 from attnmeta.sync import no_device_sync
+from attnmeta.testing.lab import lab
 from attnmeta.testing.reference import ref_ubatch_commons, ref_ubatch_slices
 from attnmeta.testing.strategies import batch_specs
 from attnmeta.ubatch import UBatchSlice, is_last_ubatch_empty, stage_ubatches, ubatch_slices, ubatch_specs
@@ -189,9 +190,9 @@ def test_every_builder_stages_on_every_ubatch(name: str) -> None:
     subs = ubatch_specs(spec, plan.padded_slices)
     # one builder's fields per micro-batch: each under a prefix of its own, as the common ones
     chosen = [(dataclasses.replace(o, prefix=f"{o.prefix}_ub{k}"), i)
-              for k, (o, i) in enumerate(b.defaults(sub) for sub in subs)]
+              for k, (o, i) in enumerate(lab(b).defaults(sub) for sub in subs)]
     for sub, (opts, inputs) in zip(subs, chosen):
-        assert b.unsupported_reasons(sub, opts, **inputs) == [], name
+        assert b.unsupported_reasons(sub, b.options(opts), b.inputs(inputs)) == [], name
     needs = CommonNeeds()
     for sub, (opts, _) in zip(subs, chosen):
         needs = needs.merge(b.needs(sub, opts))
@@ -200,7 +201,7 @@ def test_every_builder_stages_on_every_ubatch(name: str) -> None:
     with stager.step() as step:
         commons = stage_ubatches(spec, step, plan.padded_slices, token_arrays=needs.token_arrays,
                                  paged_kv=needs.paged_kv, block_table_columns=W)
-        staged = [b.stage(cm, step, opts, **inputs) for cm, (opts, inputs) in zip(commons, chosen)]
+        staged = [b.stage(cm, step, opts, inputs) for cm, (opts, inputs) in zip(commons, chosen)]
     assert step.stats.copies == 1
     for st_, cm in zip(staged, commons):
         meta = st_.result()

@@ -87,7 +87,7 @@ from triton_interpreter import INTERPRET, cuda_device_shim, first_config_only, i
 from triton_interpreter import conv1d_metadata as interpreter_conv1d_metadata
 
 from attnmeta import BatchSpec, Stager
-from attnmeta.backends.mamba.mamba2 import Mamba2Metadata, Mamba2Options
+from attnmeta.backends.mamba.mamba2 import Mamba2Inputs, Mamba2Metadata, Mamba2Options
 from attnmeta.backends.mamba.mamba2 import build as build_mamba2
 from attnmeta.host.mamba import CheckpointConfig
 from examples.engine.vllm_mamba import FETCH, KERNELS, isolated_import, load_ops
@@ -536,7 +536,7 @@ def build(batch: Batch) -> Mamba2Metadata:
     """``batch``'s Mamba2 metadata on :data:`DEVICE`, built under the sync audit."""
     stager = Stager(DEVICE, num_kv_blocks=int(batch.spec.block_table.max()) + 1)
     with audited():
-        m: Mamba2Metadata = build_mamba2(batch.spec, stager, batch.options, num_accepted_tokens=batch.acc)
+        m: Mamba2Metadata = build_mamba2(batch.spec, stager, batch.options, Mamba2Inputs(num_accepted_tokens=batch.acc))
     return m
 
 

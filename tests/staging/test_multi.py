@@ -21,6 +21,7 @@ from attnmeta.common import CommonWriter
 from attnmeta.staging import MultiStager, NotReplicableError, Stager, StepExpiredError, StepNotCommittedError
 from attnmeta.staging.stager import is_expired
 from attnmeta.sync import no_device_sync
+from attnmeta.testing.lab import lab
 from attnmeta.testing.multi import assert_replica
 from attnmeta.testing.workloads import mixed_spec
 
@@ -152,12 +153,12 @@ def test_every_registered_builder_replicates(graph: bool) -> None:
     for builder in attnmeta.registry().values():
         for _ in range(3):
             spec = _spec(rng)
-            opts, inputs = builder.sample(spec, rng)
-            if builder.unsupported_reasons(spec, opts, **inputs):
-                opts, inputs = builder.defaults(spec)
+            opts, inputs = lab(builder).sample(spec, rng)
+            if builder.unsupported_reasons(spec, builder.options(opts), builder.inputs(inputs)):
+                opts, inputs = lab(builder).defaults(spec)
             multi = MultiStager(["cpu"] * 3, profile=profile if graph else None)
             try:
-                meta = attnmeta.build(spec, multi, builder, opts, **inputs)
+                meta = attnmeta.build(spec, multi, builder, opts, inputs)
             except ValueError:  # options a graph profile cannot serve (a chunk size other than its own)
                 continue
             device_side = any(getattr(opts, a, None) == "device" for a in ("indices", "block_table"))

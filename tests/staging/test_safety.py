@@ -26,6 +26,7 @@ from attnmeta.backends.fused import FusedStepBuilder
 from attnmeta.builder import UnsupportedBatchError
 from attnmeta.staging import CapacityError, StepExpiredError, is_expired
 from attnmeta.testing import check_builder
+from attnmeta.testing.lab import lab
 from attnmeta.testing.strategies import batch_specs
 
 TABLE = np.array([[10, 11], [20, 21], [30, 31]], np.int32)
@@ -365,13 +366,13 @@ class StagerLifetimes(RuleBasedStateMachine):
         spec = data.draw(_SPECS)
         name = data.draw(st.sampled_from(sorted(attnmeta.registry())))
         b = attnmeta.get_builder(name)
-        options, inputs = b.sample(spec, np.random.default_rng(data.draw(st.integers(0, 99))))
+        options, inputs = lab(b).sample(spec, np.random.default_rng(data.draw(st.integers(0, 99))))
         if self.graph and hasattr(options, "chunk_size"):
             options = type(options)(**{**{f: getattr(options, f) for f in options.__dataclass_fields__},
                                        "chunk_size": _PROFILE.chunk_size})
         before = self.stager.stats.steps_begun
         try:  # the object is right when built: every field its reference names
-            obj = check_builder(b, spec, "cpu", options, stager=self.stager, **inputs)
+            obj = check_builder(b, spec, "cpu", options, inputs, stager=self.stager)
         except (UnsupportedBatchError, CapacityError, ValueError):
             return  # (a failure before the step began, or an abandoned step: the model reads steps_begun)
         assert self.stager.stats.steps_begun == before + 1

@@ -12,7 +12,7 @@ import pkgutil
 import pytest
 
 import attnmeta.backends
-from attnmeta.audit import FUSED_TARGET, register_builtin_targets
+from attnmeta.bench.audit import FUSED_TARGET, register_builtin_targets
 from attnmeta.builder import Builder, registry
 from attnmeta.sync import run_audit
 

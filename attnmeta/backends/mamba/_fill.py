@@ -74,9 +74,10 @@ from attnmeta.host.mamba import (
 )
 from attnmeta.host.split import SplitCounts
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, StagedCommon
+from attnmeta.profile import StaticProfile
 from attnmeta.staging import CapacityError, FieldGroup, Step, bucket_rows
 
-__all__ = ["Filled", "conv1d_capacity", "fill", "logical_capacity"]
+__all__ = ["Filled", "accepted_counts", "conv1d_capacity", "fill", "fill_key", "logical_capacity", "refill"]
 
 _I32, _I64, _BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_)
 _NO_I32 = np.zeros(0, _I32)
@@ -218,9 +219,32 @@ class _Layout:
     the kernel's output arrays, the read-only views handed out, and the exact-length views of the
     latest counts (host and device, each rebuilt only when its count changes)."""
 
-    __slots__ = ("bp_full", "by_d", "by_l", "by_n", "by_pt", "by_tot", "dev_d", "dev_l", "dev_n", "dev_pt", "dev_tot",
-                 "graph", "index", "logical", "mlist", "moved", "num_reqs", "offsets", "outputs", "qsl_d", "ro",
-                 "staged_rows", "tokens")
+    __slots__ = (
+        "bp_full",
+        "by_d",
+        "by_l",
+        "by_n",
+        "by_pt",
+        "by_tot",
+        "conv_rows",
+        "dev_d",
+        "dev_l",
+        "dev_n",
+        "dev_pt",
+        "dev_tot",
+        "graph",
+        "index",
+        "logical",
+        "mlist",
+        "moved",
+        "num_reqs",
+        "offsets",
+        "outputs",
+        "qsl_d",
+        "ro",
+        "staged_rows",
+        "tokens",
+    )
 
     def __init__(self, group: FieldGroup, shape: _Shape) -> None:
         B = shape.num_reqs
@@ -229,6 +253,7 @@ class _Layout:
         self.staged_rows = [f.rows for f in group.fields]  # rows of each field's device view
         self.num_reqs = B
         self.graph = shape.graph
+        self.conv_rows = shape.conv_rows
         host = {name: group.host[i] for name, i in self.index.items()}
         self.ro: dict[str, np.ndarray | None] = {name: group.frozen[i] for name, i in self.index.items()}
         prefill = shape.prefill
@@ -497,8 +522,21 @@ class Filled:
         }
 
 
-def _accepted(values: Any, h: CommonHost) -> np.ndarray:
-    """``num_accepted_tokens``: one count per real request or per row (int32, host)."""
+def accepted_counts(values: Any, h: CommonHost, spec_tokens: int, owner: str) -> np.ndarray:
+    """``num_accepted_tokens`` checked: one count per real request or per row (int32, host); empty when
+    None.
+
+    Raises
+    ------
+    ValueError
+        Counts without spec decode, or of the wrong length.
+    TypeError
+        A torch tensor or a non-integer array.
+    """
+    if values is None:
+        return _NO_I32
+    if not spec_tokens:
+        raise ValueError(f"num_accepted_tokens: given, but spec decode is off ({owner}.num_speculative_tokens == 0)")
     a = as_host_array(values, "num_accepted_tokens", dtype=np.int32)
     if a.shape[0] != h.num_real_reqs and a.shape[0] != h.num_reqs:
         raise ValueError(
@@ -542,15 +580,9 @@ def fill(
     bs_m = h.block_size if mamba_block_size is None else mamba_block_size
     if align and bs_m < h.block_size:
         check_align_block_size(owner, mamba_block_size, h.block_size)  # raises
-    thr = 1 + spec_tokens
     prof = step.profile
     isp = h.is_prefilling
-    if num_accepted_tokens is not None:
-        if not spec_tokens:
-            raise ValueError(f"num_accepted_tokens: given, but spec decode is off ({owner}.num_speculative_tokens == 0)")
-        accepted = _accepted(num_accepted_tokens, h)
-    else:
-        accepted = _NO_I32
+    accepted = accepted_counts(num_accepted_tokens, h, spec_tokens, owner)
     if checkpoint is not None and checkpoint.mamba_block_size != bs_m:
         raise ValueError(
             f"Mamba2Options.checkpoint.mamba_block_size={checkpoint.mamba_block_size} != the builder's mamba block "
@@ -561,9 +593,28 @@ def fill(
             f"Mamba2Options.chunk_size={chunk_size} != StaticProfile.chunk_size={prof.chunk_size}: graph mode sizes "
             f"the chunk buffers with the profile's max_num_chunks; build the profile with chunk_size={chunk_size}"
         )
+    key = fill_key(B, T, h.max_query_len, bool(np.count_nonzero(isp)), prefix, spec_tokens, chunk_size, conv1d,
+                   checkpoint, logical, token_seq_idx, prof)
+    group = step.alloc_fields(lambda: _specs(_Shape(*key), step), key)
+    lay: _Layout | None = group.extras.get(_Layout)
+    if lay is None:
+        lay = group.extras[_Layout] = _Layout(group, _Shape(*key))
+    return refill(step, h, group, lay, owner, prefix, spec_tokens, chunk_size, bs_m, align, checkpoint, consecutive,
+                  accepted, num_accepted_tokens is not None)
+
+
+def fill_key(num_reqs: int, num_tokens: int, max_query_len: int, any_prefilling: bool, prefix: str, spec_tokens: int,
+             chunk_size: int, conv1d: bool, checkpoint: CheckpointConfig | None, logical: bool, token_seq_idx: bool,
+             profile: StaticProfile | None) -> tuple[Any, ...]:
+    """What the fields :func:`fill` stages depend on: their names, rows and order (:class:`_Shape`).
+
+    ``num_reqs`` / ``num_tokens`` are the padded counts; ``any_prefilling`` whether a row is still in
+    its prompt. The same key from a spec (a replay's) and from its staged common metadata (a step's)."""
+    thr = 1 + spec_tokens
+    B, T = num_reqs, num_tokens
     # Prefill rows are possible when a query is longer than the threshold or a row still prefills;
     # a step that cannot have any stages no prefill field.
-    pre = h.max_query_len > thr or bool(np.count_nonzero(isp))
+    pre = max_query_len > thr or any_prefilling
     conv_rows = chunk_rows = logical_rows = token_rows = 0
     if pre:
         if conv1d:
@@ -574,18 +625,27 @@ def fill(
                 logical_rows = bucket_rows(-(-T // chunk_size) + B)
         if token_seq_idx:
             token_rows = bucket_rows(T)
-        if prof is not None:
-            R, Q = prof.max_num_reqs, prof.max_num_tokens
+        if profile is not None:
+            R, Q = profile.max_num_reqs, profile.max_num_tokens
             conv_rows = min(conv_rows, conv1d_capacity(Q, R))
-            chunk_rows = min(chunk_rows, prof.max_num_chunks)
+            chunk_rows = min(chunk_rows, profile.max_num_chunks)
             logical_rows = min(logical_rows, logical_capacity(Q, R, chunk_size or 1))
             token_rows = min(token_rows, Q)
-    key = (prefix, B, thr, spec_tokens > 0, pre, conv_rows, chunk_rows, checkpoint is not None, logical_rows,
-           token_rows, prof is not None)
-    group = step.alloc_fields(lambda: _specs(_Shape(*key), step), key)
-    lay: _Layout | None = group.extras.get(_Layout)
-    if lay is None:
-        lay = group.extras[_Layout] = _Layout(group, _Shape(*key))
+    return (prefix, B, thr, spec_tokens > 0, pre, conv_rows, chunk_rows, checkpoint is not None, logical_rows,
+            token_rows, profile is not None)
+
+
+def refill(step: Step, h: CommonHost, group: FieldGroup, lay: _Layout, owner: str, prefix: str, spec_tokens: int,
+           chunk_size: int, bs_m: int, align: bool, checkpoint: CheckpointConfig | None, consecutive: bool,
+           accepted: np.ndarray, has_accepted: bool) -> Filled:
+    """Write one step into the fields of ``group`` (reserved by :func:`fill`, this step or, replayed, a
+    step of the same layout on the same slot): every staged byte, with ONE compiled call and the
+    optional chunk formats' kernels. ``accepted``: the checked accepted counts (empty without)."""
+    B, T = h.num_reqs, h.num_actual_tokens
+    thr = 1 + spec_tokens
+    prof = step.profile
+    isp = h.is_prefilling
+    conv_rows = lay.conv_rows
     known = _NO_ROWS
     record: _MinusOnes | None = None
     stamp = num_slots = 0
@@ -605,7 +665,7 @@ def fill(
     status, D, Dt, tot, n, prep, nck, num_moved = mamba_fill_nb(
         h.query_start_loc_cpu, h.seq_lens_cpu_upper_bound, isp, drafts if drafts is not None and spec_tokens else _NO_I32,
         h.seq_lens_cpu, h.block_table_cpu, T, thr, bs_m, align, chunk_size, prof is not None, accepted,
-        num_accepted_tokens is not None, known[0], known[1], known[2], known[3], hb, hit, ck_align, look, drop,
+        has_accepted, known[0], known[1], known[2], known[3], hb, hit, ck_align, look, drop,
         *lay.outputs,
     )
     if status:

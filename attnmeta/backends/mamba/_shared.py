@@ -132,7 +132,7 @@ def block_table_columns(spec: BatchSpec, options: Any) -> int:
     ----------
     spec : BatchSpec
         The step.
-    options : Mamba2Options, Mamba1Options or LinearAttentionOptions
+    options : Mamba2Options, Mamba1Options, LinearAttentionOptions or GDNOptions
         The builder's options (mamba block size, cache mode, speculative tokens, checkpoints).
 
     Returns

@@ -48,7 +48,17 @@ from attnmeta.metadata import CommonAttentionMetadata, CommonHost, StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Step
 
-__all__ = ["FLA_CHUNK_SIZE", "GDN", "GDNBuilder", "GDNInputs", "GDNMetadata", "GDNOptions", "build", "stage"]
+__all__ = [
+    "FLA_CHUNK_SIZE",
+    "GDN",
+    "GDNBuilder",
+    "GDNInputs",
+    "GDNMetadata",
+    "GDNOptions",
+    "PrefillBackend",
+    "build",
+    "stage",
+]
 
 PrefillBackend = Literal["triton", "flashinfer"]
 """vLLM's ``gdn_prefill_backend`` values this builder serves (FlashInfer skips the FLA chunk fields)."""
@@ -112,7 +122,7 @@ class GDNMetadata(MetadataBase):
     ...                  block_table=np.arange(40, dtype=np.int32).reshape(4, 10), block_size=16,
     ...                  num_reqs_padded=5)
     >>> m = build(spec, Stager("cpu"), GDNOptions(num_speculative_tokens=2),
-    ...           num_accepted_tokens=np.array([2, 1, 1, 1], np.int32))
+    ...           GDNInputs(num_accepted_tokens=np.array([2, 1, 1, 1], np.int32)))
     >>> m.num_spec_decodes, m.num_prefills, m.num_decodes, m.num_prefill_tokens
     (3, 1, 0, 6)
     >>> m.spec_token_indx_cpu.tolist(), m.non_spec_token_indx_cpu.tolist(), m.spec_token_indx.dtype
@@ -351,12 +361,28 @@ class GDNBuilder(Builder[GDNOptions, GDNInputs, None, GDNMetadata]):
         ValueError
             ``num_accepted_tokens`` without spec decode, of the wrong length, or a spec row's count
             outside ``[1, 1 + k]``; a spec row with more than ``k`` drafts; ``"align"`` mode with a mamba
-            block size below the block size; a block table too narrow; ``common`` from another step.
+            block size below the block size; a block table too narrow.
         TypeError
-            A torch tensor or a non-integer array as ``num_accepted_tokens``; ``common`` not a
-            :class:`~attnmeta.StagedCommon`; options of another type.
+            A torch tensor or a non-integer array as ``num_accepted_tokens``.
         attnmeta.staging.CapacityError
             Graph mode: more rows or tokens than the profile holds.
+
+        Examples
+        --------
+        Through :meth:`~attnmeta.builder.Builder.stage` (the shared preamble, then this): a spec row
+        with 2 drafts and a prefill, the step's accepted-token counts as :class:`GDNInputs`:
+
+        >>> from attnmeta import BatchSpec, Stager, stage_common
+        >>> from attnmeta.backends.mamba import block_table_columns
+        >>> spec = BatchSpec(num_computed_tokens=[20, 0], num_scheduled_tokens=[3, 6], num_prompt_tokens=[5, 6],
+        ...                  num_draft_tokens=[2, 0], block_table=[[1, 2], [3, 4]], block_size=16)
+        >>> opts = GDNOptions(num_speculative_tokens=2)
+        >>> with Stager("cpu").step() as step:
+        ...     common = stage_common(spec, step, block_table_columns=block_table_columns(spec, opts))
+        ...     staged = GDN.stage(common, step, opts, GDNInputs(num_accepted_tokens=[2, 1]))
+        >>> m = staged.result()
+        >>> m.num_spec_decodes, m.num_prefills, m.spec_state_indices_tensor_cpu.tolist(), m.num_accepted_tokens_cpu.tolist()
+        (1, 1, [[1, 2, 0]], [2])
         """
         o = options
         num_accepted_tokens = inputs.num_accepted_tokens
@@ -552,29 +578,6 @@ class GDNBuilder(Builder[GDNOptions, GDNInputs, None, GDNMetadata]):
                 reasons.append(f"num_draft_tokens[{r}]={int(d[r])} > GDNOptions.num_speculative_tokens={k} "
                                f"(request {r})")
         return reasons
-
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[GDNOptions, dict[str, Any]]:
-        """Random spec tokens (at least the spec's drafts on most draws), cache mode, prefill backend,
-        FULL-graph staging and conv1d, and accepted counts under spec decode."""
-        d = spec.num_draft_tokens
-        dmax = int(d.max()) if d is not None and d.size else 0
-        k = max(dmax, int(rng.integers(0, 4)))
-        opts = GDNOptions(
-            num_speculative_tokens=k, cache_mode="align" if rng.random() < 0.5 else "none",
-            prefill_backend="flashinfer" if rng.random() < 0.2 else "triton",
-            cudagraph_max_bs=int(rng.choice([1, 4, 512])) if rng.random() < 0.5 else None,
-            needs_causal_conv1d_metadata=bool(rng.random() < 0.8),
-        )
-        inputs: dict[str, Any] = {}
-        if k and d is not None and rng.random() < 0.7:  # the runner passes counts with drafts only
-            inputs["num_accepted_tokens"] = rng.integers(1, k + 2, size=spec.num_reqs).astype(np.int32)
-        return opts, inputs
-
-    def reference(self, spec: BatchSpec, options: GDNOptions, device: torch.device, **inputs: Any) -> dict[str, Any]:
-        """:func:`attnmeta.testing.reference.gdn.ref_gdn_metadata`: vLLM 0.33.0's formulas on ``device``."""
-        from attnmeta.testing.reference.gdn import ref_gdn_metadata
-
-        return ref_gdn_metadata(spec, options, device, num_accepted_tokens=inputs.get("num_accepted_tokens"))
 
 
 GDN = register(GDNBuilder())

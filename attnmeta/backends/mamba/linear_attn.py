@@ -15,7 +15,7 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -168,6 +168,8 @@ class LinearAttentionBuilder(Builder[LinearAttentionOptions, None, LinearAttenti
             The open step.
         options : LinearAttentionOptions
             Cache mode, mamba block size, namespace.
+        inputs : None
+            The builder takes no per-step inputs (:attr:`~attnmeta.builder.Builder.inputs_type` is None).
 
         Returns
         -------
@@ -178,9 +180,7 @@ class LinearAttentionBuilder(Builder[LinearAttentionOptions, None, LinearAttenti
         ------
         ValueError
             A block table too narrow for the state column; ``"align"`` mode with a mamba block size
-            below the block size; ``common`` from another step.
-        TypeError
-            ``common`` not a :class:`~attnmeta.StagedCommon`, or options of another type.
+            below the block size.
         attnmeta.staging.CapacityError
             Graph mode: more rows than ``max_num_reqs``.
         """
@@ -210,17 +210,6 @@ class LinearAttentionBuilder(Builder[LinearAttentionOptions, None, LinearAttenti
             )
 
         return Staged(step, LinearAttentionHost(split, si_ro), make)
-
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[LinearAttentionOptions, dict[str, Any]]:
-        """A random cache mode."""
-        return LinearAttentionOptions(cache_mode="align" if rng.random() < 0.5 else "none"), {}
-
-    def reference(self, spec: BatchSpec, options: LinearAttentionOptions, device: torch.device,
-                  **inputs: Any) -> dict[str, Any]:
-        """:func:`attnmeta.testing.reference.ref_linear_attn_metadata`."""
-        from attnmeta.testing.reference.mamba import ref_linear_attn_metadata
-
-        return ref_linear_attn_metadata(spec, options, device)
 
 
 LINEAR_ATTN = register(LinearAttentionBuilder())

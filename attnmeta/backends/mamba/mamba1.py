@@ -16,10 +16,6 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-import numpy as np
-import torch
 
 from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import keyword_factory
@@ -113,6 +109,8 @@ class Mamba1Builder(Builder[Mamba1Options, None, MambaHost, Mamba1Metadata]):
             The open step.
         options : Mamba1Options
             Cache mode, mamba block size, conv1d metadata, namespace.
+        inputs : None
+            The builder takes no per-step inputs (:attr:`~attnmeta.builder.Builder.inputs_type` is None).
 
         Returns
         -------
@@ -123,9 +121,7 @@ class Mamba1Builder(Builder[Mamba1Options, None, MambaHost, Mamba1Metadata]):
         ------
         ValueError
             A block table too narrow for the state column; ``"align"`` mode with a mamba block size
-            below the block size; ``common`` from another step.
-        TypeError
-            ``common`` not a :class:`~attnmeta.StagedCommon`, or options of another type.
+            below the block size.
         attnmeta.staging.CapacityError
             Graph mode: the step exceeds a profile capacity.
         """
@@ -133,18 +129,6 @@ class Mamba1Builder(Builder[Mamba1Options, None, MambaHost, Mamba1Metadata]):
         f = fill(common, step, "Mamba1Options", o.prefix, 0, 0, o.mamba_block_size, o.cache_mode == "align",
                  o.needs_causal_conv1d_metadata, None, False, False, False, None)
         return Staged(step, f.host, lambda: _make_m1(**f.shared_fields(common.result())))
-
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[Mamba1Options, dict[str, Any]]:
-        """A random cache mode, conv1d metadata on or off."""
-        return Mamba1Options(cache_mode="align" if rng.random() < 0.5 else "none",
-                             needs_causal_conv1d_metadata=bool(rng.random() < 0.8)), {}
-
-    def reference(self, spec: BatchSpec, options: Mamba1Options, device: torch.device,
-                  **inputs: Any) -> dict[str, Any]:
-        """:func:`attnmeta.testing.reference.ref_mamba_metadata` (threshold 1, no chunks)."""
-        from attnmeta.testing.reference.mamba import ref_mamba_metadata
-
-        return ref_mamba_metadata(spec, options, device)
 
 
 MAMBA1 = register(Mamba1Builder())

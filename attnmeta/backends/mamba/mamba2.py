@@ -34,6 +34,7 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -42,7 +43,7 @@ import torch
 
 from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import MetadataBase, keyword_factory
-from attnmeta.backends.mamba._fill import fill
+from attnmeta.backends.mamba._fill import Filled, accepted_counts, fill, fill_key, refill
 from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
     MAMBA_BLOCK_SIZE_RULE,
@@ -53,9 +54,9 @@ from attnmeta.backends.mamba._shared import (
     check_checkpoint_option,
     common_needs,
 )
-from attnmeta.builder import Builder, CommonNeeds, register
+from attnmeta.builder import Builder, CommonNeeds, Replayer, register
 from attnmeta.host.mamba import CheckpointConfig
-from attnmeta.metadata import StagedCommon
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Step
 
@@ -337,7 +338,7 @@ class Mamba2Builder(Builder[Mamba2Options, Mamba2Inputs, MambaHost, Mamba2Metada
     ...                  block_table=np.arange(30, dtype=np.int32).reshape(3, 10), block_size=4,
     ...                  num_reqs_padded=4)
     >>> m = build(spec, Stager("cpu"), Mamba2Options(chunk_size=4, cache_mode="align", num_speculative_tokens=2),
-    ...           num_accepted_tokens=np.array([2, 1, 1], np.int32))
+    ...           Mamba2Inputs(num_accepted_tokens=np.array([2, 1, 1], np.int32)))
     >>> m.num_decodes, m.num_prefills, m.num_decode_tokens, m.num_prefill_tokens
     (2, 2, 4, 6)
     >>> m.state_indices_tensor_d_cpu
@@ -392,41 +393,31 @@ class Mamba2Builder(Builder[Mamba2Options, Mamba2Inputs, MambaHost, Mamba2Metada
             A torch tensor or a non-integer array passed as ``num_accepted_tokens``.
         attnmeta.staging.CapacityError
             Graph mode: the step exceeds a profile capacity.
+
+        Examples
+        --------
+        Through :meth:`~attnmeta.builder.Builder.stage` (the shared preamble, then this), with the
+        step's accepted-token counts as :class:`Mamba2Inputs`:
+
+        >>> from attnmeta import BatchSpec, Stager, stage_common
+        >>> spec = BatchSpec(num_computed_tokens=[9, 0], num_scheduled_tokens=[2, 5], num_prompt_tokens=[4, 5],
+        ...                  num_draft_tokens=[1, 0], block_table=[[1, 2, 3], [4, 5, 6]], block_size=4)
+        >>> opts = Mamba2Options(chunk_size=4, num_speculative_tokens=1)
+        >>> with Stager("cpu").step() as step:
+        ...     common = stage_common(spec, step, block_table_columns=block_table_columns(spec, opts))
+        ...     staged = MAMBA2.stage(common, step, opts, Mamba2Inputs(num_accepted_tokens=[2, 1]))
+        >>> staged.host.split
+        SplitCounts(num_decodes=1, num_prefills=1, num_decode_tokens=2, num_prefill_tokens=5)
+        >>> m = staged.result()
+        >>> m.state_indices_tensor_d_cpu.tolist(), m.num_accepted_tokens_cpu.tolist()
+        ([[1, 2]], [2])
         """
         o = options
         C = o.chunk_size
         f = fill(common, step, "Mamba2Options", o.prefix, o.num_speculative_tokens, C, o.mamba_block_size, o.cache_mode == "align",
                  o.needs_causal_conv1d_metadata, o.checkpoint, o.logical_chunks, o.token_seq_idx, o.consecutive_seq_ids,
                  inputs.num_accepted_tokens)
-
-        def make() -> Mamba2Metadata:
-            shared = f.shared_fields(common.result())
-            P = f.P
-            if not P:
-                return _make_m2(**shared, **_NO_PREFILLS, chunk_size=C)
-            lay, n, dev, hd, dd = f.layout, f.n, f.dev, f.host_d, f.dev_d
-            cu_h, sidx_h = lay.host_n(n)
-            cu_d, sidx_d = lay.device_n(dev, n)
-            ci_h = co_h = ci_d = co_d = ts_h = ts_d = ck_meta = ck_d = ck_h = None
-            if lay.logical is not None:
-                ci_h, co_h = lay.host_l(f.nl)
-                ci_d, co_d = lay.device_l(dev, f.nl)
-            if lay.tokens is not None:
-                ts_h, ts_d = lay.host_pt(f.Pt), lay.device_pt(dev, f.Pt)
-            if f.nck:
-                ck_d, ck_h = dd[9], hd[12]
-                ck_meta = _make_checkpoints(offsets=dd[6], cols=dd[7], state_indices=dd[8], offsets_cpu=hd[9],
-                                            cols_cpu=hd[10], state_indices_cpu=hd[11], query_lens_cpu=hd[8],
-                                            first_row=f.D)
-            return _make_m2(
-                **shared, prep_initial_states=f.prep, chunk_size=C, num_chunks=n, cu_chunk_seqlen_p=cu_d,
-                seq_idx_p=sidx_d, last_chunk_indices_p=dd[5], checkpoint_chunk_idx=ck_d, chunk_indices_p=ci_d,
-                chunk_offsets_p=co_d, token_seq_idx_p=ts_d, cu_chunk_seqlen_p_cpu=cu_h, seq_idx_p_cpu=sidx_h,
-                last_chunk_indices_p_cpu=hd[6], checkpoint_chunk_idx_cpu=ck_h, chunk_indices_p_cpu=ci_h,
-                chunk_offsets_p_cpu=co_h, token_seq_idx_p_cpu=ts_h, checkpoint_meta=ck_meta,
-            )
-
-        return Staged(step, f.host, make)
+        return _Staged(step, f, lambda: _metadata(f, common.result(), C))
 
     def unsupported_reasons(self, spec: BatchSpec, options: Mamba2Options, inputs: Mamba2Inputs) -> list[str]:
         """``num_accepted_tokens`` without spec decode, or not one count per real request or row."""
@@ -441,31 +432,86 @@ class Mamba2Builder(Builder[Mamba2Options, Mamba2Inputs, MambaHost, Mamba2Metada
                     f"({spec.padded_num_reqs}), got shape {n}"]
         return []
 
-    def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[Mamba2Options, dict[str, Any]]:
-        """Random cache mode, spec tokens (0-3), checkpoints (align mode), chunk formats, conv1d on or
-        off, and accepted counts under spec decode."""
-        align = rng.random() < 0.5
-        k = int(rng.integers(0, 4))
-        bs = spec.block_size
-        ckpt = CheckpointConfig(hash_block_size=int(rng.choice([1, bs])), cache_hit_alignment_tokens=bs,
-                                mamba_block_size=bs, checkpoint_alignment=1) if align and rng.random() < 0.7 else None
-        opts = Mamba2Options(
-            chunk_size=int(rng.choice([8, 16, 64, 256])), cache_mode="align" if align else "none",
-            num_speculative_tokens=k, checkpoint=ckpt, logical_chunks=bool(rng.random() < 0.5),
-            token_seq_idx=bool(rng.random() < 0.5), needs_causal_conv1d_metadata=bool(rng.random() < 0.8),
-        )
-        inputs: dict[str, Any] = {}
-        if k and rng.random() < 0.7:
-            inputs["num_accepted_tokens"] = rng.integers(1, k + 2, size=spec.num_reqs).astype(np.int32)
-        return opts, inputs
 
-    def reference(self, spec: BatchSpec, options: Mamba2Options, device: torch.device,
-                  **inputs: Any) -> dict[str, Any]:
-        """:func:`attnmeta.testing.reference.ref_mamba_metadata`: every field the way vLLM 0.33.0's
-        builder computes it, on ``device``."""
-        from attnmeta.testing.reference.mamba import ref_mamba_metadata
+    def replay_key(self, spec: BatchSpec, options: Mamba2Options, inputs: Mamba2Inputs) -> Hashable:
+        """The fill path's layout (:func:`~attnmeta.backends.mamba._fill.fill_key`): rows, whether a row
+        may prefill, the bucketed chunk and causal-conv1d rows (a replayed step writes them all)."""
+        o = options
+        prompt = spec.num_prompt_tokens
+        prefilling = prompt is not None and bool(np.any(spec.num_computed_tokens < prompt))
+        return fill_key(spec.padded_num_reqs, spec.padded_num_tokens, spec.max_query_len, prefilling, o.prefix,
+                        o.num_speculative_tokens, o.chunk_size, o.needs_causal_conv1d_metadata, o.checkpoint,
+                        o.logical_chunks, o.token_seq_idx, None)
 
-        return ref_mamba_metadata(spec, options, device, num_accepted_tokens=inputs.get("num_accepted_tokens"))
+    def replayer(self, staged: Staged[MambaHost, Mamba2Metadata], common: StagedCommon, step: Step,
+                 options: Mamba2Options, inputs: Mamba2Inputs) -> _Replayer:
+        """Replays rewrite the recorded layout's fields with the fill path's one compiled call."""
+        assert isinstance(staged, _Staged)
+        return _Replayer(options, staged.filled)
+
+
+def _metadata(f: Filled, cm: CommonAttentionMetadata, C: int) -> Mamba2Metadata:
+    """A filled step's Mamba2 metadata, after its commit (a staged and a replayed step alike)."""
+    shared = f.shared_fields(cm)
+    P = f.P
+    if not P:
+        return _make_m2(**shared, **_NO_PREFILLS, chunk_size=C)
+    lay, n, dev, hd, dd = f.layout, f.n, f.dev, f.host_d, f.dev_d
+    cu_h, sidx_h = lay.host_n(n)
+    cu_d, sidx_d = lay.device_n(dev, n)
+    ci_h = co_h = ci_d = co_d = ts_h = ts_d = ck_meta = ck_d = ck_h = None
+    if lay.logical is not None:
+        ci_h, co_h = lay.host_l(f.nl)
+        ci_d, co_d = lay.device_l(dev, f.nl)
+    if lay.tokens is not None:
+        ts_h, ts_d = lay.host_pt(f.Pt), lay.device_pt(dev, f.Pt)
+    if f.nck:
+        ck_d, ck_h = dd[9], hd[12]
+        ck_meta = _make_checkpoints(offsets=dd[6], cols=dd[7], state_indices=dd[8], offsets_cpu=hd[9],
+                                    cols_cpu=hd[10], state_indices_cpu=hd[11], query_lens_cpu=hd[8],
+                                    first_row=f.D)
+    return _make_m2(
+        **shared, prep_initial_states=f.prep, chunk_size=C, num_chunks=n, cu_chunk_seqlen_p=cu_d,
+        seq_idx_p=sidx_d, last_chunk_indices_p=dd[5], checkpoint_chunk_idx=ck_d, chunk_indices_p=ci_d,
+        chunk_offsets_p=co_d, token_seq_idx_p=ts_d, cu_chunk_seqlen_p_cpu=cu_h, seq_idx_p_cpu=sidx_h,
+        last_chunk_indices_p_cpu=hd[6], checkpoint_chunk_idx_cpu=ck_h, chunk_indices_p_cpu=ci_h,
+        chunk_offsets_p_cpu=co_h, token_seq_idx_p_cpu=ts_h, checkpoint_meta=ck_meta,
+    )
+
+
+class _Staged(Staged[MambaHost, Mamba2Metadata]):
+    """A staged Mamba2 step: its host part, and what it filled (for a replayer of its layout)."""
+
+    __slots__ = ("filled",)
+
+    def __init__(self, step: Step, filled: Filled, make: Callable[[], Mamba2Metadata]) -> None:
+        super().__init__(step, filled.host, make)
+        self.filled = filled
+
+
+class _Replayer(Replayer[Mamba2Inputs, Mamba2Metadata]):
+    """Replays of a Mamba2 layout: the fill path's write (:func:`~attnmeta.backends.mamba._fill.refill`)
+    into the recorded fields, then :func:`_metadata`."""
+
+    __slots__ = ("filled", "group", "layout", "options")
+
+    def __init__(self, options: Mamba2Options, filled: Filled) -> None:
+        self.options, self.group, self.layout = options, filled.group, filled.layout
+        self.filled: Filled | None = None
+
+    def rewrite(self, step: Step, host: CommonHost, inputs: Mamba2Inputs) -> None:
+        o = self.options
+        bs_m = host.block_size if o.mamba_block_size is None else o.mamba_block_size
+        acc = accepted_counts(inputs.num_accepted_tokens, host, o.num_speculative_tokens, "Mamba2Options")
+        self.filled = refill(step, host, self.group, self.layout, "Mamba2Options", o.prefix, o.num_speculative_tokens,
+                             o.chunk_size, bs_m, o.cache_mode == "align", o.checkpoint, o.consecutive_seq_ids, acc,
+                             inputs.num_accepted_tokens is not None)
+
+    def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
+               inputs: Mamba2Inputs) -> Mamba2Metadata:
+        f, self.filled = self.filled, None
+        assert f is not None and f.step is step, "result() without this step's rewrite()"
+        return _metadata(f, common, self.options.chunk_size)
 
 
 MAMBA2 = register(Mamba2Builder())

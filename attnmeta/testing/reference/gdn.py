@@ -31,14 +31,17 @@ def ref_gdn_metadata(
 ) -> dict[str, Any]:
     """Every GDN field the way vLLM 0.33.0 computes it (``spec``: a ``BatchSpec``; ``options``: a
     ``GDNOptions``, read by attribute; ``num_accepted_tokens``: host int32 per real request or row)."""
-    from attnmeta.backends.mamba import block_table_columns
     from attnmeta.testing.reference.layout import (
         ref_num_decode_draft_tokens,
         ref_query_start_loc,
         ref_seq_lens,
         ref_split_decodes_and_prefills,
     )
-    from attnmeta.testing.reference.mamba import ref_causal_conv1d_metadata, ref_mamba_state_indices
+    from attnmeta.testing.reference.mamba import (
+        ref_causal_conv1d_metadata,
+        ref_mamba_block_table,
+        ref_mamba_state_indices,
+    )
 
     dev = torch.device(device)
     B, n, T = spec.padded_num_reqs, spec.num_reqs, spec.padded_num_tokens
@@ -58,13 +61,11 @@ def ref_gdn_metadata(
         prompt = None if spec.num_prompt_tokens is None else torch.from_numpy(spec.num_prompt_tokens.copy())
         drafts = ref_num_decode_draft_tokens(torch.from_numpy(q_np), torch.from_numpy(spec.num_draft_tokens.copy()),
                                              torch.from_numpy(c_np), prompt, B)
-    W = block_table_columns(spec, options)
-    table = np.zeros((B, W), np.int32)
-    w = min(W, spec.block_table.shape[1])
-    table[:n, :w] = spec.block_table[:n, :w]
-    bt = ref_mamba_state_indices(torch.from_numpy(table).to(dev), seq_lens,
-                                 mamba_block_size=options.mamba_block_size or spec.block_size,
-                                 mode=options.cache_mode, num_state_columns=k + 1)
+    bs_m = options.mamba_block_size or spec.block_size
+    table = ref_mamba_block_table(spec, num_state_columns=k + 1, mamba_block_size=bs_m, mode=options.cache_mode,
+                                  device=dev)
+    bt = ref_mamba_state_indices(table, seq_lens, mamba_block_size=bs_m, mode=options.cache_mode,
+                                 num_state_columns=k + 1)
     acc_dev = None
     if num_accepted_tokens is not None:
         a = torch.ones(B, dtype=torch.int32)

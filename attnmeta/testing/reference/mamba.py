@@ -21,6 +21,7 @@ import itertools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ __all__ = [
     "ref_classify_mamba_rows",
     "ref_linear_attn_metadata",
     "ref_logical_chunks",
+    "ref_mamba_block_table",
     "ref_mamba_metadata",
     "ref_mamba_state_indices",
     "ref_prefill_checkpoints",
@@ -330,6 +332,40 @@ def ref_prefill_checkpoints(
 
 
 
+def ref_mamba_block_table(
+    spec: BatchSpec,
+    *,
+    num_state_columns: int,
+    mamba_block_size: int,
+    mode: str,
+    checkpoint: Any = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """The Mamba group's block table as vLLM's runner holds it, uploaded to ``device``: (B, W) int32.
+
+    Rows ``[0, num_reqs)`` are the spec's rows, padding rows are zeros. vLLM's persistent table is
+    ``max_num_blocks_per_req`` wide, and the blocks a request does not hold read as 0 (the null
+    block); here the spec's columns are followed by zero columns as far as any gather of the builder
+    reads: the state columns ``start_i .. start_i + num_state_columns - 1`` of every real row
+    (``start_i = max((s_i - 1) // mamba_block_size, 0)`` in ``"align"`` mode with ``s_i`` the exact
+    sequence length, else 0) and, with a ``checkpoint`` config, the checkpoint column
+    ``cdiv(u_i, mamba_block_size) - 2`` of every real row's upper-bound length ``u_i``.
+    """
+    n, B = spec.num_reqs, spec.padded_num_reqs
+    width = spec.block_table.shape[1]
+    last = num_state_columns - 1  # the last column a row reads, over every real row
+    for i in range(n):
+        s = int(spec.num_computed_tokens[i]) + int(spec.num_scheduled_tokens[i])
+        start = max((s - 1) // mamba_block_size, 0) if mode == "align" else 0
+        last = max(last, start + num_state_columns - 1)
+        if checkpoint is not None:
+            u = s if spec.seq_lens_upper_bound is None else int(spec.seq_lens_upper_bound[i])
+            last = max(last, _cdiv(u, mamba_block_size) - 2)
+    table = torch.zeros((B, max(width, last + 1)), dtype=torch.int32)
+    table[:n, :width] = torch.from_numpy(np.ascontiguousarray(spec.block_table[:n], dtype=np.int32))
+    return table.to(device)
+
+
 def _padded(x: np.ndarray, rows: int, value: int) -> np.ndarray:
     out = np.full(rows, value, dtype=x.dtype)
     out[: x.shape[0]] = x
@@ -337,7 +373,7 @@ def _padded(x: np.ndarray, rows: int, value: int) -> np.ndarray:
 
 
 def ref_mamba_metadata(
-    spec: BatchSpec, options: Any, device: torch.device | str, *, num_accepted_tokens: np.ndarray | None = None
+    spec: BatchSpec, options: Any, device: torch.device | str, *, num_accepted_tokens: npt.ArrayLike | None = None
 ) -> dict[str, Any]:
     """Every Mamba2 (or Mamba1) metadata field the way vLLM 0.33.0's builder computes it, from device
     tensors (syncs and all): the oracle of :mod:`attnmeta.backends.mamba`.
@@ -354,7 +390,6 @@ def ref_mamba_metadata(
     None), and ``checkpoint_meta`` (None or a dict of ``offsets`` / ``cols`` / ``state_indices``
     tensors and ``first_row``).
     """
-    from attnmeta.backends.mamba import block_table_columns
     from attnmeta.testing.reference.layout import (
         ref_is_prefilling,
         ref_num_decode_draft_tokens,
@@ -364,7 +399,7 @@ def ref_mamba_metadata(
         ref_split_decodes_and_prefills,
     )
 
-    B, T, n = spec.padded_num_reqs, spec.padded_num_tokens, spec.num_reqs
+    B, T = spec.padded_num_reqs, spec.padded_num_tokens
     c, q = spec.num_computed_tokens.copy(), spec.num_scheduled_tokens.copy()  # (writable: torch.from_numpy)
     k = getattr(options, "num_speculative_tokens", 0)
     C = getattr(options, "chunk_size", None)
@@ -386,11 +421,8 @@ def ref_mamba_metadata(
     # the runner's device tensors (CAM device fields), uploaded
     qsl = ref_query_start_loc(torch.from_numpy(q).to(device), B)
     seq_lens = ref_seq_lens(torch.from_numpy(c).to(device), torch.from_numpy(q).to(device), B)
-    W = block_table_columns(spec, options)
-    table_np = np.zeros((B, W), np.int32)
-    w = min(W, spec.block_table.shape[1])
-    table_np[:n, :w] = spec.block_table[:n, :w]
-    table = torch.from_numpy(table_np).to(device)
+    table = ref_mamba_block_table(spec, num_state_columns=1 + k, mamba_block_size=bs_m, mode=options.cache_mode,
+                                  checkpoint=ckpt_cfg, device=device)
 
     # classification and split, on the host
     thr = 1 + k
@@ -459,24 +491,20 @@ def ref_linear_attn_metadata(spec: BatchSpec, options: Any, device: torch.device
     on the host query starts, the common ``query_start_loc`` / ``seq_lens``, and column 0 of the
     state indices of every row gathered from the device block table (``options``: a
     ``LinearAttentionOptions``, read by attribute)."""
-    from attnmeta.backends.mamba import block_table_columns
     from attnmeta.testing.reference.layout import (
         ref_query_start_loc,
         ref_seq_lens,
         ref_split_decodes_and_prefills,
     )
 
-    B, n = spec.padded_num_reqs, spec.num_reqs
+    B = spec.padded_num_reqs
     c, q = spec.num_computed_tokens.copy(), spec.num_scheduled_tokens.copy()  # (writable: torch.from_numpy)
     qsl = ref_query_start_loc(torch.from_numpy(q).to(device), B)
     seq_lens = ref_seq_lens(torch.from_numpy(c).to(device), torch.from_numpy(q).to(device), B)
-    W = block_table_columns(spec, options)
-    table_np = np.zeros((B, W), np.int32)
-    w = min(W, spec.block_table.shape[1])
-    table_np[:n, :w] = spec.block_table[:n, :w]
-    si = ref_mamba_state_indices(torch.from_numpy(table_np).to(device), seq_lens,
-                                 mamba_block_size=options.mamba_block_size or spec.block_size, mode=options.cache_mode,
-                                 num_state_columns=1)
+    bs_m = options.mamba_block_size or spec.block_size
+    table = ref_mamba_block_table(spec, num_state_columns=1, mamba_block_size=bs_m, mode=options.cache_mode,
+                                  device=device)
+    si = ref_mamba_state_indices(table, seq_lens, mamba_block_size=bs_m, mode=options.cache_mode, num_state_columns=1)
     nd, np_, ndt, npt = ref_split_decodes_and_prefills(qsl.cpu(), spec.padded_num_tokens, spec.max_query_len, 1)
     return {"num_decodes": nd, "num_prefills": np_, "num_decode_tokens": ndt, "num_prefill_tokens": npt,
             "query_start_loc": qsl, "seq_lens": seq_lens, "state_indices_tensor": si[:, 0]}

@@ -17,7 +17,51 @@ from typing import Any
 
 import torch
 
-__all__ = ["ref_mla_context_chunks", "ref_mla_fields", "ref_mla_row_requests"]
+from attnmeta.testing.reference.layout import ref_common_fields, ref_split_decodes_and_prefills
+
+__all__ = ["ref_mla_context_chunks", "ref_mla_decode_threshold", "ref_mla_fields", "ref_mla_row_requests"]
+
+#: Each decode builder's class-level ``reorder_batch_threshold`` in vLLM 0.33.0.
+_REF_CLASS_THRESHOLD = {"flashmla": 128, "flashattn_mla": 512, "flashinfer_mla": 1, "triton_mla": 1}
+
+
+def ref_mla_decode_threshold(variant: str, num_speculative_tokens: int, dcp_world_size: int,
+                             dcp_interleave: int) -> int:
+    """vLLM's ``_init_reorder_batch_threshold`` for an MLA decode builder, written out.
+
+    The class threshold (FlashMLA 128, FlashAttn-MLA 512, FlashInfer-MLA 1, Triton-MLA 1); with ``k``
+    speculative tokens (every variant here supports spec as decode) ``max(threshold, 1 + k)``; with DCP
+    ``> 1`` it drops to 1 unless the builder supports DCP with varlen queries (FlashInfer-MLA always,
+    FlashAttn-MLA with ``cp_kv_cache_interleave_size == 1``).
+
+    Parameters
+    ----------
+    variant : str
+        ``"flashmla"``, ``"flashattn_mla"``, ``"flashinfer_mla"`` or ``"triton_mla"``.
+    num_speculative_tokens : int
+        Draft tokens ``k`` per request.
+    dcp_world_size, dcp_interleave : int
+        The DCP layout.
+
+    Returns
+    -------
+    int
+        The decode threshold.
+
+    Examples
+    --------
+    >>> ref_mla_decode_threshold("flashmla", 0, 1, 1), ref_mla_decode_threshold("triton_mla", 2, 1, 1)
+    (128, 3)
+    >>> ref_mla_decode_threshold("flashattn_mla", 0, 2, 1), ref_mla_decode_threshold("flashattn_mla", 0, 2, 2)
+    (512, 1)
+    """
+    thr = _REF_CLASS_THRESHOLD[variant]
+    if num_speculative_tokens > 0:
+        thr = max(thr, 1 + num_speculative_tokens)
+    varlen_dcp = variant == "flashinfer_mla" or (variant == "flashattn_mla" and dcp_interleave == 1)
+    if dcp_world_size > 1 and not varlen_dcp:
+        thr = 1
+    return thr
 
 
 def ref_mla_context_chunks(
@@ -195,13 +239,11 @@ def ref_mla_fields(spec: Any, options: Any, device: torch.device | str) -> dict[
     dict
         Field name -> expected value (device tensors, ints), for :func:`attnmeta.testing.check_builder`.
     """
-    from attnmeta.backends.mla import mla_decode_threshold
-    from attnmeta.testing.reference.layout import ref_common_fields, ref_split_decodes_and_prefills
-
     f = ref_common_fields(spec, device)
     qsl, seq = f["query_start_loc"], f["seq_lens"]
     B, T = spec.padded_num_reqs, spec.padded_num_tokens
-    thr = mla_decode_threshold(options)
+    thr = ref_mla_decode_threshold(options.variant, options.num_speculative_tokens, options.dcp_world_size,
+                                   options.dcp_interleave)
     causal = options.causal is not False
     if causal:
         D, P, Dt, Pt = ref_split_decodes_and_prefills(qsl, T, spec.max_query_len, thr,

@@ -12,11 +12,10 @@ whose kernels are all in the cache loads them instead of compiling, in a small f
 - the common metadata (:func:`attnmeta.build_common`) of every spec below;
 - every builder of :func:`attnmeta.registry` over every spec below without context parallelism
   (its layout reaches the kernels as integers of the common pass, so it needs no specialization of
-  its own, and builders whose options assume none reject it), with its :meth:`defaults
-  <attnmeta.builder.Builder.defaults>` and several of its :meth:`samples
-  <attnmeta.builder.Builder.sample>` (seeded, so the same every run), on an eager stager and on a
-  graph-mode one (:class:`~attnmeta.profile.StaticProfile`); a batch the builder reports it cannot
-  serve (:meth:`~attnmeta.builder.Builder.unsupported_reasons`) is skipped;
+  its own, and builders whose options assume none reject it), with its lab entry's defaults and
+  several of its samples (:class:`attnmeta.testing.lab.Lab`; seeded, so the same every run), on an
+  eager stager and on a graph-mode one (:class:`~attnmeta.profile.StaticProfile`); a batch the
+  builder reports it cannot serve (:meth:`~attnmeta.builder.Builder.unsupported_reasons`) is skipped;
 - :class:`~attnmeta.backends.fused.FusedStepBuilder` over the same specs as the builders, each built more times than
   the ring has slots (compose, then replay), with the default backends and with FlashAttention only;
   with ``parallel=True`` also a builder with ``threads=2`` over a step large enough to replay on
@@ -50,6 +49,8 @@ from attnmeta.builder import AnyBuilder, registry
 from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec, ContextParallel
 from attnmeta.staging import Stager
+from attnmeta.testing.lab import lab
+from attnmeta.testing.workloads import KINDS, random_spec
 
 __all__ = ["StageReport", "WarmupReport", "warmup", "warmup_specs"]
 
@@ -168,7 +169,6 @@ def _uniform(rng: np.random.Generator, rows: int, query: int, *, drafts: int = 0
 
 def warmup_specs() -> list[tuple[str, BatchSpec]]:
     """The named specs :func:`warmup` builds (see the module docstring), the same every call."""
-    from attnmeta.testing.workloads import KINDS, random_spec  # (numpy only; attnmeta.testing loads lazily)
 
     rng = np.random.default_rng(0)
     out: list[tuple[str, BatchSpec]] = []
@@ -244,8 +244,6 @@ def _common_stage(specs: Sequence[BatchSpec], stagers: _Stagers) -> int:
 
 def _builder_stage(builder: AnyBuilder, specs: Sequence[BatchSpec], stagers: _Stagers) -> int:
     """Build ``builder`` over ``specs`` with its lab defaults and seeded samples, eager and in graph mode."""
-    from attnmeta.testing.lab import lab
-
     entry = lab(builder)
     rng = np.random.default_rng(1)
     builds = 0

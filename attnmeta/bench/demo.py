@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnmeta._display import format_metadata
+from attnmeta.bench._display import format_metadata
 from attnmeta.spec import BatchSpec
 
 __all__ = ["demo_spec", "run_demo"]

@@ -12,6 +12,10 @@ from attnmeta._fields import MetadataBase
 __all__ = ["format_metadata"]
 
 
+_NONE = ("-", "-", "-", "None")
+"""How every field that is None prints: where, dtype, shape, values (one rendering)."""
+
+
 def _values(v: Any, limit: int) -> str:
     if isinstance(v, np.ndarray):
         if v.ndim >= 2:  # one line: the rows side by side (a row of a 3-D array is itself a nested list)
@@ -43,20 +47,21 @@ def format_metadata(meta: MetadataBase, *, limit: int = 12, title: str | None = 
     Device tensors print the values of their host twin (the bytes the one copy moved), so the table
     never reads device memory.
     """
-    twins = dict(meta._TWINS)
     rows: list[tuple[str, str, str, str, str]] = []
-    for n in meta._SCALAR_FIELDS:
+    for n, role in meta.field_roles().items():
         v = getattr(meta, n)
-        rows.append((n, "host", type(v).__name__, "-", repr(v)))
-    for n in meta._DEVICE_FIELDS:
-        v = getattr(meta, n)
-        twin = twins.get(n)
-        shown = _values(getattr(meta, twin), limit) if twin else "(device only)"
-        where = f"device:{v.device}" if isinstance(v, torch.Tensor) else "-"
-        rows.append((n, where, _dtype(v), _shape(v), shown))
-    for n in meta._HOST_FIELDS:
-        v = getattr(meta, n)
-        rows.append((n, "host", _dtype(v), _shape(v), _values(v, limit)))
+        if v is None:
+            rows.append((n, *_NONE))
+        elif role == "scalar":
+            rows.append((n, "host", type(v).__name__, "-", repr(v)))
+        elif role == "device":
+            twin = meta.host_twin(n)
+            host = getattr(meta, twin) if twin else None
+            shown = _values(host, limit) if host is not None else "(on the device only: no host twin)"
+            where = f"device:{v.device}" if isinstance(v, torch.Tensor) else "-"
+            rows.append((n, where, _dtype(v), _shape(v), shown))
+        else:
+            rows.append((n, "host", _dtype(v), _shape(v), _values(v, limit)))
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     head = title or type(meta).__name__
     out = [head, "=" * len(head)]

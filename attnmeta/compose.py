@@ -1,0 +1,546 @@
+"""The step composer: a serving loop's whole step in one call and one copy, replaying steady-state steps.
+
+An engine's step stages the common metadata of each KV-cache group, the builders its kernels read over
+each, and arrays of its own (token ids, sampled-row indices), into one step of one stager. With the
+composable API that is::
+
+    with stager.step() as step:
+        common = stage_common(spec, step, paged_kv=True)
+        fi = FLASHINFER.stage(common, step)
+        ids = step.alloc("engine.input_ids", len(tokens), np.int32)
+        ids[:] = tokens
+
+:class:`StepBuilder` does the same from a declaration made once (:class:`Group`: a common metadata
+and the registered builders over it; :class:`Array`: an engine array), and returns the step's objects
+(:class:`ComposedStep`). What it adds is **replay**: most steps of a serving loop repeat the layout that
+their ring slot held ``num_slots`` steps earlier (a decode step, a spec-decode step, a padded CUDA-graph
+step of one size). The first step of a layout on a slot is staged the ordinary way, through the
+builders' own ``stage``, and recorded; a later step of that layout on that slot reserves the same fields
+with one call (:meth:`attnmeta.staging.Step.restage`), rewrites every staged byte (the common pass of
+each group, each builder's :meth:`~attnmeta.builder.Replayer.rewrite`, the engine's arrays), commits,
+and makes each builder's metadata with its :meth:`~attnmeta.builder.Replayer.result`. A builder's
+replay computes the step's values with the same functions as its ``derive``: a replayed step's
+metadata equals the composed one, field for field (tests/compose/test_compose.py checks it on walks of
+decode, spec-decode, prefill, mixed and padded steps, eager and graph mode).
+
+A step replays when every builder of every group gives it a replay key
+(:meth:`attnmeta.builder.Builder.replay_key`), no group is context-parallel, and its layout was
+recorded on its slot: the same padded rows and tokens, block-table width, bucket of KV pages, block
+size, optional spec arrays, builder keys and array rows. In eager mode a group's block table is staged
+with the longest request's blocks rounded up to ``table_column_step`` columns, so a layout lasts
+``table_column_step * block_size`` steps of plain decoding. Any other step is staged the ordinary way:
+replay only ever saves time.
+
+Shape legend
+------------
+As in :mod:`attnmeta.metadata`; an array's rows are the length of the array given each step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import numba
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchError
+from attnmeta.common import CommonWriter, _stage_common
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata
+from attnmeta.spec import BatchSpec
+from attnmeta.staging import STAGEABLE_DTYPES, Staged, Stager, Step, StepLayout, bucket_rows
+
+__all__ = ["PARALLEL_MIN_ROWS", "Array", "ComposeStats", "ComposedStep", "Group", "StepBuilder", "table_columns"]
+
+PARALLEL_MIN_ROWS = 512
+"""Padded request rows from which a composer made with ``threads > 1`` replays a group's common pass
+with the block-table rows and page indices copied on numba's thread pool (fewer rows stay on one thread:
+the pool's hand-off costs more than it saves there; docs/benchmarks.md)."""
+
+_MAX_RECORDS = 512  # per ring slot; dropped (and re-recorded on demand) when a slot outgrows this
+
+
+def table_columns(spec: BatchSpec, column_step: int = 8) -> int:
+    """The eager-mode ``block_table_columns`` a group with ``table_column_step`` stages for ``spec``:
+    the longest request's block count (one column spans ``block_size * world_size`` tokens under
+    context parallelism), at least 1, rounded up to a multiple of ``column_step``. Pass it to
+    :func:`attnmeta.stage_common` to compose the same objects, or to keep a composable loop's layouts
+    as long (docs/serving.md).
+
+    Examples
+    --------
+    >>> from attnmeta import BatchSpec
+    >>> spec = BatchSpec(num_computed_tokens=[70], num_scheduled_tokens=[1], block_table=[list(range(16))],
+    ...                  block_size=8)
+    >>> table_columns(spec), table_columns(spec, 1)
+    (16, 9)
+    """
+    cp = spec.context_parallel
+    span = spec.block_size * (1 if cp is None else cp.world_size)
+    return -(-max(1, -(-spec.max_exact_seq_len // span)) // column_step) * column_step
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Group:
+    """One KV-cache group of a composed step: its common metadata and the builders staged over it.
+
+    Examples
+    --------
+    >>> from attnmeta.backends.flashinfer import FLASHINFER, FlashInferOptions
+    >>> Group({"flashinfer": (FLASHINFER, FlashInferOptions(decode_threshold=2))}).prefix
+    'common'
+    """
+
+    builders: Mapping[str, AnyBuilder | tuple[AnyBuilder, Any]]
+    """Name -> a registered builder (its default options) or ``(builder, options)``. The name keys the
+    builder's metadata in the :class:`ComposedStep` and its inputs in :meth:`StepBuilder.build`; it is
+    unique across the composer's groups."""
+    prefix: str = "common"
+    """Namespace of the group's common fields (one per group)."""
+    causal: bool = True
+    """``CommonAttentionMetadata.causal``."""
+    table_column_step: int = 8
+    """Eager mode: stage ``block_table_tensor`` with the longest request's block count rounded up to a
+    multiple of this many columns (at least what the builders need, :meth:`~attnmeta.builder.Builder.needs`);
+    the width is part of a replay's layout, and 1 would start a new layout each time the longest request
+    gets a block. Graph mode stages the profile's width."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Array:
+    """An array of the engine's own staged in the composed step (token ids, the rows of last step's
+    samples): it travels in the step's one copy.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> Array("engine.input_ids", np.int32, capacity=8192).fill
+    0
+    """
+
+    name: str
+    """Its staged field name (unique in the step)."""
+    dtype: npt.DTypeLike
+    """A stageable numpy dtype (:data:`attnmeta.staging.STAGEABLE_DTYPES`)."""
+    capacity: int | None = None
+    """Graph mode (required there): the most rows it can ever have; rows past a step's hold ``fill``."""
+    fill: Any = 0
+    """Graph mode: the sentinel of the rows past a step's."""
+
+
+class ComposedStep:
+    """What :meth:`StepBuilder.build` returns: one committed step's metadata objects.
+
+    Device tensors are views into the step's device arena (one copy), valid for kernels enqueued on the
+    commit stream after the build; host arrays are read-only views into the step's pinned slot, valid
+    until the stager reuses the slot (``num_slots`` steps later), as for every builder.
+
+    Attributes
+    ----------
+    step : Step
+        The committed step.
+    commons : tuple of CommonAttentionMetadata
+        Each group's common metadata, in the composer's group order.
+    metadata : dict
+        Each builder's metadata, by its name in its :class:`Group`.
+    arrays : dict
+        Each :class:`Array`'s device view, by name: ``(rows,)`` of its dtype, device.
+    """
+
+    __slots__ = ("arrays", "commons", "metadata", "step")
+
+    def __init__(self, step: Step, commons: tuple[CommonAttentionMetadata, ...], metadata: dict[str, Any],
+                 arrays: dict[str, torch.Tensor]) -> None:
+        self.step, self.commons, self.metadata, self.arrays = step, commons, metadata, arrays
+
+    @property
+    def common(self) -> CommonAttentionMetadata:
+        """The first group's common metadata."""
+        return self.commons[0]
+
+    def __getitem__(self, name: str) -> Any:
+        """The metadata of the builder called ``name``."""
+        return self.metadata[name]
+
+    def __repr__(self) -> str:
+        return (f"ComposedStep(step={self.step.number}, groups={len(self.commons)}, builders={list(self.metadata)}, "
+                f"arrays={list(self.arrays)})")
+
+
+@dataclasses.dataclass(slots=True)
+class ComposeStats:
+    """Counts over a :class:`StepBuilder`'s life (for monitoring and benchmarks)."""
+
+    steps: int = 0
+    """Steps built."""
+    replayed: int = 0
+    """Steps replayed from a recorded layout (the rest were staged through the builders' ``stage``)."""
+
+
+class _Group:
+    """A :class:`Group`, resolved: its builders with their options, in order."""
+
+    __slots__ = ("builders", "causal", "column_step", "prefix")
+
+    def __init__(self, g: Group) -> None:
+        if not isinstance(g, Group):
+            raise TypeError(f"groups: expected attnmeta.compose.Group objects, got {type(g).__name__}")
+        if isinstance(g.table_column_step, bool) or not isinstance(g.table_column_step, int) or g.table_column_step < 1:
+            raise ValueError(f"Group.table_column_step: expected an int >= 1, got {g.table_column_step!r}")
+        self.prefix, self.causal, self.column_step = g.prefix, bool(g.causal), g.table_column_step
+        self.builders: list[tuple[str, AnyBuilder, Any]] = []
+        for name, entry in g.builders.items():
+            b, o = entry if isinstance(entry, tuple) else (entry, None)
+            if not isinstance(b, Builder):
+                raise TypeError(f"Group.builders[{name!r}]: expected a Builder or (Builder, options), got "
+                                f"{type(b).__name__}")
+            self.builders.append((name, b, b.options(o)))
+
+
+class _Record:
+    """A recorded layout on one ring slot: how to stage it again and rewrite it."""
+
+    __slots__ = ("arrays", "indices", "layout", "paged", "replayers", "threads", "writers")
+
+    def __init__(self, layout: StepLayout, writers: list[CommonWriter], paged: list[bool],
+                 replayers: list[tuple[str, int, int, Replayer[Any, Any]]], arrays: list[tuple[str, np.ndarray]],
+                 indices: list[str], threads: list[int]) -> None:
+        self.layout = layout
+        self.writers = writers  # one per group
+        self.paged = paged  # per group: the common pass writes the page table
+        self.replayers = replayers  # (builder name, group index, position in the group, replayer)
+        self.arrays = arrays  # (name, writable host view: eager the step's rows, graph the whole capacity)
+        self.indices = indices  # graph mode, per group: the page indices' field name ("" without a page table)
+        self.threads = threads  # per group: numba threads of the common pass
+
+
+class StepBuilder:
+    """Builds a serving loop's step, every group and builder of it and the engine's arrays, in one call
+    and one copy; steady-state steps replay their slot's recorded layout (see the module docstring).
+
+    Parameters
+    ----------
+    stager : Stager
+        Owns the pinned ring; every :meth:`build` is one step of it (begun and committed inside).
+    *groups : Group
+        The step's KV-cache groups, at least one.
+    arrays : sequence of Array, optional
+        The engine's own arrays staged with the step.
+    threads : int, default 1
+        Replays of groups with at least :data:`PARALLEL_MIN_ROWS` padded rows copy the block-table rows
+        and the page indices (a step's two big copies) on this many of numba's threads; the bytes are the
+        same. The cost is cores: OpenMP's default wait policy keeps the ``threads - 1`` helpers spinning
+        between steps (docs/benchmarks.md). 1 never starts numba's threading layer.
+
+    Notes
+    -----
+    Driven by one thread at a time, like its stager. Other code may use the same stager between builds:
+    a replay rewrites every byte of its layout, and a layout recorded on a slot whose memory has since
+    changed is recorded again.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnmeta import BatchSpec, Stager
+    >>> from attnmeta.backends.flash_attn import FLASH_ATTN
+    >>> from attnmeta.backends.flashinfer import FLASHINFER
+    >>> composer = StepBuilder(Stager("cpu"), Group({"fa": FLASH_ATTN, "fi": FLASHINFER}),
+    ...                        arrays=[Array("engine.input_ids", np.int32)])
+    >>> spec = BatchSpec(num_computed_tokens=[5, 17], num_scheduled_tokens=[1, 1],
+    ...                  block_table=[[3, 4, 0, 0, 0], [7, 8, 9, 1, 2]], block_size=4)
+    >>> for _ in range(4):  # the 4th step replays the layout the 1st recorded on ring slot 0
+    ...     out = composer.build(spec, arrays={"engine.input_ids": np.array([11, 12], np.int32)})
+    >>> out["fi"].paged_kv_indices_cpu.tolist(), out["fa"].max_seq_len, out.common.slot_mapping_cpu.tolist()
+    ([3, 4, 7, 8, 9, 1, 2], 18, [17, 9])
+    >>> out.arrays["engine.input_ids"].tolist(), composer.stats
+    ([11, 12], ComposeStats(steps=4, replayed=1))
+    """
+
+    def __init__(self, stager: Stager, *groups: Group, arrays: Sequence[Array] = (), threads: int = 1) -> None:
+        if not isinstance(stager, Stager):
+            raise TypeError(f"stager: expected a Stager, got {type(stager).__name__}")
+        if not groups:
+            raise ValueError("groups: a composed step has at least one Group")
+        most = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= most:
+            raise ValueError(f"threads: expected an int in [1, {most}] (numba's thread pool, NUMBA_NUM_THREADS), "
+                             f"got {threads!r}")
+        self._stager = stager
+        self._groups = [_Group(g) for g in groups]
+        names = [n for g in self._groups for n, _b, _o in g.builders]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"Group.builders: names must be unique across groups, {sorted(dup)} repeat")
+        prefixes = [g.prefix for g in self._groups]
+        if len(set(prefixes)) != len(prefixes):
+            raise ValueError(f"Group.prefix: one per group, got {prefixes}")
+        self._names = frozenset(names)
+        self._arrays: list[tuple[str, np.dtype, int | None, Any]] = []
+        for a in arrays:
+            if not isinstance(a, Array):
+                raise TypeError(f"arrays: expected attnmeta.compose.Array objects, got {type(a).__name__}")
+            dt = np.dtype(a.dtype)
+            if dt not in STAGEABLE_DTYPES:
+                raise TypeError(f"Array({a.name!r}): dtype {dt} cannot be staged")
+            if stager.graph_mode and a.capacity is None:
+                raise ValueError(f"Array({a.name!r}): a graph-mode stager needs its capacity")
+            self._arrays.append((a.name, dt, a.capacity, a.fill))
+        if len({a[0] for a in self._arrays}) != len(self._arrays):
+            raise ValueError("arrays: names must be unique")
+        self._graph = stager.graph_mode
+        self._threads = threads
+        self._token = object()  # this composer's key in each slot's extras
+        self.stats = ComposeStats()
+
+    @property
+    def stager(self) -> Stager:
+        """The :class:`Stager` every step goes through."""
+        return self._stager
+
+    def build(self, specs: BatchSpec | Sequence[BatchSpec], inputs: Mapping[str, Any] | None = None,
+              arrays: Mapping[str, np.ndarray] | None = None) -> ComposedStep:
+        """One step: stage the specs' metadata and the arrays, commit (one copy), return the objects.
+
+        Parameters
+        ----------
+        specs : BatchSpec or sequence of BatchSpec
+            One per group, in group order (a single spec for a single group). Reordered as the builders
+            require (decodes first).
+        inputs : mapping, optional
+            Builder name -> its ``<Family>Inputs`` for this step (builders not named: no inputs).
+        arrays : mapping, optional
+            :class:`Array` name -> this step's host values, a 1-D numpy array of its dtype; every
+            declared array must be given.
+
+        Returns
+        -------
+        ComposedStep
+            The step's common metadata, builder metadata and array views.
+
+        Raises
+        ------
+        attnmeta.UnsupportedBatchError
+            A builder cannot serve the step (every reason listed; before the step begins, unless the
+            step has a replay key and its slot had not recorded its layout).
+        TypeError, ValueError, attnmeta.staging.CapacityError
+            An unknown input or array name, a missing or mistyped array, the wrong number of specs; and
+            as :func:`attnmeta.stage_common` and the builders' ``stage``. The step is then abandoned
+            (nothing copied) and the stager is ready for the next one.
+        """
+        self.stats.steps += 1
+        sp = (specs,) if isinstance(specs, BatchSpec) else tuple(specs)
+        groups = self._groups
+        if len(sp) != len(groups):
+            raise ValueError(f"specs: expected one BatchSpec per group ({len(groups)}), got {len(sp)}")
+        inp = self._inputs(inputs)
+        arr = self._check_arrays(arrays)
+        key = self._key(sp, inp, arr)
+        if key is None:  # (every builder's reasons first: a step that cannot be served is never begun)
+            self._check(sp, inp)
+            return self._compose(self._stager.step(), sp, inp, arr, None)
+        step = self._stager.step()
+        rec = self._records(step).get(key)
+        if rec is None or not step.restage(rec.layout, self._rows(rec, sp, arr)):
+            return self._compose(step, sp, inp, arr, key)
+        return self._replay(step, rec, sp, inp, arr)
+
+    # ------------------------------------------------------------------ the step's inputs and key
+    def _inputs(self, inputs: Mapping[str, Any] | None) -> list[list[Any]]:
+        """Every builder's inputs, by group and position (each checked for its type)."""
+        if inputs:
+            unknown = set(inputs) - self._names
+            if unknown:
+                raise TypeError(f"inputs: no builder named {sorted(unknown)}; the builders are {sorted(self._names)}")
+            return [[b.inputs(inputs.get(n)) for n, b, _o in g.builders] for g in self._groups]
+        return [[b.inputs(None) for _n, b, _o in g.builders] for g in self._groups]
+
+    def _check_arrays(self, arrays: Mapping[str, np.ndarray] | None) -> list[np.ndarray]:
+        got = arrays or {}
+        if len(got) != len(self._arrays) or any(n not in got for n, *_r in self._arrays):
+            names = [n for n, *_r in self._arrays]
+            raise TypeError(f"arrays: expected exactly {names}, got {sorted(got)}")
+        out = []
+        for name, dt, cap, _fill in self._arrays:
+            a = got[name]
+            if type(a) is not np.ndarray or a.dtype != dt or a.ndim != 1:
+                raise TypeError(f"arrays[{name!r}]: expected a 1-D numpy array of {dt}, got "
+                                f"{type(a).__name__} {getattr(a, 'dtype', '')} {getattr(a, 'shape', '')}")
+            if cap is not None and a.shape[0] > cap:
+                raise ValueError(f"arrays[{name!r}]: {a.shape[0]} rows exceed the capacity {cap}")
+            out.append(a)
+        return out
+
+    def _key(self, specs: tuple[BatchSpec, ...], inputs: list[list[Any]], arrays: list[np.ndarray]
+             ) -> tuple[Hashable, ...] | None:
+        """Everything the step's layout depends on, or None: compose it (context parallelism, a builder
+        without a replay key, graph mode beyond the profile: the builders raise their errors)."""
+        parts: list[Hashable] = []
+        prof = self._stager.profile
+        for g, spec, inp in zip(self._groups, specs, inputs, strict=True):
+            if spec.context_parallel is not None:
+                return None
+            B, T = spec.num_reqs, spec.num_tokens
+            Bp = B if spec.num_reqs_padded is None else spec.num_reqs_padded
+            Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
+            tokens = paged = False
+            columns = 0
+            for _n, b, o in g.builders:
+                needs = b.needs(spec, o)
+                tokens |= needs.token_arrays
+                paged |= needs.paged_kv
+                if needs.block_table_columns is not None and needs.block_table_columns > columns:
+                    columns = needs.block_table_columns
+            if prof is not None:
+                if (spec.block_size != prof.block_size or Bp > prof.max_num_reqs or Tp > prof.max_num_tokens
+                        or spec.num_pages > prof.max_num_pages
+                        or -(-spec.max_exact_seq_len // spec.block_size) > prof.max_blocks_per_req):
+                    return None
+                parts.append((Bp, Tp, tokens, paged))
+            else:
+                step = g.column_step
+                W = -(-max(columns, table_columns(spec, 1)) // step) * step
+                parts.append((Bp, Tp if tokens else 0, W, bucket_rows(spec.num_pages) if paged else 0, spec.block_size,
+                              tokens, paged))
+            parts.append((spec.num_prompt_tokens is None, spec.num_draft_tokens is None,
+                          spec.seq_lens_upper_bound is None))
+            for (_n, b, o), i in zip(g.builders, inp, strict=True):
+                k = b.replay_key(spec, o, i)
+                if k is None:
+                    return None
+                parts.append(k)
+        if arrays and prof is None:
+            parts.append(tuple(a.shape[0] for a in arrays))
+        return tuple(parts)
+
+    def _rows(self, rec: _Record, specs: tuple[BatchSpec, ...], arrays: list[np.ndarray]) -> dict[str, int] | None:
+        """Graph mode: the row counts of the restaged fields that change from step to step (the page
+        indices, the arrays)."""
+        if not self._graph:
+            return None
+        rows = {name: spec.num_pages for name, spec in zip(rec.indices, specs, strict=True) if name}
+        for (name, *_r), a in zip(self._arrays, arrays, strict=True):
+            rows[name] = a.shape[0]
+        return rows
+
+    def _check(self, specs: tuple[BatchSpec, ...], inputs: list[list[Any]]) -> None:
+        """Raise :class:`~attnmeta.UnsupportedBatchError` for the first builder that cannot serve its
+        group's spec (every reason it gives)."""
+        for g, spec, inp in zip(self._groups, specs, inputs, strict=True):
+            for (n, b, o), i in zip(g.builders, inp, strict=True):
+                reasons = b.unsupported_reasons(spec, o, i)
+                if reasons:
+                    raise UnsupportedBatchError(n, reasons)
+
+    def _records(self, step: Step) -> dict[Hashable, _Record]:
+        """This composer's recorded layouts on ``step``'s ring slot, by key."""
+        extras = step.slot_extras
+        records: dict[Hashable, _Record] | None = extras.get(self._token)
+        if records is None:
+            records = extras[self._token] = {}
+        return records
+
+    # ------------------------------------------------------------------ a step of a new layout
+    def _compose(self, step: Step, specs: tuple[BatchSpec, ...], inputs: list[list[Any]], arrays: list[np.ndarray],
+                 key: tuple[Hashable, ...] | None) -> ComposedStep:
+        """Stage the step through the builders' ``stage`` (begun by the caller); record its layout under
+        ``key``."""
+        commons, writers, paged_flags = [], [], []
+        staged: list[list[Staged[Any, Any]]] = []
+        views: list[np.ndarray] = []
+        try:
+            if key is not None:  # (a step without a key was checked before it began)
+                self._check(specs, inputs)
+            for g, spec, inp in zip(self._groups, specs, inputs, strict=True):
+                tokens = paged = False
+                columns = 0
+                for _n, b, o in g.builders:
+                    needs = b.needs(spec, o)
+                    tokens |= needs.token_arrays
+                    paged |= needs.paged_kv
+                    columns = max(columns, needs.block_table_columns or 0)
+                W = None
+                if not self._graph:
+                    W = -(-max(columns, table_columns(spec, 1)) // g.column_step) * g.column_step
+                common, writer = _stage_common(spec, step, g.prefix, g.causal, W, tokens, paged)
+                commons.append(common)
+                writers.append(writer)
+                paged_flags.append(common.paged is not None)
+                staged.append([b.stage(common, step, o, i) for (_n, b, o), i in zip(g.builders, inp, strict=True)])
+            for (name, dt, cap, fill), a in zip(self._arrays, arrays, strict=True):
+                v = step.alloc(name, a.shape[0], dt, capacity=cap, fill=fill)
+                v[...] = a
+                views.append(v)
+            step.commit()
+        except BaseException:
+            step.abandon()
+            raise
+        cms = tuple(c.result() for c in commons)
+        meta = {n: s.result() for g, ss in zip(self._groups, staged, strict=True)
+                for (n, _b, _o), s in zip(g.builders, ss, strict=True)}
+        out = ComposedStep(step, cms, meta, {n: step.device(n) for n, *_r in self._arrays})
+        if key is not None and not step.stats.grew:
+            self._record(step, key, specs, inputs, commons, writers, paged_flags, staged, views)
+        return out
+
+    def _record(self, step: Step, key: tuple[Hashable, ...], specs: tuple[BatchSpec, ...], inputs: list[list[Any]],
+                commons: list[Any], writers: list[CommonWriter], paged: list[bool], staged: list[list[Staged[Any, Any]]],
+                views: list[np.ndarray]) -> None:
+        """Keep what a replay of this committed step's layout on its slot needs (unless a builder
+        declines)."""
+        replayers: list[tuple[str, int, int, Replayer[Any, Any]]] = []
+        for gi, (g, common, ss, inp) in enumerate(zip(self._groups, commons, staged, inputs, strict=True)):
+            for pi, ((n, b, o), s, i) in enumerate(zip(g.builders, ss, inp, strict=True)):
+                rep = b.replayer(s, common, step, o, i)
+                if rep is None:
+                    return
+                replayers.append((n, gi, pi, rep))
+        arrays = [(name, step.host_full(name) if self._graph else v)
+                  for (name, *_r), v in zip(self._arrays, views, strict=True)]
+        indices = [f"{g.prefix}.paged_kv_indices" if self._graph and p else "" for g, p in zip(self._groups, paged,
+                                                                                               strict=True)]
+        threads = [self._threads if self._threads > 1 and w.num_reqs >= PARALLEL_MIN_ROWS else 1 for w in writers]
+        records = self._records(step)
+        if len(records) >= _MAX_RECORDS:
+            records.clear()
+        records[key] = _Record(step.layout(), writers, paged, replayers, arrays, indices, threads)
+
+    # ------------------------------------------------------------------ a steady-state step
+    def _replay(self, step: Step, rec: _Record, specs: tuple[BatchSpec, ...], inputs: list[list[Any]],
+                arrays: list[np.ndarray]) -> ComposedStep:
+        """Rewrite ``rec``'s restaged fields for this step, commit, and make the objects."""
+        groups = self._groups
+        hosts: list[CommonHost] = []
+        try:
+            for g, spec, w, t in zip(groups, specs, rec.writers, rec.threads, strict=True):
+                w.write(spec, threads=t)
+                hosts.append(w.host(spec, g.causal))
+            for _n, gi, pi, rep in rec.replayers:
+                rep.rewrite(step, hosts[gi], inputs[gi][pi])
+            for (_name, view), a in zip(rec.arrays, arrays, strict=True):
+                view[: a.shape[0]] = a
+            step.commit()
+        except BaseException:
+            step.abandon()
+            raise
+        self.stats.replayed += 1
+        own = step.own
+        cms: list[CommonAttentionMetadata] = []
+        pks: list[PagedKVMetadata | None] = []
+        for g, spec, w, h, p in zip(groups, specs, rec.writers, hosts, rec.paged, strict=True):
+            own(h)
+            cms.append(own(w.metadata(step, spec, g.causal)))
+            pks.append(own(w.paged_metadata(step, spec.num_pages)) if p else None)
+        meta = {n: own(rep.result(step, cms[gi], hosts[gi], pks[gi], inputs[gi][pi]))
+                for n, gi, pi, rep in rec.replayers}
+        return ComposedStep(step, tuple(cms), meta, {n: step.device(n) for n, _v in rec.arrays})
+
+    def __repr__(self) -> str:
+        groups = ", ".join(f"{g.prefix}: {[n for n, _b, _o in g.builders]}"
+                           + (f" (table_column_step={g.column_step})" if g.column_step != 8 else "") for g in self._groups)
+        threads = f", threads={self._threads}" if self._threads != 1 else ""
+        return (f"StepBuilder({groups}, arrays={[n for n, *_r in self._arrays]}{threads}, steps={self.stats.steps}, "
+                f"replayed={self.stats.replayed})")
+

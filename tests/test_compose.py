@@ -1,0 +1,231 @@
+"""The step composer (attnmeta.compose.StepBuilder): a replayed step equals the same step staged through
+the builders' own ``stage``, field for field, for any set of registered builders over one or more groups
+and the engine's arrays, in eager and graph mode."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from attnmeta import BatchSpec, Stager, StaticProfile, UnsupportedBatchError
+from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionInputs, FlashAttentionOptions
+from attnmeta.backends.flashinfer import FLASHINFER, FlashInferOptions
+from attnmeta.backends.mamba import mamba2
+from attnmeta.compose import Array, ComposedStep, Group, StepBuilder, table_columns
+from attnmeta.staging import StepExpiredError, is_expired
+from attnmeta.sync import no_device_sync
+from attnmeta.testing.workloads import advance, decode_spec, mixed_spec
+
+_PROFILE = StaticProfile(max_num_reqs=72, max_num_tokens=320, max_blocks_per_req=40, block_size=16)
+
+
+def assert_same(got: Any, want: Any, path: str) -> None:
+    """Every field equal: values, dtypes, shapes, devices, read-only flags; scalars by value and type."""
+    if want is None:
+        assert got is None, path
+        return
+    assert type(got) is type(want), f"{path}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), path
+        for k in want:
+            assert_same(got[k], want[k], f"{path}[{k!r}]")
+        return
+    if isinstance(want, tuple | list) and not hasattr(want, "_fields"):
+        assert len(got) == len(want), path
+        for k, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_same(a, b, f"{path}[{k}]")
+        return
+    if isinstance(want, torch.Tensor):
+        assert (got.shape, got.dtype, got.device) == (want.shape, want.dtype, want.device), path
+        assert torch.equal(got.cpu(), want.cpu()), path  # test-only read-back
+        return
+    if isinstance(want, np.ndarray):
+        assert (got.shape, got.dtype, got.flags.writeable) == (want.shape, want.dtype, want.flags.writeable), path
+        assert np.array_equal(got, want), path
+        return
+    if dataclasses.is_dataclass(want):
+        for f in dataclasses.fields(want):
+            assert_same(getattr(got, f.name), getattr(want, f.name), f"{path}.{f.name}")
+        return
+    assert type(got) is type(want) and got == want, f"{path}: {got!r} != {want!r}"
+
+
+def _check(composer: StepBuilder, reference: StepBuilder, steps: list[Any]) -> list[ComposedStep]:
+    """Build every step on both composers (``reference`` never replays) and compare them; earlier steps
+    kept by the caller stay intact until their slot is reused."""
+    out = []
+    kept: list[tuple[ComposedStep, ComposedStep]] = []
+    for i, (specs, inputs, arrays) in enumerate(steps):
+        got = composer.build(specs, inputs, arrays)
+        want = reference.build(specs, inputs, arrays)
+        assert_same(got.commons, want.commons, f"step {i} commons")
+        assert_same(got.metadata, want.metadata, f"step {i} metadata")
+        assert_same(got.arrays, want.arrays, f"step {i} arrays")
+        if composer.stager.graph_mode:  # every field's whole fixed buffer (what captured kernels read)
+            a, b = composer.stager.graph_arena, reference.stager.graph_arena
+            assert a is not None and b is not None
+            assert list(composer.stager.graph_fields) == list(reference.stager.graph_fields)
+            for name, f in reference.stager.graph_fields.items():
+                assert torch.equal(a[f.offset: f.offset + f.nbytes], b[f.offset: f.offset + f.nbytes]), f"step {i} {name}"
+        elif kept:  # the previous step's objects are intact (eager mode: their slot is not reused yet)
+            old_got, old_want = kept[-1]
+            assert not is_expired(old_got.common)
+            assert_same(old_got.metadata, old_want.metadata, f"step {i}: step {i - 1} kept")
+        kept = [*kept, (got, want)][-(composer.stager.num_slots - 1):]
+        out.append(got)
+    return out
+
+
+class _NoReplay:
+    """A composer whose steps are all staged through the builders' ``stage`` (the reference)."""
+
+    def __new__(cls, stager: Stager, *groups: Group, arrays: Any = ()) -> StepBuilder:  # type: ignore[misc]
+        composer = StepBuilder(stager, *groups, arrays=arrays)
+        composer._key = lambda *a: None  # type: ignore[method-assign]
+        return composer
+
+
+def _pair(device: torch.device, groups: Callable[[], list[Group]], arrays: Any = (),
+          profile: StaticProfile | None = None) -> tuple[StepBuilder, StepBuilder]:
+    return (StepBuilder(Stager(device, profile=profile), *groups(), arrays=arrays),
+            _NoReplay(Stager(device, profile=profile), *groups(), arrays=arrays))
+
+
+def _walk(batch: int, steps: int, seed: int = 0) -> list[BatchSpec]:
+    return advance(decode_spec(batch, np.random.default_rng(seed), max_context=300, table_width=40), steps)
+
+
+@pytest.mark.parametrize("profile", [None, _PROFILE], ids=["eager", "graph"])
+def test_flash_attention_with_engine_arrays_replays_and_matches(device: torch.device, profile: Any) -> None:
+    arrays = [Array("engine.input_ids", np.int32, capacity=_PROFILE.max_num_tokens, fill=0),
+              Array("engine.prev_rows", np.int32, capacity=_PROFILE.max_num_tokens, fill=-1)]
+    composer, reference = _pair(device, lambda: [Group({"fa": FLASH_ATTN})], arrays, profile)
+    rng = np.random.default_rng(1)
+    steps = []
+    for spec in _walk(8, 20):
+        n = spec.num_tokens
+        steps.append((spec, None, {"engine.input_ids": rng.integers(0, 1000, n).astype(np.int32),
+                                   "engine.prev_rows": rng.integers(-1, 8, n).astype(np.int32)}))
+    _check(composer, reference, steps)
+    assert composer.stats.replayed >= 10, composer.stats
+
+
+def test_own_fields_of_a_builder_are_rewritten_on_replay(device: torch.device) -> None:
+    """FlashAttention's DCP lengths and per-request causal flags are its own staged fields: a replay
+    rewrites them for its step."""
+    opts = FlashAttentionOptions(dcp_world_size=2, dcp_rank=1)
+    composer, reference = _pair(device, lambda: [Group({"fa": (FLASH_ATTN, opts)})])
+    rng = np.random.default_rng(2)
+    steps = [(s, {"fa": FlashAttentionInputs(causal=rng.random(s.num_reqs) < 0.5)}, None) for s in _walk(6, 16)]
+    _check(composer, reference, steps)
+    assert composer.stats.replayed >= 8, composer.stats
+
+
+def test_mixed_and_prefill_steps_between_decodes(device: torch.device) -> None:
+    composer, reference = _pair(device, lambda: [Group({"fa": FLASH_ATTN})])
+    rng = np.random.default_rng(3)
+    walk = _walk(4, 12)
+    steps = [(s, None, None) for s in walk[:6]]
+    steps += [(mixed_spec(rng, prefills=2, decodes=3), None, None) for _ in range(3)]
+    steps += [(s, None, None) for s in walk[6:]]
+    _check(composer, reference, steps)
+
+
+def test_inputs_and_arrays_are_checked() -> None:
+    composer = StepBuilder(Stager("cpu"), Group({"fa": FLASH_ATTN}), arrays=[Array("ids", np.int32)])
+    spec = _walk(2, 1)[0]
+    with pytest.raises(TypeError, match="arrays: expected exactly \\['ids'\\]"):
+        composer.build(spec)
+    with pytest.raises(TypeError, match="1-D numpy array of int32"):
+        composer.build(spec, arrays={"ids": np.zeros(2, np.int64)})
+    with pytest.raises(TypeError, match="inputs: no builder named \\['nope'\\]"):
+        composer.build(spec, {"nope": None}, {"ids": np.zeros(2, np.int32)})
+    with pytest.raises(TypeError, match="flash_attn: inputs must be FlashAttentionInputs"):
+        composer.build(spec, {"fa": {"causal": None}}, {"ids": np.zeros(2, np.int32)})
+    with pytest.raises(ValueError, match="one BatchSpec per group"):
+        composer.build([spec, spec], arrays={"ids": np.zeros(2, np.int32)})
+    with pytest.raises(ValueError, match="names must be unique across groups"):
+        StepBuilder(Stager("cpu"), Group({"fa": FLASH_ATTN}), Group({"fa": FLASH_ATTN}, prefix="other"))
+    with pytest.raises(ValueError, match="a graph-mode stager needs its capacity"):
+        StepBuilder(Stager("cpu", profile=_PROFILE), Group({}), arrays=[Array("ids", np.int32)])
+
+
+def test_an_unsupported_step_raises_and_the_stager_goes_on() -> None:
+    composer = StepBuilder(Stager("cpu"), Group({"fa": FLASH_ATTN}))
+    spec = _walk(3, 1)[0]
+    with pytest.raises(UnsupportedBatchError, match="fa: cannot serve"):
+        composer.build(spec, {"fa": FlashAttentionInputs(causal=[True])})
+    assert composer.build(spec).common.num_reqs == 3
+
+
+def test_table_columns_rounds_the_longest_request_up() -> None:
+    spec = BatchSpec(num_computed_tokens=[70], num_scheduled_tokens=[1], block_table=[list(range(16))],
+                     block_size=8)
+    assert (table_columns(spec), table_columns(spec, 1), table_columns(spec, 4)) == (16, 9, 12)
+
+
+def test_one_copy_a_step_and_no_device_read() -> None:
+    composer = StepBuilder(Stager("meta"), Group({"fa": FLASH_ATTN}), arrays=[Array("ids", np.int32)])
+    with no_device_sync():
+        for spec in _walk(4, 8):
+            out = composer.build(spec, arrays={"ids": np.zeros(spec.num_tokens, np.int32)})
+            assert out.step.stats.copies == 1
+    assert composer.stats.replayed >= 4
+
+
+def test_a_replayed_steps_objects_expire_with_their_slot() -> None:
+    composer = StepBuilder(Stager("cpu", num_slots=2), Group({"fa": FLASH_ATTN}))
+    walk = _walk(2, 6)
+    outs = [composer.build(s) for s in walk]
+    assert composer.stats.replayed >= 2
+    with pytest.raises(StepExpiredError):
+        _ = outs[-3]["fa"].seq_lens
+    last = walk[-1]
+    assert outs[-1]["fa"].seq_lens_cpu.tolist() == (last.num_computed_tokens + last.num_scheduled_tokens).tolist()
+
+
+def test_flashinfer_and_mamba2_groups(device: torch.device) -> None:
+    """An attention group and a Mamba group (its own spec: one state block a request) in one step."""
+    def groups() -> list[Group]:
+        return [Group({"fa": FLASH_ATTN, "fi": (FLASHINFER, FlashInferOptions())}),
+                Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))}, prefix="mamba_common")]
+
+    composer, reference = _pair(device, groups)
+    steps = []
+    for spec in _walk(5, 16):
+        n = spec.num_reqs
+        mspec = BatchSpec(num_computed_tokens=spec.num_computed_tokens, num_scheduled_tokens=spec.num_scheduled_tokens,
+                          block_table=(1 + np.arange(n, dtype=np.int32))[:, None], block_size=4096)
+        steps.append(((spec, mspec), None, None))
+    _check(composer, reference, steps)
+
+
+def _mamba_specs(specs: list[BatchSpec]) -> list[BatchSpec]:
+    """A Mamba group's specs of an attention walk: one state block a request (block size: the context)."""
+    out = []
+    for spec in specs:
+        n = spec.num_reqs
+        out.append(BatchSpec(num_computed_tokens=spec.num_computed_tokens, num_scheduled_tokens=spec.num_scheduled_tokens,
+                             num_prompt_tokens=spec.num_prompt_tokens, block_table=(1 + np.arange(n, dtype=np.int32))[:, None],
+                             block_size=4096, num_reqs_padded=spec.num_reqs_padded,
+                             num_tokens_padded=spec.num_tokens_padded))
+    return out
+
+
+@pytest.mark.parametrize("profile", [None, StaticProfile(max_num_reqs=72, max_num_tokens=320, max_blocks_per_req=1,
+                                                         block_size=4096, chunk_size=16)], ids=["eager", "graph"])
+def test_a_mamba2_group_replays_decode_steps_and_composes_prefills(device: torch.device, profile: Any) -> None:
+    opts = mamba2.Mamba2Options(chunk_size=16)
+    composer, reference = _pair(device, lambda: [Group({"mamba": (mamba2.MAMBA2, opts)}, prefix="mamba_common")],
+                                profile=profile)
+    rng = np.random.default_rng(4)
+    walk = _mamba_specs(_walk(6, 14))
+    mixed = _mamba_specs([mixed_spec(rng, prefills=2, decodes=3, max_prompt=40, max_context=200) for _ in range(3)])
+    steps = [(s, None, None) for s in [*walk[:7], *mixed, *walk[7:]]]
+    _check(composer, reference, steps)
+    assert composer.stats.replayed >= 6, composer.stats
