@@ -12,9 +12,9 @@ ever reads device memory.
 
 Builders construct a metadata object every step. :func:`keyword_factory` gives them a keyword
 constructor of a frozen dataclass without the frozen ``__init__``'s ``object.__setattr__`` call per
-field, and :func:`positional_factory` a positional one for a builder that rebuilds an object from a
-recorded one's field values (:class:`attnmeta.backends.fused.FusedStepBuilder`): one construction
-trick, kept here (docs/benchmarks.md has its A/B).
+field, :func:`positional_factory` a positional one, and :func:`template` a constructor of objects
+that share all but a few fields with a recorded one (a replayed step's): one construction trick,
+kept here (docs/benchmarks.md has its A/B).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import torch
 
-__all__ = ["MetadataBase", "describe_value", "keyword_factory", "positional_factory", "summarize_value"]
+__all__ = ["MetadataBase", "describe_value", "keyword_factory", "positional_factory", "summarize_value", "template"]
 
 
 def summarize_value(v: Any) -> str:
@@ -184,6 +184,51 @@ def positional_factory(cls: type[T]) -> Callable[..., T]:
     (True, 7, 8)
     """
     return _twin(cls, [(f.name, f.type) for f in dataclasses.fields(cls)], kw_only=False)  # type: ignore[arg-type]
+
+
+def template(obj: T, names: tuple[str, ...]) -> Callable[..., T]:
+    """A constructor of objects of ``obj``'s frozen dataclass that share every field with ``obj`` but
+    ``names``: ``make(*values)`` takes the values of ``names``, in that order.
+
+    For a builder that makes one object per step of a layout whose other fields do not change (a
+    replay, :class:`attnmeta.builder.Replayer`): a direct positional call of the class's
+    :func:`positional_factory` with the shared values bound once, so a step pays for its own values
+    only (binding every field by keyword costs more than the stores themselves; docs/benchmarks.md).
+
+    Examples
+    --------
+    >>> @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+    ... class Trio(MetadataBase):
+    ...     a: int
+    ...     b: int
+    ...     c: int
+    >>> make = template(Trio(a=1, b=2, c=3), ("c",))
+    >>> t = make(30)
+    >>> type(t) is Trio, t.a, t.b, t.c
+    (True, 1, 2, 30)
+    """
+    cls = type(obj)
+    fields = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    unknown = [n for n in names if n not in fields]
+    if unknown:
+        raise ValueError(f"template(): {cls.__name__} has no field {unknown}")
+    factory = _POSITIONAL.get(cls)
+    if factory is None:
+        factory = _POSITIONAL[cls] = positional_factory(cls)
+    shared = {f"_v{i}": getattr(obj, n) for i, n in enumerate(fields) if n not in names}
+    args = ", ".join(f"_a{names.index(n)}" if n in names else f"_v{i}" for i, n in enumerate(fields))
+    params = ", ".join([*(f"_a{i}" for i in range(len(names))), "*", "_factory=_factory",
+                        *(f"{k}={k}" for k in shared)])
+    env: dict[str, Any] = {"_factory": factory, **shared}
+    # (the shared values are keyword-only defaults: locals of the call, the fastest loads there are)
+    exec(f"def make({params}):\n    return _factory({args})\n", env)
+    make: Callable[..., T] = env["make"]
+    make.__qualname__ = f"template({cls.__name__}, {names})"
+    return make
+
+
+_POSITIONAL: dict[type, Callable[..., Any]] = {}
+""":func:`positional_factory` by class, made once."""
 
 
 def _twin(cls: type[T], specs: list[Any], *, kw_only: bool) -> Callable[..., T]:

@@ -61,6 +61,7 @@ with the block-table rows and page indices copied on numba's thread pool (fewer 
 the pool's hand-off costs more than it saves there; docs/benchmarks.md)."""
 
 _MAX_RECORDS = 512  # per ring slot; dropped (and re-recorded on demand) when a slot outgrows this
+_NO_ARRAYS: list[np.ndarray] = []
 
 
 def table_columns(spec: BatchSpec, column_step: int = 8) -> int:
@@ -203,18 +204,16 @@ class _Group:
 class _Record:
     """A recorded layout on one ring slot: how to stage it again and rewrite it."""
 
-    __slots__ = ("arrays", "indices", "layout", "paged", "replayers", "threads", "writers")
+    __slots__ = ("arrays", "groups", "indices", "layout", "replayers")
 
-    def __init__(self, layout: StepLayout, writers: list[CommonWriter], paged: list[bool],
+    def __init__(self, layout: StepLayout, groups: list[tuple[CommonWriter, bool, bool, int]],
                  replayers: list[tuple[str, int, int, Replayer[Any, Any]]], arrays: list[tuple[str, np.ndarray]],
-                 indices: list[str], threads: list[int]) -> None:
+                 indices: list[str]) -> None:
         self.layout = layout
-        self.writers = writers  # one per group
-        self.paged = paged  # per group: the common pass writes the page table
+        self.groups = groups  # per group: (its writer, causal, whether it writes the page table, numba threads)
         self.replayers = replayers  # (builder name, group index, position in the group, replayer)
         self.arrays = arrays  # (name, writable host view: eager the step's rows, graph the whole capacity)
         self.indices = indices  # graph mode, per group: the page indices' field name ("" without a page table)
-        self.threads = threads  # per group: numba threads of the common pass
 
 
 class StepBuilder:
@@ -293,6 +292,7 @@ class StepBuilder:
         self._graph = stager.graph_mode
         self._threads = threads
         self._token = object()  # this composer's key in each slot's extras
+        self._no_inputs = self._inputs({})  # every builder's empty inputs (the usual step's)
         self.stats = ComposeStats()
 
     @property
@@ -331,12 +331,11 @@ class StepBuilder:
             (nothing copied) and the stager is ready for the next one.
         """
         self.stats.steps += 1
-        sp = (specs,) if isinstance(specs, BatchSpec) else tuple(specs)
-        groups = self._groups
-        if len(sp) != len(groups):
-            raise ValueError(f"specs: expected one BatchSpec per group ({len(groups)}), got {len(sp)}")
-        inp = self._inputs(inputs)
-        arr = self._check_arrays(arrays)
+        sp = (specs,) if type(specs) is BatchSpec or isinstance(specs, BatchSpec) else tuple(specs)
+        if len(sp) != len(self._groups):
+            raise ValueError(f"specs: expected one BatchSpec per group ({len(self._groups)}), got {len(sp)}")
+        inp = self._no_inputs if inputs is None else self._inputs(inputs)
+        arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
         key = self._key(sp, inp, arr)
         if key is None:  # (every builder's reasons first: a step that cannot be served is never begun)
             self._check(sp, inp)
@@ -348,14 +347,12 @@ class StepBuilder:
         return self._replay(step, rec, sp, inp, arr)
 
     # ------------------------------------------------------------------ the step's inputs and key
-    def _inputs(self, inputs: Mapping[str, Any] | None) -> list[list[Any]]:
+    def _inputs(self, inputs: Mapping[str, Any]) -> list[list[Any]]:
         """Every builder's inputs, by group and position (each checked for its type)."""
-        if inputs:
-            unknown = set(inputs) - self._names
-            if unknown:
-                raise TypeError(f"inputs: no builder named {sorted(unknown)}; the builders are {sorted(self._names)}")
-            return [[b.inputs(inputs.get(n)) for n, b, _o in g.builders] for g in self._groups]
-        return [[b.inputs(None) for _n, b, _o in g.builders] for g in self._groups]
+        unknown = set(inputs) - self._names
+        if unknown:
+            raise TypeError(f"inputs: no builder named {sorted(unknown)}; the builders are {sorted(self._names)}")
+        return [[b.inputs(inputs.get(n)) for n, b, _o in g.builders] for g in self._groups]
 
     def _check_arrays(self, arrays: Mapping[str, np.ndarray] | None) -> list[np.ndarray]:
         got = arrays or {}
@@ -379,34 +376,39 @@ class StepBuilder:
         without a replay key, graph mode beyond the profile: the builders raise their errors)."""
         parts: list[Hashable] = []
         prof = self._stager.profile
-        for g, spec, inp in zip(self._groups, specs, inputs, strict=True):
+        for g, spec, inp in zip(self._groups, specs, inputs):
             if spec.context_parallel is not None:
                 return None
-            B, T = spec.num_reqs, spec.num_tokens
-            Bp = B if spec.num_reqs_padded is None else spec.num_reqs_padded
-            Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
             tokens = paged = False
             columns = 0
             for _n, b, o in g.builders:
                 needs = b.needs(spec, o)
                 tokens |= needs.token_arrays
                 paged |= needs.paged_kv
-                if needs.block_table_columns is not None and needs.block_table_columns > columns:
-                    columns = needs.block_table_columns
+                c = needs.block_table_columns
+                if c is not None and c > columns:
+                    columns = c
+            Bp, Tp = spec.num_reqs_padded, spec.num_tokens_padded
+            if Bp is None:
+                Bp = spec.num_reqs
+            if Tp is None:
+                Tp = spec.num_tokens
+            bs, exact = spec.block_size, spec.max_exact_seq_len
             if prof is not None:
-                if (spec.block_size != prof.block_size or Bp > prof.max_num_reqs or Tp > prof.max_num_tokens
-                        or spec.num_pages > prof.max_num_pages
-                        or -(-spec.max_exact_seq_len // spec.block_size) > prof.max_blocks_per_req):
+                if (bs != prof.block_size or Bp > prof.max_num_reqs or Tp > prof.max_num_tokens
+                        or spec.num_pages > prof.max_num_pages or -(-exact // bs) > prof.max_blocks_per_req):
                     return None
                 parts.append((Bp, Tp, tokens, paged))
             else:
+                need = -(-exact // bs) or 1  # table_columns(spec, 1)
+                if columns > need:
+                    need = columns
                 step = g.column_step
-                W = -(-max(columns, table_columns(spec, 1)) // step) * step
-                parts.append((Bp, Tp if tokens else 0, W, bucket_rows(spec.num_pages) if paged else 0, spec.block_size,
-                              tokens, paged))
+                parts.append((Bp, Tp if tokens else 0, -(-need // step) * step,
+                              bucket_rows(spec.num_pages) if paged else 0, bs, tokens, paged))
             parts.append((spec.num_prompt_tokens is None, spec.num_draft_tokens is None,
                           spec.seq_lens_upper_bound is None))
-            for (_n, b, o), i in zip(g.builders, inp, strict=True):
+            for (_n, b, o), i in zip(g.builders, inp):
                 k = b.replay_key(spec, o, i)
                 if k is None:
                     return None
@@ -501,41 +503,50 @@ class StepBuilder:
                   for (name, *_r), v in zip(self._arrays, views, strict=True)]
         indices = [f"{g.prefix}.paged_kv_indices" if self._graph and p else "" for g, p in zip(self._groups, paged,
                                                                                                strict=True)]
-        threads = [self._threads if self._threads > 1 and w.num_reqs >= PARALLEL_MIN_ROWS else 1 for w in writers]
+        groups = [(w, g.causal, p, self._threads if self._threads > 1 and w.num_reqs >= PARALLEL_MIN_ROWS else 1)
+                  for g, w, p in zip(self._groups, writers, paged, strict=True)]
         records = self._records(step)
         if len(records) >= _MAX_RECORDS:
             records.clear()
-        records[key] = _Record(step.layout(), writers, paged, replayers, arrays, indices, threads)
+        records[key] = _Record(step.layout(), groups, replayers, arrays, indices)
 
     # ------------------------------------------------------------------ a steady-state step
     def _replay(self, step: Step, rec: _Record, specs: tuple[BatchSpec, ...], inputs: list[list[Any]],
                 arrays: list[np.ndarray]) -> ComposedStep:
         """Rewrite ``rec``'s restaged fields for this step, commit, and make the objects."""
-        groups = self._groups
         hosts: list[CommonHost] = []
         try:
-            for g, spec, w, t in zip(groups, specs, rec.writers, rec.threads, strict=True):
-                w.write(spec, threads=t)
-                hosts.append(w.host(spec, g.causal))
+            for (w, causal, _paged, threads), spec in zip(rec.groups, specs):
+                w.write(spec, threads=threads)
+                hosts.append(w.host(spec, causal))
             for _n, gi, pi, rep in rec.replayers:
                 rep.rewrite(step, hosts[gi], inputs[gi][pi])
-            for (_name, view), a in zip(rec.arrays, arrays, strict=True):
+            for (_name, view), a in zip(rec.arrays, arrays):
                 view[: a.shape[0]] = a
             step.commit()
         except BaseException:
             step.abandon()
             raise
         self.stats.replayed += 1
-        own = step.own
+        owned: list[Any] = []  # (the hosts are the builders' inputs, never handed out)
         cms: list[CommonAttentionMetadata] = []
         pks: list[PagedKVMetadata | None] = []
-        for g, spec, w, h, p in zip(groups, specs, rec.writers, hosts, rec.paged, strict=True):
-            own(h)
-            cms.append(own(w.metadata(step, spec, g.causal)))
-            pks.append(own(w.paged_metadata(step, spec.num_pages)) if p else None)
-        meta = {n: own(rep.result(step, cms[gi], hosts[gi], pks[gi], inputs[gi][pi]))
-                for n, gi, pi, rep in rec.replayers}
-        return ComposedStep(step, tuple(cms), meta, {n: step.device(n) for n, _v in rec.arrays})
+        for (w, causal, paged, _threads), spec in zip(rec.groups, specs):
+            cm = w.metadata(step, spec, causal)
+            cms.append(cm)
+            owned.append(cm)
+            if paged:
+                pk = w.paged_metadata(step, spec.num_pages)
+                pks.append(pk)
+                owned.append(pk)
+            else:
+                pks.append(None)
+        meta = {}
+        for n, gi, pi, rep in rec.replayers:
+            meta[n] = m = rep.result(step, cms[gi], hosts[gi], pks[gi], inputs[gi][pi])
+            owned.append(m)
+        step.own_all(owned)
+        return ComposedStep(step, tuple(cms), meta, {n: step.device(n) for n, _v in rec.arrays} if rec.arrays else {})
 
     def __repr__(self) -> str:
         groups = ", ".join(f"{g.prefix}: {[n for n, _b, _o in g.builders]}"

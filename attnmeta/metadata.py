@@ -52,6 +52,8 @@ from attnmeta.staging import Staged, Step
 
 __all__ = ["CommonAttentionMetadata", "CommonHost", "PagedKVMetadata", "StagedCommon"]
 
+_new_tuple = tuple.__new__  # a NamedTuple from a tuple of its fields, without __new__'s argument parsing
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
 class CommonAttentionMetadata(MetadataBase):
@@ -380,19 +382,23 @@ class CommonHost(MetadataBase):
         """
         key = (decode_threshold, require_uniform, treat_short_extends_as_decodes)
         found = self.splits.get(key)
-        if found is None and (isinstance(decode_threshold, bool) or not isinstance(decode_threshold, int | np.integer)
-                              or decode_threshold < 1):
+        if found is not None:
+            return found
+        if type(decode_threshold) is not int and (isinstance(decode_threshold, bool)
+                                                  or not isinstance(decode_threshold, int | np.integer)):
+            decode_threshold = 0  # (the message below)
+        if decode_threshold < 1:
             raise ValueError(f"split(): decode_threshold must be an int >= 1 (the longest query that counts as a "
-                             f"decode), got {decode_threshold!r}")
-        if found is None and treat_short_extends_as_decodes and self.max_query_len <= decode_threshold and (
+                             f"decode), got {key[0]!r}")
+        if treat_short_extends_as_decodes and self.max_query_len <= decode_threshold and (
                 not require_uniform or decode_threshold <= 1):  # every row decodes: the split's first rule
-            found = self.splits[key] = SplitCounts(self.num_reqs, 0, self.num_actual_tokens, 0)
-        if found is None:
-            nd, np_, ndt, npt = split_counts_nb(
-                self.query_start_loc_cpu, self.num_actual_tokens, self.max_query_len, decode_threshold,
-                require_uniform, treat_short_extends_as_decodes, self.is_prefilling,
-            )
-            found = self.splits[key] = SplitCounts(int(nd), int(np_), int(ndt), int(npt))
+            found = self.splits[key] = _new_tuple(SplitCounts, (self.num_reqs, 0, self.num_actual_tokens, 0))
+            return found
+        nd, np_, ndt, npt = split_counts_nb(
+            self.query_start_loc_cpu, self.num_actual_tokens, self.max_query_len, decode_threshold,
+            require_uniform, treat_short_extends_as_decodes, self.is_prefilling,
+        )
+        found = self.splits[key] = SplitCounts(int(nd), int(np_), int(ndt), int(npt))
         return found
 
 

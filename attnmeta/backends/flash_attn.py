@@ -32,7 +32,7 @@ import numpy.typing as npt
 import torch
 
 from attnmeta._checks import check_option_fields, option_rule, reject_tensor
-from attnmeta._fields import MetadataBase, keyword_factory
+from attnmeta._fields import MetadataBase, keyword_factory, template
 from attnmeta.builder import Builder, Replayer, register
 from attnmeta.host.flash_attn import causal_per_request, dcp_context_kv_lens, max_dcp_context_kv_len
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
@@ -222,30 +222,40 @@ def _write_causal(h: CommonHost, flags: Any, out: np.ndarray) -> None:
     out[n_real:] = 1  # padding rows: causal
 
 
+_PER_STEP = ("common", "max_query_len", "max_seq_len", "causal", "num_decode_reqs", "num_prefill_reqs",
+             "num_decode_tokens", "num_prefill_tokens", "max_dcp_context_kv_len")
+"""The fields a step of one layout changes (:func:`_per_step` computes them; the rest are the layout's)."""
+
+
+def _per_step(cm: CommonAttentionMetadata, h: CommonHost, opts: FlashAttentionOptions,
+              causal_cpu: np.ndarray | None) -> tuple[Any, ...]:
+    """The values of :data:`_PER_STEP` of a step: every value a step of a layout changes, computed here for
+    a staged and a replayed step alike."""
+    split = h.split(opts.decode_threshold)
+    if causal_cpu is not None:
+        is_causal = bool(causal_cpu.all())
+    else:
+        is_causal = h.causal if opts.causal is None else opts.causal
+    W = opts.dcp_world_size
+    max_dcp = max_dcp_context_kv_len(h.max_seq_len, W, opts.dcp_interleave) if W > 1 else 0
+    return cm, cm.max_query_len, cm.max_seq_len, is_causal, *split, max_dcp
+
+
 def _metadata(cm: CommonAttentionMetadata, h: CommonHost, opts: FlashAttentionOptions,
               dcp: tuple[torch.Tensor, np.ndarray] | None,
               causal: tuple[torch.Tensor, np.ndarray] | None) -> FlashAttentionMetadata:
     """The step's FlashAttention metadata from its common metadata and host part, and the device and
-    read-only host views of the builder's own staged fields (after the commit): every value a step
-    changes is computed here, for a staged and a replayed step alike."""
-    split = h.split(opts.decode_threshold)
-    if causal is not None:
-        is_causal = bool(causal[1].all())
-    else:
-        is_causal = h.causal if opts.causal is None else opts.causal
-    W = opts.dcp_world_size
+    read-only host views of the builder's own staged fields (after the commit)."""
+    _, max_q, max_seq, is_causal, nd, np_, ndt, npt, max_dcp = _per_step(
+        cm, h, opts, causal[1] if causal is not None else None)
     return _make_fa(
-        common=cm, query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,
-        block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping,
-        dcp_context_kv_lens=dcp[0] if dcp is not None else None,
-        causal_tensor=causal[0] if causal is not None else None,
-        query_start_loc_cpu=cm.query_start_loc_cpu, seq_lens_cpu=cm.seq_lens_cpu,
-        dcp_context_kv_lens_cpu=dcp[1] if dcp is not None else None,
+        common=cm, query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
+        slot_mapping=cm.slot_mapping, dcp_context_kv_lens=dcp[0] if dcp is not None else None,
+        causal_tensor=causal[0] if causal is not None else None, query_start_loc_cpu=cm.query_start_loc_cpu,
+        seq_lens_cpu=cm.seq_lens_cpu, dcp_context_kv_lens_cpu=dcp[1] if dcp is not None else None,
         causal_cpu=causal[1] if causal is not None else None, num_actual_tokens=cm.num_actual_tokens,
-        max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len, causal=is_causal,
-        num_decode_reqs=split.num_decodes, num_prefill_reqs=split.num_prefills,
-        num_decode_tokens=split.num_decode_tokens, num_prefill_tokens=split.num_prefill_tokens,
-        max_dcp_context_kv_len=max_dcp_context_kv_len(h.max_seq_len, W, opts.dcp_interleave) if W > 1 else 0,
+        max_query_len=max_q, max_seq_len=max_seq, causal=is_causal, num_decode_reqs=nd, num_prefill_reqs=np_,
+        num_decode_tokens=ndt, num_prefill_tokens=npt, max_dcp_context_kv_len=max_dcp,
         max_num_splits=opts.max_num_splits,
     )
 
@@ -326,7 +336,7 @@ class FlashAttentionBuilder(Builder[FlashAttentionOptions, FlashAttentionInputs,
                  options: FlashAttentionOptions, inputs: FlashAttentionInputs) -> _Replayer:
         """Replays keep the recorded step's own fields (the DCP lengths, the causal flags) and rewrite them."""
         assert isinstance(staged, _Staged)
-        return _Replayer(step, options, staged.dcp, staged.causal)
+        return _Replayer(staged.result(), options, staged.dcp, staged.causal)
 
 
 class _Staged(Staged[None, FlashAttentionMetadata]):
@@ -342,16 +352,17 @@ class _Staged(Staged[None, FlashAttentionMetadata]):
 
 
 class _Replayer(Replayer[FlashAttentionInputs, FlashAttentionMetadata]):
-    """Replays of a FlashAttention layout: rewrite the own fields, make the metadata (:func:`_metadata`).
+    """Replays of a FlashAttention layout: rewrite the own fields, then the recorded step's metadata with
+    this step's :data:`_PER_STEP` values (:func:`_per_step`); the other fields (views of the common
+    metadata's and of the own fields, which a replay stages at the same places of the same slot) are
+    the layout's."""
 
-    It keeps the recorded step's views of the own fields: a replay stages them at the same places of
-    the same slot (the device views name the same bytes)."""
+    __slots__ = ("causal", "dcp", "make", "options")
 
-    __slots__ = ("causal", "causal_views", "dcp", "dcp_views", "options")
-
-    def __init__(self, step: Step, options: FlashAttentionOptions, dcp: _View | None, causal: _View | None) -> None:
+    def __init__(self, recorded: FlashAttentionMetadata, options: FlashAttentionOptions, dcp: _View | None,
+                 causal: _View | None) -> None:
         self.options, self.dcp, self.causal = options, dcp, causal
-        self.dcp_views, self.causal_views = _views(step, dcp), _views(step, causal)
+        self.make = template(recorded, _PER_STEP)
 
     def rewrite(self, step: Step, host: CommonHost, inputs: FlashAttentionInputs) -> None:
         if self.dcp is not None:
@@ -361,7 +372,8 @@ class _Replayer(Replayer[FlashAttentionInputs, FlashAttentionMetadata]):
 
     def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
                inputs: FlashAttentionInputs) -> FlashAttentionMetadata:
-        return _metadata(common, host, self.options, self.dcp_views, self.causal_views)
+        c = self.causal
+        return self.make(*_per_step(common, host, self.options, c[1] if c is not None else None))
 
 
 FLASH_ATTN = register(FlashAttentionBuilder())

@@ -91,7 +91,7 @@ import numpy as np
 import torch
 
 from attnmeta._checks import check_option_fields, option_rule
-from attnmeta._fields import MetadataBase, keyword_factory
+from attnmeta._fields import MetadataBase, keyword_factory, template
 from attnmeta.builder import Builder, CommonNeeds, Replayer, register
 from attnmeta.common import stage_paged_kv
 from attnmeta.host.flash_attn import dcp_context_kv_lens
@@ -384,11 +384,16 @@ def _own_views(step: Step, name: str, qo: tuple[str, np.ndarray] | None
     return (step.device_full(name) if step.profile is not None else step.device(name)), qo[1]
 
 
-def _metadata(cm: CommonAttentionMetadata, pk: PagedKVMetadata, h: CommonHost, opts: FlashInferOptions,
-              split: SplitCounts, kv: torch.Tensor, kv_cpu: np.ndarray, qo: tuple[torch.Tensor, np.ndarray] | None,
-              rows: _QsRows, max_kv: int) -> FlashInferMetadata:
-    """The step's FlashInfer metadata after the commit, from its split and the views of its fields:
-    every value a step changes is computed here, for a staged and a replayed step alike."""
+_PER_STEP = ("common", "paged", "qo_indptr_decode", "qo_indptr_prefill", "qo_indptr_decode_cpu",
+             "qo_indptr_prefill_cpu", "num_decodes", "num_prefills", "num_decode_tokens", "num_prefill_tokens",
+             "max_decode_query_len", "max_prefill_query_len", "max_kv_len")
+"""The fields a step of one layout changes (:func:`_per_step` computes them; the rest are the layout's)."""
+
+
+def _per_step(cm: CommonAttentionMetadata, pk: PagedKVMetadata, h: CommonHost, split: SplitCounts,
+              qo: tuple[torch.Tensor, np.ndarray] | None, rows: _QsRows, max_kv: int) -> tuple[Any, ...]:
+    """The values of :data:`_PER_STEP` of a step, from its split and the views of its fields: every value a
+    step of a layout changes, computed here for a staged and a replayed step alike."""
     qsl = h.query_start_loc_cpu
     B = h.num_reqs
     D, P = split.num_decodes, split.num_prefills
@@ -407,12 +412,23 @@ def _metadata(cm: CommonAttentionMetadata, pk: PagedKVMetadata, h: CommonHost, o
         qo_d, qo_h = rows(1)
     else:
         qo_d, qo_h = qd, qsl
+    if D == B:
+        qd_d, qd_h = qd, qsl
+    else:
+        qd_d, qd_h = rows(D + 1)
+    return cm, pk, qd_d, qo_d, qd_h, qo_h, *split, mdq, mpq, max_kv
+
+
+def _metadata(cm: CommonAttentionMetadata, pk: PagedKVMetadata, h: CommonHost, opts: FlashInferOptions,
+              split: SplitCounts, kv: torch.Tensor, kv_cpu: np.ndarray, qo: tuple[torch.Tensor, np.ndarray] | None,
+              rows: _QsRows, max_kv: int) -> FlashInferMetadata:
+    """The step's FlashInfer metadata after the commit, from its split and the views of its fields."""
+    _, _, qd_d, qo_d, qd_h, qo_h, nd, np_, ndt, npt, mdq, mpq, mkv = _per_step(cm, pk, h, split, qo, rows, max_kv)
     return _make_fi(
-        common=cm, paged=pk, kv_lens=kv, qo_indptr_decode=qd if D == B else rows(D + 1)[0], qo_indptr_prefill=qo_d,
-        kv_lens_cpu=kv_cpu, qo_indptr_decode_cpu=qsl if D == B else qsl[: D + 1], qo_indptr_prefill_cpu=qo_h,
-        num_decodes=D, num_prefills=P, num_decode_tokens=split.num_decode_tokens,
-        num_prefill_tokens=split.num_prefill_tokens, max_decode_query_len=mdq, max_prefill_query_len=mpq,
-        max_kv_len=max_kv, causal=bool(opts.causal), indices=opts.indices,
+        common=cm, paged=pk, kv_lens=kv, qo_indptr_decode=qd_d, qo_indptr_prefill=qo_d, kv_lens_cpu=kv_cpu,
+        qo_indptr_decode_cpu=qd_h, qo_indptr_prefill_cpu=qo_h, num_decodes=nd, num_prefills=np_,
+        num_decode_tokens=ndt, num_prefill_tokens=npt, max_decode_query_len=mdq, max_prefill_query_len=mpq,
+        max_kv_len=mkv, causal=bool(opts.causal), indices=opts.indices,
     )
 
 
@@ -547,7 +563,7 @@ class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInfer
         assert isinstance(staged, _Staged)
         if common.paged is None or (staged.qo is not None and step.profile is None):
             return None  # (eager mode stages the prefill indptr only for mixed steps, never replayed)
-        return _Replayer(step, options, staged.qo)
+        return _Replayer(staged.result(), step, options, staged.qo)
 
     def unsupported_reasons(self, spec: BatchSpec, options: FlashInferOptions, inputs: None) -> list[str]:
         """A context-parallel spec whose world size is not the options' ``dcp_world_size`` (its table's
@@ -572,15 +588,20 @@ class _Staged(Staged[SplitCounts, FlashInferMetadata]):
 
 class _Replayer(Replayer[None, FlashInferMetadata]):
     """Replays of a FlashInfer layout whose page table the common pass writes: graph mode rewrites the
-    fixed prefill query indptr, then :func:`_metadata`. The decode query starts come from the common
-    ``query_start_loc``, sliced once per layout and row count."""
+    fixed prefill query indptr; then the recorded step's metadata with this step's :data:`_PER_STEP`
+    values (:func:`_per_step`). The decode query starts come from the common ``query_start_loc``, sliced
+    once per layout and row count."""
 
-    __slots__ = ("options", "qo", "qo_views", "rows_cache")
+    __slots__ = ("make", "options", "qd", "qh", "qo", "qo_views", "rows_cache")
 
-    def __init__(self, step: Step, options: FlashInferOptions, qo: tuple[str, np.ndarray] | None) -> None:
+    def __init__(self, recorded: FlashInferMetadata, step: Step, options: FlashInferOptions,
+                 qo: tuple[str, np.ndarray] | None) -> None:
         self.options, self.qo = options, qo
         self.qo_views = _own_views(step, qo[0], qo) if qo is not None else None
-        self.rows_cache: dict[Any, Any] = {}
+        self.rows_cache: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
+        self.qd: torch.Tensor | None = None
+        self.qh: np.ndarray | None = None
+        self.make = template(recorded, _PER_STEP)
 
     def rewrite(self, step: Step, host: CommonHost, inputs: None) -> None:
         if self.qo is not None:
@@ -589,18 +610,21 @@ class _Replayer(Replayer[None, FlashInferMetadata]):
     def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
                inputs: None) -> FlashInferMetadata:
         assert paged is not None
-        cache, qd, qh = self.rows_cache, common.query_start_loc, host.query_start_loc_cpu
+        self.qd, self.qh = common.query_start_loc, host.query_start_loc_cpu
+        return self.make(*_per_step(common, paged, host, _split(host, self.options), self.qo_views, self.rows,
+                                    host.max_exact_seq_len))
 
-        def rows(n: int) -> tuple[torch.Tensor, np.ndarray]:
-            found = cache.get(n)
-            if found is None or found[0] is not qd:  # (the same views while the layout lasts)
-                if len(cache) > 64:
-                    cache.clear()
-                found = cache[n] = (qd, qd[:n], qh[:n])
-            return found[1], found[2]
-
-        return _metadata(common, paged, host, self.options, _split(host, self.options), common.seq_lens,
-                         host.seq_lens_cpu, self.qo_views, rows, host.max_exact_seq_len)
+    def rows(self, n: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The device and host views of this step's common ``query_start_loc``'s first ``n`` entries (the
+        same views while the layout lasts, cached)."""
+        qd, qh = self.qd, self.qh
+        assert qd is not None and qh is not None
+        found = self.rows_cache.get(n)
+        if found is None or found[0] is not qd:
+            if len(self.rows_cache) > 64:
+                self.rows_cache.clear()
+            found = self.rows_cache[n] = (qd, qd[:n], qh[:n])
+        return found[1], found[2]
 
 
 _WITH_PAGES = CommonNeeds(paged_kv=True)
