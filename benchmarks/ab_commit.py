@@ -16,7 +16,9 @@ Each round times ``--steps`` consecutive steps of one path; the two sides altern
 gives the medians over rounds of per-round medians (us) and their ratio. Garbage collection is off
 while timing.
 
-Run: ``python benchmarks/ab_commit.py BASE_COMMIT [--device cuda] [--rounds 12] [--steps 300]``.
+Run: ``python benchmarks/ab_commit.py BASE_COMMIT [--device cuda] [--rounds 12] [--steps 300]``; on a
+machine without the checkout's history, export the base first (``git archive BASE_COMMIT attnmeta | tar -x -C
+.ab_base``) and pass the folder instead of the commit (benchmarks/gpu_all.sh's part ``ab`` does).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import gc
 import importlib
 import io
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -47,11 +50,19 @@ from attnmeta.testing.workloads import advance, decode_spec  # noqa: E402
 
 
 def base_package(commit: str, into: Path) -> Any:
-    """``commit``'s ``attnmeta`` package, imported as ``attnmeta_base`` from a copy under ``into``."""
-    data = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "attnmeta"], capture_output=True,
-                          check=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(into, filter="data")
+    """``commit``'s ``attnmeta`` package, imported as ``attnmeta_base`` from a copy under ``into``.
+
+    ``commit`` is a commit of this checkout, or a folder holding an ``attnmeta`` package exported from one
+    (``git archive COMMIT attnmeta | tar -x -C FOLDER``), for a machine the checkout travels to without
+    its history."""
+    exported = Path(commit)
+    if (exported / "attnmeta" / "__init__.py").is_file():
+        shutil.copytree(exported / "attnmeta", into / "attnmeta")
+    else:
+        data = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "attnmeta"], capture_output=True,
+                              check=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.extractall(into, filter="data")
     pkg = into / "attnmeta_base"
     (into / "attnmeta").rename(pkg)
     for f in pkg.rglob("*.py"):
@@ -125,7 +136,8 @@ def ab(a: Callable[[], Any], b: Callable[[], Any], rounds: int, steps: int, devi
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("base", help="the commit to compare with (e.g. 407a805)")
+    ap.add_argument("base", help="the commit to compare with (e.g. 407a805), or a folder holding its exported "
+                                 "attnmeta package (git archive COMMIT attnmeta | tar -x -C FOLDER)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=300)
