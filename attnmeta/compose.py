@@ -108,6 +108,10 @@ class Group:
     multiple of this many columns (at least what the builders need, :meth:`~attnmeta.builder.Builder.needs`);
     the width is part of a replay's layout, and 1 would start a new layout each time the longest request
     gets a block. Graph mode stages the profile's width."""
+    token_arrays: bool | None = None
+    """Stage the per-token ``positions`` and ``slot_mapping``: None (the default) when a builder of the
+    group reads them (:meth:`~attnmeta.builder.Builder.needs`), and always for a group without builders
+    (its common metadata is all a kernel gets, as :func:`attnmeta.stage_common` stages it)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -184,7 +188,7 @@ class ComposeStats:
 class _Group:
     """A :class:`Group`, resolved: its builders with their options, in order."""
 
-    __slots__ = ("builders", "causal", "column_step", "prefix")
+    __slots__ = ("builders", "causal", "column_step", "prefix", "tokens")
 
     def __init__(self, g: Group) -> None:
         if not isinstance(g, Group):
@@ -199,6 +203,24 @@ class _Group:
                 raise TypeError(f"Group.builders[{name!r}]: expected a Builder or (Builder, options), got "
                                 f"{type(b).__name__}")
             self.builders.append((name, b, b.options(o)))
+        if g.token_arrays is not None and not isinstance(g.token_arrays, bool):
+            raise TypeError(f"Group.token_arrays: expected a bool or None, got {g.token_arrays!r}")
+        self.tokens = g.token_arrays if g.token_arrays is not None else (True if not self.builders else None)
+
+    def needs(self, spec: BatchSpec) -> tuple[bool, bool, int]:
+        """``(token arrays, paged KV layout, block-table columns)`` the group's common metadata needs for
+        ``spec``: what its builders read (:meth:`~attnmeta.builder.Builder.needs`), the token arrays as
+        :attr:`Group.token_arrays` says."""
+        tokens = paged = False
+        columns = 0
+        for _n, b, o in self.builders:
+            needs = b.needs(spec, o)
+            tokens |= needs.token_arrays
+            paged |= needs.paged_kv
+            c = needs.block_table_columns
+            if c is not None and c > columns:
+                columns = c
+        return (tokens if self.tokens is None else self.tokens), paged, columns
 
 
 class _Record:
@@ -379,15 +401,7 @@ class StepBuilder:
         for g, spec, inp in zip(self._groups, specs, inputs):
             if spec.context_parallel is not None:
                 return None
-            tokens = paged = False
-            columns = 0
-            for _n, b, o in g.builders:
-                needs = b.needs(spec, o)
-                tokens |= needs.token_arrays
-                paged |= needs.paged_kv
-                c = needs.block_table_columns
-                if c is not None and c > columns:
-                    columns = c
+            tokens, paged, columns = g.needs(spec)
             Bp, Tp = spec.num_reqs_padded, spec.num_tokens_padded
             if Bp is None:
                 Bp = spec.num_reqs
@@ -456,13 +470,7 @@ class StepBuilder:
             if key is not None:  # (a step without a key was checked before it began)
                 self._check(specs, inputs)
             for g, spec, inp in zip(self._groups, specs, inputs, strict=True):
-                tokens = paged = False
-                columns = 0
-                for _n, b, o in g.builders:
-                    needs = b.needs(spec, o)
-                    tokens |= needs.token_arrays
-                    paged |= needs.paged_kv
-                    columns = max(columns, needs.block_table_columns or 0)
+                tokens, paged, columns = g.needs(spec)
                 W = None
                 if not self._graph:
                     W = -(-max(columns, table_columns(spec, 1)) // g.column_step) * g.column_step

@@ -89,6 +89,8 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _cold import gpu_waiter, jitter, median_us, spin
+
 from attnmeta.bench.scenarios import decode, decode_walks, fused_step, spec_decode, spec_decode_walks
 
 TARGETS = {1: 25.0, 64: None, 256: 50.0, 1024: 150.0}
@@ -147,7 +149,7 @@ def main() -> None:
     if args.gap_mode == "event" and dev.type != "cuda":
         ap.error("--gap-mode event needs --device cuda")
     gap = args.gap_us / 1e6
-    waits: dict[str, Callable[[float], None]] = {"sleep": time.sleep, "spin": _spin, "event": _gpu_waiter(dev)}
+    waits: dict[str, Callable[[float], None]] = {"sleep": time.sleep, "spin": spin, "event": gpu_waiter(dev)}
     wait = waits[args.gap_mode]
     ways: list[tuple[str, float, Callable[[float], None]]] = [("", gap, wait)]
     if args.cold:
@@ -172,7 +174,7 @@ def main() -> None:
         for extra in ("floor", "jitter"):
             if extra in wanted and ("fused" in case.stagers if extra == "floor" else "fused" in case.paths):
                 case.paths[extra] = (_floor(case.stagers["fused"], dev) if extra == "floor"
-                                     else _jitter(_median_us(case.paths["fused"], 400)))
+                                     else jitter(median_us(case.paths["fused"], 400)))
                 for w, *_r in ways:
                     samples[extra + w], every[extra + w], ratios[extra + w] = [], [], []
         gc.disable()
@@ -208,60 +210,6 @@ def main() -> None:
             shown = "" if target is None or plain == "floor" or plain[0] not in "af" or "@" in row else target
             print(f"{case.batch:>6} {row:<15} {np.median(s):>10.1f} {s.min():>11.1f} "
                   f"{np.percentile(every[row], 99):>8.1f} {np.median(ratios[row]):>8.2f} {shown:>7}")
-
-
-def _gpu_waiter(dev: torch.device) -> Callable[[float], None]:
-    """``wait(seconds)``: about that much GPU work on the current stream, then a blocking wait on an
-    event recorded after it (the ``event`` gap: the host blocks on the GPU, as an engine's on its last
-    step's sampled tokens). On a CPU device a sleep."""
-    if dev.type != "cuda":
-        return time.sleep
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    rate = torch.cuda.get_device_properties(dev).clock_rate * 1e3  # cycles per second (kHz -> Hz)
-
-    def wait(seconds: float) -> None:
-        torch.cuda._sleep(int(seconds * rate))  # type: ignore[no-untyped-call]
-        event.record()
-        event.synchronize()  # harness only: the wait before the step, not timed
-
-    return wait
-
-
-def _spin(seconds: float) -> None:
-    """Busy-wait ``seconds`` on the clock (the ``--gap-mode spin`` gap)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
-def _median_us(fn: Callable[[], Any], calls: int) -> float:
-    """The median time of ``calls`` consecutive calls of ``fn``, us (garbage collection off)."""
-    ts = np.empty(calls)
-    gc.disable()
-    try:
-        for i in range(calls):
-            t0 = time.perf_counter_ns()
-            fn()
-            ts[i] = time.perf_counter_ns() - t0
-    finally:
-        gc.enable()
-    return float(np.median(ts)) / 1e3
-
-
-def _jitter(target_us: float) -> Callable[[], int]:
-    """The ``jitter`` row: a loop of Python additions whose median time is about ``target_us``
-    (calibrated here, at the machine's present speed), the same work every call."""
-
-    def work(n: int) -> int:
-        x = 0
-        for i in range(n):
-            x += i
-        return x
-
-    probe = 4096
-    per_iter = _median_us(lambda: work(probe), 200) / probe
-    n = max(1, round(target_us / per_iter))
-    return lambda: work(n)
 
 
 def _floor(stager: Any, dev: torch.device) -> Callable[[], None]:

@@ -21,15 +21,28 @@ Modes: ``graphs`` (graph-mode stager, decode steps replayed as CUDA graphs, Flas
 (FlashInfer, no graphs), ``per-tensor`` (eager, the same host derivation with every field uploaded
 on its own from freshly pinned memory, the pattern of vLLM's ``async_tensor_h2d``).
 
+More columns split attnmeta's time: ``fence ms``, the part spent blocked on a ring slot's fence (the
+host ran ``num_slots - 1`` steps ahead of the GPU; reported apart), ``own ms``, attnmeta's time less
+that wait, and ``replay``, the fraction of the timed decode steps the step composer replayed (the
+same layout as the ring slot's previous step: only the per-step values are written).
+
+The cold-step replica (``--cold``, on by default): after the timed run the same workload runs once
+more with :attr:`Engine.trace` on, and its decode steps are built again through the engine's own
+step composer (the same composition: common metadata, the kernel's builders, the engine's arrays;
+the same ``BatchSpec`` construction), outside the loop, each timed right after a wait the way
+``bench_decode.py --cold`` times its paths: ``tight`` (back to back), ``event`` (``--cold-us`` of GPU
+work, then a blocking wait on an event) and ``sleep``. ``loop/cold`` is ``own ms`` over the ``event``
+replica (an engine's host blocks on the GPU between steps). The control row (``control``) does the
+same waits around plain Python work calibrated to the replica's tight time, without attnmeta: its
+event / tight ratio is what any host code of that length pays after such a wait on that machine.
+
 ``--model hybrid-1b``: a ~1.4B Bamba (13 Mamba2 layers through vLLM's Triton kernels, 3 attention
-layers through FlashInfer), eager steps only (the engine captures no graphs for a hybrid model). Two
-more columns: ``mamba ms``, the part of attnmeta's time that builds the Mamba state group's metadata
-(its spec, ``stage_common``, ``mamba2.stage``, the result; the one copy is shared), and its share of
-the step; and a second line per concurrency, ``prefill``, with the medians over the steps that carry
-prompt tokens (where the Mamba2 chunk metadata is built).
+layers through FlashInfer), eager steps only (the engine captures no graphs for a hybrid model), and a
+second line per concurrency, ``prefill``, with the medians over the steps that carry prompt tokens
+(where the Mamba2 chunk metadata is built).
 
 Usage: python benchmarks/bench_engine.py --device cuda [--model 1b|hybrid-1b] [--concurrency 1,64,256]
-[--json FILE]
+[--modes graphs,eager,per-tensor] [--no-cold] [--cold-us US] [--json FILE]
 """
 
 from __future__ import annotations
@@ -47,6 +60,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _cold import jitter, timed_after, waits  # benchmarks/_cold.py
+
+from attnmeta import BatchSpec
 from attnmeta.sync import record_device_syncs
 from examples.engine import Engine, EngineConfig, Request, make_kernel
 from examples.engine.workload import config_1b, config_hybrid_1b, make_model, tiny_config
@@ -81,7 +97,42 @@ def _h2d_per_step(engine: Engine, reqs: list[Request]) -> float:
     return h2d / max(engine.stats.steps - steps0, 1)
 
 
-def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device) -> dict[str, Any]:
+def cold_replica(engine: Engine, reqs: list[Request], cold_us: float, passes: int = 3) -> dict[str, float]:
+    """The engine's decode steps of serving ``reqs``, built again through its step composer outside the
+    loop and timed the ``--cold`` ways (module docstring), with the control; medians in ms."""
+    engine.trace = []
+    k0 = len(engine.stats.step_kinds)
+    engine.run(reqs)
+    trace, engine.trace = engine.trace, None
+    kinds = engine.stats.step_kinds[k0:]
+    decode = [trace[i] for i, k in enumerate(kinds) if k == "decode"][3:-3]
+    composer = engine.composer
+
+    def replay(specs: tuple[BatchSpec, ...], inputs: Any, arrays: dict[str, Any]) -> Any:
+        def build() -> None:  # as Engine._step: the BatchSpecs from the scheduler's arrays, then the build
+            again = tuple(BatchSpec(num_computed_tokens=s.num_computed_tokens, num_scheduled_tokens=s.num_scheduled_tokens,
+                                    block_table=s.block_table, block_size=s.block_size,
+                                    num_reqs_padded=s.num_reqs_padded, num_tokens_padded=s.num_tokens_padded)
+                          for s in specs)
+            composer.build(again, inputs, arrays)
+        return build
+
+    calls = [replay(*t) for t in decode] * passes
+    ways = waits(engine.device, cold_us / 1e6)
+    out: dict[str, float] = {}
+    for name, pause, wait in ways:
+        timed_after(calls[: len(decode)], pause, wait)  # one untimed pass: the slots' layouts
+        out[f"cold_{name}_ms"] = float(torch.tensor(timed_after(calls, pause, wait)).median()) / 1e3
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)  # harness only, between ways: drain the queue
+    control = jitter(out["cold_tight_ms"] * 1e3)
+    for name, pause, wait in ways:
+        out[f"control_{name}_ms"] = float(torch.tensor(timed_after([control] * len(calls), pause, wait)).median()) / 1e3
+    return out
+
+
+def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device,
+            cold_us: float | None = None) -> dict[str, Any]:
     vocab = model.config.vocab_size
     engine = _engine(model, mode, n, prompt, new, device)
     engine.run(_requests(n, prompt, new, vocab, 0))  # warm-up: JIT, graph capture, layouts
@@ -108,24 +159,25 @@ def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
     kinds = st.step_kinds[s0:]
     times = st.step_times[st0:]
     md = st.step_metadata[s0:]
+    fence = st.step_fence[s0:]
+    replayed = st.step_replayed[s0:]
     steps = st.steps - n0
     copies, plan_s, waits = st.metadata_copies - c0, st.plan_s - plan0, st.token_waits - w0
     # full-batch decode iterations (skip the first few after the prefill and the tail)
     idx = [i for i, k in enumerate(kinds) if k == "decode"][3:-3]
     step = statistics.median(times[i] for i in idx)
     meta = statistics.median(md[i] for i in idx)
-    extra: dict[str, Any] = {}
-    if engine.hybrid:  # the Mamba group's part; and the steps that carry prompt tokens
-        mam = st.step_mamba[s0:]
+    own = statistics.median(md[i] - fence[i] for i in idx)
+    extra: dict[str, Any] = {"fence_ms": statistics.median(fence[i] for i in idx) * 1e3,
+                             "fenced_steps": sum(fence[i] > 0 for i in idx), "own_ms": own * 1e3,
+                             "own_share": own / step, "replayed": sum(replayed[i] for i in idx) / max(len(idx), 1)}
+    if engine.hybrid:  # the steps that carry prompt tokens
         pre = [i for i, k in enumerate(kinds) if k == "mixed"]
-        extra = {"mamba_ms": statistics.median(mam[i] for i in idx) * 1e3,
-                 "mamba_share": statistics.median(mam[i] for i in idx) / step, "prefill_steps": len(pre)}
+        extra["prefill_steps"] = len(pre)
         if pre:
             pstep = statistics.median(times[i] for i in pre)
             extra.update(prefill_step_ms=pstep * 1e3, prefill_attnmeta_ms=statistics.median(md[i] for i in pre) * 1e3,
-                         prefill_mamba_ms=statistics.median(mam[i] for i in pre) * 1e3,
-                         prefill_share=statistics.median(md[i] for i in pre) / pstep,
-                         prefill_mamba_share=statistics.median(mam[i] for i in pre) / pstep)
+                         prefill_share=statistics.median(md[i] for i in pre) / pstep)
     w1, a0 = st.token_waits, st.steps
     with record_device_syncs(allow_async_d2h=True) as found:
         engine.run(_requests(n, prompt, new, vocab, 2))
@@ -134,6 +186,9 @@ def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
     syncs = [e for e in found if e.kind == "sync"]
     unsafe = [e for e in found if e.kind != "sync"]
     h2d = _h2d_per_step(engine, _requests(n, prompt, new, vocab, 3))
+    if cold_us is not None and mode != "per-tensor":
+        extra.update(cold_replica(engine, _requests(n, prompt, new, vocab, 1), cold_us))
+        extra["loop_over_cold"] = extra["own_ms"] / extra["cold_event_ms"]
     return {"mode": mode, "concurrency": n, "step_ms": step * 1e3, "steps_per_s": 1 / step, "tokens_per_s": n / step,
             "attnmeta_ms": meta * 1e3, "share": meta / step, "plan_ms": plan_s / steps * 1e3,
             "copies_per_step": copies / steps, "h2d_per_step": h2d,
@@ -154,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--model", choices=["1b", "hybrid-1b", "tiny"], default="1b")
     p.add_argument("--json", default=None)
+    p.add_argument("--no-cold", action="store_true", help="skip the cold-step replica (module docstring)")
+    p.add_argument("--cold-us", type=float, default=2000.0, metavar="US",
+                   help="the replica's GPU work before the event wait, and its sleep (default 2000)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type != "cuda":
@@ -171,23 +229,37 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     print(f"{'mode':>10} {'reqs':>5} {'step ms':>8} {'steps/s':>8} {'tok/s':>8} {'attnmeta ms':>11} {'share':>6} "
-          f"{'plan ms':>8} {'copies':>6} {'H2D':>5} {'syncs':>5} {'waits':>5}"
-          + (f" {'mamba ms':>8} {'share':>6}" if hybrid else ""), flush=True)
+          f"{'fence ms':>8} {'own ms':>7} {'own %':>6} {'replay':>6} {'plan ms':>8} {'copies':>6} {'H2D':>5} "
+          f"{'syncs':>5} {'waits':>5}", flush=True)
+    colds = []
     for n in [int(x) for x in a.concurrency.split(",")]:
         for mode in modes.split(","):
-            r = measure(model, mode, n, a.prompt, a.new, device)
+            r = measure(model, mode, n, a.prompt, a.new, device, None if a.no_cold else a.cold_us)
             rows.append(r)
             print(f"{mode:>10} {n:>5} {r['step_ms']:8.3f} {r['steps_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
-                  f"{r['attnmeta_ms']:11.4f} {r['share']:6.1%} {r['plan_ms']:8.3f} {r['copies_per_step']:6.2f} "
+                  f"{r['attnmeta_ms']:11.4f} {r['share']:6.1%} {r['fence_ms']:8.4f} {r['own_ms']:7.4f} "
+                  f"{r['own_share']:6.1%} {r['replayed']:6.0%} {r['plan_ms']:8.3f} {r['copies_per_step']:6.2f} "
                   f"{r['h2d_per_step']:5.1f} {r['syncs_per_step']:5.2f} {r['waits_per_step']:5.2f}"
-                  + (f" {r['mamba_ms']:8.4f} {r['mamba_share']:6.1%}" if hybrid else "")
                   + (f"  sync ops: {r['sync_ops']}" if r["sync_ops"] else "")
                   + (f"  other audit findings/step {r['other_findings_per_step']:.2f}: {r['other_findings']}"
                      if r["other_findings"] else ""), flush=True)
             if hybrid and r.get("prefill_steps"):
                 print(f"{'prefill':>10} {n:>5} {r['prefill_step_ms']:8.3f} {'':>8} {'':>8} {r['prefill_attnmeta_ms']:11.4f} "
-                      f"{r['prefill_share']:6.1%} {'':>8} {'':>6} {'':>5} {'':>5} {'':>5} {r['prefill_mamba_ms']:8.4f} "
-                      f"{r['prefill_mamba_share']:6.1%}  ({r['prefill_steps']} steps)", flush=True)
+                      f"{r['prefill_share']:6.1%}  ({r['prefill_steps']} steps)", flush=True)
+            if "cold_tight_ms" in r:
+                colds.append(r)
+    if colds:
+        ev = "event" if "cold_event_ms" in colds[0] else "sleep"
+        print(f"\ncold-step replica of the same composition (ms; loop/cold = own ms / {ev}; control: plain Python "
+              f"work of the replica's tight time, the same waits)", flush=True)
+        print(f"{'mode':>10} {'reqs':>5} {'own ms':>7} {'tight':>7} {'event':>7} {'sleep':>7} {'loop/cold':>9} "
+              f"{'ctl tight':>9} {'ctl event':>9} {'ctl sleep':>9} {'ctl ev/tight':>12}", flush=True)
+        for r in colds:
+            print(f"{r['mode']:>10} {r['concurrency']:>5} {r['own_ms']:7.4f} {r['cold_tight_ms']:7.4f} "
+                  f"{r.get('cold_event_ms', float('nan')):7.4f} {r['cold_sleep_ms']:7.4f} {r['loop_over_cold']:8.2f}x "
+                  f"{r['control_tight_ms']:9.4f} {r.get('control_event_ms', float('nan')):9.4f} "
+                  f"{r['control_sleep_ms']:9.4f} "
+                  f"{r.get('control_event_ms', r['control_sleep_ms']) / r['control_tight_ms']:11.2f}x", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"device": torch.cuda.get_device_name(device), "params": params,
                                             "rows": rows}, indent=1))

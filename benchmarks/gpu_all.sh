@@ -3,11 +3,19 @@
 #   gpu     tests/gpu: staging (one H2D per step from a profiler trace, a 10,000-step race test with
 #           fencing on and a control with fencing off, CUDA-graph replay after 1,000 commits), real
 #           kernels fed by attnmeta metadata; all under torch.cuda.set_sync_debug_mode("error");
-#   decode  benchmarks/bench_decode.py on cuda: the steady-state decode step, composable and fused;
-#           benchmarks/bench_spec.py: constructing a step's BatchSpec;
+#   decode  benchmarks/bench_decode.py on cuda: the steady-state decode step, composable and fused; then
+#           its --cold mode (attnmeta, fused and the jitter control, back to back / after a blocking
+#           event wait / after a sleep); benchmarks/bench_spec.py: constructing a step's BatchSpec;
+#   ab      benchmarks/ab_commit.py on cuda against the base package exported into .ab_base/attnmeta
+#           (git archive BASE attnmeta | tar -x -C .ab_base; carry .ab_base) -> ab.txt; AB_ROUNDS and
+#           AB_STEPS (default 12, 300) set its rounds;
+#   before-after  a kernel test on this tree and on a copy of it with the files under $BEFORE (default
+#           .ab_base/before-fix, carried) laid over it: the code before a fix, so the test that comes
+#           with the fix shows it fails before and passes after -> before_after.log. $BEFORE_TEST
+#           (default: the GDN suite's fresh one-token prompt over a dirty state slot) names it;
 #   bench   `python -m attnmeta bench` on cuda, every scenario -> bench.json, and benchmarks/report.py's
 #           Markdown table (bench_table.md) and plot (bench.png) of it;
-#   mamba   benchmarks/bench_mamba2.py on cuda and benchmarks/bench_chunks.py (host only);
+#   mamba   benchmarks/bench_mamba2.py on cuda;
 #   suites  the host / backend / staging / docs suites with the reference device fixture on cuda (these
 #           tests read device results back to compare them, so they run without the session audit), and
 #           the sync suite with the whole session under the audit in CUDA "error" mode;
@@ -25,7 +33,8 @@
 #           then `python -m examples.engine --device cuda` (the ~1.2B Llama, every kernel, both
 #           workloads) -> engine_check.txt. Needs transformers and FlashInfer (flashinfer kernels skip);
 #   enginebench  benchmarks/bench_engine.py: steady-state decode of the ~1.2B engine at 1/64/256
-#           requests, graphs / eager / per-tensor uploads -> engine_bench.txt, engine_bench.json.
+#           requests, graphs / eager / per-tensor uploads ($ENGINE_MODES, default all three), with the
+#           cold-step replica of the same composition -> engine_bench.txt, engine_bench.json.
 #   hybrid  the reference engine's hybrid model (Bamba: Mamba2 and attention layers), its Mamba2 layers through
 #           vLLM 0.33.0's Triton kernels (needs .kernels carried, as mamba-kernels): the hybrid tests of
 #           tests/gpu/test_engine_cuda.py (a small Bamba, both Mamba cache modes, tokens against generate and
@@ -57,14 +66,15 @@
 #           step) -> multi_bench.txt. The gpu part leaves test_multi_cuda.py to this part.
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
 #   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit kernels engine
-#   enginebench mamba-kernels hybrid hybridbench multi", default all but multi). One device call allows
+#   enginebench mamba-kernels hybrid hybridbench multi ab before-after", default all but the last three). One device call allows
 #   600 s, so a full run takes nine calls: PARTS="gpu decode bench", "mamba audit", "suites", "kernels",
 #   "engine", "enginebench", then "mamba-kernels", "hybrid" and "hybridbench" (each with carry
 #   [".kernels"]; the last two also ".whl");
-#   on the nvidia-h200-x2 machine PARTS="multi" is one more.
+#   on the nvidia-h200-x2 machine PARTS="multi" is one more; "ab" and "before-after" (carry .ab_base;
+#   before-after also .whl, for fla's kernels) are asked for by name.
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi: by name
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, before-after: by name
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -85,7 +95,38 @@ fi
 if want decode; then
 echo "== decode: steady-state decode step" | tee "$OUT_DIR/bench_decode.txt"
 timeout 200 $PY benchmarks/bench_decode.py --device cuda --threads 4 2>&1 | tee -a "$OUT_DIR/bench_decode.txt" || status=1
+timeout 150 $PY benchmarks/bench_decode.py --device cuda --cold --paths attnmeta,fused,jitter --rounds 6 2>&1 \
+  | tee -a "$OUT_DIR/bench_decode.txt" || status=1
 timeout 60 $PY benchmarks/bench_spec.py 2>&1 | tee -a "$OUT_DIR/bench_decode.txt" || status=1
+fi
+if want ab; then
+echo "== ab: this checkout against .ab_base (benchmarks/ab_commit.py)" | tee "$OUT_DIR/ab.txt"
+if [[ -f .ab_base/attnmeta/__init__.py ]]; then
+  timeout 480 $PY benchmarks/ab_commit.py .ab_base --device cuda --rounds "${AB_ROUNDS:-12}" --steps "${AB_STEPS:-300}" \
+    2>&1 | tee -a "$OUT_DIR/ab.txt" || status=1
+else
+  echo "no .ab_base/attnmeta: export the base (git archive BASE attnmeta | tar -x -C .ab_base) and carry .ab_base" \
+    | tee -a "$OUT_DIR/ab.txt"; status=1
+fi
+fi
+if want before-after; then
+BEFORE=${BEFORE:-.ab_base/before-fix}
+BEFORE_TEST=${BEFORE_TEST:-tests/gpu/test_gdn_kernels_cuda.py::test_a_fresh_one_token_prompt_starts_from_zeros_not_a_recycled_state_slot}
+echo "== before-after: $BEFORE_TEST, after (this tree) and before ($BEFORE laid over a copy)" | tee "$OUT_DIR/before_after.log"
+if [[ -d "$BEFORE" ]]; then
+  timeout 250 $PY -m pytest -p attnmeta.testing.pytest_plugin "$BEFORE_TEST" -q -rs -p no:cacheprovider 2>&1 \
+    | tail -20 | sed 's/^/after:  /' | tee -a "$OUT_DIR/before_after.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  copy=$(mktemp -d)
+  tar -c --exclude=./.site --exclude=./.whl --exclude=./.ab_base --exclude=./.kernels . | tar -x -C "$copy"
+  cp -r "$BEFORE"/. "$copy"/
+  (cd "$copy" && PYTHONPATH="$copy${PYTHONPATH#$PWD}" timeout 250 $PY -m pytest -p attnmeta.testing.pytest_plugin \
+    "$BEFORE_TEST" -q -rs -p no:cacheprovider 2>&1) | tail -20 | sed 's/^/before: /' | tee -a "$OUT_DIR/before_after.log"
+  [[ ${PIPESTATUS[0]} -ne 0 ]] || { echo "before: the test passed without the fix" | tee -a "$OUT_DIR/before_after.log"; status=1; }
+else
+  echo "no $BEFORE: put the files before the fix there (their paths as in the checkout) and carry it" \
+    | tee -a "$OUT_DIR/before_after.log"; status=1
+fi
 fi
 if want bench; then
 echo "== bench: python -m attnmeta bench" | tee "$OUT_DIR/bench.txt"
@@ -93,9 +134,8 @@ timeout 150 $PY -m attnmeta bench --device cuda --no-progress --reps 100 --json 
 timeout 30 $PY benchmarks/report.py "$OUT_DIR/bench.json" --plot "$OUT_DIR/bench.png" > "$OUT_DIR/bench_table.md" || status=1
 fi
 if want mamba; then
-echo "== mamba: Mamba2 step and chunk metadata" | tee "$OUT_DIR/bench_mamba.txt"
+echo "== mamba: the Mamba2 step" | tee "$OUT_DIR/bench_mamba.txt"
 timeout 240 $PY benchmarks/bench_mamba2.py --device cuda 2>&1 | tee -a "$OUT_DIR/bench_mamba.txt" || status=1
-timeout 120 $PY benchmarks/bench_chunks.py 2>&1 | tee -a "$OUT_DIR/bench_mamba.txt" || status=1
 fi
 if want suites; then
 echo "== suites: host derivations vs references on cuda (the device fixture runs cpu and cuda)" | tee "$OUT_DIR/suite_audit.log"
@@ -129,7 +169,8 @@ timeout 300 $PY -m examples.engine --device cuda 2>&1 | tee "$OUT_DIR/engine_che
 fi
 if want enginebench; then
 echo "== enginebench: steady-state decode of the ~1.2B engine" | tee "$OUT_DIR/engine_bench.txt"
-timeout 500 $PY benchmarks/bench_engine.py --device cuda --json "$OUT_DIR/engine_bench.json" 2>&1 \
+timeout 560 $PY benchmarks/bench_engine.py --device cuda --modes "${ENGINE_MODES:-graphs,eager,per-tensor}" \
+  --json "$OUT_DIR/engine_bench.json" 2>&1 \
   | tee -a "$OUT_DIR/engine_bench.txt" || status=1
 fi
 if want mamba-kernels; then

@@ -51,15 +51,6 @@ def test_bench_spec_prints_every_batch_size() -> None:
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
 
 
-def test_bench_chunks_prints_every_size_with_its_speedup() -> None:
-    rows = _run("bench_chunks.py", "--quick")
-    assert [int(r[0]) for r in rows] == [1, 16, 64, 256, 1024]
-    for r in rows:  # prefills chunks tokens | host med p99 | loop med p99 | speedup | best host loop speedup
-        cells = [c for c in r if c != "|"]
-        assert all(float(c) > 0 for c in cells[3:7]), r
-        assert cells[7].endswith("x") and float(cells[7][:-1]) > 0, r
-
-
 def test_bench_cold_start_prints_every_first_build_cold_and_warmed() -> None:
     out = _script("bench_cold_start.py", "--quick")
     lines = out.splitlines()

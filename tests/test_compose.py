@@ -229,3 +229,20 @@ def test_a_mamba2_group_replays_decode_steps_and_composes_prefills(device: torch
     steps = [(s, None, None) for s in [*walk[:7], *mixed, *walk[7:]]]
     _check(composer, reference, steps)
     assert composer.stats.replayed >= 6, composer.stats
+
+
+@pytest.mark.parametrize("profile", [None, _PROFILE], ids=["eager", "graph"])
+def test_a_group_without_builders_stages_the_whole_common_metadata(device: torch.device, profile: Any) -> None:
+    """An engine whose kernel has no builder (the reference engine's torch-paged kernel without cascade)
+    reads ``positions`` and ``slot_mapping`` from the common metadata: a group without builders stages
+    them, as ``stage_common`` does by default, fresh and replayed alike; ``token_arrays=False`` leaves
+    them out."""
+    composer, reference = _pair(device, lambda: [Group({})], profile=profile)
+    built = _check(composer, reference, [(s, None, None) for s in _walk(4, 8)])
+    assert composer.stats.replayed >= 4, composer.stats
+    spec = _walk(4, 8)[-1]  # (graph mode: only the last step is live)
+    assert built[-1].common.positions.shape == built[-1].common.slot_mapping.shape == (spec.num_tokens,)
+    bare = StepBuilder(Stager(device, profile=profile), Group({}, token_arrays=False)).build(_walk(4, 1)[0])
+    assert bare.common.positions.shape == (0,) and bare.common.slot_mapping.shape == (0,)
+    with pytest.raises(TypeError, match="token_arrays"):
+        StepBuilder(Stager("cpu"), Group({}, token_arrays=1))  # type: ignore[arg-type]

@@ -318,3 +318,29 @@ def test_long_modules_say_why() -> None:
             if "Why one module" not in doc:
                 long.append(f"{f.relative_to(ROOT)} ({text.count(chr(10))} lines)")
     assert not long, "modules over 800 lines without a 'Why one module' paragraph: " + ", ".join(long)
+
+
+def test_benchmarks_use_the_public_api_only() -> None:
+    """attnmeta.bench and benchmarks/ never import attnmeta.host, anywhere in a module: a benchmark
+    times what a user can call (the builders, the stager, the step composer), so it measures the
+    library as shipped rather than a kernel with the layers around it taken away."""
+    bad = []
+    for f in sorted([*(PKG / "bench").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if isinstance(node, ast.ImportFrom) and node.module == "attnmeta":
+                names = [f"attnmeta.{a.name}" for a in node.names]
+            bad += [f"{f.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
+                    if n == "attnmeta.host" or n.startswith("attnmeta.host.")]
+    assert not bad, "benchmarks that import attnmeta.host:\n" + "\n".join(bad)
+
+
+MAX_MODULE_LINES = 1100
+
+
+def test_no_module_over_the_line_limit() -> None:
+    """No module in attnmeta/ is over 1,100 lines: a module that outgrows that is split along its seams."""
+    long = [f"{f.relative_to(ROOT)} ({n} lines)" for f in sorted(PKG.rglob("*.py"))
+            if (n := f.read_text().count("\n")) > MAX_MODULE_LINES]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: " + ", ".join(long)

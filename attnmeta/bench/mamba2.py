@@ -13,8 +13,8 @@ description to device tensors:
   ``has_initial_states_p`` / ``query_start_loc_p`` / state indices computed on the device, the
   classification on host tensors, the causal-conv1d metadata and the chunk layout by per-request
   Python loops over CPU tensors (:mod:`attnmeta.testing.reference`), each list uploaded on its own;
-- ``per-tensor``: attnmeta's host arrays (the same kernels), each uploaded through its own freshly
-  pinned tensor.
+- ``per-tensor``: attnmeta's host arrays (the same builder staged on a ``Stager("meta")``, which
+  copies nothing), each uploaded through its own freshly pinned tensor.
 
 The workload (:func:`prefill_step_spec`): ``P`` prefills of 1..2048 new tokens; every second one
 continues a cached context of 1..8192 tokens that is not a multiple of the chunk size (256); chunk size
@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnmeta.backends.mamba import CheckpointConfig
 from attnmeta.bench.harness import Case, Uploads, blocking_uploader, pinned_uploader
-from attnmeta.host.mamba import CheckpointConfig
 from attnmeta.spec import BatchSpec
 from attnmeta.testing.workloads import mixed_spec
 
@@ -134,12 +134,8 @@ def _list_uploader(device: torch.device, counter: Uploads) -> Callable[[list[int
 def _case(specs: list[BatchSpec], device: torch.device, mode: str = "plain") -> Case:
     """One bench case: every path walks ``specs`` (distinct steps of one size) in turn."""
     from attnmeta.backends.mamba import block_table_columns
-    from attnmeta.builder import build
-    from attnmeta.host import layout
-    from attnmeta.host.chunks import chunk_metadata
-    from attnmeta.host.conv1d import causal_conv1d_metadata
-    from attnmeta.host.mamba import classify_mamba_rows, mamba_state_indices, prefill_checkpoints
-    from attnmeta.host.split import split_decodes_and_prefills
+    from attnmeta.builder import build, get_builder
+    from attnmeta.common import stage_common
     from attnmeta.staging import Stager
     from attnmeta.testing import reference as ref
 
@@ -217,36 +213,17 @@ def _case(specs: list[BatchSpec], device: torch.device, mode: str = "plain") -> 
 
     per = pinned_uploader(device, ups["per-tensor"])
 
+    host_only = Stager("meta")  # the same derivation, nothing copied: its arrays go up one by one
+    mamba2 = get_builder("mamba2")
+
     def per_tensor_step() -> Any:
-        i = nxt("per-tensor")
-        spec, table = specs[i], tables[i]
-        c_np, q_np, prompt = spec.num_computed_tokens, spec.num_scheduled_tokens, spec.num_prompt_tokens
-        assert prompt is not None
-        B, T, bs = spec.padded_num_reqs, spec.padded_num_tokens, spec.block_size
-        qsl = layout.query_start_loc(q_np, num_reqs_padded=B)
-        sl = layout.seq_lens(c_np, q_np, num_reqs_padded=B)
-        isp, _ = classify_mamba_rows(qsl, sl, layout.is_prefilling(c_np, prompt, num_reqs_padded=B))
-        split = split_decodes_and_prefills(qsl, num_tokens=T, max_query_len=spec.max_query_len,
-                                           treat_short_extends_as_decodes=False, is_prefilling=isp)
-        D, P = split.num_decodes, split.num_prefills
-        si = mamba_state_indices(table, sl, mamba_block_size=bs, mode=cache_mode, num_state_columns=1)
-        host = {"query_start_loc": qsl, "seq_lens": sl, "block_table": table,  # no positions / slot_mapping
-                "state_indices_tensor_d": si[:D], "state_indices_tensor_p": si[D:, 0]}
-        if P > 0:
-            nc_p, qsl_p = layout.prefill_cpu_metadata(qsl, sl, num_reqs=B, num_prefills=P,
-                                                      num_decode_tokens=split.num_decode_tokens)
-            cp = None
-            if ckpt is not None:
-                cp = prefill_checkpoints(sl[B - P :], np.diff(qsl_p).astype(np.int32), table[B - P :], config=ckpt)
-                if cp is not None and cp.state_indices is not None:
-                    host.update(checkpoint_offsets=cp.offsets, checkpoint_cols=cp.cols,
-                                checkpoint_state_indices=cp.state_indices)
-            cm = chunk_metadata(C, nc_p, qsl_p, None if cp is None else cp.offsets)
-            conv = causal_conv1d_metadata(qsl_p)
-            host.update(query_start_loc_p=qsl_p, has_initial_states_p=nc_p > 0, cu_chunk_seqlen_p=cm.cu_chunk_seqlens,
-                        seq_idx_p=cm.seq_idx, last_chunk_indices_p=cm.last_chunk_indices, batch_ptr=conv.batch_ptr,
-                        token_chunk_offset_ptr=conv.token_chunk_offset_ptr)
-        return {k: per(v) for k, v in host.items()}
+        spec = specs[nxt("per-tensor")]
+        needs = mamba2.needs(spec, opts)
+        with host_only.step() as step:
+            common = stage_common(spec, step, token_arrays=needs.token_arrays, paged_kv=needs.paged_kv,
+                                  block_table_columns=needs.block_table_columns)
+            mamba2.stage(common, step, opts)
+        return {name: per(step.host(name)) for name in step.field_names}
 
     name = "mamba2-prefill" if mode == "plain" else f"mamba2-prefill-{mode}"
     return Case(name, specs[0].num_reqs,

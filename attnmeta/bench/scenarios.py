@@ -8,8 +8,9 @@ per batch size, whose paths each perform one whole step:
 - ``reference``: the device-side computations of :mod:`attnmeta.testing.reference` from raw
   uploads (``torch.as_tensor(array, device=...)``), host scalars read back with ``.item()``: the way
   engines built metadata before;
-- ``per-tensor``: attnmeta's host arrays, each uploaded through its own freshly pinned tensor
-  (``async_tensor_h2d`` style: race-free, one allocation and one copy per array);
+- ``per-tensor``: attnmeta's host arrays (the same builders staged on a ``Stager("meta")``, which
+  copies nothing), each uploaded through its own freshly pinned tensor (``async_tensor_h2d`` style:
+  race-free, one allocation and one copy per array);
 - ``fused`` (``decode`` and ``spec-decode-k3``): :class:`attnmeta.backends.fused.FusedStepBuilder`
   on a stager of its own, the same three metadata objects as ``attnmeta`` from one call per step.
 
@@ -68,25 +69,23 @@ steps differ in token count, longest sequence and page count every step)."""
 
 StageExtra = Callable[[Any, Any], Any]
 RefExtra = Callable[[BatchSpec], Callable[[dict[str, Any], Callable[[np.ndarray], torch.Tensor]], Any]]
-HostExtra = Callable[[BatchSpec], Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]]
 
 
 # ------------------------------------------------------------------------------------ the three paths
 def _common_case(specs: list[BatchSpec], device: torch.device, stage_extra: StageExtra | None,
-                 ref_extra: RefExtra | None, host_extra: HostExtra | None, common_kwargs: dict[str, Any]) -> Case:
+                 ref_extra: RefExtra | None, common_kwargs: dict[str, Any]) -> Case:
     """One :class:`Case` whose three paths each perform one whole step of the common metadata (plus
     the extras); successive calls of a path walk through ``specs`` in a cycle."""
-    from attnmeta.host import layout
     from attnmeta.testing import reference as ref
 
     stager = Stager(device)
+    host_only = Stager("meta")  # the per-tensor path: the same derivation, nothing copied
     ups = {"reference": Uploads(), "per-tensor": Uploads()}
-    steps = [(s, ref_extra(s) if ref_extra is not None else None, host_extra(s) if host_extra is not None else None)
-             for s in specs]
+    steps = [(s, ref_extra(s) if ref_extra is not None else None) for s in specs]
     n = len(steps)
     at = {"attnmeta": 0, "reference": 0, "per-tensor": 0}
 
-    def next_step(path: str) -> tuple[BatchSpec, Any, Any]:
+    def next_step(path: str) -> tuple[BatchSpec, Any]:
         i = at[path]
         at[path] = (i + 1) % n
         return steps[i]
@@ -102,7 +101,7 @@ def _common_case(specs: list[BatchSpec], device: torch.device, stage_extra: Stag
     raw = blocking_uploader(device, ups["reference"])
 
     def reference_step() -> Any:
-        spec, r_extra, _ = next_step("reference")
+        spec, r_extra = next_step("reference")
         W = int(-(-spec.max_seq_len // spec.block_size)) if spec.num_reqs else 1
         c, q = raw(spec.num_computed_tokens), raw(spec.num_scheduled_tokens)
         bt = raw(np.ascontiguousarray(spec.block_table[:, :W]))
@@ -120,20 +119,12 @@ def _common_case(specs: list[BatchSpec], device: torch.device, stage_extra: Stag
     per = pinned_uploader(device, ups["per-tensor"])
 
     def per_tensor_step() -> Any:
-        spec, _, h_extra = next_step("per-tensor")
-        W = int(-(-spec.max_seq_len // spec.block_size)) if spec.num_reqs else 1
-        c, q = spec.num_computed_tokens, spec.num_scheduled_tokens
-        Bp, Tp = spec.padded_num_reqs, spec.padded_num_tokens
-        host = {
-            "query_start_loc": layout.query_start_loc(q, num_reqs_padded=Bp),
-            "seq_lens": layout.seq_lens(c, q, num_reqs_padded=Bp),
-            "block_table": np.ascontiguousarray(spec.block_table[:, :W]),
-        }
-        host["positions"], host["slot_mapping"] = layout.token_layout(
-            c, q, spec.block_table, spec.block_size, num_tokens_padded=Tp)
-        if h_extra is not None:
-            host.update(h_extra(host))
-        return {k: per(v) for k, v in host.items()}
+        spec = next_step("per-tensor")[0]
+        with host_only.step() as step:
+            common = stage_common(spec, step, **common_kwargs)
+            if stage_extra is not None:
+                stage_extra(common, step)
+        return {name: per(step.host(name)) for name in step.field_names}
 
     return Case("", specs[0].num_reqs, {"attnmeta": attnmeta_step, "reference": reference_step,
                                         "per-tensor": per_tensor_step}, ups, stager)
@@ -141,10 +132,10 @@ def _common_case(specs: list[BatchSpec], device: torch.device, stage_extra: Stag
 
 def _scenario(name: str, specs: Sequence[tuple[int, BatchSpec | list[BatchSpec]]], device: torch.device,
               stage_extra: StageExtra | None = None, ref_extra: RefExtra | None = None,
-              host_extra: HostExtra | None = None, common_kwargs: dict[str, Any] | None = None) -> list[Case]:
+              common_kwargs: dict[str, Any] | None = None) -> list[Case]:
     cases = []
     for batch, spec in specs:
-        case = _common_case(spec if isinstance(spec, list) else [spec], device, stage_extra, ref_extra, host_extra,
+        case = _common_case(spec if isinstance(spec, list) else [spec], device, stage_extra, ref_extra,
                             common_kwargs or {})
         case.scenario, case.batch = name, batch
         cases.append(case)
@@ -183,18 +174,6 @@ def _ref_fa_fi(spec: BatchSpec) -> Callable[[dict[str, Any], Callable[[np.ndarra
         fields["paged_kv_indices"] = ref.ref_paged_kv_indices(fields["block_table"], sl, spec.block_size)
         fields["paged_kv_last_page_len"] = ref.ref_paged_kv_last_page_len(sl, spec.block_size)
         return fields
-
-    return extra
-
-
-def _host_fa_fi(spec: BatchSpec) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
-    from attnmeta.host import paged
-
-    def extra(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        lay = paged.paged_kv_layout(host["seq_lens"], spec.block_table, spec.block_size)
-        assert lay.paged_kv_indices is not None  # paged_kv_layout gathers them (None: device-gathered)
-        return {"paged_kv_indptr": lay.paged_kv_indptr, "paged_kv_indices": lay.paged_kv_indices,
-                "paged_kv_last_page_len": lay.paged_kv_last_page_len}
 
     return extra
 
@@ -301,7 +280,7 @@ def decode(device: torch.device, quick: bool) -> list[Case]:
         One per batch size.
     """
     walks = decode_walks(quick)
-    return _with_fused(_scenario("decode", walks, device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED),
+    return _with_fused(_scenario("decode", walks, device, _stage_fa_fi, _ref_fa_fi, _PAGED),
                        walks, device)
 
 
@@ -322,7 +301,7 @@ def spec_decode(device: torch.device, quick: bool) -> list[Case]:
         One per batch size.
     """
     walks = spec_decode_walks(quick)
-    cases = _scenario("spec-decode-k3", walks, device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
+    cases = _scenario("spec-decode-k3", walks, device, _stage_fa_fi, _ref_fa_fi, _PAGED)
     return _with_fused(cases, walks, device)
 
 
@@ -348,7 +327,7 @@ def mixed(device: torch.device, quick: bool) -> list[Case]:
         One case.
     """
     walk = _mixed_walk(quick)
-    return _scenario("mixed", [(walk[0].num_reqs, walk)], device, _stage_fa_fi, _ref_fa_fi, _host_fa_fi, _PAGED)
+    return _scenario("mixed", [(walk[0].num_reqs, walk)], device, _stage_fa_fi, _ref_fa_fi, _PAGED)
 
 
 # ------------------------------------------------------------------------------------ KV-sharing fast prefill
@@ -377,7 +356,6 @@ def fast_prefill(device: torch.device, quick: bool) -> list[Case]:
         One case.
     """
     from attnmeta.backends import fast_prefill as fp
-    from attnmeta.host import fast_prefill as hfp
     from attnmeta.testing import reference as ref
 
     rng = np.random.default_rng(3)
@@ -397,13 +375,7 @@ def fast_prefill(device: torch.device, quick: bool) -> list[Case]:
             return fields
         return extra
 
-    def host_extra(s: BatchSpec) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
-        def extra(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            return {"fast_query_start_loc": hfp.fast_prefill_query_start_loc(host["query_start_loc"], li),
-                    "logits_indices": li}
-        return extra
-
-    return _scenario("fast-prefill", [(spec.num_reqs, spec)], device, stage_extra, ref_extra, host_extra)
+    return _scenario("fast-prefill", [(spec.num_reqs, spec)], device, stage_extra, ref_extra)
 
 
 # ------------------------------------------------------------------------------------ chunked local attention
@@ -425,7 +397,6 @@ def local_attention(device: torch.device, quick: bool) -> list[Case]:
         One case.
     """
     from attnmeta.backends import local_attn as la
-    from attnmeta.host import local_attn as hla
     from attnmeta.testing import reference as ref
 
     rng = np.random.default_rng(4)
@@ -444,16 +415,7 @@ def local_attention(device: torch.device, quick: bool) -> list[Case]:
             return fields, [up(np.asarray(x)) for x in out[:2]]
         return extra
 
-    def host_extra(s: BatchSpec) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
-        def extra(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            lb = hla.local_virtual_batches(host["query_start_loc"], host["seq_lens"], chunk, s.block_size,
-                                           s.block_table)
-            assert lb.block_table is not None  # a block table was passed
-            return {"local_qsl": lb.query_start_loc, "local_seq_lens": lb.seq_lens,
-                    "local_block_table": lb.block_table}
-        return extra
-
-    return _scenario("local-attention", [(spec.num_reqs, spec)], device, stage_extra, ref_extra, host_extra)
+    return _scenario("local-attention", [(spec.num_reqs, spec)], device, stage_extra, ref_extra)
 
 
 # ------------------------------------------------------------------------------------ common metadata alone

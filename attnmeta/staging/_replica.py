@@ -30,16 +30,23 @@ import operator
 import pickle
 from collections.abc import Callable
 from itertools import compress
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from attnmeta._fields import MetadataBase, positional_factory
-from attnmeta.staging.stager import StepExpiredError, StepNotCommittedError
-
-if TYPE_CHECKING:
-    from attnmeta.staging.stager import Stager, Step
+from attnmeta.staging._layout import StepExpiredError, StepNotCommittedError
+from attnmeta.staging._ring import (
+    Ring,
+    StepCore,
+    graph_layout,
+    graph_live,
+    ring_slots,
+    slot_owner,
+    staged_fields,
+    used_bytes,
+)
 
 __all__ = ["ArenaIndex", "ArrayAt", "Decoder", "DescriptionError", "Encoder", "NotReplicableError", "PlacementCache", "Resolver", "Retarget", "TensorAt", "arena_keys", "owner", "placement"]
 
@@ -136,13 +143,13 @@ def _storage_key(t: torch.Tensor) -> int:
     return int(key) if key is not None else int(storage.data_ptr())
 
 
-def arena_keys(stager: Stager) -> dict[int, int]:
+def arena_keys(stager: Ring) -> dict[int, int]:
     """``{storage identity: arena}`` of ``stager``'s device arenas now (eager: the ring slots'; graph
     mode: -1 for the one arena)."""
     if stager.graph_mode:
-        arena = stager._graph_arena
+        arena = stager.graph_arena
         return {} if arena is None else {_storage_key(arena): -1}
-    return {_storage_key(s.device_arena): s.index for s in stager._slots if s.device_arena is not None}
+    return {_storage_key(s.device_arena): s.index for s in ring_slots(stager) if s.device_arena is not None}
 
 
 class ArenaIndex:
@@ -159,12 +166,12 @@ class ArenaIndex:
 
     __slots__ = ("fields", "keys", "roots")
 
-    def __init__(self, stager: Stager) -> None:
+    def __init__(self, stager: Ring) -> None:
         self.keys = arena_keys(stager)
         self.roots: dict[int, tuple[torch.Tensor, int]] = {}
         self.fields: tuple[list[int], list[Any]] | None = None
         if stager.graph_mode:  # the graph layout by offset, for the staged-rows check
-            laid = sorted(stager._layout.values(), key=lambda f: f.offset)
+            laid = sorted(graph_layout(stager).values(), key=lambda f: f.offset)
             self.fields = ([f.offset for f in laid], laid)
 
     def find(self, t: torch.Tensor) -> int:
@@ -194,7 +201,7 @@ class PlacementCache:
 
     __slots__ = ("_index", "_places", "stager")
 
-    def __init__(self, stager: Stager) -> None:
+    def __init__(self, stager: Ring) -> None:
         self.stager = stager
         self._index: ArenaIndex | None = None
         self._places: dict[int, tuple[torch.Tensor, TensorAt]] = {}  # id(device view) -> its placement
@@ -218,7 +225,7 @@ class PlacementCache:
         return at
 
 
-def placement(stager: Stager, t: torch.Tensor, index: ArenaIndex | None = None) -> TensorAt:
+def placement(stager: Ring, t: torch.Tensor, index: ArenaIndex | None = None) -> TensorAt:
     """Where ``t``, a device tensor of a committed step of ``stager``, lies in the stager's arenas.
 
     Parameters
@@ -259,20 +266,20 @@ def placement(stager: Stager, t: torch.Tensor, index: ArenaIndex | None = None) 
     if n:
         hi = lo + n * size
         if at >= 0:
-            if hi > step._used:
+            if hi > used_bytes(step):
                 raise NotReplicableError(f"a {tuple(t.shape)} {t.dtype} view reaches byte {hi} of the step's "
-                                         f"arena, past the {step._used} bytes the step copied")
+                                         f"arena, past the {used_bytes(step)} bytes the step copied")
         else:
-            if index.fields is None or len(index.fields[1]) != len(stager._layout):
+            if index.fields is None or len(index.fields[1]) != len(graph_layout(stager)):
                 index.fields = None
-                laid = sorted(stager._layout.values(), key=lambda f: f.offset)
+                laid = sorted(graph_layout(stager).values(), key=lambda f: f.offset)
                 index.fields = ([f.offset for f in laid], laid)
             offsets, laid = index.fields
             j = bisect.bisect_right(offsets, lo) - 1
             f = laid[j] if j >= 0 else None
             end = 0 if f is None else f.offset + f.capacity * f.row_bytes
             if f is not None and lo < end:
-                staged = step._fields.get(f.name)
+                staged = staged_fields(step).get(f.name)
                 if staged is None or staged.rows == 0 or hi > end:
                     raise NotReplicableError(
                         f"{f.name}: a {tuple(t.shape)} {t.dtype} view of a field the step staged "
@@ -305,7 +312,7 @@ def arena_view(at: TensorAt, arena: torch.Tensor | None, typed: dict[tuple[int, 
     return v
 
 
-def owner(stager: Stager, arena: int) -> Step:
+def owner(stager: Ring, arena: int) -> StepCore:
     """The committed, live step whose data the arena ``arena`` (:attr:`TensorAt.arena`) of ``stager``
     holds.
 
@@ -314,8 +321,7 @@ def owner(stager: Stager, arena: int) -> Step:
     StepExpiredError, StepNotCommittedError
         As :func:`placement`.
     """
-    ref = stager._slots[arena].owner if arena >= 0 else stager._graph_live
-    step = None if ref is None else ref()
+    step = slot_owner(stager, arena) if arena >= 0 else graph_live(stager)
     if step is None or not step.committed:
         if step is not None and step.expired:
             raise StepExpiredError(step.expiry())

@@ -61,6 +61,7 @@ import torch
 
 from attnmeta._fields import MetadataBase
 from attnmeta.profile import StaticProfile
+from attnmeta.staging._layout import Slot, StepExpiredError, resolve_device
 from attnmeta.staging._replica import (
     NotReplicableError,
     PlacementCache,
@@ -70,15 +71,21 @@ from attnmeta.staging._replica import (
     owner,
     placement,
 )
-from attnmeta.staging.staged import Staged
-from attnmeta.staging.stager import (
+from attnmeta.staging._ring import (
     _GET_CURRENT_STREAM,
-    Stager,
-    Step,
-    StepExpiredError,
-    _device,
-    _Slot,
+    StepCore,
+    checks_lifetimes,
+    copied_bytes,
+    fencing,
+    has_open_step,
+    layout_bytes,
+    next_slot,
+    ring_slots,
+    slot_of,
+    step_grew,
 )
+from attnmeta.staging.staged import Staged
+from attnmeta.staging.stager import Stager, Step
 
 __all__ = ["DeviceStats", "MultiStager", "NotReplicableError"]
 
@@ -158,7 +165,7 @@ class _Mirror:
         totals.waits += 1
         totals.wait_seconds += dt
 
-    def copy(self, slot: _Slot, size: int, dst: torch.Tensor, staged: int) -> None:
+    def copy(self, slot: Slot, size: int, dst: torch.Tensor, staged: int) -> None:
         """The slot's first ``size`` pinned bytes into ``dst`` (this device's arena for the slot), a
         copy that carries the step's ``staged`` bytes."""
         assert slot.host is not None
@@ -253,7 +260,7 @@ class MultiStager(Stager):
         if isinstance(devices, str | torch.device) or not isinstance(devices, Sequence):
             raise TypeError(f"devices: expected a sequence of devices (e.g. ['cuda:0', 'cuda:1']), got "
                             f"{type(devices).__name__} {devices!r}")
-        devs = [_device(d) for d in devices]
+        devs = [resolve_device(d) for d in devices]
         if not devs:
             raise ValueError("devices: at least one device")
         super().__init__(devs[0], num_slots=num_slots, profile=profile, initial_bytes=initial_bytes,
@@ -276,7 +283,7 @@ class MultiStager(Stager):
         self._retargets = [Retarget(functools.partial(self._twin, k)) for k in range(len(self._mirrors))]
         if not self.graph_mode:
             for m in self._mirrors:
-                for slot in self._slots:
+                for slot in ring_slots(self):
                     assert slot.host_np is not None
                     m.arenas[slot.index] = m.alloc(slot.host_np.shape[0])
 
@@ -311,39 +318,37 @@ class MultiStager(Stager):
     def step(self) -> Step:
         """Begin a step on the next ring slot, waiting (counted) only while a device's copy of that
         slot is unfinished. See :meth:`attnmeta.staging.Stager.step`."""
-        if self._open is None:
-            i = self._next
-            if self._fencing:
+        if not has_open_step(self):
+            i = next_slot(self)
+            if fencing(self):
                 for m in self._mirrors:
                     m.wait(i, self.stats)
             for rt in self._retargets:
                 rt.memo.clear()
         return super().step()
 
-    def _commit(self, step: Step) -> None:
+    def _commit(self, step: StepCore) -> None:
         """The primary's commit, then one copy of the same slot bytes per mirror."""
         super()._commit(step)
-        if step._grew:  # a slot or the graph layout moved: cached placements and copy pairs name old memory
+        if step_grew(step):  # a slot or the graph layout moved: cached placements and copy pairs name old memory
             self._forget()
-        raw = step._raw_stats
-        assert raw is not None
-        nbytes = raw[2]
+        nbytes = copied_bytes(step)
         if not nbytes:
             return
         p = self._primary
         p.copies += 1
         p.bytes += nbytes
-        slot = step._slot
+        slot = slot_of(step)
         assert slot.host_np is not None
         if self.graph_mode:
-            src = self._graph_arena
+            src = self.graph_arena
             assert src is not None
             for m in self._mirrors:
                 size = nbytes
                 if m.graph_src is not src:  # a new layout: a new arena, copied whole
-                    m.graph_arena, m.graph_src = m.alloc(self._layout_bytes), src
+                    m.graph_arena, m.graph_src = m.alloc(layout_bytes(self)), src
                     self._forget()
-                    size = self._layout_bytes
+                    size = layout_bytes(self)
                 assert m.graph_arena is not None
                 m.copy(slot, size, m.graph_arena, nbytes)
         else:
@@ -402,8 +407,8 @@ class MultiStager(Stager):
         if step is None:
             return obj
         rt = self._retargets[k - 1]
-        rt.own = step.own if self._lifetimes else None
-        rt.slot = step._slot.index
+        rt.own = step.own if checks_lifetimes(self) else None
+        rt.slot = slot_of(step).index
         out: T = rt(obj)
         return out
 
@@ -429,7 +434,7 @@ class MultiStager(Stager):
         """
         return self.view(staged.result(), device)
 
-    def _step_of(self, obj: Any) -> Step | None:
+    def _step_of(self, obj: Any) -> StepCore | None:
         """The live, committed step of this stager whose metadata ``obj`` is (None: no device tensor in
         it). A metadata object names its step (its lease); a tensor, or a tree of objects that do not
         (``check_lifetimes=False``), by where its first tensor lies."""
@@ -441,7 +446,7 @@ class MultiStager(Stager):
                     if lease is not None:
                         break
         if isinstance(lease, Step):
-            if lease._stager is not self:
+            if lease.stager is not self:
                 raise ValueError("view(): the object comes from a step of another stager")
             if lease.expired:
                 raise StepExpiredError(lease.expiry())

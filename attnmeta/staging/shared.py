@@ -87,7 +87,6 @@ import marshal
 import os
 import threading
 import time
-import typing
 from collections.abc import Mapping
 from multiprocessing import shared_memory
 from typing import Any, Protocol
@@ -96,6 +95,16 @@ import numpy as np
 import torch
 
 from attnmeta.profile import StaticProfile
+from attnmeta.staging._layout import (
+    STAGEABLE_DTYPES,
+    CapacityError,
+    FieldLayout,
+    Slot,
+    StepExpiredError,
+    align,
+    resolve_device,
+)
+from attnmeta.staging._lifetime import poison
 from attnmeta.staging._replica import (
     ArrayAt,
     Decoder,
@@ -106,18 +115,17 @@ from attnmeta.staging._replica import (
     TensorAt,
     arena_view,
 )
-from attnmeta.staging.stager import (
-    STAGEABLE_DTYPES,
-    CapacityError,
-    FieldLayout,
-    Stager,
-    Step,
-    StepExpiredError,
-    _align,
-    _device,
-    _poison,
-    _Slot,
+from attnmeta.staging._ring import (
+    StepCore,
+    copied_bytes,
+    has_open_step,
+    layout_bytes,
+    next_slot,
+    slot_of,
+    staged_fields,
+    step_grew,
 )
+from attnmeta.staging.stager import Stager, Step
 
 __all__ = [
     "CopyEngine",
@@ -444,7 +452,7 @@ class RingWriter(Stager):
         if not isinstance(ring, SharedRing):
             raise TypeError(f"ring: expected a SharedRing, got {type(ring).__name__}")
         self._ring = ring
-        dev = _device(device)
+        dev = resolve_device(device)
         if dev.type == "cuda":
             ring.pin()
         mode = _MODE_GRAPH if profile is not None else _MODE_EAGER
@@ -457,7 +465,7 @@ class RingWriter(Stager):
         """Seconds to wait for a reader before a :class:`TimeoutError`."""
         self.ring_stats = RingStats()
         """The protocol's running totals."""
-        self._unpublished: Step | None = None
+        self._unpublished: StepCore | None = None
         self._ring_fencing = not _unsafe_disable_fencing
         super().__init__(dev, num_slots=ring.num_slots, profile=profile, initial_bytes=ring.slot_bytes,
                          num_kv_blocks=num_kv_blocks, check_lifetimes=check_lifetimes,
@@ -476,7 +484,7 @@ class RingWriter(Stager):
         return self._ring
 
     # ---------------------------------------------------------------- the slots are the ring's
-    def _alloc_slot(self, slot: _Slot, nbytes: int) -> None:
+    def _alloc_slot(self, slot: Slot, nbytes: int) -> None:
         ring = self._ring
         if nbytes > ring.slot_bytes:
             raise CapacityError(f"a slot of {nbytes} bytes; the ring's slots hold {ring.slot_bytes} "
@@ -484,23 +492,23 @@ class RingWriter(Stager):
         slot.host, slot.host_np = ring.slot_tensors[slot.index], ring.data[slot.index]
         if not self.graph_mode:
             slot.device_arena = self._alloc_arena(ring.slot_bytes)
-            if self._cuda:
+            if self.device.type == "cuda":
                 slot.ptrs = (slot.device_arena.data_ptr(), slot.host.data_ptr())
-        elif self._cuda:
+        elif self.device.type == "cuda":
             slot.ptrs = (0, slot.host.data_ptr())
 
-    def _grow_slot(self, slot: _Slot, need: int) -> np.ndarray:
+    def _grow_slot(self, slot: Slot, need: int) -> np.ndarray:
         raise CapacityError(f"a step needs {need} bytes; the shared ring's slots hold {self._ring.slot_bytes} and "
                             f"never grow (SharedRing.create(slot_bytes=...))")
 
     def _graph_reserve(self, name: str, dtype: np.dtype, row_shape: tuple[int, ...], capacity: int, fill: Any,
-                       step: Step) -> FieldLayout:
+                       current: Slot) -> FieldLayout:
         row = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
-        end = _align(self._layout_bytes) + _align(row * capacity)
+        end = align(layout_bytes(self)) + align(row * capacity)
         if end > self._ring.slot_bytes:
             raise CapacityError(f"{name}: the graph layout would need {end} bytes; the shared ring's slots hold "
                                 f"{self._ring.slot_bytes} (SharedRing.create(slot_bytes=...))")
-        return super()._graph_reserve(name, dtype, row_shape, capacity, fill, step)
+        return super()._graph_reserve(name, dtype, row_shape, capacity, fill, current)
 
     # ---------------------------------------------------------------- the protocol
     def step(self) -> Step:
@@ -517,8 +525,8 @@ class RingWriter(Stager):
         if self._unpublished is not None:
             raise RuntimeError(f"RingWriter.step(): step {self._unpublished.number} committed but was not "
                                f"published; call publish() (with its metadata, or none) first")
-        if self._open is None:
-            self._wait_readers(self._next)
+        if not has_open_step(self):
+            self._wait_readers(next_slot(self))
         return super().step()
 
     def _wait_readers(self, slot: int) -> None:
@@ -549,14 +557,14 @@ class RingWriter(Stager):
         st.waits += 1
         st.wait_seconds += time.perf_counter() - t0
 
-    def _commit(self, step: Step) -> None:
+    def _commit(self, step: StepCore) -> None:
         super()._commit(step)
-        if step._grew:
+        if step_grew(step):
             self._placed.clear()
             self._encoder.forget()
         self._unpublished = step
 
-    def _abandon(self, step: Step) -> None:
+    def _abandon(self, step: StepCore) -> None:
         super()._abandon(step)
         self._announce(step, -1, 0, 0)
 
@@ -588,15 +596,15 @@ class RingWriter(Stager):
         skel: dict[str, Any] = {}
         if results:
             enc = self._encoder
-            self._publishing = enc.slot = step._slot.index
+            self._publishing = enc.slot = slot_of(step).index
             enc.memo.clear()
             try:
                 skel = {str(name): enc(obj) for name, obj in results.items()}
             except BaseException:
                 enc.forget()  # its states moved on for objects that will not be sent: start whole again
                 raise
-        fields = step._fields
-        i = step._slot.index
+        fields = staged_fields(step)
+        i = slot_of(step).index
         cached = self._fields_blob[i]
         if cached[0] is not fields:  # (a restaged step shares its layout's table)
             table = {n: (f.offset, f.dtype.str, f.row_shape, f.rows, f.capacity) for n, f in fields.items()}
@@ -608,16 +616,14 @@ class RingWriter(Stager):
             raise CapacityError(f"publish(): the step's description takes {len(blob)} bytes; the ring's meta "
                                 f"regions hold {ring.meta_bytes} (SharedRing.create(meta_bytes=...))")
         ring.meta[i][: len(blob)] = np.frombuffer(blob, np.uint8)
-        raw = step._raw_stats
-        assert raw is not None
-        self._announce(step, raw[2], self._layout_bytes if self.graph_mode else 0, len(blob))
+        self._announce(step, copied_bytes(step), layout_bytes(self) if self.graph_mode else 0, len(blob))
         self._unpublished = None
         self.ring_stats.meta_bytes += len(blob)
 
-    def _announce(self, step: Step, nbytes: int, arena_bytes: int, meta_len: int) -> None:
+    def _announce(self, step: StepCore, nbytes: int, arena_bytes: int, meta_len: int) -> None:
         """Write slot words of ``step``, then (after a fence) its ``seq``."""
         ring = self._ring
-        base = _W_SLOT0 + 4 * step._slot.index
+        base = _W_SLOT0 + 4 * slot_of(step).index
         hdr = ring.header
         hdr[base + _NBYTES], hdr[base + _ARENA], hdr[base + _META] = nbytes, arena_bytes, meta_len
         _fence()
@@ -763,7 +769,7 @@ class RingReader:
         """Received steps that stay valid (see the parameter)."""
         self.ring = ring
         self.reader = reader
-        self.device = _device(device)
+        self.device = resolve_device(device)
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -978,7 +984,7 @@ class RingStep:
         self._expired_by = by
         owned, self._owned = self._owned, []
         for obj in owned:
-            _poison(obj, typing.cast(Step, self))
+            poison(obj, self)
 
     def _resolve(self) -> None:
         """Unmarshal the step's description and resolve its patches (at receive, in order)."""

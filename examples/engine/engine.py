@@ -38,9 +38,9 @@ import numpy as np
 import torch
 
 from attnmeta import BatchSpec, Stager, StaticProfile
+from attnmeta.backends.mamba import CheckpointConfig
 from attnmeta.backends.mamba.mamba2 import MAMBA2, Mamba2Metadata, Mamba2Options
 from attnmeta.compose import Array, ComposedStep, Group, StepBuilder
-from attnmeta.host.mamba import CheckpointConfig
 from attnmeta.metadata import CommonAttentionMetadata
 from attnmeta.staging import STAGEABLE_DTYPES
 from attnmeta.sync import allow_device_sync

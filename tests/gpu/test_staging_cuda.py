@@ -309,7 +309,7 @@ def test_no_driver_copy_while_another_device_is_current(monkeypatch: pytest.Monk
     """The driver call runs in the current device's context: with another device current the commit
     goes through torch (which switches devices itself)."""
     from attnmeta.staging import _driver
-    from attnmeta.staging import stager as stager_mod
+    from attnmeta.staging import _ring as stager_mod
 
     if _driver.load() is None:
         pytest.skip("libcuda could not be loaded, or ATTNMETA_DRIVER_COPY=0")

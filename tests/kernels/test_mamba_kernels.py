@@ -87,9 +87,9 @@ from triton_interpreter import INTERPRET, cuda_device_shim, first_config_only, i
 from triton_interpreter import conv1d_metadata as interpreter_conv1d_metadata
 
 from attnmeta import BatchSpec, Stager
+from attnmeta.backends.mamba import CheckpointConfig
 from attnmeta.backends.mamba.mamba2 import Mamba2Inputs, Mamba2Metadata, Mamba2Options
 from attnmeta.backends.mamba.mamba2 import build as build_mamba2
-from attnmeta.host.mamba import CheckpointConfig
 from examples.engine.vllm_mamba import FETCH, KERNELS, isolated_import, load_ops
 
 CPU_RUN = "TRITON_INTERPRET=1 python -m pytest tests/kernels -s"

@@ -42,6 +42,7 @@ from attnmeta.backends.mamba.linear_attn import (
 )
 from attnmeta.backends.mamba.mamba1 import Mamba1Metadata, Mamba1Options
 from attnmeta.backends.mamba.mamba2 import (
+    CheckpointConfig,
     Mamba2Inputs,
     Mamba2Metadata,
     Mamba2Options,
@@ -49,6 +50,7 @@ from attnmeta.backends.mamba.mamba2 import (
 )
 
 __all__ = [
+    "CheckpointConfig",
     "GDNInputs",
     "GDNMetadata",
     "GDNOptions",

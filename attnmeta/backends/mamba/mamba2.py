@@ -62,6 +62,7 @@ from attnmeta.staging import Staged, Step
 
 __all__ = [
     "MAMBA2",
+    "CheckpointConfig",
     "Mamba2Builder",
     "Mamba2Inputs",
     "Mamba2Metadata",
@@ -131,7 +132,7 @@ class MambaCheckpointMetadata(MetadataBase):
     position 4 (offset 2 into the query), from column ``cdiv(11, 4) - 2 = 1``:
 
     >>> from attnmeta import BatchSpec, Stager
-    >>> from attnmeta.host.mamba import CheckpointConfig
+    >>> from attnmeta.backends.mamba import CheckpointConfig
     >>> cfg = CheckpointConfig(hash_block_size=2, cache_hit_alignment_tokens=4, mamba_block_size=4,
     ...                        checkpoint_alignment=2, drop_eagle_block=True)
     >>> spec = BatchSpec(num_computed_tokens=[2], num_scheduled_tokens=[9], num_prompt_tokens=[20],

@@ -1,0 +1,579 @@
+"""Staging's ring: the slots in order, their fences, the one copy per step, and a step's lifetime.
+
+:class:`Ring` is :class:`~attnmeta.staging.Stager` less its public face: it begins steps on the slots
+in ring order, waits on a slot's fence only while the GPU is behind, commits a step as one
+non-blocking copy plus an event (through the driver when it can, :mod:`attnmeta.staging._driver`)
+and expires the step that a new one replaces. Its memory is :class:`~attnmeta.staging._arena.Arenas`.
+:class:`StepCore` is the state of a step that the ring reads.
+
+The internal interface
+----------------------
+The multi-device stager, the shared ring and the replica machinery (:mod:`attnmeta.staging.multi`,
+:mod:`~attnmeta.staging.shared`, :mod:`~attnmeta.staging._replica`) build on a stager's ring through
+the functions at the end of this module (a step's slot, its staged fields and bytes, the ring's slots
+and graph layout, ...) and override the hooks :meth:`Ring._commit`, :meth:`Ring._abandon` and those
+of :class:`~attnmeta.staging._arena.Arenas`; they read no private attribute of a step or a stager.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from attnmeta.profile import StaticProfile
+from attnmeta.staging import _driver
+from attnmeta.staging._arena import Arenas
+from attnmeta.staging._layout import (
+    ALIGN,
+    MAX_CACHED,
+    FieldLayout,
+    Slot,
+    StagerStats,
+    StepExpiredError,
+    StepStats,
+    align,
+    resolve_device,
+)
+from attnmeta.staging._lifetime import POISON_INFO, poison, poison_info
+
+__all__ = [
+    "Ring",
+    "StepCore",
+    "checks_lifetimes",
+    "copied_bytes",
+    "fencing",
+    "graph_layout",
+    "graph_live",
+    "has_open_step",
+    "layout_bytes",
+    "next_slot",
+    "ring_slots",
+    "slot_of",
+    "slot_owner",
+    "staged_fields",
+    "step_grew",
+    "used_bytes",
+]
+
+T = TypeVar("T")
+S = TypeVar("S", bound="StepCore")
+
+# this torch build lacks the private binding (then torch.cuda.current_stream is used every commit).
+_GET_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
+# Depths of torch's dispatch / function mode stacks: while either is non-empty (the sync audit), the
+# commit's copy goes through torch so the modes see it. Private bindings, guarded: without them every
+# commit goes through torch (a depth of 1 says "a mode may be active").
+_DISPATCH_DEPTH: Any = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+_FUNCTION_DEPTH: Any = getattr(torch._C, "_len_torch_function_stack", lambda: 1)
+_CURRENT_DEVICE: Any = getattr(torch._C, "_cuda_getDevice", lambda: -2)  # -2: never a stager's device index
+
+
+
+class Ring(Arenas):
+    """The ring of :class:`~attnmeta.staging.Stager` (see the module docstring); constructed through
+    it, with the parameters its docstring lists."""
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        *,
+        num_slots: int = 3,
+        profile: StaticProfile | None = None,
+        stream: Any = None,
+        initial_bytes: int = 1 << 20,
+        num_kv_blocks: int | None = None,
+        check_lifetimes: bool = True,
+        _unsafe_disable_fencing: bool = False,
+    ) -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int | np.integer):
+            raise TypeError(f"num_slots: expected an int, got {type(num_slots).__name__} {num_slots!r}")
+        if num_slots < 2:
+            raise ValueError(f"num_slots: must be >= 2 so a step can be built while the last copies, got {num_slots}")
+        if profile is not None and not isinstance(profile, StaticProfile):
+            raise TypeError(f"profile: expected a StaticProfile or None, got {type(profile).__name__}")
+        if isinstance(initial_bytes, bool) or not isinstance(initial_bytes, int | np.integer) or initial_bytes < 0:
+            raise ValueError(f"initial_bytes: expected an int >= 0, got {initial_bytes!r}")
+        if num_kv_blocks is not None and (isinstance(num_kv_blocks, bool)
+                                          or not isinstance(num_kv_blocks, int | np.integer) or num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks: expected an int >= 1 (the KV cache's blocks) or None, got {num_kv_blocks!r}")
+        self.device = resolve_device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.num_kv_blocks: int | None = None if num_kv_blocks is None else int(num_kv_blocks)
+        """Blocks in the KV cache the block tables index (checked by every step's common pass), or None."""
+        self._lifetimes = bool(check_lifetimes)
+        self._graph_live: weakref.ref[StepCore] | None = None  # graph mode: the step the device arena holds
+        self.num_slots = int(num_slots)
+        self.profile = profile
+        self.graph_mode = profile is not None
+        self._stream = stream
+        self._cuda = self.device.type == "cuda"
+        self._device_index = self.device.index if self._cuda else -1
+        self._stream_key: Any = None
+        self._stream_obj: Any = None
+        self._pin = self._cuda
+        self._slots = [Slot(i) for i in range(num_slots)]
+        self._next = 0
+        self._open: StepCore | None = None
+        self._frozen = False
+        self._fencing = not _unsafe_disable_fencing
+        self.stats = StagerStats()
+        # graph mode: one fixed layout and one device arena shared by every slot
+        self._layout: dict[str, FieldLayout] = {}
+        self._layout_bytes = 0
+        self._graph_arena: torch.Tensor | None = None
+        self._graph_typed: dict[np.dtype, torch.Tensor] = {}
+        self._graph_views: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._copy_end = 0  # graph mode: bytes a commit must copy (high-water mark of non-sentinel data)
+        self._full_copy_pending = True
+        self._stream_handle = 0
+        # CUDA commits go through the driver API when it is available (attnmeta.staging._driver);
+        # the pinned slots then outlive this stager until their last copies complete.
+        self._driver = _driver.load() if self._cuda else None
+        if self._driver is not None and _GET_CURRENT_STREAM is not None:
+            weakref.finalize(self, _driver.retire, self._slots).atexit = False  # at exit nothing is reused
+        else:
+            self._driver = None
+        for slot in self._slots:
+            self._alloc_slot(slot, max(align(initial_bytes), ALIGN))
+            if self._cuda:
+                slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+
+    # ------------------------------------------------------------------ fencing
+    def _stream_now(self) -> Any:
+        if not self._cuda:
+            return None
+        return self._stream if self._stream is not None else self._current_stream()
+
+    def _current_stream(self) -> Any:
+        """``torch.cuda.current_stream(device)``, cached while the current stream stays the same.
+
+        ``torch.cuda.current_stream`` builds a new Python ``Stream`` every call, which costs more host
+        time than the commit's copy launch; the C-level query of the current stream's id costs a
+        fraction of that, and the ``Stream`` object is rebuilt only when the id changes.
+        """
+        get = _GET_CURRENT_STREAM
+        if get is None:
+            return torch.cuda.current_stream(self.device)
+        key = get(self._device_index)
+        if key != self._stream_key:
+            self._stream_key = key
+            self._stream_obj = torch.cuda.current_stream(self.device)
+            self._stream_handle = self._stream_obj.cuda_stream
+        return self._stream_obj
+
+    def _wait_slot(self, slot: Slot) -> tuple[int, float]:
+        if not self._cuda or not self._fencing or slot.generation == 0:
+            return 0, 0.0
+        if slot.event.query():
+            return 0, 0.0
+        t0 = time.perf_counter()
+        slot.event.synchronize()  # the host waits for the GPU; counted, never silent
+        dt = time.perf_counter() - t0
+        self.stats.waits += 1
+        self.stats.wait_seconds += dt
+        return 1, dt
+
+
+    # ------------------------------------------------------------------ steps
+    def _begin(self, make: Callable[[Ring, Slot, int, float], S]) -> S:
+        """Begin a step on the next ring slot: claim the slot (its previous step expires), wait for its
+        last copy only if the GPU is behind, and return ``make(self, slot, waits, wait_seconds)``."""
+        if self._open is not None:
+            raise RuntimeError(self._busy(self._open))
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % self.num_slots
+        if _driver._RETIRED:
+            _driver.purge()
+        st = self.stats
+        st.steps_begun += 1
+        if slot.generation:
+            st.slot_reuses += 1
+        owner = slot.owner
+        prev = None if owner is None else owner()
+        if prev is not None and not prev._expired:
+            prev._expire(st.steps_begun)  # the new step claims the slot before it writes a byte
+        waits, wait_s = self._wait_slot(slot)
+        step = self._open = make(self, slot, waits, wait_s)
+        slot.owner = weakref.ref(step)
+        return step
+
+    def _busy(self, open_step: StepCore) -> str:
+        """The message of :meth:`step` while ``open_step`` is open."""
+        me, owner = threading.get_ident(), open_step._thread
+        if owner == me:
+            return (f"Stager.step(): step {open_step.number} has neither committed nor been abandoned; commit it "
+                    f"(or leave its `with` block) first")
+        names = {t.ident: t.name for t in threading.enumerate()}
+        return (f"Stager.step(): called from thread {names.get(me, me)!r} while step {open_step.number} of thread "
+                f"{names.get(owner, owner)!r} is open; a Stager is driven by one thread at a time (give each "
+                f"thread its own Stager, or hand it over between steps)")
+
+    def _commit(self, step: StepCore) -> None:
+        """The step's one copy (only the bytes it staged; graph mode: sentinels refilled first) and its
+        fence; the step it replaces in graph mode's arena expires."""
+        slot = step._slot
+        assert slot.host is not None and slot.host_np is not None
+        if step._grew:
+            # Migrations: a field allocated before its slot grew was written through a view of the old bytes.
+            for name, f in step._fields.items():
+                buf = step._bufs.get(name, step._base)
+                if buf is not slot.host_np:
+                    assert buf is not None
+                    lo, hi = f.offset, f.offset + f.rows * f.row_bytes
+                    slot.host_np[lo:hi] = buf[lo:hi]
+        if self.graph_mode:
+            fields, dirty_rows, end = step._fields, slot.dirty_rows, self._copy_end
+            for name, f in self._layout.items():
+                staged = fields.get(name)
+                rows = staged.rows if staged is not None else 0
+                if dirty_rows.get(name, 0) > rows:  # rows this slot staged before: back to the sentinel
+                    self._fill_rows(slot, f, rows, dirty_rows[name])
+                dirty_rows[name] = rows
+                e = f.offset + rows * f.row_bytes
+                if e > end:
+                    end = e
+            self._copy_end = end
+            nbytes = self._layout_bytes if self._full_copy_pending else end
+            self._full_copy_pending = False
+            dst = self._graph_arena
+        else:
+            nbytes = step._used
+            dst = slot.device_arena
+        assert dst is not None
+        copies = 0
+        if nbytes:
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    dst[:nbytes].copy_(slot.host[:nbytes], non_blocking=True)
+                    slot.event.record(self._stream)
+            else:
+                # Eager mode copies whole 4 KiB pages (never past the slot): the (device, host) slice
+                # pair of each length is cached, and rounding keeps that cache small.
+                size = nbytes if self.graph_mode else min((nbytes + 4095) & ~4095, slot.host_np.shape[0])
+                if self._driver is None or not self._driver_copy(slot, size):
+                    pair = slot.copy_pairs.get(size)
+                    if pair is None:
+                        pair = (dst[:size], slot.host[:size])
+                        if len(slot.copy_pairs) >= MAX_CACHED:
+                            slot.copy_pairs.clear()
+                        slot.copy_pairs[size] = pair
+                    pair[0].copy_(pair[1], non_blocking=True)
+                    if self._cuda:
+                        slot.event.record(self._current_stream())
+            copies = 1
+        slot.generation += 1
+        step._generation = slot.generation
+        if self.graph_mode:  # the arena now holds this step's data: the step it held before expires
+            live = self._graph_live
+            prev = None if live is None else live()
+            if prev is not None and not prev._expired:
+                prev._expire(-step._number)
+            self._graph_live = weakref.ref(step)
+        self._open = None
+        step._raw_stats = (slot.index, copies, nbytes)  # StepStats is built on demand (Step.stats)
+        s = self.stats
+        s.steps += 1
+        s.copies += copies
+        s.bytes += nbytes
+
+    def _driver_copy(self, slot: Slot, size: int) -> bool:
+        """CUDA commit through the driver: the copy on the current stream (into the slot's arena, or in
+        graph mode the one arena), then the slot's fence.
+
+        Returns False (nothing enqueued, the caller uses torch) while a torch dispatch or function
+        mode is active (the sync audit must see the copy), while another CUDA device is current (the
+        driver call would run in that device's context), before the slot's event exists (torch
+        creates it on its first record) or when the driver reports any error for the copy.
+        """
+        ev = slot.event.cuda_event
+        if not ev or _DISPATCH_DEPTH() or _FUNCTION_DEPTH() or _CURRENT_DEVICE() != self._device_index:
+            return False  # (the driver call runs in the current device's context)
+        self._current_stream()  # refreshes _stream_handle if the current stream changed
+        drv = self._driver
+        assert drv is not None
+        handle = self._stream_handle
+        if drv.copy(slot.ptrs[0], slot.ptrs[1], size, handle):
+            return False
+        if drv.record(ev, handle):
+            slot.event.record(self._stream_obj)  # the copy is enqueued; fence it the torch way
+        return True
+
+    def _abandon(self, step: StepCore) -> None:
+        """Close ``step`` without a copy. It claimed its slot when it began (the slot's previous step
+        expired then) and may have written any of its fields' bytes: what builders know of the bytes
+        the slot holds (its extras, the recorded layouts of :meth:`Step.layout`) is dropped, and in
+        graph mode the rows it may have written are refilled with their sentinels at the slot's next
+        commit."""
+        self._open = None
+        slot = step._slot
+        slot.extras = {}
+        slot.version += 1
+        if self.graph_mode:
+            dirty = slot.dirty_rows
+            for name, f in step._fields.items():
+                if f.rows > dirty.get(name, 0):
+                    dirty[name] = f.rows
+
+    def __repr__(self) -> str:
+        mode = "graph" if self.graph_mode else "eager"
+        return (f"Stager(device={self.device}, mode={mode}, num_slots={self.num_slots}, "
+                f"steps={self.stats.steps}, waits={self.stats.waits})")
+
+
+class StepCore:
+    """A step's state and lifetime: the part of :class:`~attnmeta.staging.Step` the ring reads when it
+    commits, abandons or expires a step (the step API is :class:`~attnmeta.staging.Step`)."""
+
+    __slots__ = (
+        "__weakref__",
+        "_base",
+        "_bufs",
+        "_committed",
+        "_expired",
+        "_expired_by",
+        "_fields",
+        "_flat",
+        "_generation",
+        "_grew",
+        "_lifetimes",
+        "_number",
+        "_owned",
+        "_raw_stats",
+        "_shared",
+        "_slot",
+        "_stager",
+        "_stats",
+        "_thread",
+        "_used",
+        "_wait_s",
+        "_waits",
+        "host_fields",
+        "profile",
+    )
+
+    def __init__(self, stager: Ring, slot: Slot, waits: int, wait_s: float) -> None:
+        self._stager = stager
+        self.profile: StaticProfile | None = stager.profile
+        """The stager's profile in graph mode, else ``None``."""
+        self._slot = slot
+        self._fields: dict[str, FieldLayout] = {}
+        self._used = 0
+        self._waits = waits
+        self._wait_s = wait_s
+        self._grew = False
+        self._committed = False
+        self._generation = -1
+        self._stats: StepStats | None = None
+        self._raw_stats: tuple[int, int, int] | None = None
+        self._bufs: dict[str, np.ndarray | None] = {}  # field -> host bytes its view was carved from
+        self._base = slot.host_np  # ... or these, for fields restaged (restage())
+        self._shared = False  # _fields is a recorded layout's dict: copy it before adding a field
+        self.host_fields: dict[str, Any] = {}
+        """Host-only values recorded with :meth:`host_only` (never staged to the device)."""
+        self._number = stager.stats.steps_begun  # this step's number: the count of steps begun, itself included
+        self._thread = threading.get_ident()
+        self._expired = False
+        self._expired_by = 0  # the step whose beginning (or, graph mode, commit) expired this one
+        self._owned: list[Any] = []  # objects whose fields view this step's memory (own())
+        self._flat: list[Any] = []  # ... whose parts are owned too (own_all())
+        self._lifetimes = stager._lifetimes
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def number(self) -> int:
+        """This step's number: ``stats.steps_begun`` of its stager once it began (the first step is 1)."""
+        return self._number
+
+    @property
+    def expired(self) -> bool:
+        """Whether a newer step has claimed this step's memory (:meth:`Stager.step`, "Lifetimes")."""
+        return self._expired
+
+    def expiry(self) -> str:
+        """Why this step has expired (the text of its :class:`StepExpiredError`), or ``""`` if it has not."""
+        if not self._expired:
+            return ""
+        st = self._stager
+        if self._expired_by < 0:
+            return (f"step {self._number} (graph mode, ring slot {self._slot.index}) has expired: step "
+                    f"{-self._expired_by} committed into the shared device arena after it; a graph-mode step's "
+                    f"metadata is valid until the next step commits")
+        return (f"step {self._number} (ring slot {self._slot.index} of {st.num_slots}) has expired: step "
+                f"{self._expired_by} began on that slot and reuses its memory; a step's metadata is valid until "
+                f"the step {st.num_slots} steps later begins (Stager(num_slots=...) sets the ring's size)")
+
+    def own(self, obj: T) -> T:
+        """Tie ``obj`` (a metadata object whose fields view this step's memory) to this step's lifetime:
+        once a newer step claims the memory, reading any attribute of ``obj`` raises
+        :class:`StepExpiredError`, and so does reading any metadata object held in one of its fields.
+        Returns ``obj``.
+
+        Builders call it for every object they hand out (:meth:`Staged.result
+        <attnmeta.staging.Staged.result>` does it for theirs). ``obj``'s class must accept a
+        ``__class__`` change to a subclass without slots of its own (any ordinary class does, slotted
+        dataclasses included) and have a ``_lease`` slot or a ``__dict__``
+        (:class:`attnmeta._fields.MetadataBase` has the slot). With ``Stager(check_lifetimes=False)``
+        it only returns ``obj``.
+
+        Raises
+        ------
+        StepExpiredError
+            The step has expired already.
+        """
+        if self._expired:
+            raise StepExpiredError(f"own(): {self.expiry()}")
+        if self._lifetimes:
+            object.__setattr__(obj, "_lease", self)
+            self._owned.append(obj)
+        return obj
+
+    def own_all(self, objs: list[Any]) -> None:
+        """:meth:`own` for each object of ``objs``, in one call, where every metadata object held in one
+        of their fields is among them (a step composer hands out the common metadata, the page table
+        and the builders' metadata that hold them): at expiry each becomes its expired twin with one
+        class change, with no walk over its fields.
+
+        Raises
+        ------
+        StepExpiredError
+            The step has expired already.
+        """
+        if self._expired:
+            raise StepExpiredError(f"own(): {self.expiry()}")
+        if self._lifetimes:
+            for obj in objs:
+                object.__setattr__(obj, "_lease", self)
+            self._flat.extend(objs)
+
+    def _expire(self, by: int) -> None:
+        """Mark the step expired by step ``by`` (negative: a graph-mode commit) and poison what it owns."""
+        self._expired = True
+        self._expired_by = by
+        owned, self._owned = self._owned, []
+        known, swap = POISON_INFO, object.__setattr__
+        for obj in owned:  # (each one's _lease is this step: own() set it)
+            info = known.get(type(obj))
+            if info is not None and not info[1]:  # the usual object: no metadata parts, one class swap
+                swap(obj, "__class__", info[0])
+            else:
+                poison(obj, self)
+        flat, self._flat = self._flat, []
+        for obj in flat:  # (own_all: their parts are among them)
+            info = known.get(type(obj))
+            if info is None:
+                info = poison_info(type(obj))
+            if info is not None:
+                swap(obj, "__class__", info[0])
+
+    @property
+    def stager(self) -> Ring:
+        """The :class:`Stager` this step belongs to."""
+        return self._stager
+
+    @property
+    def slot_extras(self) -> dict[Any, Any]:
+        """State a builder keeps with this step's ring slot, across the slot's uses (what it knows
+        about bytes it left in the slot, buffers whose lifetime is the slot's). The stager never
+        reads it, and empties it whenever it reallocates the slot's memory. Slots are used in ring
+        order: the step begun at ``stats.steps_begun - num_slots`` was this slot's previous use."""
+        return self._slot.extras
+
+    @property
+    def device_type(self) -> str:
+        """``"cuda"``, ``"cpu"`` or ``"meta"``."""
+        return self._stager.device.type
+
+    @property
+    def committed(self) -> bool:
+        """Whether the step has committed (:meth:`Step.commit <attnmeta.staging.Step.commit>`; not when abandoned)."""
+        return self._committed and self._generation >= 0
+
+    def _view(self, f: FieldLayout, rows: int) -> torch.Tensor:
+        """A device view of ``rows`` rows of ``f`` in this step's arena (cached; see Arenas._device_view)."""
+        return self._stager._device_view(self._slot, f, rows)
+
+
+# ---------------------------------------------------------------------------- the internal interface
+def slot_of(step: StepCore) -> Slot:
+    """The ring slot ``step`` began on."""
+    return step._slot
+
+
+def staged_fields(step: StepCore) -> dict[str, FieldLayout]:
+    """The fields ``step`` has staged, by name, in the order it reserved them (do not modify)."""
+    return step._fields
+
+
+def used_bytes(step: StepCore) -> int:
+    """Eager mode: the bytes of ``step``'s slot its fields reach (what its copy carries)."""
+    return step._used
+
+
+def step_grew(step: StepCore) -> bool:
+    """Whether ``step`` grew its slot or (graph mode) the layout: memory that cached views name moved."""
+    return step._grew
+
+
+def copied_bytes(step: StepCore) -> int:
+    """The bytes ``step``'s commit copied (0 for an empty step); ``step`` has committed."""
+    raw = step._raw_stats
+    if raw is None:
+        raise RuntimeError(f"step {step.number} has not committed")
+    return raw[2]
+
+
+def ring_slots(stager: Ring) -> list[Slot]:
+    """The ring's slots, in ring order (do not modify the list)."""
+    return stager._slots
+
+
+def slot_owner(stager: Ring, index: int) -> StepCore | None:
+    """The step that began on slot ``index`` last (None before the first, or if it is gone)."""
+    ref = stager._slots[index].owner
+    step = None if ref is None else ref()
+    assert step is None or isinstance(step, StepCore)
+    return step
+
+
+def next_slot(stager: Ring) -> int:
+    """The index of the slot the next step begins on."""
+    return stager._next
+
+
+def has_open_step(stager: Ring) -> bool:
+    """Whether a step of ``stager`` has begun and neither committed nor been abandoned."""
+    return stager._open is not None
+
+
+def fencing(stager: Ring) -> bool:
+    """Whether a step waits for its slot's last copy (off only in the race tests' control)."""
+    return stager._fencing
+
+
+def checks_lifetimes(stager: Ring) -> bool:
+    """Whether ``stager``'s steps expire the metadata they own (``check_lifetimes``)."""
+    return stager._lifetimes
+
+
+def graph_layout(stager: Ring) -> dict[str, FieldLayout]:
+    """Graph mode: every field of the fixed layout, by name (the stager's own dict: do not modify)."""
+    return stager._layout
+
+
+def layout_bytes(stager: Ring) -> int:
+    """Graph mode: the bytes of the fixed layout (the one arena's size)."""
+    return stager._layout_bytes
+
+
+def graph_live(stager: Ring) -> StepCore | None:
+    """Graph mode: the step whose data the one arena holds (None before the first commit, or if it is gone)."""
+    ref = stager._graph_live
+    return None if ref is None else ref()
