@@ -18,6 +18,7 @@ contributor guide (adding a builder) and the field semantics.
 
 from typing import TYPE_CHECKING, Any
 
+import attnmeta._announce
 import attnmeta.backends  # noqa: F401  (registers the built-in builders)
 from attnmeta.builder import (
     Builder,

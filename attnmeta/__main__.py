@@ -77,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          "the sync audit and print, per builder, the syncs, pageable copies and "
                                          "device-to-host races found (all zero when clean).")
     p_audit.add_argument("--device", default=None, help="cuda, cpu or meta (default: cuda if present, else meta)")
-    p_audit.add_argument("--batches", type=int, default=50, help="generated batches per builder (default 50)")
+    p_audit.add_argument("--batches", type=int, default=50,
+                         help="generated batches of each kind per builder (default 50)")
     p_warm = sub.add_parser(
         "warmup", help="compile (or load from numba's cache) every kernel an engine will hit",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -99,9 +100,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         err = _device_error(args.device, ("cuda", "cpu", "meta"))
         if err:
             p_demo.error(err)
-        from attnmeta.bench.demo import run_demo
+        from attnmeta._numba import compile_progress
+        from attnmeta.bench.demo import demo_lines
 
-        print(run_demo(args.device or _default_device(), limit=args.limit))
+        lines = demo_lines(args.device or _default_device(), limit=args.limit)
+        print(next(lines), flush=True)  # the title, before anything is built (or compiled)
+        with compile_progress(sys.stderr):
+            rest = list(lines)
+        print("\n".join(rest), flush=True)
         return 0
     if args.cmd == "bench":
         from attnmeta.bench.cli import argument_error, run_from_args
@@ -114,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         err = _device_error(args.device, ("cuda", "cpu", "meta"))
         if err:
             p_audit.error(err)
+        if args.batches < 1:
+            p_audit.error(f"--batches: expected an int >= 1 (generated batches of each kind per builder), got "
+                          f"{args.batches}")
         from attnmeta.bench.audit import run_audit_cli
 
         return int(run_audit_cli(device=args.device, batches=args.batches))

@@ -30,13 +30,15 @@ import importlib
 import os
 import stat
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 import numba
 
-__all__ = ["CacheInfo", "cache_info", "fallback_dir", "kernels", "njit", "njit_parallel", "pool_threads"]
+__all__ = ["CacheInfo", "cache_info", "compile_progress", "fallback_dir", "kernels", "njit", "njit_parallel",
+           "pool_threads"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -218,3 +220,43 @@ def pool_threads(n: int) -> int:
             torch.set_num_threads(torch_threads)
         _POOL_STARTED = True
     return was
+
+
+COMPILE_NOTE = "compiling kernels (first run only; `python -m attnmeta warmup` compiles them ahead)"
+"""The line :func:`compile_progress` starts with."""
+
+
+@contextlib.contextmanager
+def compile_progress(stream: Any, *, note: str = COMPILE_NOTE) -> Iterator[None]:
+    """While the block runs, report numba compiling attnmeta's kernels (a cache miss: loading from the
+    on-disk cache is not reported) on ``stream``, a text stream: ``note`` at the first compile, a dot
+    per kernel specialization compiled, and at the end of the block how many and how long. Nothing
+    is written when every kernel is in memory or in the cache already, so a warm run stays quiet.
+
+    A first run spends most of its time here (tens of seconds on a small machine); without a word it
+    looks hung.
+    """
+    from numba.core import event
+
+    state = {"n": 0, "t0": 0.0, "depth": 0}
+    clock = time.perf_counter
+
+    class _Progress(event.Listener):  # type: ignore[misc]
+        def on_start(self, ev: Any) -> None:
+            if state["n"] == 0 and state["depth"] == 0:
+                state["t0"] = clock()
+                stream.write(note + " ")
+                stream.flush()
+            state["depth"] += 1
+
+        def on_end(self, ev: Any) -> None:
+            state["depth"] -= 1
+            state["n"] += 1
+            stream.write(".")
+            stream.flush()
+
+    with event.install_listener("numba:compile", _Progress()):
+        yield
+    if state["n"]:
+        stream.write(f" {state['n']} compiled in {clock() - state['t0']:.1f} s\n")
+        stream.flush()

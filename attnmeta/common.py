@@ -446,14 +446,34 @@ def stage_common(
     Raises
     ------
     TypeError
-        ``spec`` is not a BatchSpec or ``step`` not a Step.
+        ``spec`` is not a BatchSpec or ``step`` not a Step; ``causal``, ``token_arrays`` or ``paged_kv``
+        not a bool, ``prefix`` not a str, ``block_table_columns`` neither an int nor None.
     attnmeta.staging.CapacityError
         A row needs more blocks than the staged columns; graph mode: the batch exceeds a profile
         capacity.
     ValueError
-        Graph mode: the spec's block size is not the profile's; a used block id is negative or past
-        the stager's ``num_kv_blocks`` (named by row and column); the step's pages overflow int32.
+        ``prefix`` empty or holding a ``.`` (field names are ``<prefix>.<field>``);
+        ``block_table_columns`` below 1. Graph mode: the spec's block size is not the profile's; a used
+        block id is negative or past the stager's ``num_kv_blocks`` (named by row and column); the step's
+        pages overflow int32.
     """
+    if type(prefix) is not str or not prefix or "." in prefix:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix: expected a str, got {type(prefix).__name__} {prefix!r:.60}")
+        raise ValueError(f"prefix: must be a non-empty name without '.' (fields are named '<prefix>.<field>'), "
+                         f"got {prefix!r}")
+    if type(causal) is not bool or type(token_arrays) is not bool or type(paged_kv) is not bool:
+        for name, flag in (("causal", causal), ("token_arrays", token_arrays), ("paged_kv", paged_kv)):
+            if not isinstance(flag, bool | np.bool_):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r:.60}")
+        causal, token_arrays, paged_kv = bool(causal), bool(token_arrays), bool(paged_kv)
+    if block_table_columns is not None and (isinstance(block_table_columns, bool)
+                                            or not isinstance(block_table_columns, int | np.integer)
+                                            or block_table_columns < 1):
+        if isinstance(block_table_columns, bool) or not isinstance(block_table_columns, int | np.integer):
+            raise TypeError(f"block_table_columns: expected an int or None, got "
+                            f"{type(block_table_columns).__name__} {block_table_columns!r:.60}")
+        raise ValueError(f"block_table_columns: must be >= 1, got {block_table_columns}")
     return _stage_common(spec, step, prefix, causal, block_table_columns, token_arrays, paged_kv)[0]
 
 
@@ -611,7 +631,16 @@ def build_common(spec: BatchSpec, stager: Stager, **kwargs: Any) -> CommonAttent
     >>> spec = BatchSpec(num_computed_tokens=[3], num_scheduled_tokens=[2], block_table=[[7, 8]], block_size=4)
     >>> build_common(spec, Stager("cpu")).slot_mapping_cpu.tolist()
     [31, 32]
+
+    Raises
+    ------
+    TypeError
+        ``stager`` is not a :class:`~attnmeta.staging.Stager`; and as :func:`stage_common`.
     """
+    if not isinstance(stager, Stager):
+        text = repr(stager)
+        raise TypeError(f"stager: expected an attnmeta.Stager (e.g. Stager('cpu'), created once and kept), got "
+                        f"{type(stager).__name__} {text if len(text) <= 60 else text[:57] + '...'}")
     with stager.step() as step:
         staged = stage_common(spec, step, **kwargs)
     return staged.result()

@@ -195,6 +195,8 @@ class _Group:
             raise TypeError(f"groups: expected attnmeta.compose.Group objects, got {type(g).__name__}")
         if isinstance(g.table_column_step, bool) or not isinstance(g.table_column_step, int) or g.table_column_step < 1:
             raise ValueError(f"Group.table_column_step: expected an int >= 1, got {g.table_column_step!r}")
+        if not isinstance(g.prefix, str) or not g.prefix or "." in g.prefix:
+            raise ValueError(f"Group.prefix: must be a non-empty name without '.', got {g.prefix!r}")
         self.prefix, self.causal, self.column_step = g.prefix, bool(g.causal), g.table_column_step
         self.builders: list[tuple[str, AnyBuilder, Any]] = []
         for name, entry in g.builders.items():

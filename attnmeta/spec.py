@@ -29,7 +29,13 @@ from attnmeta._checks import INT32_MAX, as_host_array
 from attnmeta._intdiv import cdiv_by, pow2_shift
 from attnmeta._numba import njit
 
-__all__ = ["BatchSpec", "ContextParallel"]
+__all__ = ["MAX_PADDED_REQS", "MAX_PADDED_TOKENS", "BatchSpec", "ContextParallel"]
+
+MAX_PADDED_REQS = 1 << 20
+"""The most request rows a step may be padded to (``num_reqs_padded``): far past any CUDA-graph batch
+size, and a bound that names itself instead of an allocator error."""
+MAX_PADDED_TOKENS = 1 << 24
+"""The most tokens a step may be padded to (``num_tokens_padded``), for the same reason."""
 
 
 class ContextParallel(NamedTuple):
@@ -267,7 +273,8 @@ class BatchSpec:
         Optimistic sequence lengths under async spec decode (every draft accepted); ``>= c + q``.
         Defaults to the exact ``c + q``.
     num_reqs_padded, num_tokens_padded : int, optional
-        CUDA-graph padding: request rows and tokens after padding (``>= num_reqs`` / ``>= num_tokens``).
+        CUDA-graph padding: request rows and tokens after padding (``>= num_reqs`` / ``>= num_tokens``;
+        at most :data:`MAX_PADDED_REQS` / :data:`MAX_PADDED_TOKENS`).
     context_parallel : ContextParallel, optional
         DCP/PCP layout for the slot mapping; ``None`` means no context parallelism.
 
@@ -289,7 +296,7 @@ class BatchSpec:
         int (a bool is not).
     ValueError
         Negative counts, length mismatches, a block table too narrow for ``c + q``, padding smaller
-        than the real batch, totals that overflow int32. (The block ids themselves are checked when
+        than the real batch or past its bound, totals that overflow int32. (The block ids themselves are checked when
         a step is built: see "What the spec keeps".)
 
     Examples
@@ -395,15 +402,17 @@ class BatchSpec:
             for name, v in (("num_reqs_padded", rp), ("num_tokens_padded", num_tokens_padded)):
                 if v is not None and (isinstance(v, _BOOL_TYPES) or not isinstance(v, _INT_TYPES)):
                     raise TypeError(f"{name}: expected an int or None, got {type(v).__name__} {v!r}")
-        if rp is not None and not n <= rp <= INT32_MAX:
+        if rp is not None and not n <= rp <= MAX_PADDED_REQS:
             raise ValueError(f"num_reqs_padded: {rp!r} < num_reqs={n}; padding can only add rows" if rp < n
-                             else f"num_reqs_padded: {rp} overflows int32")
+                             else f"num_reqs_padded: {rp} is more than attnmeta.spec.MAX_PADDED_REQS="
+                                  f"{MAX_PADDED_REQS} rows a step (for a batch of {n} requests)")
         tp = num_tokens_padded
         if tp is not None:
             if not isinstance(tp, _INT_TYPES) or tp < total:
                 raise ValueError(f"num_tokens_padded: {tp!r} < num_tokens={total}; padding can only add tokens")
-            if tp > INT32_MAX:
-                raise ValueError(f"num_tokens_padded: {tp} overflows int32")
+            if tp > MAX_PADDED_TOKENS:
+                raise ValueError(f"num_tokens_padded: {tp} is more than attnmeta.spec.MAX_PADDED_TOKENS="
+                                 f"{MAX_PADDED_TOKENS} tokens a step (for a batch of {total} tokens)")
         # Every field is set once, here. A frozen dataclass refuses `self.x = v`, and one
         # object.__setattr__ call a field is a sizeable part of a small step's construction, so `self`
         # becomes a _FillableBatchSpec (same slots, same memory layout, no frozen __setattr__) for

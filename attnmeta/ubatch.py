@@ -9,7 +9,7 @@ attention metadata. This module does both halves the attnmeta way:
 - :func:`ubatch_specs` and :func:`stage_ubatches`: each micro-batch described as a
   :class:`~attnmeta.spec.BatchSpec` of its own (the rows of its requests, a split request's first
   part and continuation following vLLM's ``split_attn_metadata`` rules) and staged through
-  :func:`attnmeta.stage_common` under its own prefix (``common.ub0``, ``common.ub1``, ...), so that
+  :func:`attnmeta.stage_common` under its own prefix (``common_ub0``, ``common_ub1``, ...), so that
   every micro-batch moves in the step's ONE copy. vLLM instead slices the parent's device tensors
   and subtracts on the device, per micro-batch.
 
@@ -355,7 +355,7 @@ def stage_ubatches(
     """Derive one common metadata per micro-batch of ``spec`` on the host, all staged in ``step``.
 
     Micro-batch ``k`` is :func:`ubatch_specs`' ``k``-th spec staged by :func:`attnmeta.stage_common`
-    under ``f"{prefix}.ub{k}"``: no device arithmetic, and every micro-batch moves in the step's one
+    under ``f"{prefix}_ub{k}"``: no device arithmetic, and every micro-batch moves in the step's one
     copy. Each result is a :class:`StagedCommon` any registered builder stages on (in the same step).
 
     Fields: ``query_start_loc``, ``seq_lens``, ``block_table_tensor``, ``slot_mapping``,
@@ -377,7 +377,7 @@ def stage_ubatches(
     slices : sequence of UBatchSlice
         The micro-batches (:func:`ubatch_slices`).
     prefix : str, default "common"
-        Micro-batch ``k``'s fields are staged under ``f"{prefix}.ub{k}"``.
+        Micro-batch ``k``'s fields are staged under ``f"{prefix}_ub{k}"``.
     causal : bool, default True
         Stored as ``causal`` in each.
     block_table_columns : int, optional
@@ -425,7 +425,7 @@ def stage_ubatches(
     parent_max_seq, parent_max_q = spec.max_seq_len, spec.max_query_len
     out = []
     for k, sub in enumerate(specs):
-        staged = stage_common(sub, step, prefix=f"{prefix}.ub{k}", causal=causal,
+        staged = stage_common(sub, step, prefix=f"{prefix}_ub{k}", causal=causal,
                               block_table_columns=block_table_columns, token_arrays=token_arrays, paged_kv=paged_kv)
         max_q = sub.max_query_len or parent_max_q
         host = dataclasses.replace(staged.host, max_seq_len=parent_max_seq, max_query_len=max_q)

@@ -147,7 +147,7 @@ timeout 60 $PY -m pytest -p attnmeta.testing.pytest_plugin --attnmeta-sync-audit
 fi
 if want audit; then
 echo "== audit" | tee "$OUT_DIR/audit.txt"
-timeout 40 $PY -m attnmeta audit --device cuda --batches 10 2>&1 | tee -a "$OUT_DIR/audit.txt" || status=1
+timeout 300 $PY -m attnmeta audit --device cuda --batches 10 2>&1 | tee -a "$OUT_DIR/audit.txt" || status=1
 fi
 if want kernels; then
 echo "== kernels: MLA (FlashInfer, varlen_attn) and GDN (fla) kernels fed by attnmeta metadata" | tee "$OUT_DIR/kernels.log"

@@ -15,7 +15,7 @@ The per-step inputs (:class:`MMPrefixInputs`, host only, a CSR over the real req
   spans are ``indptr[i]:indptr[i + 1]``.
 - ``mm_span_starts`` / ``mm_span_lengths``: ``(num_spans,)`` int; each placeholder's ``offset >= 0``
   and ``length >= 1`` (vLLM's ``PlaceholderRange``), image and video features only, in the order of
-  the request's features.
+  the request's features; no two spans of a request overlap.
 - ``mm_is_embed``: ``(sum(mm_span_lengths),)`` bool, optional: every span's ``is_embed`` mask, the
   spans concatenated (all True for a span without one; None: all True).
 
@@ -317,6 +317,17 @@ def _check_spans(mm_span_indptr: Any, mm_span_starts: Any, mm_span_lengths: Any,
             j = int(np.argmax(ends > _I32_MAX))
             raise ValueError(f"mm_span_starts[{j}] + mm_span_lengths[{j}] = {int(ends[j])} does not fit int32 "
                              f"({_span_where(indptr, j)})")
+        if n > 1:  # a request's placeholders are distinct prompt tokens: no two of its spans overlap
+            req = np.repeat(np.arange(num_reqs), np.diff(indptr))
+            order = np.lexsort((starts, req))
+            s, e, r = starts[order], ends[order], req[order]
+            bad = (r[1:] == r[:-1]) & (s[1:] < e[:-1])
+            if bad.any():
+                k = int(np.argmax(bad))
+                i, j = sorted((int(order[k]), int(order[k + 1])))
+                raise ValueError(f"mm_span_starts: spans {i} [{int(starts[i])}, {int(ends[i])}) and {j} "
+                                 f"[{int(starts[j])}, {int(ends[j])}) of request {int(r[k])} overlap (a request's "
+                                 f"placeholders are distinct prompt tokens)")
     embed = None
     if mm_is_embed is not None:
         total = int(lengths.sum(dtype=np.int64))

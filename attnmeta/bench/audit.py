@@ -57,16 +57,33 @@ def register_builtin_targets() -> list[str]:
 
 
 def run_audit_cli(*, device: str | None, batches: int) -> int:
-    """``python -m attnmeta audit``: run every builder under the audit and print the table.
+    """``python -m attnmeta audit``: run every builder under the audit and print the table, a row as
+    each builder finishes (with numba's compile progress on standard error before a builder whose
+    kernels a first run compiles).
 
     Returns 0 when every builder is clean, 1 otherwise.
     """
-    from attnmeta.sync import format_audit_table, run_audit
+    import sys
+
+    from attnmeta._numba import COMPILE_NOTE, compile_progress
+    from attnmeta.sync import AuditTable, run_audit
 
     names = register_builtin_targets()
-    devs = [device] if device else None
-    rows = run_audit(devices=devs, batches=batches, targets=names)
-    print(f"attnmeta sync audit: {len(names)} builders x {batches} seeds x {len(KINDS)} batch kinds "
-          f"({', '.join(KINDS)})")
-    print(format_audit_table(rows))
+    devs = [str(torch.device(device or ("cuda" if torch.cuda.is_available() else "meta")))]
+    print(f"attnmeta sync audit: {len(names)} builders x {batches} batches of each kind ({', '.join(KINDS)}), "
+          f"on {', '.join(devs)}", flush=True)
+    table = AuditTable(names, devs, [[batches * len(KINDS)] * 5])
+    print(table.header(), flush=True)
+    rows = []
+    note = COMPILE_NOTE
+    for name in names:
+        with compile_progress(sys.stderr, note=note):
+            found = run_audit(devices=devs, batches=batches, targets=[name])
+        note = "compiling kernels"
+        for r in found:
+            print(table.row(r), flush=True)
+        rows += found
+    problems = table.problems(rows)
+    if problems:
+        print("\n" + problems)
     return 0 if all(r.clean for r in rows) else 1

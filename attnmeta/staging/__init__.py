@@ -15,6 +15,7 @@ from attnmeta.staging.stager import (
     StepLayout,
     StepNotCommittedError,
     StepStats,
+    UncheckedBlockIdsWarning,
     bucket_rows,
     is_expired,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "StepLayout",
     "StepNotCommittedError",
     "StepStats",
+    "UncheckedBlockIdsWarning",
     "bucket_rows",
     "is_expired",
     "pad_out",

@@ -38,6 +38,7 @@ class Arenas:
 
     device: torch.device
     graph_mode: bool
+    max_step_bytes: int
     stats: StagerStats
     _cuda: bool
     _pin: bool
@@ -83,7 +84,7 @@ class Arenas:
         the step copies them over (:meth:`Step.commit`, "migrations") just before its one H2D copy.
         """
         assert slot.host_np is not None
-        new_size = align(max(need, 2 * slot.host_np.shape[0]))
+        new_size = align(max(need, min(2 * slot.host_np.shape[0], self.max_step_bytes)))
         old_host = slot.host_np
         logger.info("attnmeta.staging: growing slot %d to %d bytes (outside steady state)", slot.index, new_size)
         slot.host, slot.host_np = self._alloc_host(new_size)
@@ -110,6 +111,12 @@ class Arenas:
                 f"kind) before freezing the layout for CUDA-graph capture"
             )
         f = FieldLayout(name, align(self._layout_bytes), dtype, row_shape, capacity, capacity, fill)
+        if f.offset + f.nbytes > self.max_step_bytes:
+            raise CapacityError(
+                f"{name}: the graph layout would take {f.offset + f.nbytes} bytes ({capacity} rows of {f.row_bytes} "
+                f"bytes for this field), more than Stager(max_step_bytes={self.max_step_bytes}); lower the "
+                f"StaticProfile capacity that sizes it, or raise max_step_bytes"
+            )
         self._layout[name] = f
         self._layout_bytes = f.offset + align(f.nbytes)
         logger.info("attnmeta.staging: graph layout adds %s (%s x %s %s), %d bytes total",

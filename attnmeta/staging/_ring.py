@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -43,8 +44,11 @@ from attnmeta.staging._layout import (
 from attnmeta.staging._lifetime import POISON_INFO, poison, poison_info
 
 __all__ = [
+    "DEFAULT_MAX_STEP_BYTES",
+    "MAX_SLOTS",
     "Ring",
     "StepCore",
+    "UncheckedBlockIdsWarning",
     "checks_lifetimes",
     "copied_bytes",
     "fencing",
@@ -63,6 +67,29 @@ __all__ = [
 
 T = TypeVar("T")
 S = TypeVar("S", bound="StepCore")
+
+DEFAULT_MAX_STEP_BYTES = 1 << 30
+"""``Stager(max_step_bytes=...)``'s default: 1 GiB of staged bytes a step."""
+MAX_SLOTS = 64
+"""The most ring slots a stager may have."""
+
+
+class UncheckedBlockIdsWarning(UserWarning):  # (public as attnmeta.staging.UncheckedBlockIdsWarning)
+    """A CUDA stager was made without ``num_kv_blocks``: the block ids of its steps are checked for
+    being negative only, not against the KV cache's size (a slot mapping could point past it)."""
+
+
+_WARNED: list[bool] = []
+
+
+def _warn_unchecked_block_ids() -> None:
+    """Warn once per process that a CUDA stager does not check block ids against the cache."""
+    if _WARNED:
+        return
+    _WARNED.append(True)
+    warnings.warn("Stager(device='cuda') without num_kv_blocks: block ids are not checked against the KV cache's "
+                  "size, so a bad block table could write KV past the cache; pass Stager(..., num_kv_blocks=N) "
+                  "(warned once per process)", UncheckedBlockIdsWarning, stacklevel=4)
 
 # this torch build lacks the private binding (then torch.cuda.current_stream is used every commit).
 _GET_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
@@ -89,16 +116,25 @@ class Ring(Arenas):
         initial_bytes: int = 1 << 20,
         num_kv_blocks: int | None = None,
         check_lifetimes: bool = True,
+        max_step_bytes: int = DEFAULT_MAX_STEP_BYTES,
         _unsafe_disable_fencing: bool = False,
     ) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int | np.integer):
             raise TypeError(f"num_slots: expected an int, got {type(num_slots).__name__} {num_slots!r}")
-        if num_slots < 2:
-            raise ValueError(f"num_slots: must be >= 2 so a step can be built while the last copies, got {num_slots}")
+        if not 2 <= num_slots <= MAX_SLOTS:
+            raise ValueError(f"num_slots: must be >= 2 so a step can be built while the last copies, got {num_slots}"
+                             if num_slots < 2 else f"num_slots: at most {MAX_SLOTS} (each slot is pinned memory of its "
+                             f"own; a deeper ring holds no more work in flight), got {num_slots}")
         if profile is not None and not isinstance(profile, StaticProfile):
             raise TypeError(f"profile: expected a StaticProfile or None, got {type(profile).__name__}")
+        if (isinstance(max_step_bytes, bool) or not isinstance(max_step_bytes, int | np.integer)
+                or max_step_bytes < ALIGN):
+            raise ValueError(f"max_step_bytes: expected an int >= {ALIGN}, got {max_step_bytes!r}")
         if isinstance(initial_bytes, bool) or not isinstance(initial_bytes, int | np.integer) or initial_bytes < 0:
             raise ValueError(f"initial_bytes: expected an int >= 0, got {initial_bytes!r}")
+        if initial_bytes > max_step_bytes:
+            raise ValueError(f"initial_bytes: {initial_bytes} is more than max_step_bytes={max_step_bytes} (a slot holds "
+                             f"one step; raise max_step_bytes for larger steps)")
         if num_kv_blocks is not None and (isinstance(num_kv_blocks, bool)
                                           or not isinstance(num_kv_blocks, int | np.integer) or num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks: expected an int >= 1 (the KV cache's blocks) or None, got {num_kv_blocks!r}")
@@ -107,6 +143,12 @@ class Ring(Arenas):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_kv_blocks: int | None = None if num_kv_blocks is None else int(num_kv_blocks)
         """Blocks in the KV cache the block tables index (checked by every step's common pass), or None."""
+        self.max_step_bytes = int(max_step_bytes)
+        """The most bytes one step may stage (eager: a slot's size; graph mode: the fixed layout)."""
+        if self.device.type == "cuda" and num_kv_blocks is None:
+            _warn_unchecked_block_ids()
+        self._claim = threading.Lock()  # held while a step begins: the check for an open step and the claim
+        self._claimer = 0  # the thread holding it
         self._lifetimes = bool(check_lifetimes)
         self._graph_live: weakref.ref[StepCore] | None = None  # graph mode: the step the device arena holds
         self.num_slots = int(num_slots)
@@ -120,7 +162,8 @@ class Ring(Arenas):
         self._pin = self._cuda
         self._slots = [Slot(i) for i in range(num_slots)]
         self._next = 0
-        self._open: StepCore | None = None
+        self._open: weakref.ref[StepCore] | None = None  # the step begun and not yet committed or abandoned
+        self._open_slot: Slot | None = None
         self._frozen = False
         self._fencing = not _unsafe_disable_fencing
         self.stats = StagerStats()
@@ -185,9 +228,59 @@ class Ring(Arenas):
     # ------------------------------------------------------------------ steps
     def _begin(self, make: Callable[[Ring, Slot, int, float], S]) -> S:
         """Begin a step on the next ring slot: claim the slot (its previous step expires), wait for its
-        last copy only if the GPU is behind, and return ``make(self, slot, waits, wait_seconds)``."""
-        if self._open is not None:
-            raise RuntimeError(self._busy(self._open))
+        last copy only if the GPU is behind, and return ``make(self, slot, waits, wait_seconds)``.
+
+        The check for an open step and the claim are one atomic act (a lock, never waited on): a second
+        thread that calls this meanwhile gets the thread error, never a share of the slot."""
+        claim = self._claim
+        if not claim.acquire(False):
+            raise RuntimeError(self._busy(None))
+        try:
+            self._claimer = threading.get_ident()
+            ref = self._open
+            if ref is not None:
+                open_step = ref()
+                if open_step is not None:
+                    raise RuntimeError(self._busy(open_step))
+                self._abandon_lost(warn=True)
+            return self._claim_slot(make)
+        finally:
+            claim.release()
+
+    def _abandon_lost(self, *, warn: bool) -> None:
+        """The open step's object is gone (it was begun outside ``with`` and dropped before it
+        committed): abandon it as :meth:`_abandon` would, every field of graph mode's layout refilled
+        with its sentinel at the slot's next commit (which rows it wrote is not known any more)."""
+        slot = self._open_slot
+        self._open = self._open_slot = None
+        assert slot is not None
+        slot.extras = {}
+        slot.version += 1
+        if self.graph_mode:
+            for name, f in self._layout.items():
+                slot.dirty_rows[name] = f.capacity
+        if warn:
+            warnings.warn("Stager.step(): the last step was begun and dropped without a commit; it is abandoned "
+                          "(nothing of it was copied). Use `with stager.step() as step:` so a step always ends",
+                          RuntimeWarning, stacklevel=4)
+
+    def reset(self) -> bool:
+        """Abandon the open step, if any (nothing of it is copied; the next step begins on the next
+        slot), whichever thread began it: the way out after a step was begun outside ``with`` and is
+        still referenced. Call it only once that step's thread is done with it. Returns whether a step
+        was abandoned. (A step begun and dropped without a commit is abandoned by the next
+        :meth:`~attnmeta.staging.Stager.step` anyway, with a ``RuntimeWarning``.)"""
+        ref = self._open
+        if ref is None:
+            return False
+        open_step = ref()
+        if open_step is None:
+            self._abandon_lost(warn=False)
+        else:
+            open_step.abandon()
+        return True
+
+    def _claim_slot(self, make: Callable[[Ring, Slot, int, float], S]) -> S:
         slot = self._slots[self._next]
         self._next = (self._next + 1) % self.num_slots
         if _driver._RETIRED:
@@ -201,20 +294,24 @@ class Ring(Arenas):
         if prev is not None and not prev._expired:
             prev._expire(st.steps_begun)  # the new step claims the slot before it writes a byte
         waits, wait_s = self._wait_slot(slot)
-        step = self._open = make(self, slot, waits, wait_s)
-        slot.owner = weakref.ref(step)
+        step = make(self, slot, waits, wait_s)
+        self._open = slot.owner = weakref.ref(step)  # (held weakly: a step dropped while open is abandoned)
+        self._open_slot = slot
         return step
 
-    def _busy(self, open_step: StepCore) -> str:
-        """The message of :meth:`step` while ``open_step`` is open."""
-        me, owner = threading.get_ident(), open_step._thread
-        if owner == me:
+    def _busy(self, open_step: StepCore | None) -> str:
+        """The message of :meth:`step` while ``open_step`` is open (None: while another thread is
+        beginning one)."""
+        me = threading.get_ident()
+        owner = self._claimer if open_step is None else open_step._thread
+        if owner == me and open_step is not None:
             return (f"Stager.step(): step {open_step.number} has neither committed nor been abandoned; commit it "
-                    f"(or leave its `with` block) first")
+                    f"(or leave its `with` block) first, or call stager.reset() to abandon it")
         names = {t.ident: t.name for t in threading.enumerate()}
-        return (f"Stager.step(): called from thread {names.get(me, me)!r} while step {open_step.number} of thread "
-                f"{names.get(owner, owner)!r} is open; a Stager is driven by one thread at a time (give each "
-                f"thread its own Stager, or hand it over between steps)")
+        what = "a step is being begun by" if open_step is None else f"step {open_step.number} of"
+        return (f"Stager.step(): called from thread {names.get(me, me)!r} while {what} thread "
+                f"{names.get(owner, owner)!r}{'' if open_step is None else ' is open'}; a Stager is driven by one "
+                f"thread at a time (give each thread its own Stager, or hand it over between steps)")
 
     def _commit(self, step: StepCore) -> None:
         """The step's one copy (only the bytes it staged; graph mode: sentinels refilled first) and its
@@ -496,6 +593,13 @@ class StepCore:
         """Whether the step has committed (:meth:`Step.commit <attnmeta.staging.Step.commit>`; not when abandoned)."""
         return self._committed and self._generation >= 0
 
+    def abandon(self) -> None:
+        """Drop the step without copying (its slot is free for the next step)."""
+        if not self._committed:
+            self._stager._abandon(self)
+            self._committed = True
+            self._generation = -2
+
     def _view(self, f: FieldLayout, rows: int) -> torch.Tensor:
         """A device view of ``rows`` rows of ``f`` in this step's arena (cached; see Arenas._device_view)."""
         return self._stager._device_view(self._slot, f, rows)
@@ -549,8 +653,10 @@ def next_slot(stager: Ring) -> int:
 
 
 def has_open_step(stager: Ring) -> bool:
-    """Whether a step of ``stager`` has begun and neither committed nor been abandoned."""
-    return stager._open is not None
+    """Whether a step of ``stager`` has begun, has neither committed nor been abandoned, and is still
+    referenced (a step dropped while open is abandoned when the next one begins)."""
+    ref = stager._open
+    return ref is not None and ref() is not None
 
 
 def fencing(stager: Ring) -> bool:
@@ -577,3 +683,6 @@ def graph_live(stager: Ring) -> StepCore | None:
     """Graph mode: the step whose data the one arena holds (None before the first commit, or if it is gone)."""
     ref = stager._graph_live
     return None if ref is None else ref()
+
+
+UncheckedBlockIdsWarning.__module__ = "attnmeta.staging"

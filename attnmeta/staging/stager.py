@@ -59,10 +59,12 @@ from attnmeta.staging._layout import (
     bucket_rows,
 )
 from attnmeta.staging._lifetime import is_expired
-from attnmeta.staging._ring import Ring
+from attnmeta.staging._ring import DEFAULT_MAX_STEP_BYTES, MAX_SLOTS, Ring, UncheckedBlockIdsWarning
 from attnmeta.staging.step import Step
 
 __all__ = [
+    "DEFAULT_MAX_STEP_BYTES",
+    "MAX_SLOTS",
     "STAGEABLE_DTYPES",
     "CapacityError",
     "FieldGroup",
@@ -74,6 +76,7 @@ __all__ = [
     "StepLayout",
     "StepNotCommittedError",
     "StepStats",
+    "UncheckedBlockIdsWarning",
     "bucket_rows",
     "is_expired",
 ]
@@ -87,7 +90,8 @@ class Stager(Ring):
     device : torch.device or str
         Where device fields live: ``cuda[:n]``, ``cpu`` or ``meta``.
     num_slots : int, default 3
-        Pinned ring slots; >= 2 so the host can build step N+1 while step N's copy is in flight.
+        Pinned ring slots; >= 2 so the host can build step N+1 while step N's copy is in flight, and at
+        most 64.
     profile : StaticProfile, optional
         Enables graph mode: fixed per-field capacities and addresses.
     stream : torch.cuda.Stream, optional
@@ -102,7 +106,14 @@ class Stager(Ring):
         Blocks in the KV cache that the block tables of this stager's steps index. When given, every
         step's common pass checks each used block id (columns ``[0, cdiv(seq_len, block_size))`` of
         each row) against it and raises a ``ValueError`` naming the row and column of any id at or
-        past it, before anything is copied: a slot mapping never points outside the cache.
+        past it, before anything is copied: a slot mapping never points outside the cache. Without it
+        only negative ids are refused; a CUDA stager made without it warns once per process
+        (:class:`UncheckedBlockIdsWarning`).
+    max_step_bytes : int, default 1 GiB
+        The most bytes one step may stage (eager mode: what a slot may grow to; graph mode: the fixed
+        layout). A step past it raises :class:`CapacityError` naming the field that asked for it
+        (``num_tokens_padded=2**28`` on a small batch, say) instead of allocating gigabytes of pinned
+        memory.
     check_lifetimes : bool, default True
         Expire the metadata objects of a step when a newer step claims its memory (see "Lifetimes"):
         reading any of their fields then raises :class:`StepExpiredError`. ``False`` skips the
@@ -125,8 +136,15 @@ class Stager(Ring):
     -------
     A stager is driven by one thread at a time: steps are begun, staged and committed in sequence,
     never concurrently. Handing it over between steps is fine. A second thread that begins a step
-    while another thread's step is open gets a ``RuntimeError`` naming both threads. Several threads
-    building metadata concurrently use one stager each (one per device, or several per device).
+    while another thread's step is open, or is being begun, gets a ``RuntimeError`` naming both threads
+    (the check and the claim of the slot are one atomic act). Several threads building metadata
+    concurrently use one stager each (one per device, or several per device).
+
+    A step left open
+    ----------------
+    A step begun outside ``with`` must commit or be abandoned before the next one begins. If its
+    object is dropped while open, the next :meth:`step` abandons it with a ``RuntimeWarning``; if it is
+    still referenced, :meth:`step` raises, and :meth:`reset` abandons it.
 
     Examples
     --------

@@ -123,6 +123,12 @@ class Step(StepCore):
             end = off + staged.row_bytes * rows
             assert slot.host_np is not None
             if end > slot.host_np.shape[0]:
+                if end > st.max_step_bytes:
+                    raise CapacityError(
+                        f"{name}: the step would stage {end} bytes ({rows} rows of {staged.row_bytes} bytes for this "
+                        f"field), more than Stager(max_step_bytes={st.max_step_bytes}); a padded count or a row "
+                        f"count that large is likely a mistake, else raise max_step_bytes"
+                    )
                 st._grow_slot(slot, end)
                 self._grew = True
             self._used = end
@@ -317,13 +323,6 @@ class Step(StepCore):
         self._base = slot.host_np
         self._used = layout.end
         return True
-
-    def abandon(self) -> None:
-        """Drop the step without copying (its slot is free for the next step)."""
-        if not self._committed:
-            self._stager._abandon(self)
-            self._committed = True
-            self._generation = -2
 
     @property
     def stats(self) -> StepStats:

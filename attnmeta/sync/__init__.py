@@ -11,7 +11,8 @@ CPU-only CI as well as on CUDA (the guide: ``docs/sync-audit.md``):
 - A violation raises :class:`DeviceSyncError`, which names the operation (an aten op such as
   ``aten.nonzero.default``, or a Python-level call such as ``Tensor.tolist``) and the line of user
   code that issued it.
-- :func:`register_audit_target`, :func:`run_audit` and :func:`format_audit_table` run registered
+- :func:`register_audit_target`, :func:`run_audit` and :func:`format_audit_table` (:class:`AuditTable`
+  a row at a time) run registered
   metadata builders under the audit and tabulate what they found (``python -m attnmeta audit``).
 
 How it works
@@ -111,6 +112,7 @@ from attnmeta.sync._errors import DeviceSyncError
 from attnmeta.sync._state import CudaMode, SyncAudit, ViolationKind
 from attnmeta.sync._targets import (
     AuditRow,
+    AuditTable,
     AuditTarget,
     audit_targets,
     format_audit_table,
@@ -121,6 +123,7 @@ from attnmeta.sync._targets import (
 
 __all__ = [
     "AuditRow",
+    "AuditTable",
     "AuditTarget",
     "CudaMode",
     "DeviceSyncError",
@@ -143,6 +146,7 @@ __all__ = [
 # the API checks and doctests of the package find them here.
 for _public in (
     AuditRow,
+    AuditTable,
     DeviceSyncError,
     SyncAudit,
     allow_device_sync,

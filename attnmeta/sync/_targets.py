@@ -22,6 +22,7 @@ from attnmeta.sync._state import CudaMode
 
 __all__ = [
     "AuditRow",
+    "AuditTable",
     "AuditTarget",
     "audit_targets",
     "format_audit_table",
@@ -287,31 +288,55 @@ def format_audit_table(rows: Sequence[AuditRow]) -> str:
     <BLANKLINE>
     mamba2 on cuda: seed 0: aten.nonzero.default ...
     """
-    header = ("builder", "device", "batches", "syncs", "pageable copies", "D2H races", "errors", "result")
-    body = [
-        (
-            r.builder,
-            r.device,
-            str(r.batches),
-            str(r.syncs),
-            str(r.pageable_copies),
-            str(r.races),
-            str(r.errors),
-            "clean" if r.clean else "FAIL",
-        )
-        for r in rows
-    ]
-    widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
-    numeric = {2, 3, 4, 5, 6}
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
-        ).rstrip()
-
-    out = [line(header), "  ".join("-" * w for w in widths)]
-    out += [line(b) for b in body]
-    problems = [f"{r.builder} on {r.device}: {r.first_problem}" for r in rows if r.first_problem]
+    table = AuditTable([r.builder for r in rows], [r.device for r in rows],
+                       ([r.batches, r.syncs, r.pageable_copies, r.races, r.errors] for r in rows))
+    out = [table.header(), *(table.row(r) for r in rows)]
+    problems = table.problems(rows)
     if problems:
-        out += ["", *problems]
+        out += ["", problems]
     return "\n".join(out)
+
+
+_HEADER = ("builder", "device", "batches", "syncs", "pageable copies", "D2H races", "errors", "result")
+
+
+class AuditTable:
+    """The table of :func:`format_audit_table`, a row at a time: column widths fixed ahead from the
+    builder names and devices (and, optionally, the counts) to come, so that rows can be printed as
+    their builders finish.
+
+    Examples
+    --------
+    >>> from attnmeta.sync import AuditRow, AuditTable
+    >>> table = AuditTable(["flash_attn", "gdn"], ["cpu"])
+    >>> print(table.header())
+    builder     device  batches  syncs  pageable copies  D2H races  errors  result
+    ----------  ------  -------  -----  ---------------  ---------  ------  ------
+    >>> print(table.row(AuditRow("gdn", "cpu", 50)))
+    gdn         cpu          50      0                0          0       0  clean
+    """
+
+    def __init__(self, builders: Iterable[str], devices: Iterable[str], counts: Iterable[Iterable[int]] = ()) -> None:
+        cols = [[*_HEADER[:1], *builders], [*_HEADER[1:2], *devices]]
+        widths = [max(len(c) for c in col) for col in cols]
+        numbers = [list(_HEADER[2:7])] + [[str(c) for c in row] for row in counts]
+        widths += [max(len(r[k]) for r in numbers) for k in range(5)]
+        widths.append(len("result"))
+        self.widths = widths
+
+    def _line(self, cells: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if 2 <= i <= 6 else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, self.widths))).rstrip()
+
+    def header(self) -> str:
+        """The column names and the rule under them."""
+        return self._line(_HEADER) + "\n" + "  ".join("-" * w for w in self.widths)
+
+    def row(self, r: AuditRow) -> str:
+        """One row's line."""
+        return self._line((r.builder, r.device, str(r.batches), str(r.syncs), str(r.pageable_copies), str(r.races),
+                           str(r.errors), "clean" if r.clean else "FAIL"))
+
+    def problems(self, rows: Sequence[AuditRow]) -> str:
+        """The first problem of each failing row, a line each ("" when every row is clean)."""
+        return "\n".join(f"{r.builder} on {r.device}: {r.first_problem}" for r in rows if r.first_problem)

@@ -304,9 +304,10 @@ def test_alloc_fields_other_shapes_other_group_and_errors() -> None:
         g1 = step.alloc_fields(_GROUP)
         with pytest.raises(ValueError, match="staged twice"):
             step.alloc_fields(_GROUP)
+    other = stager.step()
     with pytest.raises(StepNotCommittedError):
-        g1.device(stager.step())  # another step, not committed
-    stager._open = None
+        g1.device(other)  # another step, not committed
+    other.abandon()
     for _ in range(2):
         with stager.step():
             pass

@@ -1,0 +1,291 @@
+"""What a new user meets first: a first run that speaks, sizes with bounds that name themselves,
+errors instead of traps (issue 31, items 3 to 5). Each test fails on the code before its fix.
+
+Timings are never asserted: the first-run tests check the order of what is printed, not how fast.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import attnmeta
+from attnmeta import BatchSpec, Stager, StaticProfile, build_common, stage_common
+from attnmeta._announce import announce
+from attnmeta._numba import COMPILE_NOTE, compile_progress
+from attnmeta.backends import mm_prefix
+from attnmeta.compose import Group, StepBuilder
+from attnmeta.spec import MAX_PADDED_REQS, MAX_PADDED_TOKENS
+from attnmeta.staging import CapacityError, StepExpiredError, UncheckedBlockIdsWarning
+from attnmeta.staging._ring import ring_slots
+from attnmeta.sync import AuditRow, AuditTable, format_audit_table
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = np.arange(8, dtype=np.int32).reshape(2, 4)
+
+
+def _spec(**kw: Any) -> BatchSpec:
+    args: dict[str, Any] = dict(num_computed_tokens=[3, 0], num_scheduled_tokens=[1, 4], block_table=TABLE,
+                                block_size=4)
+    args.update(kw)
+    return BatchSpec(**args)
+
+
+# ------------------------------------------------------------------------------------- 3. a first run
+def test_the_command_line_speaks_before_the_slow_imports(tmp_path: Path) -> None:
+    """``python -m attnmeta demo`` on a cold numba cache: a line on stderr first (printed by the module
+    the package imports before anything else, which imports nothing heavy), then the demo's title, then
+    the compile progress, then the metadata."""
+    init = (ROOT / "attnmeta" / "__init__.py").read_text()
+    first = next(line for line in init.splitlines() if line.startswith(("import ", "from ")) and "typing" not in line)
+    assert first.startswith("import attnmeta._announce")
+    announcer = (ROOT / "attnmeta" / "_announce.py").read_text()
+    assert {line for line in announcer.splitlines() if line.startswith(("import ", "from "))} == {
+        "from __future__ import annotations", "import sys"}
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "attnmeta", "demo", "--device", "meta"], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stdout
+    lines = r.stdout.splitlines()
+    assert lines[0] == "python -m attnmeta demo: loading torch and numba ..."
+    assert lines[1] == "attnmeta demo: one step of a mixed batch, built on the host and staged in ONE copy"
+    assert lines[2].startswith(COMPILE_NOTE) and " compiled in " in lines[2]
+    assert "BatchSpec(num_reqs=4" in r.stdout
+
+
+def test_announce_names_only_the_commands_that_take_a_while() -> None:
+    assert announce(["python", "-m", "attnmeta", "audit", "--batches", "3"]) == \
+        "python -m attnmeta audit: loading torch and numba ..."
+    assert announce(["python", "-m", "attnmeta", "bench"]) is None
+    assert announce(["python", "-m", "attnmeta", "demo", "-h"]) is None
+    assert announce(["python", "-m", "pytest", "attnmeta"]) is None
+    assert announce(["python", "-c", "import attnmeta"]) is None
+
+
+def test_compile_progress_reports_compiles_and_stays_quiet_when_warm() -> None:
+    from io import StringIO
+
+    import numba
+
+    out = StringIO()
+
+    @numba.njit(cache=False)
+    def fresh(x: int) -> int:  # never compiled before: one compile event
+        return x + 1
+
+    with compile_progress(out):
+        fresh(1)
+    text = out.getvalue()
+    assert text.startswith(COMPILE_NOTE + " .") and text.rstrip().endswith("s") and " 1 compiled in " in text
+    out = StringIO()
+    with compile_progress(out):
+        fresh(2)  # in memory now
+    assert out.getvalue() == ""
+
+
+def test_audit_prints_each_row_as_its_builder_finishes(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header comes first and each builder's row is printed (flushed) before the next builder runs."""
+    from attnmeta.__main__ import main
+    from attnmeta.sync import _targets
+
+    seen: list[str] = []
+    real = _targets.run_audit
+
+    def spy(**kw: Any) -> Any:
+        seen.append(capsys.readouterr().out)  # what was printed before this builder ran
+        return real(**kw)
+
+    monkeypatch.setattr("attnmeta.sync.run_audit", spy)
+    assert main(["audit", "--device", "meta", "--batches", "1"]) == 0
+    names = list(attnmeta.registry())
+    assert seen[0].startswith("attnmeta sync audit: ") and "builder" in seen[0]
+    assert names[0] in seen[1] and names[1] not in seen[1]  # the first row, before the second builder ran
+
+
+def test_audit_header_and_table_agree_on_what_a_batch_is(capsys: pytest.CaptureFixture[str]) -> None:
+    from attnmeta.__main__ import main
+
+    assert main(["audit", "--device", "meta", "--batches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "x 2 batches of each kind" in out and "seeds" not in out
+    assert "flash_attn    meta          2" in out
+
+
+def test_audit_batches_below_one_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from attnmeta.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["audit", "--batches", "0"])
+    assert e.value.code == 2
+    assert "--batches: expected an int >= 1" in capsys.readouterr().err
+
+
+def test_audit_table_rows_line_up_with_the_whole_table() -> None:
+    rows = [AuditRow("flash_attn", "meta", 50), AuditRow("gdn", "meta", 50, syncs=3, first_problem="seed 1: x")]
+    table = AuditTable(["flash_attn", "gdn"], ["meta"], [[50, 3, 0, 0, 0]])
+    streamed = "\n".join([table.header(), *(table.row(r) for r in rows), "", table.problems(rows)])
+    assert streamed == format_audit_table(rows)
+
+
+# ------------------------------------------------------------------------------------- 4. bounds
+def test_padding_past_its_bound_names_the_field() -> None:
+    with pytest.raises(ValueError, match=r"num_tokens_padded: 268435456 is more than .*MAX_PADDED_TOKENS"):
+        _spec(num_tokens_padded=2**28)
+    with pytest.raises(ValueError, match=r"num_reqs_padded: 2147483647 is more than .*MAX_PADDED_REQS"):
+        _spec(num_reqs_padded=2**31 - 1)
+    assert _spec(num_reqs_padded=MAX_PADDED_REQS, num_tokens_padded=MAX_PADDED_TOKENS).padded_num_tokens == 1 << 24
+
+
+def test_a_step_past_max_step_bytes_names_the_field_and_allocates_nothing() -> None:
+    stager = Stager("cpu", max_step_bytes=1 << 20)
+    with pytest.raises(CapacityError, match=r"common\.\w+: the step would stage .*max_step_bytes=1048576"):
+        build_common(_spec(num_tokens_padded=1 << 20), stager)
+    assert build_common(_spec(), stager).seq_lens_cpu.tolist() == [4, 4]  # the stager goes on
+    assert max(s.host_np.shape[0] for s in ring_slots(stager)) <= 1 << 20  # type: ignore[union-attr]
+    graph = Stager("cpu", profile=StaticProfile(max_num_reqs=4, max_num_tokens=1 << 18, max_blocks_per_req=4,
+                                                block_size=4), max_step_bytes=1 << 20)
+    with pytest.raises(CapacityError, match=r"the graph layout would take .*max_step_bytes"):
+        build_common(_spec(), graph)
+
+
+def test_stager_sizes_have_bounds() -> None:
+    with pytest.raises(ValueError, match="num_slots: at most 64"):
+        Stager("cpu", num_slots=10**6)
+    with pytest.raises(ValueError, match="initial_bytes: 1099511627776 is more than max_step_bytes"):
+        Stager("cpu", initial_bytes=2**40)
+    with pytest.raises(ValueError, match="max_step_bytes: expected an int >= 64"):
+        Stager("cpu", max_step_bytes=0)
+
+
+def test_an_unchecked_cuda_stager_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a GPU the warning is checked on its own (tests/gpu checks it on a CUDA stager)."""
+    from attnmeta.staging import _ring
+
+    monkeypatch.setattr(_ring, "_WARNED", [])
+    with pytest.warns(UncheckedBlockIdsWarning, match="num_kv_blocks"):
+        _ring._warn_unchecked_block_ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _ring._warn_unchecked_block_ids()  # once per process
+
+
+# ------------------------------------------------------------------------------------- 5. traps
+def test_a_step_dropped_while_open_is_abandoned_by_the_next_with_a_warning() -> None:
+    stager = Stager("cpu")
+    stager.step().alloc("x", 3, np.int32)  # begun outside `with`, its object lost
+    gc.collect()
+    with pytest.warns(RuntimeWarning, match="dropped without a commit; it is abandoned"):
+        common = build_common(_spec(), stager)
+    assert common.query_start_loc_cpu.tolist() == [0, 1, 5] and stager.stats.copies == 1
+
+
+def test_a_step_still_held_blocks_the_next_until_reset() -> None:
+    stager = Stager("cpu")
+    held = stager.step()
+    with pytest.raises(RuntimeError, match=r"stager\.reset\(\) to abandon it"):
+        stager.step()
+    assert stager.reset() and not held.committed
+    assert not stager.reset()  # nothing open any more
+    assert build_common(_spec(), stager).seq_lens_cpu.tolist() == [4, 4]
+
+
+def test_a_step_dropped_in_graph_mode_leaves_every_sentinel_in_place() -> None:
+    profile = StaticProfile(max_num_reqs=4, max_num_tokens=16, max_blocks_per_req=4, block_size=4)
+    stager = Stager("cpu", profile=profile, num_slots=2)
+    for _ in range(2):
+        build_common(_spec(), stager)
+    step = stager.step()  # a step that writes past the last one's rows, then is lost
+    stage_common(_spec(num_scheduled_tokens=[5, 6]), step)
+    del step
+    gc.collect()
+    with pytest.warns(RuntimeWarning):
+        build_common(_spec(), stager)
+    again = build_common(_spec(), stager)  # on the lost step's slot: its rows back to the sentinel
+    full = stager.graph_fields["common.slot_mapping"]
+    arena = stager.graph_arena
+    assert arena is not None
+    raw = arena[full.offset: full.offset + full.nbytes].view(torch.int64)
+    assert raw[5:].tolist() == [-1] * 11 and again.slot_mapping_cpu.tolist() == [3, 16, 17, 18, 19]
+
+
+def test_a_second_thread_gets_the_thread_error_even_while_a_step_is_being_begun() -> None:
+    """The other thread calls step() while this one is inside step() (between the check for an open step
+    and the claim of the slot): it must get the thread error, and share nothing."""
+    stager = Stager("cpu")
+    errors: list[BaseException] = []
+    began: list[Any] = []
+    real_wait = stager._wait_slot
+
+    def other() -> None:
+        try:
+            began.append(stager.step())
+        except BaseException as e:
+            errors.append(e)
+
+    def wait_and_let_the_other_in(slot: Any) -> Any:
+        t = threading.Thread(target=other, name="intruder")
+        t.start()
+        t.join()
+        return real_wait(slot)
+
+    stager._wait_slot = wait_and_let_the_other_in  # type: ignore[method-assign]
+    mine = stager.step()
+    del stager._wait_slot
+    assert not began and len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+    assert "'intruder'" in str(errors[0]) and "one thread at a time" in str(errors[0])
+    mine.alloc("x", 1, np.int32)[:] = 7
+    mine.commit()
+    assert mine.device("x").tolist() == [7]
+    with pytest.raises(StepExpiredError):  # (and the ring goes on: three steps later it expires)
+        for _ in range(3):
+            build_common(_spec(), stager)
+        mine.device("x")
+
+
+def test_wrong_arguments_to_the_common_pass_are_named() -> None:
+    stager = Stager("cpu")
+    with pytest.raises(TypeError, match=r"stager: expected an attnmeta\.Stager"):
+        build_common(_spec(), None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="token_arrays: expected a bool, got str 'no'"):
+        build_common(_spec(), stager, token_arrays="no")
+    with pytest.raises(ValueError, match=r"prefix: must be a non-empty name without '\.'"):
+        build_common(_spec(), stager, prefix="a.b")
+    with pytest.raises(TypeError, match="prefix: expected a str"):
+        build_common(_spec(), stager, prefix=3)
+    with pytest.raises(ValueError, match="block_table_columns: must be >= 1"):
+        build_common(_spec(), stager, block_table_columns=0)
+    with pytest.raises(ValueError, match=r"Group\.prefix: must be a non-empty name without '\.'"):
+        StepBuilder(stager, Group({}, prefix="a.b"))
+    assert build_common(_spec(), stager, token_arrays=np.bool_(False)).positions_cpu.shape == (0,)
+
+
+def test_overlapping_mm_prefix_spans_are_an_error() -> None:
+    spec = _spec(num_scheduled_tokens=[1, 4])
+    bad = mm_prefix.MMPrefixInputs(mm_span_indptr=[0, 0, 2], mm_span_starts=[0, 2], mm_span_lengths=[3, 2])
+    with pytest.raises(ValueError, match=r"spans 0 \[0, 3\) and 1 \[2, 4\) of request 1 overlap"):
+        mm_prefix.build(spec, Stager("cpu"), None, bad)
+    ok = mm_prefix.MMPrefixInputs(mm_span_indptr=[0, 1, 2], mm_span_starts=[0, 0], mm_span_lengths=[3, 3])
+    mm_prefix.build(spec, Stager("cpu"), None, ok)  # the same offsets in two requests are fine
+
+
+def test_the_engine_without_transformers_says_what_to_install(tmp_path: Path) -> None:
+    """``python -m examples.engine --help`` on a machine without transformers (a stand-in package that
+    fails to import, first on the path): the message and what to install, no traceback."""
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'transformers'\")\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    r = subprocess.run([sys.executable, "-m", "examples.engine", "--help"], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "examples.engine needs transformers" in r.stderr and "pip install transformers" in r.stderr
