@@ -80,6 +80,10 @@ mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
 PY=${PYTHON:-python3}
 status=0
+failed() {  # a step that failed: say which and how (124: it ran past its timeout), so a red run names its cause
+  echo "FAILED: $1 (exit $2$([[ $2 == 124 ]] && echo ', timed out'))" | tee -a "$OUT_DIR/failures.txt" >&2
+  status=1
+}
 $PY - <<'PYEOF' 2>&1 | tee "$OUT_DIR/env.txt"
 import platform, torch, numba, numpy, hypothesis
 print("date", __import__("datetime").date.today(), "python", platform.python_version(), "torch", torch.__version__,
@@ -147,7 +151,7 @@ timeout 60 $PY -m pytest -p attnmeta.testing.pytest_plugin --attnmeta-sync-audit
 fi
 if want audit; then
 echo "== audit" | tee "$OUT_DIR/audit.txt"
-timeout 300 $PY -m attnmeta audit --device cuda --batches 10 2>&1 | tee -a "$OUT_DIR/audit.txt" || status=1
+timeout 300 $PY -m attnmeta audit --device cuda --batches 10 2>&1 | tee -a "$OUT_DIR/audit.txt" || failed audit $?
 fi
 if want kernels; then
 echo "== kernels: MLA (FlashInfer, varlen_attn) and GDN (fla) kernels fed by attnmeta metadata" | tee "$OUT_DIR/kernels.log"
@@ -157,7 +161,7 @@ for f in mla gdn; do  # side by side: FlashInfer's nvcc JIT and Triton's compile
     -p no:cacheprovider > "$OUT_DIR/kernels_$f.log" 2>&1 &
   pids+=($!)
 done
-for p in "${pids[@]}"; do wait "$p" || status=1; done
+for k in "${!pids[@]}"; do wait "${pids[$k]}" || failed "kernels ($([[ $k == 0 ]] && echo mla || echo gdn))" $?; done
 cat "$OUT_DIR/kernels_mla.log" "$OUT_DIR/kernels_gdn.log" | tee -a "$OUT_DIR/kernels.log"
 grep "^KERNEL " "$OUT_DIR/kernels.log" | tee "$OUT_DIR/kernels_summary.txt"
 fi

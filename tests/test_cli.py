@@ -50,6 +50,17 @@ def test_demo_prints_every_field(capsys: pytest.CaptureFixture[str]) -> None:
     assert "[ 0, 1, 2,42,75,75,75]" in out.replace("  ", " ") or "[0,1,2,42,75,75,75]" in out.replace(" ", "")
 
 
+def test_demo_renders_a_none_field_one_way(capsys: pytest.CaptureFixture[str]) -> None:
+    """A field that is None reads ``None`` in the values column with ``-`` for where, dtype and shape,
+    whatever its kind (device, host or scalar)."""
+    assert main(["demo", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "NoneType" not in out
+    nones = [line.split() for line in out.splitlines() if line.rstrip().endswith(" None") and "(" not in line]
+    assert len(nones) > 10
+    assert all(cells[1:] == ["-", "-", "-", "None"] for cells in nones), [c for c in nones if c[1:] != ["-"] * 3 + ["None"]]
+
+
 def test_demo_on_meta_device(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--device", "meta"]) == 0
     assert "device:meta" in capsys.readouterr().out
@@ -107,6 +118,7 @@ def test_bench_quick_runs_and_json_parses(tmp_path: Path, capsys: pytest.Capture
     assert rc == 0
     table = capsys.readouterr().out
     assert "median us" in table and "attnmeta" in table and "per-tensor" in table
+    assert table.rstrip().endswith(bench_cli.CPU_NOTE)  # a CPU bench says why uploads look free
     data = json.loads(out.read_text())
     assert data["device"] == "cpu" and data["date"] and data["torch"] == torch.__version__
     rows = data["rows"]

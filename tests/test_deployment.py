@@ -257,7 +257,7 @@ def test_the_distribution_installs_the_light_plugin_as_the_entry_point(tmp_path:
         pytest.importorskip(mod, reason=f"{mod} is needed to build the wheel (pip install {mod})")
     src = tmp_path / "src"
     shutil.copytree(ROOT / "attnmeta", src / "attnmeta", ignore=shutil.ignore_patterns("__pycache__", "*.nb[ic]"))
-    for name in ("pyproject.toml", "README.md", "attnmeta_pytest_plugin.py"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "attnmeta_pytest_plugin.py"):
         shutil.copy(ROOT / name, src / name)
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                            str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=600)
@@ -268,6 +268,12 @@ def test_the_distribution_installs_the_light_plugin_as_the_entry_point(tmp_path:
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         assert "attnmeta_sync = attnmeta_pytest_plugin" in z.read(entry_points).decode()
         assert "attnmeta_pytest_plugin.py" in names and "attnmeta/testing/pytest_plugin.py" in names
+        # the license travels with the wheel; the metadata names it, with classifiers; no test-only extra
+        assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), names
+        (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        metadata = z.read(meta).decode()
+        assert "Apache" in metadata and "Classifier: License :: OSI Approved :: Apache Software License" in metadata
+        assert "Provides-Extra: vllm-test" not in metadata
         z.extractall(tmp_path / "site")
     code = ("import sys, attnmeta_pytest_plugin as p\n"
             f"assert p.__file__.startswith({str(tmp_path / 'site')!r}), p.__file__\n"

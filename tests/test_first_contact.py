@@ -289,3 +289,17 @@ def test_the_engine_without_transformers_says_what_to_install(tmp_path: Path) ->
                        env=env, timeout=300)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "examples.engine needs transformers" in r.stderr and "pip install transformers" in r.stderr
+
+
+def test_the_strategies_without_hypothesis_name_the_extra() -> None:
+    """On a machine without hypothesis (hidden here: ``sys.modules['hypothesis'] = None`` makes its import
+    fail as a missing module's does), importing the strategies says what to install."""
+    code = ("import sys\n"
+            "sys.modules['hypothesis'] = None\n"
+            "try:\n"
+            "    import attnmeta.testing.strategies\n"
+            "except ImportError as e:\n"
+            "    print(type(e).__name__, e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert "ImportError attnmeta.testing.strategies needs hypothesis" in r.stdout, (r.stdout, r.stderr)
+    assert "pip install 'attnmeta[test]'" in r.stdout

@@ -844,8 +844,8 @@ def dcp_local_seq_lens(
     (num_reqs,) int32, host
         When ``rank`` is given.
     (num_reqs, world_size) int32, host
-        When ``rank`` is None; column ``r`` is rank ``r``. (vLLM's torch version squeezes this to
-        ``(num_reqs,)`` when ``world_size == 1``; attnmeta always returns the matrix.)
+        When ``rank`` is None; column ``r`` is rank ``r`` (``(num_reqs, 1)`` for one rank, as vLLM's
+        ``get_dcp_local_seq_lens``, which does not squeeze).
 
     Raises
     ------

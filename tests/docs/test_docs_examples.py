@@ -1,4 +1,5 @@
-"""Every ```python block in docs/*.md runs as written (blocks of one page share a namespace)."""
+"""Every ```python block in docs/*.md and the README runs as written (blocks of one page share a
+namespace): on this machine's devices, as a user copies it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
 def _pages() -> list[Path]:
-    return sorted(p for p in DOCS.glob("*.md") if _BLOCK.search(p.read_text()))
+    return [*sorted(p for p in DOCS.glob("*.md") if _BLOCK.search(p.read_text())), DOCS.parent / "README.md"]
 
 
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)

@@ -362,3 +362,21 @@ def test_fused_replays_land_intact_while_the_gpu_is_held(graph: bool, threads: i
     assert int((got != expected).sum()) == 0
     assert builder.stats.replayed > steps // 2, builder.stats
     assert builder.stager.stats.copies == steps
+
+
+def test_a_cuda_stager_without_num_kv_blocks_warns_once_per_process() -> None:
+    """In a fresh process: the first CUDA stager without ``num_kv_blocks`` warns (naming the argument),
+    the second does not, and one with it never does."""
+    import subprocess
+    import sys
+
+    code = ("import warnings\n"
+            "warnings.simplefilter('always')\n"
+            "from attnmeta import Stager\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    Stager('cuda', num_kv_blocks=8)\n"
+            "    Stager('cuda'); Stager('cuda')\n"
+            "print([type(w.message).__name__ for w in seen])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "['UncheckedBlockIdsWarning']"
