@@ -1,46 +1,15 @@
-"""Pieces every backend builder uses: the same-step check and indptr staging.
+"""Pieces every backend builder uses: indptr staging (the same-step check is :func:`attnmeta.builder.require_same_step`).
 
 Private to :mod:`attnmeta.backends`; one definition each, so the backends cannot drift apart.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
 from attnmeta.staging import CapacityError, Step
 
-__all__ = ["alloc_indptr", "require_same_step"]
-
-
-def require_same_step(common: Any, step: Step) -> None:
-    """Raise unless ``common`` is a :class:`~attnmeta.StagedCommon` staged into ``step``.
-
-    Every backend's ``stage`` calls it when its cheap inline test fails (``type(common) is not
-    StagedCommon or common.step is not step``); a subclass of ``StagedCommon`` staged into ``step``
-    passes. A backend's device views and the common metadata's must come from one upload.
-
-    Raises
-    ------
-    TypeError
-        ``common`` is not a ``StagedCommon`` (the metadata object itself, a spec, None, ...).
-    ValueError
-        ``common`` was staged into another step.
-    """
-    if not isinstance(common, StagedCommon):
-        what = type(common).__name__
-        hint = (" (pass the StagedCommon that stage_common returned, not its .result())"
-                if isinstance(common, CommonAttentionMetadata) else "")
-        raise TypeError(
-            f"common: expected the StagedCommon of this step (from attnmeta.stage_common(spec, step)), got {what}{hint}"
-        )
-    if common.step is not step:
-        raise ValueError(
-            "common: staged in another step; stage the common metadata and this backend into the same step "
-            "(their device views come from one upload)"
-        )
+__all__ = ["alloc_indptr"]
 
 
 def alloc_indptr(step: Step, name: str, rows: int, capacity: int | None) -> np.ndarray:
