@@ -47,8 +47,8 @@ Examples
 >>> spec = BatchSpec(num_computed_tokens=[5, 0], num_scheduled_tokens=[1, 3],
 ...                  block_table=[[1, 2], [3, 4]], block_size=4)
 >>> fa = attnmeta.build(spec, Stager("cpu"), "flash_attn")
->>> fa.query_start_loc_cpu.tolist(), fa.num_decode_reqs
-([0, 1, 4], 1)
+>>> fa.query_start_loc_cpu.tolist(), fa.max_query_len
+([0, 1, 4], 3)
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 ``torch.nn.attention.varlen.varlen_attn``) take: ``cu_seqlens_q`` (``query_start_loc``),
 ``seqused_k`` (``seq_lens``), the paged ``block_table``, ``slot_mapping`` for the KV write, and the
 host ints ``max_query_len`` / ``max_seq_len`` a kernel wrapper needs as plain arguments, plus the
-decode/prefill counts and the DCP fields. Everything comes from the common metadata's host twins; the
-only staged additions are the DCP context lengths and a per-request ``causal`` array, which travel in
-the step's one copy.
+DCP fields (context lengths, their bound, the decode / context-query counts: all 0 without DCP, as
+in vLLM). Everything comes from the common metadata's host twins; the only staged additions are the
+DCP context lengths and a per-request ``causal`` array, which travel in the step's one copy.
 
 Not produced: FA3's AOT ``scheduler_metadata`` (a device-side call of the FA3 library, with no host
 sync, that a backend can run on these fields) — ``scheduler_metadata`` is always None here.
@@ -34,7 +34,13 @@ import torch
 from attnmeta._checks import check_option_fields, option_rule, reject_tensor
 from attnmeta._fields import MetadataBase, keyword_factory, template
 from attnmeta.builder import Builder, Replayer, register
-from attnmeta.host.flash_attn import causal_per_request, dcp_context_kv_lens, max_dcp_context_kv_len
+from attnmeta.host.flash_attn import (
+    causal_per_request,
+    dcp_context_is_empty,
+    dcp_context_kv_lens,
+    dcp_context_split,
+    max_dcp_context_kv_len,
+)
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
 from attnmeta.spec import BatchSpec
 from attnmeta.staging import Staged, Step
@@ -74,8 +80,6 @@ class FlashAttentionOptions:
     """Consecutive tokens per DCP rank (``cp_kv_cache_interleave_size``)."""
     max_num_splits: int = dataclasses.field(default=0, metadata=option_rule("int", minimum=0))
     """FA3 ``num_splits`` (0: the kernel's heuristic; vLLM fixes it under full CUDA graphs)."""
-    decode_threshold: int = dataclasses.field(default=1, metadata=option_rule("int", minimum=1))
-    """Longest query counted as a decode in the decode/prefill counts (>= 1)."""
     prefix: str = dataclasses.field(default="flash_attn", metadata=option_rule("prefix"))
     """Namespace of this builder's staged fields."""
 
@@ -99,7 +103,7 @@ class FlashAttentionMetadata(MetadataBase):
     >>> fa.dcp_context_kv_lens_cpu.tolist(), fa.max_dcp_context_kv_len
     ([2, 3, 0], 4)
     >>> fa.num_decode_reqs, fa.num_prefill_reqs, fa.num_decode_tokens, fa.num_prefill_tokens
-    (2, 1, 2, 4)
+    (2, 0, 2, 0)
     """
 
     _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -168,15 +172,18 @@ class FlashAttentionMetadata(MetadataBase):
     causal: bool
     """True when every request is causal (the kernel's scalar flag)."""
     num_decode_reqs: int
-    """Leading decode rows (``decode_threshold`` split)."""
+    """DCP with a query longer than one token (else 0, as vLLM's builder): the leading one-token rows
+    (:func:`attnmeta.host.flash_attn.dcp_context_split`)."""
     num_prefill_reqs: int
-    """Rows from the first prefill on."""
+    """DCP, as ``num_decode_reqs``: the rows after them with a longer query and context (vLLM's
+    extends; rows without context are in neither count)."""
     num_decode_tokens: int
-    """Tokens of the decode rows."""
+    """Tokens of the ``num_decode_reqs`` rows."""
     num_prefill_tokens: int
-    """Tokens of the prefill rows (token padding included, as vLLM counts it)."""
+    """Tokens of the ``num_prefill_reqs`` rows."""
     max_dcp_context_kv_len: int
-    """DCP: host upper bound ``cdiv(max_seq_len, W*I) * I`` of ``dcp_context_kv_lens`` (else 0)."""
+    """DCP: host upper bound ``cdiv(max_seq_len, W*I) * I`` of ``dcp_context_kv_lens``, 0 when no row has
+    context (else 0)."""
     max_num_splits: int
     """FA3 ``num_splits``."""
     scheduler_metadata: None = None
@@ -231,13 +238,16 @@ def _per_step(cm: CommonAttentionMetadata, h: CommonHost, opts: FlashAttentionOp
               causal_cpu: np.ndarray | None) -> tuple[Any, ...]:
     """The values of :data:`_PER_STEP` of a step: every value a step of a layout changes, computed here for
     a staged and a replayed step alike."""
-    split = h.split(opts.decode_threshold)
     if causal_cpu is not None:
         is_causal = bool(causal_cpu.all())
     else:
         is_causal = h.causal if opts.causal is None else opts.causal
     W = opts.dcp_world_size
-    max_dcp = max_dcp_context_kv_len(h.max_seq_len, W, opts.dcp_interleave) if W > 1 else 0
+    if W == 1:  # vLLM's builder counts and bounds nothing without DCP
+        return cm, cm.max_query_len, cm.max_seq_len, is_causal, 0, 0, 0, 0, 0
+    qsl, ub = h.query_start_loc_cpu, h.seq_lens_cpu_upper_bound
+    split = dcp_context_split(qsl, ub, num_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len)
+    max_dcp = 0 if dcp_context_is_empty(qsl, ub) else max_dcp_context_kv_len(h.max_seq_len, W, opts.dcp_interleave)
     return cm, cm.max_query_len, cm.max_seq_len, is_causal, *split, max_dcp
 
 

@@ -9,7 +9,9 @@ device; they are plain host arithmetic, so attnmeta derives them on the host:
 ``local(S) = base + clip(S - base*W - r*I, 0, I)`` with ``base = (S // I // W) * I``.
 
 ``max_dcp_context_kv_len`` is the upper bound ``cdiv(max_seq_len, W*I) * I`` vLLM uses instead of the
-old ``.max().item()`` sync. FlashAttention also needs a per-request ``causal`` array to be int32
+old ``.max().item()`` sync, or 0 when no row has context (:func:`dcp_context_is_empty`). Under DCP the
+builder also counts the decode rows and the rows whose context it attends to
+(:func:`dcp_context_split`). FlashAttention also needs a per-request ``causal`` array to be int32
 (:func:`causal_per_request`).
 
 Shape legend
@@ -19,14 +21,99 @@ Shape legend
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from attnmeta._checks import as_host_array, check_out, reject_tensor
 from attnmeta._numba import njit
+from attnmeta.host.split import split_decodes_prefills_and_extends
 
-__all__ = ["causal_per_request", "dcp_context_kv_lens", "max_dcp_context_kv_len"]
+__all__ = ["DCPContextSplit", "causal_per_request", "dcp_context_is_empty", "dcp_context_kv_lens", "dcp_context_split",
+           "max_dcp_context_kv_len"]
+
+
+class DCPContextSplit(NamedTuple):
+    """FlashAttention's decode / context-query counts under DCP (vLLM 0.33.0's ``split_dcp_context_queries``).
+
+    The "prefill" counts are the rows with a query longer than one token *and* context (vLLM's
+    extends); rows without context (pure prefills) are in neither count.
+    """
+
+    num_decode_reqs: int
+    """Leading rows with a one-token query."""
+    num_prefill_reqs: int
+    """Rows after them with a longer query and context (vLLM's extends)."""
+    num_decode_tokens: int
+    """Tokens of the decode rows."""
+    num_prefill_tokens: int
+    """Tokens of the extend rows."""
+
+
+def dcp_context_split(query_start_loc_cpu: npt.ArrayLike, seq_lens_upper_bound: npt.ArrayLike, *, num_tokens: int,
+                      max_query_len: int) -> DCPContextSplit:
+    """The counts vLLM 0.33.0's FlashAttention builder sets under DCP: all 0 when ``max_query_len <= 1``
+    (its builder skips the split then), else the decodes and extends of
+    :func:`~attnmeta.host.split.split_decodes_prefills_and_extends` with threshold 1.
+
+    Parameters
+    ----------
+    query_start_loc_cpu : (num_reqs + 1,) int32, host
+        Query start offsets, padding rows included.
+    seq_lens_upper_bound : (num_reqs,) int32, host
+        ``seq_lens_cpu_upper_bound`` (exact on the rows the split reads: prefills).
+    num_tokens : int
+        Tokens of the step, padding included (``num_actual_tokens``).
+    max_query_len : int
+        The step's ``max_query_len``.
+
+    Returns
+    -------
+    DCPContextSplit
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`~attnmeta.host.split.split_decodes_prefills_and_extends`.
+
+    Examples
+    --------
+    >>> dcp_context_split([0, 1, 2, 6, 9], [40, 7, 30, 3], num_tokens=9, max_query_len=4)
+    DCPContextSplit(num_decode_reqs=2, num_prefill_reqs=1, num_decode_tokens=2, num_prefill_tokens=4)
+    >>> dcp_context_split([0, 1, 2], [40, 7], num_tokens=2, max_query_len=1)
+    DCPContextSplit(num_decode_reqs=0, num_prefill_reqs=0, num_decode_tokens=0, num_prefill_tokens=0)
+    """
+    if max_query_len <= 1:
+        return DCPContextSplit(0, 0, 0, 0)
+    d, e, _p, dt, et, _pt = split_decodes_prefills_and_extends(
+        query_start_loc_cpu, seq_lens_upper_bound, num_tokens=num_tokens, max_query_len=max_query_len,
+        decode_threshold=1)
+    return DCPContextSplit(d, e, dt, et)
+
+
+def dcp_context_is_empty(query_start_loc_cpu: npt.ArrayLike, seq_lens_upper_bound: npt.ArrayLike) -> bool:
+    """Whether no row has context (``seq_lens_upper_bound - query_lens`` all 0): vLLM 0.33.0's
+    ``should_skip_dcp_context_attention``, from the rank-invariant global lengths; its FlashAttention
+    builder then passes ``max_dcp_context_kv_len = 0``.
+
+    Parameters
+    ----------
+    query_start_loc_cpu : (num_reqs + 1,) int32, host
+    seq_lens_upper_bound : (num_reqs,) int32, host
+
+    Returns
+    -------
+    bool
+
+    Examples
+    --------
+    >>> dcp_context_is_empty([0, 3, 5], [3, 2]), dcp_context_is_empty([0, 1, 5], [9, 4])
+    (True, False)
+    """
+    qsl = np.asarray(query_start_loc_cpu)
+    ub = np.asarray(seq_lens_upper_bound)
+    return bool(ub.shape[0] == 0 or int((ub - np.diff(qsl)).max()) == 0)
 
 _OK = 0
 _NEG_S = 1

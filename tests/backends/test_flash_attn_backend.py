@@ -1,7 +1,8 @@
 """FlashAttention backend metadata (attnmeta.backends.flash_attn; docs/semantics.md, "split_decodes_and_prefills"; docs/semantics.md, "Context parallelism"; docs/semantics-attention.md, "FlashAttentionMetadata").
 
 Structure (field roles, documented shapes, repr, read-only host arrays) apart from numerics: the
-fields are the common metadata's own, the decode/prefill counts equal the split reference, the DCP
+fields are the common metadata's own, the decode/context-query counts are vLLM's (none without DCP;
+under DCP its split_dcp_context_queries, from the torch split reference), the DCP
 context lengths equal a torch transcription of section 7 step 6 and 5.9, per-request ``causal`` is an
 int32 array with padding rows 1; in eager mode, graph mode and on ``meta``, always in one copy.
 """
@@ -29,7 +30,8 @@ from attnmeta.backends import flash_attn
 from attnmeta.backends.flash_attn import FlashAttentionInputs, FlashAttentionMetadata, FlashAttentionOptions
 from attnmeta.metadata import CommonAttentionMetadata
 from attnmeta.testing.assertions import assert_matches_device
-from attnmeta.testing.reference import ref_query_start_loc, ref_seq_lens, ref_split_decodes_and_prefills
+from attnmeta.testing.reference import ref_query_start_loc, ref_seq_lens
+from attnmeta.testing.reference.layout import ref_split_decodes_prefills_and_extends
 from attnmeta.testing.strategies import batch_specs
 
 I32 = np.int32
@@ -59,7 +61,6 @@ def cases(draw: st.DrawFn, specs: st.SearchStrategy[BatchSpec] = SPECS) -> Case:
         dcp_rank=draw(st.integers(0, world - 1)),
         dcp_interleave=draw(st.sampled_from([1, 2, 4, 16])),
         max_num_splits=draw(st.sampled_from([0, 8])),
-        decode_threshold=draw(st.integers(1, 6)),
     ), per_request
 
 
@@ -123,6 +124,15 @@ def flags_of(per_request: Any) -> list[bool] | None:
     return None if per_request is None else [bool(v) for v in per_request]
 
 
+def _upper(spec: BatchSpec) -> torch.Tensor:
+    """``seq_lens_cpu_upper_bound`` as vLLM's runner fills it: the spec's bound (or ``c + q``), padding rows 0."""
+    upper = (spec.num_computed_tokens + spec.num_scheduled_tokens if spec.seq_lens_upper_bound is None
+             else spec.seq_lens_upper_bound)
+    out = torch.zeros(spec.padded_num_reqs, dtype=torch.int32)
+    out[: spec.num_reqs] = torch.from_numpy(upper.astype(np.int32))
+    return out
+
+
 def check_flash(m: FlashAttentionMetadata, spec: BatchSpec, options: FlashAttentionOptions, device: torch.device,
                 per_request: Any = None) -> None:
     """Every FlashAttention field of ``m`` against ``spec`` / ``options`` / the per-request flags."""
@@ -141,9 +151,13 @@ def check_flash(m: FlashAttentionMetadata, spec: BatchSpec, options: FlashAttent
     assert_matches_device(m.query_start_loc_cpu, qsl, "query_start_loc_cpu")
     assert_matches_device(m.seq_lens_cpu, ref_seq_lens(_t(spec.num_computed_tokens, device), q, Bp), "seq_lens_cpu")
 
-    # decode/prefill counts: section 5.1 with the builder's threshold (token padding counts as prefill)
-    split = ref_split_decodes_and_prefills(qsl, Tp, spec.max_query_len, options.decode_threshold)
-    assert (m.num_decode_reqs, m.num_prefill_reqs, m.num_decode_tokens, m.num_prefill_tokens) == split
+    # the counts, as vLLM 0.33.0's builder sets them: none without DCP; under DCP with a query longer than
+    # one token, the decodes and extends of split_decodes_prefills_and_extends at threshold 1
+    counts = (0, 0, 0, 0)
+    if options.dcp_world_size > 1 and spec.max_query_len > 1:
+        d, e, _p, dt, et, _pt = ref_split_decodes_prefills_and_extends(qsl.cpu(), _upper(spec), Tp, spec.max_query_len, 1)
+        counts = (d, e, dt, et)
+    assert (m.num_decode_reqs, m.num_prefill_reqs, m.num_decode_tokens, m.num_prefill_tokens) == counts
 
     # DCP: this rank's share of every context, on device and host; the host bound covers every rank
     W, r, inter = options.dcp_world_size, options.dcp_rank, options.dcp_interleave
@@ -155,7 +169,9 @@ def check_flash(m: FlashAttentionMetadata, spec: BatchSpec, options: FlashAttent
         assert m.dcp_context_kv_lens is not None
         assert_matches_device(m.dcp_context_kv_lens.cpu().numpy(), ref, "dcp_context_kv_lens")
         assert_matches_device(m.dcp_context_kv_lens_cpu, m.dcp_context_kv_lens, "dcp_context_kv_lens_cpu")
-        assert m.max_dcp_context_kv_len == -(-m.max_seq_len // (W * inter)) * inter
+        contexts = _upper(spec) - (qsl.cpu()[1:] - qsl.cpu()[:-1])
+        no_context = not contexts.numel() or int(contexts.max()) == 0  # vLLM then skips the context attention
+        assert m.max_dcp_context_kv_len == (0 if no_context else -(-m.max_seq_len // (W * inter)) * inter)
         shares = torch.stack([ref_dcp_context_kv_lens(spec, device, W, k, inter) for k in range(W)])
         assert int(shares.max().item() if shares.numel() else 0) <= m.max_dcp_context_kv_len
         context = m.seq_lens.cpu() - torch.diff(m.query_start_loc.cpu())
@@ -271,7 +287,7 @@ def test_layout_repr_and_read_only_host_arrays(dev: str, options: FlashAttention
 
 @given(case=cases())
 @example(case=(PADDED_SPEC, FULL_OPTIONS, FULL_FLAGS))
-@example(case=(DOC_SPEC, FlashAttentionOptions(decode_threshold=4), np.array([False, False, False])))
+@example(case=(DOC_SPEC, FlashAttentionOptions(dcp_world_size=2), np.array([False, False, False])))
 @example(case=(EMPTY_PADDED, FlashAttentionOptions(dcp_world_size=4, dcp_rank=3, dcp_interleave=16), []))
 def test_flash_attn_matches_references(device: torch.device, case: Case) -> None:
     spec, options, flags = case
@@ -376,9 +392,9 @@ def test_worked_example_by_hand(device: torch.device) -> None:
     assert m.dcp_context_kv_lens is not None and m.dcp_context_kv_lens.cpu().tolist() == [2, 3, 0, 0, 0]
     assert m.max_dcp_context_kv_len == 4
     assert m.causal_tensor is not None and m.causal_tensor.cpu().tolist() == [1, 0, 1, 1, 1] and m.causal is False
-    # q = [1, 1, 4, 0, 0], threshold 1: two decodes, then the prefill and the padding rows (with the
-    # 3 padding tokens) count as prefills
-    assert (m.num_decode_reqs, m.num_prefill_reqs, m.num_decode_tokens, m.num_prefill_tokens) == (2, 3, 2, 7)
+    # q = [1, 1, 4, 0, 0] under DCP: two decodes; the 4-token row has no context (a pure prefill: vLLM's
+    # split_dcp_context_queries counts it, and the padding rows, in neither count)
+    assert (m.num_decode_reqs, m.num_prefill_reqs, m.num_decode_tokens, m.num_prefill_tokens) == (2, 0, 2, 0)
     assert m.slot_mapping.cpu().tolist() == [45, 87, 120, 121, 122, 123, -1, -1, -1]
     assert m.block_table.cpu().tolist() == [[10, 11], [20, 21], [30, 31], [0, 0], [0, 0]]
     assert step.stats.copies == 1

@@ -234,19 +234,18 @@ def test_decode_and_prefill_only_steps_of_one_shape_are_two_layouts(device: torc
     assert builder.stats.replayed == len(specs) - 6 - (profile is not None), builder.stats
 
 
-@pytest.mark.parametrize("fa_opts", [FlashAttentionOptions(), FlashAttentionOptions(decode_threshold=4)])
-def test_each_builder_decides_whether_its_split_changes_its_layout(device: torch.device, fa_opts: Any) -> None:
+@pytest.mark.parametrize("mixed", [True, False], ids=["decode-then-prefill", "prefills-only"])
+def test_each_builder_decides_whether_its_split_changes_its_layout(device: torch.device, mixed: bool) -> None:
     """A first row within FlashInfer's decode threshold while a later row is longer: FlashInfer's split
     depends on every row's query (eager mode stages the prefill indptr for it), and such steps compose.
-    With FlashAttention's threshold raised to 4 and FlashInfer's at 1, queries of 3 and 4 tokens are
-    decode rows for FlashAttention (it stages nothing either way) and prefill rows for FlashInfer (its
-    first rule): both layouts are the split's, and the steps replay."""
+    Queries of 3 and 4 tokens in every row are prefill rows for FlashInfer (its first rule; FlashAttention
+    stages nothing of a split either way): the layout is the split's, and the steps replay."""
     table = np.arange(2 * 4, dtype=np.int32).reshape(2, 4) + 1
-    q = [[1, 3], [1, 2]] if fa_opts.decode_threshold == 1 else [[4, 4], [3, 4]]
+    q = [[1, 3], [1, 2]] if mixed else [[4, 4], [3, 4]]
     specs = [BatchSpec(num_computed_tokens=[5, 6], num_scheduled_tokens=qi, block_table=table, block_size=4)
              for _ in range(4) for qi in q]
-    builder = _check_walk(specs, device, fa_opts=fa_opts)
-    assert builder.stats.replayed == (0 if fa_opts.decode_threshold == 1 else 2), builder.stats
+    builder = _check_walk(specs, device)
+    assert builder.stats.replayed == (0 if mixed else 2), builder.stats
 
 
 def test_block_size_is_part_of_the_layout(device: torch.device) -> None:

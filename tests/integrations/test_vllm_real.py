@@ -258,7 +258,7 @@ def test_the_recipe_registers_and_builds_attnmetas_metadata(recipe: ModuleType) 
 
     got = builder.build(0, vcm)
     want = attnmeta.build(spec_of(vcm, spec, tables[0].get_numpy_array()), Stager("cpu"), "flash_attn",
-                          FlashAttentionOptions(decode_threshold=1))
+                          FlashAttentionOptions())
     for name, role in want.field_roles().items():
         x, y = getattr(got, name), getattr(want, name)
         if role == "scalar" or x is None or y is None:

@@ -27,7 +27,11 @@ from attnmeta.testing.reference.attention import (
     ref_paged_kv_last_page_len,
     ref_use_cascade_attention,
 )
-from attnmeta.testing.reference.layout import ref_common_fields, ref_split_decodes_and_prefills
+from attnmeta.testing.reference.layout import (
+    ref_common_fields,
+    ref_split_decodes_and_prefills,
+    ref_split_decodes_prefills_and_extends,
+)
 
 __all__ = ["ENTRIES"]
 
@@ -40,19 +44,36 @@ def flash_attn_sample(spec: BatchSpec, rng: np.random.Generator) -> tuple[FlashA
     """DCP on half the draws (world size 2, a random rank), else per-request causal flags."""
     if rng.random() < 0.5:
         return FlashAttentionOptions(dcp_world_size=2, dcp_rank=int(rng.integers(0, 2))), None
-    return (FlashAttentionOptions(decode_threshold=int(rng.integers(1, 4))),
-            FlashAttentionInputs(causal=rng.random(spec.num_reqs) < 0.7))
+    return FlashAttentionOptions(), FlashAttentionInputs(causal=rng.random(spec.num_reqs) < 0.7)
 
 
 def flash_attn_reference(spec: BatchSpec, options: FlashAttentionOptions, device: torch.device,
                          inputs: FlashAttentionInputs) -> dict[str, Any]:
-    """The common fields it passes on and its split (the DCP lengths: the FlashAttention tests)."""
+    """The common fields it passes on, and vLLM 0.33.0's FlashAttention counts: none without DCP; under
+    DCP (with a query longer than one token) the decodes and extends of
+    ``split_decodes_prefills_and_extends`` at threshold 1 (its ``split_dcp_context_queries``), and
+    ``max_dcp_context_kv_len`` 0 when no row has context (the DCP lengths: the FlashAttention tests)."""
     ref = ref_common_fields(spec, device)
-    nd, np_, ndt, npt = ref_split_decodes_and_prefills(
-        ref["query_start_loc"], spec.padded_num_tokens, spec.max_query_len, options.decode_threshold)
+    counts = (0, 0, 0, 0)
+    max_dcp = 0
+    if options.dcp_world_size > 1:
+        qsl = ref["query_start_loc"].cpu()  # (a reference: reads back freely)
+        c = torch.from_numpy(spec.num_computed_tokens.astype(np.int32))
+        q = torch.from_numpy(spec.num_scheduled_tokens.astype(np.int32))
+        upper = c + q if spec.seq_lens_upper_bound is None else torch.from_numpy(spec.seq_lens_upper_bound.astype(np.int32))
+        ub = torch.zeros(spec.padded_num_reqs, dtype=torch.int32)  # padding rows: 0
+        ub[: spec.num_reqs] = upper
+        if spec.max_query_len > 1:
+            d, e, _p, dt, et, _pt = ref_split_decodes_prefills_and_extends(qsl, ub, spec.padded_num_tokens,
+                                                                           spec.max_query_len, 1)
+            counts = (d, e, dt, et)
+        has_context = spec.num_reqs > 0 and int((upper - q).max()) > 0
+        if has_context:
+            parts = options.dcp_world_size * options.dcp_interleave
+            max_dcp = -(-int(upper.max()) // parts) * options.dcp_interleave
     return {"query_start_loc": ref["query_start_loc"], "seq_lens": ref["seq_lens"],
-            "slot_mapping": ref["slot_mapping"], "num_decode_reqs": nd, "num_prefill_reqs": np_,
-            "num_decode_tokens": ndt, "num_prefill_tokens": npt}
+            "slot_mapping": ref["slot_mapping"], "num_decode_reqs": counts[0], "num_prefill_reqs": counts[1],
+            "num_decode_tokens": counts[2], "num_prefill_tokens": counts[3], "max_dcp_context_kv_len": max_dcp}
 
 
 # ------------------------------------------------------------------------------------------------
