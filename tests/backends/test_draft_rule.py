@@ -90,6 +90,27 @@ def test_gdn_spec_rows_follow_the_runner_rule() -> None:
     assert m.num_accepted_tokens_cpu is not None and m.num_accepted_tokens_cpu.tolist() == [2, 1]
 
 
+def test_a_spec_decode_step_without_draft_counts_is_read_as_the_runner_fills_it() -> None:
+    """Spec decode on, a step whose spec carries no draft counts (no request got drafts): vLLM's runner
+    still fills them (gpu_model_runner.py, every step while spec decode is on), so a one-token row past
+    its prompt is a spec row with zero drafts; the prompt chunk stays -1. Found by running vLLM's own GDN
+    builder through the harness (tests/integrations/test_vllm_builders.py)."""
+    spec = BatchSpec(num_computed_tokens=[30, 0], num_scheduled_tokens=[1, 4], num_prompt_tokens=[10, 9],
+                     block_table=[[7, 8], [9, 10]], block_size=16)
+    with_counts = BatchSpec(num_computed_tokens=[30, 0], num_scheduled_tokens=[1, 4], num_prompt_tokens=[10, 9],
+                            num_draft_tokens=[0, 0], block_table=[[7, 8], [9, 10]], block_size=16)
+    opts, acc = gdn.GDNOptions(num_speculative_tokens=1), gdn.GDNInputs(num_accepted_tokens=[1, 1])
+    for s in (spec, with_counts):
+        m = gdn.build(s, Stager("cpu"), opts, acc)
+        assert (m.num_spec_decodes, m.num_decodes, m.num_prefills) == (1, 0, 1), s
+        assert m.spec_state_indices_tensor_cpu is not None and m.spec_state_indices_tensor_cpu.tolist() == [[7, 8]]
+    m2 = mamba2.build(spec, Stager("cpu"), mamba2.Mamba2Options(num_speculative_tokens=1, chunk_size=8),
+                      mamba2.Mamba2Inputs(num_accepted_tokens=[1, 1]))
+    assert (m2.num_decodes, m2.num_prefills) == (1, 1)
+    no_spec = gdn.build(spec, Stager("cpu"), gdn.GDNOptions(), None)  # spec decode off: no counts, no spec rows
+    assert (no_spec.num_spec_decodes, no_spec.num_decodes, no_spec.num_prefills) == (0, 1, 1)
+
+
 def test_mamba2_moves_only_the_stateful_one_token_chunk_to_the_decodes() -> None:
     """vLLM's Mamba2 build (threshold 1 + k with accepted counts): row 2 continues a state and has one
     token, so it moves to the decodes; row 3 has no prior state and stays a prefill."""

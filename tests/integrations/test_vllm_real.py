@@ -47,6 +47,9 @@ vllm_utils = pytest.importorskip(
            "(docs/vllm.md, 'Testing against vLLM')",
 )
 VllmCommon = vllm_utils.CommonAttentionMetadata
+
+from vllm_runner import vllm_runner_common  # noqa: E402  (tests/integrations/vllm_runner.py: needs vLLM)
+
 DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
 KINDS = ("decode", "spec_decode", "prefill", "chunked_prefill")  # vLLM schedules no zero-length row, no empty step
 
@@ -64,51 +67,6 @@ def test_vllm_is_the_pinned_release() -> None:
 
 
 # ------------------------------------------------------------------ vLLM's CommonAttentionMetadata, vLLM's way
-
-
-def vllm_runner_common(spec: BatchSpec, device: torch.device) -> tuple[Any, np.ndarray]:
-    """vLLM's ``CommonAttentionMetadata`` for ``spec``'s step, built as vLLM 0.33.0's V1 runner builds it
-    (``_prepare_inputs`` + ``_build_attention_metadata``, docs of vllm-semantics sections 3 and 4) in
-    torch, without attnmeta; and the host block table it was copied from."""
-    n, B, T, bs = spec.num_reqs, spec.padded_num_reqs, spec.padded_num_tokens, spec.block_size
-    c = torch.from_numpy(spec.num_computed_tokens.astype(np.int64))
-    q = torch.from_numpy(spec.num_scheduled_tokens.astype(np.int64))
-    total = int(q.sum())
-    qsl_cpu = torch.zeros(B + 1, dtype=torch.int32)
-    qsl_cpu[1 : n + 1] = torch.cumsum(q, 0).to(torch.int32)
-    qsl_cpu[n + 1 :] = qsl_cpu[n]  # padding rows repeat the last value
-    ub = c + q if spec.seq_lens_upper_bound is None else torch.from_numpy(spec.seq_lens_upper_bound.astype(np.int64))
-    optimistic = torch.zeros(B, dtype=torch.int32)
-    optimistic[:n] = ub.to(torch.int32)
-    seq_lens = torch.zeros(B, dtype=torch.int32)
-    seq_lens[:n] = (c + q).to(torch.int32)  # exact on the device (vLLM corrects it there)
-    host_table = np.zeros((B, spec.block_table.shape[1]), np.int32)
-    host_table[:n] = spec.block_table[:n]  # padding rows NULL_BLOCK_ID
-    table = torch.from_numpy(host_table)
-    req = torch.repeat_interleave(torch.arange(n), q)
-    pos = c[req] + (torch.arange(total) - qsl_cpu[req].to(torch.int64))
-    positions = torch.zeros(T, dtype=torch.int64)
-    positions[:total] = pos
-    slots = torch.full((T,), -1, dtype=torch.int64)
-    cp = spec.context_parallel
-    if cp is None or cp.world_size == 1:
-        slots[:total] = table[req, pos // bs].to(torch.int64) * bs + pos % bs
-    else:
-        W, r, il = cp.world_size, cp.rank, cp.interleave
-        vb, o = pos // (bs * W), pos % (bs * W)
-        local = (o // il) % W == r
-        off = (o // (W * il)) * il + o % il
-        slots[:total] = torch.where(local, table[req, vb].to(torch.int64) * bs + off, -1)
-    prefilling = torch.zeros(B, dtype=torch.bool)
-    if spec.num_prompt_tokens is not None:
-        prefilling[:n] = c < torch.from_numpy(spec.num_prompt_tokens.astype(np.int64))
-    cm = VllmCommon(
-        query_start_loc=qsl_cpu.to(device), query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens.to(device),
-        num_reqs=B, num_actual_tokens=T, max_query_len=int(q.max()) if n else 0,
-        max_seq_len=int(ub.max()) if n else 0, block_table_tensor=table.to(device), slot_mapping=slots.to(device),
-        causal=True, positions=positions.to(device), is_prefilling=prefilling, seq_lens_cpu_upper_bound=optimistic,
-    )
-    return cm, host_table
 
 
 def spec_of(vcm: Any, spec: BatchSpec, table: np.ndarray) -> BatchSpec:
@@ -235,7 +193,7 @@ def test_the_recipe_registers_and_builds_attnmetas_metadata(recipe: ModuleType) 
     kv_spec = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=64, dtype=torch.float16)
     config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     builder = recipe.AttnmetaFlashAttnBuilder(kv_spec, ["model.layers.0.self_attn.attn"], config, torch.device("cpu"))
-    assert builder.reorder_batch_threshold == 1
+    assert builder.reorder_batch_threshold is None  # as vLLM's FlashAttention builder: no reordering asked for
 
     # vLLM's own host block table of KV-cache group 0: two decodes and a prefill, padded to 4 rows
     tables = MultiGroupBlockTable(max_num_reqs=4, max_num_batched_tokens=64, pin_memory=False,
@@ -268,5 +226,5 @@ def test_the_recipe_registers_and_builds_attnmetas_metadata(recipe: ModuleType) 
         else:
             assert np.array_equal(x, y), name
     assert_same_common(got.common, want.common)
-    assert (got.num_decode_reqs, got.num_prefill_reqs) == (2, 2)  # (the padding row counts as a prefill row)
+    assert (got.num_decode_reqs, got.num_prefill_reqs) == (0, 0)  # (vLLM's builder counts only under DCP)
     assert got.query_start_loc_cpu.tolist() == [0, 1, 2, 8, 8]

@@ -51,6 +51,7 @@ from attnmeta.backends.mamba._shared import (
     MambaHost,
     check_align_block_size,
     make_host,
+    runner_draft_counts,
     state_indices_error,
 )
 from attnmeta.host.chunks import ChunkMetadata, logical_chunks_nb, token_seq_idx_nb
@@ -661,7 +662,7 @@ def refill(step: Step, h: CommonHost, group: FieldGroup, lay: _Layout, owner: st
     if checkpoint is not None:
         hb, hit, look = checkpoint.hash_block_size, checkpoint.cache_hit_alignment_tokens, checkpoint.num_hash_lookahead_tokens
         ck_align, drop = checkpoint.checkpoint_alignment or 0, checkpoint.drop_eagle_block
-    drafts = h.num_decode_draft_tokens_cpu
+    drafts = runner_draft_counts(h, spec_tokens)
     status, D, Dt, tot, n, prep, nck, num_moved = mamba_fill_nb(
         h.query_start_loc_cpu, h.seq_lens_cpu_upper_bound, isp, drafts if drafts is not None and spec_tokens else _NO_I32,
         h.seq_lens_cpu, h.block_table_cpu, T, thr, bs_m, align, chunk_size, prof is not None, accepted,
@@ -726,7 +727,7 @@ def _raise_fill_error(status: int, h: CommonHost, k: int, bs_m: int, align: bool
     qsl, ub, B = h.query_start_loc_cpu, h.seq_lens_cpu_upper_bound, h.num_reqs
     mode = "align" if align else "none"
     if code in (FILL_E_QSL, FILL_E_DRAFTS):
-        classify_mamba_rows(qsl, ub, h.is_prefilling, h.num_decode_draft_tokens_cpu if k else None)
+        classify_mamba_rows(qsl, ub, h.is_prefilling, runner_draft_counts(h, k) if k else None)
     elif code == FILL_E_TABLE_D:  # decode rows before ``row`` fit their 1 + k columns
         raise state_indices_error(h, slice(0, row + 1), bs_m, mode, 1 + k)
     elif code == FILL_E_TABLE_P:  # every row before ``row`` fits one column

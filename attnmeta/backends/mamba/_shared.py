@@ -53,6 +53,7 @@ __all__ = [
     "check_checkpoint_option",
     "common_needs",
     "make_host",
+    "runner_draft_counts",
     "state_indices_error",
 ]
 
@@ -166,6 +167,21 @@ def block_table_columns(spec: BatchSpec, options: Any) -> int:
 
 
 @functools.lru_cache(maxsize=256)
+def runner_draft_counts(h: CommonHost, spec_tokens: int) -> np.ndarray | None:
+    """The runner's ``num_decode_draft_tokens_cpu`` a Mamba-family builder reads: the common metadata's
+    when the spec gave draft counts; else, with spec decode on (``spec_tokens > 0``), vLLM's runner rule
+    for a step in which no row got drafts (it fills the counts every step while spec decode is on): 0
+    for a one-token row past its prompt (a spec row with zero drafts), -1 for the rest; else None.
+
+    ``(num_reqs,)`` int32, host.
+    """
+    drafts = h.num_decode_draft_tokens_cpu
+    if drafts is not None or not spec_tokens:
+        return drafts
+    q = np.diff(h.query_start_loc_cpu)
+    return np.where((q == 1) & ~h.is_prefilling, 0, -1).astype(np.int32)
+
+
 def common_needs(columns: int) -> CommonNeeds:
     """What a Mamba builder reads of the common metadata: no per-token arrays (vLLM's
     ``SlotMappingMode.NONE``) and ``columns`` block-table columns (one immutable object per width)."""

@@ -37,6 +37,7 @@ from attnmeta.backends.mamba._shared import (
     block_table_columns,
     check_align_block_size,
     common_needs,
+    runner_draft_counts,
     state_indices_error,
 )
 from attnmeta.builder import Builder, CommonNeeds, register
@@ -398,7 +399,7 @@ class GDNBuilder(Builder[GDNOptions, GDNInputs, None, GDNMetadata]):
         bt = np.empty((B, k + 1), np.int32)
         if state_indices_nb(h.block_table_cpu, h.seq_lens_cpu, bs_m, align, bt) >= 0:
             raise state_indices_error(h, slice(0, B), bs_m, o.cache_mode, k + 1)
-        drafts = h.num_decode_draft_tokens_cpu
+        drafts = runner_draft_counts(h, k)
         mask = None
         if k and drafts is not None:
             mask = drafts >= 0

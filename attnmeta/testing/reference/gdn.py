@@ -57,9 +57,10 @@ def ref_gdn_metadata(
     if spec.num_prompt_tokens is not None:
         is_pre[:n] = torch.from_numpy(c_np < spec.num_prompt_tokens)
     drafts = None
-    if spec.num_draft_tokens is not None:
+    if spec.num_draft_tokens is not None or k > 0:  # the runner fills the counts every step of spec decode
         prompt = None if spec.num_prompt_tokens is None else torch.from_numpy(spec.num_prompt_tokens.copy())
-        drafts = ref_num_decode_draft_tokens(torch.from_numpy(q_np), torch.from_numpy(spec.num_draft_tokens.copy()),
+        scheduled = np.zeros(n, np.int32) if spec.num_draft_tokens is None else spec.num_draft_tokens.copy()
+        drafts = ref_num_decode_draft_tokens(torch.from_numpy(q_np), torch.from_numpy(scheduled),
                                              torch.from_numpy(c_np), prompt, B)
     bs_m = options.mamba_block_size or spec.block_size
     table = ref_mamba_block_table(spec, num_state_columns=k + 1, mamba_block_size=bs_m, mode=options.cache_mode,

@@ -414,9 +414,11 @@ def ref_mamba_metadata(
     else:
         isp_cpu = torch.zeros(B, dtype=torch.bool)
     drafts_cpu = None
-    if spec.num_draft_tokens is not None:
+    if spec.num_draft_tokens is not None or k > 0:  # the runner fills the counts every step of spec decode
         prompt = None if spec.num_prompt_tokens is None else torch.from_numpy(spec.num_prompt_tokens.copy())
-        drafts_cpu = ref_num_decode_draft_tokens(torch.from_numpy(q), torch.from_numpy(spec.num_draft_tokens.copy()),
+        scheduled_drafts = (np.zeros(len(q), np.int32) if spec.num_draft_tokens is None
+                            else spec.num_draft_tokens.copy())
+        drafts_cpu = ref_num_decode_draft_tokens(torch.from_numpy(q), torch.from_numpy(scheduled_drafts),
                                                  torch.from_numpy(c), prompt, B)
     # the runner's device tensors (CAM device fields), uploaded
     qsl = ref_query_start_loc(torch.from_numpy(q).to(device), B)
