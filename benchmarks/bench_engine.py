@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -122,12 +123,12 @@ def cold_replica(engine: Engine, reqs: list[Request], cold_us: float, passes: in
     out: dict[str, float] = {}
     for name, pause, wait in ways:
         timed_after(calls[: len(decode)], pause, wait)  # one untimed pass: the slots' layouts
-        out[f"cold_{name}_ms"] = float(torch.tensor(timed_after(calls, pause, wait)).median()) / 1e3
+        out[f"cold_{name}_ms"] = float(np.median(timed_after(calls, pause, wait))) / 1e3
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)  # harness only, between ways: drain the queue
     control = jitter(out["cold_tight_ms"] * 1e3)
     for name, pause, wait in ways:
-        out[f"control_{name}_ms"] = float(torch.tensor(timed_after([control] * len(calls), pause, wait)).median()) / 1e3
+        out[f"control_{name}_ms"] = float(np.median(timed_after([control] * len(calls), pause, wait))) / 1e3
     return out
 
 

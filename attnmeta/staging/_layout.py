@@ -259,15 +259,12 @@ MAX_CACHED = 512  # per slot; the cache is dropped (and rebuilt on demand) when 
 
 
 class StepViews(Protocol):
-    """What :class:`FieldGroup` and a :class:`Slot`'s owner read of a step (implemented by
-    :class:`~attnmeta.staging.Step`)."""
+    """What :class:`FieldGroup` reads of a step (implemented by :class:`~attnmeta.staging.Step`)."""
 
     _generation: int
     _expired: bool
 
     def _view(self, f: FieldLayout, rows: int) -> torch.Tensor: ...
-
-    def _expire(self, by: int) -> None: ...
 
     def device(self, name: str) -> torch.Tensor: ...
 

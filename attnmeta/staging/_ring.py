@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -163,7 +163,8 @@ class Ring(Arenas):
         self._slots = [Slot(i) for i in range(num_slots)]
         self._next = 0
         self._open: weakref.ref[StepCore] | None = None  # the step begun and not yet committed or abandoned
-        self._open_slot: Slot | None = None
+        self._open_slot: Slot | None = None  # ... its slot and number (to abandon it once it is gone)
+        self._open_number = 0
         self._frozen = False
         self._fencing = not _unsafe_disable_fencing
         self.stats = StagerStats()
@@ -249,16 +250,11 @@ class Ring(Arenas):
 
     def _abandon_lost(self, *, warn: bool) -> None:
         """The open step's object is gone (it was begun outside ``with`` and dropped before it
-        committed): abandon it as :meth:`_abandon` would, every field of graph mode's layout refilled
-        with its sentinel at the slot's next commit (which rows it wrote is not known any more)."""
+        committed): abandon it through :meth:`_abandon`, as if it had written every row of every field
+        (which rows it wrote is not known any more)."""
         slot = self._open_slot
-        self._open = self._open_slot = None
         assert slot is not None
-        slot.extras = {}
-        slot.version += 1
-        if self.graph_mode:
-            for name, f in self._layout.items():
-                slot.dirty_rows[name] = f.capacity
+        self._abandon(slot, self._open_number, None)
         if warn:
             warnings.warn("Stager.step(): the last step was begun and dropped without a commit; it is abandoned "
                           "(nothing of it was copied). Use `with stager.step() as step:` so a step always ends",
@@ -296,7 +292,7 @@ class Ring(Arenas):
         waits, wait_s = self._wait_slot(slot)
         step = make(self, slot, waits, wait_s)
         self._open = slot.owner = weakref.ref(step)  # (held weakly: a step dropped while open is abandoned)
-        self._open_slot = slot
+        self._open_slot, self._open_number = slot, st.steps_begun
         return step
 
     def _busy(self, open_step: StepCore | None) -> str:
@@ -403,21 +399,22 @@ class Ring(Arenas):
             slot.event.record(self._stream_obj)  # the copy is enqueued; fence it the torch way
         return True
 
-    def _abandon(self, step: StepCore) -> None:
-        """Close ``step`` without a copy. It claimed its slot when it began (the slot's previous step
-        expired then) and may have written any of its fields' bytes: what builders know of the bytes
-        the slot holds (its extras, the recorded layouts of :meth:`Step.layout`) is dropped, and in
-        graph mode the rows it may have written are refilled with their sentinels at the slot's next
-        commit."""
-        self._open = None
-        slot = step._slot
+    def _abandon(self, slot: Slot, number: int, written: Mapping[str, FieldLayout] | None) -> None:
+        """Close step ``number`` on ``slot`` without a copy. It claimed the slot when it began (the
+        slot's previous step expired then) and may have written any of the rows of ``written`` (its
+        staged fields; None: unknown, every field of graph mode's layout whole): what builders know of
+        the bytes the slot holds (its extras, the recorded layouts of :meth:`Step.layout`) is dropped,
+        and in graph mode those rows are refilled with their sentinels at the slot's next commit."""
+        self._open = self._open_slot = None
         slot.extras = {}
         slot.version += 1
         if self.graph_mode:
             dirty = slot.dirty_rows
-            for name, f in step._fields.items():
-                if f.rows > dirty.get(name, 0):
-                    dirty[name] = f.rows
+            fields = self._layout if written is None else written
+            for name, f in fields.items():
+                rows = f.capacity if written is None else f.rows
+                if rows > dirty.get(name, 0):
+                    dirty[name] = rows
 
     def __repr__(self) -> str:
         mode = "graph" if self.graph_mode else "eager"
@@ -596,7 +593,7 @@ class StepCore:
     def abandon(self) -> None:
         """Drop the step without copying (its slot is free for the next step)."""
         if not self._committed:
-            self._stager._abandon(self)
+            self._stager._abandon(self._slot, self._number, self._fields)
             self._committed = True
             self._generation = -2
 

@@ -564,9 +564,9 @@ class RingWriter(Stager):
             self._encoder.forget()
         self._unpublished = step
 
-    def _abandon(self, step: StepCore) -> None:
-        super()._abandon(step)
-        self._announce(step, -1, 0, 0)
+    def _abandon(self, slot: Slot, number: int, written: Mapping[str, FieldLayout] | None) -> None:
+        super()._abandon(slot, number, written)
+        self._announce(slot.index, number, -1, 0, 0)  # (a skip: a dropped step's too)
 
     def publish(self, results: Mapping[str, Any] | None = None) -> None:
         """Publish the last committed step to the readers, with ``results`` for
@@ -616,19 +616,20 @@ class RingWriter(Stager):
             raise CapacityError(f"publish(): the step's description takes {len(blob)} bytes; the ring's meta "
                                 f"regions hold {ring.meta_bytes} (SharedRing.create(meta_bytes=...))")
         ring.meta[i][: len(blob)] = np.frombuffer(blob, np.uint8)
-        self._announce(step, copied_bytes(step), layout_bytes(self) if self.graph_mode else 0, len(blob))
+        self._announce(slot_of(step).index, step.number, copied_bytes(step), layout_bytes(self) if self.graph_mode else 0,
+                       len(blob))
         self._unpublished = None
         self.ring_stats.meta_bytes += len(blob)
 
-    def _announce(self, step: StepCore, nbytes: int, arena_bytes: int, meta_len: int) -> None:
-        """Write slot words of ``step``, then (after a fence) its ``seq``."""
+    def _announce(self, slot: int, number: int, nbytes: int, arena_bytes: int, meta_len: int) -> None:
+        """Write the words of step ``number`` in ring slot ``slot``, then (after a fence) its ``seq``."""
         ring = self._ring
-        base = _W_SLOT0 + 4 * slot_of(step).index
+        base = _W_SLOT0 + 4 * slot
         hdr = ring.header
         hdr[base + _NBYTES], hdr[base + _ARENA], hdr[base + _META] = nbytes, arena_bytes, meta_len
         _fence()
-        hdr[base + _SEQ] = step.number
-        hdr[_W_PUBLISHED] = step.number
+        hdr[base + _SEQ] = number
+        hdr[_W_PUBLISHED] = number
         self.ring_stats.published += 1
 
     def _place(self, t: torch.Tensor) -> TensorAt:

@@ -157,6 +157,24 @@ def test_abandoned_steps_are_skipped(ring: SharedRing) -> None:
         assert r.stats.steps == 2 and r.stats.copies == 1
 
 
+def test_a_step_dropped_while_open_is_skipped_too(ring: SharedRing) -> None:
+    """A writer's step begun outside ``with`` and dropped: the next step abandons it through the same
+    hook as an abandoned one, so the readers are told it is a skip (else they would wait for it)."""
+    import gc
+
+    writer = RingWriter(ring, "cpu", timeout=10)
+    readers = [RingReader(SharedRing.attach(ring.name), r, "cpu") for r in range(2)]
+    writer.step().alloc("x", 2, np.int32)[:] = 5  # begun, written, dropped
+    gc.collect()
+    with pytest.warns(RuntimeWarning, match="dropped without a commit"), writer.step() as step:
+        step.alloc("x", 2, np.int32)[:] = 7
+    writer.publish()
+    for r in readers:
+        got = r.receive(timeout=10)
+        assert got is not None and got.number == 2 and got.device("x").tolist() == [7, 7]
+        assert r.stats.steps == 2 and r.stats.copies == 1
+
+
 def test_publish_is_required_and_checked(ring: SharedRing) -> None:
     writer = RingWriter(ring, "cpu", timeout=10)
     with pytest.raises(RuntimeError, match="no committed step"):
