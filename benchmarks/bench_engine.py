@@ -9,7 +9,8 @@ trace). The figures are medians over the timed run's full-batch decode steps:
 
 - ``step ms``: one iteration of the async loop (schedule, build, plan, launch, read the previous step's
   tokens): with the GPU busy, the GPU's step time;
-- ``attnmeta ms``: building the step's metadata (the ``BatchSpec``, staging, the commit, the results);
+- ``metadata ms``: building the step's metadata (attnmeta: the ``BatchSpec``, staging, the commit,
+  the results);
   ``share``: of the step;
 - ``plan ms``: the kernel's per-step preparation (FlashInfer's ``plan()``);
 - ``copies/step``: the engine's metadata copies (attnmeta's stager, or the baseline's uploads);
@@ -19,7 +20,16 @@ trace). The figures are medians over the timed run's full-batch decode steps:
 
 Modes: ``graphs`` (graph-mode stager, decode steps replayed as CUDA graphs, FlashInfer), ``eager``
 (FlashInfer, no graphs), ``per-tensor`` (eager, the same host derivation with every field uploaded
-on its own from freshly pinned memory, the pattern of vLLM's ``async_tensor_h2d``).
+on its own from freshly pinned memory, the pattern of vLLM's ``async_tensor_h2d``), and the headline's
+baseline, ``vllm-graphs`` and ``vllm-eager``: the same engine, model and FlashInfer kernels with each
+step's metadata built by vLLM 0.33.0's own runner buffers and ``FlashInferMetadataBuilder`` (and
+``Mamba2AttentionMetadataBuilder`` for the hybrid model; ``examples/engine/vllm_metadata.py``), whose
+``plan()`` calls are timed apart into ``plan ms`` as the attnmeta modes' are. In the vLLM modes
+``metadata ms`` is the runner's part and the builders' ``build()`` less its ``plan()`` calls;
+``copies/step`` counts the runner's own H2D copies. The sync audit runs in count mode (it records, it
+does not raise): vLLM's code may sync. The modes run in turn at each concurrency, in one process; the
+summary at the end gives attnmeta over vLLM for each pair (graphs and vllm-graphs, eager and
+vllm-eager): tokens/s and metadata host time.
 
 More columns split attnmeta's time: ``fence ms``, the part spent blocked on a ring slot's fence (the
 host ran ``num_slots - 1`` steps ahead of the GPU; reported apart), ``own ms``, attnmeta's time less
@@ -68,8 +78,12 @@ from attnmeta.sync import record_device_syncs
 from examples.engine import Engine, EngineConfig, Request, make_kernel
 from examples.engine.workload import config_1b, config_hybrid_1b, make_model, tiny_config
 
-MODES = {"graphs": ("flashinfer", True, "one-copy"), "eager": ("flashinfer", False, "one-copy"),
-         "per-tensor": ("flashinfer", False, "per-tensor")}
+MODES = {"graphs": ("flashinfer", True, "one-copy", "attnmeta"), "eager": ("flashinfer", False, "one-copy", "attnmeta"),
+         "per-tensor": ("flashinfer", False, "per-tensor", "attnmeta"),
+         "vllm-graphs": ("flashinfer", True, "one-copy", "vllm"), "vllm-eager": ("flashinfer", False, "one-copy", "vllm")}
+"""Mode name: (kernel, CUDA graphs, uploads, who builds the metadata)."""
+PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"))
+"""The headline's pairs: attnmeta's mode and vLLM's, the same loop otherwise."""
 
 
 def _requests(n: int, prompt: int, new: int, vocab: int, seed: int) -> list[Request]:
@@ -78,12 +92,13 @@ def _requests(n: int, prompt: int, new: int, vocab: int, seed: int) -> list[Requ
 
 
 def _engine(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device) -> Engine:
-    kernel, graphs, uploads = MODES[mode]
+    kernel, graphs, uploads, metadata = MODES[mode]
     sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s <= max(n, 1))
     blocks_per_req = -(-(prompt + new) // 16)
     cfg = EngineConfig(block_size=16, num_blocks=n * blocks_per_req + 64, max_num_tokens=max(8192, n),
                        max_num_seqs=max(n, 1), max_model_len=blocks_per_req * 16, decode_sizes=sizes,
-                       cuda_graphs=graphs, uploads=uploads, mamba_kernels="vllm")  # type: ignore[arg-type]
+                       cuda_graphs=graphs, uploads=uploads, mamba_kernels="vllm",  # type: ignore[arg-type]
+                       metadata=metadata)  # type: ignore[arg-type]
     return Engine(model, make_kernel(kernel, model, device, cascade=False), cfg)
 
 
@@ -139,7 +154,7 @@ def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
     engine.run(_requests(n, prompt, new, vocab, 0))  # warm-up: JIT, graph capture, layouts
     # More warm-up runs until every ring slot has staged a step with prompt tokens: a slot's first step
     # of a layout builds that layout's views, which is not the steady state the prefill medians report.
-    ring = engine.stager.num_slots
+    ring = engine.stager.num_slots if engine.vllm is None else 1  # vLLM's buffers have no ring
     for seed in range(100, 100 + 2 * ring):
         if len({s for s, k in zip(engine.stats.step_slots, engine.stats.step_kinds, strict=True) if k == "mixed"}) == ring:
             break
@@ -177,7 +192,7 @@ def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
         extra["prefill_steps"] = len(pre)
         if pre:
             pstep = statistics.median(times[i] for i in pre)
-            extra.update(prefill_step_ms=pstep * 1e3, prefill_attnmeta_ms=statistics.median(md[i] for i in pre) * 1e3,
+            extra.update(prefill_step_ms=pstep * 1e3, prefill_metadata_ms=statistics.median(md[i] for i in pre) * 1e3,
                          prefill_share=statistics.median(md[i] for i in pre) / pstep)
     w1, a0 = st.token_waits, st.steps
     with record_device_syncs(allow_async_d2h=True) as found:
@@ -187,11 +202,11 @@ def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
     syncs = [e for e in found if e.kind == "sync"]
     unsafe = [e for e in found if e.kind != "sync"]
     h2d = _h2d_per_step(engine, _requests(n, prompt, new, vocab, 3))
-    if cold_us is not None and mode != "per-tensor":
+    if cold_us is not None and MODES[mode][2:] == ("one-copy", "attnmeta"):
         extra.update(cold_replica(engine, _requests(n, prompt, new, vocab, 1), cold_us))
         extra["loop_over_cold"] = extra["own_ms"] / extra["cold_event_ms"]
     return {"mode": mode, "concurrency": n, "step_ms": step * 1e3, "steps_per_s": 1 / step, "tokens_per_s": n / step,
-            "attnmeta_ms": meta * 1e3, "share": meta / step, "plan_ms": plan_s / steps * 1e3,
+            "metadata_ms": meta * 1e3, "share": meta / step, "plan_ms": plan_s / steps * 1e3,
             "copies_per_step": copies / steps, "h2d_per_step": h2d,
             "syncs_per_step": len(syncs) / audited_steps, "sync_ops": sorted({str(e).split(":")[0] for e in syncs})[:3],
             "other_findings_per_step": len(unsafe) / audited_steps,
@@ -225,11 +240,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {'Bamba (Mamba2 layers: vLLM kernels)' if hybrid else 'Llama'} {params / 1e9:.2f}B params, bf16, "
           f"{torch.cuda.get_device_name(device)}; prompt {a.prompt}, {a.new} new tokens per request", flush=True)
     modes = "eager" if hybrid and a.modes == p.get_default("modes") else a.modes
-    if hybrid and modes != "eager":
-        print("bench_engine: a hybrid model runs eager steps with one copy only (--modes eager)", file=sys.stderr)
+    unknown = [m for m in modes.split(",") if m not in MODES]
+    if unknown:
+        print(f"bench_engine: unknown modes {unknown}: {', '.join(MODES)}", file=sys.stderr)
+        return 2
+    if hybrid and not set(modes.split(",")) <= {"eager", "vllm-eager"}:
+        print("bench_engine: a hybrid model runs eager steps with one copy only (--modes eager,vllm-eager)",
+              file=sys.stderr)
         return 2
     rows = []
-    print(f"{'mode':>10} {'reqs':>5} {'step ms':>8} {'steps/s':>8} {'tok/s':>8} {'attnmeta ms':>11} {'share':>6} "
+    print(f"{'mode':>11} {'reqs':>5} {'step ms':>8} {'steps/s':>8} {'tok/s':>8} {'metadata ms':>11} {'share':>6} "
           f"{'fence ms':>8} {'own ms':>7} {'own %':>6} {'replay':>6} {'plan ms':>8} {'copies':>6} {'H2D':>5} "
           f"{'syncs':>5} {'waits':>5}", flush=True)
     colds = []
@@ -237,15 +257,15 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes.split(","):
             r = measure(model, mode, n, a.prompt, a.new, device, None if a.no_cold else a.cold_us)
             rows.append(r)
-            print(f"{mode:>10} {n:>5} {r['step_ms']:8.3f} {r['steps_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
-                  f"{r['attnmeta_ms']:11.4f} {r['share']:6.1%} {r['fence_ms']:8.4f} {r['own_ms']:7.4f} "
+            print(f"{mode:>11} {n:>5} {r['step_ms']:8.3f} {r['steps_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
+                  f"{r['metadata_ms']:11.4f} {r['share']:6.1%} {r['fence_ms']:8.4f} {r['own_ms']:7.4f} "
                   f"{r['own_share']:6.1%} {r['replayed']:6.0%} {r['plan_ms']:8.3f} {r['copies_per_step']:6.2f} "
                   f"{r['h2d_per_step']:5.1f} {r['syncs_per_step']:5.2f} {r['waits_per_step']:5.2f}"
                   + (f"  sync ops: {r['sync_ops']}" if r["sync_ops"] else "")
                   + (f"  other audit findings/step {r['other_findings_per_step']:.2f}: {r['other_findings']}"
                      if r["other_findings"] else ""), flush=True)
             if hybrid and r.get("prefill_steps"):
-                print(f"{'prefill':>10} {n:>5} {r['prefill_step_ms']:8.3f} {'':>8} {'':>8} {r['prefill_attnmeta_ms']:11.4f} "
+                print(f"{'prefill':>11} {n:>5} {r['prefill_step_ms']:8.3f} {'':>8} {'':>8} {r['prefill_metadata_ms']:11.4f} "
                       f"{r['prefill_share']:6.1%}  ({r['prefill_steps']} steps)", flush=True)
             if "cold_tight_ms" in r:
                 colds.append(r)
@@ -261,6 +281,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['control_tight_ms']:9.4f} {r.get('control_event_ms', float('nan')):9.4f} "
                   f"{r['control_sleep_ms']:9.4f} "
                   f"{r.get('control_event_ms', r['control_sleep_ms']) / r['control_tight_ms']:11.2f}x", flush=True)
+    pairs = [(x, y) for x, y in PAIRS if x in modes.split(",") and y in modes.split(",")]
+    if pairs:
+        print("\nattnmeta against vLLM 0.33.0's own metadata code, the same engine, model and kernels (ratios of "
+              "medians; metadata: host ms per decode step without plan())", flush=True)
+        print(f"{'pair':>20} {'reqs':>5} {'tok/s':>9} {'vLLM tok/s':>10} {'tok/s x':>8} {'metadata ms':>11} "
+              f"{'vLLM ms':>8} {'faster':>7} {'syncs':>5} {'vLLM syncs':>10} {'H2D':>5} {'vLLM H2D':>8}", flush=True)
+        by = {(r["mode"], r["concurrency"]): r for r in rows}
+        for x, y in pairs:
+            for n in [int(c) for c in a.concurrency.split(",")]:
+                r, v = by[(x, n)], by[(y, n)]
+                print(f"{x + ' / ' + y:>20} {n:>5} {r['tokens_per_s']:9.0f} {v['tokens_per_s']:10.0f} "
+                      f"{r['tokens_per_s'] / v['tokens_per_s']:7.2f}x {r['metadata_ms']:11.4f} {v['metadata_ms']:8.4f} "
+                      f"{v['metadata_ms'] / r['metadata_ms']:6.1f}x {r['syncs_per_step']:5.2f} "
+                      f"{v['syncs_per_step']:10.2f} {r['h2d_per_step']:5.1f} {v['h2d_per_step']:8.1f}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"device": torch.cuda.get_device_name(device), "params": params,
                                             "rows": rows}, indent=1))

@@ -64,6 +64,16 @@
 #           receives without a sync) -> multi_tests.log, multi_summary.txt; then benchmarks/bench_multi_rank.py
 #           --device cuda --ranks 2 (independent / one-process / ring; decode batch 1 to 1024, then the mixed
 #           step) -> multi_bench.txt. The gpu part leaves test_multi_cuda.py to this part.
+#   vllm    the reference engine's vllm metadata mode (vLLM 0.33.0's runner buffers and builders; needs .vllm
+#           carried, made on the dev machine with `python tests/kernels/fetch_vllm.py`, and .whl, .kernels):
+#           tests/gpu/test_engine_vllm_cuda.py (tokens against generate and teacher-forced, Llama and Bamba, the
+#           vllm mode's sync count) -> vllm.log; then the harness on vLLM's own builders on cuda,
+#           tests/integrations/test_vllm_builders.py -m vllm (its "HARNESS ..." lines: cases, disagreements and
+#           syncs per build of each builder) -> vllm_harness.log, vllm_harness_summary.txt;
+#   vllmbench  the headline: benchmarks/bench_engine.py --modes graphs,vllm-graphs on the ~1.2B Llama at 1/64/256
+#           requests -> vllm_bench.txt, vllm_bench.json; then --model hybrid-1b --modes eager,vllm-eager ->
+#           vllm_hybrid_bench.txt, vllm_hybrid_bench.json (carry .vllm, .whl, .kernels; VLLMBENCH_MODELS, default
+#           "1b hybrid-1b", picks the models).
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
 #   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit kernels engine
 #   enginebench mamba-kernels hybrid hybridbench multi ab before-after", default all but the last three). One device call allows
@@ -71,10 +81,11 @@
 #   "engine", "enginebench", then "mamba-kernels", "hybrid" and "hybridbench" (each with carry
 #   [".kernels"]; the last two also ".whl");
 #   on the nvidia-h200-x2 machine PARTS="multi" is one more; "ab" and "before-after" (carry .ab_base;
-#   before-after also .whl, for fla's kernels) are asked for by name.
+#   before-after also .whl, for fla's kernels), "vllm" and "vllmbench" (carry .vllm .whl .kernels) are asked
+#   for by name.
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, before-after: by name
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, before-after, vllm, vllmbench: by name
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -90,11 +101,23 @@ print("date", __import__("datetime").date.today(), "python", platform.python_ver
       "numba", numba.__version__, "numpy", numpy.__version__, "hypothesis", hypothesis.__version__)
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA")
 PYEOF
+vllm_site() {  # vLLM's Python package (.vllm, from tests/kernels/fetch_vllm.py) unpacked into .vsite, on PYTHONPATH
+  if [[ ! -f .vllm/vllm-python.zip ]]; then
+    echo "no .vllm/vllm-python.zip: run python tests/kernels/fetch_vllm.py on the dev machine and carry .vllm" >&2
+    return 1
+  fi
+  if [[ ! -f .vsite/vllm/__init__.py ]]; then
+    $PY -m zipfile -e .vllm/vllm-python.zip .vsite || return 1
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .vsite .vllm/wheels/*.whl || return 1
+  fi
+  export PYTHONPATH="$PYTHONPATH:$PWD/.vsite" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+}
 if want gpu; then
 echo "== gpu: tests/gpu" | tee "$OUT_DIR/gpu_tests.log"
 timeout 120 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu -q -rs -p no:cacheprovider \
   --ignore=tests/gpu/test_mla_kernels_cuda.py --ignore=tests/gpu/test_gdn_kernels_cuda.py \
-  --ignore=tests/gpu/test_engine_cuda.py --ignore=tests/gpu/test_multi_cuda.py 2>&1 | tee -a "$OUT_DIR/gpu_tests.log" || status=1
+  --ignore=tests/gpu/test_engine_cuda.py --ignore=tests/gpu/test_multi_cuda.py \
+  --ignore=tests/gpu/test_engine_vllm_cuda.py 2>&1 | tee -a "$OUT_DIR/gpu_tests.log" || status=1
 fi
 if want decode; then
 echo "== decode: steady-state decode step" | tee "$OUT_DIR/bench_decode.txt"
@@ -211,6 +234,39 @@ else
   echo "no .kernels/: run python tests/kernels/fetch_kernels.py on the dev machine and carry .kernels" \
     | tee -a "$OUT_DIR/hybrid_bench.txt"
   status=1
+fi
+fi
+if want vllm; then
+echo "== vllm: the engine's vllm metadata mode, tokens against generate" | tee "$OUT_DIR/vllm.log"
+if vllm_site; then
+  timeout 300 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu/test_engine_vllm_cuda.py -q -s -rs \
+    -p no:cacheprovider 2>&1 | tee -a "$OUT_DIR/vllm.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllm (engine)" "${PIPESTATUS[0]}"
+  echo "== vllm: the harness on vLLM's own builders, on cuda" | tee "$OUT_DIR/vllm_harness.log"
+  timeout 240 $PY -m pytest -m vllm tests/integrations/test_vllm_builders.py -q -s -rs -p no:cacheprovider 2>&1 \
+    | tee -a "$OUT_DIR/vllm_harness.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllm (harness)" "${PIPESTATUS[0]}"
+  grep "^HARNESS " "$OUT_DIR/vllm_harness.log" | tee "$OUT_DIR/vllm_harness_summary.txt"
+else
+  failed "vllm (no .vllm)" 1
+fi
+fi
+if want vllmbench; then
+echo "== vllmbench: attnmeta against vLLM's own metadata code in the same engine" | tee "$OUT_DIR/vllm_bench.txt"
+if vllm_site; then
+  for m in ${VLLMBENCH_MODELS:-1b hybrid-1b}; do
+    if [[ $m == 1b ]]; then
+      timeout 420 $PY benchmarks/bench_engine.py --device cuda --modes graphs,vllm-graphs --no-cold \
+        --json "$OUT_DIR/vllm_bench.json" 2>&1 | tee -a "$OUT_DIR/vllm_bench.txt"
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllmbench (1b)" "${PIPESTATUS[0]}"
+    else
+      timeout 420 $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --modes eager,vllm-eager --no-cold \
+        --json "$OUT_DIR/vllm_hybrid_bench.json" 2>&1 | tee "$OUT_DIR/vllm_hybrid_bench.txt"
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllmbench (hybrid-1b)" "${PIPESTATUS[0]}"
+    fi
+  done
+else
+  failed "vllmbench (no .vllm)" 1
 fi
 fi
 if want multi; then

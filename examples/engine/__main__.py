@@ -56,10 +56,11 @@ WORKLOADS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 
 def run_workload(model: Any, kernel: str, workload: str, *, cuda_graphs: bool = False, async_scheduling: bool = True,
                  uploads: str = "one-copy", tolerance: float = 0.0, mamba_kernels: str = "torch",
-                 cache: Reference | None = None) -> tuple[EngineStats, Comparison, ForcedComparison]:
+                 cache: Reference | None = None, metadata: str = "attnmeta") -> tuple[EngineStats, Comparison, ForcedComparison]:
     """Serve one workload and compare it with ``generate`` (until each request's first near tie) and
     with the model's own argmax over the engine's tokens (every token); returns the engine's stats and
-    both comparisons. ``mamba_kernels``: a hybrid model's Mamba2 mixer (``EngineConfig.mamba_kernels``)."""
+    both comparisons. ``mamba_kernels``: a hybrid model's Mamba2 mixer (``EngineConfig.mamba_kernels``);
+    ``metadata``: who builds the metadata (``EngineConfig.metadata``: ``"attnmeta"`` or ``"vllm"``)."""
     req_kw, cfg_kw = WORKLOADS[workload]
     reqs = make_requests(vocab=model.config.vocab_size, **req_kw)
     if workload == "cascade":
@@ -67,7 +68,7 @@ def run_workload(model: Any, kernel: str, workload: str, *, cuda_graphs: bool = 
             r.arrival = 2
     device = next(model.parameters()).device
     cfg = EngineConfig(cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, uploads=uploads,  # type: ignore[arg-type]
-                       mamba_kernels=mamba_kernels, **cfg_kw)  # type: ignore[arg-type]
+                       mamba_kernels=mamba_kernels, metadata=metadata, **cfg_kw)  # type: ignore[arg-type]
     engine = Engine(model, make_kernel(kernel, model, device), cfg)
     stats = engine.run(reqs)
     return stats, compare_with_generate(model, reqs, tolerance=tolerance, cache=cache), compare_teacher_forced(model, reqs)
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated: torch-paged, torch-varlen, flashinfer, flashinfer+graphs "
                         "(default: torch-paged on cpu, all on cuda)")
     p.add_argument("--workloads", default="mixed,cascade")
+    p.add_argument("--metadata", default="attnmeta",
+                   help="comma-separated: attnmeta, vllm (vLLM 0.33.0's runner buffers and builders; needs vLLM's "
+                        "Python package; kernels torch-paged and flashinfer, not the hybrid-align workload)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="generate comparison: top-2 logit margin below which a differing token is a near tie "
                         "(default 0 in float32, 0.5 in bfloat16); the teacher-forced comparison measures its own")
@@ -110,19 +114,24 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(config, device, dtype)
     cache: Reference = {}
     bad = 0
-    for kernel in kernels:
-        for workload in a.workloads.split(","):
-            t0 = time.perf_counter()
-            st, cmp, forced = run_workload(model, kernel.removesuffix("+graphs"), workload,
-                                   cuda_graphs=kernel.endswith("+graphs"), tolerance=tol, mamba_kernels=mamba_kernels,
-                                   cache=cache)
-            bad += cmp.mismatches + forced.mismatches
-            counts = {k: v for k, v in dataclasses.asdict(st).items() if isinstance(v, int)}
-            print(f"{kernel:18} {workload:8} {time.perf_counter() - t0:6.1f}s  requests {cmp.requests}  tokens "
-                  f"{cmp.tokens}  mismatches {cmp.mismatches}  near ties {cmp.near_ties}  min margin "
-                  f"{cmp.min_margin:.3g} | teacher-forced: tokens {forced.tokens} mismatches {forced.mismatches} "
-                  f"near ties {forced.near_ties} (tolerance {forced.tolerance:.3g}: twice the logit noise against float32) "
-                  f"| {counts}", flush=True)
+    runs = [(k, w, m) for m in a.metadata.split(",") for k in kernels for w in a.workloads.split(",")]
+    for kernel, workload, metadata in runs:
+        label = kernel if metadata == "attnmeta" else f"{kernel}/{metadata}"
+        if metadata == "vllm" and (workload == "hybrid-align" or kernel.startswith("torch-varlen")):
+            print(f"{label:18} {workload:8} not run: the vllm mode runs kernels torch-paged and flashinfer, and "
+                  "the 'none' Mamba cache mode", flush=True)
+            continue
+        t0 = time.perf_counter()
+        st, cmp, forced = run_workload(model, kernel.removesuffix("+graphs"), workload,
+                                       cuda_graphs=kernel.endswith("+graphs"), tolerance=tol, mamba_kernels=mamba_kernels,
+                                       cache=cache, metadata=metadata)
+        bad += cmp.mismatches + forced.mismatches
+        counts = {k: v for k, v in dataclasses.asdict(st).items() if isinstance(v, int)}
+        print(f"{label:18} {workload:8} {time.perf_counter() - t0:6.1f}s  requests {cmp.requests}  tokens "
+              f"{cmp.tokens}  mismatches {cmp.mismatches}  near ties {cmp.near_ties}  min margin "
+              f"{cmp.min_margin:.3g} | teacher-forced: tokens {forced.tokens} mismatches {forced.mismatches} "
+              f"near ties {forced.near_ties} (tolerance {forced.tolerance:.3g}: twice the logit noise against float32) "
+              f"| {counts}", flush=True)
     print("OK: every token equal" if bad == 0 else f"FAIL: {bad} mismatches", flush=True)
     return 0 if bad == 0 else 1
 

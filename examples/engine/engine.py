@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -46,10 +46,13 @@ from attnmeta.staging import STAGEABLE_DTYPES
 from attnmeta.sync import allow_device_sync
 
 from .hybrid import PagedBamba
-from .kernels import AttentionKernel, FlashInferKernel
+from .kernels import AttentionKernel, FlashInferKernel, TorchPagedKernel
 from .kv_cache import BlockPool
 from .model import PagedLlama
 from .scheduler import Request, Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from .vllm_metadata import VllmMetadata, VllmStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,10 @@ class EngineConfig:
     """A hybrid model's Mamba state cache: ``"none"`` (one state slot a request, no prefix caching) or
     vLLM's ``"align"`` (a state block per KV block, block-aligned prompt chunks, prefill checkpoints,
     prefix caching of the states at prompt block ends)."""
+    metadata: Literal["attnmeta", "vllm"] = "attnmeta"
+    """Who builds each step's metadata: attnmeta (one copy a step), or vLLM 0.33.0's runner buffers and
+    metadata builders (:mod:`.vllm_metadata`: the baseline of the headline benchmark; kernels
+    ``flashinfer`` and ``torch-paged``, one-copy uploads, the ``"none"`` Mamba cache mode)."""
     mamba_kernels: Literal["torch", "vllm"] = "torch"
     """A hybrid model's Mamba2 layers: the torch reference mixer, or vLLM 0.33.0's Triton kernels (GPU;
     the files ``tests/kernels/fetch_kernels.py`` puts into ``.kernels/``)."""
@@ -174,15 +181,22 @@ class Engine:
         self.state_table = np.zeros((cfg.max_num_seqs, cfg.max_blocks_per_req if self.align else 1), np.int32)
         self._mamba: Mamba2Metadata | None = None
         self.device = self.model.device
-        self.kernel = kernel
+        self.kernel: Any = kernel
+        """An :class:`AttentionKernel`; in the vllm metadata mode, a kernel over vLLM's metadata
+        (:mod:`.vllm_metadata`)."""
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size)
         self.mamba_pool = BlockPool(cfg.num_blocks, cfg.block_size) if self.align else None
         self.scheduler = Scheduler(self.pool, cfg.max_num_tokens, cfg.max_num_seqs, cfg.max_blocks_per_req,
                                    num_state_slots=0 if self.align else slots,
                                    prefix_caching=not self.hybrid or self.align, mamba_pool=self.mamba_pool)
         cuda = self.device.type == "cuda"
-        self.graphs = (cfg.cuda_graphs and cuda and isinstance(kernel, FlashInferKernel) and cfg.uploads == "one-copy"
+        self.graphs = (cfg.cuda_graphs and cuda and kernel.name == "flashinfer" and cfg.uploads == "one-copy"
                        and not self.hybrid)
+        self.vllm: VllmMetadata | None = None
+        if cfg.metadata == "vllm":
+            self.vllm, self.kernel = self._vllm_mode(model, kernel)
+        elif cfg.metadata != "attnmeta":
+            raise ValueError(f"Engine: metadata is 'attnmeta' or 'vllm', not {cfg.metadata!r}")
         self.profile = StaticProfile(max_num_reqs=cfg.max_num_seqs, max_num_tokens=cfg.max_num_tokens,
                                      max_blocks_per_req=cfg.max_blocks_per_req, block_size=cfg.block_size)
         stage_device = "cpu" if cfg.uploads == "per-tensor" else self.device
@@ -208,6 +222,27 @@ class Engine:
         self.trace: list[tuple[tuple[BatchSpec, ...], dict[str, Any], dict[str, np.ndarray]]] | None = None
         """None, or a list to which every step appends what it gave the composer (its specs, with their
         own copies of the block tables, the kernel's inputs and the arrays): a benchmark replays them."""
+
+    def _vllm_mode(self, model: Any, kernel: AttentionKernel) -> tuple[VllmMetadata, Any]:
+        """vLLM's runner buffers and builders for this engine, and the kernel that reads their metadata."""
+        from .vllm_metadata import VllmFlashInferKernel, VllmMetadata, VllmPagedKernel
+
+        cfg = self.cfg
+        if cfg.uploads != "one-copy":
+            raise ValueError("Engine: the vllm metadata mode makes vLLM's own copies (uploads='one-copy')")
+        if self.align:
+            raise ValueError("Engine: the vllm metadata mode runs the 'none' Mamba cache mode")
+        if kernel.name not in ("flashinfer", "torch-paged"):
+            raise ValueError(f"Engine: the vllm metadata mode runs kernel 'flashinfer' or 'torch-paged', not "
+                             f"{kernel.name!r}")
+        meta = VllmMetadata(model.config, kernel.name, self.device, next(model.parameters()).dtype,
+                            block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                            max_num_tokens=cfg.max_num_tokens, max_model_len=cfg.max_model_len,
+                            decode_sizes=cfg.decode_sizes, graphs=self.graphs, hybrid=self.hybrid)
+        if kernel.name == "flashinfer":
+            return meta, VllmFlashInferKernel()
+        assert isinstance(kernel, TorchPagedKernel)
+        return meta, VllmPagedKernel(kernel.num_heads, kernel.num_kv_heads, kernel.head_dim)
 
     # ------------------------------------------------------------------ the loop
     def run(self, requests: Iterable[Request]) -> EngineStats:
@@ -279,6 +314,9 @@ class Engine:
                     self.state_table[i, : len(row.req.mamba_blocks)] = row.req.mamba_blocks
             else:
                 self.state_table[:n, 0] = [r.req.state_slot for r in rows]
+        if self.vllm is not None:
+            self._step_vllm(out, computed, scheduled, ids, prev_rows, padded)
+            return
         t_md = time.perf_counter()  # attnmeta's part of the step starts here
         spec = BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled,
                          block_table=self.table[:n], block_size=cfg.block_size,
@@ -329,14 +367,64 @@ class Engine:
         if graph:
             assert padded is not None
             st.graph_steps += 1
-            self._replay(step, padded)
+            self._replay(self._graph_args(step, padded), padded)
         else:
             self._forward(dev_ids, dev_prev, cm.positions, cm.slot_mapping, cm.query_start_loc[1 : rows_total + 1])
-        slot = out.step % 2
-        self._host_tokens[slot, :rows_total].copy_(self.sampled[:rows_total], non_blocking=True)
+        self._send_tokens(out.step, rows_total)
+
+    def _send_tokens(self, step: int, rows: int) -> None:
+        """Copy the step's sampled tokens into the pinned host ring (non-blocking) and record its event."""
+        slot = step % 2
+        self._host_tokens[slot, :rows].copy_(self.sampled[:rows], non_blocking=True)
         ev = self._events[slot]
         if ev is not None:
             ev.record()
+
+    def _step_vllm(self, out: SchedulerOutput, computed: np.ndarray, scheduled: np.ndarray, ids: np.ndarray,
+                   prev_rows: np.ndarray, padded: int | None) -> None:
+        """The step with vLLM's runner buffers and metadata builders (``cfg.metadata == "vllm"``)."""
+        cfg, st, rows = self.cfg, self.stats, out.rows
+        assert self.vllm is not None
+        n = len(rows)
+        prompts = np.array([len(r.req.prompt) for r in rows], np.int32)
+        t_md = time.perf_counter()
+        vs = self.vllm.build(computed, scheduled, prompts, self.table[:n], ids, prev_rows, padded=padded,
+                             state_table=self.state_table[:n] if self.hybrid else None)
+        self.kernel.prepare_vllm(vs, n, cfg.block_size)
+        t_run = time.perf_counter()
+        st.metadata_s += t_run - t_md - vs.plan_seconds
+        st.plan_s += vs.plan_seconds
+        st.metadata_copies += vs.copies
+        st.step_metadata.append(t_run - t_md - vs.plan_seconds)
+        decode = padded is not None or all(r.num_new == 1 for r in rows)
+        st.step_kinds.append("decode" if decode else "mixed")
+        st.step_slots.append(0)
+        st.step_replayed.append(False)
+        st.step_fence.append(0.0)
+        st.steps += 1
+        st.decode_steps += decode
+        st.padded_steps += padded is not None and padded > n
+        st.tokens += out.num_tokens
+        st.sampled += sum(r.samples for r in rows)
+        st.partial_prefills += sum(not r.samples for r in rows)
+        self._mamba = vs.mamba
+        if self.hybrid:
+            self._prepare_states(rows)
+        total = padded if padded is not None else out.num_tokens
+        rows_total = padded if padded is not None else n
+        if self.graphs and padded is not None:
+            st.graph_steps += 1
+            self._replay(self._vllm_graph_args(vs, padded), padded)
+        else:
+            self._forward(vs.input_ids[:total], vs.prev_rows[:total], vs.positions[:total],
+                          vs.slot_mapping[:total], vs.query_start_loc[1 : rows_total + 1])
+        self._send_tokens(out.step, rows_total)
+
+    @staticmethod
+    def _vllm_graph_args(vs: VllmStep, size: int) -> tuple[torch.Tensor, ...]:
+        """A graph's inputs in vLLM's runner buffers (fixed addresses)."""
+        return (vs.input_ids[:size], vs.prev_rows[:size], vs.positions[:size], vs.slot_mapping[:size],
+                vs.query_start_loc[1 : size + 1])
 
     def _prepare_states(self, rows: list[Any]) -> None:
         """Before a hybrid step's forward: zero the states of rows that start from their first token
@@ -380,7 +468,7 @@ class Engine:
     def capture_graphs(self) -> None:
         """Capture every decode size's graph, once per FlashInfer wrapper set, on dummy steps (null-block
         rows), as an engine does at start-up: no capture (and its device synchronisation) in the loop."""
-        assert isinstance(self.kernel, FlashInferKernel)
+        assert self.kernel.name == "flashinfer"
         self._captured = True
         cfg = self.cfg
         width = cfg.max_blocks_per_req
@@ -393,23 +481,36 @@ class Engine:
             return self.composer.build(spec, self.kernel.inputs(0), {"engine.input_ids": np.zeros(total, np.int32),
                                                                       "engine.prev_rows": np.full(total, -1, np.int32)})
 
+        if self.vllm is not None:  # vLLM's builder plans its graph decode wrapper of each size
+            for size in (s for s in cfg.decode_sizes if s <= cfg.max_num_seqs):
+                one = np.zeros(1, np.int32)
+                vs = self.vllm.build(one, one + 1, one + 1, np.zeros((1, width), np.int32), np.zeros(size, np.int32),
+                                     np.full(size, -1, np.int32), padded=size)
+                self.kernel.prepare_vllm(vs, 1, cfg.block_size)
+                self._replay(self._vllm_graph_args(vs, size), size)
+            return
         built = dummy([2], None)  # a prefill step first: it lays out every field before freeze()
         self.kernel.prepare(built.common, built.metadata)
         for size in (s for s in cfg.decode_sizes if s <= cfg.max_num_seqs):
             for _ in range(self.kernel.ring):
                 built = dummy([1], size)
                 self.kernel.prepare(built.common, built.metadata, graph_batch=size)
-                self._replay(built.step, size)
+                self._replay(self._graph_args(built.step, size), size)
 
-    def _replay(self, step: Any, size: int) -> None:
-        assert isinstance(self.kernel, FlashInferKernel)
-        key = (size, self.kernel.ring_index)  # one graph per padded size and FlashInfer wrapper set
-        graph = self._graphs.get(key)
-        args = (step.device_full("engine.input_ids")[:size], step.device_full("engine.prev_rows")[:size],
+    @staticmethod
+    def _graph_args(step: Any, size: int) -> tuple[torch.Tensor, ...]:
+        """A graph's inputs in the stager's fixed-address fields (graph mode)."""
+        return (step.device_full("engine.input_ids")[:size], step.device_full("engine.prev_rows")[:size],
                 step.device_full("common.positions")[:size], step.device_full("common.slot_mapping")[:size],
                 step.device_full("common.query_start_loc")[1 : size + 1])
+
+    def _replay(self, args: tuple[torch.Tensor, ...], size: int) -> None:
+        """Replay the decode graph of ``size`` rows (captured on first use) over ``args``, the forward's inputs
+        at fixed addresses."""
+        key = (size, self.kernel.ring_index)  # type: ignore[attr-defined]  # one graph per size and wrapper set
+        graph = self._graphs.get(key)
         if graph is None:
-            if not self._graphs:
+            if not self._graphs and self.vllm is None:
                 self.stager.freeze()  # every field is laid out: nothing may move under a graph
             # Warm up (torch wants the captured code run once first): that runs this step for real, so
             # put back the previous step's tokens it overwrote; the replay below then repeats it exactly.
@@ -480,7 +581,7 @@ def make_kernel(name: str, model: Any, device: torch.device, *, cascade: bool = 
     where the kernel has it and ``cascade`` is set."""
     from attnmeta.backends.cascade import CascadeOptions
 
-    from .kernels import TorchPagedKernel, VarlenKernel
+    from .kernels import VarlenKernel
 
     cfg = model.config
     h, hk = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)

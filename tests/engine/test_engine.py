@@ -288,3 +288,31 @@ def test_align_scheduler_chunks_end_on_block_boundaries_and_hits_need_a_state() 
         out = sched.schedule()
     sched.schedule()
     assert sum(pool.refs) == sum(mpool.refs) == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# the vllm metadata mode (examples/engine/vllm_metadata.py): its checks before vLLM is imported; its
+# tokens are tested where vLLM is importable (tests/integrations/test_vllm_engine.py, marker vllm;
+# tests/gpu/test_engine_vllm_cuda.py on the GPU machine)
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kernel", "cfg", "message"), [
+    ("torch-varlen", {}, "runs kernel 'flashinfer' or 'torch-paged'"),
+    ("torch-paged", {"uploads": "per-tensor"}, "makes vLLM's own copies"),
+    ("torch-paged", {"metadata": "vLLM"}, "metadata is 'attnmeta' or 'vllm'"),
+])
+def test_vllm_mode_refuses_what_it_does_not_run(model: Any, kernel: str, cfg: dict[str, Any], message: str) -> None:
+    from examples.engine.kernels import VarlenKernel
+
+    k = VarlenKernel(4, 2, 16) if kernel == "torch-varlen" else make_kernel(kernel, model, torch.device("cpu"))
+    with pytest.raises(ValueError, match=message):
+        Engine(model, k, EngineConfig(**{"metadata": "vllm", **cfg}))  # type: ignore[arg-type]
+
+
+def test_vllm_mode_without_vllm_names_the_install_command(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as on a machine without vLLM: import vllm fails
+    with pytest.raises(ImportError, match=r"install_vllm\.sh .*fetch_vllm\.py"):
+        Engine(model, make_kernel("torch-paged", model, torch.device("cpu")), EngineConfig(metadata="vllm"))

@@ -11,14 +11,20 @@ mock. On a machine without vLLM the module skips with the command that installs 
 What the harness found is in :data:`KNOWN`: each disagreement, with who is right and why. A
 disagreement not listed there fails the test.
 
-CPU limits (the GPU machine runs them where it has the packages): vLLM's FlashInfer builder needs the
-flashinfer package; its MLA builder reads its attention layers from the model's forward context, which
-only a loaded vLLM model fills.
+Every build runs under attnmeta's sync audit in count mode (:func:`attnmeta.sync.record_device_syncs`: it
+records, it does not raise); at the end of the module one ``HARNESS`` line per builder gives the cases run,
+the disagreements (each a listed one) and the syncs per build. On the GPU machine
+(``benchmarks/gpu_all.sh OUT vllm``) the builders run on CUDA, where a sync is a real one, and vLLM's
+FlashInfer builder runs too (it needs the flashinfer package, and vLLM's ``Attention`` layers in the
+forward context: the test makes them). Not driven: vLLM's MLA builders, which read their layers' MLA
+dimensions and kernel choice from a loaded MLA model (DeepSeek's); attnmeta's MLA metadata is checked
+against vLLM's semantics in tests/backends instead.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +37,9 @@ from hypothesis import strategies as st
 
 from attnmeta import BatchSpec
 from attnmeta.backends.flash_attn import FlashAttentionOptions
+from attnmeta.backends.flashinfer import FlashInferOptions
 from attnmeta.backends.mamba import GDNOptions, Mamba2Options
+from attnmeta.sync import record_device_syncs
 from attnmeta.testing.harness import compare_with_reference
 from attnmeta.testing.lab import lab
 from attnmeta.testing.strategies import batch_specs
@@ -64,6 +72,19 @@ and when (a test of vLLM's metadata and the reference). Everything else must agr
 found and changed in attnmeta instead: FlashAttention's decode/prefill counts (vLLM sets them only under
 DCP), and the draft counts of a spec-decode step without drafts (vLLM's runner fills them every step
 of spec decode: a one-token row past its prompt is a spec row with zero drafts)."""
+
+
+TALLY: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+"""Per builder (its test's name): cases run, disagreements (all of them listed in KNOWN), syncs."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report() -> Iterator[None]:
+    """One ``HARNESS`` line per builder at the end of the module (gpu_all.sh collects them)."""
+    yield
+    for name, (cases, known, syncs) in sorted(TALLY.items()):
+        print(f"\nHARNESS {name} device {DEVICE.type}: cases {cases}, disagreements {known} (each a listed deviation), "
+              f"syncs/build {syncs / max(cases, 1):.2f}")
 
 
 # ---------------------------------------------------------------------------------------- configs
@@ -161,15 +182,24 @@ _PLAIN = dict(min_reqs=1, max_reqs=8, kinds=("decode", "prefill", "chunked_prefi
               with_context_parallel=st.just(False))
 
 
-def _check(name: str, vllm_builder: Any, spec: BatchSpec, options: Any, inputs: Any = None,
-           **runner_inputs: Any) -> None:
+def _check(name: str, vllm_builder: Any, spec: BatchSpec, options: Any, inputs: Any = None, *,
+           tally: str | None = None, view: Callable[[Any], Any] | None = None, **runner_inputs: Any) -> None:
+    """Build ``spec``'s step with vLLM's builder (under the sync audit, count mode) and compare what it
+    computes (``view`` of its metadata, default the metadata) with attnmeta's lab reference ``name``."""
     cm, _table = vllm_runner_common(spec, DEVICE)
-    got = vllm_builder.build(common_prefix_len=0, common_attn_metadata=cm, **runner_inputs)
+    with record_device_syncs(allow_async_d2h=True) as found:
+        got = vllm_builder.build(common_prefix_len=0, common_attn_metadata=cm, **runner_inputs)
+    if view is not None:
+        got = view(got)
     want = lab(name).reference(spec, options, DEVICE, inputs)
     result = compare_with_reference(got, want)
     known = KNOWN.get(name, {})
     unexpected = [d for d in result.disagreements
                   if d.field not in known or not known[d.field][1](got, want)]
+    row = TALLY[tally or name]
+    row[0] += 1
+    row[1] += len(result.disagreements) - len(unexpected)
+    row[2] += sum(e.kind == "sync" for e in found)
     assert not unexpected, f"{name}: {[str(d) for d in unexpected]} on {spec!r}"
     assert len(result.compared) >= 5, (name, result.compared)
 
@@ -219,7 +249,7 @@ def _check_spec_decode(name: str, vllm_builder: Any, spec: BatchSpec, options: A
     rng = np.random.default_rng(seed)
     accepted = np.ones(mamba.padded_num_reqs, np.int32)
     accepted[:n] = 1 + rng.integers(0, drafts + 1)  # 1 + how many of each row's drafts were accepted
-    _check(name, vllm_builder, mamba, options, inputs_type(num_accepted_tokens=accepted[:n]),
+    _check(name, vllm_builder, mamba, options, inputs_type(num_accepted_tokens=accepted[:n]), tally=f"{name}+spec",
            num_accepted_tokens=torch.from_numpy(accepted).to(DEVICE), num_decode_draft_tokens_cpu=ddt)
 
 
@@ -241,3 +271,57 @@ def test_vllms_mamba2_builder_under_spec_decode(builders: dict[str, Callable[[],
 
     _check_spec_decode("mamba2", builders["mamba2+spec"](), spec,
                        Mamba2Options(chunk_size=16, num_speculative_tokens=SPEC_TOKENS), Mamba2Inputs, seed)
+
+
+# ---------------------------------------------------------------------------------------- FlashInfer (GPU)
+@pytest.fixture(scope="module")
+def flashinfer_builder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Any]:
+    """vLLM's FlashInfer builder of a tiny Llama, with vLLM's own ``Attention`` layers in the forward
+    context (the builder reads their scale there), on CUDA."""
+    if DEVICE.type != "cuda":
+        pytest.skip("vLLM's FlashInfer builder plans FlashInfer's CUDA wrappers: the GPU machine runs it")
+    pytest.importorskip("flashinfer", reason="bash ../shared/tools/gpu-wheels.sh, then carry .whl")
+    from transformers import LlamaConfig
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend, FlashInferMetadataBuilder
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    config = _vllm_config(tmp_path_factory.mktemp("vllm-flashinfer"), LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=MAMBA_BLOCK))
+    name = "model.layers.0.self_attn.attn"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        with set_current_vllm_config(config):
+            layer = Attention(4, 16, 0.25, num_kv_heads=2, cache_config=config.cache_config, prefix=name,
+                              attn_backend=FlashInferBackend)
+    finally:
+        torch.set_default_dtype(default)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    keep = [layer]
+    return lambda: (keep, FlashInferMetadataBuilder(spec, [name], config, DEVICE))[1]
+
+
+def _flashinfer_view(builder: Any) -> Callable[[Any], Any]:
+    """What vLLM's FlashInfer builder computes, by attnmeta's field names: the split from its metadata,
+    the page table from the buffers it planned FlashInfer's wrappers from."""
+    from types import SimpleNamespace
+
+    def view(meta: Any) -> Any:
+        rows = meta.num_decodes + meta.num_prefills
+        indptr = builder.paged_kv_indptr.cpu[: rows + 1].clone()
+        last = builder.paged_kv_last_page_len.cpu[:rows].clone()
+        return SimpleNamespace(num_decodes=meta.num_decodes, num_prefills=meta.num_prefills,
+                               num_decode_tokens=meta.num_decode_tokens, num_prefill_tokens=meta.num_prefill_tokens,
+                               paged_kv_indptr=indptr, paged_kv_last_page_len=last,
+                               paged_kv_indices=builder.paged_kv_indices[: int(indptr[-1])])
+    return view
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=batch_specs(**_PLAIN))
+def test_vllms_flashinfer_builder(flashinfer_builder: Callable[[], Any], spec: BatchSpec) -> None:
+    builder = flashinfer_builder()
+    _check("flashinfer", builder, _decodes_first(spec), FlashInferOptions(), view=_flashinfer_view(builder))

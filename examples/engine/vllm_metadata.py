@@ -1,0 +1,460 @@
+"""The engine's ``vllm`` metadata mode: each step's metadata built by vLLM 0.33.0's own code.
+
+The baseline a serving framework runs today, in the same loop, with the same model and kernels as the
+``attnmeta`` mode, so that the two can be compared step for step (``benchmarks/bench_engine.py --modes``
+``vllm-graphs``, ``vllm-eager``).
+
+What runs each step, in the order of vLLM's ``GPUModelRunner`` (``_prepare_inputs``, ``_get_slot_mappings``
+and ``_build_attention_metadata`` of ``vllm/v1/worker/gpu_model_runner.py``):
+
+- the runner's persistent buffers, made with vLLM's own classes: ``CpuGpuBuffer`` (query start offsets,
+  request indices, query positions, scheduled counts, input ids) and one ``BlockTable`` per KV-cache group
+  (the attention group's, and a hybrid model's Mamba group with ``SlotMappingMode.NONE``);
+- its copies: the block tables' ``commit_block_table``, ``query_start_loc``, the computed counts
+  (``non_blocking``), ``req_indices``, ``query_pos``, ``num_scheduled_tokens`` and the input ids, each its
+  own H2D copy; the positions and sequence lengths computed on the device from them, the slot mapping by
+  vLLM's Triton kernel (``BlockTable.compute_slot_mapping``; on a machine without CUDA the same rule in
+  torch), the padding fills of the slot mapping and the block table;
+- vLLM's ``CommonAttentionMetadata`` of those buffers, then vLLM's own metadata builders on it:
+  ``FlashInferMetadataBuilder`` (it also plans FlashInfer's wrappers, as in vLLM) for the ``flashinfer``
+  kernel, ``FlashAttentionMetadataBuilder`` for ``torch-paged``, and ``Mamba2AttentionMetadataBuilder`` for
+  a hybrid model's Mamba group.
+
+The builders get the smallest real configs: a ``VllmConfig`` whose ``ModelConfig`` reads the engine's own
+Hugging Face config from a temporary folder, the ``CacheConfig`` of the engine's block size, a
+``CompilationConfig`` with full CUDA graphs of decode steps at the engine's sizes in graphs mode, and real
+``Attention`` layers of vLLM (FlashInfer's builder reads its scale from the layers of the forward context).
+
+The engine's own per-step arrays (its input ids and the rows of tokens still on the device) ride vLLM's
+input-ids path: one ``CpuGpuBuffer`` each. The kernels are the ``attnmeta`` mode's: FlashInfer's wrappers
+as vLLM plans and runs them (:class:`VllmFlashInferKernel`), or the torch paged kernel over vLLM's
+FlashAttention metadata (:class:`VllmPagedKernel`). Not covered: cascade attention (vLLM's common prefix
+length is 0 here; the ``attnmeta`` mode's eager steps may cascade), the ``align`` Mamba cache mode, and
+spec decode.
+
+vLLM's Python package is needed, none of its compiled extensions: on a machine with pip and the network,
+``bash tests/integrations/install_vllm.sh``; for the GPU machine, ``python tests/kernels/fetch_vllm.py``
+makes ``.vllm/`` and ``benchmarks/gpu_all.sh`` unpacks it there.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from .kernels import TorchPagedKernel
+
+__all__ = ["INSTALL", "VLLM_VERSION", "VllmFlashInferKernel", "VllmMetadata", "VllmPagedKernel", "VllmStep"]
+
+VLLM_VERSION = "0.33.0"
+INSTALL = (f"the engine's vllm metadata mode needs vLLM {VLLM_VERSION}'s Python package: bash "
+           "tests/integrations/install_vllm.sh ENV (a machine with the network), or python "
+           "tests/kernels/fetch_vllm.py and benchmarks/gpu_all.sh's vllm parts (the GPU machine)")
+
+
+def _import_vllm() -> Any:
+    """vLLM's package, checked for :data:`VLLM_VERSION`.
+
+    Raises
+    ------
+    ImportError
+        vLLM is not importable, or is another version; the message says how to install it.
+    """
+    try:
+        vllm = importlib.import_module("vllm")
+    except ImportError as e:
+        raise ImportError(f"{INSTALL} ({e})") from None
+    version = getattr(vllm, "__version__", "unknown")
+    if not str(version).startswith(VLLM_VERSION):
+        raise ImportError(f"vLLM {version} is importable, the vllm mode is written for {VLLM_VERSION}: {INSTALL}")
+    return vllm
+
+
+@dataclasses.dataclass
+class VllmStep:
+    """One step's metadata as vLLM builds it. Every tensor lives on the engine's device unless named
+    ``*_cpu``; the full-size buffers keep their addresses from step to step (CUDA graphs read them)."""
+
+    common: Any
+    """vLLM's ``CommonAttentionMetadata`` of the attention group (padded rows included)."""
+    attention: Any
+    """The attention builder's metadata (``FlashInferMetadata`` or ``FlashAttentionMetadata``)."""
+    mamba: Any | None
+    """A hybrid model's ``Mamba2AttentionMetadata``, else None."""
+    input_ids: torch.Tensor
+    """(max_num_tokens,) int32: the engine's known input ids."""
+    prev_rows: torch.Tensor
+    """(max_num_tokens,) int32: for a token still on the device, its row in the previous step's tokens; -1."""
+    positions: torch.Tensor
+    """(max_num_tokens,) int64."""
+    slot_mapping: torch.Tensor
+    """(max_num_tokens,) int64, -1 past the step's tokens."""
+    query_start_loc: torch.Tensor
+    """(max_num_seqs + 1,) int32, padding rows repeating the last offset."""
+    plan_seconds: float
+    """Host time in FlashInfer's ``plan()`` inside the builder's ``build()`` (0 for other builders)."""
+    copies: int
+    """The runner's H2D copies of the step (``copy_to_gpu`` and ``non_blocking`` copies; FlashInfer's
+    ``plan()`` copies not counted)."""
+
+
+class _PlanTimer:
+    """Host seconds spent in FlashInfer's ``plan()`` calls made by vLLM's FlashInfer builder: its module's
+    ``fast_plan_decode`` and each prefill wrapper's ``plan`` timed through wrappers of the same calls."""
+
+    def __init__(self, module: Any, builder: Any) -> None:
+        self.seconds = 0.0
+        plan_decode = module.fast_plan_decode
+
+        def timed_decode(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return plan_decode(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+        if not getattr(plan_decode, "_attnmeta_timed", False):
+            timed_decode._attnmeta_timed = True  # type: ignore[attr-defined]
+            module.fast_plan_decode = timed_decode
+        else:  # a second engine in the process: time through the first one's wrapper
+            self._shared = plan_decode
+        get_prefill = builder._get_prefill_wrapper
+
+        def timed_prefill_wrapper(*args: Any, **kwargs: Any) -> Any:
+            wrapper = get_prefill(*args, **kwargs)
+            if not getattr(wrapper, "_attnmeta_timed", False):
+                plan = wrapper.plan
+
+                def timed_plan(*a: Any, **k: Any) -> Any:
+                    t = time.perf_counter()
+                    try:
+                        return plan(*a, **k)
+                    finally:
+                        self.seconds += time.perf_counter() - t
+
+                wrapper.plan = timed_plan
+                wrapper._attnmeta_timed = True
+            return wrapper
+
+        builder._get_prefill_wrapper = timed_prefill_wrapper
+
+
+class VllmMetadata:
+    """vLLM 0.33.0's runner buffers and metadata builders for one engine (module docstring).
+
+    Parameters
+    ----------
+    hf_config : transformers.PretrainedConfig
+        The engine model's config (a Llama or a Bamba); written to a temporary folder that vLLM's
+        ``ModelConfig`` reads.
+    kernel : str
+        ``"flashinfer"`` (vLLM's FlashInfer builder; CUDA) or ``"torch-paged"`` (vLLM's FlashAttention
+        builder).
+    device : torch.device
+    dtype : torch.dtype
+        The model's dtype (the KV cache's and the queries').
+    block_size, max_num_seqs, max_num_tokens, max_model_len : int
+        The engine's sizes (``EngineConfig``).
+    decode_sizes : tuple of int
+        With ``graphs``, the padded decode sizes captured as CUDA graphs (vLLM's capture sizes).
+    graphs : bool
+        Full CUDA graphs of decode steps (``CUDAGraphMode.FULL_DECODE_ONLY``).
+    hybrid : bool
+        A Bamba: a second KV-cache group for its Mamba layers (one state slot a request).
+
+    Raises
+    ------
+    ImportError
+        vLLM :data:`VLLM_VERSION` is not importable (the message says how to install it).
+    ValueError
+        An unknown kernel, or ``flashinfer`` without CUDA.
+    """
+
+    def __init__(self, hf_config: Any, kernel: str, device: torch.device, dtype: torch.dtype, *, block_size: int,
+                 max_num_seqs: int, max_num_tokens: int, max_model_len: int, decode_sizes: tuple[int, ...],
+                 graphs: bool, hybrid: bool) -> None:
+        if kernel not in ("flashinfer", "torch-paged"):
+            raise ValueError(f"the vllm metadata mode runs kernel 'flashinfer' or 'torch-paged', not {kernel!r}")
+        if kernel == "flashinfer" and device.type != "cuda":
+            raise ValueError("the vllm metadata mode's flashinfer kernel needs CUDA")
+        _import_vllm()
+        from vllm.config import CacheConfig, CompilationConfig, DeviceConfig, ModelConfig, VllmConfig
+        from vllm.config.compilation import CUDAGraphMode
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+        from vllm.v1.utils import CpuGpuBuffer
+        from vllm.v1.worker.block_table import BlockTable, SlotMappingMode
+
+        self.device, self.kernel, self.hybrid, self.block_size = device, kernel, hybrid, block_size
+        self.cuda = device.type == "cuda"
+        self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
+        self._folder = tempfile.TemporaryDirectory(prefix="attnmeta-vllm-config-")
+        hf_config.save_pretrained(self._folder.name)
+        dtype_name = str(dtype).removeprefix("torch.")
+        model = ModelConfig(model=self._folder.name, skip_tokenizer_init=True, dtype=dtype_name,
+                            max_model_len=max_model_len)
+        sizes = sorted(s for s in decode_sizes if s <= max_num_seqs)
+        compilation = (CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY, cudagraph_capture_sizes=sizes,
+                                         max_cudagraph_capture_size=max(sizes))
+                       if graphs else CompilationConfig(cudagraph_mode=CUDAGraphMode.NONE))
+        self.config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block_size),
+                                 device_config=DeviceConfig(device=device.type), compilation_config=compilation)
+        if not self.cuda:
+            self._no_pinning()
+        text = hf_config
+        h, hk = int(text.num_attention_heads), int(text.num_key_value_heads)
+        d = int(getattr(text, "head_dim", None) or text.hidden_size // h)
+        layers = [i for i in range(int(text.num_hidden_layers))
+                  if not hybrid or i in set(getattr(text, "attn_layer_indices", None) or ())]
+        names = [f"model.layers.{i}.self_attn.attn" for i in layers]
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=hk, head_size=d, dtype=dtype)
+        self.plans: _PlanTimer | None = None
+        if kernel == "flashinfer":
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.layers.attention.attention import Attention
+            from vllm.v1.attention.backends import flashinfer as fi_module
+
+            with set_current_vllm_config(self.config):  # the layers FlashInfer's builder reads its scale from
+                default = torch.get_default_dtype()
+                torch.set_default_dtype(dtype)
+                try:
+                    self._layers = [Attention(h, d, d ** -0.5, num_kv_heads=hk, cache_config=self.config.cache_config,
+                                              prefix=name, attn_backend=fi_module.FlashInferBackend) for name in names]
+                finally:
+                    torch.set_default_dtype(default)
+            self.attention_builder = fi_module.FlashInferMetadataBuilder(spec, names, self.config, device)
+            self.plans = _PlanTimer(fi_module, self.attention_builder)
+        else:
+            from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+
+            self.attention_builder = FlashAttentionMetadataBuilder(spec, names, self.config, device)
+        self.mamba_builder = None
+        if hybrid:
+            from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionMetadataBuilder
+
+            heads, head_dim = int(text.mamba_n_heads), int(text.mamba_d_head)
+            inner, groups, state = heads * head_dim, int(text.mamba_n_groups), int(text.mamba_d_state)
+            conv = int(text.mamba_d_conv)
+            mamba = MambaSpec(block_size=max_model_len,
+                              shapes=((conv - 1, inner + 2 * groups * state), (heads, head_dim, state)),
+                              dtypes=(dtype, dtype))
+            mamba_layers = [f"model.layers.{i}.mamba" for i in range(int(text.num_hidden_layers)) if i not in layers]
+            self.mamba_builder = Mamba2AttentionMetadataBuilder(mamba, mamba_layers, self.config, device)
+
+        # the runner's persistent buffers (GPUModelRunner.__init__ and InputBatch), vLLM's own classes
+        pin = self.cuda
+
+        def buffer(*size: int, dtype: torch.dtype) -> Any:
+            return CpuGpuBuffer(*size, dtype=dtype, device=device, pin_memory=pin)
+
+        self.query_start_loc = buffer(max_num_seqs + 1, dtype=torch.int32)
+        self.req_indices = buffer(max_num_tokens, dtype=torch.int64)
+        self.query_pos = buffer(max_num_tokens, dtype=torch.int64)
+        self.num_scheduled_tokens = buffer(max_num_seqs, dtype=torch.int32)
+        self.input_ids = buffer(max_num_tokens, dtype=torch.int32)
+        self.prev_rows = buffer(max_num_tokens, dtype=torch.int32)
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        self.num_computed_tokens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        self.num_computed_tokens_cpu = torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin)
+        self.num_prompt_tokens_cpu = torch.zeros(max_num_seqs, dtype=torch.int32)
+        self.optimistic_seq_lens_cpu = torch.zeros(max_num_seqs, dtype=torch.int32)
+        self.arange = np.arange(max(max_num_seqs, max_num_tokens) + 1, dtype=np.int64)
+        width = -(-max_model_len // block_size)
+        self.tables = [BlockTable(block_size, max_num_seqs, width, max_num_tokens, pin, device, 1)]
+        if hybrid:
+            self.tables.append(BlockTable(max_model_len, max_num_seqs, 1, max_num_tokens, pin, device, 1,
+                                          slot_mapping_mode=SlotMappingMode.NONE))
+        self._common_cls = importlib.import_module("vllm.v1.attention.backends.utils").CommonAttentionMetadata
+
+    @staticmethod
+    def _no_pinning() -> None:
+        """Without CUDA nothing can be pinned; vLLM's modules read their ``PIN_MEMORY`` flag."""
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("vllm") and hasattr(mod, "PIN_MEMORY"):
+                mod.PIN_MEMORY = False  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ one step
+    def build(self, computed: np.ndarray, scheduled: np.ndarray, prompt_lens: np.ndarray, table: np.ndarray,
+              ids: np.ndarray, prev_rows: np.ndarray, *, padded: int | None,
+              state_table: np.ndarray | None = None) -> VllmStep:
+        """One step's metadata, as vLLM's runner and builders make it.
+
+        Parameters
+        ----------
+        computed, scheduled, prompt_lens : np.ndarray
+            (n,) int32, host: each row's computed tokens, its tokens this step, its prompt's length.
+        table : np.ndarray
+            (n, width) int32, host: the attention group's block table rows.
+        ids, prev_rows : np.ndarray
+            (T,) int32, host: the engine's input ids and device-token rows (T: the step's tokens, padded).
+        padded : int, optional
+            A decode step padded to this many rows (and tokens).
+        state_table : np.ndarray, optional
+            (n, 1) int32, host: a hybrid model's state slot of each row.
+        """
+        n, total = len(computed), int(scheduled.sum())
+        B, T = (padded, padded) if padded is not None else (n, total)
+        # the input batch's rows (vLLM keeps them persistent and edits rows as requests come and go)
+        self.num_computed_tokens_cpu.numpy()[:n] = computed
+        self.num_prompt_tokens_cpu.numpy()[:n] = prompt_lens
+        self.tables[0].block_table.np[:n, : table.shape[1]] = table
+        if self.hybrid:
+            assert state_table is not None
+            self.tables[1].block_table.np[:n, :1] = state_table
+        # _prepare_inputs
+        for bt in self.tables:
+            bt.commit_block_table(n)
+        req_indices = np.repeat(self.arange[:n], scheduled)
+        cu = np.cumsum(scheduled)
+        self.query_pos.np[:total] = self.arange[:total] - np.repeat(cu - scheduled, scheduled)
+        self.input_ids.np[:T] = ids
+        self.prev_rows.np[:T] = prev_rows
+        qsl = self.query_start_loc
+        qsl.np[0] = 0
+        qsl.np[1 : n + 1] = cu
+        qsl.np[n + 1 :].fill(cu[-1])
+        qsl.copy_to_gpu()
+        torch.add(self.num_computed_tokens_cpu[:n], torch.from_numpy(scheduled), out=self.optimistic_seq_lens_cpu[:n])
+        self.optimistic_seq_lens_cpu[n:].fill_(0)
+        self.num_computed_tokens[:n].copy_(self.num_computed_tokens_cpu[:n], non_blocking=True)
+        self.req_indices.np[:total] = req_indices
+        self.req_indices.copy_to_gpu(total)
+        self.query_pos.copy_to_gpu(total)
+        self.num_scheduled_tokens.np[:n] = scheduled
+        self.num_scheduled_tokens.copy_to_gpu(n)
+        self.positions[:total] = (self.num_computed_tokens[self.req_indices.gpu[:total]].to(torch.int64)
+                                  + self.query_pos.gpu[:total])
+        self.seq_lens[:n] = self.num_computed_tokens[:n] + self.num_scheduled_tokens.gpu[:n]
+        self.seq_lens[n:].fill_(0)
+        self._slot_mapping(n, total)
+        self.input_ids.copy_to_gpu(T)  # _prepare_input_ids; the engine's device-token rows the same way
+        self.prev_rows.copy_to_gpu(T)
+        # _get_slot_mappings
+        slot_mappings = []
+        for bt in self.tables:
+            sm = bt.slot_mapping.gpu[:T]
+            sm[total:T].fill_(-1)
+            slot_mappings.append(sm)
+        # _build_attention_metadata
+        max_seq_len = int(self.optimistic_seq_lens_cpu.numpy()[:n].max())
+        is_prefilling = self.num_computed_tokens_cpu[:B] < self.num_prompt_tokens_cpu[:B]
+        is_prefilling[n:] = False
+        tables = []
+        for bt in self.tables:
+            t = bt.get_device_tensor(B)
+            t[n:B].fill_(0)  # NULL_BLOCK_ID
+            tables.append(t)
+        common = self._common_cls(
+            query_start_loc=qsl.gpu[: B + 1], query_start_loc_cpu=qsl.cpu[: B + 1], seq_lens=self.seq_lens[:B],
+            seq_lens_cpu_upper_bound=self.optimistic_seq_lens_cpu[:B], num_reqs=B, num_actual_tokens=T,
+            max_query_len=int(scheduled.max()), max_seq_len=max_seq_len, block_table_tensor=tables[0],
+            slot_mapping=slot_mappings[0], causal=True, is_prefilling=is_prefilling, positions=self.positions[:T])
+        before = self.plans.seconds if self.plans is not None else 0.0
+        attention = self.attention_builder.build(common_prefix_len=0, common_attn_metadata=common)
+        mamba = None
+        if self.mamba_builder is not None:
+            group = copy.copy(common)
+            group.block_table_tensor, group.slot_mapping = tables[1], slot_mappings[1]
+            mamba = self.mamba_builder.build(common_prefix_len=0, common_attn_metadata=group)
+        if mamba is not None and mamba.num_prefills:  # the torch mixer's host offsets of the prefill rows
+            qsl_cpu = qsl.cpu[mamba.num_decodes : B + 1]
+            mamba = _HostOffsets(mamba, qsl_cpu - qsl_cpu[0])
+        plan = (self.plans.seconds - before) if self.plans is not None else 0.0
+        return VllmStep(common=common, attention=attention, mamba=mamba, input_ids=self.input_ids.gpu,
+                        prev_rows=self.prev_rows.gpu, positions=self.positions,
+                        slot_mapping=self.tables[0].slot_mapping.gpu, query_start_loc=qsl.gpu, plan_seconds=plan,
+                        copies=len(self.tables) + 7)
+
+    def _slot_mapping(self, n: int, total: int) -> None:
+        """The attention group's slot mapping: vLLM's Triton kernel on CUDA; without CUDA, its rule in
+        torch (block ``pos // block_size`` of the row's table, offset ``pos % block_size``)."""
+        bt = self.tables[0]
+        if self.cuda:
+            bt.compute_slot_mapping(n, self.query_start_loc.gpu[: n + 1], self.positions[:total])
+            return
+        rows, pos = self.req_indices.gpu[:total], self.positions[:total]
+        blocks = bt.block_table.gpu[rows, pos // self.block_size].to(torch.int64)
+        bt.slot_mapping.gpu[:total] = blocks * self.block_size + pos % self.block_size
+
+
+class VllmPagedKernel(TorchPagedKernel):
+    """The torch paged kernel over vLLM's ``FlashAttentionMetadata``: the block table, the query offsets'
+    host copy and the host sequence lengths (vLLM's ``seq_lens_cpu_upper_bound``, exact without spec
+    decode) of the step. No cascade attention."""
+
+    name = "torch-paged"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, None)
+
+    def prepare_vllm(self, step: VllmStep, num_reqs: int, block_size: int) -> None:
+        """Plan the step's per-request gathers from vLLM's metadata (``num_reqs``: the real rows)."""
+        fa, cm = step.attention, step.common
+        view = _PagedView(block_size=block_size, block_table_tensor=fa.block_table,
+                          query_start_loc_cpu=cm.query_start_loc_cpu, seq_lens_cpu=cm.seq_lens_cpu_upper_bound,
+                          num_real_reqs=num_reqs)
+        self.prepare(view, {})  # type: ignore[arg-type]
+
+
+class _HostOffsets:
+    """vLLM's ``Mamba2AttentionMetadata`` with the host copy of its prefill rows' query offsets, which
+    the engine's torch Mamba mixer reads (taken from the runner's ``query_start_loc`` host buffer, as
+    vLLM's own builders take theirs; vLLM's kernels read only the device fields)."""
+
+    def __init__(self, meta: Any, query_start_loc_p_cpu: torch.Tensor) -> None:
+        self._meta = meta
+        self.query_start_loc_p_cpu = query_start_loc_p_cpu
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._meta, name)
+
+
+@dataclasses.dataclass
+class _PagedView:
+    """What :meth:`TorchPagedKernel.prepare` reads of a step's common metadata."""
+
+    block_size: int
+    block_table_tensor: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    num_real_reqs: int
+
+
+class VllmFlashInferKernel:
+    """FlashInfer's wrappers as vLLM's FlashInfer builder planned them, run as vLLM's ``FlashInferImpl``
+    runs them: the decode rows (the first ``num_decode_tokens`` tokens) through the decode wrapper, the
+    rest through the prefill wrapper. A replayed decode step (CUDA graphs) runs vLLM's graph decode
+    wrapper of its padded size."""
+
+    name = "flashinfer"
+    ring = 1
+    ring_index = 0
+    cascade_steps = 0
+
+    def __init__(self) -> None:
+        self._meta: Any = None
+
+    def prepare_vllm(self, step: VllmStep, num_reqs: int, block_size: int) -> None:
+        """Take the step's ``FlashInferMetadata`` (already planned by vLLM's builder)."""
+        self._meta = step.attention
+
+    def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """``q``: (T, Hq, D); caches: (num_blocks, block_size, Hkv, D). Returns (T, Hq, D)."""
+        m, kv = self._meta, (k_cache, v_cache)
+        nd, np_ = m.num_decode_tokens, m.num_prefill_tokens
+        if m.prefill is None and m.decode is not None and nd == q.shape[0]:
+            return m.decode.wrapper.run(q, kv)  # type: ignore[no-any-return]
+        out = torch.empty_like(q)
+        if m.decode is not None:
+            out[:nd] = m.decode.wrapper.run(q[:nd], kv)
+        if m.prefill is not None:
+            out[nd : nd + np_] = m.prefill.wrapper.run(q[nd : nd + np_], kv)
+        return out

@@ -1,0 +1,34 @@
+"""The reference engine's ``vllm`` metadata mode on the CPU (marker ``vllm``): each step's metadata built by
+vLLM 0.33.0's own runner buffers (``CpuGpuBuffer``, ``BlockTable``) and builders (FlashAttention's, and
+Mamba2's for the hybrid model), the torch kernels reading it; tokens equal to ``generate``'s and
+teacher-forced, as in the ``attnmeta`` mode. On a machine without vLLM the module skips with the
+command that installs it; tests/gpu/test_engine_vllm_cuda.py runs FlashInfer's builder on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from examples.engine.vllm_metadata import INSTALL
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm.v1.attention.backends.flash_attn", reason=INSTALL)
+pytest.importorskip("transformers", reason="the reference engine needs transformers")
+
+from examples.engine.__main__ import run_workload  # noqa: E402
+from examples.engine.workload import make_model, tiny_config, tiny_hybrid_config  # noqa: E402
+
+
+@pytest.mark.parametrize("workload", ["mixed", "cascade"])
+def test_vllm_mode_llama_tokens_equal_generate(workload: str) -> None:
+    st, cmp, forced = run_workload(make_model(tiny_config()), "torch-paged", workload, metadata="vllm")
+    assert cmp.mismatches == 0 and forced.mismatches == 0, (cmp, forced)
+    assert forced.tokens == cmp.generated == st.sampled > 0
+    assert st.metadata_copies == 8 * st.steps  # the runner's copies: block table, 5 inputs, 2 engine arrays
+    assert st.cascade_steps == 0  # vLLM's common prefix length is 0 in this mode
+
+
+def test_vllm_mode_hybrid_tokens_equal_generate() -> None:
+    st, cmp, forced = run_workload(make_model(tiny_hybrid_config()), "torch-paged", "hybrid", metadata="vllm")
+    assert cmp.mismatches == 0 and forced.mismatches == 0, (cmp, forced)
+    assert st.partial_prefills > 0 and st.preemptions > 0 and st.padded_steps > 0
+    assert st.metadata_copies == 9 * st.steps  # and the Mamba group's block table

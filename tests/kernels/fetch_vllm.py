@@ -1,0 +1,130 @@
+"""Prepare vLLM 0.33.0's Python package for a machine that cannot reach the network (the GPU machine), in
+the ignored folder ``.vllm/`` of the checkout. Nothing written here is ever committed.
+
+What the engine's ``vllm`` metadata mode (``examples/engine/vllm_metadata.py``) and the harness on vLLM's
+builders (``tests/integrations/test_vllm_builders.py``) import there: vLLM's own runner buffers
+(``vllm.v1.utils.CpuGpuBuffer``, ``vllm.v1.worker.block_table.BlockTable``), its configs and its
+FlashInfer, FlashAttention, Mamba2, GDN and MLA metadata builders. None of vLLM's compiled extensions:
+its Python code imports them inside ``try`` blocks and the builders never call them.
+
+- ``.vllm/vllm-python.zip``: every ``.py`` and ``.json`` file of the vLLM wheel, and its ``dist-info``
+  (about 13 MB; the wheel is 340 MB, almost all compiled kernels and CUDA headers). Unpack it on the GPU
+  machine (``python -m zipfile -e .vllm/vllm-python.zip DIR``) and put DIR on ``sys.path``.
+- ``.vllm/wheels/``: the packages vLLM's import chain needs that the GPU machine's image lacks
+  (:data:`DEPENDENCIES`; about 15 MB), as wheels for CPython 3.12 on manylinux x86-64; install them with
+  ``pip install --no-index --no-deps --target DIR .vllm/wheels/*.whl``.
+- ``.vllm/MANIFEST.txt``: where each file came from and its sha256.
+
+``benchmarks/gpu_all.sh`` does the unpacking and the install (its ``vllm_site`` helper) for the parts
+that need vLLM: carry ``.vllm`` (and ``.whl`` for FlashInfer) in the device call.
+
+Usage (from the checkout's root)::
+
+    python tests/kernels/fetch_vllm.py                       # downloads the vLLM wheel (340 MB)
+    python tests/kernels/fetch_vllm.py --vllm-wheel vllm-0.33.0-*.whl
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+__all__ = ["DEPENDENCIES", "PLATFORMS", "PYTHON", "VLLM_VERSION", "main"]
+
+ROOT = Path(__file__).resolve().parents[2]
+DEST = ROOT / ".vllm"
+VLLM_VERSION = "0.33.0"
+PYTHON = "3.12"
+"""The GPU machine's Python."""
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64")
+DEPENDENCIES = (
+    "annotated-types==0.8.0", "cachetools==8.0.2", "cbor2==6.3.0", "fastapi==0.165.0", "llguidance==1.6.1",
+    "more-itertools==11.2.1", "msgspec==0.23.0", "openai==3.57.0", "openai-harmony==0.0.8",
+    "partial-json-parser==0.2.1.1.post7", "pybase64==1.5.1", "pydantic==2.14.4", "pydantic-core==2.50.5",
+    "pyzmq==27.3.0", "sniffio==1.3.1", "starlette==1.10.0", "typing-inspection==0.4.5", "xgrammar==0.2.9",
+)
+"""What importing vLLM's configs and builders needs beyond the GPU machine's image (torch, transformers,
+triton, numpy, aiohttp, psutil, einops, cloudpickle, pillow and the rest are there). Versions that
+import together with vLLM 0.33.0 (``llguidance`` is the newest with a wheel for manylinux_2_28)."""
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _pip(*args: str) -> None:
+    """Run ``python -m pip ARGS`` with this interpreter, failing loudly."""
+    cmd = [sys.executable, "-m", "pip", *args]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def _keep(name: str) -> bool:
+    """Whether a wheel entry goes into the zip: Python sources, JSON configs, the dist-info (no RECORD:
+    its hashes name files left out)."""
+    return name.endswith((".py", ".json", ".typed")) or (".dist-info/" in name and not name.endswith("RECORD"))
+
+
+def write_python(wheel: Path, manifest: list[str]) -> None:
+    """vLLM's Python files from ``wheel`` into ``.vllm/vllm-python.zip``."""
+    version = wheel.name.split("-")[1]
+    if version != VLLM_VERSION:
+        raise SystemExit(f"{wheel.name} is vLLM {version}; the engine's vllm mode is written for {VLLM_VERSION}")
+    out = DEST / "vllm-python.zip"
+    kept = 0
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            if _keep(info.filename):
+                dst.writestr(info, src.read(info))
+                kept += 1
+    manifest.append(f"zip      {out.name}  {_sha256(out.read_bytes())}  {kept} files of {wheel.name}")
+    print(f"{kept} files of {wheel.name} -> {out} ({out.stat().st_size / 2**20:.1f} MB)")
+
+
+def write_wheels(tmp: Path, manifest: list[str]) -> None:
+    """The wheels of :data:`DEPENDENCIES` for the GPU machine into ``.vllm/wheels/`` (replaced whole)."""
+    got = tmp / "deps"
+    platforms = [a for p in PLATFORMS for a in ("--platform", p)]
+    for req in DEPENDENCIES:
+        _pip("download", "-q", "--no-deps", "--only-binary", ":all:", "--python-version", PYTHON,
+             "--implementation", "cp", *platforms, "-d", str(got), req)
+    out = DEST / "wheels"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for w in sorted(got.glob("*.whl")):
+        shutil.copy2(w, out / w.name)
+        manifest.append(f"wheel    {w.name}  {_sha256(w.read_bytes())}")
+    print(f"{len(DEPENDENCIES)} dependency wheels -> {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--vllm-wheel", type=Path, help="a vllm 0.33.0 wheel file (default: download it)")
+    ap.add_argument("--skip-wheels", action="store_true", help="leave .vllm/wheels as it is")
+    args = ap.parse_args(argv)
+    DEST.mkdir(exist_ok=True)
+    manifest: list[str] = []
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        wheel = args.vllm_wheel
+        if wheel is None:
+            _pip("download", "--no-deps", "--only-binary", ":all:", f"vllm=={VLLM_VERSION}", "-d", str(tmp))
+            wheel = next(tmp.glob("vllm-*.whl"))
+        write_python(Path(wheel), manifest)
+        if not args.skip_wheels:
+            write_wheels(tmp, manifest)
+    (DEST / "MANIFEST.txt").write_text("\n".join(manifest) + "\n")
+    print(f"wrote {DEST / 'MANIFEST.txt'}; carry .vllm in the device call")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
