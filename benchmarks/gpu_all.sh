@@ -111,6 +111,10 @@ vllm_site() {  # vLLM's Python package (.vllm, from tests/kernels/fetch_vllm.py)
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .vsite .vllm/wheels/*.whl || return 1
   fi
   export PYTHONPATH="$PYTHONPATH:$PWD/.vsite" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+  $PY -c "import vllm, vllm.config, vllm.v1.worker.block_table, vllm.v1.attention.backends.flash_attn, \
+vllm.v1.attention.backends.mamba2_attn, vllm.v1.attention.backends.flashinfer; print('vLLM', vllm.__version__, \
+'imports from .vsite')" 2>&1 | grep -v "^INFO\|^WARNING" | tail -5
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "vLLM's Python package does not import (above)" >&2; return 1; }
 }
 if want gpu; then
 echo "== gpu: tests/gpu" | tee "$OUT_DIR/gpu_tests.log"
