@@ -24,7 +24,9 @@ on its own from freshly pinned memory, the pattern of vLLM's ``async_tensor_h2d`
 baseline, ``vllm-graphs`` and ``vllm-eager``: the same engine, model and FlashInfer kernels with each
 step's metadata built by vLLM 0.33.0's own runner buffers and ``FlashInferMetadataBuilder`` (and
 ``Mamba2AttentionMetadataBuilder`` for the hybrid model; ``examples/engine/vllm_metadata.py``), whose
-``plan()`` calls are timed apart into ``plan ms`` as the attnmeta modes' are. In the vLLM modes
+``plan()`` calls are timed apart into ``plan ms`` as the attnmeta modes' are; ``varlen`` and
+``vllm-varlen``: FlashAttention's varlen kernel (torch's ``varlen_attn``), eager, fed by attnmeta's
+``flash_attn`` builder or by vLLM's ``FlashAttentionMetadataBuilder`` (vLLM's default backend on Hopper). In the vLLM modes
 ``metadata ms`` is the runner's part and the builders' ``build()`` less its ``plan()`` calls;
 ``copies/step`` counts the runner's own H2D copies. The sync audit runs in count mode (it records, it
 does not raise): vLLM's code may sync. The modes run in turn at each concurrency, in one process; the
@@ -80,9 +82,10 @@ from examples.engine.workload import config_1b, config_hybrid_1b, make_model, ti
 
 MODES = {"graphs": ("flashinfer", True, "one-copy", "attnmeta"), "eager": ("flashinfer", False, "one-copy", "attnmeta"),
          "per-tensor": ("flashinfer", False, "per-tensor", "attnmeta"),
-         "vllm-graphs": ("flashinfer", True, "one-copy", "vllm"), "vllm-eager": ("flashinfer", False, "one-copy", "vllm")}
+         "vllm-graphs": ("flashinfer", True, "one-copy", "vllm"), "vllm-eager": ("flashinfer", False, "one-copy", "vllm"),
+         "varlen": ("torch-varlen", False, "one-copy", "attnmeta"), "vllm-varlen": ("torch-varlen", False, "one-copy", "vllm")}
 """Mode name: (kernel, CUDA graphs, uploads, who builds the metadata)."""
-PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"))
+PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"), ("varlen", "vllm-varlen"))
 """The headline's pairs: attnmeta's mode and vLLM's, the same loop otherwise."""
 
 
@@ -244,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"bench_engine: unknown modes {unknown}: {', '.join(MODES)}", file=sys.stderr)
         return 2
-    if hybrid and not set(modes.split(",")) <= {"eager", "vllm-eager"}:
-        print("bench_engine: a hybrid model runs eager steps with one copy only (--modes eager,vllm-eager)",
-              file=sys.stderr)
+    if hybrid and any(MODES[m][1] or MODES[m][2] != "one-copy" for m in modes.split(",")):
+        print("bench_engine: a hybrid model runs eager steps with one copy only (--modes eager,vllm-eager,varlen,"
+              "vllm-varlen)", file=sys.stderr)
         return 2
     rows = []
     print(f"{'mode':>11} {'reqs':>5} {'step ms':>8} {'steps/s':>8} {'tok/s':>8} {'metadata ms':>11} {'share':>6} "

@@ -70,10 +70,12 @@
 #           vllm mode's sync count) -> vllm.log; then the harness on vLLM's own builders on cuda,
 #           tests/integrations/test_vllm_builders.py -m vllm (its "HARNESS ..." lines: cases, disagreements and
 #           syncs per build of each builder) -> vllm_harness.log, vllm_harness_summary.txt;
-#   vllmbench  the headline: benchmarks/bench_engine.py --modes graphs,vllm-graphs on the ~1.2B Llama at 1/64/256
-#           requests -> vllm_bench.txt, vllm_bench.json; then --model hybrid-1b --modes eager,vllm-eager ->
-#           vllm_hybrid_bench.txt, vllm_hybrid_bench.json (carry .vllm, .whl, .kernels; VLLMBENCH_MODELS, default
-#           "1b hybrid-1b", picks the models).
+#   vllmbench  the headline: benchmarks/bench_engine.py --modes varlen,vllm-varlen (FlashAttention's kernel fed by
+#           attnmeta or by vLLM's FlashAttention builder, eager) on the ~1.2B Llama at 1/64/256 requests ->
+#           vllm_bench.txt, vllm_bench.json; then on hybrid-1b -> vllm_hybrid_bench.txt, vllm_hybrid_bench.json
+#           (carry .vllm, .whl, .kernels; VLLMBENCH_MODELS, default "1b hybrid-1b", picks the models,
+#           VLLMBENCH_MODES the modes: graphs,vllm-graphs needs vLLM's FlashInfer backend, which needs
+#           flashinfer-python 0.7.2.post1, too large to carry beside vLLM's package).
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
 #   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit kernels engine
 #   enginebench mamba-kernels hybrid hybridbench multi ab before-after", default all but the last three). One device call allows
@@ -106,13 +108,16 @@ vllm_site() {  # vLLM's Python package (.vllm, from tests/kernels/fetch_vllm.py)
     echo "no .vllm/vllm-python.zip: run python tests/kernels/fetch_vllm.py on the dev machine and carry .vllm" >&2
     return 1
   fi
-  if [[ ! -f .vsite/vllm/__init__.py ]]; then
-    $PY -m zipfile -e .vllm/vllm-python.zip .vsite || return 1
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .vsite .vllm/wheels/*.whl || return 1
+  $PY -m zipfile -e .vllm/vllm-python.zip .vsite || return 1  # always: a warm machine may hold an older one
+  local stamp; stamp=$(ls .vllm/wheels | md5sum)
+  if [[ "$(cat .vsite/.wheels 2>/dev/null)" != "$stamp" ]]; then  # the wheels not yet installed here
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .vsite .vllm/wheels/*.whl \
+      || return 1
+    echo "$stamp" > .vsite/.wheels
   fi
   export PYTHONPATH="$PYTHONPATH:$PWD/.vsite" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
   $PY -c "import vllm, vllm.config, vllm.v1.worker.block_table, vllm.v1.attention.backends.flash_attn, \
-vllm.v1.attention.backends.mamba2_attn, vllm.v1.attention.backends.flashinfer; print('vLLM', vllm.__version__, \
+vllm.v1.attention.backends.mamba2_attn; print('vLLM', vllm.__version__, \
 'imports from .vsite')" 2>&1 | grep -v "^INFO\|^WARNING" | tail -5
   [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "vLLM's Python package does not import (above)" >&2; return 1; }
 }
@@ -260,11 +265,12 @@ echo "== vllmbench: attnmeta against vLLM's own metadata code in the same engine
 if vllm_site; then
   for m in ${VLLMBENCH_MODELS:-1b hybrid-1b}; do
     if [[ $m == 1b ]]; then
-      timeout 420 $PY benchmarks/bench_engine.py --device cuda --modes graphs,vllm-graphs --no-cold \
+      timeout 420 $PY benchmarks/bench_engine.py --device cuda --modes "${VLLMBENCH_MODES:-varlen,vllm-varlen}" --no-cold \
         --json "$OUT_DIR/vllm_bench.json" 2>&1 | tee -a "$OUT_DIR/vllm_bench.txt"
       [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllmbench (1b)" "${PIPESTATUS[0]}"
     else
-      timeout 420 $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --modes eager,vllm-eager --no-cold \
+      timeout 420 $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --modes "${VLLMBENCH_MODES:-varlen,vllm-varlen}" \
+        --no-cold \
         --json "$OUT_DIR/vllm_hybrid_bench.json" 2>&1 | tee "$OUT_DIR/vllm_hybrid_bench.txt"
       [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllmbench (hybrid-1b)" "${PIPESTATUS[0]}"
     fi

@@ -78,7 +78,7 @@ class EngineConfig:
     metadata: Literal["attnmeta", "vllm"] = "attnmeta"
     """Who builds each step's metadata: attnmeta (one copy a step), or vLLM 0.33.0's runner buffers and
     metadata builders (:mod:`.vllm_metadata`: the baseline of the headline benchmark; kernels
-    ``flashinfer`` and ``torch-paged``, one-copy uploads, the ``"none"`` Mamba cache mode)."""
+    ``flashinfer``, ``torch-paged`` and ``torch-varlen``, one-copy uploads, the ``"none"`` Mamba cache mode)."""
     mamba_kernels: Literal["torch", "vllm"] = "torch"
     """A hybrid model's Mamba2 layers: the torch reference mixer, or vLLM 0.33.0's Triton kernels (GPU;
     the files ``tests/kernels/fetch_kernels.py`` puts into ``.kernels/``)."""
@@ -225,22 +225,30 @@ class Engine:
 
     def _vllm_mode(self, model: Any, kernel: AttentionKernel) -> tuple[VllmMetadata, Any]:
         """vLLM's runner buffers and builders for this engine, and the kernel that reads their metadata."""
-        from .vllm_metadata import VllmFlashInferKernel, VllmMetadata, VllmPagedKernel
+        from .kernels import VarlenKernel
+        from .vllm_metadata import (
+            KERNELS,
+            VllmFlashInferKernel,
+            VllmMetadata,
+            VllmPagedKernel,
+            VllmVarlenKernel,
+        )
 
         cfg = self.cfg
         if cfg.uploads != "one-copy":
             raise ValueError("Engine: the vllm metadata mode makes vLLM's own copies (uploads='one-copy')")
         if self.align:
             raise ValueError("Engine: the vllm metadata mode runs the 'none' Mamba cache mode")
-        if kernel.name not in ("flashinfer", "torch-paged"):
-            raise ValueError(f"Engine: the vllm metadata mode runs kernel 'flashinfer' or 'torch-paged', not "
-                             f"{kernel.name!r}")
+        if kernel.name not in KERNELS:
+            raise ValueError(f"Engine: the vllm metadata mode runs kernels {', '.join(KERNELS)}, not {kernel.name!r}")
         meta = VllmMetadata(model.config, kernel.name, self.device, next(model.parameters()).dtype,
                             block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                             max_num_tokens=cfg.max_num_tokens, max_model_len=cfg.max_model_len,
                             decode_sizes=cfg.decode_sizes, graphs=self.graphs, hybrid=self.hybrid)
         if kernel.name == "flashinfer":
             return meta, VllmFlashInferKernel()
+        if isinstance(kernel, VarlenKernel):
+            return meta, VllmVarlenKernel(kernel.num_heads, kernel.num_kv_heads, kernel.head_dim)
         assert isinstance(kernel, TorchPagedKernel)
         return meta, VllmPagedKernel(kernel.num_heads, kernel.num_kv_heads, kernel.head_dim)
 

@@ -50,11 +50,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .kernels import TorchPagedKernel
+from .kernels import TorchPagedKernel, VarlenKernel
 
-__all__ = ["INSTALL", "VLLM_VERSION", "VllmFlashInferKernel", "VllmMetadata", "VllmPagedKernel", "VllmStep"]
+__all__ = ["INSTALL", "VLLM_VERSION", "VllmFlashInferKernel", "VllmMetadata", "VllmPagedKernel", "VllmStep",
+           "VllmVarlenKernel"]
 
 VLLM_VERSION = "0.33.0"
+KERNELS = ("flashinfer", "torch-paged", "torch-varlen")
+"""The engine's kernels the vllm mode feeds: FlashInfer's through vLLM's FlashInfer builder, the two torch
+kernels through vLLM's FlashAttention builder."""
 INSTALL = (f"the engine's vllm metadata mode needs vLLM {VLLM_VERSION}'s Python package: bash "
            "tests/integrations/install_vllm.sh ENV (a machine with the network), or python "
            "tests/kernels/fetch_vllm.py and benchmarks/gpu_all.sh's vllm parts (the GPU machine)")
@@ -181,10 +185,10 @@ class VllmMetadata:
     def __init__(self, hf_config: Any, kernel: str, device: torch.device, dtype: torch.dtype, *, block_size: int,
                  max_num_seqs: int, max_num_tokens: int, max_model_len: int, decode_sizes: tuple[int, ...],
                  graphs: bool, hybrid: bool) -> None:
-        if kernel not in ("flashinfer", "torch-paged"):
-            raise ValueError(f"the vllm metadata mode runs kernel 'flashinfer' or 'torch-paged', not {kernel!r}")
-        if kernel == "flashinfer" and device.type != "cuda":
-            raise ValueError("the vllm metadata mode's flashinfer kernel needs CUDA")
+        if kernel not in KERNELS:
+            raise ValueError(f"the vllm metadata mode runs kernels {', '.join(KERNELS)}, not {kernel!r}")
+        if kernel != "torch-paged" and device.type != "cuda":
+            raise ValueError(f"the vllm metadata mode's {kernel} kernel needs CUDA")
         _import_vllm()
         from vllm.config import CacheConfig, CompilationConfig, DeviceConfig, ModelConfig, VllmConfig
         from vllm.config.compilation import CUDAGraphMode
@@ -216,8 +220,9 @@ class VllmMetadata:
         names = [f"model.layers.{i}.self_attn.attn" for i in layers]
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=hk, head_size=d, dtype=dtype)
         self.plans: _PlanTimer | None = None
+        from vllm.config import set_current_vllm_config
+
         if kernel == "flashinfer":
-            from vllm.config import set_current_vllm_config
             from vllm.model_executor.layers.attention.attention import Attention
             from vllm.v1.attention.backends import flashinfer as fi_module
 
@@ -234,7 +239,8 @@ class VllmMetadata:
         else:
             from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
 
-            self.attention_builder = FlashAttentionMetadataBuilder(spec, names, self.config, device)
+            with set_current_vllm_config(self.config):  # its FlashAttention version query reads the config
+                self.attention_builder = FlashAttentionMetadataBuilder(spec, names, self.config, device)
         self.mamba_builder = None
         if hybrid:
             from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionMetadataBuilder
@@ -426,6 +432,40 @@ class _PagedView:
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
     num_real_reqs: int
+
+
+class VllmVarlenKernel(VarlenKernel):
+    """FlashAttention's varlen kernel (torch's ``varlen_attn``, CUDA) over vLLM's ``FlashAttentionMetadata``:
+    its query offsets, sequence lengths, block table and maxima, with the host total of the sequence
+    lengths from vLLM's ``seq_lens_cpu_upper_bound`` (exact without spec decode)."""
+
+    def prepare_vllm(self, step: VllmStep, num_reqs: int, block_size: int) -> None:
+        """Plan the step's K/V gathers from vLLM's metadata (``num_reqs``: the real rows)."""
+        fa, cm = step.attention, step.common
+        view = _VarlenView(seq_lens=fa.seq_lens, seq_lens_cpu=cm.seq_lens_cpu_upper_bound,
+                           block_table=fa.block_table, query_start_loc=fa.query_start_loc,
+                           max_query_len=fa.max_query_len, max_seq_len=fa.max_seq_len)
+        self.prepare(_Rows(num_reqs=num_reqs, block_size=block_size), {"flash_attn": view})  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass
+class _VarlenView:
+    """What :meth:`VarlenKernel.prepare` reads of FlashAttention metadata."""
+
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclasses.dataclass
+class _Rows:
+    """What :meth:`VarlenKernel.prepare` reads of the common metadata."""
+
+    num_reqs: int
+    block_size: int
 
 
 class VllmFlashInferKernel:

@@ -280,7 +280,13 @@ def flashinfer_builder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[],
     context (the builder reads their scale there), on CUDA."""
     if DEVICE.type != "cuda":
         pytest.skip("vLLM's FlashInfer builder plans FlashInfer's CUDA wrappers: the GPU machine runs it")
-    pytest.importorskip("flashinfer", reason="bash ../shared/tools/gpu-wheels.sh, then carry .whl")
+    flashinfer = pytest.importorskip("flashinfer", reason="bash ../shared/tools/gpu-wheels.sh, then carry .whl")
+    try:
+        import vllm.v1.attention.backends.flashinfer  # noqa: F401
+    except ImportError as e:  # vLLM 0.33.0's backend needs flashinfer-python 0.7.2.post1
+        pytest.skip(f"vLLM 0.33.0's FlashInfer backend does not import with flashinfer {flashinfer.__version__} "
+                    f"(it needs 0.7.2.post1, a 62 MB wheel with cutlass-dsl and CUDA-python dependencies that a device "
+                    f"call cannot carry beside vLLM's package): {e}")
     from transformers import LlamaConfig
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention

@@ -35,7 +35,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-__all__ = ["DEPENDENCIES", "PLATFORMS", "PYTHON", "VLLM_VERSION", "main"]
+__all__ = ["DEPENDENCIES", "PLATFORMS", "PYTHON", "STANDINS", "VLLM_VERSION", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]
 DEST = ROOT / ".vllm"
@@ -45,14 +45,32 @@ PYTHON = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64")
 DEPENDENCIES = (
-    "annotated-types==0.8.0", "cachetools==8.0.2", "cbor2==6.3.0", "fastapi==0.165.0", "llguidance==1.6.1",
-    "more-itertools==11.2.1", "msgspec==0.23.0", "openai==3.57.0", "openai-harmony==0.0.8",
+    "annotated-types==0.8.0", "cachetools==8.0.2", "cbor2==6.3.0", "fastapi==0.165.0", "httpcore2==2.16.2",
+    "httpx2==2.16.2", "jiter==0.19.0", "llguidance==1.6.1", "more-itertools==11.2.1", "msgspec==0.23.0",
+    "openai==3.57.0", "openai-harmony==0.0.8", "opentelemetry-api==1.45.2", "truststore==0.10.5",
     "partial-json-parser==0.2.1.1.post7", "pybase64==1.5.1", "pydantic==2.14.4", "pydantic-core==2.50.5",
     "pyzmq==27.3.0", "sniffio==1.3.1", "starlette==1.10.0", "typing-inspection==0.4.5", "xgrammar==0.2.9",
 )
 """What importing vLLM's configs and builders needs beyond the GPU machine's image (torch, transformers,
 triton, numpy, aiohttp, psutil, einops, cloudpickle, pillow and the rest are there). Versions that
 import together with vLLM 0.33.0 (``llguidance`` is the newest with a wheel for manylinux_2_28)."""
+
+
+STANDINS = {
+    "vllm/_C_stable_libtorch.py": '"""Stand-in written by attnmeta\'s tests/kernels/fetch_vllm.py (not vLLM code): '
+                                  "vLLM's compiled ops library, which vllm/platforms/cuda.py imports to register "
+                                  'its torch ops; the metadata builders call none of them."""\n',
+    "vllm/vllm_flash_attn/__init__.py": '"""Stand-in written by attnmeta\'s tests/kernels/fetch_vllm.py (not vLLM code) for '
+                                        "vLLM's, which raises without the compiled FlashAttention extensions: the same "
+                                        "names from flash_attn_interface, whose availability flags say no extension is "
+                                        'here (FlashAttention\'s builder then plans no ahead-of-time schedule)."""\n'
+                                        "from vllm.vllm_flash_attn.flash_attn_interface import (  # noqa: F401\n"
+                                        "    FA2_AVAILABLE, FA3_AVAILABLE, compile_flash_attn_varlen_func_from_specs,\n"
+                                        "    fa_version_unsupported_reason, flash_attn_varlen_func, get_scheduler_metadata,\n"
+                                        "    is_fa_version_supported)\n",
+}
+"""Stand-ins put into the zip (replacing the wheel's file of that name, if any) for what vLLM's import chain
+needs of its compiled extensions: imported without a ``try``, never called by the metadata builders."""
 
 
 def _sha256(data: bytes) -> str:
@@ -81,9 +99,12 @@ def write_python(wheel: Path, manifest: list[str]) -> None:
     kept = 0
     with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
         for info in src.infolist():
-            if _keep(info.filename):
+            if _keep(info.filename) and info.filename not in STANDINS:
                 dst.writestr(info, src.read(info))
                 kept += 1
+        for name, text in STANDINS.items():
+            dst.writestr(name, text)
+            manifest.append(f"standin  {name}  {_sha256(text.encode())}")
     manifest.append(f"zip      {out.name}  {_sha256(out.read_bytes())}  {kept} files of {wheel.name}")
     print(f"{kept} files of {wheel.name} -> {out} ({out.stat().st_size / 2**20:.1f} MB)")
 
@@ -111,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-wheels", action="store_true", help="leave .vllm/wheels as it is")
     args = ap.parse_args(argv)
     DEST.mkdir(exist_ok=True)
+    manifest_path = DEST / "MANIFEST.txt"
+    old = manifest_path.read_text().splitlines() if manifest_path.exists() else []
     manifest: list[str] = []
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
@@ -121,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         write_python(Path(wheel), manifest)
         if not args.skip_wheels:
             write_wheels(tmp, manifest)
-    (DEST / "MANIFEST.txt").write_text("\n".join(manifest) + "\n")
+        else:
+            manifest += [line for line in old if line.startswith("wheel")]
+    manifest_path.write_text("\n".join(manifest) + "\n")
     print(f"wrote {DEST / 'MANIFEST.txt'}; carry .vllm in the device call")
     return 0
 
