@@ -115,7 +115,8 @@ vllm_site() {  # vLLM's Python package (.vllm, from tests/kernels/fetch_vllm.py)
       || return 1
     echo "$stamp" > .vsite/.wheels
   fi
-  export PYTHONPATH="$PYTHONPATH:$PWD/.vsite" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+  export PYTHONPATH="$PYTHONPATH:$PWD/.vsite" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+    VLLM_CACHE_ROOT="$PWD/.vllm/cache"  # the model-info cache fetch_vllm.py made: no model module imported
   $PY -c "import vllm, vllm.config, vllm.v1.worker.block_table, vllm.v1.attention.backends.flash_attn, \
 vllm.v1.attention.backends.mamba2_attn; print('vLLM', vllm.__version__, \
 'imports from .vsite')" 2>&1 | grep -v "^INFO\|^WARNING" | tail -5

@@ -200,7 +200,10 @@ class VllmMetadata:
         self.cuda = device.type == "cuda"
         self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
         self._folder = tempfile.TemporaryDirectory(prefix="attnmeta-vllm-config-")
-        hf_config.save_pretrained(self._folder.name)
+        saved = copy.deepcopy(hf_config)
+        if getattr(saved, "model_type", "") == "llama":  # the engine serves the causal LM (vLLM's own class)
+            saved.architectures = ["LlamaForCausalLM"]
+        saved.save_pretrained(self._folder.name)
         dtype_name = str(dtype).removeprefix("torch.")
         model = ModelConfig(model=self._folder.name, skip_tokenizer_init=True, dtype=dtype_name,
                             max_model_len=max_model_len)

@@ -13,6 +13,12 @@ its Python code imports them inside ``try`` blocks and the builders never call t
 - ``.vllm/wheels/``: the packages vLLM's import chain needs that the GPU machine's image lacks
   (:data:`DEPENDENCIES`; about 15 MB), as wheels for CPython 3.12 on manylinux x86-64; install them with
   ``pip install --no-index --no-deps --target DIR .vllm/wheels/*.whl``.
+- ``.vllm/cache/modelinfos/``: vLLM's model-info cache of the architectures the engine's and the harness's
+  configs resolve to (:data:`ARCHITECTURES`), made here by vLLM's registry (``VLLM_CACHE_ROOT``). On a CUDA
+  machine vLLM inspects an architecture by importing its model module, which calls compiled ops at import
+  time; with the cache (keyed by the module file's hash) it imports nothing. Needs vLLM importable by the
+  Python that runs this script (``bash tests/integrations/install_vllm.sh``), else it is left out with a
+  warning.
 - ``.vllm/MANIFEST.txt``: where each file came from and its sha256.
 
 ``benchmarks/gpu_all.sh`` does the unpacking and the install (its ``vllm_site`` helper) for the parts
@@ -35,7 +41,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-__all__ = ["DEPENDENCIES", "PLATFORMS", "PYTHON", "STANDINS", "VLLM_VERSION", "main"]
+__all__ = ["ARCHITECTURES", "DEPENDENCIES", "PLATFORMS", "PYTHON", "STANDINS", "VLLM_VERSION", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]
 DEST = ROOT / ".vllm"
@@ -71,6 +77,31 @@ STANDINS = {
 }
 """Stand-ins put into the zip (replacing the wheel's file of that name, if any) for what vLLM's import chain
 needs of its compiled extensions: imported without a ``try``, never called by the metadata builders."""
+
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen3NextForCausalLM", "TransformersForCausalLM", "TransformersEmbeddingModel",
+                 "TransformersMoEEmbeddingModel")
+"""What the engine's Llama (``LlamaForCausalLM``), its Bamba and the harness's configs without an
+``architectures`` entry (vLLM 0.33.0 has no Bamba class: the Transformers fallbacks) resolve to."""
+
+
+def write_model_infos(manifest: list[str]) -> None:
+    """vLLM's model-info cache of :data:`ARCHITECTURES` into ``.vllm/cache`` (a warning without vLLM)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("vllm") is None:
+        print(f"warning: vLLM is not importable by {sys.executable}: no model-info cache (the vllm parts need it on "
+              "a CUDA machine; bash tests/integrations/install_vllm.sh, then run this script with that Python)")
+        return
+    cache = DEST / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    code = ("from vllm.model_executor.models.registry import ModelRegistry\n"
+            f"for a in {ARCHITECTURES!r}:\n    ModelRegistry.models[a].inspect_model_cls()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, VLLM_CACHE_ROOT=str(cache)))
+    for f in sorted((cache / "modelinfos").glob("*.json")):
+        manifest.append(f"cache    {f.relative_to(DEST)}  {_sha256(f.read_bytes())}")
+    print(f"model-info cache of {len(ARCHITECTURES)} architectures -> {cache}")
 
 
 def _sha256(data: bytes) -> str:
@@ -142,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             _pip("download", "--no-deps", "--only-binary", ":all:", f"vllm=={VLLM_VERSION}", "-d", str(tmp))
             wheel = next(tmp.glob("vllm-*.whl"))
         write_python(Path(wheel), manifest)
+        write_model_infos(manifest)
         if not args.skip_wheels:
             write_wheels(tmp, manifest)
         else:
