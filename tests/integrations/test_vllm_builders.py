@@ -221,7 +221,19 @@ def test_vllms_mamba2_builder(builders: dict[str, Callable[[], Any]], spec: Batc
 @given(spec=batch_specs(**_PLAIN, with_prompts=st.just(True)))
 def test_vllms_gdn_builder(builders: dict[str, Callable[[], Any]], spec: BatchSpec) -> None:
     gdn = _decodes_first(spec, block_size=MAMBA_BLOCK, state_columns=1)
-    _check("gdn", builders["gdn"](), gdn, GDNOptions())
+    _check("gdn", _gdn(builders, "gdn"), gdn, GDNOptions())
+
+
+def _gdn(builders: dict[str, Callable[[], Any]], name: str) -> Any:
+    """vLLM's GDN builder; skipped on CUDA without vLLM's compiled ops: its constructor imports the GDN layer
+    module, whose import chain calls one of them at import time (quantization/utils/w8a8_utils.py)."""
+    try:
+        return builders[name]()
+    except AttributeError as e:
+        if DEVICE.type == "cuda" and "_OpNamespace" in str(e):
+            pytest.skip(f"vLLM's GDN builder imports modules that call vLLM's compiled ops on CUDA ({e}); the CPU "
+                        "run drives it")
+        raise
 
 
 _SPEC = batch_specs(min_reqs=1, max_reqs=8, kinds=("decode", "spec_decode", "prefill", "chunked_prefill"),
@@ -259,7 +271,7 @@ def test_vllms_gdn_builder_under_spec_decode(builders: dict[str, Callable[[], An
                                              seed: int) -> None:
     from attnmeta.backends.mamba import GDNInputs
 
-    _check_spec_decode("gdn", builders["gdn+spec"](), spec, GDNOptions(num_speculative_tokens=SPEC_TOKENS),
+    _check_spec_decode("gdn", _gdn(builders, "gdn+spec"), spec, GDNOptions(num_speculative_tokens=SPEC_TOKENS),
                        GDNInputs, seed)
 
 
