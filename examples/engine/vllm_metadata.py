@@ -52,8 +52,8 @@ import torch
 
 from .kernels import TorchPagedKernel, VarlenKernel
 
-__all__ = ["INSTALL", "VLLM_VERSION", "VllmFlashInferKernel", "VllmMetadata", "VllmPagedKernel", "VllmStep",
-           "VllmVarlenKernel"]
+__all__ = ["INSTALL", "KERNELS", "VLLM_VERSION", "VllmFlashInferKernel", "VllmMetadata", "VllmPagedKernel", "VllmStep",
+           "VllmVarlenKernel", "no_pinning"]
 
 VLLM_VERSION = "0.33.0"
 KERNELS = ("flashinfer", "torch-paged", "torch-varlen")
@@ -80,6 +80,14 @@ def _import_vllm() -> Any:
     if not str(version).startswith(VLLM_VERSION):
         raise ImportError(f"vLLM {version} is importable, the vllm mode is written for {VLLM_VERSION}: {INSTALL}")
     return vllm
+
+
+def no_pinning() -> None:
+    """Tell vLLM's imported modules not to pin memory (their ``PIN_MEMORY`` flag): without CUDA nothing can
+    be pinned, while vLLM's platform may still say it can."""
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("vllm") and hasattr(mod, "PIN_MEMORY"):
+            mod.PIN_MEMORY = False  # type: ignore[attr-defined]
 
 
 @dataclasses.dataclass
@@ -110,45 +118,39 @@ class VllmStep:
     ``plan()`` copies not counted)."""
 
 
-class _PlanTimer:
-    """Host seconds spent in FlashInfer's ``plan()`` calls made by vLLM's FlashInfer builder: its module's
-    ``fast_plan_decode`` and each prefill wrapper's ``plan`` timed through wrappers of the same calls."""
+_PLAN_SECONDS = [0.0]
+"""Host seconds in FlashInfer ``plan()`` calls made by vLLM's FlashInfer builders, process-wide (vLLM's
+``fast_plan_decode`` is a module function, shared by every builder): a build reads the difference."""
 
-    def __init__(self, module: Any, builder: Any) -> None:
-        self.seconds = 0.0
-        plan_decode = module.fast_plan_decode
 
-        def timed_decode(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return plan_decode(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t
+def _timed(call: Any) -> Any:
+    """``call`` with its host time added to :data:`_PLAN_SECONDS` (marked, so it is wrapped once)."""
+    if getattr(call, "_attnmeta_timed", False):
+        return call
 
-        if not getattr(plan_decode, "_attnmeta_timed", False):
-            timed_decode._attnmeta_timed = True  # type: ignore[attr-defined]
-            module.fast_plan_decode = timed_decode
-        else:  # a second engine in the process: time through the first one's wrapper
-            self._shared = plan_decode
-        get_prefill = builder._get_prefill_wrapper
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _PLAN_SECONDS[0] += time.perf_counter() - t
 
-        def timed_prefill_wrapper(*args: Any, **kwargs: Any) -> Any:
-            wrapper = get_prefill(*args, **kwargs)
-            if not getattr(wrapper, "_attnmeta_timed", False):
-                plan = wrapper.plan
+    timed._attnmeta_timed = True  # type: ignore[attr-defined]
+    return timed
 
-                def timed_plan(*a: Any, **k: Any) -> Any:
-                    t = time.perf_counter()
-                    try:
-                        return plan(*a, **k)
-                    finally:
-                        self.seconds += time.perf_counter() - t
 
-                wrapper.plan = timed_plan
-                wrapper._attnmeta_timed = True
-            return wrapper
+def _time_plans(module: Any, builder: Any) -> None:
+    """Time the ``plan()`` calls vLLM's FlashInfer ``builder`` makes: its module's ``fast_plan_decode`` (the
+    decode wrappers) and each prefill wrapper's ``plan``, through wrappers of the same calls."""
+    module.fast_plan_decode = _timed(module.fast_plan_decode)
+    get_prefill = builder._get_prefill_wrapper
 
-        builder._get_prefill_wrapper = timed_prefill_wrapper
+    def timed_prefill_wrapper(*args: Any, **kwargs: Any) -> Any:
+        wrapper = get_prefill(*args, **kwargs)
+        wrapper.plan = _timed(wrapper.plan)
+        return wrapper
+
+    builder._get_prefill_wrapper = timed_prefill_wrapper
 
 
 class VllmMetadata:
@@ -214,7 +216,7 @@ class VllmMetadata:
         self.config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block_size),
                                  device_config=DeviceConfig(device=device.type), compilation_config=compilation)
         if not self.cuda:
-            self._no_pinning()
+            no_pinning()
         text = hf_config
         h, hk = int(text.num_attention_heads), int(text.num_key_value_heads)
         d = int(getattr(text, "head_dim", None) or text.hidden_size // h)
@@ -222,7 +224,6 @@ class VllmMetadata:
                   if not hybrid or i in set(getattr(text, "attn_layer_indices", None) or ())]
         names = [f"model.layers.{i}.self_attn.attn" for i in layers]
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=hk, head_size=d, dtype=dtype)
-        self.plans: _PlanTimer | None = None
         from vllm.config import set_current_vllm_config
 
         if kernel == "flashinfer":
@@ -238,7 +239,7 @@ class VllmMetadata:
                 finally:
                     torch.set_default_dtype(default)
             self.attention_builder = fi_module.FlashInferMetadataBuilder(spec, names, self.config, device)
-            self.plans = _PlanTimer(fi_module, self.attention_builder)
+            _time_plans(fi_module, self.attention_builder)
         else:
             from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
 
@@ -283,41 +284,45 @@ class VllmMetadata:
                                           slot_mapping_mode=SlotMappingMode.NONE))
         self._common_cls = importlib.import_module("vllm.v1.attention.backends.utils").CommonAttentionMetadata
 
-    @staticmethod
-    def _no_pinning() -> None:
-        """Without CUDA nothing can be pinned; vLLM's modules read their ``PIN_MEMORY`` flag."""
-        for mod in list(sys.modules.values()):
-            if getattr(mod, "__name__", "").startswith("vllm") and hasattr(mod, "PIN_MEMORY"):
-                mod.PIN_MEMORY = False  # type: ignore[attr-defined]
-
     # ------------------------------------------------------------------ one step
-    def build(self, computed: np.ndarray, scheduled: np.ndarray, prompt_lens: np.ndarray, table: np.ndarray,
-              ids: np.ndarray, prev_rows: np.ndarray, *, padded: int | None,
-              state_table: np.ndarray | None = None) -> VllmStep:
-        """One step's metadata, as vLLM's runner and builders make it.
+    def set_batch(self, computed: np.ndarray, prompt_lens: np.ndarray, table: np.ndarray,
+                  state_table: np.ndarray | None = None) -> None:
+        """The input batch's rows before a step: what vLLM's ``InputBatch`` keeps persistent and edits as
+        requests come and go (the engine's bookkeeping, not timed as metadata work, as the ``attnmeta``
+        mode's block table rows are not).
 
         Parameters
         ----------
-        computed, scheduled, prompt_lens : np.ndarray
-            (n,) int32, host: each row's computed tokens, its tokens this step, its prompt's length.
+        computed, prompt_lens : np.ndarray
+            (n,) int32, host: each row's computed tokens and its prompt's length.
         table : np.ndarray
             (n, width) int32, host: the attention group's block table rows.
-        ids, prev_rows : np.ndarray
-            (T,) int32, host: the engine's input ids and device-token rows (T: the step's tokens, padded).
-        padded : int, optional
-            A decode step padded to this many rows (and tokens).
         state_table : np.ndarray, optional
             (n, 1) int32, host: a hybrid model's state slot of each row.
         """
-        n, total = len(computed), int(scheduled.sum())
-        B, T = (padded, padded) if padded is not None else (n, total)
-        # the input batch's rows (vLLM keeps them persistent and edits rows as requests come and go)
+        n = len(computed)
         self.num_computed_tokens_cpu.numpy()[:n] = computed
         self.num_prompt_tokens_cpu.numpy()[:n] = prompt_lens
         self.tables[0].block_table.np[:n, : table.shape[1]] = table
         if self.hybrid:
             assert state_table is not None
             self.tables[1].block_table.np[:n, :1] = state_table
+
+    def build(self, scheduled: np.ndarray, ids: np.ndarray, prev_rows: np.ndarray, *,
+              padded: int | None) -> VllmStep:
+        """One step's metadata, as vLLM's runner and builders make it, over the rows :meth:`set_batch` wrote.
+
+        Parameters
+        ----------
+        scheduled : np.ndarray
+            (n,) int32, host: each row's tokens this step.
+        ids, prev_rows : np.ndarray
+            (T,) int32, host: the engine's input ids and device-token rows (T: the step's tokens, padded).
+        padded : int, optional
+            A decode step padded to this many rows (and tokens).
+        """
+        n, total = len(scheduled), int(scheduled.sum())
+        B, T = (padded, padded) if padded is not None else (n, total)
         # _prepare_inputs
         for bt in self.tables:
             bt.commit_block_table(n)
@@ -366,7 +371,7 @@ class VllmMetadata:
             seq_lens_cpu_upper_bound=self.optimistic_seq_lens_cpu[:B], num_reqs=B, num_actual_tokens=T,
             max_query_len=int(scheduled.max()), max_seq_len=max_seq_len, block_table_tensor=tables[0],
             slot_mapping=slot_mappings[0], causal=True, is_prefilling=is_prefilling, positions=self.positions[:T])
-        before = self.plans.seconds if self.plans is not None else 0.0
+        before = _PLAN_SECONDS[0]
         attention = self.attention_builder.build(common_prefix_len=0, common_attn_metadata=common)
         mamba = None
         if self.mamba_builder is not None:
@@ -376,7 +381,7 @@ class VllmMetadata:
         if mamba is not None and mamba.num_prefills:  # the torch mixer's host offsets of the prefill rows
             qsl_cpu = qsl.cpu[mamba.num_decodes : B + 1]
             mamba = _HostOffsets(mamba, qsl_cpu - qsl_cpu[0])
-        plan = (self.plans.seconds - before) if self.plans is not None else 0.0
+        plan = _PLAN_SECONDS[0] - before
         return VllmStep(common=common, attention=attention, mamba=mamba, input_ids=self.input_ids.gpu,
                         prev_rows=self.prev_rows.gpu, positions=self.positions,
                         slot_mapping=self.tables[0].slot_mapping.gpu, query_start_loc=qsl.gpu, plan_seconds=plan,

@@ -316,3 +316,38 @@ def test_vllm_mode_without_vllm_names_the_install_command(model: Any, monkeypatc
     monkeypatch.setitem(sys.modules, "vllm", None)  # as on a machine without vLLM: import vllm fails
     with pytest.raises(ImportError, match=r"install_vllm\.sh .*fetch_vllm\.py"):
         Engine(model, make_kernel("torch-paged", model, torch.device("cpu")), EngineConfig(metadata="vllm"))
+
+
+def test_vllm_mode_times_every_builders_plans_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashInfer's decode plan is a module function of vLLM's shared by every builder: a second engine's
+    builder must count its plans too (a per-engine counter missed them), and no call is timed twice. A
+    clock that ticks one second a read makes each timed call count exactly 1."""
+    import itertools
+    import types
+
+    from examples.engine import vllm_metadata as vm
+
+    ticks = itertools.count()
+    monkeypatch.setattr(vm.time, "perf_counter", lambda: float(next(ticks)))
+
+    class PrefillWrapper:
+        def plan(self) -> None:
+            pass
+
+    class Builder:
+        def __init__(self) -> None:
+            self._wrapper = PrefillWrapper()
+
+        def _get_prefill_wrapper(self) -> PrefillWrapper:
+            return self._wrapper
+
+    module = types.SimpleNamespace(fast_plan_decode=lambda: None)
+    first, second = Builder(), Builder()
+    vm._time_plans(module, first)
+    vm._time_plans(module, second)  # the second engine in the process
+    for builder in (first, second):
+        before = vm._PLAN_SECONDS[0]
+        module.fast_plan_decode()
+        builder._get_prefill_wrapper().plan()
+        builder._get_prefill_wrapper().plan()  # the same wrapper again: wrapped once
+        assert vm._PLAN_SECONDS[0] - before == 3.0

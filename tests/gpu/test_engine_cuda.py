@@ -21,7 +21,7 @@ pytest.importorskip("transformers", reason="the reference engine needs transform
 from attnmeta.sync import no_device_sync  # noqa: E402
 from examples.engine import Engine, EngineConfig, make_kernel  # noqa: E402
 from examples.engine.__main__ import run_workload  # noqa: E402
-from examples.engine.workload import Reference, make_model, make_requests, tiny_config  # noqa: E402
+from examples.engine.workload import Reference, make_requests  # noqa: E402
 
 TOLERANCE = 0.5
 """bfloat16, generate comparison: a token may differ from generate's only where generate's top-2 logits
@@ -37,18 +37,6 @@ def _have_flashinfer() -> bool:
     except ImportError:
         return False
     return True
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    cfg = tiny_config(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, initializer_range=0.05)
-    return make_model(cfg, "cuda", torch.bfloat16)
-
-
-@pytest.fixture(scope="module")
-def reference() -> Reference:
-    return {}
 
 
 @pytest.mark.parametrize("workload", ["mixed", "cascade"])
@@ -99,21 +87,6 @@ def _vllm_mamba_kernels() -> None:
         pytest.skip(f"vLLM's Mamba kernel files are not in .kernels/vllm: run {FETCH} on the dev machine and carry "
                     ".kernels (benchmarks/gpu_all.sh, part hybrid)")
     pytest.importorskip("triton", reason="vLLM's Mamba kernels are Triton kernels")
-
-
-@pytest.fixture(scope="module")
-def hybrid_model() -> Any:
-    from examples.engine.workload import tiny_hybrid_config
-
-    cfg = tiny_hybrid_config(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                             num_attention_heads=8, num_key_value_heads=2, mamba_n_heads=16, mamba_d_head=64,
-                             mamba_n_groups=2, mamba_d_state=64, mamba_chunk_size=32, initializer_range=0.05)
-    return make_model(cfg, "cuda", torch.bfloat16)
-
-
-@pytest.fixture(scope="module")
-def hybrid_reference() -> Reference:
-    return {}
 
 
 @pytest.mark.parametrize("kernel", ["torch-paged", "flashinfer"])

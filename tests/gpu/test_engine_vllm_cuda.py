@@ -28,7 +28,7 @@ pytest.importorskip("vllm.v1.attention.backends.utils", reason=INSTALL)
 from attnmeta.sync import record_device_syncs  # noqa: E402
 from examples.engine import Engine, EngineConfig, make_kernel  # noqa: E402
 from examples.engine.__main__ import run_workload  # noqa: E402
-from examples.engine.workload import Reference, make_model, make_requests, tiny_config  # noqa: E402
+from examples.engine.workload import Reference, make_requests  # noqa: E402
 
 TOLERANCE = 0.5
 """As tests/gpu/test_engine_cuda.py: bfloat16 against ``generate``."""
@@ -55,18 +55,6 @@ def _have_vllm_flashinfer() -> None:
 
         pytest.skip(f"vLLM 0.33.0's FlashInfer backend does not import with flashinfer {flashinfer.__version__} "
                     f"(it needs 0.7.2.post1): {e}")
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    cfg = tiny_config(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, initializer_range=0.05)
-    return make_model(cfg, "cuda", torch.bfloat16)
-
-
-@pytest.fixture(scope="module")
-def reference() -> Reference:
-    return {}
 
 
 @pytest.mark.parametrize("workload", ["mixed", "cascade"])
@@ -105,16 +93,6 @@ def test_vllm_mode_sync_count(model: Any, kernel: str) -> None:
     print(f"\nVLLM-MODE SYNCS {kernel}: {len(syncs)} in {st.steps - steps} steps: "
           f"{sorted({str(e)[:120] for e in syncs})[:4]}")
     assert st.steps - steps > 20 and (st.graph_steps > 0) == graphs
-
-
-@pytest.fixture(scope="module")
-def hybrid_model() -> Any:
-    from examples.engine.workload import tiny_hybrid_config
-
-    cfg = tiny_hybrid_config(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                             num_attention_heads=8, num_key_value_heads=2, mamba_n_heads=16, mamba_d_head=64,
-                             mamba_n_groups=2, mamba_d_state=64, mamba_chunk_size=32, initializer_range=0.05)
-    return make_model(cfg, "cuda", torch.bfloat16)
 
 
 @pytest.mark.parametrize("kernel", ["torch-paged", "torch-varlen", "flashinfer"])

@@ -23,7 +23,6 @@ against vLLM's semantics in tests/backends instead.
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,6 +51,8 @@ pytest.importorskip("vllm.v1.attention.backends.flash_attn", reason=INSTALL)
 
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm_runner import vllm_runner_common  # noqa: E402
+
+from examples.engine.vllm_metadata import no_pinning  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SPEC_TOKENS = 2  # the spec-decode runs: k draft tokens
@@ -88,15 +89,6 @@ def _report() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------- configs
-def _no_pinning() -> None:
-    """On a machine without a GPU vLLM's platform cannot pin memory; its modules read ``PIN_MEMORY``."""
-    if torch.cuda.is_available():
-        return
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("vllm") and hasattr(mod, "PIN_MEMORY"):
-            mod.PIN_MEMORY = False
-
-
 def _vllm_config(folder: Path, hf_config: Any, speculative: int = 0) -> VllmConfig:
     """A real ``VllmConfig`` of ``hf_config`` (saved to ``folder``, read back by vLLM's ModelConfig); with
     ``speculative`` draft tokens an n-gram speculative config (it needs no draft model)."""
@@ -137,7 +129,8 @@ def builders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Cal
         max_position_embeddings=MAMBA_BLOCK)
     qwen = _vllm_config(root / "qwen3next", qwen_hf)
     qwen_spec = _vllm_config(root / "qwen3next-spec", qwen_hf, speculative=SPEC_TOKENS)
-    _no_pinning()
+    if not torch.cuda.is_available():
+        no_pinning()
     attention = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
     mamba = MambaSpec(block_size=MAMBA_BLOCK, shapes=((3, 256), (4, 32, 16)), dtypes=(torch.float16, torch.float16))
     mamba_spec = MambaSpec(block_size=MAMBA_BLOCK, shapes=((3, 256), (4, 32, 16)), dtypes=(torch.float16, torch.float16),
