@@ -74,8 +74,12 @@
 #           attnmeta or by vLLM's FlashAttention builder, eager) on the ~1.2B Llama at 1/64/256 requests ->
 #           vllm_bench.txt, vllm_bench.json; then on hybrid-1b -> vllm_hybrid_bench.txt, vllm_hybrid_bench.json
 #           (carry .vllm, .whl, .kernels; VLLMBENCH_MODELS, default "1b hybrid-1b", picks the models,
-#           VLLMBENCH_MODES the modes: graphs,vllm-graphs needs vLLM's FlashInfer backend, which needs
-#           flashinfer-python 0.7.2.post1, too large to carry beside vLLM's package).
+#           VLLMBENCH_MODES the modes, VLLMBENCH_CONCURRENCY the requests, default 1,64,256; one model's three
+#           rows of two modes take about one call). The FlashInfer pairs (graphs,vllm-graphs and
+#           eager,vllm-eager) need vLLM's FlashInfer backend, which imports only with the FlashInfer vLLM pins:
+#           make .vllm with `fetch_vllm.py --flashinfer` (.vllm is then 57 MB: carry a .whl holding only
+#           apache_tvm_ffi and fla_core, 4.4 MB, as FlashInfer 0.7.2.post1 replaces 0.5.3 and needs no cuDNN
+#           frontend for attention); vllm_site puts that FlashInfer first on PYTHONPATH.
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
 #   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit kernels engine
 #   enginebench mamba-kernels hybrid hybridbench multi ab before-after", default all but the last three). One device call allows
@@ -115,11 +119,20 @@ vllm_site() {  # vLLM's Python package (.vllm, from tests/kernels/fetch_vllm.py)
       || return 1
     echo "$stamp" > .vsite/.wheels
   fi
-  export PYTHONPATH="$PYTHONPATH:$PWD/.vsite" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+  local vsite_path="$PYTHONPATH:$PWD/.vsite"
+  if [[ -f .vllm/flashinfer.zip ]]; then  # vLLM's pinned FlashInfer (fetch_vllm.py --flashinfer), ahead of .whl's
+    stamp=$(md5sum < .vllm/flashinfer.zip)
+    if [[ "$(cat .vfi/.zip 2>/dev/null)" != "$stamp" ]]; then
+      rm -rf .vfi && $PY -m zipfile -e .vllm/flashinfer.zip .vfi && echo "$stamp" > .vfi/.zip || return 1
+    fi
+    vsite_path="$PWD/.vfi:$vsite_path"
+  fi
+  export PYTHONPATH="$vsite_path" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
     VLLM_CACHE_ROOT="$PWD/.vllm/cache"  # the model-info cache fetch_vllm.py made: no model module imported
   $PY -c "import vllm, vllm.config, vllm.v1.worker.block_table, vllm.v1.attention.backends.flash_attn, \
 vllm.v1.attention.backends.mamba2_attn; print('vLLM', vllm.__version__, \
-'imports from .vsite')" 2>&1 | grep -v "^INFO\|^WARNING" | tail -5
+'imports from .vsite'); import importlib.util as u, sys; sys.exit(0) if u.find_spec('flashinfer') is None else None; \
+import flashinfer; print('FlashInfer', flashinfer.__version__, 'from', flashinfer.__file__)" 2>&1 | grep -v "^INFO\|^WARNING" | tail -5
   [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "vLLM's Python package does not import (above)" >&2; return 1; }
 }
 if want gpu; then
@@ -266,12 +279,13 @@ echo "== vllmbench: attnmeta against vLLM's own metadata code in the same engine
 if vllm_site; then
   for m in ${VLLMBENCH_MODELS:-1b hybrid-1b}; do
     if [[ $m == 1b ]]; then
-      timeout 420 $PY benchmarks/bench_engine.py --device cuda --modes "${VLLMBENCH_MODES:-varlen,vllm-varlen}" --no-cold \
+      timeout 540 $PY benchmarks/bench_engine.py --device cuda --modes "${VLLMBENCH_MODES:-varlen,vllm-varlen}" --no-cold \
+        --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" \
         --json "$OUT_DIR/vllm_bench.json" 2>&1 | tee -a "$OUT_DIR/vllm_bench.txt"
       [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllmbench (1b)" "${PIPESTATUS[0]}"
     else
-      timeout 420 $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --modes "${VLLMBENCH_MODES:-varlen,vllm-varlen}" \
-        --no-cold \
+      timeout 540 $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --modes "${VLLMBENCH_MODES:-varlen,vllm-varlen}" \
+        --no-cold --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" \
         --json "$OUT_DIR/vllm_hybrid_bench.json" 2>&1 | tee "$OUT_DIR/vllm_hybrid_bench.txt"
       [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllmbench (hybrid-1b)" "${PIPESTATUS[0]}"
     fi

@@ -19,15 +19,26 @@ its Python code imports them inside ``try`` blocks and the builders never call t
   time; with the cache (keyed by the module file's hash) it imports nothing. Needs vLLM importable by the
   Python that runs this script (``bash tests/integrations/install_vllm.sh``), else it is left out with a
   warning.
+- ``.vllm/flashinfer.zip`` (with ``--flashinfer``): the FlashInfer release vLLM 0.33.0 pins
+  (``flashinfer-python==0.7.2.post1``, read from the vLLM wheel's requirements), trimmed to fit a device
+  call: its Python package, its headers (``include``, CUTLASS, CCCL) and the top-level ``csrc`` sources its
+  attention wrappers JIT-compile; the ``csrc`` subfolders (sampling, MoE, GDN/KDA, Blackwell-only and other
+  kernels vLLM's attention backend never compiles) are left out: 31 MB instead of the wheel's 62 MB. Its
+  two pure-Python requirements the image lacks (:data:`FLASHINFER_DEPENDENCIES`) go into ``.vllm/wheels``.
+  vLLM's FlashInfer backend does not import with an older FlashInfer (``.whl``'s 0.5.3 lacks names it
+  imports), so the engine's ``vllm-graphs`` and ``vllm-eager`` modes need this.
 - ``.vllm/MANIFEST.txt``: where each file came from and its sha256.
 
 ``benchmarks/gpu_all.sh`` does the unpacking and the install (its ``vllm_site`` helper) for the parts
-that need vLLM: carry ``.vllm`` (and ``.whl`` for FlashInfer) in the device call.
+that need vLLM: carry ``.vllm`` (and ``.whl``) in the device call. With ``.vllm/flashinfer.zip`` it unpacks
+that FlashInfer ahead of ``.whl``'s on ``PYTHONPATH``; ``.vllm`` is then about 59 MB, so carry a ``.whl``
+without FlashInfer 0.5.3 and cuDNN's frontend (``bash benchmarks/gpu_all.sh`` says which).
 
 Usage (from the checkout's root)::
 
     python tests/kernels/fetch_vllm.py                       # downloads the vLLM wheel (340 MB)
     python tests/kernels/fetch_vllm.py --vllm-wheel vllm-0.33.0-*.whl
+    python tests/kernels/fetch_vllm.py --vllm-wheel vllm-0.33.0-*.whl --flashinfer   # + FlashInfer 0.7.2.post1
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-__all__ = ["ARCHITECTURES", "DEPENDENCIES", "PLATFORMS", "PYTHON", "STANDINS", "VLLM_VERSION", "main"]
+__all__ = ["ARCHITECTURES", "DEPENDENCIES", "FLASHINFER_DEPENDENCIES", "PLATFORMS", "PYTHON", "STANDINS", "VLLM_VERSION", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]
 DEST = ROOT / ".vllm"
@@ -60,6 +71,11 @@ DEPENDENCIES = (
 """What importing vLLM's configs and builders needs beyond the GPU machine's image (torch, transformers,
 triton, numpy, aiohttp, psutil, einops, cloudpickle, pillow and the rest are there). Versions that
 import together with vLLM 0.33.0 (``llguidance`` is the newest with a wheel for manylinux_2_28)."""
+
+FLASHINFER_DEPENDENCIES = ("nvidia-ml-py==13.615.71", "tabulate==0.10.0")
+"""What importing FlashInfer 0.7.2.post1's attention wrappers needs beyond the image and :data:`DEPENDENCIES`
+(``pynvml`` and ``tabulate`` are imported by its ``utils`` and ``autotuner`` at import time; its other
+requirements, CuTe DSL, cuda-python, NCCL, serve kernels the attention backend does not call)."""
 
 
 STANDINS = {
@@ -140,11 +156,47 @@ def write_python(wheel: Path, manifest: list[str]) -> None:
     print(f"{kept} files of {wheel.name} -> {out} ({out.stat().st_size / 2**20:.1f} MB)")
 
 
-def write_wheels(tmp: Path, manifest: list[str]) -> None:
-    """The wheels of :data:`DEPENDENCIES` for the GPU machine into ``.vllm/wheels/`` (replaced whole)."""
+def _pinned_flashinfer(wheel: Path) -> str:
+    """The ``flashinfer-python==VERSION`` requirement of the vLLM ``wheel``'s metadata."""
+    with zipfile.ZipFile(wheel) as src:
+        meta = next(n for n in src.namelist() if n.endswith(".dist-info/METADATA"))
+        for line in src.read(meta).decode().splitlines():
+            if line.startswith("Requires-Dist: flashinfer-python=="):
+                return line.split(": ", 1)[1].split(";")[0].strip()
+    raise SystemExit(f"{wheel.name} names no flashinfer-python pin")
+
+
+def _flashinfer_keeps(name: str) -> bool:
+    """Whether a FlashInfer wheel entry goes into ``flashinfer.zip``: all but the ``csrc`` subfolders and
+    the RECORD (its hashes name files left out)."""
+    parts = name.split("/")
+    in_csrc_subfolder = parts[:3] == ["flashinfer", "data", "csrc"] and len(parts) > 4
+    return not in_csrc_subfolder and not name.endswith(".dist-info/RECORD")
+
+
+def write_flashinfer(wheel: Path, tmp: Path, manifest: list[str]) -> None:
+    """vLLM's pinned FlashInfer, trimmed, into ``.vllm/flashinfer.zip``."""
+    req = _pinned_flashinfer(wheel)
+    got = tmp / "flashinfer"
+    _pip("download", "-q", "--no-deps", "--only-binary", ":all:", "-d", str(got), req)
+    fi_wheel = next(got.glob("flashinfer_python-*.whl"))
+    out = DEST / "flashinfer.zip"
+    kept = 0
+    with zipfile.ZipFile(fi_wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as dst:
+        for info in src.infolist():
+            if _flashinfer_keeps(info.filename):
+                dst.writestr(info, src.read(info))
+                kept += 1
+    manifest.append(f"zip      {out.name}  {_sha256(out.read_bytes())}  {kept} files of {fi_wheel.name}")
+    print(f"{kept} files of {fi_wheel.name} -> {out} ({out.stat().st_size / 2**20:.1f} MB)")
+
+
+def write_wheels(tmp: Path, manifest: list[str], flashinfer: bool) -> None:
+    """The wheels of :data:`DEPENDENCIES` (and :data:`FLASHINFER_DEPENDENCIES` with ``flashinfer``) for the
+    GPU machine into ``.vllm/wheels/`` (replaced whole)."""
     got = tmp / "deps"
     platforms = [a for p in PLATFORMS for a in ("--platform", p)]
-    for req in DEPENDENCIES:
+    for req in DEPENDENCIES + (FLASHINFER_DEPENDENCIES if flashinfer else ()):
         _pip("download", "-q", "--no-deps", "--only-binary", ":all:", "--python-version", PYTHON,
              "--implementation", "cp", *platforms, "-d", str(got), req)
     out = DEST / "wheels"
@@ -153,7 +205,7 @@ def write_wheels(tmp: Path, manifest: list[str]) -> None:
     for w in sorted(got.glob("*.whl")):
         shutil.copy2(w, out / w.name)
         manifest.append(f"wheel    {w.name}  {_sha256(w.read_bytes())}")
-    print(f"{len(DEPENDENCIES)} dependency wheels -> {out}")
+    print(f"{len(list(out.glob('*.whl')))} dependency wheels -> {out}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--vllm-wheel", type=Path, help="a vllm 0.33.0 wheel file (default: download it)")
     ap.add_argument("--skip-wheels", action="store_true", help="leave .vllm/wheels as it is")
+    ap.add_argument("--flashinfer", action="store_true",
+                    help="also pack the FlashInfer vLLM pins (trimmed, 31 MB) for the vllm-graphs/vllm-eager modes")
     args = ap.parse_args(argv)
     DEST.mkdir(exist_ok=True)
     manifest_path = DEST / "MANIFEST.txt"
@@ -174,8 +228,11 @@ def main(argv: list[str] | None = None) -> int:
             wheel = next(tmp.glob("vllm-*.whl"))
         write_python(Path(wheel), manifest)
         write_model_infos(manifest)
+        (DEST / "flashinfer.zip").unlink(missing_ok=True)
+        if args.flashinfer:
+            write_flashinfer(Path(wheel), tmp, manifest)
         if not args.skip_wheels:
-            write_wheels(tmp, manifest)
+            write_wheels(tmp, manifest, args.flashinfer)
         else:
             manifest += [line for line in old if line.startswith("wheel")]
     manifest_path.write_text("\n".join(manifest) + "\n")
