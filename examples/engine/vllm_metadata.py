@@ -194,7 +194,6 @@ class VllmMetadata:
         _import_vllm()
         from vllm.config import CacheConfig, CompilationConfig, DeviceConfig, ModelConfig, VllmConfig
         from vllm.config.compilation import CUDAGraphMode
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
         from vllm.v1.utils import CpuGpuBuffer
         from vllm.v1.worker.block_table import BlockTable, SlotMappingMode
 
@@ -217,46 +216,13 @@ class VllmMetadata:
                                  device_config=DeviceConfig(device=device.type), compilation_config=compilation)
         if not self.cuda:
             no_pinning()
-        text = hf_config
-        h, hk = int(text.num_attention_heads), int(text.num_key_value_heads)
-        d = int(getattr(text, "head_dim", None) or text.hidden_size // h)
-        layers = [i for i in range(int(text.num_hidden_layers))
-                  if not hybrid or i in set(getattr(text, "attn_layer_indices", None) or ())]
-        names = [f"model.layers.{i}.self_attn.attn" for i in layers]
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=hk, head_size=d, dtype=dtype)
         from vllm.config import set_current_vllm_config
 
-        if kernel == "flashinfer":
-            from vllm.model_executor.layers.attention.attention import Attention
-            from vllm.v1.attention.backends import flashinfer as fi_module
-
-            with set_current_vllm_config(self.config):  # the layers FlashInfer's builder reads its scale from
-                default = torch.get_default_dtype()
-                torch.set_default_dtype(dtype)
-                try:
-                    self._layers = [Attention(h, d, d ** -0.5, num_kv_heads=hk, cache_config=self.config.cache_config,
-                                              prefix=name, attn_backend=fi_module.FlashInferBackend) for name in names]
-                finally:
-                    torch.set_default_dtype(default)
-            self.attention_builder = fi_module.FlashInferMetadataBuilder(spec, names, self.config, device)
-            _time_plans(fi_module, self.attention_builder)
-        else:
-            from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
-
-            with set_current_vllm_config(self.config):  # its FlashAttention version query reads the config
-                self.attention_builder = FlashAttentionMetadataBuilder(spec, names, self.config, device)
-        self.mamba_builder = None
-        if hybrid:
-            from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionMetadataBuilder
-
-            heads, head_dim = int(text.mamba_n_heads), int(text.mamba_d_head)
-            inner, groups, state = heads * head_dim, int(text.mamba_n_groups), int(text.mamba_d_state)
-            conv = int(text.mamba_d_conv)
-            mamba = MambaSpec(block_size=max_model_len,
-                              shapes=((conv - 1, inner + 2 * groups * state), (heads, head_dim, state)),
-                              dtypes=(dtype, dtype))
-            mamba_layers = [f"model.layers.{i}.mamba" for i in range(int(text.num_hidden_layers)) if i not in layers]
-            self.mamba_builder = Mamba2AttentionMetadataBuilder(mamba, mamba_layers, self.config, device)
+        # vLLM's worker makes its layers and builders inside set_current_vllm_config (WorkerWrapperBase's
+        # initialize_from_config): FlashInfer's builder asks the current config whether to force TRT-LLM's
+        # kernels, FlashAttention's which version to use. vLLM builds each step outside it, as this class does.
+        with set_current_vllm_config(self.config):
+            self._make_builders(kernel, hybrid, hf_config, dtype, device, block_size, max_model_len)
 
         # the runner's persistent buffers (GPUModelRunner.__init__ and InputBatch), vLLM's own classes
         pin = self.cuda
@@ -285,6 +251,48 @@ class VllmMetadata:
         self._common_cls = importlib.import_module("vllm.v1.attention.backends.utils").CommonAttentionMetadata
 
     # ------------------------------------------------------------------ one step
+    def _make_builders(self, kernel: str, hybrid: bool, text: Any, dtype: torch.dtype, device: torch.device,
+                       block_size: int, max_model_len: int) -> None:
+        """vLLM's builders (and for FlashInfer the ``Attention`` layers its builder reads its scale from),
+        made under the caller's ``set_current_vllm_config``."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+        h, hk = int(text.num_attention_heads), int(text.num_key_value_heads)
+        d = int(getattr(text, "head_dim", None) or text.hidden_size // h)
+        layers = [i for i in range(int(text.num_hidden_layers))
+                  if not hybrid or i in set(getattr(text, "attn_layer_indices", None) or ())]
+        names = [f"model.layers.{i}.self_attn.attn" for i in layers]
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=hk, head_size=d, dtype=dtype)
+        if kernel == "flashinfer":
+            from vllm.model_executor.layers.attention.attention import Attention
+            from vllm.v1.attention.backends import flashinfer as fi_module
+
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                self._layers = [Attention(h, d, d ** -0.5, num_kv_heads=hk, cache_config=self.config.cache_config,
+                                          prefix=name, attn_backend=fi_module.FlashInferBackend) for name in names]
+            finally:
+                torch.set_default_dtype(default)
+            self.attention_builder = fi_module.FlashInferMetadataBuilder(spec, names, self.config, device)
+            _time_plans(fi_module, self.attention_builder)
+        else:
+            from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+
+            self.attention_builder = FlashAttentionMetadataBuilder(spec, names, self.config, device)
+        self.mamba_builder = None
+        if hybrid:
+            from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionMetadataBuilder
+
+            heads, head_dim = int(text.mamba_n_heads), int(text.mamba_d_head)
+            inner, groups, state = heads * head_dim, int(text.mamba_n_groups), int(text.mamba_d_state)
+            conv = int(text.mamba_d_conv)
+            mamba = MambaSpec(block_size=max_model_len,
+                              shapes=((conv - 1, inner + 2 * groups * state), (heads, head_dim, state)),
+                              dtypes=(dtype, dtype))
+            mamba_layers = [f"model.layers.{i}.mamba" for i in range(int(text.num_hidden_layers)) if i not in layers]
+            self.mamba_builder = Mamba2AttentionMetadataBuilder(mamba, mamba_layers, self.config, device)
+
     def set_batch(self, computed: np.ndarray, prompt_lens: np.ndarray, table: np.ndarray,
                   state_table: np.ndarray | None = None) -> None:
         """The input batch's rows before a step: what vLLM's ``InputBatch`` keeps persistent and edits as

@@ -43,9 +43,9 @@ def _have_flashinfer() -> bool:
 
 
 def _have_vllm_flashinfer() -> None:
-    """Skip unless vLLM's FlashInfer backend imports: vLLM 0.33.0's needs flashinfer-python 0.7.2.post1
-    (a 62 MB wheel with cutlass-dsl and CUDA-python dependencies), which a device call cannot carry beside
-    vLLM's package; the GPU machine's carried FlashInfer is 0.5.3."""
+    """Skip unless vLLM's FlashInfer backend imports: vLLM 0.33.0's needs the FlashInfer it pins,
+    flashinfer-python 0.7.2.post1 (``python tests/kernels/fetch_vllm.py --flashinfer`` packs it into ``.vllm``
+    for the GPU machine; ``.whl``'s 0.5.3 lacks names it imports)."""
     if not _have_flashinfer():
         pytest.skip("flashinfer is not importable (bash ../shared/tools/gpu-wheels.sh, then carry .whl)")
     try:
@@ -54,7 +54,7 @@ def _have_vllm_flashinfer() -> None:
         import flashinfer
 
         pytest.skip(f"vLLM 0.33.0's FlashInfer backend does not import with flashinfer {flashinfer.__version__} "
-                    f"(it needs 0.7.2.post1): {e}")
+                    f"(it needs 0.7.2.post1: python tests/kernels/fetch_vllm.py --flashinfer): {e}")
 
 
 @pytest.mark.parametrize("workload", ["mixed", "cascade"])

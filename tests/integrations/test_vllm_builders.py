@@ -290,8 +290,8 @@ def flashinfer_builder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[],
         import vllm.v1.attention.backends.flashinfer  # noqa: F401
     except ImportError as e:  # vLLM 0.33.0's backend needs flashinfer-python 0.7.2.post1
         pytest.skip(f"vLLM 0.33.0's FlashInfer backend does not import with flashinfer {flashinfer.__version__} "
-                    f"(it needs 0.7.2.post1, a 62 MB wheel with cutlass-dsl and CUDA-python dependencies that a device "
-                    f"call cannot carry beside vLLM's package): {e}")
+                    f"(it needs the release it pins, 0.7.2.post1: `python tests/kernels/fetch_vllm.py --flashinfer` "
+                    f"packs it for the GPU machine): {e}")
     from transformers import LlamaConfig
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
@@ -312,7 +312,12 @@ def flashinfer_builder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[],
         torch.set_default_dtype(default)
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
     keep = [layer]
-    return lambda: (keep, FlashInferMetadataBuilder(spec, [name], config, DEVICE))[1]
+
+    def make() -> Any:
+        with set_current_vllm_config(config):  # as vLLM's worker makes its builders (it asks about TRT-LLM)
+            return (keep, FlashInferMetadataBuilder(spec, [name], config, DEVICE))[1]
+
+    return make
 
 
 def _flashinfer_view(builder: Any) -> Callable[[Any], Any]:
