@@ -153,6 +153,27 @@ def _time_plans(module: Any, builder: Any) -> None:
     builder._get_prefill_wrapper = timed_prefill_wrapper
 
 
+def _resolve_kv_cache_layout(config: Any, backend: Any, spec: Any) -> None:
+    """Resolve and record the KV cache layout the way vLLM's engine core does before its workers build
+    (``resolve_kv_cache_layout`` over the backends' supported layouts, then ``record_kv_cache_layout`` on the
+    config, as the worker's ``set_kv_cache_layout`` does). FlashInfer's builder plans with that layout; the
+    engine's caches are FlashInfer's NHD layout (tokens, then heads, in each block), so another resolution
+    (TRT-LLM's head-major one on Blackwell) is an error here."""
+    from vllm.v1.attention.backends.utils import (
+        get_flashinfer_layout_string,
+        get_supported_kv_cache_layouts,
+        record_kv_cache_layout,
+        resolve_kv_cache_layout,
+    )
+
+    supported = [layout.name for layout in get_supported_kv_cache_layouts([backend])]
+    layout = resolve_kv_cache_layout(config, [supported], [spec])
+    if get_flashinfer_layout_string(layout) != "NHD":
+        raise NotImplementedError(f"vLLM resolved the KV cache layout {layout.name} on this GPU; the engine's "
+                                  "FlashInfer caches are NHD")
+    record_kv_cache_layout(config.cache_config, layout.name)
+
+
 class VllmMetadata:
     """vLLM 0.33.0's runner buffers and metadata builders for one engine (module docstring).
 
@@ -267,6 +288,7 @@ class VllmMetadata:
             from vllm.model_executor.layers.attention.attention import Attention
             from vllm.v1.attention.backends import flashinfer as fi_module
 
+            _resolve_kv_cache_layout(self.config, fi_module.FlashInferBackend, spec)
             default = torch.get_default_dtype()
             torch.set_default_dtype(dtype)
             try:
