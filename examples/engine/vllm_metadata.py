@@ -213,7 +213,14 @@ class VllmMetadata:
         if kernel != "torch-paged" and device.type != "cuda":
             raise ValueError(f"the vllm metadata mode's {kernel} kernel needs CUDA")
         _import_vllm()
-        from vllm.config import CacheConfig, CompilationConfig, DeviceConfig, ModelConfig, VllmConfig
+        from vllm.config import (
+            CacheConfig,
+            CompilationConfig,
+            DeviceConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
         from vllm.config.compilation import CUDAGraphMode
         from vllm.v1.utils import CpuGpuBuffer
         from vllm.v1.worker.block_table import BlockTable, SlotMappingMode
@@ -233,7 +240,12 @@ class VllmMetadata:
         compilation = (CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY, cudagraph_capture_sizes=sizes,
                                          max_cudagraph_capture_size=max(sizes))
                        if graphs else CompilationConfig(cudagraph_mode=CUDAGraphMode.NONE))
+        # the runner's sizes: vLLM's builders size their persistent buffers (FlashInfer's page-table arrays,
+        # its CUDA-graph decode wrappers) from the scheduler's max_num_seqs and max_num_batched_tokens
+        scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_tokens,
+                                    max_model_len=max_model_len, is_encoder_decoder=False)
         self.config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block_size),
+                                 scheduler_config=scheduler,
                                  device_config=DeviceConfig(device=device.type), compilation_config=compilation)
         if not self.cuda:
             no_pinning()

@@ -32,3 +32,19 @@ def test_vllm_mode_hybrid_tokens_equal_generate() -> None:
     assert cmp.mismatches == 0 and forced.mismatches == 0, (cmp, forced)
     assert st.partial_prefills > 0 and st.preemptions > 0 and st.padded_steps > 0
     assert st.metadata_copies == 9 * st.steps  # and the Mamba group's block table
+
+
+def test_vllm_mode_sizes_vllms_builders_to_the_engine() -> None:
+    """vLLM's builders size their persistent buffers from the scheduler config (FlashInfer's page-table
+    arrays failed at 256 requests against vLLM's default of 128 rows): the mode's config carries the
+    engine's batch sizes."""
+    import torch
+
+    from examples.engine.vllm_metadata import VllmMetadata
+
+    meta = VllmMetadata(tiny_config(), "torch-paged", torch.device("cpu"), torch.float32, block_size=16,
+                        max_num_seqs=300, max_num_tokens=4096, max_model_len=512, decode_sizes=(1, 300),
+                        graphs=False, hybrid=False)
+    sched = meta.config.scheduler_config
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (300, 4096)
+    assert meta.query_start_loc.cpu.shape == (301,)
