@@ -77,7 +77,7 @@
 #           VLLMBENCH_MODES the modes, VLLMBENCH_CONCURRENCY the requests, default 1,64,256; one model's three
 #           rows of two modes take about one call). The FlashInfer pairs (graphs,vllm-graphs and
 #           eager,vllm-eager) need vLLM's FlashInfer backend, which imports only with the FlashInfer vLLM pins:
-#           make .vllm with `fetch_vllm.py --flashinfer` (.vllm is then 57 MB: carry a .whl holding only
+#           make .vllm with `fetch_vllm.py --flashinfer` (.vllm is then 55 MB: carry a .whl holding only
 #           apache_tvm_ffi and fla_core, 4.4 MB, as FlashInfer 0.7.2.post1 replaces 0.5.3 and needs no cuDNN
 #           frontend for attention); vllm_site puts that FlashInfer first on PYTHONPATH.
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
@@ -279,12 +279,12 @@ echo "== vllmbench: attnmeta against vLLM's own metadata code in the same engine
 if vllm_site; then
   for m in ${VLLMBENCH_MODELS:-1b hybrid-1b}; do
     if [[ $m == 1b ]]; then
-      timeout 540 $PY benchmarks/bench_engine.py --device cuda --modes "${VLLMBENCH_MODES:-varlen,vllm-varlen}" --no-cold \
+      timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --modes "${VLLMBENCH_MODES:-varlen,vllm-varlen}" --no-cold \
         --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" \
         --json "$OUT_DIR/vllm_bench.json" 2>&1 | tee -a "$OUT_DIR/vllm_bench.txt"
       [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllmbench (1b)" "${PIPESTATUS[0]}"
     else
-      timeout 540 $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --modes "${VLLMBENCH_MODES:-varlen,vllm-varlen}" \
+      timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --modes "${VLLMBENCH_MODES:-varlen,vllm-varlen}" \
         --no-cold --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" \
         --json "$OUT_DIR/vllm_hybrid_bench.json" 2>&1 | tee "$OUT_DIR/vllm_hybrid_bench.txt"
       [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllmbench (hybrid-1b)" "${PIPESTATUS[0]}"

@@ -23,7 +23,8 @@ its Python code imports them inside ``try`` blocks and the builders never call t
   (``flashinfer-python==0.7.2.post1``, read from the vLLM wheel's requirements), trimmed to fit a device
   call: its Python package, its headers (``include``, CUTLASS, CCCL) and the top-level ``csrc`` sources its
   attention wrappers JIT-compile; the ``csrc`` subfolders (sampling, MoE, GDN/KDA, Blackwell-only and other
-  kernels vLLM's attention backend never compiles) are left out: 31 MB instead of the wheel's 62 MB. Its
+  kernels vLLM's attention backend never compiles) and CUTLASS's and CCCL's examples, tests and
+  Python bindings are left out: 27 MB instead of the wheel's 62 MB. Its
   two pure-Python requirements the image lacks (:data:`FLASHINFER_DEPENDENCIES`) go into ``.vllm/wheels``.
   vLLM's FlashInfer backend does not import with an older FlashInfer (``.whl``'s 0.5.3 lacks names it
   imports), so the engine's ``vllm-graphs`` and ``vllm-eager`` modes need this.
@@ -31,7 +32,7 @@ its Python code imports them inside ``try`` blocks and the builders never call t
 
 ``benchmarks/gpu_all.sh`` does the unpacking and the install (its ``vllm_site`` helper) for the parts
 that need vLLM: carry ``.vllm`` (and ``.whl``) in the device call. With ``.vllm/flashinfer.zip`` it unpacks
-that FlashInfer ahead of ``.whl``'s on ``PYTHONPATH``; ``.vllm`` is then about 59 MB, so carry a ``.whl``
+that FlashInfer ahead of ``.whl``'s on ``PYTHONPATH``; ``.vllm`` is then about 55 MB, so carry a ``.whl``
 without FlashInfer 0.5.3 and cuDNN's frontend (``bash benchmarks/gpu_all.sh`` says which).
 
 Usage (from the checkout's root)::
@@ -166,12 +167,18 @@ def _pinned_flashinfer(wheel: Path) -> str:
     raise SystemExit(f"{wheel.name} names no flashinfer-python pin")
 
 
+_FLASHINFER_LEFT_OUT = ("flashinfer/data/cutlass/examples/", "flashinfer/data/cutlass/python/",
+                        "flashinfer/data/cutlass/test/", "flashinfer/data/cccl/python/")
+"""Folders of the bundled CUTLASS and CCCL that are no include path: examples, tests, Python bindings."""
+
+
 def _flashinfer_keeps(name: str) -> bool:
-    """Whether a FlashInfer wheel entry goes into ``flashinfer.zip``: all but the ``csrc`` subfolders and
-    the RECORD (its hashes name files left out)."""
+    """Whether a FlashInfer wheel entry goes into ``flashinfer.zip``: all but the ``csrc`` subfolders,
+    :data:`_FLASHINFER_LEFT_OUT` and the RECORD (its hashes name files left out)."""
     parts = name.split("/")
     in_csrc_subfolder = parts[:3] == ["flashinfer", "data", "csrc"] and len(parts) > 4
-    return not in_csrc_subfolder and not name.endswith(".dist-info/RECORD")
+    return (not in_csrc_subfolder and not name.startswith(_FLASHINFER_LEFT_OUT)
+            and not name.endswith(".dist-info/RECORD"))
 
 
 def write_flashinfer(wheel: Path, tmp: Path, manifest: list[str]) -> None:
@@ -214,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-wheel", type=Path, help="a vllm 0.33.0 wheel file (default: download it)")
     ap.add_argument("--skip-wheels", action="store_true", help="leave .vllm/wheels as it is")
     ap.add_argument("--flashinfer", action="store_true",
-                    help="also pack the FlashInfer vLLM pins (trimmed, 31 MB) for the vllm-graphs/vllm-eager modes")
+                    help="also pack the FlashInfer vLLM pins (trimmed, 27 MB) for the vllm-graphs/vllm-eager modes")
     args = ap.parse_args(argv)
     DEST.mkdir(exist_ok=True)
     manifest_path = DEST / "MANIFEST.txt"
