@@ -83,9 +83,10 @@ from examples.engine.workload import config_1b, config_hybrid_1b, make_model, ti
 MODES = {"graphs": ("flashinfer", True, "one-copy", "attnmeta"), "eager": ("flashinfer", False, "one-copy", "attnmeta"),
          "per-tensor": ("flashinfer", False, "per-tensor", "attnmeta"),
          "vllm-graphs": ("flashinfer", True, "one-copy", "vllm"), "vllm-eager": ("flashinfer", False, "one-copy", "vllm"),
-         "varlen": ("torch-varlen", False, "one-copy", "attnmeta"), "vllm-varlen": ("torch-varlen", False, "one-copy", "vllm")}
+         "varlen": ("torch-varlen", False, "one-copy", "attnmeta"), "vllm-varlen": ("torch-varlen", False, "one-copy", "vllm"),
+         "paged": ("torch-paged", False, "one-copy", "attnmeta"), "vllm-paged": ("torch-paged", False, "one-copy", "vllm")}
 """Mode name: (kernel, CUDA graphs, uploads, who builds the metadata)."""
-PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"), ("varlen", "vllm-varlen"))
+PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"), ("varlen", "vllm-varlen"), ("paged", "vllm-paged"))
 """The headline's pairs: attnmeta's mode and vLLM's, the same loop otherwise."""
 
 
@@ -150,8 +151,9 @@ def cold_replica(engine: Engine, reqs: list[Request], cold_us: float, passes: in
     return out
 
 
-def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device,
-            cold_us: float | None = None) -> dict[str, Any]:
+def warm_engine(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device) -> Engine:
+    """A fresh engine of ``mode`` that has served the workload until it is in its steady state (JIT, graph
+    capture, every ring slot's layouts)."""
     vocab = model.config.vocab_size
     engine = _engine(model, mode, n, prompt, new, device)
     engine.run(_requests(n, prompt, new, vocab, 0))  # warm-up: JIT, graph capture, layouts
@@ -162,41 +164,64 @@ def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
         if len({s for s, k in zip(engine.stats.step_slots, engine.stats.step_kinds, strict=True) if k == "mixed"}) == ring:
             break
         engine.run(_requests(n, prompt, new, vocab, seed))
+    return engine
+
+
+def timed_run(engine: Engine, n: int, prompt: int, new: int, vocab: int) -> dict[str, Any]:
+    """One timed run of the workload (seed 1, GC off): each step's kind, time, metadata time, fence wait
+    and replay flag, the run's copies, plan time and waits, and the generated tokens."""
+    reqs = _requests(n, prompt, new, vocab, 1)
+    st = engine.stats
     gc.collect()
     gc.disable()
     try:
-        st0 = len(engine.stats.step_times)
-        s0 = len(engine.stats.step_kinds)
-        c0, n0, w0 = engine.stats.metadata_copies, engine.stats.steps, engine.stats.token_waits
-        plan0 = engine.stats.plan_s
+        st0, s0 = len(st.step_times), len(st.step_kinds)
+        c0, n0, w0, plan0 = st.metadata_copies, st.steps, st.token_waits, st.plan_s
         t0 = time.perf_counter()
-        engine.run(_requests(n, prompt, new, vocab, 1))
+        engine.run(reqs)
         wall = time.perf_counter() - t0
     finally:
         gc.enable()
-    st = engine.stats
-    kinds = st.step_kinds[s0:]
-    times = st.step_times[st0:]
-    md = st.step_metadata[s0:]
-    fence = st.step_fence[s0:]
-    replayed = st.step_replayed[s0:]
-    steps = st.steps - n0
-    copies, plan_s, waits = st.metadata_copies - c0, st.plan_s - plan0, st.token_waits - w0
-    # full-batch decode iterations (skip the first few after the prefill and the tail)
-    idx = [i for i, k in enumerate(kinds) if k == "decode"][3:-3]
-    step = statistics.median(times[i] for i in idx)
-    meta = statistics.median(md[i] for i in idx)
-    own = statistics.median(md[i] - fence[i] for i in idx)
-    extra: dict[str, Any] = {"fence_ms": statistics.median(fence[i] for i in idx) * 1e3,
-                             "fenced_steps": sum(fence[i] > 0 for i in idx), "own_ms": own * 1e3,
-                             "own_share": own / step, "replayed": sum(replayed[i] for i in idx) / max(len(idx), 1)}
-    if engine.hybrid:  # the steps that carry prompt tokens
+    return {"kinds": st.step_kinds[s0:], "times": st.step_times[st0:], "metadata": st.step_metadata[s0:],
+            "fence": st.step_fence[s0:], "replayed": st.step_replayed[s0:], "steps": st.steps - n0,
+            "copies": st.metadata_copies - c0, "plan_s": st.plan_s - plan0, "waits": st.token_waits - w0,
+            "wall": wall, "tokens": [r.tokens[prompt:] for r in reqs]}
+
+
+def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, prompt: int, new: int, vocab: int,
+              cold_us: float | None) -> dict[str, Any]:
+    """A mode's row from its timed runs (medians over each run's full-batch decode steps, then the median
+    of the runs), then its audited run, its profiled run and, for attnmeta's one-copy modes with
+    ``cold_us``, the cold-step replica."""
+
+    def per_run(run: dict[str, Any]) -> dict[str, float]:
+        kinds, times, md, fence = run["kinds"], run["times"], run["metadata"], run["fence"]
+        idx = [i for i, k in enumerate(kinds) if k == "decode"][3:-3]  # full batch: not the first few, not the tail
+        out = {"step": statistics.median(times[i] for i in idx), "meta": statistics.median(md[i] for i in idx),
+               "own": statistics.median(md[i] - fence[i] for i in idx),
+               "fence": statistics.median(fence[i] for i in idx), "fenced": sum(fence[i] > 0 for i in idx),
+               "replayed": sum(run["replayed"][i] for i in idx) / max(len(idx), 1), "decode_steps": len(idx)}
         pre = [i for i, k in enumerate(kinds) if k == "mixed"]
-        extra["prefill_steps"] = len(pre)
-        if pre:
-            pstep = statistics.median(times[i] for i in pre)
-            extra.update(prefill_step_ms=pstep * 1e3, prefill_metadata_ms=statistics.median(md[i] for i in pre) * 1e3,
-                         prefill_share=statistics.median(md[i] for i in pre) / pstep)
+        if engine.hybrid and pre:  # the steps that carry prompt tokens
+            out.update(pstep=statistics.median(times[i] for i in pre), pmeta=statistics.median(md[i] for i in pre),
+                       prefill_steps=len(pre))
+        return out
+
+    rs = [per_run(r) for r in runs]
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rs)
+
+    step, meta, own = med("step"), med("meta"), med("own")
+    steps = sum(r["steps"] for r in runs)
+    extra: dict[str, Any] = {"fence_ms": med("fence") * 1e3, "fenced_steps": sum(r["fenced"] for r in rs),
+                             "own_ms": own * 1e3, "own_share": own / step, "replayed": med("replayed"),
+                             "rounds": len(runs), "step_ms_rounds": [r["step"] * 1e3 for r in rs],
+                             "metadata_ms_rounds": [r["meta"] * 1e3 for r in rs]}
+    if all("pstep" in r for r in rs):
+        extra.update(prefill_steps=rs[0]["prefill_steps"], prefill_step_ms=med("pstep") * 1e3,
+                     prefill_metadata_ms=med("pmeta") * 1e3, prefill_share=med("pmeta") / med("pstep"))
+    st = engine.stats
     w1, a0 = st.token_waits, st.steps
     with record_device_syncs(allow_async_d2h=True) as found:
         engine.run(_requests(n, prompt, new, vocab, 2))
@@ -204,19 +229,40 @@ def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
     audited_waits = st.token_waits - w1
     syncs = [e for e in found if e.kind == "sync"]
     unsafe = [e for e in found if e.kind != "sync"]
-    h2d = _h2d_per_step(engine, _requests(n, prompt, new, vocab, 3))
+    h2d = _h2d_per_step(engine, _requests(n, prompt, new, vocab, 3)) if engine.device.type == "cuda" else float("nan")
     if cold_us is not None and MODES[mode][2:] == ("one-copy", "attnmeta"):
         extra.update(cold_replica(engine, _requests(n, prompt, new, vocab, 1), cold_us))
-        extra["loop_over_cold"] = extra["own_ms"] / extra["cold_event_ms"]
+        extra["loop_over_cold"] = extra["own_ms"] / extra["cold_event_ms" if "cold_event_ms" in extra else "cold_sleep_ms"]
     return {"mode": mode, "concurrency": n, "step_ms": step * 1e3, "steps_per_s": 1 / step, "tokens_per_s": n / step,
-            "metadata_ms": meta * 1e3, "share": meta / step, "plan_ms": plan_s / steps * 1e3,
-            "copies_per_step": copies / steps, "h2d_per_step": h2d,
+            "metadata_ms": meta * 1e3, "share": meta / step,
+            "plan_ms": sum(r["plan_s"] for r in runs) / steps * 1e3,
+            "copies_per_step": sum(r["copies"] for r in runs) / steps, "h2d_per_step": h2d,
             "syncs_per_step": len(syncs) / audited_steps, "sync_ops": sorted({str(e).split(":")[0] for e in syncs})[:3],
             "other_findings_per_step": len(unsafe) / audited_steps,
             "other_findings": sorted({str(e)[:160] for e in unsafe})[:3],
-            "waits_per_step": audited_waits / audited_steps, "wall_s": wall, "steps_timed": steps,
-            "decode_steps_timed": len(idx), "waits_timed": waits,
-            "graph_steps": st.graph_steps, "plan_waits": getattr(engine.kernel, "plan_waits", 0), **extra}
+            "waits_per_step": audited_waits / audited_steps, "wall_s": statistics.median(r["wall"] for r in runs),
+            "steps_timed": steps, "decode_steps_timed": sum(r["decode_steps"] for r in rs),
+            "waits_timed": sum(r["waits"] for r in runs), "graph_steps": st.graph_steps,
+            "plan_waits": getattr(engine.kernel, "plan_waits", 0), "tokens": runs[0]["tokens"], **extra}
+
+
+def measure_all(model: Any, modes: list[str], n: int, prompt: int, new: int, device: torch.device,
+                cold_us: float | None, rounds: int) -> list[dict[str, Any]]:
+    """Every mode at ``n`` requests in one process: a warmed engine per mode, then ``rounds`` timed runs
+    alternating between the modes (A B A B ...: drift on the machine lands on every mode alike), then
+    each mode's audited and profiled runs."""
+    vocab = model.config.vocab_size
+    engines = {mode: warm_engine(model, mode, n, prompt, new, device) for mode in modes}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    for _ in range(rounds):
+        for mode in modes:
+            runs[mode].append(timed_run(engines[mode], n, prompt, new, vocab))
+    rows = [summarize(engines[m], m, runs[m], n, prompt, new, vocab, cold_us) for m in modes]
+    del engines
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,20 +274,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--model", choices=["1b", "hybrid-1b", "tiny"], default="1b")
     p.add_argument("--json", default=None)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timed runs per mode, alternating between the modes (default 3; rows are their medians)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold-step replica (module docstring)")
     p.add_argument("--cold-us", type=float, default=2000.0, metavar="US",
                    help="the replica's GPU work before the event wait, and its sleep (default 2000)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
-    if device.type != "cuda":
-        print("bench_engine: needs CUDA (FlashInfer kernels, CUDA graphs)", file=sys.stderr)
+    if device.type != "cuda" and any(MODES.get(m, ("",))[0] != "torch-paged" for m in a.modes.split(",")):
+        print("bench_engine: needs CUDA (FlashInfer and varlen kernels, CUDA graphs); on the CPU only the "
+              "paged and vllm-paged modes run (torch's paged kernel)", file=sys.stderr)
         return 2
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     hybrid = a.model == "hybrid-1b"
     config = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config}[a.model]()
     model = make_model(config, device, torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {'Bamba (Mamba2 layers: vLLM kernels)' if hybrid else 'Llama'} {params / 1e9:.2f}B params, bf16, "
-          f"{torch.cuda.get_device_name(device)}; prompt {a.prompt}, {a.new} new tokens per request", flush=True)
+          f"{device_name}; prompt {a.prompt}, {a.new} new tokens per request", flush=True)
     modes = "eager" if hybrid and a.modes == p.get_default("modes") else a.modes
     unknown = [m for m in modes.split(",") if m not in MODES]
     if unknown:
@@ -257,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'syncs':>5} {'waits':>5}", flush=True)
     colds = []
     for n in [int(x) for x in a.concurrency.split(",")]:
-        for mode in modes.split(","):
-            r = measure(model, mode, n, a.prompt, a.new, device, None if a.no_cold else a.cold_us)
+        for r in measure_all(model, modes.split(","), n, a.prompt, a.new, device, None if a.no_cold else a.cold_us,
+                             a.rounds):
+            mode = r["mode"]
             rows.append(r)
             print(f"{mode:>11} {n:>5} {r['step_ms']:8.3f} {r['steps_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
                   f"{r['metadata_ms']:11.4f} {r['share']:6.1%} {r['fence_ms']:8.4f} {r['own_ms']:7.4f} "
@@ -289,17 +340,24 @@ def main(argv: list[str] | None = None) -> int:
         print("\nattnmeta against vLLM 0.33.0's own metadata code, the same engine, model and kernels (ratios of "
               "medians; metadata: host ms per decode step without plan())", flush=True)
         print(f"{'pair':>20} {'reqs':>5} {'tok/s':>9} {'vLLM tok/s':>10} {'tok/s x':>8} {'metadata ms':>11} "
-              f"{'vLLM ms':>8} {'faster':>7} {'syncs':>5} {'vLLM syncs':>10} {'H2D':>5} {'vLLM H2D':>8}", flush=True)
+              f"{'vLLM ms':>8} {'faster':>7} {'plan ms':>7} {'vLLM plan':>9} {'host x':>7} {'syncs':>5} "
+              f"{'vLLM syncs':>10} {'H2D':>5} {'vLLM H2D':>8} {'tokens differ':>13}", flush=True)
         by = {(r["mode"], r["concurrency"]): r for r in rows}
         for x, y in pairs:
             for n in [int(c) for c in a.concurrency.split(",")]:
                 r, v = by[(x, n)], by[(y, n)]
+                host = (v["metadata_ms"] + v["plan_ms"]) / (r["metadata_ms"] + r["plan_ms"])
+                differ = sum(t != u for t, u in zip(r["tokens"], v["tokens"], strict=True))
                 print(f"{x + ' / ' + y:>20} {n:>5} {r['tokens_per_s']:9.0f} {v['tokens_per_s']:10.0f} "
                       f"{r['tokens_per_s'] / v['tokens_per_s']:7.2f}x {r['metadata_ms']:11.4f} {v['metadata_ms']:8.4f} "
-                      f"{v['metadata_ms'] / r['metadata_ms']:6.1f}x {r['syncs_per_step']:5.2f} "
-                      f"{v['syncs_per_step']:10.2f} {r['h2d_per_step']:5.1f} {v['h2d_per_step']:8.1f}", flush=True)
+                      f"{v['metadata_ms'] / r['metadata_ms']:6.1f}x {r['plan_ms']:7.3f} {v['plan_ms']:9.3f} "
+                      f"{host:6.1f}x {r['syncs_per_step']:5.2f} {v['syncs_per_step']:10.2f} {r['h2d_per_step']:5.1f} "
+                      f"{v['h2d_per_step']:8.1f} {differ:>6} of {n:<5}", flush=True)
+                r.setdefault("requests_with_other_tokens_than", {})[y] = differ
+    for r in rows:
+        del r["tokens"]  # compared above; not written to the JSON
     if a.json:
-        Path(a.json).write_text(json.dumps({"device": torch.cuda.get_device_name(device), "params": params,
+        Path(a.json).write_text(json.dumps({"device": device_name, "params": params,
                                             "rows": rows}, indent=1))
     return 0
 

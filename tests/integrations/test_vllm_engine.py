@@ -6,6 +6,8 @@ command that installs it; tests/gpu/test_engine_vllm_cuda.py runs FlashInfer's b
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from examples.engine.vllm_metadata import INSTALL
@@ -48,3 +50,30 @@ def test_vllm_mode_sizes_vllms_builders_to_the_engine() -> None:
     sched = meta.config.scheduler_config
     assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (300, 4096)
     assert meta.query_start_loc.cpu.shape == (301,)
+
+
+def test_bench_engine_compares_the_pair_on_the_cpu(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    """benchmarks/bench_engine.py's headline comparison end to end on the CPU (torch's paged kernel): both
+    modes serve the same workload, the pair's line reports the ratios, the same greedy tokens, no syncs."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import bench_engine
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    out = tmp_path / "bench.json"
+    assert bench_engine.main(["--device", "cpu", "--model", "tiny", "--modes", "paged,vllm-paged", "--concurrency",
+                              "1,3", "--prompt", "8", "--new", "8", "--rounds", "2", "--no-cold",
+                              "--json", str(out)]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("paged / ")]
+    assert [int(f[3]) for f in lines] == [1, 3]
+    assert all(f[-3:-1] == ["0", "of"] for f in lines), lines  # tokens differ: 0 of n
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["concurrency"], r["rounds"]) for r in rows] == [
+        ("paged", 1, 2), ("vllm-paged", 1, 2), ("paged", 3, 2), ("vllm-paged", 3, 2)]
+    assert all(r["syncs_per_step"] == 0 for r in rows)
+    assert [r["copies_per_step"] for r in rows] == [1.0, 8.0, 1.0, 8.0]
