@@ -16,9 +16,10 @@ records, it does not raise); at the end of the module one ``HARNESS`` line per b
 the disagreements (each a listed one) and the syncs per build. On the GPU machine
 (``benchmarks/gpu_all.sh OUT vllm``) the builders run on CUDA, where a sync is a real one, and vLLM's
 FlashInfer builder runs too (it needs the flashinfer package, and vLLM's ``Attention`` layers in the
-forward context: the test makes them). Not driven: vLLM's MLA builders, which read their layers' MLA
-dimensions and kernel choice from a loaded MLA model (DeepSeek's); attnmeta's MLA metadata is checked
-against vLLM's semantics in tests/backends instead.
+forward context: the test makes them). vLLM's Triton-MLA builder runs with a real ``MLAAttention`` layer
+of a tiny DeepSeek-V2 in the forward context (a one-process distributed group, as vLLM's worker has);
+vLLM's other MLA builders (FlashMLA, FlashAttention-MLA, FlashInfer-MLA) plan with compiled kernels'
+schedulers on the GPU and are not driven here.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from attnmeta import BatchSpec
@@ -341,3 +342,130 @@ def _flashinfer_view(builder: Any) -> Callable[[Any], Any]:
 def test_vllms_flashinfer_builder(flashinfer_builder: Callable[[], Any], spec: BatchSpec) -> None:
     builder = flashinfer_builder()
     _check("flashinfer", builder, _decodes_first(spec), FlashInferOptions(), view=_flashinfer_view(builder))
+
+
+# ---------------------------------------------------------------------------------------- MLA
+MLA_MODEL_LEN = 256
+"""The MLA config's ``max_model_len``: small, so that vLLM's chunked-context workspace (``8 * max_model_len``
+rows, 2048) is smaller than a batch's context and the chunk plan splits it."""
+_MLA = dict(min_reqs=1, max_reqs=16, kinds=("decode", "prefill", "chunked_prefill"), max_query_len=32,
+            max_context_len=MLA_MODEL_LEN - 32, with_context_parallel=st.just(False))
+
+
+@pytest.fixture(scope="module")
+def mla_builder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Any]]:
+    """vLLM's Triton-MLA builder (``TritonMLAMetadataBuilder``: attnmeta's ``triton_mla`` variant) for a tiny
+    DeepSeek-V2 (4 heads, DeepSeek's latent sizes 512 + 64, which vLLM's MLA metadata requires), with a
+    real ``MLAAttention`` layer in the forward context, made as vLLM's worker makes them: a one-process
+    distributed group (gloo), inside ``set_current_vllm_config``. On the CPU the layer's own kernels are
+    vLLM's CPU MLA backend and CPU SDPA prefill (the Triton impl asks the GPU's SM count); the builder reads
+    only the layer's MLA dimensions and clones its prefill backend."""
+    import socket
+
+    from transformers import DeepseekV2Config
+    from vllm.config import SchedulerConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonMLAMetadataBuilder
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    heads, nope, rope, v, latent = 4, 16, 64, 16, 512
+    hf = DeepseekV2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=None, kv_lora_rank=latent,
+                          qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v, n_routed_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                          max_position_embeddings=MLA_MODEL_LEN, architectures=["DeepseekV2ForCausalLM"])
+    folder = tmp_path_factory.mktemp("vllm-mla")
+    hf.save_pretrained(folder)
+    model = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float16", max_model_len=MLA_MODEL_LEN)
+    config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=16),
+                        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048,
+                                                         max_model_len=MLA_MODEL_LEN, is_encoder_decoder=False),
+                        device_config=DeviceConfig(device=DEVICE.type))
+    if not torch.cuda.is_available():
+        no_pinning()
+    name = "model.layers.0.self_attn.attn"
+    owned_group = not parallel_state.model_parallel_is_initialized()
+    with set_current_vllm_config(config):
+        if owned_group:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+            parallel_state.initialize_model_parallel(1, 1)
+        if DEVICE.type == "cuda":
+            kernels: dict[str, Any] = {"attn_backend": TritonMLABackend}
+        else:
+            from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+            from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+
+            kernels = {"attn_backend": CPUMLABackend, "prefill_backend_cls": CPUSDPAMLAPrefillBackend}
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float16)
+        try:
+            kv_b_proj = ColumnParallelLinear(latent, heads * (nope + v), bias=False, disable_tp=True,
+                                             prefix="model.layers.0.self_attn.kv_b_proj")
+            layer = MLAAttention(heads, (nope + rope) ** -0.5, nope, rope, v, None, latent, kv_b_proj,
+                                 cache_config=config.cache_config, prefix=name, **kernels)
+        finally:
+            torch.set_default_dtype(default)
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=latent + rope, dtype=torch.float16)
+
+    def make() -> Any:
+        with set_current_vllm_config(config):
+            return (layer, TritonMLAMetadataBuilder(spec, [name], config, DEVICE))[1]
+
+    yield make
+    if owned_group:
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
+
+
+def _mla_view(meta: Any) -> Any:
+    """What vLLM's MLA builder computes, by attnmeta's (flat) field names: the decode and prefill parts and
+    the chunked context's chunks, each chunk's tensors concatenated in chunk order as attnmeta stages them
+    (a part vLLM leaves out, None, gives no field: nothing to compare)."""
+    from types import SimpleNamespace
+
+    out: dict[str, Any] = {k: getattr(meta, k) for k in ("num_reqs", "num_actual_tokens", "max_query_len",
+                                                          "max_seq_len", "num_decodes", "num_prefills",
+                                                          "num_decode_tokens", "query_start_loc", "slot_mapping")}
+    if meta.decode is not None:
+        out["decode_seq_lens"] = meta.decode.seq_lens
+    pre = meta.prefill
+    if pre is not None:
+        out.update(prefill_query_start_loc=pre.query_start_loc, prefill_max_query_len=pre.max_query_len,
+                   prefill_query_lens_cpu=pre.query_lens_cpu)
+        chunked = pre.chunked_context
+        out["num_chunks"] = 0 if chunked is None else len(chunked.chunks)
+        if chunked is not None:
+            out["context_lens"] = chunked.context_lens
+            for field, attr in (("chunk_starts", "starts"), ("chunk_seq_lens_cpu", "seq_lens"),
+                                ("chunk_cu_seq_lens", "cu_seq_lens"), ("chunk_cu_seqlens_q", "query_start_loc"),
+                                ("chunk_token_to_seq", "token_to_seq")):
+                out[field] = torch.cat([getattr(c, attr).to(DEVICE) for c in chunked.chunks])
+    return SimpleNamespace(**out)
+
+
+def _long_contexts(decodes: int, rows: int) -> BatchSpec:
+    """``decodes`` decode rows, then prefill rows continuing 180-210-token contexts, 2,400 tokens of context or
+    more in all: the chunk plan splits them over several workspace-sized chunks (generated batches rarely
+    reach that)."""
+    c = np.array([40] * decodes + [180 + 2 * i for i in range(rows - decodes)], np.int32)
+    q = np.array([1] * decodes + [8 + i for i in range(rows - decodes)], np.int32)
+    table = np.arange(rows * 16, dtype=np.int32).reshape(rows, 16)
+    return BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=table, block_size=16)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=batch_specs(**_MLA))
+@example(spec=_long_contexts(0, 16))
+@example(spec=_long_contexts(3, 16))
+def test_vllms_triton_mla_builder(mla_builder: Callable[[], Any], spec: BatchSpec) -> None:
+    from attnmeta.backends.mla import MLAOptions
+
+    builder = mla_builder()
+    options = MLAOptions(variant="triton_mla", workspace_size=builder.chunked_prefill_workspace_size)
+    _check("mla", builder, _decodes_first(spec), options, view=_mla_view, tally="mla (triton_mla)")
