@@ -70,9 +70,14 @@
 #           vllm mode's sync count) -> vllm.log; then the harness on vLLM's own builders on cuda,
 #           tests/integrations/test_vllm_builders.py -m vllm (its "HARNESS ..." lines: cases, disagreements and
 #           syncs per build of each builder) -> vllm_harness.log, vllm_harness_summary.txt;
-#   vllmbench  the headline: benchmarks/bench_engine.py --modes varlen,vllm-varlen (FlashAttention's kernel fed by
-#           attnmeta or by vLLM's FlashAttention builder, eager) on the ~1.2B Llama at 1/64/256 requests ->
-#           vllm_bench.txt, vllm_bench.json; then on hybrid-1b -> vllm_hybrid_bench.txt, vllm_hybrid_bench.json
+#   vllmbench  the headline: benchmarks/bench_engine.py on the ~1.2B Llama at 1/64/256 requests, the modes
+#           alternating in rounds: --modes graphs,vllm-graphs (FlashInfer in CUDA graphs, fed by attnmeta or by
+#           vLLM's FlashInfer builder) where .vllm holds vLLM's pinned FlashInfer, else varlen,vllm-varlen
+#           (FlashAttention's varlen kernel, eager, fed by attnmeta or by vLLM's FlashAttention builder) ->
+#           vllm_bench.txt, vllm_bench.json; then hybrid-1b, eager,vllm-eager (or varlen,vllm-varlen) ->
+#           vllm_hybrid_bench.txt, vllm_hybrid_bench.json. FlashInfer's first use JIT-compiles its kernels for
+#           minutes (vLLM's FA3 prefill among them) into the machine's cache, which lasts while the machine is
+#           warm: run the parts in back-to-back calls, one model or concurrency a call
 #           (carry .vllm, .whl, .kernels; VLLMBENCH_MODELS, default "1b hybrid-1b", picks the models,
 #           VLLMBENCH_MODES the modes, VLLMBENCH_CONCURRENCY the requests, default 1,64,256; one model's three
 #           rows of two modes take about one call). The FlashInfer pairs (graphs,vllm-graphs and
@@ -277,14 +282,18 @@ fi
 if want vllmbench; then
 echo "== vllmbench: attnmeta against vLLM's own metadata code in the same engine" | tee "$OUT_DIR/vllm_bench.txt"
 if vllm_site; then
+  # default pairs: FlashInfer's (the goal's: graphs for the Llama, eager for the hybrid) where vLLM's pinned
+  # FlashInfer was packed (fetch_vllm.py --flashinfer), else FlashAttention's varlen kernel
+  if [[ -f .vllm/flashinfer.zip ]]; then llama_modes=graphs,vllm-graphs hybrid_modes=eager,vllm-eager
+  else llama_modes=varlen,vllm-varlen hybrid_modes=varlen,vllm-varlen; fi
   for m in ${VLLMBENCH_MODELS:-1b hybrid-1b}; do
     if [[ $m == 1b ]]; then
-      timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --modes "${VLLMBENCH_MODES:-varlen,vllm-varlen}" --no-cold \
+      timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --modes "${VLLMBENCH_MODES:-$llama_modes}" --no-cold \
         --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" \
         --json "$OUT_DIR/vllm_bench.json" 2>&1 | tee -a "$OUT_DIR/vllm_bench.txt"
       [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllmbench (1b)" "${PIPESTATUS[0]}"
     else
-      timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --modes "${VLLMBENCH_MODES:-varlen,vllm-varlen}" \
+      timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --modes "${VLLMBENCH_MODES:-$hybrid_modes}" \
         --no-cold --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" \
         --json "$OUT_DIR/vllm_hybrid_bench.json" 2>&1 | tee "$OUT_DIR/vllm_hybrid_bench.txt"
       [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllmbench (hybrid-1b)" "${PIPESTATUS[0]}"
