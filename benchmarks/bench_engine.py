@@ -1,11 +1,12 @@
 """The reference engine's steady-state decode on a ~1.2B Llama: steps and tokens per second, and
 attnmeta's share of the step, with its one copy per step against per-tensor uploads.
 
-For each concurrency (requests decoding together) and loop mode, a fresh engine serves the same
-workload twice (the first run compiles FlashInfer's kernels and captures the CUDA graphs; the second
-is timed; more warm-up runs first where a ring slot has not yet staged a step with prompt tokens), then
-once under the sync audit and once under the profiler (H2D copies counted from the
-trace). The figures are medians over the timed run's full-batch decode steps:
+For each concurrency (requests decoding together), every loop mode gets a fresh engine that serves the
+workload until it is warm (FlashInfer's kernels compiled, the CUDA graphs captured, every ring slot's
+layouts staged); then the modes' timed runs alternate in ``--rounds`` rounds (A B A B ...: drift on
+the machine lands on every mode alike); then each serves it once under the sync audit and once under
+the profiler (H2D copies counted from the trace). The figures are the medians over the rounds of each
+timed run's medians over its full-batch decode steps:
 
 - ``step ms``: one iteration of the async loop (schedule, build, plan, launch, read the previous step's
   tokens): with the GPU busy, the GPU's step time;
@@ -29,9 +30,9 @@ step's metadata built by vLLM 0.33.0's own runner buffers and ``FlashInferMetada
 ``flash_attn`` builder or by vLLM's ``FlashAttentionMetadataBuilder`` (vLLM's default backend on Hopper). In the vLLM modes
 ``metadata ms`` is the runner's part and the builders' ``build()`` less its ``plan()`` calls;
 ``copies/step`` counts the runner's own H2D copies. The sync audit runs in count mode (it records, it
-does not raise): vLLM's code may sync. The modes run in turn at each concurrency, in one process; the
-summary at the end gives attnmeta over vLLM for each pair (graphs and vllm-graphs, eager and
-vllm-eager): tokens/s and metadata host time.
+does not raise): vLLM's code may sync. The summary at the end gives attnmeta over vLLM for each pair
+(graphs and vllm-graphs, eager and vllm-eager, varlen and vllm-varlen, paged and vllm-paged): tokens/s
+and metadata host time.
 
 More columns split attnmeta's time: ``fence ms``, the part spent blocked on a ring slot's fence (the
 host ran ``num_slots - 1`` steps ahead of the GPU; reported apart), ``own ms``, attnmeta's time less
@@ -53,8 +54,13 @@ layers through FlashInfer), eager steps only (the engine captures no graphs for 
 second line per concurrency, ``prefill``, with the medians over the steps that carry prompt tokens
 (where the Mamba2 chunk metadata is built).
 
-Usage: python benchmarks/bench_engine.py --device cuda [--model 1b|hybrid-1b] [--concurrency 1,64,256]
-[--modes graphs,eager,per-tensor] [--no-cold] [--cold-us US] [--json FILE]
+On a CPU only ``paged`` and ``vllm-paged`` run (torch's paged kernel, eager): the comparison's smoke
+test, ``--model tiny``. Each pair's summary line also gives the plan times, the host time of metadata
+and plan together (``host x``), and ``tokens differ``: the requests whose greedy tokens differ between
+the two modes (the same kernels read either metadata).
+
+Usage: python benchmarks/bench_engine.py --device cuda [--model 1b|hybrid-1b|tiny] [--concurrency 1,64,256]
+[--modes graphs,eager,per-tensor] [--rounds 3] [--no-cold] [--cold-us US] [--json FILE]
 """
 
 from __future__ import annotations
