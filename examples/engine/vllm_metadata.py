@@ -283,7 +283,6 @@ class VllmMetadata:
                                           slot_mapping_mode=SlotMappingMode.NONE))
         self._common_cls = importlib.import_module("vllm.v1.attention.backends.utils").CommonAttentionMetadata
 
-    # ------------------------------------------------------------------ one step
     def _make_builders(self, kernel: str, hybrid: bool, text: Any, dtype: torch.dtype, device: torch.device,
                        block_size: int, max_model_len: int) -> None:
         """vLLM's builders (and for FlashInfer the ``Attention`` layers its builder reads its scale from),
@@ -327,6 +326,7 @@ class VllmMetadata:
             mamba_layers = [f"model.layers.{i}.mamba" for i in range(int(text.num_hidden_layers)) if i not in layers]
             self.mamba_builder = Mamba2AttentionMetadataBuilder(mamba, mamba_layers, self.config, device)
 
+    # ------------------------------------------------------------------ one step
     def set_batch(self, computed: np.ndarray, prompt_lens: np.ndarray, table: np.ndarray,
                   state_table: np.ndarray | None = None) -> None:
         """The input batch's rows before a step: what vLLM's ``InputBatch`` keeps persistent and edits as
