@@ -82,9 +82,9 @@
 #           VLLMBENCH_MODES the modes, VLLMBENCH_CONCURRENCY the requests, default 1,64,256; one model's three
 #           rows of two modes take about one call). The FlashInfer pairs (graphs,vllm-graphs and
 #           eager,vllm-eager) need vLLM's FlashInfer backend, which imports only with the FlashInfer vLLM pins:
-#           make .vllm with `fetch_vllm.py --flashinfer` (.vllm is then 55 MB: carry a .whl holding only
-#           apache_tvm_ffi and fla_core, 4.4 MB, as FlashInfer 0.7.2.post1 replaces 0.5.3 and needs no cuDNN
-#           frontend for attention); vllm_site puts that FlashInfer first on PYTHONPATH.
+#           make .vllm with `fetch_vllm.py --flashinfer` (.vllm is then 58 MB and needs nothing of .whl: carry
+#           [".vllm", ".kernels"] only, the call's 64 MiB limit); vllm_site puts that FlashInfer first on
+#           PYTHONPATH.
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
 #   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit kernels engine
 #   enginebench mamba-kernels hybrid hybridbench multi ab before-after", default all but the last three). One device call allows
@@ -92,7 +92,7 @@
 #   "engine", "enginebench", then "mamba-kernels", "hybrid" and "hybridbench" (each with carry
 #   [".kernels"]; the last two also ".whl");
 #   on the nvidia-h200-x2 machine PARTS="multi" is one more; "ab" and "before-after" (carry .ab_base;
-#   before-after also .whl, for fla's kernels), "vllm" and "vllmbench" (carry .vllm .whl .kernels) are asked
+#   before-after also .whl, for fla's kernels), "vllm" and "vllmbench" (carry .vllm .whl .kernels, or .vllm .kernels when .vllm holds FlashInfer) are asked
 #   for by name.
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}

@@ -31,9 +31,9 @@ its Python code imports them inside ``try`` blocks and the builders never call t
 - ``.vllm/MANIFEST.txt``: where each file came from and its sha256.
 
 ``benchmarks/gpu_all.sh`` does the unpacking and the install (its ``vllm_site`` helper) for the parts
-that need vLLM: carry ``.vllm`` (and ``.whl``) in the device call. With ``.vllm/flashinfer.zip`` it unpacks
-that FlashInfer ahead of ``.whl``'s on ``PYTHONPATH``; ``.vllm`` is then about 55 MB, so carry a ``.whl``
-without FlashInfer 0.5.3 and cuDNN's frontend (``bash benchmarks/gpu_all.sh`` says which).
+that need vLLM: carry ``.vllm`` (and ``.whl``, with ``.kernels`` for the hybrid model) in the device call.
+With ``.vllm/flashinfer.zip`` it unpacks that FlashInfer ahead of any other on ``PYTHONPATH``, and ``.vllm``
+(about 58 MB) needs nothing of ``.whl``: carry ``.vllm`` and ``.kernels`` only (the call's 64 MiB limit).
 
 Usage (from the checkout's root)::
 
@@ -73,10 +73,11 @@ DEPENDENCIES = (
 triton, numpy, aiohttp, psutil, einops, cloudpickle, pillow and the rest are there). Versions that
 import together with vLLM 0.33.0 (``llguidance`` is the newest with a wheel for manylinux_2_28)."""
 
-FLASHINFER_DEPENDENCIES = ("nvidia-ml-py==13.615.71", "tabulate==0.10.0")
+FLASHINFER_DEPENDENCIES = ("apache-tvm-ffi==0.1.15.post2", "nvidia-ml-py==13.615.71", "tabulate==0.10.0")
 """What importing FlashInfer 0.7.2.post1's attention wrappers needs beyond the image and :data:`DEPENDENCIES`
-(``pynvml`` and ``tabulate`` are imported by its ``utils`` and ``autotuner`` at import time; its other
-requirements, CuTe DSL, cuda-python, NCCL, serve kernels the attention backend does not call)."""
+(TVM-FFI, its kernels' binding; ``pynvml`` and ``tabulate``, imported by its ``utils`` and ``autotuner`` at
+import time; its other requirements, CuTe DSL, cuda-python, NCCL, serve kernels the attention backend
+does not call). With them ``.vllm`` needs nothing of ``.whl``."""
 
 
 STANDINS = {
