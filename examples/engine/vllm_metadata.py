@@ -155,12 +155,12 @@ def _time_plans(module: Any, builder: Any) -> None:
 
 def _resolve_kv_cache_layout(config: Any, backend: Any, spec: Any) -> None:
     """Resolve and record the KV cache layout the way vLLM's engine core does before its workers build
-    (``resolve_kv_cache_layout`` over the backends' supported layouts, then ``record_kv_cache_layout`` on the
-    config, as the worker's ``set_kv_cache_layout`` does). FlashInfer's builder plans with that layout; the
-    engine's caches are FlashInfer's NHD layout (tokens, then heads, in each block), so another resolution
-    (TRT-LLM's head-major one on Blackwell) is an error here."""
+    (``resolve_kv_cache_layout`` over the attention backend's supported layouts, then
+    ``record_kv_cache_layout`` on the config, as the worker's ``set_kv_cache_layout`` does), for every
+    backend: FlashInfer's builder plans with it. The engine's caches hold each layer's blocks with tokens,
+    then heads (vLLM's ``LBNHC``, FlashInfer's NHD); another resolution (TRT-LLM's head-major one on
+    Blackwell) is an error here."""
     from vllm.v1.attention.backends.utils import (
-        get_flashinfer_layout_string,
         get_supported_kv_cache_layouts,
         record_kv_cache_layout,
         resolve_kv_cache_layout,
@@ -168,9 +168,9 @@ def _resolve_kv_cache_layout(config: Any, backend: Any, spec: Any) -> None:
 
     supported = [layout.name for layout in get_supported_kv_cache_layouts([backend])]
     layout = resolve_kv_cache_layout(config, [supported], [spec])
-    if get_flashinfer_layout_string(layout) != "NHD":
+    if layout.name != "LBNHC":
         raise NotImplementedError(f"vLLM resolved the KV cache layout {layout.name} on this GPU; the engine's "
-                                  "FlashInfer caches are NHD")
+                                  "caches are LBNHC (FlashInfer's NHD)")
     record_kv_cache_layout(config.cache_config, layout.name)
 
 
@@ -310,8 +310,12 @@ class VllmMetadata:
             self.attention_builder = fi_module.FlashInferMetadataBuilder(spec, names, self.config, device)
             _time_plans(fi_module, self.attention_builder)
         else:
-            from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+            from vllm.v1.attention.backends.flash_attn import (
+                FlashAttentionBackend,
+                FlashAttentionMetadataBuilder,
+            )
 
+            _resolve_kv_cache_layout(self.config, FlashAttentionBackend, spec)
             self.attention_builder = FlashAttentionMetadataBuilder(spec, names, self.config, device)
         self.mamba_builder = None
         if hybrid:

@@ -50,6 +50,7 @@ def test_vllm_mode_sizes_vllms_builders_to_the_engine() -> None:
     sched = meta.config.scheduler_config
     assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (300, 4096)
     assert meta.query_start_loc.cpu.shape == (301,)
+    assert meta.config.cache_config.kv_cache_layout == "LBNHC"  # resolved as vLLM's engine core does
 
 
 def test_bench_engine_compares_the_pair_on_the_cpu(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
