@@ -9,6 +9,9 @@ walks (contexts grow by one token a step, page size 16):
 - ``fused+spec``: the same with each step's ``BatchSpec`` constructed inside the step from writable
   arrays (as an engine does from its scheduler's);
 - ``composable``: ``stage_common`` + FlashAttention + FlashInfer staged into one step;
+- ``engine graphs``: the reference engine's graph-mode step (a graph-mode stager; the step composer with
+  FlashInfer and the engine's two arrays; the spec made in the step, padded to the captured size), where
+  both commits have the step composer (compared against an older commit, the row is left out);
 - ``lifetimes on/off``: this checkout's fused step on ``Stager(check_lifetimes=False)`` (the "base"
   column) against the default.
 
@@ -105,7 +108,53 @@ def paths(mod: Any, batch: int, device: torch.device, **stager_kw: Any) -> dict[
             a, b = fa.stage(c, step), fi.stage(c, step)
         return c.result(), a.result(), b.result()
 
-    return {"fused": f, "fused+spec": fs, "composable": comp}
+    out = {"fused": f, "fused+spec": fs, "composable": comp}
+    compose = _module(mod, "compose")
+    if compose is not None:
+        out["engine graphs"] = engine_graphs(mod, compose, fi.FLASHINFER, raws, device)
+    return out
+
+
+def _module(mod: Any, name: str) -> Any:
+    """``mod.name`` (a submodule), or None where that commit has none."""
+    try:
+        return importlib.import_module(f"{mod.__name__}.{name}")
+    except ModuleNotFoundError:
+        return None
+
+
+def engine_graphs(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, Any]], device: torch.device
+                  ) -> Callable[[], Any]:
+    """The reference engine's step in graph mode (examples/engine): a graph-mode stager, the step composer
+    with FlashInfer over the common metadata and the engine's two arrays, the spec made in the step from
+    the scheduler's arrays with its rows padded to the next captured size."""
+    batch = len(raws[0]["num_computed_tokens"])
+    padded = next(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if s >= batch)
+    bs = raws[0]["block_size"]  # the profile's table width: the walk's longest request (the workload's is wider)
+    width = -(-max(int((r["num_computed_tokens"] + r["num_scheduled_tokens"]).max()) for r in raws) // bs // 8) * 8
+    tables = [np.ascontiguousarray(r["block_table"][:, :width]) for r in raws]
+    profile = mod.StaticProfile(max_num_reqs=padded, max_num_tokens=max(8192, padded), max_blocks_per_req=width,
+                                block_size=bs)
+    stager = mod.Stager(device, num_slots=3, profile=profile)
+    composer = compose.StepBuilder(stager, compose.Group({"flashinfer": flashinfer}),
+                                   arrays=[compose.Array("engine.input_ids", np.int32, capacity=profile.max_num_tokens),
+                                           compose.Array("engine.prev_rows", np.int32, capacity=profile.max_num_tokens,
+                                                         fill=-1)])
+    ids = np.arange(padded, dtype=np.int32)
+    prev = np.full(padded, -1, np.int32)
+    prev[:batch] = np.arange(batch)
+    arrays = {"engine.input_ids": ids, "engine.prev_rows": prev}
+    at = [0]
+
+    def step() -> Any:
+        i = at[0] = at[0] + 1
+        r = raws[i % 64]
+        spec = mod.BatchSpec(num_computed_tokens=r["num_computed_tokens"], num_scheduled_tokens=r["num_scheduled_tokens"],
+                             block_table=tables[i % 64], block_size=bs, num_reqs_padded=padded,
+                             num_tokens_padded=padded)
+        return composer.build((spec,), None, arrays)
+
+    return step
 
 
 def ab(a: Callable[[], Any], b: Callable[[], Any], rounds: int, steps: int, device: torch.device) -> tuple[float, float]:
@@ -142,6 +191,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batches", default="1,64,256,1024")
+    ap.add_argument("--paths", default="", help="comma-separated rows to run (default: every row; e.g. "
+                                                "'engine graphs,lifetimes on/off')")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dev = torch.device(args.device)
@@ -152,8 +203,11 @@ def main() -> None:
         print(f"{'batch':>6} {'path':<22} {'base':>8} {'this':>8} {'this/base':>10}")
         for batch in [int(x) for x in args.batches.split(",")]:
             old, new = paths(base, batch, dev), paths(attnmeta, batch, dev)
-            rows = [(name, old[name], new[name]) for name in old]
+            rows = [(name, old[name], new[name]) for name in new if name in old]
             rows.append(("lifetimes on/off", paths(attnmeta, batch, dev, check_lifetimes=False)["fused"], new["fused"]))
+            if args.paths:
+                wanted = {p.strip() for p in args.paths.split(",")}
+                rows = [r for r in rows if r[0] in wanted]
             for name, a, b in rows:
                 ta, tb = ab(a, b, args.rounds, args.steps, dev)
                 print(f"{batch:>6} {name:<22} {ta:>8.1f} {tb:>8.1f} {tb / ta:>10.3f}", flush=True)

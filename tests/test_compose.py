@@ -231,6 +231,33 @@ def test_a_mamba2_group_replays_decode_steps_and_composes_prefills(device: torch
     assert composer.stats.replayed >= 6, composer.stats
 
 
+@pytest.mark.parametrize("profile", [None, StaticProfile(max_num_reqs=72, max_num_tokens=320, max_blocks_per_req=3,
+                                                         block_size=4096, chunk_size=16)], ids=["eager", "graph"])
+def test_a_mamba2_group_replays_spec_decode_steps(device: torch.device, profile: Any) -> None:
+    """Spec decode: every row verifies 2 drafts (3 query tokens), the accepted counts change every step
+    (inputs, not layout) and so do the splits when a row runs out of drafts; replays equal stage(). A
+    state slot per draft position: three state columns a request."""
+    opts = mamba2.Mamba2Options(chunk_size=16, num_speculative_tokens=2)
+    composer, reference = _pair(device, lambda: [Group({"mamba": (mamba2.MAMBA2, opts)}, prefix="mamba_common")],
+                                profile=profile)
+    rng = np.random.default_rng(7)
+    n, steps = 6, []
+    computed = rng.integers(20, 200, n).astype(np.int32)
+    table = 1 + np.arange(3 * n, dtype=np.int32).reshape(n, 3)
+    for k in range(14):
+        drafts = np.full(n, 2, np.int32)
+        if k in (5, 6, 11):  # a row without drafts this step: a 1-token decode among the 3-token ones
+            drafts[k % n] = 0
+        spec = BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=drafts + 1, num_draft_tokens=drafts,
+                         num_prompt_tokens=np.full(n, 10, np.int32), block_table=table,
+                         block_size=4096)
+        accepted = np.minimum(rng.integers(1, 4, n), drafts + 1).astype(np.int32)
+        steps.append((spec, {"mamba": mamba2.Mamba2Inputs(num_accepted_tokens=accepted)}, None))
+        computed = computed + accepted
+    _check(composer, reference, steps)
+    assert composer.stats.replayed >= 6, composer.stats
+
+
 @pytest.mark.parametrize("profile", [None, _PROFILE], ids=["eager", "graph"])
 def test_a_group_without_builders_stages_the_whole_common_metadata(device: torch.device, profile: Any) -> None:
     """An engine whose kernel has no builder (the reference engine's torch-paged kernel without cascade)

@@ -376,12 +376,33 @@ _QsRows = Callable[[int], tuple[torch.Tensor, np.ndarray]]
 """``rows -> (device, host)`` views of the first ``rows`` entries of the common ``query_start_loc``."""
 
 
-def _own_views(step: Step, name: str, qo: tuple[str, np.ndarray] | None
-               ) -> tuple[torch.Tensor, np.ndarray] | None:
-    """The device and host views of the staged prefill query indptr (graph mode: its whole buffer)."""
+class _Prefix:
+    """``rows -> (device, host)`` views of the first ``rows`` entries of the staged prefill query indptr
+    (graph mode: of its whole buffer), the host view read-only; the same views for the same rows (cached:
+    slicing a tensor costs more than the lookup)."""
+
+    __slots__ = ("cache", "dev", "host")
+
+    def __init__(self, dev: torch.Tensor, host: np.ndarray) -> None:
+        self.dev, self.host = dev, host
+        self.cache: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+
+    def __call__(self, rows: int) -> tuple[torch.Tensor, np.ndarray]:
+        found = self.cache.get(rows)
+        if found is None:
+            h = self.host[:rows].view()
+            h.flags.writeable = False
+            if len(self.cache) > 64:
+                self.cache.clear()
+            found = self.cache[rows] = (self.dev[:rows], h)
+        return found
+
+
+def _own_views(step: Step, name: str, qo: tuple[str, np.ndarray] | None) -> _Prefix | None:
+    """The views of the staged prefill query indptr of ``step`` (:class:`_Prefix`), or None."""
     if qo is None:
         return None
-    return (step.device_full(name) if step.profile is not None else step.device(name)), qo[1]
+    return _Prefix(step.device_full(name) if step.profile is not None else step.device(name), qo[1])
 
 
 _PER_STEP = ("common", "paged", "qo_indptr_decode", "qo_indptr_prefill", "qo_indptr_decode_cpu",
@@ -391,7 +412,7 @@ _PER_STEP = ("common", "paged", "qo_indptr_decode", "qo_indptr_prefill", "qo_ind
 
 
 def _per_step(cm: CommonAttentionMetadata, pk: PagedKVMetadata, h: CommonHost, split: SplitCounts,
-              qo: tuple[torch.Tensor, np.ndarray] | None, rows: _QsRows, max_kv: int) -> tuple[Any, ...]:
+              qo: _QsRows | None, rows: _QsRows, max_kv: int) -> tuple[Any, ...]:
     """The values of :data:`_PER_STEP` of a step, from its split and the views of its fields: every value a
     step of a layout changes, computed here for a staged and a replayed step alike."""
     qsl = h.query_start_loc_cpu
@@ -405,9 +426,7 @@ def _per_step(cm: CommonAttentionMetadata, pk: PagedKVMetadata, h: CommonHost, s
         mdq, mpq = _max_query(qsl, 0, D), _max_query(qsl, D, B)
     qd = cm.query_start_loc
     if qo is not None:  # the staged prefill indptr: graph mode its whole buffer, eager mode its P + 1 rows
-        qo_d, qo_h = qo[0][: P + 1], qo[1][: P + 1]
-        qo_h = qo_h.view()
-        qo_h.flags.writeable = False
+        qo_d, qo_h = qo(P + 1)
     elif P == 0:
         qo_d, qo_h = rows(1)
     else:
@@ -420,7 +439,7 @@ def _per_step(cm: CommonAttentionMetadata, pk: PagedKVMetadata, h: CommonHost, s
 
 
 def _metadata(cm: CommonAttentionMetadata, pk: PagedKVMetadata, h: CommonHost, opts: FlashInferOptions,
-              split: SplitCounts, kv: torch.Tensor, kv_cpu: np.ndarray, qo: tuple[torch.Tensor, np.ndarray] | None,
+              split: SplitCounts, kv: torch.Tensor, kv_cpu: np.ndarray, qo: _QsRows | None,
               rows: _QsRows, max_kv: int) -> FlashInferMetadata:
     """The step's FlashInfer metadata after the commit, from its split and the views of its fields."""
     _, _, qd_d, qo_d, qd_h, qo_h, nd, np_, ndt, npt, mdq, mpq, mkv = _per_step(cm, pk, h, split, qo, rows, max_kv)

@@ -592,6 +592,9 @@ def prefill_qo_indptr(query_start_loc: np.ndarray, num_decodes: int, *, out: np.
     """
     B = query_start_loc.shape[0] - 1
     P = B - num_decodes
+    if P == 0:  # (no prefill rows: every entry is 0; the usual graph-mode decode step)
+        out.fill(0)
+        return out
     np.subtract(query_start_loc[num_decodes:], query_start_loc[num_decodes], out=out[: P + 1])
     out[P + 1 :] = out[P]
     return out

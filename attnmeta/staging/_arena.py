@@ -142,6 +142,7 @@ class Arenas:
                 slot.host_np[: old.shape[0]] = old
             self._fill_rows(slot, f, 0, capacity)
             slot.dirty_rows[name] = 0
+            slot.clean = None
             if self._cuda:
                 assert slot.host is not None
                 slot.ptrs = (arena_ptr, slot.host.data_ptr())

@@ -229,8 +229,8 @@ class Slot:
     """One ring slot: pinned host bytes, (eager) its device arena, and the fence event."""
 
     __slots__ = (
-        "copy_pairs", "device_arena", "dirty_rows", "event", "extras", "generation", "groups", "host", "host_np",
-        "index", "owner", "ptrs", "typed", "version", "views",
+        "clean", "copy_pairs", "device_arena", "dirty_rows", "event", "extras", "generation", "groups", "host",
+        "host_np", "index", "owner", "ptrs", "typed", "version", "views",
     )
 
     def __init__(self, index: int) -> None:
@@ -243,6 +243,9 @@ class Slot:
         self.generation = 0
         self.ptrs = (0, 0)  # CUDA: (device arena, pinned host) addresses for the driver copy (graph mode: the one arena)
         self.dirty_rows: dict[str, int] = {}  # graph mode: rows not holding the sentinel
+        # Graph mode: the fields dict of the slot's last commit while dirty_rows still equals its rows (a
+        # commit of the same dict has no sentinel to refill); None once anything else touched dirty_rows.
+        self.clean: dict[str, FieldLayout] | None = None
         self.typed: dict[np.dtype, torch.Tensor] = {}  # eager mode: typed views of device_arena
         self.views: dict[tuple[Any, ...], torch.Tensor] = {}  # eager mode: device views by (offset, dtype, shape)
         self.copy_pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, host) slices by copy size
@@ -343,13 +346,16 @@ class StepLayout:
     makes :meth:`Step.restage` return False.
     """
 
-    __slots__ = ("end", "fields", "slot", "version")
+    __slots__ = ("by_rows", "end", "fields", "slot", "version")
 
     def __init__(self, slot: Slot, version: int, fields: dict[str, FieldLayout], end: int) -> None:
         self.slot = slot
         self.version = version
         self.fields = fields
         self.end = end
+        # Graph mode: the fields restaged with other row counts, by the rows given (one dict per row
+        # counts, shared by the steps that restage them: a steady-state commit sees the same dict).
+        self.by_rows: dict[tuple[tuple[str, int], ...], dict[str, FieldLayout]] = {}
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -323,18 +323,21 @@ class Ring(Arenas):
                     lo, hi = f.offset, f.offset + f.rows * f.row_bytes
                     slot.host_np[lo:hi] = buf[lo:hi]
         if self.graph_mode:
-            fields, dirty_rows, end = step._fields, slot.dirty_rows, self._copy_end
-            for name, f in self._layout.items():
-                staged = fields.get(name)
-                rows = staged.rows if staged is not None else 0
-                if dirty_rows.get(name, 0) > rows:  # rows this slot staged before: back to the sentinel
-                    self._fill_rows(slot, f, rows, dirty_rows[name])
-                dirty_rows[name] = rows
-                e = f.offset + rows * f.row_bytes
-                if e > end:
-                    end = e
-            self._copy_end = end
-            nbytes = self._layout_bytes if self._full_copy_pending else end
+            fields = step._fields
+            if fields is not slot.clean or step._grew:  # (the same dict as the slot's last commit: no sentinel to refill)
+                dirty_rows, end = slot.dirty_rows, self._copy_end
+                for name, f in self._layout.items():
+                    staged = fields.get(name)
+                    rows = staged.rows if staged is not None else 0
+                    if dirty_rows.get(name, 0) > rows:  # rows this slot staged before: back to the sentinel
+                        self._fill_rows(slot, f, rows, dirty_rows[name])
+                    dirty_rows[name] = rows
+                    e = f.offset + rows * f.row_bytes
+                    if e > end:
+                        end = e
+                self._copy_end = end
+                slot.clean = fields if step._shared else None  # (a dict of the step's own may still change)
+            nbytes = self._layout_bytes if self._full_copy_pending else self._copy_end
             self._full_copy_pending = False
             dst = self._graph_arena
         else:
@@ -409,6 +412,7 @@ class Ring(Arenas):
         slot.extras = {}
         slot.version += 1
         if self.graph_mode:
+            slot.clean = None
             dirty = slot.dirty_rows
             fields = self._layout if written is None else written
             for name, f in fields.items():

@@ -307,22 +307,34 @@ class Step(StepCore):
             return False
         fields = layout.fields
         if rows:
-            if not self._stager.graph_mode:
-                raise ValueError("restage(rows=...): only graph mode has fixed offsets; eager rows are part of the layout")
-            fields = dict(fields)
-            for name, n in rows.items():
-                f = fields.get(name)
-                if f is None:
-                    raise ValueError(f"restage(rows=...): {name} is not a field of the layout")
-                if n > f.capacity:
-                    raise CapacityError(f"{name}: needs {n} rows but its graph-mode capacity is {f.capacity}")
-                fields[name] = f.with_rows(n)
-            self._fields = fields
-        else:
-            self._fields, self._shared = fields, True  # copied only if the step adds a field
+            key = tuple(rows.items())
+            found = layout.by_rows.get(key)
+            if found is None:
+                found = self._with_rows(layout, rows)
+                if len(layout.by_rows) >= MAX_CACHED:
+                    layout.by_rows.clear()
+                layout.by_rows[key] = found
+            fields = found
+        self._fields, self._shared = fields, True  # copied only if the step adds a field
         self._base = slot.host_np
         self._used = layout.end
         return True
+
+    def _with_rows(self, layout: StepLayout, rows: dict[str, int]) -> dict[str, FieldLayout]:
+        """``layout``'s fields with the row counts of ``rows`` (graph mode), checked."""
+        if not self._stager.graph_mode:
+            raise ValueError("restage(rows=...): only graph mode has fixed offsets; eager rows are part of the layout")
+        fields = dict(layout.fields)
+        for name, n in rows.items():
+            f = fields.get(name)
+            if f is None:
+                raise ValueError(f"restage(rows=...): {name} is not a field of the layout")
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+                raise ValueError(f"restage(rows=...): {name} needs a row count >= 0, got {n!r}")
+            if n > f.capacity:
+                raise CapacityError(f"{name}: needs {n} rows but its graph-mode capacity is {f.capacity}")
+            fields[name] = f.with_rows(int(n))
+        return fields
 
     @property
     def stats(self) -> StepStats:

@@ -245,6 +245,70 @@ def test_device_equals_host_snapshot(steps: list[list[tuple[int, Any]]], num_slo
         assert stager.stats.copies == sum(1 for s in steps if any(n for n, _ in s))
 
 
+@given(plan=st.lists(st.tuples(st.sampled_from(["alloc", "restage", "restage", "abandon"]), st.sampled_from([0, 2, 6]),
+                               st.sampled_from([1, 6])), min_size=1, max_size=24), num_slots=st.integers(2, 3))
+def test_graph_mode_restaged_steps_refill_every_sentinel(plan: list[tuple[str, int, int]], num_slots: int) -> None:
+    """Graph mode, steps restaged from recorded layouts (with the row counts of the step, as a step
+    composer replays them) among fresh and abandoned ones: after each commit the arena holds exactly the
+    step's rows and the sentinel past them. A commit of the very field dict its slot committed last
+    skips the sentinel pass, so a restage after an abandoned or a longer step on the slot must not."""
+    stager = Stager("cpu", num_slots=num_slots, profile=PROFILE)
+    layouts: dict[int, Any] = {}  # slot -> a recorded layout
+    for k, (kind, a, b) in enumerate(plan):
+        step = stager.step()
+        slot = (step.number - 1) % num_slots
+        rec = layouts.get(slot)
+        restaged = kind != "alloc" and rec is not None and step.restage(rec, {"a": a, "b": b})
+        if restaged:
+            step.host_full("a")[:a] = k
+            step.host_full("b")[:b] = k
+        else:
+            step.alloc("a", a, np.int32, capacity=6, fill=-1)[:] = k
+            step.alloc("b", b, np.int64, capacity=6, fill=-2)[:] = k
+        if kind == "abandon":
+            step.abandon()
+            continue
+        step.commit()
+        assert step.device_full("a").tolist() == [k] * a + [-1] * (6 - a)
+        assert step.device_full("b").tolist() == [k] * b + [-2] * (6 - b)
+        if not restaged and not step.stats.grew:  # (kept while it restages: as a step composer records)
+            layouts[slot] = step.layout()
+
+
+def test_graph_mode_restage_after_an_abandoned_longer_step_refills_its_rows() -> None:
+    """The slot's last commits restaged a layout with 2 rows; a step on the slot then wrote 6 rows and
+    was abandoned: the layout is stale (restage refuses it), and the next 2-row step's commit refills
+    rows 2-5 with the sentinel (the sentinel pass a repeated commit of the same fields skips is only
+    skipped on a slot nothing else touched)."""
+    stager = Stager("cpu", num_slots=2, profile=PROFILE)
+
+    def on_slot_0() -> Any:  # (an empty step on slot 1 first: slots are used in ring order)
+        with stager.step():
+            pass
+        return stager.step()
+
+    with stager.step() as step:  # (lays the field out: this step grew the layout)
+        step.alloc("a", 6, np.int32, capacity=6, fill=-1)[:] = 1
+    step = on_slot_0()
+    step.alloc("a", 6, np.int32)[:] = 1
+    step.commit()
+    rec = step.layout()
+    for k in (2, 3):
+        step = on_slot_0()
+        assert step.restage(rec, {"a": 2})
+        step.host_full("a")[:2] = k
+        step.commit()
+    step = on_slot_0()
+    assert step.restage(rec, {"a": 6})
+    step.host_full("a")[:] = 9
+    step.abandon()
+    step = on_slot_0()
+    assert not step.restage(rec, {"a": 2}), "an abandoned step leaves its slot's recorded layouts stale"
+    step.alloc("a", 2, np.int32)[:] = 5
+    step.commit()
+    assert step.device_full("a").tolist() == [5, 5, -1, -1, -1, -1]
+
+
 # ------------------------------------------------------------------------------- helpers
 def test_device_index_cache_uploads_once() -> None:
     cache = DeviceIndexCache("cpu")

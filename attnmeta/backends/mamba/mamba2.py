@@ -42,7 +42,7 @@ import numpy.typing as npt
 import torch
 
 from attnmeta._checks import check_option_fields, option_rule
-from attnmeta._fields import MetadataBase, keyword_factory
+from attnmeta._fields import MetadataBase, keyword_factory, template
 from attnmeta.backends.mamba._fill import Filled, accepted_counts, fill, fill_key, refill
 from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
@@ -494,11 +494,14 @@ class _Replayer(Replayer[Mamba2Inputs, Mamba2Metadata]):
     """Replays of a Mamba2 layout: the fill path's write (:func:`~attnmeta.backends.mamba._fill.refill`)
     into the recorded fields, then :func:`_metadata`."""
 
-    __slots__ = ("filled", "group", "layout", "options")
+    __slots__ = ("decode", "filled", "group", "layout", "options")
 
     def __init__(self, options: Mamba2Options, filled: Filled) -> None:
         self.options, self.group, self.layout = options, filled.group, filled.layout
         self.filled: Filled | None = None
+        # A step without prefill rows: every field but the common metadata's is a view fixed by the
+        # slot's device views, the split and the common query starts; (those, template(...)) of the last.
+        self.decode: tuple[Any, Any, tuple[int, int, int], Callable[..., Mamba2Metadata]] | None = None
 
     def rewrite(self, step: Step, host: CommonHost, inputs: Mamba2Inputs) -> None:
         o = self.options
@@ -512,7 +515,19 @@ class _Replayer(Replayer[Mamba2Inputs, Mamba2Metadata]):
                inputs: Mamba2Inputs) -> Mamba2Metadata:
         f, self.filled = self.filled, None
         assert f is not None and f.step is step, "result() without this step's rewrite()"
-        return _metadata(f, common, self.options.chunk_size)
+        if f.P:
+            return _metadata(f, common, self.options.chunk_size)
+        dev, qsl, split = self.group.device(step), common.query_start_loc, (f.D, f.Dt, f.Pt)  # (raises if expired)
+        d = self.decode
+        if d is not None and d[0] is dev and d[1] is qsl and d[2] == split:
+            return d[3](common, common.seq_lens, common.seq_lens_cpu)
+        m = _metadata(f, common, self.options.chunk_size)
+        self.decode = (dev, qsl, split, template(m, _DECODE_PER_STEP))
+        return m
+
+
+_DECODE_PER_STEP = ("common", "seq_lens", "seq_lens_cpu")
+"""The fields of a step without prefill rows that a replay of the same split on the same views changes."""
 
 
 MAMBA2 = register(Mamba2Builder())
