@@ -353,27 +353,15 @@ class BatchSpec:
         c = as_host_array(num_computed_tokens, "num_computed_tokens")
         n = c.shape[0]
         q = as_host_array(num_scheduled_tokens, "num_scheduled_tokens", length=n)
-        bs = block_size
-        if type(bs) is not int and (isinstance(bs, _BOOL_TYPES) or not isinstance(bs, _INT_TYPES)):
-            raise TypeError(f"block_size: expected a positive int, got {type(bs).__name__} {bs!r}")
-        if bs <= 0:
-            raise ValueError(f"block_size: must be a positive int, got {bs!r}")
-        if bs > INT32_MAX:
-            raise ValueError(f"block_size: {bs} overflows int32")
-        bs = int(bs)
-        bt = as_host_array(block_table, "block_table", ndim=2)
-        if bt.shape[0] < n:
-            raise ValueError(f"block_table: has {bt.shape[0]} rows, need one per request ({n})")
+        bs = _block_size(block_size)
+        bt = _block_table(block_table, n)
         cp = context_parallel
         if cp is not None:
             if not isinstance(cp, ContextParallel):
                 raise TypeError(f"context_parallel: expected ContextParallel, got {type(cp).__name__}")
             if cp.world_size < 1 or not 0 <= cp.rank < cp.world_size:
                 raise ValueError(f"context_parallel: need 0 <= rank < world_size, got {cp}")
-            if cp.interleave < 1 or bs % cp.interleave:
-                raise ValueError(
-                    f"context_parallel.interleave={cp.interleave} must be >= 1 and divide block_size={bs}"
-                )
+            _check_interleave(cp, bs)
         prompt = None if num_prompt_tokens is None else as_host_array(num_prompt_tokens, "num_prompt_tokens", length=n)
         drafts = None if num_draft_tokens is None else as_host_array(num_draft_tokens, "num_draft_tokens", length=n)
         ub = (None if seq_lens_upper_bound is None
@@ -448,6 +436,70 @@ class BatchSpec:
             for name in _FIELDS:
                 object.__setattr__(self, name, getattr(o, name))
 
+    def for_group(self, *, block_table: npt.ArrayLike, block_size: int) -> BatchSpec:
+        """The same step for another KV-cache group: this spec's requests, counts, optional arrays,
+        padding and context parallelism, with that group's block table and block size (a hybrid model's
+        Mamba group: one state block a request; an attention group of another page size).
+
+        The per-request vectors are this spec's own read-only ones, already copied and validated, so this
+        costs less than a new :class:`BatchSpec` of the same arguments; the new table is checked as the
+        constructor checks it (wide enough for ``c + q`` at the new block size), and the derived scalars
+        (``num_pages`` among them) are those of the new block size.
+
+        Parameters
+        ----------
+        block_table : (num_reqs, max_blocks_per_req) int32, host
+            The group's block table (kept by reference, as the constructor keeps it).
+        block_size : int
+            The group's tokens per block.
+
+        Returns
+        -------
+        BatchSpec
+            Equal to ``BatchSpec(**{**spec_arguments(self), "block_table": block_table, "block_size": block_size})``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As the constructor, for the table and the block size.
+
+        Examples
+        --------
+        >>> spec = BatchSpec(num_computed_tokens=[5, 0], num_scheduled_tokens=[1, 4],
+        ...                  block_table=[[1, 2], [3, 0]], block_size=4)
+        >>> states = spec.for_group(block_table=[[7], [8]], block_size=1024)
+        >>> states.num_pages, states.num_tokens, states.num_computed_tokens is spec.num_computed_tokens
+        (2, 5, True)
+        """
+        if type(self) is not BatchSpec:  # (a subclass: its own construction, its own fields kept)
+            return dataclasses.replace(self, block_table=block_table, block_size=block_size)
+        c, q, n = self.num_computed_tokens, self.num_scheduled_tokens, self.num_reqs
+        bs = _block_size(block_size)
+        bt = _block_table(block_table, n)
+        cp = self.context_parallel
+        if cp is not None:
+            _check_interleave(cp, bs)
+        span = bs * (1 if cp is None else cp.world_size)
+        prompt, drafts, ub = self.num_prompt_tokens, self.num_draft_tokens, self.seq_lens_upper_bound
+        code, _, _, _, _, _, _, pages = _validate_nb(
+            c, q, bt, span, bs, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
+            _EMPTY if ub is None else ub, False, _NO_COPY,
+        )
+        if code:
+            _raise_invalid(c, q, bt, span, bs, prompt, drafts, ub)
+        out = object.__new__(BatchSpec)
+        object.__setattr__(out, "__class__", _FillableBatchSpec)  # (as __init__: plain slot stores)
+        o: Any = out
+        try:
+            for name in _FIELDS:
+                setattr(o, name, getattr(self, name))
+            o.block_table = bt
+            o.block_size = bs
+            o.num_pages = pages
+        finally:
+            o.__class__ = BatchSpec
+        return out
+
     def __post_init__(self) -> None:
         """A dataclass subclass's generated ``__init__`` sets the init fields and calls this: validate
         them and set the derived fields, as :meth:`__init__` does (``BatchSpec`` itself never calls it)."""
@@ -471,6 +523,30 @@ class BatchSpec:
             f"block_table={self.block_table.shape}, prompts={self.num_prompt_tokens is not None}, "
             f"drafts={self.num_draft_tokens is not None}, context_parallel={self.context_parallel})"
         )
+
+
+def _block_size(bs: Any) -> int:
+    """``block_size`` checked: a positive int that fits int32 (a bool is not an int here)."""
+    if type(bs) is not int and (isinstance(bs, _BOOL_TYPES) or not isinstance(bs, _INT_TYPES)):
+        raise TypeError(f"block_size: expected a positive int, got {type(bs).__name__} {bs!r}")
+    if bs <= 0:
+        raise ValueError(f"block_size: must be a positive int, got {bs!r}")
+    if bs > INT32_MAX:
+        raise ValueError(f"block_size: {bs} overflows int32")
+    return int(bs)
+
+
+def _block_table(table: Any, n: int) -> np.ndarray:
+    """``block_table`` as a host int32 matrix with a row per request (checked)."""
+    bt = as_host_array(table, "block_table", ndim=2)
+    if bt.shape[0] < n:
+        raise ValueError(f"block_table: has {bt.shape[0]} rows, need one per request ({n})")
+    return bt
+
+
+def _check_interleave(cp: ContextParallel, bs: int) -> None:
+    if cp.interleave < 1 or bs % cp.interleave:
+        raise ValueError(f"context_parallel.interleave={cp.interleave} must be >= 1 and divide block_size={bs}")
 
 
 class _FillableBatchSpec:

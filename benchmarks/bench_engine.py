@@ -136,10 +136,11 @@ def cold_replica(engine: Engine, reqs: list[Request], cold_us: float, passes: in
 
     def replay(specs: tuple[BatchSpec, ...], inputs: Any, arrays: dict[str, Any]) -> Any:
         def build() -> None:  # as Engine._step: the BatchSpecs from the scheduler's arrays, then the build
-            again = tuple(BatchSpec(num_computed_tokens=s.num_computed_tokens, num_scheduled_tokens=s.num_scheduled_tokens,
-                                    block_table=s.block_table, block_size=s.block_size,
-                                    num_reqs_padded=s.num_reqs_padded, num_tokens_padded=s.num_tokens_padded)
-                          for s in specs)
+            first = specs[0]
+            spec = BatchSpec(num_computed_tokens=first.num_computed_tokens, num_scheduled_tokens=first.num_scheduled_tokens,
+                             block_table=first.block_table, block_size=first.block_size,
+                             num_reqs_padded=first.num_reqs_padded, num_tokens_padded=first.num_tokens_padded)
+            again = (spec, *(spec.for_group(block_table=s.block_table, block_size=s.block_size) for s in specs[1:]))
             composer.build(again, inputs, arrays)
         return build
 

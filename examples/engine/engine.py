@@ -330,11 +330,9 @@ class Engine:
                          block_table=self.table[:n], block_size=cfg.block_size,
                          num_reqs_padded=padded, num_tokens_padded=padded)
         specs: tuple[BatchSpec, ...] = (spec,)
-        if self.hybrid:  # the Mamba group: one block (the state slot) a request
-            specs = (spec, BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled,
-                                     block_table=self.state_table[:n],
-                                     block_size=cfg.block_size if self.align else cfg.max_model_len,
-                                     num_reqs_padded=padded, num_tokens_padded=padded))
+        if self.hybrid:  # the Mamba group: the same step, its own table (none mode: one state slot a request)
+            specs = (spec, spec.for_group(block_table=self.state_table[:n],
+                                          block_size=cfg.block_size if self.align else cfg.max_model_len))
         replays = self.composer.stats.replayed
         inputs = self.kernel.inputs(0 if self.graphs else out.num_common_prefix_blocks)
         arrays = {"engine.input_ids": ids, "engine.prev_rows": prev_rows}

@@ -291,6 +291,59 @@ def test_dataclass_subclasses_are_validated_too() -> None:
                num_reqs_padded=2)
 
 
+@given(spec=batch_specs(with_context_parallel=st.booleans()), data=st.data())
+def test_for_group_equals_a_new_spec_of_the_same_arguments(spec: BatchSpec, data: st.DataObject) -> None:
+    """Another group's spec of the same step (its table and block size): every field equal to the
+    constructor's for the same arguments, the per-request vectors shared; a table too narrow raises
+    the constructor's error."""
+    cp = spec.context_parallel
+    step = 1 if cp is None else cp.interleave
+    bs = step * data.draw(st.integers(1, 8), label="block size / interleave")
+    span = bs * (1 if cp is None else cp.world_size)
+    seq = spec.num_computed_tokens + spec.num_scheduled_tokens
+    need = int(-(-seq.max() // span)) if spec.num_reqs else 0
+    width = data.draw(st.integers(max(need, 1), need + 3), label="width")
+    table = np.arange(spec.block_table.shape[0] * width, dtype=np.int32).reshape(-1, width)
+    got = spec.for_group(block_table=table, block_size=bs)
+    want = BatchSpec(**{**spec_arguments(spec), "block_table": table, "block_size": bs})
+    for f in dataclasses.fields(BatchSpec):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if f.name == "block_table":
+            assert a is table
+        elif isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b) and not a.flags.writeable, f.name
+        else:
+            assert type(a) is type(b) and a == b, f.name
+    assert got.num_computed_tokens is spec.num_computed_tokens
+    if need > 1:
+        narrow = table[:, : need - 1]
+        with pytest.raises(ValueError) as new_error:
+            BatchSpec(**{**spec_arguments(spec), "block_table": narrow, "block_size": bs})
+        with pytest.raises(ValueError) as group_error:
+            spec.for_group(block_table=narrow, block_size=bs)
+        assert str(group_error.value) == str(new_error.value)
+
+
+def test_for_group_checks_the_block_size_and_keeps_a_subclass() -> None:
+    spec = _spec()
+    with pytest.raises(ValueError, match="must be a positive int"):
+        spec.for_group(block_table=_BT, block_size=0)
+    with pytest.raises(TypeError, match="expected a positive int"):
+        spec.for_group(block_table=_BT, block_size=True)
+    with pytest.raises(ValueError, match="need one per request"):
+        spec.for_group(block_table=_BT[:2], block_size=4)
+    with pytest.raises(ValueError, match="interleave=4 must be >= 1 and divide block_size=6"):
+        _spec(context_parallel=ContextParallel(world_size=2, rank=0, interleave=4), block_size=8).for_group(
+            block_table=_BT, block_size=6)
+
+    @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+    class Tagged(BatchSpec):
+        tag: str = "x"
+
+    tagged = Tagged(**spec_arguments(spec), tag="step 3").for_group(block_table=[[1], [2], [3]], block_size=64)
+    assert type(tagged) is Tagged and tagged.tag == "step 3" and tagged.num_pages == 3
+
+
 def test_pickle_and_copy_keep_every_field() -> None:
     import copy
     import pickle
