@@ -472,7 +472,7 @@ class BatchSpec:
         (2, 5, True)
         """
         if type(self) is not BatchSpec:  # (a subclass: its own construction, its own fields kept)
-            return dataclasses.replace(self, block_table=block_table, block_size=block_size)
+            return dataclasses.replace(self, block_table=block_table, block_size=block_size)  # type: ignore[arg-type]
         c, q, n = self.num_computed_tokens, self.num_scheduled_tokens, self.num_reqs
         bs = _block_size(block_size)
         bt = _block_table(block_table, n)

@@ -256,6 +256,7 @@ class FlashInferKernel:
         self.ring_index = 0
         """The wrapper set of the current step (a graph is captured per padded size and set)."""
         self._mode = "split"
+        self._split = (0, 0, 0)  # split mode: (decode query rows, first prefill row, prefill query rows)
         self.cascade_steps = 0
         self.plan_waits = 0
         self.max_pages = 0
@@ -290,7 +291,6 @@ class FlashInferKernel:
 
     def prepare(self, cm: CommonAttentionMetadata, metadata: dict[str, Any], graph_batch: int | None = None) -> None:
         fi = self.transform(metadata["flashinfer"])
-        self._fi = fi
         h, hk, d, bs, kw = self.num_heads, self.num_kv_heads, self.head_dim, cm.block_size, self._kw()
         ca = self.transform(metadata["cascade"]) if "cascade" in metadata else None
         self.ring_index = self._turn % len(self._sets)
@@ -318,6 +318,12 @@ class FlashInferKernel:
         else:
             self._mode = "split"
             nd = fi.num_decodes
+            # Each wrapper runs over the query rows its indptr covers: a padded decode step's padding rows
+            # (zero-length requests) are counted in num_decode_tokens but not in the indptr, and FlashInfer
+            # (0.7) refuses a query longer than the indptr's last entry; the padding rows' outputs are
+            # unspecified (AttentionKernel.attend).
+            self._split = (int(fi.qo_indptr_decode_cpu[-1]) if nd else 0, fi.num_decode_tokens,
+                           int(fi.qo_indptr_prefill_cpu[-1]) if fi.num_prefills else 0)
             if nd:
                 ps.a.plan(host_tensor(fi.qo_indptr_decode_cpu), host_tensor(fi.paged_kv_indptr_cpu[: nd + 1]),
                           fi.paged_kv_indices, host_tensor(fi.paged_kv_last_page_len_cpu[:nd]), h, hk, d, bs,
@@ -338,11 +344,10 @@ class FlashInferKernel:
             o_s, l_s = ps.b.run(q, kv, return_lse=True)
             o_p, l_p = ps.a.run(q, kv, return_lse=True)
             return self._lib.merge_state(o_s, l_s, o_p, l_p)[0]  # type: ignore[no-any-return]
-        fi = self._fi
-        nd, np_ = fi.num_decode_tokens, fi.num_prefill_tokens
+        d_rows, p_start, p_rows = self._split
         out = torch.empty_like(q)
-        if fi.num_decodes:
-            out[:nd] = ps.a.run(q[:nd], kv)
-        if fi.num_prefills and np_:
-            out[nd : nd + np_] = ps.b.run(q[nd : nd + np_], kv)
+        if d_rows:
+            out[:d_rows] = ps.a.run(q[:d_rows], kv)
+        if p_rows:
+            out[p_start : p_start + p_rows] = ps.b.run(q[p_start : p_start + p_rows], kv)
         return out
