@@ -10,8 +10,10 @@ walks (contexts grow by one token a step, page size 16):
   arrays (as an engine does from its scheduler's);
 - ``composable``: ``stage_common`` + FlashAttention + FlashInfer staged into one step;
 - ``engine graphs``: the reference engine's graph-mode step (a graph-mode stager; the step composer with
-  FlashInfer and the engine's two arrays; the spec made in the step, padded to the captured size), where
-  both commits have the step composer (compared against an older commit, the row is left out);
+  FlashInfer and the engine's two arrays; the spec made in the step, padded to the captured size), and
+  ``engine hybrid``: its hybrid model's eager step (FlashInfer over the attention group, Mamba2 over the
+  Mamba group, the two arrays; the Mamba group's spec from the attention one), where both commits have
+  the step composer (compared against an older commit, the two rows are left out);
 - ``lifetimes on/off``: this checkout's fused step on ``Stager(check_lifetimes=False)`` (the "base"
   column) against the default.
 
@@ -112,6 +114,7 @@ def paths(mod: Any, batch: int, device: torch.device, **stager_kw: Any) -> dict[
     compose = _module(mod, "compose")
     if compose is not None:
         out["engine graphs"] = engine_graphs(mod, compose, fi.FLASHINFER, raws, device)
+        out["engine hybrid"] = engine_hybrid(mod, compose, fi.FLASHINFER, raws, device)
     return out
 
 
@@ -121,6 +124,40 @@ def _module(mod: Any, name: str) -> Any:
         return importlib.import_module(f"{mod.__name__}.{name}")
     except ModuleNotFoundError:
         return None
+
+
+def engine_hybrid(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, Any]], device: torch.device
+                  ) -> Callable[[], Any]:
+    """The reference engine's hybrid step (examples/engine, eager): the step composer with FlashInfer over
+    the attention group, Mamba2 over the Mamba group (one state slot a request) and the engine's two
+    arrays; the attention spec made in the step from the scheduler's arrays, the Mamba group's from it
+    (``BatchSpec.for_group`` where the package has it, else a second spec)."""
+    mamba2 = importlib.import_module(mod.__name__ + ".backends.mamba.mamba2")
+    batch = len(raws[0]["num_computed_tokens"])
+    composer = compose.StepBuilder(
+        mod.Stager(device, num_slots=3),
+        compose.Group({"flashinfer": flashinfer}),
+        compose.Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=256))}, prefix="mamba_common",
+                      table_column_step=1),
+        arrays=[compose.Array("engine.input_ids", np.int32), compose.Array("engine.prev_rows", np.int32, fill=-1)])
+    states = (1 + np.arange(batch, dtype=np.int32))[:, None]
+    longest = max(int((r["num_computed_tokens"] + r["num_scheduled_tokens"]).max()) for r in raws)
+    arrays = {"engine.input_ids": np.arange(batch, dtype=np.int32), "engine.prev_rows": np.arange(batch, dtype=np.int32)}
+    at = [0]
+
+    def step() -> Any:
+        i = at[0] = at[0] + 1
+        r = raws[i % 64]
+        spec = mod.BatchSpec(num_computed_tokens=r["num_computed_tokens"], num_scheduled_tokens=r["num_scheduled_tokens"],
+                             block_table=r["block_table"], block_size=r["block_size"])
+        if hasattr(spec, "for_group"):
+            mspec = spec.for_group(block_table=states, block_size=longest)
+        else:
+            mspec = mod.BatchSpec(num_computed_tokens=r["num_computed_tokens"],
+                                  num_scheduled_tokens=r["num_scheduled_tokens"], block_table=states, block_size=longest)
+        return composer.build((spec, mspec), None, arrays)
+
+    return step
 
 
 def engine_graphs(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, Any]], device: torch.device

@@ -93,7 +93,7 @@ def test_ab_commit_compares_a_commit_with_this_checkout() -> None:
     """The A/B against another commit (here HEAD itself: any clone has it) prints every path, with a ratio."""
     rows = _run("ab_commit.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "5", "--batches", "1")
     names = [" ".join(r[1:-3]) for r in rows if r and r[0] == "1"]
-    assert names == ["fused", "fused+spec", "composable", "engine graphs", "lifetimes on/off"], rows
+    assert names == ["fused", "fused+spec", "composable", "engine graphs", "engine hybrid", "lifetimes on/off"], rows
     assert all(float(r[-1]) > 0 for r in rows if r and r[0] == "1")
     rows = _run("ab_commit.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "5", "--batches", "1",
                 "--paths", "engine graphs")
