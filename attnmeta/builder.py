@@ -54,7 +54,6 @@ Examples
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Hashable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Generic, TypeVar, final
@@ -395,15 +394,15 @@ def unregister(name: str) -> AnyBuilder:
     KeyError
         No such builder.
     """
-    registry()  # (the built-in builders first, so they are never registered after this)
     if name not in _REGISTRY:
         raise KeyError(f"no builder named {name!r}; registered: {sorted(_REGISTRY)}")
     return _REGISTRY.pop(name)
 
 
 def registry() -> Mapping[str, AnyBuilder]:
-    """Every registered builder by name (read-only), the built-in ones included."""
-    importlib.import_module("attnmeta.backends")  # registers the built-in builders on first import
+    """Every registered builder by name (read-only), the built-in ones included (the package's
+    ``__init__`` imports :mod:`attnmeta.backends`, which registers them, before any of its modules can
+    be used)."""
     return MappingProxyType(_REGISTRY)
 
 
@@ -416,8 +415,6 @@ def get_builder(name: str) -> AnyBuilder:
         No such builder (a ``KeyError`` and a ``ValueError``); the message lists the registered names.
     """
     found = _REGISTRY.get(name)
-    if found is None:
-        found = registry().get(name)  # the built-in builders register when attnmeta.backends is imported
     if found is None:
         raise UnknownBuilderError(f"builder: no builder named {name!r}; registered: {sorted(_REGISTRY)}")
     return found

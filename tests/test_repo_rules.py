@@ -203,7 +203,8 @@ def test_private_names_stay_in_their_package() -> None:
 
 def _module_imports(tree: ast.Module, name: str, modules: set[str]) -> dict[str, int]:
     """Every attnmeta module ``name`` imports, wherever the import stands (module level, inside a
-    function, under ``TYPE_CHECKING``), with the line of its first import. ``from pkg import name``
+    function, under ``TYPE_CHECKING``, or a call of ``importlib.import_module`` / ``__import__`` with
+    the module's name), with the line of its first import. ``from pkg import name``
     imports the module ``pkg.name`` when there is one, else ``pkg``. A relative import is resolved
     against ``name``'s package."""
     out: dict[str, int] = {}
@@ -223,6 +224,11 @@ def _module_imports(tree: ast.Module, name: str, modules: set[str]) -> dict[str,
             targets = subs
             if len(subs) < len(node.names):  # names of the module itself
                 targets.append(base)
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__")))):
+            targets = [node.args[0].value]  # importlib.import_module("attnmeta.x"): an import all the same
         for t in targets:
             if t in modules and t != name:
                 out.setdefault(t, node.lineno)
