@@ -351,3 +351,52 @@ def test_vllm_mode_times_every_builders_plans_once(monkeypatch: pytest.MonkeyPat
         builder._get_prefill_wrapper().plan()
         builder._get_prefill_wrapper().plan()  # the same wrapper again: wrapped once
         assert vm._PLAN_SECONDS[0] - before == 3.0
+
+
+def test_flashinfer_kernel_runs_each_wrapper_over_the_rows_its_indptr_covers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A padded eager decode step: its padding row counts in ``num_decode_tokens`` but not in the query
+    indptr, and FlashInfer 0.7.2's prefill wrapper refuses a query longer than the indptr's last entry
+    (0.5.3 read past it; found on the H200 by tests/gpu/test_engine_cuda.py). A stand-in FlashInfer that
+    keeps that rule: the kernel's split mode hands each wrapper exactly its indptr's rows."""
+    import sys
+    import types
+
+    from attnmeta import BatchSpec, Stager
+    from attnmeta.compose import Group, StepBuilder
+    from examples.engine.kernels import FlashInferKernel
+
+    ran: list[int] = []
+
+    class Wrapper:  # FlashInfer's BatchPrefillWithPagedKVCacheWrapper, as far as the kernel uses it
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.rows = -1
+
+        def plan(self, qo_indptr: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            self.rows = int(qo_indptr[-1])
+
+        def run(self, q: torch.Tensor, kv: Any) -> torch.Tensor:
+            if q.shape[0] != self.rows:
+                raise ValueError(f"q.shape[0] ({q.shape[0]}) does not match qo_indptr[-1] ({self.rows})")
+            ran.append(q.shape[0])
+            return torch.ones_like(q)
+
+    class Event:  # torch.cuda.Event on a machine without CUDA: always done
+        def record(self) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=Wrapper))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    kernel = FlashInferKernel(4, 2, 8, torch.float32, torch.device("meta"), cascade_options=None)
+    composer = StepBuilder(Stager("cpu"), Group(kernel.builders()))
+    table = np.arange(1, 13, dtype=np.int32).reshape(4, 3)
+    for n, padded in ((3, 4), (4, 4)):  # a padded step (3 requests in 4 rows), then one without padding
+        ran.clear()
+        spec = BatchSpec(num_computed_tokens=np.full(n, 6, np.int32), num_scheduled_tokens=np.ones(n, np.int32),
+                         block_table=table[:n], block_size=4, num_reqs_padded=padded, num_tokens_padded=padded)
+        built = composer.build(spec)
+        kernel.prepare(built.common, built.metadata)
+        out = kernel.attend(0, torch.zeros(padded, 4, 8), torch.zeros(1), torch.zeros(1))
+        assert ran == [n] and out.shape == (padded, 4, 8) and bool((out[:n] == 1).all())
