@@ -34,6 +34,11 @@ from attnmeta.staging._ring import StepCore
 
 __all__ = ["Step"]
 
+_MAX_ROW_COUNTS = 32
+"""Row-count combinations a recorded layout keeps restaged fields for (:meth:`Step.restage`); dropped
+when it outgrows this. A loop repeats a few (a padded size's arrays, a page count that changes every
+``block_size`` decode steps), and every entry is a field dict, so a short list bounds the memory."""
+
 
 class Step(StepCore):
     """One step's staging area: numpy views into a pinned slot, then one copy, then device views.
@@ -311,7 +316,7 @@ class Step(StepCore):
             found = layout.by_rows.get(key)
             if found is None:
                 found = self._with_rows(layout, rows)
-                if len(layout.by_rows) >= MAX_CACHED:
+                if len(layout.by_rows) >= _MAX_ROW_COUNTS:
                     layout.by_rows.clear()
                 layout.by_rows[key] = found
             fields = found
