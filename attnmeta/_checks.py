@@ -115,6 +115,20 @@ def as_host_array(
     return np.ascontiguousarray(arr, dtype=target)
 
 
+def block_table_rows(value: Any, num_reqs: int) -> np.ndarray:
+    """``value`` as a host int32 block table (:func:`as_host_array`, 2-D) with a row per request.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`as_host_array`; fewer than ``num_reqs`` rows (the message names both counts).
+    """
+    bt = as_host_array(value, "block_table", ndim=2)
+    if bt.shape[0] < num_reqs:
+        raise ValueError(f"block_table: has {bt.shape[0]} rows, need one per request ({num_reqs})")
+    return bt
+
+
 def _ragged(value: Any) -> str:
     """What is ragged about a nested sequence numpy refused: the first row whose length differs."""
     try:

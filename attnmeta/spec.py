@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, NoReturn
 import numpy as np
 import numpy.typing as npt
 
-from attnmeta._checks import INT32_MAX, as_host_array
+from attnmeta._checks import INT32_MAX, as_host_array, block_table_rows
 from attnmeta._intdiv import cdiv_by, pow2_shift
 from attnmeta._numba import njit
 
@@ -354,7 +354,7 @@ class BatchSpec:
         n = c.shape[0]
         q = as_host_array(num_scheduled_tokens, "num_scheduled_tokens", length=n)
         bs = _block_size(block_size)
-        bt = _block_table(block_table, n)
+        bt = block_table_rows(block_table, n)
         cp = context_parallel
         if cp is not None:
             if not isinstance(cp, ContextParallel):
@@ -475,7 +475,7 @@ class BatchSpec:
             return dataclasses.replace(self, block_table=block_table, block_size=block_size)  # type: ignore[arg-type]
         c, q, n = self.num_computed_tokens, self.num_scheduled_tokens, self.num_reqs
         bs = _block_size(block_size)
-        bt = _block_table(block_table, n)
+        bt = block_table_rows(block_table, n)
         cp = self.context_parallel
         if cp is not None:
             _check_interleave(cp, bs)
@@ -534,14 +534,6 @@ def _block_size(bs: Any) -> int:
     if bs > INT32_MAX:
         raise ValueError(f"block_size: {bs} overflows int32")
     return int(bs)
-
-
-def _block_table(table: Any, n: int) -> np.ndarray:
-    """``block_table`` as a host int32 matrix with a row per request (checked)."""
-    bt = as_host_array(table, "block_table", ndim=2)
-    if bt.shape[0] < n:
-        raise ValueError(f"block_table: has {bt.shape[0]} rows, need one per request ({n})")
-    return bt
 
 
 def _check_interleave(cp: ContextParallel, bs: int) -> None:

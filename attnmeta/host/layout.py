@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from attnmeta._checks import INT32_MAX, as_host_array, check_out
+from attnmeta._checks import INT32_MAX, as_host_array, block_table_rows, check_out
 from attnmeta._intdiv import div_by, pow2_shift
 from attnmeta._numba import njit
 from attnmeta.spec import ContextParallel
@@ -338,9 +338,7 @@ def _num_tokens(q: np.ndarray) -> int:
 
 
 def _block_args(block_table: Any, block_size: Any, num_reqs: int) -> tuple[np.ndarray, int]:
-    bt = as_host_array(block_table, "block_table", ndim=2)
-    if bt.shape[0] < num_reqs:
-        raise ValueError(f"block_table: has {bt.shape[0]} rows, need one per request ({num_reqs})")
+    bt = block_table_rows(block_table, num_reqs)
     bs = _int_arg(block_size, "block_size", minimum=1)
     return bt, bs
 

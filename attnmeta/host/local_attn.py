@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnmeta._checks import INT32_MAX, as_host_array, check_out
+from attnmeta._checks import INT32_MAX, as_host_array, block_table_rows, check_out
 from attnmeta._numba import njit
 
 __all__ = ["LocalBatches", "local_virtual_batches", "num_virtual_reqs"]
@@ -361,11 +361,7 @@ def local_virtual_batches(
     qsl, s = _inputs(query_start_loc_cpu, seq_lens)
     gather = block_table is not None
     if gather:
-        bt = as_host_array(block_table, "block_table", ndim=2)
-        if bt.shape[0] < s.shape[0]:
-            raise ValueError(
-                f"block_table: has {bt.shape[0]} rows, need at least one per request ({s.shape[0]})"
-            )
+        bt = block_table_rows(block_table, s.shape[0])
         if bt.shape[1] < 1 and s.shape[0]:
             raise ValueError(
                 f"block_table: shape {bt.shape} has no columns; every virtual row reads at least one"

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numba
 import numpy as np
 
-from attnmeta._checks import INT32_MAX, as_host_array, check_out
+from attnmeta._checks import INT32_MAX, as_host_array, block_table_rows, check_out
 from attnmeta._intdiv import cdiv_by, mod_by, pow2_shift
 from attnmeta._numba import njit, njit_parallel
 
@@ -88,13 +88,6 @@ def _check_page_size(page_size: Any) -> int:
     if isinstance(page_size, bool) or not isinstance(page_size, int | np.integer) or int(page_size) <= 0:
         raise ValueError(f"page_size: must be a positive int, got {page_size!r}")
     return int(page_size)
-
-
-def _as_block_table(block_table: Any, num_reqs: int) -> np.ndarray:
-    bt = as_host_array(block_table, "block_table", ndim=2)
-    if bt.shape[0] < num_reqs:
-        raise ValueError(f"block_table: has {bt.shape[0]} rows, need at least one per request ({num_reqs})")
-    return bt
 
 
 def _any_len_out(out: Any, name: str) -> np.ndarray:
@@ -404,7 +397,7 @@ def paged_kv_indices(block_table: Any, paged_kv_indptr: Any, *, out: np.ndarray 
     if indptr.shape[0] < 1:
         raise ValueError("paged_kv_indptr: must have num_reqs + 1 >= 1 entries, got an empty array")
     n = indptr.shape[0] - 1
-    bt = _as_block_table(block_table, n)
+    bt = block_table_rows(block_table, n)
     total = int(indptr[-1])
     if total < 0:
         raise ValueError(f"paged_kv_indptr[-1]={total} is negative; an indptr counts pages from 0")
@@ -495,7 +488,7 @@ def paged_kv_layout(
     ps = _check_page_size(page_size)
     s = as_host_array(seq_lens, "seq_lens")
     n = s.shape[0]
-    bt = _as_block_table(block_table, n)
+    bt = block_table_rows(block_table, n)
     indptr = check_out(indptr_out, "paged_kv_indptr", (n + 1,), np.int32)
     last = check_out(last_page_len_out, "paged_kv_last_page_len", (n,), np.int32)
     if indices_out is None:

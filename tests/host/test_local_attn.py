@@ -187,7 +187,7 @@ def test_without_block_table(device: torch.device, batch: LocalAttentionBatch) -
         ),
         (
             lambda: local_virtual_batches(QSL, SEQ, 4, 2, BT[:2]),
-            r"has 2 rows, need at least one per request \(3\)",
+            r"has 2 rows, need one per request \(3\)",
         ),
         (
             lambda: local_virtual_batches(

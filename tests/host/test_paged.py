@@ -135,7 +135,7 @@ BT = np.array([[1, 2, 3], [4, 5, 6]], I32)
         (lambda: paged_kv_layout(np.array([4, 13], I32), BT, 4), r"row 1 needs cdiv\(seq_lens\[1\]=13"),
         (
             lambda: paged_kv_layout(np.array([4, 4, 4], I32), BT, 4),
-            r"has 2 rows, need at least one per request \(3\)",
+            r"has 2 rows, need one per request \(3\)",
         ),
         (
             lambda: paged_kv_layout(np.array([4, 5], I32), np.array([[1, 2], [3, -1]], I32), 4),
