@@ -126,6 +126,17 @@ def _module(mod: Any, name: str) -> Any:
         return None
 
 
+def _longest(raws: list[dict[str, Any]]) -> int:
+    """The longest sequence (``c + q``) of the walk."""
+    return max(int((r["num_computed_tokens"] + r["num_scheduled_tokens"]).max()) for r in raws)
+
+
+def _engine_arrays(compose: Any, capacity: int | None = None) -> list[Any]:
+    """The reference engine's two arrays of its own (token ids, last step's sampled rows)."""
+    return [compose.Array("engine.input_ids", np.int32, capacity=capacity),
+            compose.Array("engine.prev_rows", np.int32, capacity=capacity, fill=-1)]
+
+
 def engine_hybrid(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, Any]], device: torch.device
                   ) -> Callable[[], Any]:
     """The reference engine's hybrid step (examples/engine, eager): the step composer with FlashInfer over
@@ -139,9 +150,9 @@ def engine_hybrid(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, 
         compose.Group({"flashinfer": flashinfer}),
         compose.Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=256))}, prefix="mamba_common",
                       table_column_step=1),
-        arrays=[compose.Array("engine.input_ids", np.int32), compose.Array("engine.prev_rows", np.int32, fill=-1)])
+        arrays=_engine_arrays(compose))
     states = (1 + np.arange(batch, dtype=np.int32))[:, None]
-    longest = max(int((r["num_computed_tokens"] + r["num_scheduled_tokens"]).max()) for r in raws)
+    longest = _longest(raws)
     arrays = {"engine.input_ids": np.arange(batch, dtype=np.int32), "engine.prev_rows": np.arange(batch, dtype=np.int32)}
     at = [0]
 
@@ -168,15 +179,13 @@ def engine_graphs(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, 
     batch = len(raws[0]["num_computed_tokens"])
     padded = next(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if s >= batch)
     bs = raws[0]["block_size"]  # the profile's table width: the walk's longest request (the workload's is wider)
-    width = -(-max(int((r["num_computed_tokens"] + r["num_scheduled_tokens"]).max()) for r in raws) // bs // 8) * 8
+    width = -(-_longest(raws) // bs // 8) * 8
     tables = [np.ascontiguousarray(r["block_table"][:, :width]) for r in raws]
     profile = mod.StaticProfile(max_num_reqs=padded, max_num_tokens=max(8192, padded), max_blocks_per_req=width,
                                 block_size=bs)
     stager = mod.Stager(device, num_slots=3, profile=profile)
     composer = compose.StepBuilder(stager, compose.Group({"flashinfer": flashinfer}),
-                                   arrays=[compose.Array("engine.input_ids", np.int32, capacity=profile.max_num_tokens),
-                                           compose.Array("engine.prev_rows", np.int32, capacity=profile.max_num_tokens,
-                                                         fill=-1)])
+                                   arrays=_engine_arrays(compose, profile.max_num_tokens))
     ids = np.arange(padded, dtype=np.int32)
     prev = np.full(padded, -1, np.int32)
     prev[:batch] = np.arange(batch)

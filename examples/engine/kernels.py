@@ -321,7 +321,7 @@ class FlashInferKernel:
             # Each wrapper runs over the query rows its indptr covers: a padded decode step's padding rows
             # (zero-length requests) are counted in num_decode_tokens but not in the indptr, and FlashInfer
             # (0.7) refuses a query longer than the indptr's last entry; the padding rows' outputs are
-            # unspecified (AttentionKernel.attend).
+            # unspecified (AttentionKernel.attend). (The indptrs are the step's pinned host views: no device read.)
             self._split = (int(fi.qo_indptr_decode_cpu[-1]) if nd else 0, fi.num_decode_tokens,
                            int(fi.qo_indptr_prefill_cpu[-1]) if fi.num_prefills else 0)
             if nd:
