@@ -53,7 +53,7 @@ import torch
 from .kernels import TorchPagedKernel, VarlenKernel
 
 __all__ = ["INSTALL", "KERNELS", "VLLM_VERSION", "VllmFlashInferKernel", "VllmMetadata", "VllmPagedKernel", "VllmStep",
-           "VllmVarlenKernel", "no_pinning"]
+           "VllmVarlenKernel", "no_pinning", "set_kv_cache_layout"]
 
 VLLM_VERSION = "0.33.0"
 KERNELS = ("flashinfer", "torch-paged", "torch-varlen")
@@ -153,7 +153,7 @@ def _time_plans(module: Any, builder: Any) -> None:
     builder._get_prefill_wrapper = timed_prefill_wrapper
 
 
-def _resolve_kv_cache_layout(config: Any, backend: Any, spec: Any) -> None:
+def set_kv_cache_layout(config: Any, backend: Any, spec: Any) -> None:
     """Resolve and record the KV cache layout the way vLLM's engine core does before its workers build
     (``resolve_kv_cache_layout`` over the attention backend's supported layouts, then
     ``record_kv_cache_layout`` on the config, as the worker's ``set_kv_cache_layout`` does), for every
@@ -237,9 +237,10 @@ class VllmMetadata:
         model = ModelConfig(model=self._folder.name, skip_tokenizer_init=True, dtype=dtype_name,
                             max_model_len=max_model_len)
         sizes = sorted(s for s in decode_sizes if s <= max_num_seqs)
+        # (graph mode without sizes captures nothing, as the engine does: every step then runs eager)
         compilation = (CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY, cudagraph_capture_sizes=sizes,
                                          max_cudagraph_capture_size=max(sizes))
-                       if graphs else CompilationConfig(cudagraph_mode=CUDAGraphMode.NONE))
+                       if graphs and sizes else CompilationConfig(cudagraph_mode=CUDAGraphMode.NONE))
         # the runner's sizes: vLLM's builders size their persistent buffers (FlashInfer's page-table arrays,
         # its CUDA-graph decode wrappers) from the scheduler's max_num_seqs and max_num_batched_tokens
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_tokens,
@@ -299,7 +300,7 @@ class VllmMetadata:
             from vllm.model_executor.layers.attention.attention import Attention
             from vllm.v1.attention.backends import flashinfer as fi_module
 
-            _resolve_kv_cache_layout(self.config, fi_module.FlashInferBackend, spec)
+            set_kv_cache_layout(self.config, fi_module.FlashInferBackend, spec)
             default = torch.get_default_dtype()
             torch.set_default_dtype(dtype)
             try:
@@ -315,7 +316,7 @@ class VllmMetadata:
                 FlashAttentionMetadataBuilder,
             )
 
-            _resolve_kv_cache_layout(self.config, FlashAttentionBackend, spec)
+            set_kv_cache_layout(self.config, FlashAttentionBackend, spec)
             self.attention_builder = FlashAttentionMetadataBuilder(spec, names, self.config, device)
         self.mamba_builder = None
         if hybrid:

@@ -53,7 +53,7 @@ pytest.importorskip("vllm.v1.attention.backends.flash_attn", reason=INSTALL)
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm_runner import vllm_runner_common  # noqa: E402
 
-from examples.engine.vllm_metadata import no_pinning  # noqa: E402
+from examples.engine.vllm_metadata import no_pinning, set_kv_cache_layout  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SPEC_TOKENS = 2  # the spec-decode runs: k draft tokens
@@ -312,6 +312,7 @@ def flashinfer_builder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[],
     finally:
         torch.set_default_dtype(default)
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    set_kv_cache_layout(config, FlashInferBackend, spec)  # as vLLM's engine core does before its workers build
     keep = [layer]
 
     def make() -> Any:

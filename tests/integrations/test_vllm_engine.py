@@ -53,6 +53,20 @@ def test_vllm_mode_sizes_vllms_builders_to_the_engine() -> None:
     assert meta.config.cache_config.kv_cache_layout == "LBNHC"  # resolved as vLLM's engine core does
 
 
+def test_vllm_mode_without_capture_sizes_runs_no_graphs() -> None:
+    """A graph-mode engine with no decode sizes captures no graphs (the cascade workload's steps stay
+    unpadded): vLLM's config then has no CUDA-graph mode, rather than a failing ``max()`` of no sizes
+    (found on the H200 by test_engine_vllm_cuda.py's ``flashinfer+graphs-cascade``)."""
+    import torch
+
+    from examples.engine.vllm_metadata import VllmMetadata
+
+    meta = VllmMetadata(tiny_config(), "torch-paged", torch.device("cpu"), torch.float32, block_size=16,
+                        max_num_seqs=16, max_num_tokens=512, max_model_len=512, decode_sizes=(), graphs=True,
+                        hybrid=False)
+    assert meta.config.compilation_config.cudagraph_mode.name == "NONE"
+
+
 def test_bench_engine_compares_the_pair_on_the_cpu(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
     """benchmarks/bench_engine.py's headline comparison end to end on the CPU (torch's paged kernel): both
     modes serve the same workload, the pair's line reports the ratios, the same greedy tokens, no syncs."""

@@ -83,7 +83,18 @@ does not call). With them ``.vllm`` needs nothing of ``.whl``."""
 STANDINS = {
     "vllm/_C_stable_libtorch.py": '"""Stand-in written by attnmeta\'s tests/kernels/fetch_vllm.py (not vLLM code): '
                                   "vLLM's compiled ops library, which vllm/platforms/cuda.py imports to register "
-                                  'its torch ops; the metadata builders call none of them."""\n',
+                                  "its torch ops; the metadata builders call none of them. One op is called when a "
+                                  "module is imported (quantization/utils/w8a8_utils.py asks, on CUDA, whether "
+                                  "CUTLASS's block-FP8 GEMM is compiled in; the GDN layer's and DeepSeek's import "
+                                  'chains reach it): it is defined here, answering no, as it is without the kernels."""\n'
+                                  "import torch\n\n"
+                                  "try:\n"
+                                  "    torch.ops._C.cutlass_scaled_mm_supports_block_fp8\n"
+                                  "except (AttributeError, RuntimeError):\n"
+                                  '    _LIB = torch.library.Library("_C", "FRAGMENT")\n'
+                                  '    _LIB.define("cutlass_scaled_mm_supports_block_fp8(int cuda_device_capability) -> bool")\n'
+                                  '    _LIB.impl("cutlass_scaled_mm_supports_block_fp8", lambda capability: False, '
+                                  '"CompositeExplicitAutograd")\n',
     "vllm/vllm_flash_attn/__init__.py": '"""Stand-in written by attnmeta\'s tests/kernels/fetch_vllm.py (not vLLM code) for '
                                         "vLLM's, which raises without the compiled FlashAttention extensions: the same "
                                         "names from flash_attn_interface, whose availability flags say no extension is "
@@ -98,9 +109,10 @@ needs of its compiled extensions: imported without a ``try``, never called by th
 
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3NextForCausalLM", "TransformersForCausalLM", "TransformersEmbeddingModel",
-                 "TransformersMoEEmbeddingModel")
+                 "TransformersMoEEmbeddingModel", "DeepseekV2ForCausalLM")
 """What the engine's Llama (``LlamaForCausalLM``), its Bamba and the harness's configs without an
-``architectures`` entry (vLLM 0.33.0 has no Bamba class: the Transformers fallbacks) resolve to."""
+``architectures`` entry (vLLM 0.33.0 has no Bamba class: the Transformers fallbacks), and the harness's
+MLA model (``DeepseekV2ForCausalLM``) resolve to."""
 
 
 def write_model_infos(manifest: list[str]) -> None:
