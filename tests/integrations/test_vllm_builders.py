@@ -280,6 +280,11 @@ def test_vllms_mamba2_builder_under_spec_decode(builders: dict[str, Callable[[],
 
 
 # ---------------------------------------------------------------------------------------- FlashInfer (GPU)
+FI_BLOCK = 16
+"""The page size of vLLM's FlashInfer builder here (its KV cache spec's block size, which sets the pages it
+plans: a step's block size must be that one)."""
+
+
 @pytest.fixture(scope="module")
 def flashinfer_builder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Any]:
     """vLLM's FlashInfer builder of a tiny Llama, with vLLM's own ``Attention`` layers in the forward
@@ -311,7 +316,7 @@ def flashinfer_builder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[],
                               attn_backend=FlashInferBackend)
     finally:
         torch.set_default_dtype(default)
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    spec = FullAttentionSpec(block_size=FI_BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
     set_kv_cache_layout(config, FlashInferBackend, spec)  # as vLLM's engine core does before its workers build
     keep = [layer]
 
@@ -341,8 +346,9 @@ def _flashinfer_view(builder: Any) -> Callable[[Any], Any]:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=batch_specs(**_PLAIN))
 def test_vllms_flashinfer_builder(flashinfer_builder: Callable[[], Any], spec: BatchSpec) -> None:
-    builder = flashinfer_builder()
-    _check("flashinfer", builder, _decodes_first(spec), FlashInferOptions(), view=_flashinfer_view(builder))
+    builder = flashinfer_builder()  # (its pages are its KV cache spec's: the step's block size is that)
+    _check("flashinfer", builder, _decodes_first(spec, block_size=FI_BLOCK), FlashInferOptions(),
+           view=_flashinfer_view(builder))
 
 
 # ---------------------------------------------------------------------------------------- MLA

@@ -68,6 +68,7 @@ DEPENDENCIES = (
     "openai==3.57.0", "openai-harmony==0.0.8", "opentelemetry-api==1.45.2", "truststore==0.10.5",
     "partial-json-parser==0.2.1.1.post7", "pybase64==1.5.1", "pydantic==2.14.4", "pydantic-core==2.50.5",
     "pyzmq==27.3.0", "sniffio==1.3.1", "starlette==1.10.0", "typing-inspection==0.4.5", "xgrammar==0.2.9",
+    "compressed-tensors==0.17.0", "loguru==0.7.3",
 )
 """What importing vLLM's configs and builders needs beyond the GPU machine's image (torch, transformers,
 triton, numpy, aiohttp, psutil, einops, cloudpickle, pillow and the rest are there). Versions that
@@ -83,18 +84,19 @@ does not call). With them ``.vllm`` needs nothing of ``.whl``."""
 STANDINS = {
     "vllm/_C_stable_libtorch.py": '"""Stand-in written by attnmeta\'s tests/kernels/fetch_vllm.py (not vLLM code): '
                                   "vLLM's compiled ops library, which vllm/platforms/cuda.py imports to register "
-                                  "its torch ops; the metadata builders call none of them. One op is called when a "
-                                  "module is imported (quantization/utils/w8a8_utils.py asks, on CUDA, whether "
-                                  "CUTLASS's block-FP8 GEMM is compiled in; the GDN layer's and DeepSeek's import "
-                                  'chains reach it): it is defined here, answering no, as it is without the kernels."""\n'
+                                  "its torch ops; the metadata builders call none of them. A few are called when a "
+                                  "module is imported or a class defined (quantization/utils/w8a8_utils.py asks, on "
+                                  "CUDA, which CUTLASS GEMMs are compiled in; the GDN layer's and DeepSeek's import "
+                                  'chains reach it): they are defined here, answering no, as without the kernels."""\n'
                                   "import torch\n\n"
-                                  "try:\n"
-                                  "    torch.ops._C.cutlass_scaled_mm_supports_block_fp8\n"
-                                  "except (AttributeError, RuntimeError):\n"
-                                  '    _LIB = torch.library.Library("_C", "FRAGMENT")\n'
-                                  '    _LIB.define("cutlass_scaled_mm_supports_block_fp8(int cuda_device_capability) -> bool")\n'
-                                  '    _LIB.impl("cutlass_scaled_mm_supports_block_fp8", lambda capability: False, '
-                                  '"CompositeExplicitAutograd")\n',
+                                  "_LIB = torch.library.Library(\"_C\", \"FRAGMENT\")\n"
+                                  "for _name in (\"cutlass_scaled_mm_supports_fp8\", \"cutlass_scaled_mm_supports_block_fp8\",\n"
+                                  "              \"cutlass_scaled_mm_supports_fp4\"):\n"
+                                  "    try:\n"
+                                  "        getattr(torch.ops._C, _name)\n"
+                                  "    except (AttributeError, RuntimeError):\n"
+                                  "        _LIB.define(_name + \"(int cuda_device_capability) -> bool\")\n"
+                                  "        _LIB.impl(_name, lambda cuda_device_capability: False, \"CompositeExplicitAutograd\")\n",
     "vllm/vllm_flash_attn/__init__.py": '"""Stand-in written by attnmeta\'s tests/kernels/fetch_vllm.py (not vLLM code) for '
                                         "vLLM's, which raises without the compiled FlashAttention extensions: the same "
                                         "names from flash_attn_interface, whose availability flags say no extension is "
