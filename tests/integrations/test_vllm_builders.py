@@ -151,10 +151,11 @@ def builders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Cal
 
 # ---------------------------------------------------------------------------------------- batches
 def _decodes_first(spec: BatchSpec, *, block_size: int | None = None, state_columns: int = 0,
-                   threshold: int = 1) -> BatchSpec:
+                   threshold: int = 1, padded: bool = True) -> BatchSpec:
     """``spec`` with its rows in the order vLLM's runner gives a builder that splits (rows of at most
     ``threshold`` tokens past their prompt first, then the rest, each in order), optionally as a Mamba
-    group's step: ``state_columns`` state slots a request (``1 + k`` under spec decode), distinct ids."""
+    group's step: ``state_columns`` state slots a request (``1 + k`` under spec decode), distinct ids;
+    without its CUDA-graph padding unless ``padded``."""
     n = spec.num_reqs
     q, c = spec.num_scheduled_tokens, spec.num_computed_tokens
     prompt = spec.num_prompt_tokens
@@ -168,8 +169,9 @@ def _decodes_first(spec: BatchSpec, *, block_size: int | None = None, state_colu
     return BatchSpec(num_computed_tokens=c[order], num_scheduled_tokens=q[order], num_prompt_tokens=pick(prompt),
                      num_draft_tokens=pick(spec.num_draft_tokens),
                      seq_lens_upper_bound=pick(spec.seq_lens_upper_bound), block_table=table,
-                     block_size=block_size or spec.block_size, num_reqs_padded=spec.num_reqs_padded,
-                     num_tokens_padded=spec.num_tokens_padded)
+                     block_size=block_size or spec.block_size,
+                     num_reqs_padded=spec.num_reqs_padded if padded else None,
+                     num_tokens_padded=spec.num_tokens_padded if padded else None)
 
 
 _PLAIN = dict(min_reqs=1, max_reqs=8, kinds=("decode", "prefill", "chunked_prefill"), max_context_len=300,
@@ -215,12 +217,16 @@ def test_vllms_mamba2_builder(builders: dict[str, Callable[[], Any]], spec: Batc
 @given(spec=batch_specs(**_PLAIN, with_prompts=st.just(True)))
 def test_vllms_gdn_builder(builders: dict[str, Callable[[], Any]], spec: BatchSpec) -> None:
     gdn = _decodes_first(spec, block_size=MAMBA_BLOCK, state_columns=1)
-    _check("gdn", _gdn(builders, "gdn"), gdn, GDNOptions())
+    builder = _gdn(builders, "gdn")
+    _check("gdn", builder, gdn, GDNOptions(prefill_backend=builder.gdn_prefill_backend))
 
 
 def _gdn(builders: dict[str, Callable[[], Any]], name: str) -> Any:
     """vLLM's GDN builder; skipped on CUDA without vLLM's compiled ops: its constructor imports the GDN layer
-    module, whose import chain calls one of them at import time (quantization/utils/w8a8_utils.py)."""
+    module, whose import chain asks them at import time which CUTLASS kernels are compiled in
+    (quantization/utils/w8a8_utils.py; fetch_vllm.py's stand-in answers). The builder resolves its prefill
+    backend from the platform (on Hopper FlashInfer's kernel, which needs no FLA chunk fields; on the CPU
+    Triton's): attnmeta's options name the same one, as a framework configures its builders alike."""
     try:
         return builders[name]()
     except AttributeError as e:
@@ -265,8 +271,9 @@ def test_vllms_gdn_builder_under_spec_decode(builders: dict[str, Callable[[], An
                                              seed: int) -> None:
     from attnmeta.backends.mamba import GDNInputs
 
-    _check_spec_decode("gdn", _gdn(builders, "gdn+spec"), spec, GDNOptions(num_speculative_tokens=SPEC_TOKENS),
-                       GDNInputs, seed)
+    builder = _gdn(builders, "gdn+spec")
+    _check_spec_decode("gdn", builder, spec, GDNOptions(num_speculative_tokens=SPEC_TOKENS,
+                                                        prefill_backend=builder.gdn_prefill_backend), GDNInputs, seed)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -346,8 +353,14 @@ def _flashinfer_view(builder: Any) -> Callable[[Any], Any]:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=batch_specs(**_PLAIN))
 def test_vllms_flashinfer_builder(flashinfer_builder: Callable[[], Any], spec: BatchSpec) -> None:
-    builder = flashinfer_builder()  # (its pages are its KV cache spec's: the step's block size is that)
-    _check("flashinfer", builder, _decodes_first(spec, block_size=FI_BLOCK), FlashInferOptions(),
+    builder = flashinfer_builder()
+    # Its pages are its KV cache spec's: the step's block size is that one. vLLM's runner pads a step's
+    # attention metadata only in FULL CUDA graphs (gpu_model_runner.py: pad_attn), which FlashInfer's
+    # backend takes for uniform batches alone (get_cudagraph_support), padding requests with tokens (the
+    # dispatcher's batch descriptor): of these steps, single-token decodes; every other step reaches the
+    # builder unpadded.
+    uniform = spec.max_query_len == 1 and spec.num_tokens_padded == spec.num_reqs_padded
+    _check("flashinfer", builder, _decodes_first(spec, block_size=FI_BLOCK, padded=uniform), FlashInferOptions(),
            view=_flashinfer_view(builder))
 
 
@@ -377,7 +390,9 @@ def mla_builder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[
     from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonMLAMetadataBuilder
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    heads, nope, rope, v, latent = 4, 16, 64, 16, 512
+    # DeepSeek's head dimensions (nope 128, rope 64, v 128): on CUDA vLLM picks an MLA prefill backend for
+    # them (FlashAttention's takes only a few such triples) when the layer is made
+    heads, nope, rope, v, latent = 4, 128, 64, 128, 512
     hf = DeepseekV2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                           num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=None, kv_lora_rank=latent,
                           qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v, n_routed_experts=4,
