@@ -26,6 +26,7 @@ __all__ = [
     "CapacityError",
     "FieldGroup",
     "FieldLayout",
+    "Restaged",
     "Slot",
     "StagerStats",
     "StepExpiredError",
@@ -225,6 +226,11 @@ class FieldLayout:
         return f
 
 
+Restaged = tuple[dict[str, FieldLayout], tuple[str, ...], dict[str, FieldLayout]]
+"""How a step was restaged (:meth:`attnmeta.staging.Step.restage`): the recorded layout's fields, the
+names of those given other row counts, and the step's fields (the same dict while the row counts repeat)."""
+
+
 class Slot:
     """One ring slot: pinned host bytes, (eager) its device arena, and the fence event."""
 
@@ -243,9 +249,11 @@ class Slot:
         self.generation = 0
         self.ptrs = (0, 0)  # CUDA: (device arena, pinned host) addresses for the driver copy (graph mode: the one arena)
         self.dirty_rows: dict[str, int] = {}  # graph mode: rows not holding the sentinel
-        # Graph mode: the fields dict of the slot's last commit while dirty_rows still equals its rows (a
-        # commit of the same dict has no sentinel to refill); None once anything else touched dirty_rows.
-        self.clean: dict[str, FieldLayout] | None = None
+        # Graph mode, while dirty_rows still equals the rows of the slot's last commit and that step was
+        # restaged (Step.restage): (the recorded layout's fields it was restaged from, the names it gave
+        # other row counts, its fields). A commit restaged from the same layout settles only its names
+        # and these, and nothing when its fields are the very same.
+        self.clean: Restaged | None = None
         self.typed: dict[np.dtype, torch.Tensor] = {}  # eager mode: typed views of device_arena
         self.views: dict[tuple[Any, ...], torch.Tensor] = {}  # eager mode: device views by (offset, dtype, shape)
         self.copy_pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, host) slices by copy size
@@ -346,16 +354,20 @@ class StepLayout:
     makes :meth:`Step.restage` return False.
     """
 
-    __slots__ = ("by_rows", "end", "fields", "slot", "version")
+    __slots__ = ("by_rows", "end", "fields", "plain", "slot", "version", "with_rows")
 
     def __init__(self, slot: Slot, version: int, fields: dict[str, FieldLayout], end: int) -> None:
         self.slot = slot
         self.version = version
         self.fields = fields
         self.end = end
-        # Graph mode: the fields restaged with other row counts, by the rows given (one dict per row
-        # counts, shared by the steps that restage them: a steady-state commit sees the same dict).
-        self.by_rows: dict[tuple[tuple[str, int], ...], dict[str, FieldLayout]] = {}
+        self.plain: Restaged = (fields, (), fields)
+        """A step restaged with the layout's own row counts."""
+        # Graph mode: what a step restaged with other row counts was restaged as, by the rows given (one
+        # field dict per row counts, shared by the steps that restage them: a steady-state commit sees
+        # the same dict); and each field of another row count, by (name, rows), made once.
+        self.by_rows: dict[tuple[tuple[str, int], ...], Restaged] = {}
+        self.with_rows: dict[tuple[str, int], FieldLayout] = {}
 
     @property
     def names(self) -> tuple[str, ...]:

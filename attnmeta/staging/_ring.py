@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -34,6 +34,7 @@ from attnmeta.staging._layout import (
     ALIGN,
     MAX_CACHED,
     FieldLayout,
+    Restaged,
     Slot,
     StagerStats,
     StepExpiredError,
@@ -323,20 +324,17 @@ class Ring(Arenas):
                     lo, hi = f.offset, f.offset + f.rows * f.row_bytes
                     slot.host_np[lo:hi] = buf[lo:hi]
         if self.graph_mode:
+            # Sentinels: every row a field held at this slot's last commit and does not hold now is refilled.
+            # A step restaged from the layout the slot's last commit was restaged from differs from it only
+            # in the fields either gave other row counts (Step.restage's rows): those alone are settled.
             fields = step._fields
-            if fields is not slot.clean or step._grew:  # (the same dict as the slot's last commit: no sentinel to refill)
-                dirty_rows, end = slot.dirty_rows, self._copy_end
-                for name, f in self._layout.items():
-                    staged = fields.get(name)
-                    rows = staged.rows if staged is not None else 0
-                    if dirty_rows.get(name, 0) > rows:  # rows this slot staged before: back to the sentinel
-                        self._fill_rows(slot, f, rows, dirty_rows[name])
-                    dirty_rows[name] = rows
-                    e = f.offset + rows * f.row_bytes
-                    if e > end:
-                        end = e
-                self._copy_end = end
-                slot.clean = fields if step._shared else None  # (a dict of the step's own may still change)
+            done = step._restaged if step._shared and not step._grew else None
+            last = slot.clean
+            if done is None or last is None or done[0] is not last[0]:
+                self._settle(slot, fields, self._layout)
+            elif fields is not last[2]:  # (the very fields of the last commit: nothing to settle)
+                self._settle(slot, fields, done[1] if done[1] == last[1] else done[1] + last[1])
+            slot.clean = done
             nbytes = self._layout_bytes if self._full_copy_pending else self._copy_end
             self._full_copy_pending = False
             dst = self._graph_arena
@@ -379,6 +377,23 @@ class Ring(Arenas):
         s.steps += 1
         s.copies += copies
         s.bytes += nbytes
+
+    def _settle(self, slot: Slot, fields: Mapping[str, FieldLayout], names: Iterable[str]) -> None:
+        """Graph mode: give the slot's rows of each field of ``names`` (fields of the layout) the row count
+        ``fields`` stages (0 for one it does not stage), refilling the sentinel of the rows it held past
+        that, and raise the copy's high-water mark to their end."""
+        dirty_rows, end, layout = slot.dirty_rows, self._copy_end, self._layout
+        for name in names:
+            f = layout[name]
+            staged = fields.get(name)
+            rows = staged.rows if staged is not None else 0
+            if dirty_rows.get(name, 0) > rows:  # rows this slot staged before: back to the sentinel
+                self._fill_rows(slot, f, rows, dirty_rows[name])
+            dirty_rows[name] = rows
+            e = f.offset + rows * f.row_bytes
+            if e > end:
+                end = e
+        self._copy_end = end
 
     def _driver_copy(self, slot: Slot, size: int) -> bool:
         """CUDA commit through the driver: the copy on the current stream (into the slot's arena, or in
@@ -445,6 +460,7 @@ class StepCore:
         "_number",
         "_owned",
         "_raw_stats",
+        "_restaged",
         "_shared",
         "_slot",
         "_stager",
@@ -474,6 +490,8 @@ class StepCore:
         self._bufs: dict[str, np.ndarray | None] = {}  # field -> host bytes its view was carved from
         self._base = slot.host_np  # ... or these, for fields restaged (restage())
         self._shared = False  # _fields is a recorded layout's dict: copy it before adding a field
+        # a restaged step: (the recorded layout's fields, the names restaged with other rows, its fields)
+        self._restaged: Restaged | None = None
         self.host_fields: dict[str, Any] = {}
         """Host-only values recorded with :meth:`host_only` (never staged to the device)."""
         self._number = stager.stats.steps_begun  # this step's number: the count of steps begun, itself included

@@ -35,9 +35,12 @@ from attnmeta.staging._ring import StepCore
 __all__ = ["Step"]
 
 _MAX_ROW_COUNTS = 32
-"""Row-count combinations a recorded layout keeps restaged fields for (:meth:`Step.restage`); dropped
+"""Row-count combinations a recorded layout keeps the restaged fields of (:meth:`Step.restage`), dropped
 when it outgrows this. A loop repeats a few (a padded size's arrays, a page count that changes every
-``block_size`` decode steps), and every entry is a field dict, so a short list bounds the memory."""
+``block_size`` decode steps), and every entry holds a field dict, so a short list bounds the memory."""
+_MAX_RESTAGED_FIELDS = 512
+"""Fields of another row count a recorded layout keeps (:meth:`Step.restage`), dropped when it outgrows
+this: a large batch's page count takes a new value most steps, and an entry is one small object."""
 
 
 class Step(StepCore):
@@ -310,36 +313,49 @@ class Step(StepCore):
         slot = self._slot
         if layout.slot is not slot or layout.version != slot.version or self._fields:
             return False
-        fields = layout.fields
+        done = layout.plain
         if rows:
             key = tuple(rows.items())
             found = layout.by_rows.get(key)
             if found is None:
-                found = self._with_rows(layout, rows)
+                found = (layout.fields, tuple(rows), self._rows_fields(layout, rows))
                 if len(layout.by_rows) >= _MAX_ROW_COUNTS:
                     layout.by_rows.clear()
                 layout.by_rows[key] = found
-            fields = found
-        self._fields, self._shared = fields, True  # copied only if the step adds a field
+            done = found
+        self._fields, self._shared = done[2], True  # copied only if the step adds a field
+        self._restaged = done
         self._base = slot.host_np
         self._used = layout.end
         return True
 
-    def _with_rows(self, layout: StepLayout, rows: dict[str, int]) -> dict[str, FieldLayout]:
-        """``layout``'s fields with the row counts of ``rows`` (graph mode), checked."""
+    def _rows_fields(self, layout: StepLayout, rows: dict[str, int]) -> dict[str, FieldLayout]:
+        """``layout``'s fields with the row counts of ``rows`` (graph mode), each field of another row
+        count made once per layout (checked then)."""
+        fields = dict(layout.fields)
+        made = layout.with_rows
+        for name, n in rows.items():
+            f = made.get((name, n)) if type(n) is int else None  # (other types: checked below)
+            if f is None:
+                f = self._with_rows(layout, name, n)
+                if len(made) >= _MAX_RESTAGED_FIELDS:
+                    made.clear()
+                made[(name, n)] = f
+            fields[name] = f
+        return fields
+
+    def _with_rows(self, layout: StepLayout, name: str, n: Any) -> FieldLayout:
+        """``layout``'s field ``name`` staged with ``n`` rows (graph mode), checked."""
         if not self._stager.graph_mode:
             raise ValueError("restage(rows=...): only graph mode has fixed offsets; eager rows are part of the layout")
-        fields = dict(layout.fields)
-        for name, n in rows.items():
-            f = fields.get(name)
-            if f is None:
-                raise ValueError(f"restage(rows=...): {name} is not a field of the layout")
-            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-                raise ValueError(f"restage(rows=...): {name} needs a row count >= 0, got {n!r}")
-            if n > f.capacity:
-                raise CapacityError(f"{name}: needs {n} rows but its graph-mode capacity is {f.capacity}")
-            fields[name] = f.with_rows(int(n))
-        return fields
+        f = layout.fields.get(name)
+        if f is None:
+            raise ValueError(f"restage(rows=...): {name} is not a field of the layout")
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"restage(rows=...): {name} needs a row count >= 0, got {n!r}")
+        if n > f.capacity:
+            raise CapacityError(f"{name}: needs {n} rows but its graph-mode capacity is {f.capacity}")
+        return f.with_rows(int(n))
 
     @property
     def stats(self) -> StepStats:
