@@ -258,14 +258,14 @@ def test_graph_mode_restaged_steps_refill_every_sentinel(plan: list[tuple[str, i
     skip any other."""
     stager = Stager("cpu", num_slots=num_slots, profile=PROFILE)
     layouts: dict[int, Any] = {}  # slot -> a recorded layout
-    for k, (kind, a, b, given) in enumerate(plan):
+    for k, (kind, a, b, named) in enumerate(plan):
         step = stager.step()
         slot = (step.number - 1) % num_slots
         rec = layouts.get(slot)
         if rec is not None:  # the fields not given keep the recorded rows
-            a = a if "a" in given else rec.fields["a"].rows
-            b = b if "b" in given else rec.fields["b"].rows
-        rows = {n: v for n, v in (("a", a), ("b", b)) if n in given}
+            a = a if "a" in named else rec.fields["a"].rows
+            b = b if "b" in named else rec.fields["b"].rows
+        rows = {n: v for n, v in (("a", a), ("b", b)) if n in named}
         restaged = kind != "alloc" and rec is not None and step.restage(rec, rows)
         if restaged:
             step.host_full("a")[:a] = k
