@@ -222,9 +222,10 @@ def test_vllms_gdn_builder(builders: dict[str, Callable[[], Any]], spec: BatchSp
 
 
 def _gdn(builders: dict[str, Callable[[], Any]], name: str) -> Any:
-    """vLLM's GDN builder; skipped on CUDA without vLLM's compiled ops: its constructor imports the GDN layer
-    module, whose import chain asks them at import time which CUTLASS kernels are compiled in
-    (quantization/utils/w8a8_utils.py; fetch_vllm.py's stand-in answers). The builder resolves its prefill
+    """vLLM's GDN builder. Its constructor imports the GDN layer module, whose import chain asks vLLM's
+    compiled ops at import time which CUTLASS kernels are compiled in (quantization/utils/w8a8_utils.py):
+    fetch_vllm.py's stand-in answers those; should the chain meet another compiled op on CUDA, the test
+    skips and names it (the CPU run drives the builder). The builder resolves its prefill
     backend from the platform (on Hopper FlashInfer's kernel, which needs no FLA chunk fields; on the CPU
     Triton's): attnmeta's options name the same one, as a framework configures its builders alike."""
     try:
