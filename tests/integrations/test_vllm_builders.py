@@ -151,11 +151,13 @@ def builders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Cal
 
 # ---------------------------------------------------------------------------------------- batches
 def _decodes_first(spec: BatchSpec, *, block_size: int | None = None, state_columns: int = 0,
-                   threshold: int = 1, padded: bool = True) -> BatchSpec:
+                   threshold: int = 1, padded: bool = True, exact_bound: bool = False) -> BatchSpec:
     """``spec`` with its rows in the order vLLM's runner gives a builder that splits (rows of at most
     ``threshold`` tokens past their prompt first, then the rest, each in order), optionally as a Mamba
     group's step: ``state_columns`` state slots a request (``1 + k`` under spec decode), distinct ids;
-    without its CUDA-graph padding unless ``padded``."""
+    without its CUDA-graph padding unless ``padded``; with ``exact_bound``, without an optimistic
+    ``seq_lens_upper_bound`` (the runner's bound is then ``computed + scheduled``: exact, as it is
+    whenever speculative decoding is off)."""
     n = spec.num_reqs
     q, c = spec.num_scheduled_tokens, spec.num_computed_tokens
     prompt = spec.num_prompt_tokens
@@ -168,7 +170,7 @@ def _decodes_first(spec: BatchSpec, *, block_size: int | None = None, state_colu
              else np.ascontiguousarray(spec.block_table[:n][order]))
     return BatchSpec(num_computed_tokens=c[order], num_scheduled_tokens=q[order], num_prompt_tokens=pick(prompt),
                      num_draft_tokens=pick(spec.num_draft_tokens),
-                     seq_lens_upper_bound=pick(spec.seq_lens_upper_bound), block_table=table,
+                     seq_lens_upper_bound=None if exact_bound else pick(spec.seq_lens_upper_bound), block_table=table,
                      block_size=block_size or spec.block_size,
                      num_reqs_padded=spec.num_reqs_padded if padded else None,
                      num_tokens_padded=spec.num_tokens_padded if padded else None)
@@ -359,10 +361,12 @@ def test_vllms_flashinfer_builder(flashinfer_builder: Callable[[], Any], spec: B
     # attention metadata only in FULL CUDA graphs (gpu_model_runner.py: pad_attn), which FlashInfer's
     # backend takes for uniform batches alone (get_cudagraph_support), padding requests with tokens (the
     # dispatcher's batch descriptor): of these steps, single-token decodes; every other step reaches the
-    # builder unpadded.
+    # builder unpadded. Without speculative decoding the runner's seq_lens_cpu_upper_bound is exact, and
+    # vLLM's builder reads it as the sequence lengths ("No speculative token accounting, so the upper
+    # bound is exact"): an optimistic bound (async spec decode) never reaches this builder.
     uniform = spec.max_query_len == 1 and spec.num_tokens_padded == spec.num_reqs_padded
-    _check("flashinfer", builder, _decodes_first(spec, block_size=FI_BLOCK, padded=uniform), FlashInferOptions(),
-           view=_flashinfer_view(builder))
+    step = _decodes_first(spec, block_size=FI_BLOCK, padded=uniform, exact_bound=True)
+    _check("flashinfer", builder, step, FlashInferOptions(), view=_flashinfer_view(builder))
 
 
 # ---------------------------------------------------------------------------------------- MLA
