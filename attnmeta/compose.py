@@ -358,7 +358,7 @@ class StepBuilder:
         sp = (specs,) if type(specs) is BatchSpec or isinstance(specs, BatchSpec) else tuple(specs)
         if len(sp) != len(self._groups):
             raise ValueError(f"specs: expected one BatchSpec per group ({len(self._groups)}), got {len(sp)}")
-        inp = self._no_inputs if inputs is None else self._inputs(inputs)
+        inp = self._no_inputs if not inputs else self._inputs(inputs)  # (an engine's usual {}: none)
         arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
         key = self._key(sp, inp, arr)
         if key is None:  # (every builder's reasons first: a step that cannot be served is never begun)

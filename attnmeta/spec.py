@@ -20,6 +20,7 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -473,32 +474,25 @@ class BatchSpec:
         """
         if type(self) is not BatchSpec:  # (a subclass: its own construction, its own fields kept)
             return dataclasses.replace(self, block_table=block_table, block_size=block_size)  # type: ignore[arg-type]
-        c, q, n = self.num_computed_tokens, self.num_scheduled_tokens, self.num_reqs
+        n = self.num_reqs
         bs = _block_size(block_size)
         bt = block_table_rows(block_table, n)
         cp = self.context_parallel
         if cp is not None:
             _check_interleave(cp, bs)
         span = bs * (1 if cp is None else cp.world_size)
-        prompt, drafts, ub = self.num_prompt_tokens, self.num_draft_tokens, self.seq_lens_upper_bound
-        code, _, _, _, _, _, _, pages = _validate_nb(
-            c, q, bt, span, bs, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
-            _EMPTY if ub is None else ub, False, _NO_COPY,
-        )
-        if code:
-            _raise_invalid(c, q, bt, span, bs, prompt, drafts, ub)
-        out = object.__new__(BatchSpec)
-        object.__setattr__(out, "__class__", _FillableBatchSpec)  # (as __init__: plain slot stores)
-        o: Any = out
-        try:
-            for name in _FIELDS:
-                setattr(o, name, getattr(self, name))
-            o.block_table = bt
-            o.block_size = bs
-            o.num_pages = pages
-        finally:
-            o.__class__ = BatchSpec
-        return out
+        # The counts' rules held when this spec was made; of the new table only its width is new, a rule
+        # of the longest sequence (max_exact_seq_len); the pages are those of the new block size.
+        if -(-self.max_exact_seq_len // span) > bt.shape[1]:
+            _raise_invalid(self.num_computed_tokens, self.num_scheduled_tokens, bt, span, bs, self.num_prompt_tokens,
+                           self.num_draft_tokens, self.seq_lens_upper_bound)
+        values = list(_GET_FIELDS(self))
+        values[_AT_TABLE], values[_AT_BLOCK_SIZE] = bt, bs
+        values[_AT_PAGES] = _pages_nb(self.num_computed_tokens, self.num_scheduled_tokens, bs, pow2_shift(bs))
+        out: Any = object.__new__(_FillableBatchSpec)  # (as __init__: plain slot stores, then a BatchSpec)
+        _store_fields(out, *values)
+        out.__class__ = BatchSpec
+        return out  # type: ignore[no-any-return]
 
     def __post_init__(self) -> None:
         """A dataclass subclass's generated ``__init__`` sets the init fields and calls this: validate
@@ -552,6 +546,23 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(BatchSpec))
 """Every field, in declaration order."""
 _INIT_FIELDS = tuple(f.name for f in dataclasses.fields(BatchSpec) if f.init)
 """The constructor's arguments, in declaration order."""
+
+
+_GET_FIELDS = operator.attrgetter(*_FIELDS)
+"""Every field's value of a spec, in declaration order (one call)."""
+_AT_TABLE, _AT_BLOCK_SIZE, _AT_PAGES = (_FIELDS.index(n) for n in ("block_table", "block_size", "num_pages"))
+_store_fields = vars(dataclasses.make_dataclass("_BatchSpecStores", [(n, Any) for n in _FIELDS], eq=False,
+                                                repr=False))["__init__"]
+"""Stores every field, given in declaration order, into a :class:`_FillableBatchSpec` (plain slot stores)."""
+
+
+@njit
+def _pages_nb(c: np.ndarray, q: np.ndarray, bs: int, sh_bs: int) -> int:
+    """``sum(cdiv(c + q, bs))`` over the rows (counts already validated)."""
+    pages = 0
+    for i in range(c.shape[0]):
+        pages += cdiv_by(np.int64(c[i]) + np.int64(q[i]), bs, sh_bs)
+    return pages
 
 
 def spec_arguments(spec: BatchSpec) -> dict[str, Any]:

@@ -662,9 +662,9 @@ def refill(step: Step, h: CommonHost, group: FieldGroup, lay: _Layout, owner: st
     if checkpoint is not None:
         hb, hit, look = checkpoint.hash_block_size, checkpoint.cache_hit_alignment_tokens, checkpoint.num_hash_lookahead_tokens
         ck_align, drop = checkpoint.checkpoint_alignment or 0, checkpoint.drop_eagle_block
-    drafts = runner_draft_counts(h, spec_tokens)
+    drafts = runner_draft_counts(h, spec_tokens) if spec_tokens else None
     status, D, Dt, tot, n, prep, nck, num_moved = mamba_fill_nb(
-        h.query_start_loc_cpu, h.seq_lens_cpu_upper_bound, isp, drafts if drafts is not None and spec_tokens else _NO_I32,
+        h.query_start_loc_cpu, h.seq_lens_cpu_upper_bound, isp, _NO_I32 if drafts is None else drafts,
         h.seq_lens_cpu, h.block_table_cpu, T, thr, bs_m, align, chunk_size, prof is not None, accepted,
         has_accepted, known[0], known[1], known[2], known[3], hb, hit, ck_align, look, drop,
         *lay.outputs,

@@ -184,8 +184,17 @@ def runner_draft_counts(h: CommonHost, spec_tokens: int) -> np.ndarray | None:
 
 def common_needs(columns: int) -> CommonNeeds:
     """What a Mamba builder reads of the common metadata: no per-token arrays (vLLM's
-    ``SlotMappingMode.NONE``) and ``columns`` block-table columns (one immutable object per width)."""
-    return CommonNeeds(token_arrays=False, block_table_columns=columns)
+    ``SlotMappingMode.NONE``) and ``columns`` block-table columns (one immutable object per width,
+    made once: a builder's ``needs`` runs every step)."""
+    needs = _NEEDS.get(columns)
+    if needs is None:
+        if len(_NEEDS) >= 1024:
+            _NEEDS.clear()
+        needs = _NEEDS[columns] = CommonNeeds(token_arrays=False, block_table_columns=columns)
+    return needs
+
+
+_NEEDS: dict[int, CommonNeeds] = {}
 
 
 def state_indices_error(common: CommonHost, rows: slice, bs_m: int, mode: str, ncols: int) -> ValueError:
