@@ -3,8 +3,10 @@ waits around fixed work without attnmeta (shared by bench_decode.py and bench_en
 
 An engine's step starts after a wait (a blocking wait on the GPU for the last step's sampled tokens,
 or an idle thread), while a tight loop keeps every cache and branch predictor warm. :func:`waits`
-gives the three ways of the ``--cold`` modes: ``tight`` (back to back), ``event`` (about ``seconds``
-of GPU work, then a blocking wait on an event recorded after it; CUDA only) and ``sleep``.
+gives the four ways of the ``--cold`` modes: ``tight`` (back to back), ``event`` (about ``seconds``
+of GPU work, then a blocking wait on an event recorded after it; CUDA only), ``sleep``, and
+``thrash`` (:func:`thrash`: what an engine's own work between two steps does to the caches, on any
+machine, so a CPU-only run sees the loop's cold step too).
 :func:`jitter` is the control: plain Python additions calibrated to a given warm time, the same work
 every call, so its cold / tight ratio is the machine's floor for any host code after such a wait.
 """
@@ -46,13 +48,32 @@ def spin(seconds: float) -> None:
         pass
 
 
+_THRASH_BYTES = 64 << 20
+_thrash_state: list[Any] = []
+
+
+def thrash(seconds: float = 0.0) -> None:
+    """Leave the caches as an engine's loop leaves them before its next step: write one byte of every
+    cache line of 64 MiB (more than a server CPU's last-level cache) and read 20,000 small dicts (the
+    scattered Python objects of a scheduler and a model's launch code). ``seconds`` is ignored (the
+    work takes what it takes, a few ms); the buffers are made on the first call."""
+    if not _thrash_state:
+        _thrash_state.extend((np.zeros(_THRASH_BYTES, np.uint8), [{i: str(i)} for i in range(20_000)]))
+    buf, objs = _thrash_state
+    buf[::64] += 1
+    total = 0
+    for d in objs:
+        total += len(d)
+
+
 def waits(dev: torch.device, seconds: float) -> list[tuple[str, float, Wait]]:
-    """The ``--cold`` ways, ``(name, pause, wait)``: ``tight`` (no pause), ``event`` (CUDA only) and
-    ``sleep``, each pausing ``seconds``."""
+    """The ``--cold`` ways, ``(name, pause, wait)``: ``tight`` (no pause), ``event`` (CUDA only),
+    ``sleep``, each pausing ``seconds``, and ``thrash`` (:func:`thrash`)."""
     out: list[tuple[str, float, Wait]] = [("tight", 0.0, time.sleep)]
     if dev.type == "cuda":
         out.append(("event", seconds, gpu_waiter(dev)))
     out.append(("sleep", seconds, time.sleep))
+    out.append(("thrash", seconds, thrash))
     return out
 
 

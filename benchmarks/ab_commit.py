@@ -19,9 +19,12 @@ walks (contexts grow by one token a step, page size 16):
 
 Each round times ``--steps`` consecutive steps of one path; the two sides alternate rounds; the table
 gives the medians over rounds of per-round medians (us) and their ratio. Garbage collection is off
-while timing.
+while timing. ``--cold`` times each step right after a cache thrash instead (64 MiB of cache lines
+written and 20,000 small dicts read, untimed: ``benchmarks/_cold.py``'s ``thrash``), the state an
+engine's loop leaves the caches in; a change that saves work in a tight loop may save nothing there,
+and the reverse.
 
-Run: ``python benchmarks/ab_commit.py BASE_COMMIT [--device cuda] [--rounds 12] [--steps 300]``; on a
+Run: ``python benchmarks/ab_commit.py BASE_COMMIT [--device cuda] [--rounds 12] [--steps 300] [--cold]``; on a
 machine without the checkout's history, export the base first (``git archive BASE_COMMIT attnmeta | tar -x -C
 .ab_base``) and pass the folder instead of the commit (benchmarks/gpu_all.sh's part ``ab`` does).
 """
@@ -52,6 +55,9 @@ if str(ROOT) not in sys.path:
 
 import attnmeta  # noqa: E402
 from attnmeta.testing.workloads import advance, decode_spec  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _cold import thrash  # noqa: E402  (benchmarks/_cold.py)
 
 
 def base_package(commit: str, into: Path) -> Any:
@@ -203,8 +209,10 @@ def engine_graphs(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, 
     return step
 
 
-def ab(a: Callable[[], Any], b: Callable[[], Any], rounds: int, steps: int, device: torch.device) -> tuple[float, float]:
-    """Medians over alternating rounds of the per-round median step time (us) of ``a`` and ``b``."""
+def ab(a: Callable[[], Any], b: Callable[[], Any], rounds: int, steps: int, device: torch.device,
+       cold: bool = False) -> tuple[float, float]:
+    """Medians over alternating rounds of the per-round median step time (us) of ``a`` and ``b`` (with
+    ``cold``, each step timed right after :func:`_cold.thrash`)."""
     med: tuple[list[float], list[float]] = ([], [])
     for fn in (a, b):
         for _ in range(min(300, 3 * steps)):
@@ -218,6 +226,8 @@ def ab(a: Callable[[], Any], b: Callable[[], Any], rounds: int, steps: int, devi
                     fn()
                 ts = np.empty(steps)
                 for j in range(steps):
+                    if cold:
+                        thrash()
                     t0 = time.perf_counter_ns()
                     fn()
                     ts[j] = time.perf_counter_ns() - t0
@@ -237,6 +247,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batches", default="1,64,256,1024")
+    ap.add_argument("--cold", action="store_true", help="time each step right after a cache thrash (module "
+                                                         "docstring)")
     ap.add_argument("--paths", default="", help="comma-separated rows to run (default: every row; e.g. "
                                                 "'engine graphs,lifetimes on/off')")
     args = ap.parse_args()
@@ -245,7 +257,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="attnmeta-ab-") as tmp:
         base = base_package(args.base, Path(tmp))
         print(f"# {args.device}, torch {torch.__version__}, base {args.base}, {args.rounds} rounds x {args.steps} "
-              f"steps; medians over rounds of per-round medians (us)")
+              f"steps{', each after a cache thrash' if args.cold else ''}; medians over rounds of per-round "
+              f"medians (us)")
         print(f"{'batch':>6} {'path':<22} {'base':>8} {'this':>8} {'this/base':>10}")
         for batch in [int(x) for x in args.batches.split(",")]:
             old, new = paths(base, batch, dev), paths(attnmeta, batch, dev)
@@ -255,7 +268,7 @@ def main() -> None:
                 wanted = {p.strip() for p in args.paths.split(",")}
                 rows = [r for r in rows if r[0] in wanted]
             for name, a, b in rows:
-                ta, tb = ab(a, b, args.rounds, args.steps, dev)
+                ta, tb = ab(a, b, args.rounds, args.steps, dev, args.cold)
                 print(f"{batch:>6} {name:<22} {ta:>8.1f} {tb:>8.1f} {tb / ta:>10.3f}", flush=True)
 
 

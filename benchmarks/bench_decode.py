@@ -61,10 +61,12 @@ work and blocks on an event recorded after it, as an engine's host blocks on its
 Back-to-back steps (no gap, the default) run with every cache and predictor warm from the step before;
 after a gap they do not, and every path is slower.
 
-``--cold`` times what an engine's loop sees: every path three ways in the same rounds, back to back
+``--cold`` times what an engine's loop sees: every path four ways in the same rounds, back to back
 (``tight``), right after a blocking wait on a GPU event that follows ``--cold-us`` of GPU work
-(``event``, CUDA only) and right after a sleep of ``--cold-us`` (``sleep``); the table gets one row per
-path and way (``fused@event``, ...).
+(``event``, CUDA only), right after a sleep of ``--cold-us`` (``sleep``) and right after 64 MiB of
+cache lines written and 20,000 small dicts read (``thrash``: what an engine's own work between two
+steps leaves of the caches; on a CPU-only machine the way that shows the loop's cold step); the table
+gets one row per path and way (``fused@event``, ...).
 
 Run: ``python benchmarks/bench_decode.py [--device cpu|cuda] [--rounds 10] [--steps 400] [--paths attnmeta,fused]
 [--pin-cpu N] [--spec] [--threads N,M] [--gap-us US] [--gap-mode sleep|spin|event] [--cold] [--cold-us US]``.
@@ -89,7 +91,7 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _cold import gpu_waiter, jitter, median_us, spin
+from _cold import gpu_waiter, jitter, median_us, spin, thrash
 
 from attnmeta.bench.scenarios import decode, decode_walks, fused_step, spec_decode, spec_decode_walks
 
@@ -124,8 +126,9 @@ def main() -> None:
                          "work), spin (busy on the clock, the core stays awake) or event (CUDA: that much GPU "
                          "work, then a blocking wait on an event recorded after it)")
     ap.add_argument("--cold", action="store_true",
-                    help="time every path three ways in the same rounds: back to back (tight), right after a "
-                         "blocking wait on a GPU event (event, CUDA only) and right after a sleep (sleep)")
+                    help="time every path in the same rounds back to back (tight), right after a blocking wait "
+                         "on a GPU event (event, CUDA only), right after a sleep (sleep) and right after a "
+                         "cache thrash (thrash)")
     ap.add_argument("--cold-us", type=float, default=2000.0, metavar="US",
                     help="--cold: the GPU work before the event wait and the sleep's length (default 2000)")
     args = ap.parse_args()
@@ -155,7 +158,7 @@ def main() -> None:
     if args.cold:
         cold = args.cold_us / 1e6
         ways = [("@tight", 0.0, wait), *([("@event", cold, waits["event"])] if dev.type == "cuda" else []),
-                ("@sleep", cold, time.sleep)]
+                ("@sleep", cold, time.sleep), ("@thrash", cold, thrash)]
     for case in cases:  # (the scenario's paths: attnmeta, reference, per-tensor, fused)
         case.paths = {p: fn for p, fn in case.paths.items() if p in wanted}
         if "fused+spec" in wanted:

@@ -44,8 +44,10 @@ more with :attr:`Engine.trace` on, and its decode steps are built again through 
 step composer (the same composition: common metadata, the kernel's builders, the engine's arrays;
 the same ``BatchSpec`` construction), outside the loop, each timed right after a wait the way
 ``bench_decode.py --cold`` times its paths: ``tight`` (back to back), ``event`` (``--cold-us`` of GPU
-work, then a blocking wait on an event) and ``sleep``. ``loop/cold`` is ``own ms`` over the ``event``
-replica (an engine's host blocks on the GPU between steps). The control row (``control``) does the
+work, then a blocking wait on an event), ``sleep``, and ``thrash`` (64 MiB of cache lines written and
+20,000 small dicts read first: what the loop's own work between steps does to the caches).
+``loop/cold`` is ``own ms`` over the ``event`` replica (an engine's host blocks on the GPU between
+steps), ``loop/thrash`` over the ``thrash`` one. The control row (``control``) does the
 same waits around plain Python work calibrated to the replica's tight time, without attnmeta: its
 event / tight ratio is what any host code of that length pays after such a wait on that machine.
 
@@ -240,6 +242,7 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
     if cold_us is not None and MODES[mode][2:] == ("one-copy", "attnmeta"):
         extra.update(cold_replica(engine, _requests(n, prompt, new, vocab, 1), cold_us))
         extra["loop_over_cold"] = extra["own_ms"] / extra["cold_event_ms" if "cold_event_ms" in extra else "cold_sleep_ms"]
+        extra["loop_over_thrash"] = extra["own_ms"] / extra["cold_thrash_ms"]
     return {"mode": mode, "concurrency": n, "step_ms": step * 1e3, "steps_per_s": 1 / step, "tokens_per_s": n / step,
             "metadata_ms": meta * 1e3, "share": meta / step,
             "plan_ms": sum(r["plan_s"] for r in runs) / steps * 1e3,
@@ -334,13 +337,15 @@ def main(argv: list[str] | None = None) -> int:
         ev = "event" if "cold_event_ms" in colds[0] else "sleep"
         print(f"\ncold-step replica of the same composition (ms; loop/cold = own ms / {ev}; control: plain Python "
               f"work of the replica's tight time, the same waits)", flush=True)
-        print(f"{'mode':>10} {'reqs':>5} {'own ms':>7} {'tight':>7} {'event':>7} {'sleep':>7} {'loop/cold':>9} "
-              f"{'ctl tight':>9} {'ctl event':>9} {'ctl sleep':>9} {'ctl ev/tight':>12}", flush=True)
+        print(f"{'mode':>10} {'reqs':>5} {'own ms':>7} {'tight':>7} {'event':>7} {'sleep':>7} {'thrash':>7} "
+              f"{'loop/cold':>9} {'loop/thrash':>11} {'ctl tight':>9} {'ctl event':>9} {'ctl sleep':>9} "
+              f"{'ctl thrash':>10} {'ctl ev/tight':>12}", flush=True)
         for r in colds:
             print(f"{r['mode']:>10} {r['concurrency']:>5} {r['own_ms']:7.4f} {r['cold_tight_ms']:7.4f} "
-                  f"{r.get('cold_event_ms', float('nan')):7.4f} {r['cold_sleep_ms']:7.4f} {r['loop_over_cold']:8.2f}x "
+                  f"{r.get('cold_event_ms', float('nan')):7.4f} {r['cold_sleep_ms']:7.4f} {r['cold_thrash_ms']:7.4f} "
+                  f"{r['loop_over_cold']:8.2f}x {r['loop_over_thrash']:10.2f}x "
                   f"{r['control_tight_ms']:9.4f} {r.get('control_event_ms', float('nan')):9.4f} "
-                  f"{r['control_sleep_ms']:9.4f} "
+                  f"{r['control_sleep_ms']:9.4f} {r['control_thrash_ms']:10.4f} "
                   f"{r.get('control_event_ms', r['control_sleep_ms']) / r['control_tight_ms']:11.2f}x", flush=True)
     pairs = [(x, y) for x, y in PAIRS if x in modes.split(",") and y in modes.split(",")]
     if pairs:
