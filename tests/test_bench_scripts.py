@@ -98,3 +98,35 @@ def test_ab_commit_compares_a_commit_with_this_checkout() -> None:
     rows = _run("ab_commit.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "5", "--batches", "1",
                 "--paths", "engine graphs")
     assert [" ".join(r[1:-3]) for r in rows if r and r[0] == "1"] == ["engine graphs"], rows
+
+
+def test_bench_decode_cold_times_every_way_after_its_wait() -> None:
+    """``--cold``: each path back to back, after a sleep and after a cache thrash (the event way is CUDA's)."""
+    rows = _run("bench_decode.py", "--device", "cpu", "--rounds", "1", "--steps", "4", "--warm", "1", "--cold",
+                "--cold-us", "100", "--paths", "fused")
+    assert [(int(r[0]), r[1]) for r in rows] == [(b, f"fused@{w}") for b in BATCHES for w in ("tight", "sleep", "thrash")]
+    assert all(float(x) > 0 for r in rows for x in r[2:5]), rows
+
+
+def test_ab_commit_cold_times_each_step_after_a_thrash() -> None:
+    out = _script("ab_commit.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "3", "--batches", "1",
+                  "--paths", "engine hybrid", "--cold")
+    assert "each after a cache thrash" in out.splitlines()[0], out
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0] == "1"]
+    assert [" ".join(r[1:-3]) for r in rows] == ["engine hybrid"] and float(rows[0][-1]) > 0, rows
+
+
+def test_bench_engine_cold_replica_reports_every_way(tmp_path: Path) -> None:
+    """The engine's cold-step replica: its decode steps rebuilt outside the loop, timed back to back, after a
+    sleep and after a cache thrash, with the control and the loop's ratios (CPU: torch's paged kernel)."""
+    import json
+
+    out = tmp_path / "bench.json"
+    text = _script("bench_engine.py", "--device", "cpu", "--model", "tiny", "--modes", "paged", "--concurrency", "3",
+                   "--prompt", "8", "--new", "12", "--rounds", "1", "--cold-us", "100", "--json", str(out))
+    assert "loop/thrash" in text, text
+    row = json.loads(out.read_text())["rows"][0]
+    for k in ("cold_tight_ms", "cold_sleep_ms", "cold_thrash_ms", "control_tight_ms", "control_sleep_ms",
+              "control_thrash_ms", "loop_over_cold", "loop_over_thrash"):
+        assert row[k] > 0, (k, row)
+    assert "cold_event_ms" not in row  # (CUDA only)
