@@ -145,8 +145,8 @@ def test_matches_device_reference(device: torch.device, step: tuple[BatchSpec, n
         fp = fast_prefill.build(spec, _stager(device), None,
                                 FastPrefillInputs(logits_indices=li, num_logits_padded=n_pad))
     rows = spec.padded_num_reqs
-    c = torch.from_numpy(spec.num_computed_tokens).to(device)
-    q = torch.from_numpy(spec.num_scheduled_tokens).to(device)
+    c = torch.from_numpy(spec.num_computed_tokens.copy()).to(device)
+    q = torch.from_numpy(spec.num_scheduled_tokens.copy()).to(device)
     qsl = ref_query_start_loc(q, rows)
     li_d = torch.from_numpy(li).to(device)
     assert fp.logits_indices_padded is not None
