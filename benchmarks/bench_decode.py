@@ -91,7 +91,8 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _cold import gpu_waiter, jitter, median_us, spin, thrash
+from _cold import gpu_waiter, jitter, median_us, spin
+from _cold import waits as cold_ways
 
 from attnmeta.bench.scenarios import decode, decode_walks, fused_step, spec_decode, spec_decode_walks
 
@@ -157,8 +158,7 @@ def main() -> None:
     ways: list[tuple[str, float, Callable[[float], None]]] = [("", gap, wait)]
     if args.cold:
         cold = args.cold_us / 1e6
-        ways = [("@tight", 0.0, wait), *([("@event", cold, waits["event"])] if dev.type == "cuda" else []),
-                ("@sleep", cold, time.sleep), ("@thrash", cold, thrash)]
+        ways = [("@" + name, pause, wait_fn) for name, pause, wait_fn in cold_ways(dev, cold)]
     for case in cases:  # (the scenario's paths: attnmeta, reference, per-tensor, fused)
         case.paths = {p: fn for p, fn in case.paths.items() if p in wanted}
         if "fused+spec" in wanted:
