@@ -620,7 +620,7 @@ def _corrupt(cm: CommonAttentionMetadata, **host: np.ndarray) -> CommonAttention
     changes: dict[str, Any] = dict(host)
     for name, arr in host.items():
         if name in twin_of:
-            changes[twin_of[name]] = torch.from_numpy(np.ascontiguousarray(arr))
+            changes[twin_of[name]] = torch.from_numpy(np.array(arr))
     return cm.replace(**changes)
 
 

@@ -94,7 +94,7 @@ def eager_stager(device: torch.device) -> Stager:
 
 
 def _t(x: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(x)).to(device)
+    return torch.from_numpy(np.array(x)).to(device)
 
 
 def addr(t: torch.Tensor) -> int:

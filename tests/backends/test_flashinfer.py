@@ -46,8 +46,8 @@ def _spec(c: list[int], q: list[int], table: list[list[int]], bs: int, **kw: int
 
 def _device_inputs(spec: BatchSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The reference's inputs on ``device``: padded qsl, seq_lens and block table."""
-    c = torch.from_numpy(spec.num_computed_tokens).to(device)
-    q = torch.from_numpy(spec.num_scheduled_tokens).to(device)
+    c = torch.from_numpy(spec.num_computed_tokens.copy()).to(device)
+    q = torch.from_numpy(spec.num_scheduled_tokens.copy()).to(device)
     rows = spec.padded_num_reqs
     table = np.zeros((rows, spec.block_table.shape[1]), I32)
     table[: spec.num_reqs] = spec.block_table[: spec.num_reqs]

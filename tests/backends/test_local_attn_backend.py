@@ -118,8 +118,8 @@ def test_matches_device_reference(device: torch.device, spec: BatchSpec, blocks_
     la = staged.result()
     cm = la.common
     rows = spec.padded_num_reqs
-    c = torch.from_numpy(spec.num_computed_tokens).to(device)
-    q = torch.from_numpy(spec.num_scheduled_tokens).to(device)
+    c = torch.from_numpy(spec.num_computed_tokens.copy()).to(device)
+    q = torch.from_numpy(spec.num_scheduled_tokens.copy()).to(device)
     table = common.result().block_table_tensor  # both gathers read the staged common table
     ref = ref_local_virtual_batches(ref_query_start_loc(q, rows), ref_seq_lens(c, q, rows), chunk, spec.block_size,
                                     table)

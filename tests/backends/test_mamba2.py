@@ -469,7 +469,7 @@ def test_mamba1_and_linear_attn_match_the_reference(device: torch.device, spec: 
     assert not hasattr(m1, "cu_chunk_seqlen_p")
     # linear attention: plain split at threshold 1, column 0 of the state indices of every row
     B = spec.padded_num_reqs
-    qsl = ref_query_start_loc(torch.from_numpy(spec.num_scheduled_tokens).to(device), B)
+    qsl = ref_query_start_loc(torch.from_numpy(spec.num_scheduled_tokens.copy()).to(device), B)
     split = ref_split_decodes_and_prefills(qsl.cpu(), spec.padded_num_tokens, spec.max_query_len, 1)
     assert (la.num_decodes, la.num_prefills, la.num_decode_tokens, la.num_prefill_tokens) == split
     _same(la.state_indices_tensor, torch.cat([ref["state_indices_tensor_d"][:, 0], ref["state_indices_tensor_p"]]),

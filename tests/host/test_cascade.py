@@ -24,7 +24,7 @@ NO_FEATURES = {"use_alibi": False, "use_sliding_window": False, "use_local_atten
 
 
 def _dev(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(arr)).to(device)
+    return torch.from_numpy(np.array(arr)).to(device)
 
 
 # ------------------------------------------------------------------------------------------------

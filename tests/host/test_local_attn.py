@@ -16,7 +16,7 @@ I32 = np.int32
 
 
 def _dev(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(arr)).to(device)
+    return torch.from_numpy(np.array(arr)).to(device)
 
 
 # The worked example: q = [4, 10, 5], s = [6, 17, 9], A = 4, bs = 2, block rows [10i .. 10i+9].

@@ -28,7 +28,7 @@ I32 = np.int32
 
 
 def _dev(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(arr)).to(device)
+    return torch.from_numpy(np.array(arr)).to(device)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def test_reorder_properties_and_reference(spec: BatchSpec, threshold: int, devic
     assert got.modified == bool((~fixed).any())
     # Bit-exact with the torch transcription of the prose.
     ref_swaps, ref_perm = ref_reorder(
-        torch.from_numpy(c).to(device), torch.from_numpy(q).to(device), torch.from_numpy(p).to(device), threshold
+        torch.tensor(c).to(device), torch.tensor(q).to(device), torch.tensor(p).to(device), threshold
     )
     assert_matches_device(got.swaps, ref_swaps, "swaps")
     assert_matches_device(got.permutation, ref_perm, "permutation")

@@ -58,9 +58,9 @@ def flash_attn_reference(spec: BatchSpec, options: FlashAttentionOptions, device
     max_dcp = 0
     if options.dcp_world_size > 1:
         qsl = ref["query_start_loc"].cpu()  # (a reference: reads back freely)
-        c = torch.from_numpy(spec.num_computed_tokens.astype(np.int32))
-        q = torch.from_numpy(spec.num_scheduled_tokens.astype(np.int32))
-        upper = c + q if spec.seq_lens_upper_bound is None else torch.from_numpy(spec.seq_lens_upper_bound.astype(np.int32))
+        c = torch.tensor(spec.num_computed_tokens.astype(np.int32))
+        q = torch.tensor(spec.num_scheduled_tokens.astype(np.int32))
+        upper = c + q if spec.seq_lens_upper_bound is None else torch.tensor(spec.seq_lens_upper_bound.astype(np.int32))
         ub = torch.zeros(spec.padded_num_reqs, dtype=torch.int32)  # padding rows: 0
         ub[: spec.num_reqs] = upper
         if spec.max_query_len > 1:
@@ -109,7 +109,7 @@ def flashinfer_reference(spec: BatchSpec, options: FlashInferOptions, device: to
         if W > 1 else sl
     padded_table = np.zeros((spec.padded_num_reqs, spec.block_table.shape[1]), np.int32)
     padded_table[: spec.num_reqs] = spec.block_table[: spec.num_reqs]  # padding rows: no pages
-    table = torch.from_numpy(padded_table).to(device)
+    table = torch.tensor(padded_table).to(device)
     page = spec.block_size
     return {
         "num_decodes": split[0], "num_prefills": split[1], "num_decode_tokens": split[2],
@@ -168,7 +168,7 @@ def cascade_reference(spec: BatchSpec, options: CascadeOptions, device: torch.de
     if not use:
         return {"use_cascade": False, "common_prefix_len": 0}
     arrays = ref_cascade_arrays(length, sl, spec.padded_num_tokens, spec.block_size,
-                                torch.from_numpy(spec.block_table).to(device))
+                                torch.tensor(spec.block_table).to(device))
     return {"use_cascade": True, "common_prefix_len": length, **{k: v for k, v in arrays.items() if v is not None}}
 
 
@@ -206,7 +206,7 @@ def fast_prefill_reference(spec: BatchSpec, options: FastPrefillOptions, device:
     li = inputs.logits_indices
     if li is None:
         return {"applied": False, "num_logits_indices": None, "query_start_loc": qsl}
-    li_t = torch.from_numpy(np.asarray(li, np.int32)).to(device)
+    li_t = torch.tensor(np.asarray(li, np.int32)).to(device)
     n_pad = li_t.shape[0] if inputs.num_logits_padded is None else inputs.num_logits_padded
     applied = spec.max_query_len != 1
     fqsl = ref_fast_prefill_query_start_loc(qsl, li_t) if applied else qsl
@@ -242,7 +242,7 @@ def local_attn_reference(spec: BatchSpec, options: LocalAttentionOptions, device
     table = np.zeros((spec.padded_num_reqs, width), np.int32)
     table[: spec.num_reqs] = spec.block_table[: spec.num_reqs, :width]
     lb = ref_local_virtual_batches(f["query_start_loc"], f["seq_lens"], options.attn_chunk_size, spec.block_size,
-                                   torch.from_numpy(table).to(device))
+                                   torch.tensor(table).to(device))
     return {"query_start_loc": lb.query_start_loc, "seq_lens": lb.seq_lens, "block_table": lb.block_table,
             "num_virtual_reqs": lb.num_virtual_reqs}
 

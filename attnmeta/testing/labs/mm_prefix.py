@@ -77,7 +77,7 @@ def mm_prefix_reference(spec: BatchSpec, options: MMPrefixOptions, device: torch
     (:mod:`attnmeta.testing.reference.mm_prefix`), syncs and all."""
 
     def dev(value: Any, dtype: Any) -> torch.Tensor:
-        return torch.from_numpy(np.array([] if value is None else value, dtype)).to(device)
+        return torch.tensor(np.array([] if value is None else value, dtype)).to(device)
 
     ip_t = torch.zeros(spec.num_reqs + 1, dtype=torch.int32, device=device) if inputs.mm_span_indptr is None else \
         dev(inputs.mm_span_indptr, np.int32)
@@ -99,7 +99,7 @@ def mm_prefix_reference(spec: BatchSpec, options: MMPrefixOptions, device: torch
     else:
         ub_np = spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else \
             spec.num_computed_tokens + spec.num_scheduled_tokens
-        ub = torch.from_numpy(np.array(ub_np, np.int32)).to(device)
+        ub = torch.tensor(np.array(ub_np, np.int32)).to(device)
         qt = ref_mm_prefix_query_ranges(ranges, common["query_start_loc"], ub)
         out["mm_prefix_query_range_tensor"] = qt
         out["num_query_range_rows"] = 0 if qt is None else int(qt.shape[0])

@@ -47,21 +47,21 @@ def ref_gdn_metadata(
     B, n, T = spec.padded_num_reqs, spec.num_reqs, spec.padded_num_tokens
     k = options.num_speculative_tokens
     c_np, q_np = spec.num_computed_tokens.copy(), spec.num_scheduled_tokens.copy()
-    qsl = ref_query_start_loc(torch.from_numpy(q_np).to(dev), B)
-    seq_lens = ref_seq_lens(torch.from_numpy(c_np).to(dev), torch.from_numpy(q_np).to(dev), B)
+    qsl = ref_query_start_loc(torch.tensor(q_np).to(dev), B)
+    seq_lens = ref_seq_lens(torch.tensor(c_np).to(dev), torch.tensor(q_np).to(dev), B)
     qsl_cpu = qsl.cpu()
     q_cpu = qsl_cpu.diff()
     ub = torch.zeros(B, dtype=torch.int32)
-    ub[:n] = torch.from_numpy((c_np + q_np) if spec.seq_lens_upper_bound is None else spec.seq_lens_upper_bound.copy())
+    ub[:n] = torch.tensor((c_np + q_np) if spec.seq_lens_upper_bound is None else spec.seq_lens_upper_bound.copy())
     is_pre = torch.zeros(B, dtype=torch.bool)
     if spec.num_prompt_tokens is not None:
-        is_pre[:n] = torch.from_numpy(c_np < spec.num_prompt_tokens)
+        is_pre[:n] = torch.tensor(c_np < spec.num_prompt_tokens)
     drafts = None
     if spec.num_draft_tokens is not None or k > 0:  # the runner fills the counts every step of spec decode
-        prompt = None if spec.num_prompt_tokens is None else torch.from_numpy(spec.num_prompt_tokens.copy())
+        prompt = None if spec.num_prompt_tokens is None else torch.tensor(spec.num_prompt_tokens)
         scheduled = np.zeros(n, np.int32) if spec.num_draft_tokens is None else spec.num_draft_tokens.copy()
-        drafts = ref_num_decode_draft_tokens(torch.from_numpy(q_np), torch.from_numpy(scheduled),
-                                             torch.from_numpy(c_np), prompt, B)
+        drafts = ref_num_decode_draft_tokens(torch.tensor(q_np), torch.tensor(scheduled),
+                                             torch.tensor(c_np), prompt, B)
     bs_m = options.mamba_block_size or spec.block_size
     table = ref_mamba_block_table(spec, num_state_columns=k + 1, mamba_block_size=bs_m, mode=options.cache_mode,
                                   device=dev)
@@ -70,7 +70,7 @@ def ref_gdn_metadata(
     acc_dev = None
     if num_accepted_tokens is not None:
         a = torch.ones(B, dtype=torch.int32)
-        given = torch.from_numpy(np.asarray(num_accepted_tokens, np.int32).copy())
+        given = torch.tensor(np.asarray(num_accepted_tokens, np.int32))
         a[: given.shape[0]] = given
         acc_dev = a.to(dev)
 

@@ -693,9 +693,9 @@ def ref_common_fields(spec: BatchSpec, device: torch.device | str) -> dict[str, 
     ([0, 1, 3, 3], [6, 2, 0], [9, 12, 13])
     """
     dev = torch.device(device)
-    c = torch.from_numpy(spec.num_computed_tokens.copy()).to(dev)
-    q = torch.from_numpy(spec.num_scheduled_tokens.copy()).to(dev)
-    table = torch.from_numpy(spec.block_table.copy()).to(dev)
+    c = torch.tensor(spec.num_computed_tokens).to(dev)
+    q = torch.tensor(spec.num_scheduled_tokens).to(dev)
+    table = torch.tensor(spec.block_table).to(dev)
     Bp, Tp = spec.padded_num_reqs, spec.padded_num_tokens
     positions, slots = ref_token_layout(c, q, table, spec.block_size, Tp, spec.context_parallel)
     return {"query_start_loc": ref_query_start_loc(q, Bp), "seq_lens": ref_seq_lens(c, q, Bp),

@@ -362,7 +362,7 @@ def ref_mamba_block_table(
             u = s if spec.seq_lens_upper_bound is None else int(spec.seq_lens_upper_bound[i])
             last = max(last, _cdiv(u, mamba_block_size) - 2)
     table = torch.zeros((B, max(width, last + 1)), dtype=torch.int32)
-    table[:n, :width] = torch.from_numpy(np.ascontiguousarray(spec.block_table[:n], dtype=np.int32))
+    table[:n, :width] = torch.tensor(np.array(spec.block_table[:n], dtype=np.int32))
     return table.to(device)
 
 
@@ -400,29 +400,29 @@ def ref_mamba_metadata(
     )
 
     B, T = spec.padded_num_reqs, spec.padded_num_tokens
-    c, q = spec.num_computed_tokens.copy(), spec.num_scheduled_tokens.copy()  # (writable: torch.from_numpy)
+    c, q = spec.num_computed_tokens, spec.num_scheduled_tokens
     k = getattr(options, "num_speculative_tokens", 0)
     C = getattr(options, "chunk_size", None)
     ckpt_cfg = getattr(options, "checkpoint", None)
     bs_m = options.mamba_block_size or spec.block_size
     # the runner's host tensors (CAM *_cpu fields)
-    qsl_cpu = ref_query_start_loc(torch.from_numpy(q), B)
+    qsl_cpu = ref_query_start_loc(torch.tensor(q), B)
     ub = spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else c + q
-    ub_cpu = torch.from_numpy(_padded(ub.astype(np.int32), B, 0))
+    ub_cpu = torch.tensor(_padded(ub.astype(np.int32), B, 0))
     if spec.num_prompt_tokens is not None:
-        isp_cpu = ref_is_prefilling(torch.from_numpy(c), torch.from_numpy(spec.num_prompt_tokens.copy()), B)
+        isp_cpu = ref_is_prefilling(torch.tensor(c), torch.tensor(spec.num_prompt_tokens), B)
     else:
         isp_cpu = torch.zeros(B, dtype=torch.bool)
     drafts_cpu = None
     if spec.num_draft_tokens is not None or k > 0:  # the runner fills the counts every step of spec decode
-        prompt = None if spec.num_prompt_tokens is None else torch.from_numpy(spec.num_prompt_tokens.copy())
+        prompt = None if spec.num_prompt_tokens is None else torch.tensor(spec.num_prompt_tokens)
         scheduled_drafts = (np.zeros(len(q), np.int32) if spec.num_draft_tokens is None
                             else spec.num_draft_tokens.copy())
-        drafts_cpu = ref_num_decode_draft_tokens(torch.from_numpy(q), torch.from_numpy(scheduled_drafts),
-                                                 torch.from_numpy(c), prompt, B)
+        drafts_cpu = ref_num_decode_draft_tokens(torch.tensor(q), torch.tensor(scheduled_drafts),
+                                                 torch.tensor(c), prompt, B)
     # the runner's device tensors (CAM device fields), uploaded
-    qsl = ref_query_start_loc(torch.from_numpy(q).to(device), B)
-    seq_lens = ref_seq_lens(torch.from_numpy(c).to(device), torch.from_numpy(q).to(device), B)
+    qsl = ref_query_start_loc(torch.tensor(q).to(device), B)
+    seq_lens = ref_seq_lens(torch.tensor(c).to(device), torch.tensor(q).to(device), B)
     table = ref_mamba_block_table(spec, num_state_columns=1 + k, mamba_block_size=bs_m, mode=options.cache_mode,
                                   checkpoint=ckpt_cfg, device=device)
 
@@ -452,7 +452,7 @@ def ref_mamba_metadata(
         if num_accepted_tokens is None:
             out["num_accepted_tokens"] = torch.diff(qsl_d)
         else:
-            full = torch.from_numpy(_padded(np.asarray(num_accepted_tokens, np.int32), B, 1)).to(device)
+            full = torch.tensor(_padded(np.asarray(num_accepted_tokens, np.int32), B, 1)).to(device)
             out["num_accepted_tokens"] = full[:D]
     if P == 0:
         return out
@@ -500,9 +500,9 @@ def ref_linear_attn_metadata(spec: BatchSpec, options: Any, device: torch.device
     )
 
     B = spec.padded_num_reqs
-    c, q = spec.num_computed_tokens.copy(), spec.num_scheduled_tokens.copy()  # (writable: torch.from_numpy)
-    qsl = ref_query_start_loc(torch.from_numpy(q).to(device), B)
-    seq_lens = ref_seq_lens(torch.from_numpy(c).to(device), torch.from_numpy(q).to(device), B)
+    c, q = spec.num_computed_tokens, spec.num_scheduled_tokens
+    qsl = ref_query_start_loc(torch.tensor(q).to(device), B)
+    seq_lens = ref_seq_lens(torch.tensor(c).to(device), torch.tensor(q).to(device), B)
     bs_m = options.mamba_block_size or spec.block_size
     table = ref_mamba_block_table(spec, num_state_columns=1, mamba_block_size=bs_m, mode=options.cache_mode,
                                   device=device)

@@ -209,7 +209,7 @@ def ref_ubatch_commons(
     ub[:B] = exact if spec.seq_lens_upper_bound is None else spec.seq_lens_upper_bound
     qsl_cpu = f["query_start_loc"].cpu()
     return ref_split_attn_metadata(
-        [(rs, ts) for rs, ts in slices], f["query_start_loc"], qsl_cpu, f["seq_lens"], torch.from_numpy(ub),
-        torch.from_numpy(bt).to(dev), f["slot_mapping"], f["positions"],
+        [(rs, ts) for rs, ts in slices], f["query_start_loc"], qsl_cpu, f["seq_lens"], torch.tensor(ub),
+        torch.tensor(bt).to(dev), f["slot_mapping"], f["positions"],
         int(torch.diff(qsl_cpu).max().item()) if B else 0, int(ub[:B].max()) if B else 0,
     )
