@@ -34,7 +34,9 @@
 #           workloads) -> engine_check.txt. Needs transformers and FlashInfer (flashinfer kernels skip);
 #   enginebench  benchmarks/bench_engine.py: steady-state decode of the ~1.2B engine at 1/64/256
 #           requests, graphs / eager / per-tensor uploads ($ENGINE_MODES, default all three), with the
-#           cold-step replica of the same composition -> engine_bench.txt, engine_bench.json.
+#           cold-step replica of the same composition -> engine_bench.txt, engine_bench.json. Needs FlashInfer:
+#           .site's (from .whl), else vLLM's pinned one when .vllm holds it (fetch_vllm.py --flashinfer; carry
+#           .vllm), else the part fails saying so (hybridbench alike);
 #   hybrid  the reference engine's hybrid model (Bamba: Mamba2 and attention layers), its Mamba2 layers through
 #           vLLM 0.33.0's Triton kernels (needs .kernels carried, as mamba-kernels): the hybrid tests of
 #           tests/gpu/test_engine_cuda.py (a small Bamba, both Mamba cache modes, tokens against generate and
@@ -141,6 +143,12 @@ vllm.v1.attention.backends.mamba2_attn; print('vLLM', vllm.__version__, \
 import flashinfer; print('FlashInfer', flashinfer.__version__, 'from', flashinfer.__file__)" 2>&1 | grep -v "^INFO\|^WARNING" | tail -5
   [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "vLLM's Python package does not import (above)" >&2; return 1; }
 }
+flashinfer_site() {  # FlashInfer importable for the engine's benchmarks: .site's (.whl) or, carried in .vllm, vLLM's pinned one
+  $PY -c "import flashinfer" 2>/dev/null && return 0
+  if [[ -f .vllm/flashinfer.zip ]] && vllm_site && $PY -c "import flashinfer" 2>/dev/null; then return 0; fi
+  echo "no FlashInfer: carry .whl (installed into .site) or .vllm made by tests/kernels/fetch_vllm.py --flashinfer" >&2
+  return 1
+}
 if want gpu; then
 echo "== gpu: tests/gpu" | tee "$OUT_DIR/gpu_tests.log"
 timeout 120 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu -q -rs -p no:cacheprovider \
@@ -225,9 +233,13 @@ timeout 300 $PY -m examples.engine --device cuda 2>&1 | tee "$OUT_DIR/engine_che
 fi
 if want enginebench; then
 echo "== enginebench: steady-state decode of the ~1.2B engine" | tee "$OUT_DIR/engine_bench.txt"
-timeout 560 $PY benchmarks/bench_engine.py --device cuda --modes "${ENGINE_MODES:-graphs,eager,per-tensor}" \
-  --json "$OUT_DIR/engine_bench.json" 2>&1 \
-  | tee -a "$OUT_DIR/engine_bench.txt" || status=1
+if flashinfer_site >> "$OUT_DIR/engine_bench.txt" 2>&1; then  # (no pipe: its PYTHONPATH must stay)
+  timeout 560 $PY benchmarks/bench_engine.py --device cuda --modes "${ENGINE_MODES:-graphs,eager,per-tensor}" \
+    --json "$OUT_DIR/engine_bench.json" 2>&1 \
+    | tee -a "$OUT_DIR/engine_bench.txt" || status=1
+else
+  failed enginebench 1
+fi
 fi
 if want mamba-kernels; then
 echo "== mamba-kernels: vLLM's and mamba_ssm's Mamba2 kernels fed by attnmeta metadata" | tee "$OUT_DIR/mamba_kernels.log"
@@ -257,8 +269,12 @@ fi
 if want hybridbench; then
 echo "== hybridbench: the ~1.4B hybrid engine's steady state" | tee "$OUT_DIR/hybrid_bench.txt"
 if [[ -f .kernels/MANIFEST.txt ]]; then
-  timeout 560 $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --json "$OUT_DIR/hybrid_bench.json" 2>&1 \
-    | tee -a "$OUT_DIR/hybrid_bench.txt" || status=1
+  if flashinfer_site >> "$OUT_DIR/hybrid_bench.txt" 2>&1; then  # (no pipe: its PYTHONPATH must stay)
+    timeout 560 $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --json "$OUT_DIR/hybrid_bench.json" 2>&1 \
+      | tee -a "$OUT_DIR/hybrid_bench.txt" || status=1
+  else
+    failed hybridbench 1
+  fi
 else
   echo "no .kernels/: run python tests/kernels/fetch_kernels.py on the dev machine and carry .kernels" \
     | tee -a "$OUT_DIR/hybrid_bench.txt"
