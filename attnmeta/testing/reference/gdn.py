@@ -52,7 +52,7 @@ def ref_gdn_metadata(
     qsl_cpu = qsl.cpu()
     q_cpu = qsl_cpu.diff()
     ub = torch.zeros(B, dtype=torch.int32)
-    ub[:n] = torch.tensor((c_np + q_np) if spec.seq_lens_upper_bound is None else spec.seq_lens_upper_bound.copy())
+    ub[:n] = torch.tensor((c_np + q_np) if spec.seq_lens_upper_bound is None else spec.seq_lens_upper_bound)
     is_pre = torch.zeros(B, dtype=torch.bool)
     if spec.num_prompt_tokens is not None:
         is_pre[:n] = torch.tensor(c_np < spec.num_prompt_tokens)
