@@ -558,11 +558,9 @@ _store_fields = vars(dataclasses.make_dataclass("_BatchSpecStores", [(n, Any) fo
 
 @njit
 def _pages_nb(c: np.ndarray, q: np.ndarray, bs: int, sh_bs: int) -> int:
-    """``sum(cdiv(c + q, bs))`` over the rows (counts already validated)."""
-    pages = 0
-    for i in range(c.shape[0]):
-        pages += cdiv_by(np.int64(c[i]) + np.int64(q[i]), bs, sh_bs)
-    return pages
+    """``sum(cdiv(c + q, bs))`` over the rows (counts already validated): :func:`_fold_counts`'s page sum."""
+    z = np.int64(0)
+    return int(_fold_counts(c, q, bs, sh_bs, z, z, z, z, z, z)[3])
 
 
 def spec_arguments(spec: BatchSpec) -> dict[str, Any]:
