@@ -202,17 +202,14 @@ class VarlenKernel:
 
 
 class _PlanSet:
-    """Two FlashInfer prefill wrappers (the split's multi-token decode rows and prefill rows, or a
-    cascade's shared and per-request levels), the eager decode wrapper (the split's one-token decode
-    rows), the CUDA-graph decode wrappers, and the event fencing their plans."""
+    """Two FlashInfer prefill wrappers (the split's decode and prefill parts, or a cascade's shared and
+    per-request levels), the CUDA-graph decode wrappers, and the event fencing their plans."""
 
     def __init__(self, lib: Any, ws: torch.Tensor) -> None:
         # fa2: FlashInfer 0.5.3's fa3 plan() derives a cumsum of the KV lengths in pageable memory and
         # copies it with non_blocking=True (a staged copy); fa2's plan copies only what it is given
         self.a = lib.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
         self.b = lib.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
-        # tensor cores, as vLLM's FlashInfer builder makes its decode wrapper
-        self.d = lib.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
         self.graph: dict[int, Any] = {}
         self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.planned = False
@@ -221,12 +218,11 @@ class _PlanSet:
 class FlashInferKernel:
     """FlashInfer's paged wrappers (CUDA), planned from attnmeta's pinned host arrays.
 
-    Eager steps run attnmeta's split through two wrappers: its decode rows through FlashInfer's batch
-    decode wrapper when each holds one query token (padding rows included; vLLM's builder plans the
-    same wrapper for them), else through a batch prefill wrapper, and the other rows through a batch
-    prefill wrapper; when the step cascades, the shared prefix (non-causal, every query) and each
-    request's suffix (causal) through two prefill wrappers, merged with FlashInfer's ``merge_state``.
-    Replayed decode steps (CUDA graphs) run the decode wrapper in graph mode, one per padded size.
+    Eager steps run FlashInfer's batch prefill wrapper twice, over the decode rows and over the other
+    rows of attnmeta's split (its kernel takes decode rows as one-token queries), or, when the step
+    cascades, over the shared prefix (non-causal, every query) and each request's suffix (causal),
+    merged with FlashInfer's ``merge_state``. Replayed decode steps (CUDA graphs) run the decode wrapper
+    in graph mode, one per padded size.
 
     What ``plan()`` gets: the query and page indptrs, last-page lengths and KV lengths as pinned host
     views of the step (:func:`attnmeta.backends.flashinfer.host_tensor`), so its host reads are free
@@ -320,21 +316,15 @@ class FlashInferKernel:
                       ca.suffix_paged_kv_indices, host_tensor(ca.suffix_paged_kv_last_page_len_cpu), h, hk, d, bs,
                       causal=True, seq_lens=host_tensor(ca.suffix_kv_lens_cpu), **kw)
         else:
+            self._mode = "split"
             nd = fi.num_decodes
-            # One query token a decode row (a padding row's included): the decode wrapper, over every
-            # decode row. Else each wrapper runs over the query rows its indptr covers: a padded decode
-            # step's padding rows (zero-length requests) are counted in num_decode_tokens but not in the
-            # indptr, and FlashInfer (0.7) refuses a query longer than the indptr's last entry; the padding
-            # rows' outputs are unspecified (AttentionKernel.attend). (The indptrs are the step's pinned
-            # host views: no device read.)
-            single = nd > 0 and fi.num_decode_tokens == nd
-            self._mode = "decode" if single else "split"
-            self._split = (nd if single else int(fi.qo_indptr_decode_cpu[-1]) if nd else 0, fi.num_decode_tokens,
+            # Each wrapper runs over the query rows its indptr covers: a padded decode step's padding rows
+            # (zero-length requests) are counted in num_decode_tokens but not in the indptr, and FlashInfer
+            # (0.7) refuses a query longer than the indptr's last entry; the padding rows' outputs are
+            # unspecified (AttentionKernel.attend). (The indptrs are the step's pinned host views: no device read.)
+            self._split = (int(fi.qo_indptr_decode_cpu[-1]) if nd else 0, fi.num_decode_tokens,
                            int(fi.qo_indptr_prefill_cpu[-1]) if fi.num_prefills else 0)
-            if single:
-                ps.d.plan(host_tensor(fi.paged_kv_indptr_cpu[: nd + 1]), fi.paged_kv_indices,
-                          host_tensor(fi.paged_kv_last_page_len_cpu[:nd]), h, hk, d, bs, **kw)
-            elif nd:
+            if nd:
                 ps.a.plan(host_tensor(fi.qo_indptr_decode_cpu), host_tensor(fi.paged_kv_indptr_cpu[: nd + 1]),
                           fi.paged_kv_indices, host_tensor(fi.paged_kv_last_page_len_cpu[:nd]), h, hk, d, bs,
                           causal=True, seq_lens=host_tensor(fi.kv_lens_cpu[:nd]), **kw)
@@ -355,12 +345,9 @@ class FlashInferKernel:
             o_p, l_p = ps.a.run(q, kv, return_lse=True)
             return self._lib.merge_state(o_s, l_s, o_p, l_p)[0]  # type: ignore[no-any-return]
         d_rows, p_start, p_rows = self._split
-        decode = ps.d if self._mode == "decode" else ps.a
-        if d_rows == q.shape[0]:  # a decode step: its output is the decode wrapper's
-            return decode.run(q, kv)  # type: ignore[no-any-return]
         out = torch.empty_like(q)
         if d_rows:
-            out[:d_rows] = decode.run(q[:d_rows], kv)
+            out[:d_rows] = ps.a.run(q[:d_rows], kv)
         if p_rows:
             out[p_start : p_start + p_rows] = ps.b.run(q[p_start : p_start + p_rows], kv)
         return out
