@@ -345,9 +345,12 @@ class FlashInferKernel:
             o_p, l_p = ps.a.run(q, kv, return_lse=True)
             return self._lib.merge_state(o_s, l_s, o_p, l_p)[0]  # type: ignore[no-any-return]
         d_rows, p_start, p_rows = self._split
-        out = torch.empty_like(q)
+        if d_rows == q.shape[0]:  # decode rows only, none of them padding: the wrapper's output is the step's
+            return ps.a.run(q, kv)  # type: ignore[no-any-return]
+        out = torch.empty_like(q)  # each wrapper writes its rows in place (no copy kernel a layer)
         if d_rows:
-            out[:d_rows] = ps.a.run(q[:d_rows], kv)
+            ps.a.run(q[:d_rows], kv, out=out[:d_rows])
         if p_rows:
-            out[p_start : p_start + p_rows] = ps.b.run(q[p_start : p_start + p_rows], kv)
+            p = slice(p_start, p_start + p_rows)
+            ps.b.run(q[p], kv, out=out[p])
         return out

@@ -374,11 +374,14 @@ def test_flashinfer_kernel_runs_each_wrapper_over_the_rows_its_indptr_covers(mon
         def plan(self, qo_indptr: torch.Tensor, *args: Any, **kwargs: Any) -> None:
             self.rows = int(qo_indptr[-1])
 
-        def run(self, q: torch.Tensor, kv: Any) -> torch.Tensor:
+        def run(self, q: torch.Tensor, kv: Any, out: torch.Tensor | None = None) -> torch.Tensor:
             if q.shape[0] != self.rows:
                 raise ValueError(f"q.shape[0] ({q.shape[0]}) does not match qo_indptr[-1] ({self.rows})")
             ran.append(q.shape[0])
-            return torch.ones_like(q)
+            if out is None:
+                return torch.ones_like(q)
+            assert out.shape == q.shape
+            return out.fill_(1.0)
 
     class Event:  # torch.cuda.Event on a machine without CUDA: always done
         def record(self) -> None:
@@ -400,3 +403,10 @@ def test_flashinfer_kernel_runs_each_wrapper_over_the_rows_its_indptr_covers(mon
         kernel.prepare(built.common, built.metadata)
         out = kernel.attend(0, torch.zeros(padded, 4, 8), torch.zeros(1), torch.zeros(1))
         assert ran == [n] and out.shape == (padded, 4, 8) and bool((out[:n] == 1).all())
+    ran.clear()  # a mixed step: two decode rows, then a prompt of 3 tokens; each wrapper writes its own rows
+    spec = BatchSpec(num_computed_tokens=np.array([6, 7, 0], np.int32), num_scheduled_tokens=np.array([1, 1, 3], np.int32),
+                     block_table=table[:3], block_size=4)
+    built = composer.build(spec)
+    kernel.prepare(built.common, built.metadata)
+    out = kernel.attend(0, torch.zeros(5, 4, 8), torch.zeros(1), torch.zeros(1))
+    assert ran == [2, 3] and bool((out == 1).all())
