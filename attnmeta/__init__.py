@@ -34,7 +34,7 @@ from attnmeta.builder import (
 from attnmeta.common import build_common, stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
 from attnmeta.profile import StaticProfile
-from attnmeta.spec import BatchSpec, ContextParallel
+from attnmeta.spec import BatchSpec, ContextParallel, StepShape
 from attnmeta.staging import Staged, Stager, Step, StepExpiredError, is_expired
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "StaticProfile",
     "Step",
     "StepExpiredError",
+    "StepShape",
     "UnknownBuilderError",
     "UnsupportedBatchError",
     "build",

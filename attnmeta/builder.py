@@ -70,7 +70,7 @@ from attnmeta._checks import (
 from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.common import stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
-from attnmeta.spec import BatchSpec
+from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import Staged, Stager, Step
 
 __all__ = [
@@ -281,9 +281,12 @@ class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
             raise TypeError(f"{self.name}: inputs must be {t.__name__}, got {got}")
         return inputs
 
-    def needs(self, spec: BatchSpec, options: OptionsT) -> CommonNeeds:
-        """The common fields this builder reads for ``spec`` with ``options`` (default: every field,
-        no paged-KV layout, the default block-table width)."""
+    def needs(self, shape: StepShape, options: OptionsT) -> CommonNeeds:
+        """The common fields this builder reads for a step of ``shape`` (:attr:`BatchSpec.shape
+        <attnmeta.BatchSpec.shape>`, the step's scalars) with ``options`` (default: every field, no
+        paged-KV layout, the default block-table width).
+
+        A function of its arguments only: the step composer computes it once per shape."""
         return _ALL_TOKENS
 
     @final
@@ -334,12 +337,15 @@ class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
         list when it can). :func:`build` raises :class:`UnsupportedBatchError` listing them."""
         return []
 
-    def replay_key(self, spec: BatchSpec, options: OptionsT, inputs: InputsT) -> Hashable | None:
-        """What the fields this builder stages for ``spec`` depend on, beyond the common metadata's
-        layout (their names, shapes and order, and which views its metadata holds): two steps of one
-        key on one ring slot stage the same fields at the same places. None: this step is staged the
-        ordinary way (:meth:`derive`), never replayed. Default None (a builder opts in to replay by
-        implementing this and :meth:`replayer`)."""
+    def replay_key(self, shape: StepShape, options: OptionsT, inputs: InputsT) -> Hashable | None:
+        """What the fields this builder stages for a step of ``shape`` (the step's scalars) depend on,
+        beyond the common metadata's layout (their names, shapes and order, and which views its
+        metadata holds): two steps of one key on one ring slot stage the same fields at the same places.
+        None: this step is staged the ordinary way (:meth:`derive`), never replayed. Default None (a
+        builder opts in to replay by implementing this and :meth:`replayer`).
+
+        A function of its arguments only: the step composer computes it once per shape (for a step
+        without inputs) and reuses it."""
         return None
 
     def replayer(self, staged: Staged[HostT, MetadataT], common: StagedCommon, step: Step, options: OptionsT,
@@ -474,7 +480,7 @@ def build(spec: BatchSpec, stager: Stager, builder: Builder[Any, Any, Any, Metad
     reasons = b.unsupported_reasons(spec, opts, inp)
     if reasons:
         raise UnsupportedBatchError(b.name, reasons)
-    needs = b.needs(spec, opts)
+    needs = b.needs(spec.shape, opts)
     with stager.step() as step:
         common = stage_common(spec, step, token_arrays=needs.token_arrays, paged_kv=needs.paged_kv,
                               block_table_columns=None if stager.graph_mode else needs.block_table_columns)

@@ -50,7 +50,7 @@ import torch
 from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchError
 from attnmeta.common import CommonWriter, _stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata
-from attnmeta.spec import BatchSpec
+from attnmeta.spec import BatchSpec, StepShape, trusted_specs
 from attnmeta.staging import STAGEABLE_DTYPES, Staged, Stager, Step, StepLayout, bucket_rows
 
 __all__ = ["PARALLEL_MIN_ROWS", "Array", "ComposeStats", "ComposedStep", "Group", "StepBuilder", "table_columns"]
@@ -61,6 +61,8 @@ with the block-table rows and page indices copied on numba's thread pool (fewer 
 the pool's hand-off costs more than it saves there; docs/benchmarks.md)."""
 
 _MAX_RECORDS = 512  # per ring slot; dropped (and re-recorded on demand) when a slot outgrows this
+_MAX_KEYS = 4096  # layout keys kept by step shape; dropped (and computed again) when outgrown
+_MISS = object()
 _NO_ARRAYS: list[np.ndarray] = []
 
 
@@ -209,14 +211,14 @@ class _Group:
             raise TypeError(f"Group.token_arrays: expected a bool or None, got {g.token_arrays!r}")
         self.tokens = g.token_arrays if g.token_arrays is not None else (True if not self.builders else None)
 
-    def needs(self, spec: BatchSpec) -> tuple[bool, bool, int]:
+    def needs(self, shape: StepShape) -> tuple[bool, bool, int]:
         """``(token arrays, paged KV layout, block-table columns)`` the group's common metadata needs for
-        ``spec``: what its builders read (:meth:`~attnmeta.builder.Builder.needs`), the token arrays as
-        :attr:`Group.token_arrays` says."""
+        a step of ``shape``: what its builders read (:meth:`~attnmeta.builder.Builder.needs`), the token
+        arrays as :attr:`Group.token_arrays` says."""
         tokens = paged = False
         columns = 0
         for _n, b, o in self.builders:
-            needs = b.needs(spec, o)
+            needs = b.needs(shape, o)
             tokens |= needs.token_arrays
             paged |= needs.paged_kv
             c = needs.block_table_columns
@@ -317,6 +319,7 @@ class StepBuilder:
         self._threads = threads
         self._token = object()  # this composer's key in each slot's extras
         self._no_inputs = self._inputs({})  # every builder's empty inputs (the usual step's)
+        self._keys: dict[tuple[StepShape, ...], tuple[Hashable, ...] | None] = {}  # by shape, without inputs
         self.stats = ComposeStats()
 
     @property
@@ -358,17 +361,97 @@ class StepBuilder:
         sp = (specs,) if type(specs) is BatchSpec or isinstance(specs, BatchSpec) else tuple(specs)
         if len(sp) != len(self._groups):
             raise ValueError(f"specs: expected one BatchSpec per group ({len(self._groups)}), got {len(sp)}")
+        for s in sp:
+            if type(s) is not BatchSpec and not isinstance(s, BatchSpec):
+                raise TypeError(f"spec: expected a BatchSpec, got {type(s).__name__} {s!r:.80}")
         inp = self._no_inputs if not inputs else self._inputs(inputs)  # (an engine's usual {}: none)
         arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
-        key = self._key(sp, inp, arr)
+        return self._run(sp, tuple(s.shape for s in sp), inp, arr, None)
+
+    def build_counts(
+        self, num_computed_tokens: npt.ArrayLike, num_scheduled_tokens: npt.ArrayLike,
+        tables: Sequence[tuple[npt.ArrayLike, int]], *, num_prompt_tokens: npt.ArrayLike | None = None,
+        num_draft_tokens: npt.ArrayLike | None = None, seq_lens_upper_bound: npt.ArrayLike | None = None,
+        num_reqs_padded: int | None = None, num_tokens_padded: int | None = None,
+        inputs: Mapping[str, Any] | None = None, arrays: Mapping[str, np.ndarray] | None = None,
+    ) -> ComposedStep:
+        """One step from the scheduler's arrays: :meth:`build` of the specs they make, without making
+        them on a steady-state step.
+
+        Equal to ``build(specs, inputs, arrays)`` with ``specs[0] = BatchSpec(num_computed_tokens=...,
+        num_scheduled_tokens=..., block_table=tables[0][0], block_size=tables[0][1], <the optional
+        arrays>, num_reqs_padded=..., num_tokens_padded=...)`` and ``specs[g] =
+        specs[0].for_group(block_table=tables[g][0], block_size=tables[g][1])``: the same metadata,
+        field for field, and the same errors. A step that replays its slot's recorded layout validates
+        the counts against every group's table in one compiled scan, reads the arrays in place (no
+        copies, no :class:`~attnmeta.BatchSpec`) and reuses the layout's key (by
+        :class:`~attnmeta.StepShape`); any other step makes the specs and goes through :meth:`build`.
+
+        Parameters
+        ----------
+        num_computed_tokens, num_scheduled_tokens : (num_reqs,) int32, host
+            As :class:`~attnmeta.BatchSpec`. Read during the call only: the caller may change them as
+            soon as it returns.
+        tables : sequence of (block_table, block_size)
+            One per group, in group order: ``(num_reqs or more, columns)`` int32 host tables and their
+            block sizes (a table is read during the call only, as by :meth:`build`).
+        num_prompt_tokens, num_draft_tokens, seq_lens_upper_bound : (num_reqs,) int32, host, optional
+            As :class:`~attnmeta.BatchSpec`.
+        num_reqs_padded, num_tokens_padded : int, optional
+            CUDA-graph padding, as :class:`~attnmeta.BatchSpec`.
+        inputs, arrays : mapping, optional
+            As :meth:`build`.
+
+        Returns
+        -------
+        ComposedStep
+            As :meth:`build`.
+
+        Raises
+        ------
+        TypeError, ValueError, attnmeta.UnsupportedBatchError, attnmeta.staging.CapacityError
+            As ``BatchSpec(...)``, :meth:`~attnmeta.BatchSpec.for_group` and :meth:`build` (the counts'
+            and tables' errors name the field, the row and the rule).
+
+        Notes
+        -----
+        The fast path takes arrays that a spec would keep as they are (C-contiguous int32 numpy arrays,
+        ``(block_table, block_size)`` tuples of int32 tables and ``int`` block sizes, ``int`` padding);
+        anything else (lists, other dtypes, context parallelism: use :meth:`build`) is converted or
+        refused by the specs' constructor, as :meth:`build` would.
+        """
+        fast = trusted_specs(num_computed_tokens, num_scheduled_tokens, tables, num_prompt_tokens, num_draft_tokens,
+                             seq_lens_upper_bound, num_reqs_padded, num_tokens_padded)
+        if fast is None or len(fast[0]) != len(self._groups):
+            return self.build(_make_specs(num_computed_tokens, num_scheduled_tokens, tables, num_prompt_tokens,
+                                          num_draft_tokens, seq_lens_upper_bound, num_reqs_padded,
+                                          num_tokens_padded), inputs, arrays)
+        self.stats.steps += 1
+        inp = self._no_inputs if not inputs else self._inputs(inputs)
+        arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
+        return self._run(fast[0], fast[1], inp, arr, _owned)
+
+    def _run(self, sp: tuple[BatchSpec, ...], shapes: tuple[StepShape, ...], inputs: list[list[Any]],
+             arrays: list[np.ndarray], own: Any) -> ComposedStep:
+        """The step of ``sp``: replayed when its slot recorded its layout, else composed (with the specs
+        ``own(sp)`` makes, where ``sp`` keeps the caller's arrays: :meth:`build_counts`)."""
+        key = self._key(shapes, inputs, arrays)
         if key is None:  # (every builder's reasons first: a step that cannot be served is never begun)
-            self._check(sp, inp)
-            return self._compose(self._stager.step(), sp, inp, arr, None)
+            if own is not None:
+                sp = own(sp)
+            self._check(sp, inputs)
+            return self._compose(self._stager.step(), sp, shapes, inputs, arrays, None)
         step = self._stager.step()
         rec = self._records(step).get(key)
-        if rec is None or not step.restage(rec.layout, self._rows(rec, sp, arr)):
-            return self._compose(step, sp, inp, arr, key)
-        return self._replay(step, rec, sp, inp, arr)
+        if rec is None or not step.restage(rec.layout, self._rows(rec, sp, arrays)):
+            if own is not None:
+                try:
+                    sp = own(sp)
+                except BaseException:
+                    step.abandon()
+                    raise
+            return self._compose(step, sp, shapes, inputs, arrays, key)
+        return self._replay(step, rec, sp, inputs, arrays)
 
     # ------------------------------------------------------------------ the step's inputs and key
     def _inputs(self, inputs: Mapping[str, Any]) -> list[list[Any]]:
@@ -394,25 +477,37 @@ class StepBuilder:
             out.append(a)
         return out
 
-    def _key(self, specs: tuple[BatchSpec, ...], inputs: list[list[Any]], arrays: list[np.ndarray]
+    def _key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]], arrays: list[np.ndarray]
              ) -> tuple[Hashable, ...] | None:
         """Everything the step's layout depends on, or None: compose it (context parallelism, a builder
-        without a replay key, graph mode beyond the profile: the builders raise their errors)."""
+        without a replay key, graph mode beyond the profile: the builders raise their errors). A
+        function of the shapes, the inputs and (eager mode) the arrays' rows; computed once per shape
+        for a step without inputs."""
+        if inputs is self._no_inputs:
+            key = self._keys.get(shapes, _MISS)
+            if key is _MISS:
+                if len(self._keys) >= _MAX_KEYS:
+                    self._keys.clear()
+                key = self._keys[shapes] = self._layout_key(shapes, inputs)
+        else:
+            key = self._layout_key(shapes, inputs)
+        if key is None or not arrays or self._graph:
+            return key  # type: ignore[return-value]
+        return (*key, tuple(a.shape[0] for a in arrays))  # type: ignore[misc]
+
+    def _layout_key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]]) -> tuple[Hashable, ...] | None:
+        """:meth:`_key` but the arrays' rows."""
         parts: list[Hashable] = []
         prof = self._stager.profile
-        for g, spec, inp in zip(self._groups, specs, inputs):
-            if spec.context_parallel is not None:
+        for g, shape, inp in zip(self._groups, shapes, inputs):
+            if shape.context_parallel is not None:
                 return None
-            tokens, paged, columns = g.needs(spec)
-            Bp, Tp = spec.num_reqs_padded, spec.num_tokens_padded
-            if Bp is None:
-                Bp = spec.num_reqs
-            if Tp is None:
-                Tp = spec.num_tokens
-            bs, exact = spec.block_size, spec.max_exact_seq_len
+            tokens, paged, columns = g.needs(shape)
+            Bp, Tp = shape.padded_num_reqs, shape.padded_num_tokens
+            bs, exact = shape.block_size, shape.max_exact_seq_len
             if prof is not None:
                 if (bs != prof.block_size or Bp > prof.max_num_reqs or Tp > prof.max_num_tokens
-                        or spec.num_pages > prof.max_num_pages or -(-exact // bs) > prof.max_blocks_per_req):
+                        or shape.num_pages > prof.max_num_pages or -(-exact // bs) > prof.max_blocks_per_req):
                     return None
                 parts.append((Bp, Tp, tokens, paged))
             else:
@@ -421,16 +516,13 @@ class StepBuilder:
                     need = columns
                 step = g.column_step
                 parts.append((Bp, Tp if tokens else 0, -(-need // step) * step,
-                              bucket_rows(spec.num_pages) if paged else 0, bs, tokens, paged))
-            parts.append((spec.num_prompt_tokens is None, spec.num_draft_tokens is None,
-                          spec.seq_lens_upper_bound is None))
+                              bucket_rows(shape.num_pages) if paged else 0, bs, tokens, paged))
+            parts.append((shape.has_prompt, shape.has_drafts, shape.has_upper_bound))
             for (_n, b, o), i in zip(g.builders, inp):
-                k = b.replay_key(spec, o, i)
+                k = b.replay_key(shape, o, i)
                 if k is None:
                     return None
                 parts.append(k)
-        if arrays and prof is None:
-            parts.append(tuple(a.shape[0] for a in arrays))
         return tuple(parts)
 
     def _rows(self, rec: _Record, specs: tuple[BatchSpec, ...], arrays: list[np.ndarray]) -> dict[str, int] | None:
@@ -461,8 +553,8 @@ class StepBuilder:
         return records
 
     # ------------------------------------------------------------------ a step of a new layout
-    def _compose(self, step: Step, specs: tuple[BatchSpec, ...], inputs: list[list[Any]], arrays: list[np.ndarray],
-                 key: tuple[Hashable, ...] | None) -> ComposedStep:
+    def _compose(self, step: Step, specs: tuple[BatchSpec, ...], shapes: tuple[StepShape, ...], inputs: list[list[Any]],
+                 arrays: list[np.ndarray], key: tuple[Hashable, ...] | None) -> ComposedStep:
         """Stage the step through the builders' ``stage`` (begun by the caller); record its layout under
         ``key``."""
         commons, writers, paged_flags = [], [], []
@@ -471,8 +563,8 @@ class StepBuilder:
         try:
             if key is not None:  # (a step without a key was checked before it began)
                 self._check(specs, inputs)
-            for g, spec, inp in zip(self._groups, specs, inputs, strict=True):
-                tokens, paged, columns = g.needs(spec)
+            for g, spec, shape, inp in zip(self._groups, specs, shapes, inputs, strict=True):
+                tokens, paged, columns = g.needs(shape)
                 W = None
                 if not self._graph:
                     W = -(-max(columns, table_columns(spec, 1)) // g.column_step) * g.column_step
@@ -565,3 +657,31 @@ class StepBuilder:
         return (f"StepBuilder({groups}, arrays={[n for n, *_r in self._arrays]}{threads}, steps={self.stats.steps}, "
                 f"replayed={self.stats.replayed})")
 
+
+
+def _make_specs(c: Any, q: Any, tables: Any, prompt: Any, drafts: Any, ub: Any, rp: Any, tp: Any
+                ) -> tuple[BatchSpec, ...]:
+    """:meth:`StepBuilder.build_counts`'s specs, made (and checked) by the constructor."""
+    if isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence) or not tables:
+        raise TypeError(f"tables: expected a non-empty sequence of (block_table, block_size), got {tables!r:.80}")
+    made: list[BatchSpec] = []
+    for g, t in enumerate(tables):
+        if not isinstance(t, tuple) or len(t) != 2:
+            raise TypeError(f"tables[{g}]: expected a (block_table, block_size) tuple, got {type(t).__name__}")
+        made.append(BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=t[0], block_size=t[1],
+                              num_prompt_tokens=prompt, num_draft_tokens=drafts, seq_lens_upper_bound=ub,
+                              num_reqs_padded=rp, num_tokens_padded=tp) if g == 0
+                    else made[0].for_group(block_table=t[0], block_size=t[1]))
+    return tuple(made)
+
+
+def _owned(specs: tuple[BatchSpec, ...]) -> tuple[BatchSpec, ...]:
+    """Specs equal to ``specs`` (from :func:`attnmeta.spec.trusted_specs`, which keep the caller's arrays)
+    that own copies of their vectors, for a composed step (whose metadata may keep them)."""
+    first = specs[0]
+    own = BatchSpec(num_computed_tokens=first.num_computed_tokens, num_scheduled_tokens=first.num_scheduled_tokens,
+                    block_table=first.block_table, block_size=first.block_size,
+                    num_prompt_tokens=first.num_prompt_tokens, num_draft_tokens=first.num_draft_tokens,
+                    seq_lens_upper_bound=first.seq_lens_upper_bound, num_reqs_padded=first.num_reqs_padded,
+                    num_tokens_padded=first.num_tokens_padded)
+    return (own, *(own.for_group(block_table=s.block_table, block_size=s.block_size) for s in specs[1:]))

@@ -30,7 +30,7 @@ from attnmeta._checks import INT32_MAX, as_host_array, block_table_rows
 from attnmeta._intdiv import cdiv_by, pow2_shift
 from attnmeta._numba import njit
 
-__all__ = ["MAX_PADDED_REQS", "MAX_PADDED_TOKENS", "BatchSpec", "ContextParallel"]
+__all__ = ["MAX_PADDED_REQS", "MAX_PADDED_TOKENS", "BatchSpec", "ContextParallel", "StepShape"]
 
 MAX_PADDED_REQS = 1 << 20
 """The most request rows a step may be padded to (``num_reqs_padded``): far past any CUDA-graph batch
@@ -54,6 +54,72 @@ class ContextParallel(NamedTuple):
     """Interleave size ``I``: consecutive tokens per rank; must divide ``block_size``."""
 
 
+
+class StepShape(NamedTuple):
+    """A step's host scalars: all a builder's :meth:`~attnmeta.builder.Builder.needs` and
+    :meth:`~attnmeta.builder.Builder.replay_key` may read (:attr:`BatchSpec.shape`).
+
+    No arrays: what a step's layout depends on is a function of these, the builder's options and its
+    inputs, so the step composer (:class:`attnmeta.compose.StepBuilder`) computes a layout's key once
+    per shape and reuses it, and its counts entry (:meth:`~attnmeta.compose.StepBuilder.build_counts`)
+    makes no :class:`BatchSpec` for a replayed step. The names are :class:`BatchSpec`'s.
+
+    Examples
+    --------
+    >>> spec = BatchSpec(num_computed_tokens=[5, 0], num_scheduled_tokens=[1, 4], block_table=[[1, 2], [3, 0]],
+    ...                  block_size=4, num_prompt_tokens=[3, 9])
+    >>> s = spec.shape
+    >>> s.num_reqs, s.first_query_len, s.max_query_len, s.any_prefilling, s.table_columns, s.padded_num_tokens
+    (2, 1, 4, True, 2, 5)
+    """
+
+    num_reqs: int
+    """Real requests."""
+    num_tokens: int
+    """Real tokens."""
+    num_reqs_padded: int | None
+    """Request rows after CUDA-graph padding, as given (None: not padded)."""
+    num_tokens_padded: int | None
+    """Tokens after padding, as given (None: not padded)."""
+    max_query_len: int
+    """``max(num_scheduled_tokens)`` (0 for an empty batch)."""
+    first_query_len: int
+    """``num_scheduled_tokens[0]`` (0 for an empty batch): after the decode-first reorder, whether the
+    first row is a prefill row."""
+    max_seq_len: int
+    """``max(seq_lens_upper_bound)`` (the exact maximum without upper bounds)."""
+    max_exact_seq_len: int
+    """``max(num_computed_tokens + num_scheduled_tokens)``."""
+    num_pages: int
+    """``sum(cdiv(seq_len, block_size))``."""
+    block_size: int
+    """Tokens per KV block."""
+    table_columns: int
+    """The block table's columns."""
+    any_prefilling: bool
+    """Whether a row is still in its prompt (``num_computed_tokens < num_prompt_tokens``; False without
+    prompt lengths)."""
+    has_prompt: bool
+    """``num_prompt_tokens`` given."""
+    has_drafts: bool
+    """``num_draft_tokens`` given."""
+    has_upper_bound: bool
+    """``seq_lens_upper_bound`` given."""
+    context_parallel: ContextParallel | None
+    """As :attr:`BatchSpec.context_parallel`."""
+
+    @property
+    def padded_num_reqs(self) -> int:
+        """Request rows including padding."""
+        return self.num_reqs if self.num_reqs_padded is None else self.num_reqs_padded
+
+    @property
+    def padded_num_tokens(self) -> int:
+        """Tokens including padding."""
+        return self.num_tokens if self.num_tokens_padded is None else self.num_tokens_padded
+
+
+_I32 = np.dtype(np.int32)
 _EMPTY = np.zeros(0, np.int32)
 _NO_COPY = np.zeros((0, 0), np.int32)
 _INT_TYPES = (int, np.integer)
@@ -500,6 +566,18 @@ class BatchSpec:
         BatchSpec.__init__(self, **spec_arguments(self))
 
     @property
+    def shape(self) -> StepShape:
+        """The step's scalars (:class:`StepShape`): what builders' ``needs`` and ``replay_key`` read."""
+        q, prompt = self.num_scheduled_tokens, self.num_prompt_tokens
+        return StepShape(
+            self.num_reqs, self.num_tokens, self.num_reqs_padded, self.num_tokens_padded, self.max_query_len,
+            int(q[0]) if self.num_reqs else 0, self.max_seq_len, self.max_exact_seq_len, self.num_pages,
+            self.block_size, int(self.block_table.shape[1]),
+            prompt is not None and bool(np.any(self.num_computed_tokens < prompt)), prompt is not None,
+            self.num_draft_tokens is not None, self.seq_lens_upper_bound is not None, self.context_parallel,
+        )
+
+    @property
     def padded_num_reqs(self) -> int:
         """Request rows including padding (``num_reqs_padded`` or ``num_reqs``)."""
         return self.num_reqs if self.num_reqs_padded is None else self.num_reqs_padded
@@ -567,3 +645,99 @@ def spec_arguments(spec: BatchSpec) -> dict[str, Any]:
     """The keyword arguments that construct ``spec`` again (its init fields, the host arrays
     themselves, not copies): what an engine passes each step, for benchmarks and subclasses."""
     return {name: getattr(spec, name) for name in _INIT_FIELDS}
+
+
+@njit
+def _scan_nb(c: np.ndarray, q: np.ndarray, bt: np.ndarray, bs: int, prompt: np.ndarray, drafts: np.ndarray,
+             ub: np.ndarray, sizes: np.ndarray, widths: np.ndarray, pages: np.ndarray, none: np.ndarray
+             ) -> tuple[int, int, int, int, int, int, int, bool]:
+    """:func:`_validate_nb` of the counts against the first group's table (no copies, no context
+    parallelism), the width rule and page count of every further group (block sizes ``sizes``, table
+    columns ``widths``; ``pages`` gets their counts), and the scalars a :class:`StepShape` adds.
+
+    Returns ``(status, total, max_q, max_seq, max_ub, pages, first_q, prefilling)``; status 0 = every
+    rule holds (else the scalars mean nothing: the constructor names the broken rule)."""
+    st, _row, _col, total, max_q, max_seq, max_ub, pages0 = _validate_nb(c, q, bt, bs, bs, prompt, drafts, ub,
+                                                                          False, none)
+    if st:
+        return st, 0, 0, 0, 0, 0, 0, False
+    z = np.int64(0)
+    for g in range(sizes.shape[0]):
+        s = sizes[g]
+        sh = pow2_shift(s)
+        if cdiv_by(np.int64(max_seq), s, sh) > widths[g]:
+            return _NARROW, 0, 0, 0, 0, 0, 0, False
+        pages[g] = _fold_counts(c, q, s, sh, z, z, z, z, z, z)[3]
+    prefilling = False
+    for i in range(prompt.shape[0]):
+        if c[i] < prompt[i]:
+            prefilling = True
+            break
+    return 0, total, max_q, max_seq, max_ub, pages0, int(q[0]) if c.shape[0] else 0, prefilling
+
+
+def _counted(a: Any, n: int) -> bool:
+    """``a`` is what :func:`as_host_array` keeps as it is: a C-contiguous int32 vector of ``n`` rows."""
+    return type(a) is np.ndarray and a.dtype == _I32 and a.ndim == 1 and a.shape[0] == n and a.flags.c_contiguous
+
+
+def trusted_specs(
+    c: Any, q: Any, tables: Any, prompt: Any, drafts: Any, ub: Any, rp: Any, tp: Any,
+) -> tuple[tuple[BatchSpec, ...], tuple[StepShape, ...]] | None:
+    """The specs of one step over several KV-cache groups, and their shapes, from the scheduler's arrays,
+    in one compiled scan; None when any argument is not already what a :class:`BatchSpec` keeps as
+    given, or a rule is broken (then ``BatchSpec(...)`` and :meth:`BatchSpec.for_group` of the same
+    arguments raise the error that names it).
+
+    ``tables`` is a sequence of ``(block_table, block_size)``, one per group. The specs equal
+    ``BatchSpec(num_computed_tokens=c, ..., block_table=tables[0][0], block_size=tables[0][1])`` and its
+    :meth:`~BatchSpec.for_group` for each further table, field for field, but **keep the caller's
+    vectors, not copies of them**: they are for the step composer's replay
+    (:meth:`attnmeta.compose.StepBuilder.build_counts`), which reads them before it returns and keeps
+    none of them; never hand one out.
+    """
+    if type(c) is not np.ndarray or c.ndim != 1:
+        return None
+    n = c.shape[0]
+    if not _counted(c, n) or not _counted(q, n):
+        return None
+    for a in (prompt, drafts, ub):
+        if a is not None and not _counted(a, n):
+            return None
+    for v in (rp, tp):
+        if v is not None and type(v) is not int:
+            return None
+    if rp is not None and not n <= rp <= MAX_PADDED_REQS:
+        return None
+    if type(tables) not in (list, tuple) or not tables:
+        return None
+    for t in tables:
+        if type(t) is not tuple or len(t) != 2:
+            return None
+        bt, bs = t
+        if (type(bt) is not np.ndarray or bt.dtype != _I32 or bt.ndim != 2 or bt.shape[0] < n
+                or not bt.flags.c_contiguous or type(bs) is not int or not 0 < bs <= INT32_MAX):
+            return None
+    rest = tables[1:]
+    sizes = np.array([bs for _bt, bs in rest], np.int64)
+    widths = np.array([bt.shape[1] for bt, _bs in rest], np.int64)
+    pages = np.empty(len(rest), np.int64)
+    bt0, bs0 = tables[0]
+    st, total, max_q, max_seq, max_ub, pages0, first, pre = _scan_nb(
+        c, q, bt0, bs0, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
+        _EMPTY if ub is None else ub, sizes, widths, pages, _NO_COPY)
+    if st or (tp is not None and not total <= tp <= MAX_PADDED_TOKENS):
+        return None
+    top = max_seq if ub is None else max_ub
+    has = (prompt is not None, drafts is not None, ub is not None)
+    specs: list[BatchSpec] = []
+    shapes: list[StepShape] = []
+    for g, (bt, bs) in enumerate(tables):
+        p = pages0 if g == 0 else int(pages[g - 1])
+        out: Any = object.__new__(_FillableBatchSpec)  # (as __init__: plain slot stores, then a BatchSpec)
+        _store_fields(out, c, q, bt, bs, prompt, drafts, ub, rp, tp, None, n, total, max_q, top, max_seq, p)
+        out.__class__ = BatchSpec
+        specs.append(out)
+        shapes.append(StepShape(n, total, rp, tp, max_q, first, top, max_seq, p, bs, int(bt.shape[1]), pre, *has,
+                                None))
+    return tuple(specs), tuple(shapes)

@@ -1,6 +1,7 @@
 """The step composer (attnmeta.compose.StepBuilder): a replayed step equals the same step staged through
 the builders' own ``stage``, field for field, for any set of registered builders over one or more groups
-and the engine's arrays, in eager and graph mode."""
+and the engine's arrays, in eager and graph mode; and its counts entry (``build_counts``, the scheduler's
+arrays without a BatchSpec) equals ``build`` of the specs they make, its errors included."""
 
 from __future__ import annotations
 
@@ -55,17 +56,41 @@ def assert_same(got: Any, want: Any, path: str) -> None:
     assert type(got) is type(want) and got == want, f"{path}: {got!r} != {want!r}"
 
 
-def _check(composer: StepBuilder, reference: StepBuilder, steps: list[Any]) -> list[ComposedStep]:
-    """Build every step on both composers (``reference`` never replays) and compare them; earlier steps
-    kept by the caller stay intact until their slot is reused."""
+def _counts(specs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``build_counts``'s arguments for a step of ``specs`` (one per group, sharing their counts): the
+    arguments and keywords, every vector a fresh writable copy (a scheduler's own arrays)."""
+    sp = (specs,) if isinstance(specs, BatchSpec) else tuple(specs)
+    first = sp[0]
+
+    def mine(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else a.copy()
+
+    return ((mine(first.num_computed_tokens), mine(first.num_scheduled_tokens),
+             [(s.block_table, s.block_size) for s in sp]),
+            dict(num_prompt_tokens=mine(first.num_prompt_tokens), num_draft_tokens=mine(first.num_draft_tokens),
+                 seq_lens_upper_bound=mine(first.seq_lens_upper_bound), num_reqs_padded=first.num_reqs_padded,
+                 num_tokens_padded=first.num_tokens_padded))
+
+
+def _check(composer: StepBuilder, reference: StepBuilder, counts: StepBuilder, steps: list[Any]) -> list[ComposedStep]:
+    """Build every step on the three composers (``reference`` never replays; ``counts`` takes the
+    scheduler's arrays, ``build_counts``) and compare them; earlier steps kept by the caller stay intact
+    until their slot is reused."""
     out = []
     kept: list[tuple[ComposedStep, ComposedStep]] = []
     for i, (specs, inputs, arrays) in enumerate(steps):
         got = composer.build(specs, inputs, arrays)
         want = reference.build(specs, inputs, arrays)
-        assert_same(got.commons, want.commons, f"step {i} commons")
-        assert_same(got.metadata, want.metadata, f"step {i} metadata")
-        assert_same(got.arrays, want.arrays, f"step {i} arrays")
+        args, kw = _counts(specs)
+        raw = counts.build_counts(*args, **kw, inputs=inputs, arrays=arrays)
+        for a in (*args[:2], *kw.values()):  # the counts were read, not kept: a scheduler reuses its arrays
+            if isinstance(a, np.ndarray):
+                a[:] = -7
+        for name, built in (("build", got), ("build_counts", raw)):
+            assert_same(built.commons, want.commons, f"step {i} commons ({name})")
+            assert_same(built.metadata, want.metadata, f"step {i} metadata ({name})")
+            assert_same(built.arrays, want.arrays, f"step {i} arrays ({name})")
+        assert counts.stats == composer.stats, f"step {i}: {counts.stats} != {composer.stats}"
         if composer.stager.graph_mode:  # every field's whole fixed buffer (what captured kernels read)
             a, b = composer.stager.graph_arena, reference.stager.graph_arena
             assert a is not None and b is not None
@@ -91,9 +116,11 @@ class _NoReplay:
 
 
 def _pair(device: torch.device, groups: Callable[[], list[Group]], arrays: Any = (),
-          profile: StaticProfile | None = None) -> tuple[StepBuilder, StepBuilder]:
+          profile: StaticProfile | None = None) -> tuple[StepBuilder, StepBuilder, StepBuilder]:
+    """A composer, its never-replaying reference and a twin for ``build_counts``."""
     return (StepBuilder(Stager(device, profile=profile), *groups(), arrays=arrays),
-            _NoReplay(Stager(device, profile=profile), *groups(), arrays=arrays))
+            _NoReplay(Stager(device, profile=profile), *groups(), arrays=arrays),
+            StepBuilder(Stager(device, profile=profile), *groups(), arrays=arrays))
 
 
 def _walk(batch: int, steps: int, seed: int = 0) -> list[BatchSpec]:
@@ -104,14 +131,14 @@ def _walk(batch: int, steps: int, seed: int = 0) -> list[BatchSpec]:
 def test_flash_attention_with_engine_arrays_replays_and_matches(device: torch.device, profile: Any) -> None:
     arrays = [Array("engine.input_ids", np.int32, capacity=_PROFILE.max_num_tokens, fill=0),
               Array("engine.prev_rows", np.int32, capacity=_PROFILE.max_num_tokens, fill=-1)]
-    composer, reference = _pair(device, lambda: [Group({"fa": FLASH_ATTN})], arrays, profile)
+    composer, reference, counts = _pair(device, lambda: [Group({"fa": FLASH_ATTN})], arrays, profile)
     rng = np.random.default_rng(1)
     steps = []
     for spec in _walk(8, 20):
         n = spec.num_tokens
         steps.append((spec, None, {"engine.input_ids": rng.integers(0, 1000, n).astype(np.int32),
                                    "engine.prev_rows": rng.integers(-1, 8, n).astype(np.int32)}))
-    _check(composer, reference, steps)
+    _check(composer, reference, counts, steps)
     assert composer.stats.replayed >= 10, composer.stats
 
 
@@ -119,21 +146,21 @@ def test_own_fields_of_a_builder_are_rewritten_on_replay(device: torch.device) -
     """FlashAttention's DCP lengths and per-request causal flags are its own staged fields: a replay
     rewrites them for its step."""
     opts = FlashAttentionOptions(dcp_world_size=2, dcp_rank=1)
-    composer, reference = _pair(device, lambda: [Group({"fa": (FLASH_ATTN, opts)})])
+    composer, reference, counts = _pair(device, lambda: [Group({"fa": (FLASH_ATTN, opts)})])
     rng = np.random.default_rng(2)
     steps = [(s, {"fa": FlashAttentionInputs(causal=rng.random(s.num_reqs) < 0.5)}, None) for s in _walk(6, 16)]
-    _check(composer, reference, steps)
+    _check(composer, reference, counts, steps)
     assert composer.stats.replayed >= 8, composer.stats
 
 
 def test_mixed_and_prefill_steps_between_decodes(device: torch.device) -> None:
-    composer, reference = _pair(device, lambda: [Group({"fa": FLASH_ATTN})])
+    composer, reference, counts = _pair(device, lambda: [Group({"fa": FLASH_ATTN})])
     rng = np.random.default_rng(3)
     walk = _walk(4, 12)
     steps = [(s, None, None) for s in walk[:6]]
     steps += [(mixed_spec(rng, prefills=2, decodes=3), None, None) for _ in range(3)]
     steps += [(s, None, None) for s in walk[6:]]
-    _check(composer, reference, steps)
+    _check(composer, reference, counts, steps)
 
 
 def test_inputs_and_arrays_are_checked() -> None:
@@ -195,14 +222,14 @@ def test_flashinfer_and_mamba2_groups(device: torch.device) -> None:
         return [Group({"fa": FLASH_ATTN, "fi": (FLASHINFER, FlashInferOptions())}),
                 Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))}, prefix="mamba_common")]
 
-    composer, reference = _pair(device, groups)
+    composer, reference, counts = _pair(device, groups)
     steps = []
     for spec in _walk(5, 16):
         n = spec.num_reqs
         mspec = BatchSpec(num_computed_tokens=spec.num_computed_tokens, num_scheduled_tokens=spec.num_scheduled_tokens,
                           block_table=(1 + np.arange(n, dtype=np.int32))[:, None], block_size=4096)
         steps.append(((spec, mspec), None, None))
-    _check(composer, reference, steps)
+    _check(composer, reference, counts, steps)
 
 
 def _mamba_specs(specs: list[BatchSpec]) -> list[BatchSpec]:
@@ -221,13 +248,13 @@ def _mamba_specs(specs: list[BatchSpec]) -> list[BatchSpec]:
                                                          block_size=4096, chunk_size=16)], ids=["eager", "graph"])
 def test_a_mamba2_group_replays_decode_steps_and_composes_prefills(device: torch.device, profile: Any) -> None:
     opts = mamba2.Mamba2Options(chunk_size=16)
-    composer, reference = _pair(device, lambda: [Group({"mamba": (mamba2.MAMBA2, opts)}, prefix="mamba_common")],
+    composer, reference, counts = _pair(device, lambda: [Group({"mamba": (mamba2.MAMBA2, opts)}, prefix="mamba_common")],
                                 profile=profile)
     rng = np.random.default_rng(4)
     walk = _mamba_specs(_walk(6, 14))
     mixed = _mamba_specs([mixed_spec(rng, prefills=2, decodes=3, max_prompt=40, max_context=200) for _ in range(3)])
     steps = [(s, None, None) for s in [*walk[:7], *mixed, *walk[7:]]]
-    _check(composer, reference, steps)
+    _check(composer, reference, counts, steps)
     assert composer.stats.replayed >= 6, composer.stats
 
 
@@ -238,7 +265,7 @@ def test_a_mamba2_group_replays_spec_decode_steps(device: torch.device, profile:
     (inputs, not layout) and so do the splits when a row runs out of drafts; replays equal stage(). A
     state slot per draft position: three state columns a request."""
     opts = mamba2.Mamba2Options(chunk_size=16, num_speculative_tokens=2)
-    composer, reference = _pair(device, lambda: [Group({"mamba": (mamba2.MAMBA2, opts)}, prefix="mamba_common")],
+    composer, reference, counts = _pair(device, lambda: [Group({"mamba": (mamba2.MAMBA2, opts)}, prefix="mamba_common")],
                                 profile=profile)
     rng = np.random.default_rng(7)
     n, steps = 6, []
@@ -254,7 +281,7 @@ def test_a_mamba2_group_replays_spec_decode_steps(device: torch.device, profile:
         accepted = np.minimum(rng.integers(1, 4, n), drafts + 1).astype(np.int32)
         steps.append((spec, {"mamba": mamba2.Mamba2Inputs(num_accepted_tokens=accepted)}, None))
         computed = computed + accepted
-    _check(composer, reference, steps)
+    _check(composer, reference, counts, steps)
     assert composer.stats.replayed >= 6, composer.stats
 
 
@@ -264,8 +291,8 @@ def test_a_group_without_builders_stages_the_whole_common_metadata(device: torch
     reads ``positions`` and ``slot_mapping`` from the common metadata: a group without builders stages
     them, as ``stage_common`` does by default, fresh and replayed alike; ``token_arrays=False`` leaves
     them out."""
-    composer, reference = _pair(device, lambda: [Group({})], profile=profile)
-    built = _check(composer, reference, [(s, None, None) for s in _walk(4, 8)])
+    composer, reference, counts = _pair(device, lambda: [Group({})], profile=profile)
+    built = _check(composer, reference, counts, [(s, None, None) for s in _walk(4, 8)])
     assert composer.stats.replayed >= 4, composer.stats
     spec = _walk(4, 8)[-1]  # (graph mode: only the last step is live)
     assert built[-1].common.positions.shape == built[-1].common.slot_mapping.shape == (spec.num_tokens,)
@@ -273,3 +300,67 @@ def test_a_group_without_builders_stages_the_whole_common_metadata(device: torch
     assert bare.common.positions.shape == (0,) and bare.common.slot_mapping.shape == (0,)
     with pytest.raises(TypeError, match="token_arrays"):
         StepBuilder(Stager("cpu"), Group({}, token_arrays=1))  # type: ignore[arg-type]
+
+
+def _error(call: Callable[[], Any]) -> tuple[type, str]:
+    with pytest.raises(Exception) as info:
+        call()
+    return type(info.value), str(info.value)
+
+
+def test_build_counts_raises_what_the_specs_raise() -> None:
+    """Every broken rule of the counts, the tables and the padding, on a step that would replay and on a
+    first step: ``build_counts`` raises the error ``build`` of the specs raises (the constructor's, naming
+    the field, the row and the rule), and the stager goes on."""
+    def groups() -> list[Group]:
+        return [Group({"fi": FLASHINFER}), Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))},
+                                                 prefix="mamba_common", table_column_step=1)]
+
+    composer = StepBuilder(Stager("cpu", num_kv_blocks=64), *groups())
+    reference = StepBuilder(Stager("cpu", num_kv_blocks=64), *groups())
+    c, q = np.array([5, 9], np.int32), np.array([1, 1], np.int32)
+    table, states = np.arange(8, dtype=np.int32).reshape(2, 4), np.array([[1], [2]], np.int32)
+
+    def both(c: Any, q: Any, table: Any, states: Any, **kw: Any) -> None:
+        got = _error(lambda: composer.build_counts(c, q, [(table, 4), (states, 64)], **kw))
+        def specs() -> tuple[BatchSpec, BatchSpec]:
+            spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=table, block_size=4, **kw)
+            return spec, spec.for_group(block_table=states, block_size=64)
+
+        want = _error(lambda: reference.build(specs()))
+        assert got == want
+
+    for _ in range(4):  # the layout is recorded on every slot: the next steps would replay
+        composer.build_counts(c, q, [(table, 4), (states, 64)])
+    both(np.array([5, -1], np.int32), q, table, states)                       # a negative count
+    both(c, np.array([1, -2], np.int32), table, states)                       # a negative query
+    both(np.array([5, 40], np.int32), q, table, states)                       # the attention table too narrow
+    both(np.array([5, 70], np.int32), q, np.arange(40, dtype=np.int32).reshape(2, 20), states)  # the states'
+    both(c, q, np.array([[1, 99, 3, 4], [4, 5, 6, 7]], np.int32), states)     # a block id past num_kv_blocks
+    both(c, q, table[:1], states)                                             # a table row short
+    both(c, q, table, states, num_reqs_padded=1)                              # padding below the batch
+    both(c, q, table, states, num_tokens_padded=1)
+    both(c, q, table, states, num_prompt_tokens=np.array([3, -3], np.int32))
+    both(c, q, table, states, num_draft_tokens=np.array([0, 2], np.int32))    # drafts past the query
+    both(c, q, table, states, seq_lens_upper_bound=np.array([6, 3], np.int32))
+    both([5, "x"], q, table, states)                                          # not integers (the slow path)
+    both(c.astype(np.float32), q, table, states)
+    with pytest.raises(TypeError, match="tables"):
+        composer.build_counts(c, q, table)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one BatchSpec per group"):
+        composer.build_counts(c, q, [(table, 4)])
+    out = composer.build_counts(c, q, [(table, 4), (states, 64)])  # the stager went on
+    assert out["fi"].paged_kv_indices_cpu.tolist() == [0, 1, 4, 5, 6] and out.common.num_reqs == 2
+
+
+def test_build_counts_takes_lists_and_other_dtypes_as_build_does() -> None:
+    """Arguments a spec would convert (lists, int64 arrays, a table slice that is not contiguous) take
+    the ordinary path and give the same step."""
+    composer, reference = StepBuilder(Stager("cpu"), Group({"fa": FLASH_ATTN})), StepBuilder(Stager("cpu"),
+                                                                                              Group({"fa": FLASH_ATTN}))
+    wide = np.arange(24, dtype=np.int32).reshape(2, 12)
+    got = composer.build_counts([5, 9], np.array([1, 1], np.int64), [(wide[:, ::2], 4)], num_reqs_padded=4)
+    want = reference.build(BatchSpec(num_computed_tokens=[5, 9], num_scheduled_tokens=[1, 1], block_table=wide[:, ::2],
+                                     block_size=4, num_reqs_padded=4))
+    assert_same(got.metadata, want.metadata, "metadata")
+    assert_same(got.commons, want.commons, "commons")

@@ -42,7 +42,7 @@ from attnmeta.host.flash_attn import (
     max_dcp_context_kv_len,
 )
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
-from attnmeta.spec import BatchSpec
+from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import Staged, Step
 
 __all__ = [
@@ -338,7 +338,7 @@ class FlashAttentionBuilder(Builder[FlashAttentionOptions, FlashAttentionInputs,
             return [f"causal: expected one flag per real request ({spec.num_reqs}), got shape {np.shape(flags)}"]
         return []
 
-    def replay_key(self, spec: BatchSpec, options: FlashAttentionOptions, inputs: FlashAttentionInputs) -> Hashable:
+    def replay_key(self, shape: StepShape, options: FlashAttentionOptions, inputs: FlashAttentionInputs) -> Hashable:
         """Whether the step has per-request causal flags (the only field the options do not fix)."""
         return inputs.causal is not None
 

@@ -98,7 +98,7 @@ from attnmeta.host.flash_attn import dcp_context_kv_lens
 from attnmeta.host.paged import prefill_qo_indptr
 from attnmeta.host.split import SplitCounts
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
-from attnmeta.spec import BatchSpec
+from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import Staged, Step
 
 __all__ = [
@@ -477,7 +477,7 @@ class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInfer
     options_type = FlashInferOptions
     metadata_type = FlashInferMetadata
 
-    def needs(self, spec: BatchSpec, options: FlashInferOptions) -> CommonNeeds:
+    def needs(self, shape: StepShape, options: FlashInferOptions) -> CommonNeeds:
         """Every common field, and the common pass's page table unless DCP or device-side indices."""
         return _WITH_PAGES if options.dcp_world_size == 1 and options.indices == "host" else _WITHOUT_PAGES
 
@@ -561,7 +561,7 @@ class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInfer
 
         return _Staged(step, split, make, qo)
 
-    def replay_key(self, spec: BatchSpec, options: FlashInferOptions, inputs: None) -> Hashable | None:
+    def replay_key(self, shape: StepShape, options: FlashInferOptions, inputs: None) -> Hashable | None:
         """Steps whose fields do not depend on their split: every row a decode row, or every row a
         prefill row (in graph mode, where the prefill query indptr is a fixed buffer, any split); with
         the page table from the common pass (no DCP, host-side indices). Else None: composed."""
@@ -570,11 +570,11 @@ class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInfer
         if not options.causal:
             return "prefill"
         thr = options.decode_threshold
-        if spec.max_query_len <= thr and (not options.require_uniform or thr <= 1):
+        if shape.max_query_len <= thr and (not options.require_uniform or thr <= 1):
             return "decode"
-        if spec.num_reqs and int(spec.num_scheduled_tokens[0]) > thr:
+        if shape.first_query_len > thr:
             return "prefill"
-        return None if spec.num_reqs_padded is None else "mixed"  # (the graph-mode buffer; else composed)
+        return None if shape.num_reqs_padded is None else "mixed"  # (the graph-mode buffer; else composed)
 
     def replayer(self, staged: Staged[SplitCounts, FlashInferMetadata], common: StagedCommon, step: Step,
                  options: FlashInferOptions, inputs: None) -> _Replayer | None:

@@ -54,7 +54,7 @@ from attnmeta._fields import MetadataBase
 from attnmeta._numba import njit
 from attnmeta.builder import Builder, CommonNeeds, register
 from attnmeta.metadata import StagedCommon
-from attnmeta.spec import BatchSpec
+from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import CapacityError, Staged, Step
 
 __all__ = [
@@ -468,7 +468,7 @@ class MMPrefixBuilder(Builder[MMPrefixOptions, MMPrefixInputs, None, MMPrefixMet
     inputs_type = MMPrefixInputs
     metadata_type = MMPrefixMetadata
 
-    def needs(self, spec: BatchSpec, options: MMPrefixOptions) -> CommonNeeds:
+    def needs(self, shape: StepShape, options: MMPrefixOptions) -> CommonNeeds:
         """Only the query starts and sequence lengths: no per-token arrays."""
         return CommonNeeds(token_arrays=False)
 

@@ -70,7 +70,7 @@ def demo_lines(device: str, *, limit: int = 16) -> Iterator[str]:
     chosen = [(name, b, *lab(b).defaults(spec)) for name, b in builders]
     needs = CommonNeeds(token_arrays=True)
     for _name, b, options, _inputs in chosen:
-        needs = needs.merge(b.needs(spec, b.options(options)))
+        needs = needs.merge(b.needs(spec.shape, b.options(options)))
     with stager.step() as step:
         common = stage_common(spec, step, token_arrays=needs.token_arrays, paged_kv=needs.paged_kv,
                               block_table_columns=needs.block_table_columns)

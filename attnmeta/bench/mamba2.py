@@ -218,7 +218,7 @@ def _case(specs: list[BatchSpec], device: torch.device, mode: str = "plain") -> 
 
     def per_tensor_step() -> Any:
         spec = specs[nxt("per-tensor")]
-        needs = mamba2.needs(spec, opts)
+        needs = mamba2.needs(spec.shape, opts)
         with host_only.step() as step:
             common = stage_common(spec, step, token_arrays=needs.token_arrays, paged_kv=needs.paged_kv,
                                   block_table_columns=needs.block_table_columns)

@@ -119,7 +119,7 @@ def test_wrong_arguments_of_stage_name_the_argument(name: str) -> None:
     b = attnmeta.get_builder(name)
     spec = SPECS[0]
     options, inputs = lab(name).defaults(spec)
-    cols = b.needs(spec, b.options(options)).block_table_columns
+    cols = b.needs(spec.shape, b.options(options)).block_table_columns
     for bad_common in ("common", None, spec, 3):
         with pytest.raises(TypeError, match=r"common: expected the StagedCommon"), STAGER.step() as step:
             b.stage(bad_common, step, options, inputs)
@@ -264,7 +264,7 @@ def test_every_input_rejects_wrong_types_negative_values_and_wrong_lengths(name:
     b = attnmeta.get_builder(name)
     spec, options, inputs = _valid_inputs(b)
     attnmeta.build(spec, STAGER, b, options, inputs)  # the valid inputs build
-    cols = b.needs(spec, options).block_table_columns
+    cols = b.needs(spec.shape, options).block_table_columns
     for f in dataclasses.fields(inputs):
         key = f.name
         for what, bad in _corruptions(getattr(inputs, key)):

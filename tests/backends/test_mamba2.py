@@ -895,7 +895,7 @@ def test_registered_and_built_through_the_generic_build() -> None:
     assert reg["mamba2"] is mamba2.MAMBA2 and reg["mamba1"] is mamba1.MAMBA1 and reg["linear_attn"] is linear_attn.LINEAR_ATTN
     spec = _spec([30, 5, 0], [1, 10, 3], [10, 40, 3], num_reqs_padded=4, num_tokens_padded=16)
     opts = Mamba2Options(chunk_size=8, cache_mode="align", num_speculative_tokens=1, logical_chunks=True)
-    needs = mamba2.MAMBA2.needs(spec, opts)
+    needs = mamba2.MAMBA2.needs(spec.shape, opts)
     assert not needs.token_arrays and needs.block_table_columns == block_table_columns(spec, opts)
     m = generic_build(spec, Stager("cpu"), "mamba2", opts, Mamba2Inputs(num_accepted_tokens=np.array([1, 1, 1], I32)))
     assert m.common.slot_mapping.shape == (0,) and m.common.positions.shape == (0,)
@@ -903,7 +903,7 @@ def test_registered_and_built_through_the_generic_build() -> None:
     _check_against_reference(m, _vllm_reference(spec, opts, np.array([1, 1, 1], I32), torch.device("cpu")))
     for name, builder, opts1 in (("mamba1", mamba1.MAMBA1, Mamba1Options()),
                                  ("linear_attn", linear_attn.LINEAR_ATTN, LinearAttentionOptions())):
-        assert not builder.needs(spec, opts1).token_arrays
+        assert not builder.needs(spec.shape, opts1).token_arrays
         assert generic_build(spec, Stager("cpu"), name, opts1).common.slot_mapping.shape == (0,)
     with pytest.raises(ValueError, match="spec decode is off"):  # UnsupportedBatchError, a ValueError
         generic_build(spec, Stager("cpu"), "mamba2", Mamba2Options(), Mamba2Inputs(num_accepted_tokens=np.ones(3, I32)))

@@ -117,7 +117,7 @@ def test_generic_build_stages_only_what_the_builder_reads() -> None:
     mamba = attnmeta.build(spec, Stager("cpu"), "mamba1")
     assert mamba.common.slot_mapping_cpu.shape == (0,) and mamba.common.positions.shape == (0,)
     b = attnmeta.get_builder("flashinfer")
-    assert b.needs(spec, b.options(None)) == CommonNeeds(paged_kv=True)
+    assert b.needs(spec.shape, b.options(None)) == CommonNeeds(paged_kv=True)
     fi = attnmeta.build(spec, Stager("cpu"), b)
     assert fi.common.slot_mapping_cpu.shape == (51,)
 

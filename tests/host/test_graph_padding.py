@@ -68,7 +68,7 @@ def test_replay_values_of_every_builder_20_2() -> None:
     for name, builder in registry().items():
         opts, inputs = lab(builder).defaults(spec)
         opts = builder.options(opts)
-        needs = builder.needs(spec, opts)
+        needs = builder.needs(spec.shape, opts)
         with Stager("cpu", profile=PROF).step() as step:
             common = stage_common(spec, step, token_arrays=needs.token_arrays)
             staged = builder.stage(common, step, opts, inputs)

@@ -195,7 +195,7 @@ def test_every_builder_stages_on_every_ubatch(name: str) -> None:
         assert b.unsupported_reasons(sub, b.options(opts), b.inputs(inputs)) == [], name
     needs = CommonNeeds()
     for sub, (opts, _) in zip(subs, chosen):
-        needs = needs.merge(b.needs(sub, opts))
+        needs = needs.merge(b.needs(sub.shape, opts))
     W = max(needs.block_table_columns or 1, -(-spec.max_exact_seq_len // spec.block_size))
     stager = Stager("cpu")
     with stager.step() as step:

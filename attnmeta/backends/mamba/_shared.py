@@ -39,7 +39,7 @@ from attnmeta.host.mamba import (
 )
 from attnmeta.host.split import SplitCounts
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost
-from attnmeta.spec import BatchSpec
+from attnmeta.spec import BatchSpec, StepShape
 
 __all__ = [
     "CACHE_MODE_RULE",
@@ -120,7 +120,7 @@ def check_checkpoint_option(options: Any) -> None:
         )
 
 
-def block_table_columns(spec: BatchSpec, options: Any) -> int:
+def block_table_columns(spec: BatchSpec | StepShape, options: Any) -> int:
     """Block-table columns :func:`attnmeta.stage_common` must stage for a Mamba builder of ``spec``.
 
     The state indices read columns ``start_i .. start_i + k`` (docs/semantics-mamba.md, "State
@@ -131,8 +131,8 @@ def block_table_columns(spec: BatchSpec, options: Any) -> int:
 
     Parameters
     ----------
-    spec : BatchSpec
-        The step.
+    spec : BatchSpec or StepShape
+        The step, or its scalars (:attr:`BatchSpec.shape <attnmeta.BatchSpec.shape>`).
     options : Mamba2Options, Mamba1Options, LinearAttentionOptions or GDNOptions
         The builder's options (mamba block size, cache mode, speculative tokens, checkpoints).
 
@@ -163,7 +163,8 @@ def block_table_columns(spec: BatchSpec, options: Any) -> int:
     start = max((s - 1) // bs_m, 0) if options.cache_mode == "align" else 0
     # Prefill checkpoints read column cdiv(s, bs_m) - 2 with s the *upper-bound* length.
     ckpt_cols = max(0, -(-int(spec.max_seq_len) // bs_m) - 1) if getattr(options, "checkpoint", None) else 0
-    return max(1, used, start + 1 + k, min(ckpt_cols, int(spec.block_table.shape[1])))
+    width = spec.table_columns if isinstance(spec, StepShape) else int(spec.block_table.shape[1])
+    return max(1, used, start + 1 + k, min(ckpt_cols, width))
 
 
 @functools.lru_cache(maxsize=256)

@@ -46,7 +46,7 @@ from attnmeta.host.gdn import FLA_CHUNK_SIZE, fla_chunk_metadata, token_partitio
 from attnmeta.host.mamba import state_indices_nb
 from attnmeta.host.split import split_decodes_and_prefills
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, StagedCommon
-from attnmeta.spec import BatchSpec
+from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import Staged, Step
 
 __all__ = [
@@ -332,9 +332,9 @@ class GDNBuilder(Builder[GDNOptions, GDNInputs, None, GDNMetadata]):
     inputs_type = GDNInputs
     metadata_type = GDNMetadata
 
-    def needs(self, spec: BatchSpec, options: GDNOptions) -> CommonNeeds:
+    def needs(self, shape: StepShape, options: GDNOptions) -> CommonNeeds:
         """No per-token arrays; :func:`~attnmeta.backends.mamba.block_table_columns` columns."""
-        return common_needs(block_table_columns(spec, options))
+        return common_needs(block_table_columns(shape, options))
 
     def derive(self, common: StagedCommon, step: Step, options: GDNOptions,
                inputs: GDNInputs) -> Staged[None, GDNMetadata]:

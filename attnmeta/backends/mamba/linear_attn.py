@@ -36,7 +36,7 @@ from attnmeta.builder import Builder, CommonNeeds, register
 from attnmeta.host.mamba import state_indices_nb
 from attnmeta.host.split import SplitCounts
 from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
-from attnmeta.spec import BatchSpec
+from attnmeta.spec import StepShape
 from attnmeta.staging import Staged, Step
 
 __all__ = [
@@ -151,9 +151,9 @@ class LinearAttentionBuilder(Builder[LinearAttentionOptions, None, LinearAttenti
     options_type = LinearAttentionOptions
     metadata_type = LinearAttentionMetadata
 
-    def needs(self, spec: BatchSpec, options: LinearAttentionOptions) -> CommonNeeds:
+    def needs(self, shape: StepShape, options: LinearAttentionOptions) -> CommonNeeds:
         """No per-token arrays; :func:`~attnmeta.backends.mamba.block_table_columns` columns."""
-        return common_needs(block_table_columns(spec, options))
+        return common_needs(block_table_columns(shape, options))
 
     def derive(
         self, common: StagedCommon, step: Step, options: LinearAttentionOptions, inputs: None

@@ -31,7 +31,7 @@ from attnmeta.backends.mamba._shared import (
 )
 from attnmeta.builder import Builder, CommonNeeds, register
 from attnmeta.metadata import StagedCommon
-from attnmeta.spec import BatchSpec
+from attnmeta.spec import StepShape
 from attnmeta.staging import Staged, Step
 
 __all__ = ["MAMBA1", "Mamba1Builder", "Mamba1Metadata", "Mamba1Options", "block_table_columns", "build", "stage"]
@@ -92,9 +92,9 @@ class Mamba1Builder(Builder[Mamba1Options, None, MambaHost, Mamba1Metadata]):
     options_type = Mamba1Options
     metadata_type = Mamba1Metadata
 
-    def needs(self, spec: BatchSpec, options: Mamba1Options) -> CommonNeeds:
+    def needs(self, shape: StepShape, options: Mamba1Options) -> CommonNeeds:
         """No per-token arrays; :func:`~attnmeta.backends.mamba.block_table_columns` columns."""
-        return common_needs(block_table_columns(spec, options))
+        return common_needs(block_table_columns(shape, options))
 
     def derive(
         self, common: StagedCommon, step: Step, options: Mamba1Options, inputs: None

@@ -57,7 +57,7 @@ from attnmeta.backends.mamba._shared import (
 from attnmeta.builder import Builder, CommonNeeds, Replayer, register
 from attnmeta.host.mamba import CheckpointConfig
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
-from attnmeta.spec import BatchSpec
+from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import Staged, Step
 
 __all__ = [
@@ -354,9 +354,9 @@ class Mamba2Builder(Builder[Mamba2Options, Mamba2Inputs, MambaHost, Mamba2Metada
     inputs_type = Mamba2Inputs
     metadata_type = Mamba2Metadata
 
-    def needs(self, spec: BatchSpec, options: Mamba2Options) -> CommonNeeds:
+    def needs(self, shape: StepShape, options: Mamba2Options) -> CommonNeeds:
         """No per-token arrays; :func:`~attnmeta.backends.mamba.block_table_columns` columns."""
-        return common_needs(block_table_columns(spec, options))
+        return common_needs(block_table_columns(shape, options))
 
     def derive(self, common: StagedCommon, step: Step, options: Mamba2Options,
                inputs: Mamba2Inputs) -> Staged[MambaHost, Mamba2Metadata]:
@@ -434,14 +434,12 @@ class Mamba2Builder(Builder[Mamba2Options, Mamba2Inputs, MambaHost, Mamba2Metada
         return []
 
 
-    def replay_key(self, spec: BatchSpec, options: Mamba2Options, inputs: Mamba2Inputs) -> Hashable:
+    def replay_key(self, shape: StepShape, options: Mamba2Options, inputs: Mamba2Inputs) -> Hashable:
         """The fill path's layout (:func:`~attnmeta.backends.mamba._fill.fill_key`): rows, whether a row
         may prefill, the bucketed chunk and causal-conv1d rows (a replayed step writes them all)."""
         o = options
-        prompt = spec.num_prompt_tokens
-        prefilling = prompt is not None and bool(np.any(spec.num_computed_tokens < prompt))
-        return fill_key(spec.padded_num_reqs, spec.padded_num_tokens, spec.max_query_len, prefilling, o.prefix,
-                        o.num_speculative_tokens, o.chunk_size, o.needs_causal_conv1d_metadata, o.checkpoint,
+        return fill_key(shape.padded_num_reqs, shape.padded_num_tokens, shape.max_query_len, shape.any_prefilling,
+                        o.prefix, o.num_speculative_tokens, o.chunk_size, o.needs_causal_conv1d_metadata, o.checkpoint,
                         o.logical_chunks, o.token_seq_idx, None)
 
     def replayer(self, staged: Staged[MambaHost, Mamba2Metadata], common: StagedCommon, step: Step,
