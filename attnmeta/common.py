@@ -38,7 +38,7 @@ from attnmeta.metadata import (
     StagedCommon,
     make_paged,
 )
-from attnmeta.spec import BatchSpec, ContextParallel
+from attnmeta.spec import BatchSpec, ContextParallel, StepShape
 from attnmeta.staging import CapacityError, FieldGroup, Staged, Stager, Step, bucket_rows
 
 __all__ = ["CommonWriter", "build_common", "stage_common", "stage_paged_kv"]
@@ -200,16 +200,25 @@ class CommonWriter:
             With more, the block-table rows and page indices are copied on that many of numba's
             threads (:func:`attnmeta._numba.pool_threads`), around the call: the same bytes.
         """
+        self.write_arrays(spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table, spec.num_prompt_tokens,
+                          spec.num_draft_tokens, spec.seq_lens_upper_bound, threads=threads, spec=spec)
+
+    def write_arrays(self, c: np.ndarray, q: np.ndarray, table: np.ndarray, prompt: np.ndarray | None,
+                     drafts: np.ndarray | None, upper: np.ndarray | None, *, threads: int = 1,
+                     spec: BatchSpec | None = None) -> None:
+        """:meth:`write` of a spec's arrays (the step composer's replay of the scheduler's arrays,
+        :meth:`attnmeta.compose.StepBuilder.build_counts`, which checked them as a spec would, without
+        context parallelism); ``spec``, when there is one, names a bad block id."""
         ws, rank, il = self._ranks
         serial = threads == 1
         was = 0 if serial else pool_threads(threads)
         try:
             if not serial:  # the block-table rows (and below the page indices) copied on numba's pool
-                block_table_rows_par_nb(spec.block_table, self.bt, spec.num_reqs)
+                block_table_rows_par_nb(table, self.bt, q.shape[0])
             status = common_pass_nb(
-                spec.num_computed_tokens, spec.num_scheduled_tokens, spec.block_table, self.block_size, ws, rank, il,
-                self.num_kv_blocks, spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound, self.token_arrays, serial, self.qsl, self.sl, self.bt, self.pos, self.sm, self.ub, self.nc,
-                self.pre, self.ddt, self.paged, self.indptr, self.last, self.indices,
+                c, q, table, self.block_size, ws, rank, il, self.num_kv_blocks, prompt, drafts, upper,
+                self.token_arrays, serial, self.qsl, self.sl, self.bt, self.pos, self.sm, self.ub, self.nc, self.pre,
+                self.ddt, self.paged, self.indptr, self.last, self.indices,
             )
             if not serial and self.paged and not status:
                 paged_indices_par_nb(self.bt, self.indptr, self.indices, self.num_reqs)
@@ -217,6 +226,10 @@ class CommonWriter:
             if not serial:
                 numba.set_num_threads(was)
         if status == BAD_BLOCK_ID:
+            if spec is None:  # (only to name the entry)
+                spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=table,
+                                 block_size=self.block_size, num_prompt_tokens=prompt, num_draft_tokens=drafts,
+                                 seq_lens_upper_bound=upper)
             raise bad_block_id(spec, None if self.num_kv_blocks == _NO_LIMIT else self.num_kv_blocks)
         if status:  # unreachable for a validated spec (kept as a guard)
             raise ValueError(f"stage_common: internal status {status}; the spec is inconsistent")
@@ -232,8 +245,8 @@ class CommonWriter:
             num_reqs=self.num_reqs, block_size=self.block_size,
         )
 
-    def host(self, spec: BatchSpec, causal: bool) -> CommonHost:
-        """The :class:`CommonHost` of ``spec``, written by :meth:`write` (read-only views)."""
+    def host(self, spec: BatchSpec | StepShape, causal: bool) -> CommonHost:
+        """The :class:`CommonHost` of ``spec`` (or its shape), written by :meth:`write` (read-only views)."""
         B, T = spec.num_reqs, spec.num_tokens
         Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
         rows = Tp if self.token_arrays else 0
@@ -249,8 +262,8 @@ class CommonWriter:
         host: CommonHost = _make_host_positional(*v)
         return host
 
-    def metadata(self, step: Step, spec: BatchSpec, causal: bool) -> CommonAttentionMetadata:
-        """The :class:`CommonAttentionMetadata` of ``spec``, a committed step of this layout written by
+    def metadata(self, step: Step, spec: BatchSpec | StepShape, causal: bool) -> CommonAttentionMetadata:
+        """The :class:`CommonAttentionMetadata` of ``spec`` (or its shape), a committed step of this layout written by
         :meth:`write` (device views of ``step``'s arena, read-only host views of its slot).
 
         Raises

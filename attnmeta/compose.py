@@ -50,7 +50,7 @@ import torch
 from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchError
 from attnmeta.common import CommonWriter, _stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata
-from attnmeta.spec import BatchSpec, StepShape, trusted_specs
+from attnmeta.spec import BatchSpec, StepShape, scan_counts, shapes_of
 from attnmeta.staging import STAGEABLE_DTYPES, Staged, Stager, Step, StepLayout, bucket_rows
 
 __all__ = ["PARALLEL_MIN_ROWS", "Array", "ComposeStats", "ComposedStep", "Group", "StepBuilder", "table_columns"]
@@ -320,6 +320,9 @@ class StepBuilder:
         self._token = object()  # this composer's key in each slot's extras
         self._no_inputs = self._inputs({})  # every builder's empty inputs (the usual step's)
         self._keys: dict[tuple[StepShape, ...], tuple[Hashable, ...] | None] = {}  # by shape, without inputs
+        # build_counts: a step's scalars (attnmeta.spec.scan_counts) -> its shapes and key without inputs
+        self._scans: dict[tuple[Any, ...], tuple[tuple[StepShape, ...], Any]] = {}
+        self._scratch = np.zeros((len(self._groups) - 1, 3), np.int64)  # scan_counts's per-group scalars
         self.stats = ComposeStats()
 
     @property
@@ -366,7 +369,8 @@ class StepBuilder:
                 raise TypeError(f"spec: expected a BatchSpec, got {type(s).__name__} {s!r:.80}")
         inp = self._no_inputs if not inputs else self._inputs(inputs)  # (an engine's usual {}: none)
         arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
-        return self._run(sp, tuple(s.shape for s in sp), inp, arr, None)
+        shapes = tuple(s.shape for s in sp)
+        return self._run(shapes, self._key(shapes, inp, arr), inp, arr, sp, None)
 
     def build_counts(
         self, num_computed_tokens: npt.ArrayLike, num_scheduled_tokens: npt.ArrayLike,
@@ -420,38 +424,45 @@ class StepBuilder:
         anything else (lists, other dtypes, context parallelism: use :meth:`build`) is converted or
         refused by the specs' constructor, as :meth:`build` would.
         """
-        fast = trusted_specs(num_computed_tokens, num_scheduled_tokens, tables, num_prompt_tokens, num_draft_tokens,
-                             seq_lens_upper_bound, num_reqs_padded, num_tokens_padded)
-        if fast is None or len(fast[0]) != len(self._groups):
-            return self.build(_make_specs(num_computed_tokens, num_scheduled_tokens, tables, num_prompt_tokens,
-                                          num_draft_tokens, seq_lens_upper_bound, num_reqs_padded,
-                                          num_tokens_padded), inputs, arrays)
+        c, q, prompt, drafts, ub = (num_computed_tokens, num_scheduled_tokens, num_prompt_tokens, num_draft_tokens,
+                                    seq_lens_upper_bound)
+        rp, tp = num_reqs_padded, num_tokens_padded
+        scan = scan_counts(c, q, tables, prompt, drafts, ub, rp, tp, self._scratch)
+        if scan is None:  # (not arrays a spec keeps as they are, or a broken rule: the specs say which)
+            return self.build(_make_specs(c, q, tables, prompt, drafts, ub, rp, tp), inputs, arrays)
         self.stats.steps += 1
         inp = self._no_inputs if not inputs else self._inputs(inputs)
         arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
-        return self._run(fast[0], fast[1], inp, arr, _owned)
+        known = self._scans.get(scan)
+        if known is None:
+            if len(self._scans) >= _MAX_KEYS:
+                self._scans.clear()
+            shapes = shapes_of(scan)
+            known = self._scans[scan] = (shapes, self._key(shapes, self._no_inputs, _NO_ARRAYS))
+        shapes = known[0]
+        key = self._key(shapes, inp, arr, known[1] if inp is self._no_inputs else _MISS)
+        return self._run(shapes, key, inp, arr, None, (c, q, tables, prompt, drafts, ub, rp, tp))
 
-    def _run(self, sp: tuple[BatchSpec, ...], shapes: tuple[StepShape, ...], inputs: list[list[Any]],
-             arrays: list[np.ndarray], own: Any) -> ComposedStep:
-        """The step of ``sp``: replayed when its slot recorded its layout, else composed (with the specs
-        ``own(sp)`` makes, where ``sp`` keeps the caller's arrays: :meth:`build_counts`)."""
-        key = self._key(shapes, inputs, arrays)
+    def _run(self, shapes: tuple[StepShape, ...], key: tuple[Hashable, ...] | None, inputs: list[list[Any]],
+             arrays: list[np.ndarray], specs: tuple[BatchSpec, ...] | None, counts: tuple[Any, ...] | None
+             ) -> ComposedStep:
+        """The step: replayed when its slot recorded its layout ``key``, else composed. Of ``specs``
+        (:meth:`build`) or of ``counts``, :meth:`build_counts`'s arguments (its specs are made only for
+        a composed step)."""
         if key is None:  # (every builder's reasons first: a step that cannot be served is never begun)
-            if own is not None:
-                sp = own(sp)
+            sp = specs if specs is not None else _make_specs(*counts)  # type: ignore[misc]
             self._check(sp, inputs)
             return self._compose(self._stager.step(), sp, shapes, inputs, arrays, None)
         step = self._stager.step()
         rec = self._records(step).get(key)
-        if rec is None or not step.restage(rec.layout, self._rows(rec, sp, arrays)):
-            if own is not None:
-                try:
-                    sp = own(sp)
-                except BaseException:
-                    step.abandon()
-                    raise
+        if rec is None or not step.restage(rec.layout, self._rows(rec, shapes, arrays)):
+            try:
+                sp = specs if specs is not None else _make_specs(*counts)  # type: ignore[misc]
+            except BaseException:
+                step.abandon()
+                raise
             return self._compose(step, sp, shapes, inputs, arrays, key)
-        return self._replay(step, rec, sp, inputs, arrays)
+        return self._replay(step, rec, shapes, inputs, arrays, specs, counts)
 
     # ------------------------------------------------------------------ the step's inputs and key
     def _inputs(self, inputs: Mapping[str, Any]) -> list[list[Any]]:
@@ -477,13 +488,16 @@ class StepBuilder:
             out.append(a)
         return out
 
-    def _key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]], arrays: list[np.ndarray]
-             ) -> tuple[Hashable, ...] | None:
+    def _key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]], arrays: list[np.ndarray],
+             layout: Any = _MISS) -> tuple[Hashable, ...] | None:
         """Everything the step's layout depends on, or None: compose it (context parallelism, a builder
         without a replay key, graph mode beyond the profile: the builders raise their errors). A
         function of the shapes, the inputs and (eager mode) the arrays' rows; computed once per shape
-        for a step without inputs."""
-        if inputs is self._no_inputs:
+        for a step without inputs (``layout``: that part, when the caller has it)."""
+        key: Any
+        if layout is not _MISS:
+            key = layout
+        elif inputs is self._no_inputs:
             key = self._keys.get(shapes, _MISS)
             if key is _MISS:
                 if len(self._keys) >= _MAX_KEYS:
@@ -492,8 +506,8 @@ class StepBuilder:
         else:
             key = self._layout_key(shapes, inputs)
         if key is None or not arrays or self._graph:
-            return key  # type: ignore[return-value]
-        return (*key, tuple(a.shape[0] for a in arrays))  # type: ignore[misc]
+            return key  # type: ignore[no-any-return]
+        return (*key, tuple(a.shape[0] for a in arrays))
 
     def _layout_key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]]) -> tuple[Hashable, ...] | None:
         """:meth:`_key` but the arrays' rows."""
@@ -525,12 +539,12 @@ class StepBuilder:
                 parts.append(k)
         return tuple(parts)
 
-    def _rows(self, rec: _Record, specs: tuple[BatchSpec, ...], arrays: list[np.ndarray]) -> dict[str, int] | None:
+    def _rows(self, rec: _Record, shapes: tuple[StepShape, ...], arrays: list[np.ndarray]) -> dict[str, int] | None:
         """Graph mode: the row counts of the restaged fields that change from step to step (the page
         indices, the arrays)."""
         if not self._graph:
             return None
-        rows = {name: spec.num_pages for name, spec in zip(rec.indices, specs, strict=True) if name}
+        rows = {name: shape.num_pages for name, shape in zip(rec.indices, shapes, strict=True) if name}
         for (name, *_r), a in zip(self._arrays, arrays, strict=True):
             rows[name] = a.shape[0]
         return rows
@@ -613,14 +627,20 @@ class StepBuilder:
         records[key] = _Record(step.layout(), groups, replayers, arrays, indices)
 
     # ------------------------------------------------------------------ a steady-state step
-    def _replay(self, step: Step, rec: _Record, specs: tuple[BatchSpec, ...], inputs: list[list[Any]],
-                arrays: list[np.ndarray]) -> ComposedStep:
-        """Rewrite ``rec``'s restaged fields for this step, commit, and make the objects."""
+    def _replay(self, step: Step, rec: _Record, shapes: tuple[StepShape, ...], inputs: list[list[Any]],
+                arrays: list[np.ndarray], specs: tuple[BatchSpec, ...] | None, counts: tuple[Any, ...] | None
+                ) -> ComposedStep:
+        """Rewrite ``rec``'s restaged fields for this step (of ``specs``, or of :meth:`build_counts`'s
+        ``counts``), commit, and make the objects."""
         hosts: list[CommonHost] = []
         try:
-            for (w, causal, _paged, threads), spec in zip(rec.groups, specs):
-                w.write(spec, threads=threads)
-                hosts.append(w.host(spec, causal))
+            for g, ((w, causal, _paged, threads), shape) in enumerate(zip(rec.groups, shapes)):
+                if specs is not None:
+                    w.write(specs[g], threads=threads)
+                else:
+                    c, q, tables, prompt, drafts, ub = counts[:6]  # type: ignore[index]
+                    w.write_arrays(c, q, tables[g][0], prompt, drafts, ub, threads=threads)
+                hosts.append(w.host(shape, causal))
             for _n, gi, pi, rep in rec.replayers:
                 rep.rewrite(step, hosts[gi], inputs[gi][pi])
             for (_name, view), a in zip(rec.arrays, arrays):
@@ -633,12 +653,12 @@ class StepBuilder:
         owned: list[Any] = []  # (the hosts are the builders' inputs, never handed out)
         cms: list[CommonAttentionMetadata] = []
         pks: list[PagedKVMetadata | None] = []
-        for (w, causal, paged, _threads), spec in zip(rec.groups, specs):
-            cm = w.metadata(step, spec, causal)
+        for (w, causal, paged, _threads), shape in zip(rec.groups, shapes):
+            cm = w.metadata(step, shape, causal)
             cms.append(cm)
             owned.append(cm)
             if paged:
-                pk = w.paged_metadata(step, spec.num_pages)
+                pk = w.paged_metadata(step, shape.num_pages)
                 pks.append(pk)
                 owned.append(pk)
             else:
@@ -674,14 +694,3 @@ def _make_specs(c: Any, q: Any, tables: Any, prompt: Any, drafts: Any, ub: Any, 
                     else made[0].for_group(block_table=t[0], block_size=t[1]))
     return tuple(made)
 
-
-def _owned(specs: tuple[BatchSpec, ...]) -> tuple[BatchSpec, ...]:
-    """Specs equal to ``specs`` (from :func:`attnmeta.spec.trusted_specs`, which keep the caller's arrays)
-    that own copies of their vectors, for a composed step (whose metadata may keep them)."""
-    first = specs[0]
-    own = BatchSpec(num_computed_tokens=first.num_computed_tokens, num_scheduled_tokens=first.num_scheduled_tokens,
-                    block_table=first.block_table, block_size=first.block_size,
-                    num_prompt_tokens=first.num_prompt_tokens, num_draft_tokens=first.num_draft_tokens,
-                    seq_lens_upper_bound=first.seq_lens_upper_bound, num_reqs_padded=first.num_reqs_padded,
-                    num_tokens_padded=first.num_tokens_padded)
-    return (own, *(own.for_group(block_table=s.block_table, block_size=s.block_size) for s in specs[1:]))

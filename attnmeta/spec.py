@@ -649,11 +649,11 @@ def spec_arguments(spec: BatchSpec) -> dict[str, Any]:
 
 @njit
 def _scan_nb(c: np.ndarray, q: np.ndarray, bt: np.ndarray, bs: int, prompt: np.ndarray, drafts: np.ndarray,
-             ub: np.ndarray, sizes: np.ndarray, widths: np.ndarray, pages: np.ndarray, none: np.ndarray
-             ) -> tuple[int, int, int, int, int, int, int, bool]:
+             ub: np.ndarray, groups: np.ndarray, none: np.ndarray) -> tuple[int, int, int, int, int, int, int, bool]:
     """:func:`_validate_nb` of the counts against the first group's table (no copies, no context
-    parallelism), the width rule and page count of every further group (block sizes ``sizes``, table
-    columns ``widths``; ``pages`` gets their counts), and the scalars a :class:`StepShape` adds.
+    parallelism); the width rule and the page count of every further group (``groups``: a row per group,
+    ``(block size, table columns, pages)``, the pages written here); the scalars a :class:`StepShape`
+    adds.
 
     Returns ``(status, total, max_q, max_seq, max_ub, pages, first_q, prefilling)``; status 0 = every
     rule holds (else the scalars mean nothing: the constructor names the broken rule)."""
@@ -662,12 +662,12 @@ def _scan_nb(c: np.ndarray, q: np.ndarray, bt: np.ndarray, bs: int, prompt: np.n
     if st:
         return st, 0, 0, 0, 0, 0, 0, False
     z = np.int64(0)
-    for g in range(sizes.shape[0]):
-        s = sizes[g]
+    for g in range(groups.shape[0]):
+        s = groups[g, 0]
         sh = pow2_shift(s)
-        if cdiv_by(np.int64(max_seq), s, sh) > widths[g]:
+        if cdiv_by(np.int64(max_seq), s, sh) > groups[g, 1]:
             return _NARROW, 0, 0, 0, 0, 0, 0, False
-        pages[g] = _fold_counts(c, q, s, sh, z, z, z, z, z, z)[3]
+        groups[g, 2] = _fold_counts(c, q, s, sh, z, z, z, z, z, z)[3]
     prefilling = False
     for i in range(prompt.shape[0]):
         if c[i] < prompt[i]:
@@ -681,63 +681,68 @@ def _counted(a: Any, n: int) -> bool:
     return type(a) is np.ndarray and a.dtype == _I32 and a.ndim == 1 and a.shape[0] == n and a.flags.c_contiguous
 
 
-def trusted_specs(
-    c: Any, q: Any, tables: Any, prompt: Any, drafts: Any, ub: Any, rp: Any, tp: Any,
-) -> tuple[tuple[BatchSpec, ...], tuple[StepShape, ...]] | None:
-    """The specs of one step over several KV-cache groups, and their shapes, from the scheduler's arrays,
-    in one compiled scan; None when any argument is not already what a :class:`BatchSpec` keeps as
-    given, or a rule is broken (then ``BatchSpec(...)`` and :meth:`BatchSpec.for_group` of the same
-    arguments raise the error that names it).
+def _table(t: Any, n: int) -> bool:
+    """``t`` is a ``(block_table, block_size)`` tuple that :func:`block_table_rows` and the block-size check
+    keep as they are, with at least ``n`` rows."""
+    if type(t) is not tuple or len(t) != 2:
+        return False
+    bt, bs = t
+    return (type(bt) is np.ndarray and bt.dtype == _I32 and bt.ndim == 2 and bt.shape[0] >= n
+            and bt.flags.c_contiguous and type(bs) is int and 0 < bs <= INT32_MAX)
 
-    ``tables`` is a sequence of ``(block_table, block_size)``, one per group. The specs equal
-    ``BatchSpec(num_computed_tokens=c, ..., block_table=tables[0][0], block_size=tables[0][1])`` and its
-    :meth:`~BatchSpec.for_group` for each further table, field for field, but **keep the caller's
-    vectors, not copies of them**: they are for the step composer's replay
-    (:meth:`attnmeta.compose.StepBuilder.build_counts`), which reads them before it returns and keeps
-    none of them; never hand one out.
+
+def scan_counts(
+    c: Any, q: Any, tables: Any, prompt: Any, drafts: Any, ub: Any, rp: Any, tp: Any, groups: np.ndarray,
+) -> tuple[Any, ...] | None:
+    """The host scalars of one step over several KV-cache groups, from the scheduler's arrays, in one
+    compiled scan that checks every rule a :class:`BatchSpec` checks; None when an argument is not
+    already what a spec keeps as given, or a rule is broken (then ``BatchSpec(...)`` and
+    :meth:`BatchSpec.for_group` of the same arguments raise the error that names it).
+
+    ``tables`` is a list or tuple of ``(block_table, block_size)``, one per group; ``groups`` a scratch
+    ``(len(tables) - 1, 3)`` int64 array. Returns a plain tuple, the step composer's key into its cache
+    of shapes (:func:`shapes_of` makes them): ``(num_reqs, num_tokens, num_reqs_padded,
+    num_tokens_padded, max_query_len, first_query_len, max_seq_len, max_exact_seq_len, any_prefilling,
+    has_prompt, has_drafts, has_upper_bound)`` and per group ``(num_pages, block_size, table_columns)``.
+    Reads the arrays and keeps none (:meth:`attnmeta.compose.StepBuilder.build_counts`).
     """
     if type(c) is not np.ndarray or c.ndim != 1:
         return None
     n = c.shape[0]
     if not _counted(c, n) or not _counted(q, n):
         return None
-    for a in (prompt, drafts, ub):
-        if a is not None and not _counted(a, n):
-            return None
-    for v in (rp, tp):
-        if v is not None and type(v) is not int:
-            return None
-    if rp is not None and not n <= rp <= MAX_PADDED_REQS:
+    if (prompt is not None and not _counted(prompt, n)) or (drafts is not None and not _counted(drafts, n)) or (
+            ub is not None and not _counted(ub, n)):
         return None
-    if type(tables) not in (list, tuple) or not tables:
+    if (rp is not None and (type(rp) is not int or not n <= rp <= MAX_PADDED_REQS)) or (
+            tp is not None and type(tp) is not int):
         return None
-    for t in tables:
-        if type(t) is not tuple or len(t) != 2:
+    if type(tables) not in (list, tuple) or len(tables) != groups.shape[0] + 1:
+        return None
+    for g, t in enumerate(tables):
+        if not _table(t, n):
             return None
-        bt, bs = t
-        if (type(bt) is not np.ndarray or bt.dtype != _I32 or bt.ndim != 2 or bt.shape[0] < n
-                or not bt.flags.c_contiguous or type(bs) is not int or not 0 < bs <= INT32_MAX):
-            return None
-    rest = tables[1:]
-    sizes = np.array([bs for _bt, bs in rest], np.int64)
-    widths = np.array([bt.shape[1] for bt, _bs in rest], np.int64)
-    pages = np.empty(len(rest), np.int64)
+        if g:
+            groups[g - 1, 0] = t[1]
+            groups[g - 1, 1] = t[0].shape[1]
     bt0, bs0 = tables[0]
     st, total, max_q, max_seq, max_ub, pages0, first, pre = _scan_nb(
         c, q, bt0, bs0, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
-        _EMPTY if ub is None else ub, sizes, widths, pages, _NO_COPY)
+        _EMPTY if ub is None else ub, groups, _NO_COPY)
     if st or (tp is not None and not total <= tp <= MAX_PADDED_TOKENS):
         return None
-    top = max_seq if ub is None else max_ub
-    has = (prompt is not None, drafts is not None, ub is not None)
-    specs: list[BatchSpec] = []
-    shapes: list[StepShape] = []
-    for g, (bt, bs) in enumerate(tables):
-        p = pages0 if g == 0 else int(pages[g - 1])
-        out: Any = object.__new__(_FillableBatchSpec)  # (as __init__: plain slot stores, then a BatchSpec)
-        _store_fields(out, c, q, bt, bs, prompt, drafts, ub, rp, tp, None, n, total, max_q, top, max_seq, p)
-        out.__class__ = BatchSpec
-        specs.append(out)
-        shapes.append(StepShape(n, total, rp, tp, max_q, first, top, max_seq, p, bs, int(bt.shape[1]), pre, *has,
-                                None))
-    return tuple(specs), tuple(shapes)
+    head = (n, total, rp, tp, max_q, first, max_seq if ub is None else max_ub, max_seq, pre, prompt is not None,
+            drafts is not None, ub is not None, pages0, bs0, bt0.shape[1])
+    if not groups.shape[0]:
+        return head
+    rest: list[int] = []
+    for bs, width, pages in groups.tolist():
+        rest += (pages, bs, width)
+    return head + tuple(rest)
+
+
+def shapes_of(scan: tuple[Any, ...]) -> tuple[StepShape, ...]:
+    """The :class:`StepShape` of each group of a :func:`scan_counts` result."""
+    n, total, rp, tp, max_q, first, top, exact, pre, has_p, has_d, has_u = scan[:12]
+    return tuple(StepShape(n, total, rp, tp, max_q, first, top, exact, scan[k], scan[k + 1], scan[k + 2], pre, has_p,
+                           has_d, has_u, None) for k in range(12, len(scan), 3))

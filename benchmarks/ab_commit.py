@@ -10,10 +10,12 @@ walks (contexts grow by one token a step, page size 16):
   arrays (as an engine does from its scheduler's);
 - ``composable``: ``stage_common`` + FlashAttention + FlashInfer staged into one step;
 - ``engine graphs``: the reference engine's graph-mode step (a graph-mode stager; the step composer with
-  FlashInfer and the engine's two arrays; the spec made in the step, padded to the captured size), and
-  ``engine hybrid``: its hybrid model's eager step (FlashInfer over the attention group, Mamba2 over the
-  Mamba group, the two arrays; the Mamba group's spec from the attention one), where both commits have
-  the step composer (compared against an older commit, the two rows are left out);
+  FlashInfer and the engine's two arrays; the step from the scheduler's arrays, padded to the captured
+  size), and ``engine hybrid``: its hybrid model's eager step (FlashInfer over the attention group, Mamba2
+  over the Mamba group, the two arrays; the Mamba group's table beside the attention one), where both
+  commits have the step composer (compared against an older commit, the two rows are left out). Each
+  side takes the engine's entry as its package has it: ``StepBuilder.build_counts`` of the arrays, or
+  where it has none, a ``BatchSpec`` made in the step (and ``for_group``) and ``build``;
 - ``lifetimes on/off``: this checkout's fused step on ``Stager(check_lifetimes=False)`` (the "base"
   column) against the default.
 
@@ -162,9 +164,14 @@ def engine_hybrid(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, 
     arrays = {"engine.input_ids": np.arange(batch, dtype=np.int32), "engine.prev_rows": np.arange(batch, dtype=np.int32)}
     at = [0]
 
+    counts = hasattr(composer, "build_counts")
+
     def step() -> Any:
         i = at[0] = at[0] + 1
         r = raws[i % 64]
+        if counts:  # the engine's entry where the package has it: the scheduler's arrays, no specs
+            return composer.build_counts(r["num_computed_tokens"], r["num_scheduled_tokens"],
+                                         [(r["block_table"], r["block_size"]), (states, longest)], arrays=arrays)
         spec = mod.BatchSpec(num_computed_tokens=r["num_computed_tokens"], num_scheduled_tokens=r["num_scheduled_tokens"],
                              block_table=r["block_table"], block_size=r["block_size"])
         if hasattr(spec, "for_group"):
@@ -198,9 +205,14 @@ def engine_graphs(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, 
     arrays = {"engine.input_ids": ids, "engine.prev_rows": prev}
     at = [0]
 
+    counts = hasattr(composer, "build_counts")
+
     def step() -> Any:
         i = at[0] = at[0] + 1
         r = raws[i % 64]
+        if counts:  # the engine's entry where the package has it: the scheduler's arrays, no specs
+            return composer.build_counts(r["num_computed_tokens"], r["num_scheduled_tokens"], [(tables[i % 64], bs)],
+                                         num_reqs_padded=padded, num_tokens_padded=padded, arrays=arrays)
         spec = mod.BatchSpec(num_computed_tokens=r["num_computed_tokens"], num_scheduled_tokens=r["num_scheduled_tokens"],
                              block_table=tables[i % 64], block_size=bs, num_reqs_padded=padded,
                              num_tokens_padded=padded)

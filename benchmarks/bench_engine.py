@@ -137,13 +137,13 @@ def cold_replica(engine: Engine, reqs: list[Request], cold_us: float, passes: in
     composer = engine.composer
 
     def replay(specs: tuple[BatchSpec, ...], inputs: Any, arrays: dict[str, Any]) -> Any:
-        def build() -> None:  # as Engine._step: the BatchSpecs from the scheduler's arrays, then the build
-            first = specs[0]
-            spec = BatchSpec(num_computed_tokens=first.num_computed_tokens, num_scheduled_tokens=first.num_scheduled_tokens,
-                             block_table=first.block_table, block_size=first.block_size,
-                             num_reqs_padded=first.num_reqs_padded, num_tokens_padded=first.num_tokens_padded)
-            again = (spec, *(spec.for_group(block_table=s.block_table, block_size=s.block_size) for s in specs[1:]))
-            composer.build(again, inputs, arrays)
+        first = specs[0]
+        tables = [(s.block_table, s.block_size) for s in specs]
+
+        def build() -> None:  # as Engine._step: the scheduler's arrays into the composer's counts entry
+            composer.build_counts(first.num_computed_tokens, first.num_scheduled_tokens, tables,
+                                  num_reqs_padded=first.num_reqs_padded, num_tokens_padded=first.num_tokens_padded,
+                                  inputs=inputs, arrays=arrays)
         return build
 
     calls = [replay(*t) for t in decode] * passes

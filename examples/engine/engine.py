@@ -3,8 +3,9 @@
 One step:
 
 1. the scheduler picks the batch (decodes first);
-2. the host describes it in a :class:`attnmeta.BatchSpec` and the step composer
-   (:class:`attnmeta.compose.StepBuilder`, one call) stages the common metadata, the kernel's builders,
+2. the host hands the scheduler's arrays (computed and scheduled tokens, each group's block table) to
+   the step composer (:meth:`attnmeta.compose.StepBuilder.build_counts`, one call: the step a
+   :class:`attnmeta.BatchSpec` of them describes), which stages the common metadata, the kernel's builders,
    for a hybrid model the Mamba group, and the engine's own per-token arrays (input ids known on the
    host, and for each token whose id is still on the device, its row in the previous step's sampled
    tokens): **one** H2D copy per step. A step whose layout its ring slot held before (every steady
@@ -327,16 +328,13 @@ class Engine:
             return
         replays = self.composer.stats.replayed  # (bookkeeping: read before the timed part)
         t_md = time.perf_counter()  # attnmeta's part of the step starts here
-        spec = BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled,
-                         block_table=self.table[:n], block_size=cfg.block_size,
-                         num_reqs_padded=padded, num_tokens_padded=padded)
-        specs: tuple[BatchSpec, ...] = (spec,)
+        tables = [(self.table[:n], cfg.block_size)]
         if self.hybrid:  # the Mamba group: the same step, its own table (none mode: one state slot a request)
-            specs = (spec, spec.for_group(block_table=self.state_table[:n],
-                                          block_size=cfg.block_size if self.align else cfg.max_model_len))
+            tables.append((self.state_table[:n], cfg.block_size if self.align else cfg.max_model_len))
         inputs = self.kernel.inputs(0 if self.graphs else out.num_common_prefix_blocks)
         arrays = {"engine.input_ids": ids, "engine.prev_rows": prev_rows}
-        built = self.composer.build(specs, inputs, arrays)
+        built = self.composer.build_counts(computed, scheduled, tables, num_reqs_padded=padded,
+                                           num_tokens_padded=padded, inputs=inputs, arrays=arrays)
         cm, step = built.common, built.step
         if self.hybrid:
             self._mamba = built["mamba"]
@@ -360,8 +358,11 @@ class Engine:
         st.step_slots.append(step.stats.slot)
         st.step_replayed.append(self.composer.stats.replayed > replays)
         st.step_fence.append(step.stats.wait_seconds)
-        if self.trace is not None:
-            self.trace.append((tuple(_owned(s) for s in specs), inputs, arrays))
+        if self.trace is not None:  # (the specs build_counts stood for, with tables of their own)
+            spec = BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled, block_table=tables[0][0].copy(),
+                             block_size=tables[0][1], num_reqs_padded=padded, num_tokens_padded=padded)
+            self.trace.append(((spec, *(spec.for_group(block_table=t.copy(), block_size=bs) for t, bs in tables[1:])),
+                               inputs, arrays))
         st.steps += 1
         st.decode_steps += decode
         st.padded_steps += padded is not None and padded > n
@@ -573,15 +574,6 @@ class Engine:
 
         self.kernel.transform = move
         return move(cm), up(ids), up(prev_rows)
-
-
-def _owned(spec: BatchSpec) -> BatchSpec:
-    """``spec`` with a block table of its own (the engine's table is rewritten every step)."""
-    return BatchSpec(num_computed_tokens=spec.num_computed_tokens, num_scheduled_tokens=spec.num_scheduled_tokens,
-                     block_table=spec.block_table.copy(), block_size=spec.block_size,
-                     num_prompt_tokens=spec.num_prompt_tokens, num_draft_tokens=spec.num_draft_tokens,
-                     seq_lens_upper_bound=spec.seq_lens_upper_bound, num_reqs_padded=spec.num_reqs_padded,
-                     num_tokens_padded=spec.num_tokens_padded, context_parallel=spec.context_parallel)
 
 
 def make_kernel(name: str, model: Any, device: torch.device, *, cascade: bool = True) -> AttentionKernel:
