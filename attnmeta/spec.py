@@ -736,7 +736,7 @@ def scan_counts(
     if not groups.shape[0]:
         return head
     rest: list[int] = []
-    for bs, width, pages in groups.tolist():
+    for bs, width, pages in groups.tolist():  # (a host array: the scan's scratch)
         rest += (pages, bs, width)
     return head + tuple(rest)
 
