@@ -320,8 +320,7 @@ class StepBuilder:
         self._token = object()  # this composer's key in each slot's extras
         self._no_inputs = self._inputs({})  # every builder's empty inputs (the usual step's)
         self._keys: dict[tuple[StepShape, ...], tuple[Hashable, ...] | None] = {}  # by shape, without inputs
-        # build_counts: a step's scalars (attnmeta.spec.scan_counts) -> its shapes and key without inputs
-        self._scans: dict[tuple[Any, ...], tuple[tuple[StepShape, ...], Any]] = {}
+        self._scans: dict[tuple[Any, ...], tuple[StepShape, ...]] = {}  # build_counts: scan_counts's scalars -> shapes
         self._scratch = np.zeros((len(self._groups) - 1, 3), np.int64)  # scan_counts's per-group scalars
         self.stats = ComposeStats()
 
@@ -433,15 +432,12 @@ class StepBuilder:
         self.stats.steps += 1
         inp = self._no_inputs if not inputs else self._inputs(inputs)
         arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
-        known = self._scans.get(scan)
-        if known is None:
+        shapes = self._scans.get(scan)
+        if shapes is None:
             if len(self._scans) >= _MAX_KEYS:
                 self._scans.clear()
-            shapes = shapes_of(scan)
-            known = self._scans[scan] = (shapes, self._key(shapes, self._no_inputs, _NO_ARRAYS))
-        shapes = known[0]
-        key = self._key(shapes, inp, arr, known[1] if inp is self._no_inputs else _MISS)
-        return self._run(shapes, key, inp, arr, None, (c, q, tables, prompt, drafts, ub, rp, tp))
+            shapes = self._scans[scan] = shapes_of(scan)
+        return self._run(shapes, self._key(shapes, inp, arr), inp, arr, None, (c, q, tables, prompt, drafts, ub, rp, tp))
 
     def _run(self, shapes: tuple[StepShape, ...], key: tuple[Hashable, ...] | None, inputs: list[list[Any]],
              arrays: list[np.ndarray], specs: tuple[BatchSpec, ...] | None, counts: tuple[Any, ...] | None
@@ -488,16 +484,14 @@ class StepBuilder:
             out.append(a)
         return out
 
-    def _key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]], arrays: list[np.ndarray],
-             layout: Any = _MISS) -> tuple[Hashable, ...] | None:
+    def _key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]], arrays: list[np.ndarray]
+             ) -> tuple[Hashable, ...] | None:
         """Everything the step's layout depends on, or None: compose it (context parallelism, a builder
         without a replay key, graph mode beyond the profile: the builders raise their errors). A
         function of the shapes, the inputs and (eager mode) the arrays' rows; computed once per shape
-        for a step without inputs (``layout``: that part, when the caller has it)."""
+        for a step without inputs."""
         key: Any
-        if layout is not _MISS:
-            key = layout
-        elif inputs is self._no_inputs:
+        if inputs is self._no_inputs:
             key = self._keys.get(shapes, _MISS)
             if key is _MISS:
                 if len(self._keys) >= _MAX_KEYS:
@@ -637,7 +631,7 @@ class StepBuilder:
             for g, ((w, causal, _paged, threads), shape) in enumerate(zip(rec.groups, shapes)):
                 if specs is not None:
                     w.write(specs[g], threads=threads)
-                else:
+                else:  # (build_counts: every group's counts are the same arrays, its table its own)
                     c, q, tables, prompt, drafts, ub = counts[:6]  # type: ignore[index]
                     w.write_arrays(c, q, tables[g][0], prompt, drafts, ub, threads=threads)
                 hosts.append(w.host(shape, causal))
@@ -676,7 +670,6 @@ class StepBuilder:
         threads = f", threads={self._threads}" if self._threads != 1 else ""
         return (f"StepBuilder({groups}, arrays={[n for n, *_r in self._arrays]}{threads}, steps={self.stats.steps}, "
                 f"replayed={self.stats.replayed})")
-
 
 
 def _make_specs(c: Any, q: Any, tables: Any, prompt: Any, drafts: Any, ub: Any, rp: Any, tp: Any

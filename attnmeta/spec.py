@@ -54,7 +54,6 @@ class ContextParallel(NamedTuple):
     """Interleave size ``I``: consecutive tokens per rank; must divide ``block_size``."""
 
 
-
 class StepShape(NamedTuple):
     """A step's host scalars: all a builder's :meth:`~attnmeta.builder.Builder.needs` and
     :meth:`~attnmeta.builder.Builder.replay_key` may read (:attr:`BatchSpec.shape`).
