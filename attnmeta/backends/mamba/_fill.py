@@ -18,6 +18,10 @@ Then ONE compiled call, :func:`attnmeta.host.mamba.mamba_fill_nb`, classifies, s
 every array straight into the staged views (host-only arrays into buffers that live with the field
 group, as the staged bytes live with the slot). The optional chunk formats (logical chunks, per-token
 ``seq_idx``) run their own kernels of :mod:`attnmeta.host.chunks` after it, only when asked for.
+An eager layout without prefill fields or spec decode (its key says every row of its steps is a
+decode) skips the kernel's other parts: the split is known, and its one write, the decode rows'
+state indices, is the kernel's own step (:func:`attnmeta.host.mamba.state_indices_nb`), called
+alone (``_refill_decodes``).
 
 What the fill path keeps per ring slot and layout is a :class:`_Layout` in the field group's
 ``extras``: the views, the host-only arrays and the exact-length views of the latest counts (rebuilt
@@ -72,6 +76,7 @@ from attnmeta.host.mamba import (
     classify_mamba_rows,
     mamba_fill_nb,
     prefill_checkpoints,
+    state_indices_nb,
 )
 from attnmeta.host.split import SplitCounts
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, StagedCommon
@@ -228,6 +233,7 @@ class _Layout:
         "by_pt",
         "by_tot",
         "conv_rows",
+        "decodes_only",
         "dev_d",
         "dev_l",
         "dev_n",
@@ -255,6 +261,9 @@ class _Layout:
         self.num_reqs = B
         self.graph = shape.graph
         self.conv_rows = shape.conv_rows
+        # An eager layout without prefill fields or spec decode: every row of its steps is a decode
+        # (fill_key), and a step writes only the decode rows' state indices (refill's short path).
+        self.decodes_only = not (shape.prefill or shape.accepted or shape.graph)
         host = {name: group.host[i] for name, i in self.index.items()}
         self.ro: dict[str, np.ndarray | None] = {name: group.frozen[i] for name, i in self.index.items()}
         prefill = shape.prefill
@@ -641,7 +650,10 @@ def refill(step: Step, h: CommonHost, group: FieldGroup, lay: _Layout, owner: st
            accepted: np.ndarray, has_accepted: bool) -> Filled:
     """Write one step into the fields of ``group`` (reserved by :func:`fill`, this step or, replayed, a
     step of the same layout on the same slot): every staged byte, with ONE compiled call and the
-    optional chunk formats' kernels. ``accepted``: the checked accepted counts (empty without)."""
+    optional chunk formats' kernels (a decode-only eager layout: :func:`_refill_decodes`). ``accepted``:
+    the checked accepted counts (empty without)."""
+    if lay.decodes_only:
+        return _refill_decodes(step, h, group, lay, prefix, bs_m, align, checkpoint, owner)
     B, T = h.num_reqs, h.num_actual_tokens
     thr = 1 + spec_tokens
     prof = step.profile
@@ -706,6 +718,23 @@ def refill(step: Step, h: CommonHost, group: FieldGroup, lay: _Layout, owner: st
         checkpoints=checkpoints,
     )
     return Filled(step, group, lay, prefix, host, D, P, Dt, Pt, tot, n, prep, nck, nl)
+
+
+def _refill_decodes(step: Step, h: CommonHost, group: FieldGroup, lay: _Layout, prefix: str, bs_m: int, align: bool,
+                    checkpoint: CheckpointConfig | None, owner: str) -> Filled:
+    """:func:`refill` of a :attr:`_Layout.decodes_only` layout: what the fill kernel does for a step
+    whose rows are all decodes (no query longer than 1, no row in its prompt: the layout's key says
+    so), without its other parts: the split is ``(B, 0, T, 0)`` and the one staged write is the state
+    indices of the decode rows (:func:`~attnmeta.host.mamba.state_indices_nb`, the kernel's own step
+    2). Its errors are the kernel's."""
+    B, T = h.num_reqs, h.num_actual_tokens
+    bad = state_indices_nb(h.block_table_cpu[:B], h.seq_lens_cpu[:B], bs_m, align, lay.outputs.state_d[:B])
+    if bad >= 0:
+        _raise_fill_error(-1 - (bad * FILL_STATUS_STRIDE + FILL_E_TABLE_D), h, 0, bs_m, align, checkpoint, prefix,
+                          _NO_I32, owner)
+    host = make_host(split=_new_tuple(SplitCounts, (B, 0, T, 0)), is_prefilling=h.is_prefilling,
+                     num_computed_tokens_p_cpu=None, query_start_loc_p_cpu=None, chunks=None, checkpoints=None)
+    return Filled(step, group, lay, prefix, host, B, 0, T, 0, 0, 0, False, 0, 0)
 
 
 _MINUS_ONES = np.full(4096, -1, _I64)
