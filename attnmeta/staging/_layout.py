@@ -277,6 +277,8 @@ class StepViews(Protocol):
 
     def _view(self, f: FieldLayout, rows: int) -> torch.Tensor: ...
 
+    def _arena(self) -> Any: ...
+
     def device(self, name: str) -> torch.Tensor: ...
 
 
@@ -324,7 +326,7 @@ class FieldGroup:
         self.field_map = {f.name: f for f in fields}
         self.buf_map = dict.fromkeys(self.names, buf)
         self.extras: dict[Any, Any] = {}
-        self._device: list[torch.Tensor] | None = None
+        self._device: tuple[Any, list[torch.Tensor]] | None = None  # (the arena they view, the views)
 
     def device(self, step: StepViews) -> list[torch.Tensor]:
         """The device views of the group's fields for ``step`` (which reserved the group), in order.
@@ -336,9 +338,10 @@ class FieldGroup:
         """
         if step._generation >= 0 and not step._expired:
             d = self._device
-            if d is None:
-                d = self._device = [step._view(f, f.rows) for f in self.fields]
-            return d
+            arena = step._arena()
+            if d is None or d[0] is not arena:  # (a group reserved before its arena grew: views of the new one)
+                d = self._device = (arena, [step._view(f, f.rows) for f in self.fields])
+            return d[1]
         step.device(self.names[0])  # raises the right error
         raise AssertionError("unreachable")  # pragma: no cover
 

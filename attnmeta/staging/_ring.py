@@ -623,6 +623,12 @@ class StepCore:
         """A device view of ``rows`` rows of ``f`` in this step's arena (cached; see Arenas._device_view)."""
         return self._stager._device_view(self._slot, f, rows)
 
+    def _arena(self) -> torch.Tensor | None:
+        """The device arena this step's fields live in (graph mode: the stager's one; a slot or a layout
+        that grows gets a new one)."""
+        st = self._stager
+        return st._graph_arena if st.graph_mode else self._slot.device_arena
+
 
 # ---------------------------------------------------------------------------- the internal interface
 def slot_of(step: StepCore) -> Slot:

@@ -404,6 +404,34 @@ def test_alloc_fields_when_the_slot_grows_mid_group() -> None:
     assert step.device("x").tolist() == [7] * 8 and step.device("y").tolist() == list(range(64))
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_a_cached_group_whose_arena_grows_later_in_the_step_views_the_new_arena(graph: bool) -> None:
+    """A group handed back from the slot's cache (its device views built by an earlier step), then a
+    field that grows the arena in the same step (eager: past the slot's bytes; graph mode: a new field of
+    the fixed layout): the group's device views are views of the new arena, holding this step's values."""
+    profile = StaticProfile(max_num_reqs=8, max_num_tokens=64, max_blocks_per_req=4, block_size=16) if graph else None
+    stager = Stager("cpu", num_slots=2, profile=profile, initial_bytes=4096)
+    spec = (("g.a", 4, np.dtype(np.int32), 8 if graph else None, 0),)
+    groups = []
+    for i in range(4):  # the group recorded on both slots, its device views built
+        with stager.step() as step:
+            g = step.alloc_fields(spec)
+            g.host[0][:] = i
+        assert g.device(step)[0].tolist() == [i] * 4
+        groups.append(g)
+    with stager.step() as step:
+        hit = step.alloc_fields(spec)
+        assert hit is groups[2]  # (slot 0's group, from its cache)
+        hit.host[0][:] = 42
+        if graph:
+            step.alloc("g.late", 2, np.int32, capacity=4)  # a new field: the graph layout and arena grow
+        else:
+            step.alloc("g.big", 8192, np.int32)  # more than the slot's bytes: it grows
+    assert stager.stats.grows >= 1
+    assert hit.device(step)[0].tolist() == [42] * 4
+    assert hit.device(step)[0].data_ptr() == step.device("g.a").data_ptr()
+
+
 def test_steps_begun_counts_every_step_in_ring_order() -> None:
     stager = Stager("cpu", num_slots=3)
     slots = []
