@@ -232,6 +232,37 @@ def test_flashinfer_and_mamba2_groups(device: torch.device) -> None:
     _check(composer, reference, counts, steps)
 
 
+@pytest.mark.parametrize("profile", [None, dataclasses.replace(_PROFILE, chunk_size=16)], ids=["eager", "graph"])
+def test_two_groups_device_fields_hold_their_host_values_when_a_prefill_step_grows_the_layout(
+        device: torch.device, profile: Any) -> None:
+    """Decode steps, then prefill steps whose Mamba fields grow the layout (graph mode: new fields of the
+    fixed arena) while the Mamba group's common fields come back from the slot's cache: every group's
+    device fields hold the step's host values (before the staging fix, the Mamba group's query starts
+    were the last decode step's)."""
+    def groups() -> list[Group]:
+        return [Group({"fi": FLASHINFER}), Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))},
+                                                 prefix="mamba_common", table_column_step=1)]
+
+    composer, reference, counts = _pair(device, groups, profile=profile)
+    walk, steps = _walk(6, 10), []
+    for k, w in enumerate(walk):
+        c, q, prompt = w.num_computed_tokens, w.num_scheduled_tokens, w.num_prompt_tokens
+        if k >= 7:  # the first four rows decoding, two prefilling (one from scratch, one continuing)
+            c = np.concatenate([c[:4], [0, 37 + k]]).astype(np.int32)
+            q = np.array([1, 1, 1, 1, 20 + k, 33], np.int32)
+            prompt = np.concatenate([c[:4], [40, 90]]).astype(np.int32)
+        spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=w.block_table, block_size=16,
+                         num_prompt_tokens=prompt)
+        states = np.repeat((1 + np.arange(6, dtype=np.int32))[:, None], w.block_table.shape[1], 1)
+        steps.append(((spec, spec.for_group(block_table=states, block_size=16)), None, None))
+    for i, step in enumerate(steps):
+        (out,) = _check(composer, reference, counts, [step])
+        for g, cm in enumerate(out.commons):
+            for dev, host in (("query_start_loc", "query_start_loc_cpu"), ("seq_lens", "seq_lens_cpu"),
+                              ("block_table_tensor", "block_table_cpu")):
+                assert getattr(cm, dev).cpu().tolist() == getattr(cm, host).tolist(), f"step {i} group {g} {dev}"
+
+
 def _mamba_specs(specs: list[BatchSpec]) -> list[BatchSpec]:
     """A Mamba group's specs of an attention walk: one state block a request (block size: the context)."""
     out = []
