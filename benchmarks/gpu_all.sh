@@ -286,11 +286,11 @@ echo "== vllm: the engine's vllm metadata mode, tokens against generate" | tee "
 if vllm_site; then
   timeout 300 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu/test_engine_vllm_cuda.py -q -s -rs \
     -p no:cacheprovider ${VLLM_ENGINE_TESTS:+-k "$VLLM_ENGINE_TESTS"} 2>&1 | tee -a "$OUT_DIR/vllm.log"
-  [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllm (engine)" "${PIPESTATUS[0]}"
+  rc=${PIPESTATUS[0]}; [[ $rc -eq 0 ]] || failed "vllm (engine)" "$rc"
   echo "== vllm: the harness on vLLM's own builders, on cuda" | tee "$OUT_DIR/vllm_harness.log"
   timeout 240 $PY -m pytest -m vllm tests/integrations/test_vllm_builders.py -q -s -rs -p no:cacheprovider 2>&1 \
     | tee -a "$OUT_DIR/vllm_harness.log"
-  [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllm (harness)" "${PIPESTATUS[0]}"
+  rc=${PIPESTATUS[0]}; [[ $rc -eq 0 ]] || failed "vllm (harness)" "$rc"
   grep "^HARNESS " "$OUT_DIR/vllm_harness.log" | tee "$OUT_DIR/vllm_harness_summary.txt"
 else
   failed "vllm (no .vllm)" 1
@@ -308,12 +308,14 @@ if vllm_site; then
       timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --modes "${VLLMBENCH_MODES:-$llama_modes}" --no-cold \
         --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" \
         --json "$OUT_DIR/vllm_bench.json" 2>&1 | tee -a "$OUT_DIR/vllm_bench.txt"
-      [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllmbench (1b)" "${PIPESTATUS[0]}"
+      rc=${PIPESTATUS[0]}  # (read before any other command: [[ ]] has a PIPESTATUS of its own)
+      [[ $rc -eq 0 ]] || failed "vllmbench (1b)" "$rc"
     else
       timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --modes "${VLLMBENCH_MODES:-$hybrid_modes}" \
         --no-cold --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" \
         --json "$OUT_DIR/vllm_hybrid_bench.json" 2>&1 | tee "$OUT_DIR/vllm_hybrid_bench.txt"
-      [[ ${PIPESTATUS[0]} -eq 0 ]] || failed "vllmbench (hybrid-1b)" "${PIPESTATUS[0]}"
+      rc=${PIPESTATUS[0]}
+      [[ $rc -eq 0 ]] || failed "vllmbench (hybrid-1b)" "$rc"
     fi
   done
 else
