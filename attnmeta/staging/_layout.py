@@ -277,7 +277,7 @@ class StepViews(Protocol):
 
     def _view(self, f: FieldLayout, rows: int) -> torch.Tensor: ...
 
-    def _arena(self) -> Any: ...
+    def _arena(self) -> torch.Tensor | None: ...
 
     def device(self, name: str) -> torch.Tensor: ...
 
@@ -326,7 +326,7 @@ class FieldGroup:
         self.field_map = {f.name: f for f in fields}
         self.buf_map = dict.fromkeys(self.names, buf)
         self.extras: dict[Any, Any] = {}
-        self._device: tuple[Any, list[torch.Tensor]] | None = None  # (the arena they view, the views)
+        self._device: tuple[torch.Tensor | None, list[torch.Tensor]] | None = None  # (the arena they view, the views)
 
     def device(self, step: StepViews) -> list[torch.Tensor]:
         """The device views of the group's fields for ``step`` (which reserved the group), in order.
