@@ -5,12 +5,13 @@
   derivation (the way engines used to compute metadata, synchronisations included): the oracle.
 - :mod:`attnmeta.testing.assertions`: bit-exact comparison of host results with device tensors.
 - :mod:`attnmeta.testing.workloads`: seeded random batches (numpy only) for audits and benchmarks.
-- :mod:`attnmeta.testing.builders`: :func:`check_builder` (a builder's fields against its reference)
-  and :func:`audit_builder` (a builder under the sync audit), for any registered builder.
+- :mod:`attnmeta.testing.builders`: :func:`check_builder` (a builder's fields against its reference),
+  :func:`check_metadata` (metadata staged any other way, a step composer's for one, against the same
+  reference) and :func:`audit_builder` (a builder under the sync audit), for any registered builder.
 
 Nothing here is used on the serving path; these modules may read device tensors on the host.
 """
 
-from attnmeta.testing.builders import audit_builder, check_builder
+from attnmeta.testing.builders import audit_builder, check_builder, check_metadata
 
-__all__ = ["audit_builder", "check_builder"]
+__all__ = ["audit_builder", "check_builder", "check_metadata"]

@@ -16,6 +16,7 @@ These are test helpers: :func:`check_builder` reads device tensors back to compa
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,7 @@ from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
 from attnmeta.testing.lab import lab
 from attnmeta.testing.workloads import KINDS, random_spec
 
-__all__ = ["audit_builder", "audit_stager", "builder_target", "check_builder"]
+__all__ = ["audit_builder", "audit_stager", "builder_target", "check_builder", "check_metadata"]
 
 
 def check_builder(
@@ -83,13 +84,79 @@ def check_builder(
     b = get_builder(builder) if isinstance(builder, str) else builder
     opts, inp = b.options(options), b.inputs(inputs)
     dev = torch.device(device)
-    expected = lab(b).reference(spec, opts, dev, inp)
-    if expected is None:
-        raise ValueError(f"{b.name}: the builder's lab entry has no reference to check against "
-                         f"(attnmeta.testing.lab.register_lab)")
+    expected = _reference(b, spec, opts, dev, inp)
     meta = build(spec, stager if stager is not None else Stager(dev), b, opts, inp)
     _compare(meta, expected, b.name, dev)
     return meta
+
+
+def check_metadata(builder: AnyBuilder | str, metadata: Any, spec: BatchSpec, options: Any = None,
+                   inputs: Any = None, *, where: str = "") -> None:
+    """Assert that ``metadata``, made by ``builder`` for ``spec`` however it was staged, equals the
+    builder's lab reference field for field (the comparison of :func:`check_builder`).
+
+    For metadata that did not come from :func:`attnmeta.build`: a step composer's
+    (:class:`attnmeta.compose.StepBuilder`, replayed steps included), a multi-rank stager's, or an
+    engine's own composition. The reference runs on the device of ``metadata``'s tensors.
+
+    Parameters
+    ----------
+    builder : Builder or str
+        The builder that made it, or its registry name (its lab entry must have a reference).
+    metadata : the builder's metadata
+        The object to check: device tensors are read back (a test helper).
+    spec : BatchSpec
+        The step it was made for (its KV-cache group's spec).
+    options, inputs : optional
+        The options and per-step inputs it was made with (default: the builder's defaults, no inputs).
+    where : str, optional
+        A prefix for the failure message (e.g. ``"step 7"``).
+
+    Raises
+    ------
+    AssertionError
+        Naming the first field that differs, and where.
+    ValueError
+        The builder has no reference.
+
+    Examples
+    --------
+    >>> from attnmeta import BatchSpec, Stager
+    >>> from attnmeta.backends.flashinfer import FLASHINFER
+    >>> from attnmeta.compose import Group, StepBuilder
+    >>> spec = BatchSpec(num_computed_tokens=[5, 0], num_scheduled_tokens=[1, 3], block_table=[[1, 2], [3, 4]],
+    ...                  block_size=4)
+    >>> out = StepBuilder(Stager("cpu"), Group({"fi": FLASHINFER})).build(spec)
+    >>> check_metadata("flashinfer", out["fi"], spec)
+    """
+    b = get_builder(builder) if isinstance(builder, str) else builder
+    opts, inp = b.options(options), b.inputs(inputs)
+    dev = _device_of(metadata)
+    _compare(metadata, _reference(b, spec, opts, dev, inp), f"{where} {b.name}".strip(), dev)
+
+
+def _reference(b: AnyBuilder, spec: BatchSpec, options: Any, device: torch.device, inputs: Any) -> dict[str, Any]:
+    """``b``'s lab reference of ``spec``, or a ValueError when its lab entry has none."""
+    expected = lab(b).reference(spec, options, device, inputs)
+    if expected is None:
+        raise ValueError(f"{b.name}: the builder's lab entry has no reference to check against "
+                         f"(attnmeta.testing.lab.register_lab)")
+    return expected
+
+
+def _device_of(metadata: Any) -> torch.device:
+    """The device of the first device tensor of a metadata object (or of its parts); CPU without one."""
+    for name in getattr(metadata, "_DEVICE_FIELDS", ()):
+        t = getattr(metadata, name, None)
+        if isinstance(t, torch.Tensor):
+            return t.device
+    for f in dataclasses.fields(metadata) if dataclasses.is_dataclass(metadata) else ():
+        v = getattr(metadata, f.name, None)
+        if isinstance(v, torch.Tensor):
+            return v.device
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return _device_of(v)
+    return torch.device("cpu")
 
 
 def _compare(obj: Any, expected: dict[str, Any], path: str, dev: torch.device) -> None:

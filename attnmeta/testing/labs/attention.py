@@ -49,11 +49,21 @@ def flash_attn_sample(spec: BatchSpec, rng: np.random.Generator) -> tuple[FlashA
 
 def flash_attn_reference(spec: BatchSpec, options: FlashAttentionOptions, device: torch.device,
                          inputs: FlashAttentionInputs) -> dict[str, Any]:
-    """The common fields it passes on, and vLLM 0.33.0's FlashAttention counts: none without DCP; under
-    DCP (with a query longer than one token) the decodes and extends of
+    """The common fields it passes on, the step's maxima, vLLM 0.33.0's FlashAttention counts: none
+    without DCP; under DCP (with a query longer than one token) the decodes and extends of
     ``split_decodes_prefills_and_extends`` at threshold 1 (its ``split_dcp_context_queries``), and
-    ``max_dcp_context_kv_len`` 0 when no row has context (the DCP lengths: the FlashAttention tests)."""
+    ``max_dcp_context_kv_len`` 0 when no row has context (the DCP lengths: the FlashAttention tests);
+    and the causal flags: with per-request flags (``inputs.causal``) an int32 device array of them, 1 on
+    padding rows, and the scalar ``causal`` true when every row is causal; without them no array and
+    the options' flag (a plain step's common metadata is causal)."""
     ref = ref_common_fields(spec, device)
+    flags = None if inputs is None or inputs.causal is None else np.asarray(inputs.causal).astype(bool)
+    causal_tensor = None
+    if flags is not None:
+        padded = np.ones(spec.padded_num_reqs, np.int32)
+        padded[: spec.num_reqs] = flags
+        causal_tensor = torch.tensor(padded).to(device)
+    causal = bool(flags.all()) if flags is not None else (True if options.causal is None else options.causal)
     counts = (0, 0, 0, 0)
     max_dcp = 0
     if options.dcp_world_size > 1:
@@ -73,7 +83,9 @@ def flash_attn_reference(spec: BatchSpec, options: FlashAttentionOptions, device
             max_dcp = -(-int(upper.max()) // parts) * options.dcp_interleave
     return {"query_start_loc": ref["query_start_loc"], "seq_lens": ref["seq_lens"],
             "slot_mapping": ref["slot_mapping"], "num_decode_reqs": counts[0], "num_prefill_reqs": counts[1],
-            "num_decode_tokens": counts[2], "num_prefill_tokens": counts[3], "max_dcp_context_kv_len": max_dcp}
+            "num_decode_tokens": counts[2], "num_prefill_tokens": counts[3], "max_dcp_context_kv_len": max_dcp,
+            "max_query_len": spec.max_query_len, "max_seq_len": spec.max_seq_len, "causal_tensor": causal_tensor,
+            "causal": causal}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,240 @@
+"""The step composer against the independent references, over an engine's step sequences.
+
+tests/test_compose.py checks that a replayed step equals the same step staged through the builders'
+``stage``: both go through the same stager, so a bug they share (a cached view of the wrong arena, a
+field a later step overwrites while an earlier step's objects are still live) is invisible there.
+Here every step a composer builds, replayed or not, is checked against the builders' lab references
+(:func:`attnmeta.testing.check_metadata`: torch computations that share no code with the builders or
+the stager), its common metadata against the reference common fields, device tensors and host twins
+alike, and the engine's array against what the step was given. The compositions: FlashInfer,
+FlashAttention (with or without per-request causal flags), both or no builder over the attention
+group, with or without a Mamba2 group (a state slot
+a request, or vLLM's align mode: a state block per KV block, with or without prefill checkpoints), with or
+without speculative decoding (every decode row verifies its drafts; the Mamba2 group gets the accepted
+counts), eager or graph mode, two or three ring slots, through ``build`` or ``build_counts``. The steps
+come from a small simulated scheduler: some requests are decoding when the composer is made, others join with prompts that are
+chunked over several steps, decode for a while (so the ring's slots see their layouts again and replay
+them) and leave; decode-only steps are padded to the
+captured sizes in graph mode. In eager mode the objects of the last ``num_slots - 1`` steps are checked
+again after every step: their slots are not reused yet, so nothing may have overwritten them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnmeta import BatchSpec, Stager, StaticProfile
+from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionInputs
+from attnmeta.backends.flashinfer import FLASHINFER, FlashInferOptions
+from attnmeta.backends.mamba import CheckpointConfig
+from attnmeta.backends.mamba.mamba2 import MAMBA2, Mamba2Inputs, Mamba2Options
+from attnmeta.compose import Array, ComposedStep, Group, StepBuilder
+from attnmeta.testing import check_metadata
+from attnmeta.testing.assertions import assert_matches_device
+from attnmeta.testing.reference.layout import ref_common_fields
+
+BS = 16  # tokens per KV block
+WIDTH = 12  # block-table columns
+ROOM = WIDTH * BS - 6 * BS  # a request leaves before its next step could reach past its table
+MAX_REQS = 6
+PADS = (1, 2, 4, 8)  # graph mode: decode-only steps are padded to the next of these
+PROFILE = StaticProfile(max_num_reqs=8, max_num_tokens=160, max_blocks_per_req=WIDTH, block_size=BS, chunk_size=16)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    graph: bool
+    attention: str  # "fi", "fa", "both" or "none" (a group without builders)
+    threshold: int  # FlashInfer's decode threshold
+    mamba: Literal["none", "align"] | None  # None: no Mamba2 group
+    checkpoints: bool  # align mode: prefill checkpoints
+    chunk: int  # Mamba2's chunk size (graph mode: the profile's)
+    drafts: int  # speculative tokens a decode row verifies (0: no spec decode)
+    slots: int
+    counts: bool  # build_counts (the scheduler's arrays) rather than build (specs)
+    causal_flags: bool  # FlashAttention gets per-request causal flags (a per-step input)
+
+    def groups(self) -> list[dict[str, tuple[Any, Any]]]:
+        first: dict[str, tuple[Any, Any]] = {}
+        if self.attention in ("fi", "both"):
+            first["fi"] = (FLASHINFER, FlashInferOptions(decode_threshold=self.threshold))
+        if self.attention in ("fa", "both"):
+            first["fa"] = (FLASH_ATTN, None)
+        if self.mamba is None:
+            return [first]
+        ckpt = CheckpointConfig(hash_block_size=BS, cache_hit_alignment_tokens=BS, mamba_block_size=BS,
+                                checkpoint_alignment=1) if self.checkpoints else None
+        return [first, {"mamba": (MAMBA2, Mamba2Options(chunk_size=self.chunk, cache_mode=self.mamba,
+                                                        num_speculative_tokens=self.drafts, checkpoint=ckpt))}]
+
+
+@st.composite
+def _configs(draw: st.DrawFn) -> _Config:
+    graph = draw(st.booleans())
+    mamba: Literal["none", "align"] | None = draw(st.sampled_from([None, "none", "align"]))
+    return _Config(graph=graph, attention=draw(st.sampled_from(["fi", "fa", "both", "none"])),
+                   threshold=draw(st.integers(1, 3)), mamba=mamba,
+                   checkpoints=mamba == "align" and draw(st.booleans()),
+                   chunk=16 if graph else draw(st.sampled_from([16, 64])), drafts=draw(st.integers(0, 2)),
+                   slots=draw(st.sampled_from([2, 3])), counts=draw(st.booleans()), causal_flags=draw(st.booleans()))
+
+
+@dataclasses.dataclass
+class _Req:
+    computed: int
+    prompt: int
+    blocks: np.ndarray  # (WIDTH,) int32: its KV blocks
+    state: int  # its Mamba state slot (the "none" mode)
+
+
+@dataclasses.dataclass
+class _Step:
+    specs: tuple[BatchSpec, ...]
+    inputs: dict[str, Any]
+    ids: np.ndarray
+    out: ComposedStep
+
+
+class _Scheduler:
+    """Requests join (with prompts chunked over several steps), decode (verifying up to ``drafts`` drafts
+    a step, some of them accepted) and leave; decodes first, as an engine orders its batch."""
+
+    def __init__(self, data: st.DataObject, cfg: _Config) -> None:
+        self.data, self.cfg, self.next_block = data, cfg, 1
+        self.reqs: list[_Req] = []
+        for _ in range(data.draw(st.integers(0, MAX_REQS), label="running")):  # decoding when the loop starts
+            done = data.draw(st.integers(1, 5 * BS))
+            self._add(done, done)
+
+    def _add(self, computed: int, prompt: int) -> None:
+        blocks = np.arange(self.next_block, self.next_block + WIDTH, dtype=np.int32)
+        self.next_block += WIDTH
+        self.reqs.append(_Req(computed, prompt, blocks, state=1 + self.next_block % 29))
+
+    def step(self) -> tuple[BatchSpec, np.ndarray, Any] | None:
+        """The next step's attention spec, the Mamba group's table and the Mamba2 inputs; None: no work."""
+        data, cfg, reqs = self.data, self.cfg, self.reqs
+        if reqs and data.draw(st.integers(0, 9)) == 0:  # a request finishes
+            reqs.pop(data.draw(st.integers(0, len(reqs) - 1)))
+        if len(reqs) < MAX_REQS and (not reqs or data.draw(st.integers(0, 5)) == 0):  # one joins
+            self._add(0, data.draw(st.integers(1, 5 * BS)))
+        reqs[:] = sorted((r for r in reqs if r.computed <= ROOM), key=lambda r: r.computed < r.prompt)
+        if not reqs:
+            return None
+        chunk, k = data.draw(st.sampled_from([4, 16, 3 * BS])), cfg.drafts
+        decode = np.array([r.computed >= r.prompt for r in reqs])
+        c = np.array([r.computed for r in reqs], np.int32)
+        prompt = np.array([r.prompt for r in reqs], np.int32)
+        n = len(reqs)
+        # a decode row verifies the drafts it got: k on most steps, fewer when the drafter ran short
+        drafts = np.full(n, k, np.int32) if data.draw(st.integers(0, 3)) else np.array(
+            [data.draw(st.integers(0, k)) for _ in range(n)], np.int32)
+        drafts[~decode] = 0
+        q = np.where(decode, 1 + drafts, np.minimum(prompt - c, chunk)).astype(np.int32)
+        padded = next((p for p in PADS if p >= n), None) if cfg.graph and decode.all() else None
+        spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, num_prompt_tokens=prompt,
+                         num_draft_tokens=drafts if k else None,
+                         block_table=np.stack([r.blocks for r in reqs]), block_size=BS,
+                         num_reqs_padded=padded, num_tokens_padded=None if padded is None else padded * (1 + k))
+        accepted = np.array([data.draw(st.integers(1, 1 + int(d))) if dec else 1 for dec, d in zip(decode, drafts)],
+                            np.int32)
+        for r, d, qi, a in zip(reqs, decode, q.tolist(), accepted.tolist(), strict=True):
+            r.computed += a if d else qi
+        if cfg.mamba == "align":  # a state block per KV block
+            states = np.stack([r.blocks for r in reqs]) + 1000
+        else:  # one state slot a request (any column: the none mode reads the first)
+            states = np.repeat(np.array([[r.state] for r in reqs], np.int32), WIDTH, axis=1)
+        return spec, states.astype(np.int32), Mamba2Inputs(num_accepted_tokens=accepted) if k else None
+
+
+def _check_common(cm: Any, spec: BatchSpec, tokens: bool, where: str) -> None:
+    """A group's common metadata against the reference common fields: device tensors and host twins
+    (the per-token arrays only where the group stages them: ``tokens``; else they have no rows)."""
+    ref = ref_common_fields(spec, cm.query_start_loc.device)
+    for name in ("query_start_loc", "seq_lens", "positions", "slot_mapping"):
+        dev, host = getattr(cm, name), getattr(cm, name + "_cpu")
+        if not tokens and name in ("positions", "slot_mapping"):
+            assert dev.shape[0] == 0 and host.shape[0] == 0, f"{where} {name}: staged for a group that reads none"
+            continue
+        want = ref[name].to(dev.dtype)
+        assert_matches_device(dev.cpu().numpy(), want, f"{where} {name}")  # test-only read-back
+        assert_matches_device(host, want, f"{where} {name}_cpu")
+    n, used = spec.num_reqs, -(-spec.max_exact_seq_len // spec.block_size)
+    got = cm.block_table_tensor.cpu().numpy()[:n, :used]
+    assert np.array_equal(got, spec.block_table[:n, :used]), f"{where} block_table_tensor"
+    assert np.array_equal(cm.block_table_cpu[:n, :used], spec.block_table[:n, :used]), f"{where} block_table_cpu"
+
+
+def _graph_twins(m: Any) -> Any:
+    """Graph mode's Mamba2 metadata with the causal-conv1d pointers' host twins as long as their device
+    buffers: graph mode stages the first ``tot`` entries only (the fixed device buffer holds -1 after
+    them, as the eager field does; ``Mamba2Metadata.batch_ptr_cpu``), the reference has the eager length."""
+    if m.batch_ptr is None:
+        return m
+
+    def full(host: np.ndarray, dev: torch.Tensor) -> np.ndarray:
+        assert host.shape[0] == m.conv1d_num_programs_total
+        return np.concatenate([host, np.full(dev.shape[0] - host.shape[0], -1, host.dtype)])
+
+    return dataclasses.replace(m, batch_ptr_cpu=full(m.batch_ptr_cpu, m.batch_ptr),
+                               token_chunk_offset_ptr_cpu=full(m.token_chunk_offset_ptr_cpu, m.token_chunk_offset_ptr))
+
+
+def _check_step(s: _Step, cfg: _Config, where: str) -> None:
+    for g, (spec, builders) in enumerate(zip(s.specs, cfg.groups(), strict=True)):
+        tokens = not builders or "mamba" not in builders  # (Mamba2 reads no per-token array)
+        _check_common(s.out.commons[g], spec, tokens, f"{where} group {g}")
+        for name, (builder, options) in builders.items():
+            meta = _graph_twins(s.out[name]) if cfg.graph and builder is MAMBA2 else s.out[name]
+            check_metadata(builder, meta, spec, options, s.inputs.get(name), where=f"{where} {name}")
+    got = s.out.arrays["engine.ids"]
+    assert got.cpu().tolist() == s.ids.tolist(), f"{where} engine.ids"
+
+
+@given(data=st.data(), cfg=_configs())
+def test_every_step_of_a_composer_equals_the_references(data: st.DataObject, cfg: _Config) -> None:
+    """Every step (composed or replayed, through ``build`` or ``build_counts``) equals the references; in
+    eager mode the live earlier steps stay equal."""
+    groups = cfg.groups()
+    decl = [Group({n: (b, o) if o is not None else b for n, (b, o) in builders.items()},
+                  prefix="common" if g == 0 else f"group{g}", table_column_step=1 if g else 8)
+            for g, builders in enumerate(groups)]
+    composer = StepBuilder(Stager("cpu", num_slots=cfg.slots, profile=PROFILE if cfg.graph else None), *decl,
+                           arrays=[Array("engine.ids", np.int32, capacity=PROFILE.max_num_tokens if cfg.graph else None)])
+    scheduler = _Scheduler(data, cfg)
+    live: list[_Step] = []
+    for i in range(data.draw(st.integers(4, 24), label="steps")):
+        made = scheduler.step()
+        if made is None:
+            continue
+        spec, states, mamba_inputs = made
+        specs = (spec,) if cfg.mamba is None else (spec, spec.for_group(block_table=states, block_size=BS))
+        inputs: dict[str, Any] = {"mamba": mamba_inputs} if mamba_inputs is not None and cfg.mamba is not None else {}
+        if cfg.causal_flags and "fa" in groups[0]:  # (on some steps every row causal: the scalar flag too)
+            flags = data.draw(st.lists(st.booleans(), min_size=spec.num_reqs, max_size=spec.num_reqs))
+            inputs["fa"] = FlashAttentionInputs(causal=np.array(flags))
+        ids = np.arange(100 * i, 100 * i + spec.padded_num_tokens, dtype=np.int32)
+        arrays = {"engine.ids": ids}
+        if cfg.counts:
+            drafts = spec.num_draft_tokens  # (every array a copy: a scheduler's own)
+            out = composer.build_counts(spec.num_computed_tokens.copy(), spec.num_scheduled_tokens.copy(),
+                                        [(s.block_table, s.block_size) for s in specs],
+                                        num_prompt_tokens=None if spec.num_prompt_tokens is None
+                                        else spec.num_prompt_tokens.copy(),
+                                        num_draft_tokens=None if drafts is None else drafts.copy(),
+                                        num_reqs_padded=spec.num_reqs_padded, num_tokens_padded=spec.num_tokens_padded,
+                                        inputs=inputs, arrays=arrays)
+        else:
+            out = composer.build(specs, inputs, arrays)
+        step = _Step(specs, inputs, ids, out)
+        _check_step(step, cfg, f"step {i}")
+        if not cfg.graph:  # the earlier steps whose slots are not reused yet still hold their values
+            for k, old in enumerate(live):
+                _check_step(old, cfg, f"step {i}: the step {len(live) - k} before")
+            live = [*live, step][-(cfg.slots - 1):]
