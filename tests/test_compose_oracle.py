@@ -207,7 +207,8 @@ def test_every_step_of_a_composer_equals_the_references(device: torch.device, da
     decl = [Group({n: (b, o) if o is not None else b for n, (b, o) in builders.items()},
                   prefix="common" if g == 0 else f"group{g}", table_column_step=1 if g else 8)
             for g, builders in enumerate(groups)]
-    composer = StepBuilder(Stager(device, num_slots=cfg.slots, profile=PROFILE if cfg.graph else None), *decl,
+    stager = Stager(device, num_slots=cfg.slots, num_kv_blocks=4096, profile=PROFILE if cfg.graph else None)
+    composer = StepBuilder(stager, *decl,
                            arrays=[Array("engine.ids", np.int32, capacity=PROFILE.max_num_tokens if cfg.graph else None)])
     scheduler = _Scheduler(data, cfg)
     live: list[_Step] = []
