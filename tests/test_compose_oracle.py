@@ -11,7 +11,9 @@ FlashAttention (with or without per-request causal flags), both or no builder ov
 group, with or without a Mamba2 group (a state slot
 a request, or vLLM's align mode: a state block per KV block, with or without prefill checkpoints), with or
 without speculative decoding (every decode row verifies its drafts; the Mamba2 group gets the accepted
-counts), eager or graph mode, two or three ring slots, through ``build`` or ``build_counts``. The steps
+counts), with or without a group of one more registered builder (cascade, fast prefill, local attention,
+GDN, linear attention, Mamba1, MLA, multimodal prefix; their lab's default options and inputs), eager or
+graph mode, two or three ring slots, through ``build`` or ``build_counts``. The steps
 come from a small simulated scheduler: some requests are decoding when the composer is made, others join with prompts that are
 chunked over several steps, decode for a while (so the ring's slots see their layouts again and replay
 them) and leave; decode-only steps are padded to the
@@ -34,16 +36,27 @@ from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionInputs
 from attnmeta.backends.flashinfer import FLASHINFER, FlashInferOptions
 from attnmeta.backends.mamba import CheckpointConfig
 from attnmeta.backends.mamba.mamba2 import MAMBA2, Mamba2Inputs, Mamba2Options
+from attnmeta.builder import get_builder
 from attnmeta.compose import Array, ComposedStep, Group, StepBuilder
 from attnmeta.testing import check_metadata
 from attnmeta.testing.assertions import assert_matches_device
+from attnmeta.testing.lab import lab
+from attnmeta.testing.reference.attention import ref_local_virtual_batches
 from attnmeta.testing.reference.layout import ref_common_fields
 
 BS = 16  # tokens per KV block
+_SAMPLE = BatchSpec(num_computed_tokens=[3], num_scheduled_tokens=[1], block_table=[[1]], block_size=BS)
 WIDTH = 12  # block-table columns
 ROOM = WIDTH * BS - 6 * BS  # a request leaves before its next step could reach past its table
 MAX_REQS = 6
 PADS = (1, 2, 4, 8)  # graph mode: decode-only steps are padded to the next of these
+EXTRA_OPTIONS = {name: lab(name).defaults(_SAMPLE)[0] for name in
+                 ("cascade", "fast_prefill", "local_attn", "gdn", "linear_attn", "mamba1", "mla", "mm_prefix")}
+"""The further builders a composition may add, with their lab's default options (its inputs: the lab's
+defaults for each step)."""
+EAGER_ONLY = ("mm_prefix",)
+"""Builders whose graph-mode fields have a documented fixed shape the lab reference (eager shapes) does not
+have (mm_prefix: ``(num_reqs, graph_max_ranges, 2)`` range tensors); their own tests check graph mode."""
 PROFILE = StaticProfile(max_num_reqs=8, max_num_tokens=160, max_blocks_per_req=WIDTH, block_size=BS, chunk_size=16)
 
 
@@ -59,6 +72,7 @@ class _Config:
     slots: int
     counts: bool  # build_counts (the scheduler's arrays) rather than build (specs)
     causal_flags: bool  # FlashAttention gets per-request causal flags (a per-step input)
+    extra: str | None = None  # one more registered builder, in a group of its own over the attention spec
 
     def groups(self) -> list[dict[str, tuple[Any, Any]]]:
         first: dict[str, tuple[Any, Any]] = {}
@@ -66,12 +80,13 @@ class _Config:
             first["fi"] = (FLASHINFER, FlashInferOptions(decode_threshold=self.threshold))
         if self.attention in ("fa", "both"):
             first["fa"] = (FLASH_ATTN, None)
+        extra = [] if self.extra is None else [{self.extra: (get_builder(self.extra), EXTRA_OPTIONS[self.extra])}]
         if self.mamba is None:
-            return [first]
+            return [first, *extra]
         ckpt = CheckpointConfig(hash_block_size=BS, cache_hit_alignment_tokens=BS, mamba_block_size=BS,
                                 checkpoint_alignment=1) if self.checkpoints else None
         return [first, {"mamba": (MAMBA2, Mamba2Options(chunk_size=self.chunk, cache_mode=self.mamba,
-                                                        num_speculative_tokens=self.drafts, checkpoint=ckpt))}]
+                                                        num_speculative_tokens=self.drafts, checkpoint=ckpt))}, *extra]
 
 
 @st.composite
@@ -82,7 +97,8 @@ def _configs(draw: st.DrawFn) -> _Config:
                    threshold=draw(st.integers(1, 3)), mamba=mamba,
                    checkpoints=mamba == "align" and draw(st.booleans()),
                    chunk=16 if graph else draw(st.sampled_from([16, 64])), drafts=draw(st.integers(0, 2)),
-                   slots=draw(st.sampled_from([2, 3])), counts=draw(st.booleans()), causal_flags=draw(st.booleans()))
+                   slots=draw(st.sampled_from([2, 3])), counts=draw(st.booleans()), causal_flags=draw(st.booleans()),
+                   extra=draw(st.sampled_from([None, *(n for n in EXTRA_OPTIONS if not (graph and n in EAGER_ONLY))])))
 
 
 @dataclasses.dataclass
@@ -172,13 +188,16 @@ def _check_common(cm: Any, spec: BatchSpec, tokens: bool, where: str) -> None:
 
 
 def _graph_twins(m: Any) -> Any:
-    """Graph mode's Mamba2 metadata with the causal-conv1d pointers' host twins as long as their device
-    buffers: graph mode stages the first ``tot`` entries only (the fixed device buffer holds -1 after
-    them, as the eager field does; ``Mamba2Metadata.batch_ptr_cpu``), the reference has the eager length."""
+    """Graph mode's Mamba-family metadata with the causal-conv1d pointers' host twins as long as their
+    device buffers: graph mode stages the first ``tot`` entries only (the fixed device buffer holds -1
+    after them, as the eager field does; ``Mamba2Metadata.batch_ptr_cpu``), the reference has the eager
+    length."""
     if m.batch_ptr is None:
         return m
 
     def full(host: np.ndarray, dev: torch.Tensor) -> np.ndarray:
+        if host.shape == dev.shape:  # (GDN's twins are the whole buffer)
+            return host
         assert host.shape[0] == m.conv1d_num_programs_total
         return np.concatenate([host, np.full(dev.shape[0] - host.shape[0], -1, host.dtype)])
 
@@ -186,13 +205,36 @@ def _graph_twins(m: Any) -> Any:
                                token_chunk_offset_ptr_cpu=full(m.token_chunk_offset_ptr_cpu, m.token_chunk_offset_ptr))
 
 
+def _check_local(m: Any, spec: BatchSpec, chunk: int, where: str) -> None:
+    """A local-attention block table's entries that kernels read: virtual row ``v``'s first
+    ``cdiv(seq_lens[v], block_size)`` columns are its request's blocks from its chunk's first block on
+    (the reference's rows and starts). The columns after them follow the staged table's width, as
+    vLLM's follow its runner's table: the lab reference has the width a plain build stages, graph mode
+    stages the profile's."""
+    f = ref_common_fields(spec, "cpu")
+    lb = ref_local_virtual_batches(f["query_start_loc"], f["seq_lens"], chunk, spec.block_size)
+    table = np.zeros((spec.padded_num_reqs, spec.block_table.shape[1]), np.int32)
+    table[: spec.num_reqs] = spec.block_table[: spec.num_reqs]
+    got, host = m.block_table.cpu().numpy(), m.block_table_cpu  # test-only read-back
+    assert m.num_virtual_reqs == lb.num_virtual_reqs, where
+    for v, (r, start, k) in enumerate(zip(lb.req_indices.tolist(), lb.block_starts.tolist(), lb.seq_lens.tolist(),
+                                          strict=True)):
+        want = table[r, start: start + -(-k // spec.block_size)]
+        assert np.array_equal(got[v, : want.shape[0]], want), f"{where} block_table row {v}"
+        assert np.array_equal(host[v, : want.shape[0]], want), f"{where} block_table_cpu row {v}"
+
+
 def _check_step(s: _Step, cfg: _Config, where: str) -> None:
     for g, (spec, builders) in enumerate(zip(s.specs, cfg.groups(), strict=True)):
-        tokens = not builders or "mamba" not in builders  # (Mamba2 reads no per-token array)
+        tokens = not builders or any(b.needs(spec.shape, b.options(o)).token_arrays for b, o in builders.values())
         _check_common(s.out.commons[g], spec, tokens, f"{where} group {g}")
         for name, (builder, options) in builders.items():
-            meta = _graph_twins(s.out[name]) if cfg.graph and builder is MAMBA2 else s.out[name]
-            check_metadata(builder, meta, spec, options, s.inputs.get(name), where=f"{where} {name}")
+            meta = _graph_twins(s.out[name]) if cfg.graph and hasattr(s.out[name], "batch_ptr_cpu") else s.out[name]
+            skip: tuple[str, ...] = ()
+            if name == "local_attn" and cfg.graph:  # (graph mode stages the profile's width: see _check_local)
+                skip = ("block_table",)
+                _check_local(meta, spec, options.attn_chunk_size, f"{where} {name}")
+            check_metadata(builder, meta, spec, options, s.inputs.get(name), where=f"{where} {name}", skip=skip)
     got = s.out.arrays["engine.ids"]
     assert got.cpu().tolist() == s.ids.tolist(), f"{where} engine.ids"
 
@@ -219,6 +261,9 @@ def test_every_step_of_a_composer_equals_the_references(device: torch.device, da
         spec, states, mamba_inputs = made
         specs = (spec,) if cfg.mamba is None else (spec, spec.for_group(block_table=states, block_size=BS))
         inputs: dict[str, Any] = {"mamba": mamba_inputs} if mamba_inputs is not None and cfg.mamba is not None else {}
+        if cfg.extra is not None:
+            specs = (*specs, spec)
+            inputs[cfg.extra] = lab(cfg.extra).defaults(spec)[1]
         if cfg.causal_flags and "fa" in groups[0]:  # (on some steps every row causal: the scalar flag too)
             flags = data.draw(st.lists(st.booleans(), min_size=spec.num_reqs, max_size=spec.num_reqs))
             inputs["fa"] = FlashAttentionInputs(causal=np.array(flags))

@@ -839,6 +839,28 @@ def test_graph_mode_fixed_addresses_sentinels_and_values() -> None:
             assert m.query_start_loc_d is not None and m.query_start_loc_d.tolist() == [0, 3, 6, 6, 6]
 
 
+def test_graph_mode_conv1d_pointers_follow_the_arena_when_the_layout_grows() -> None:
+    """Graph mode: the causal-conv1d pointers' full device buffers were cached once per slot and layout;
+    a later step of that slot whose layout grows (a field no step had staged before: a new graph arena)
+    handed out the old arena's buffers, which never received the step's values (in a composer: a GDN
+    group's spec-decode fields first staged beside a Mamba2 group's prefill)."""
+    stager = Stager("cpu", num_slots=2, profile=PROFILE)
+    opts = Mamba2Options(chunk_size=8)
+    for k in range(5):  # slots 0, 1, 0 (a layout the slot keeps), 1, 0
+        with stager.step() as step:
+            staged = mamba2.stage(stage_common(PREFILL, step), step, opts)
+            if k == 4:  # slot 0's kept layout again, and a new field grows the fixed layout (a new graph arena)
+                step.alloc("engine.new_field", 4, np.int32, capacity=1 << 16)[:] = 7
+        m = staged.result()
+        tot = m.conv1d_num_programs_total
+        assert tot > 0
+        for name in ("batch_ptr", "token_chunk_offset_ptr"):
+            dev, host = getattr(m, name), getattr(m, name + "_cpu")
+            assert dev.data_ptr() == step.device_full("mamba2." + name).data_ptr(), f"step {k} {name}: a stale buffer"
+            assert dev[:tot].tolist() == host[:tot].tolist(), f"step {k} {name}"
+            assert dev[tot:].eq(-1).all(), f"step {k} {name}"
+
+
 def test_graph_mode_chunk_size_must_match_the_profile() -> None:
     with pytest.raises(ValueError, match=r"StaticProfile\.chunk_size"), \
             Stager("cpu", profile=PROFILE).step() as step:

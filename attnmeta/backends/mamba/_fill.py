@@ -286,7 +286,8 @@ class _Layout:
         # byte offsets of batch_ptr / token_chunk_offset_ptr in the slot (this layout's own fields)
         self.offsets = ((group.fields[self.index["batch_ptr"]].offset, group.fields[self.index["token_chunk_offset_ptr"]].offset)
                         if conv else (0, 0))
-        self.bp_full: tuple[Any, ...] | None = None  # graph mode: the pointers' full device buffers
+        # graph mode: (the group's device views they go with, the pointers' full device buffers, their length)
+        self.bp_full: tuple[Any, ...] | None = None
         self.qsl_d: tuple[Any, ...] = (None, -1, None, None)  # (common qsl tensor, D, its [:D + 1] views)
         # the exact-length views of the latest counts: (count, views) on the host, (device views of the
         # group, count, views) on the device
@@ -390,10 +391,10 @@ class _Layout:
         rows, graph mode the full fixed buffers."""
         if self.graph:
             full = self.bp_full
-            if full is None:
+            if full is None or full[0] is not dev:  # (new views: the graph arena grew, as the group's views tell)
                 bp = step.device_full(prefix + ".batch_ptr")
-                full = self.bp_full = (bp, step.device_full(prefix + ".token_chunk_offset_ptr"), int(bp.shape[0]))
-            return full[0], full[1], full[2]
+                full = self.bp_full = (dev, bp, step.device_full(prefix + ".token_chunk_offset_ptr"), int(bp.shape[0]))
+            return full[1], full[2], full[3]
         hit = self.dev_tot
         rows = 2 * max(1024, tot)
         if hit[0] is not dev or hit[1] != rows:
