@@ -11,9 +11,10 @@ FlashAttention (with or without per-request causal flags), both or no builder ov
 group, with or without a Mamba2 group (a state slot
 a request, or vLLM's align mode: a state block per KV block, with or without prefill checkpoints), with or
 without speculative decoding (every decode row verifies its drafts; the Mamba2 group gets the accepted
-counts), with or without a group of one more registered builder (cascade, fast prefill, local attention,
-GDN, linear attention, Mamba1, MLA, multimodal prefix; their lab's default options and inputs), eager or
-graph mode, two or three ring slots, through ``build`` or ``build_counts``. The steps
+counts), with up to two more registered builders (cascade, fast prefill, local attention, GDN, linear attention,
+Mamba1, MLA, multimodal prefix; their lab's default options and inputs), each in the attention group or a
+group of its own, eager or graph mode (frozen after some step, as an engine freezes it once its layouts
+are known, or never), two or three ring slots, through ``build`` or ``build_counts``. The steps
 come from a small simulated scheduler: some requests are decoding when the composer is made, others join with prompts that are
 chunked over several steps, decode for a while (so the ring's slots see their layouts again and replay
 them) and leave; decode-only steps are padded to the
@@ -38,6 +39,7 @@ from attnmeta.backends.mamba import CheckpointConfig
 from attnmeta.backends.mamba.mamba2 import MAMBA2, Mamba2Inputs, Mamba2Options
 from attnmeta.builder import get_builder
 from attnmeta.compose import Array, ComposedStep, Group, StepBuilder
+from attnmeta.staging import CapacityError
 from attnmeta.testing import check_metadata
 from attnmeta.testing.assertions import assert_matches_device
 from attnmeta.testing.lab import lab
@@ -72,7 +74,8 @@ class _Config:
     slots: int
     counts: bool  # build_counts (the scheduler's arrays) rather than build (specs)
     causal_flags: bool  # FlashAttention gets per-request causal flags (a per-step input)
-    extra: str | None = None  # one more registered builder, in a group of its own over the attention spec
+    extras: tuple[tuple[str, bool], ...] = ()  # more registered builders: (name, in the attention group or its own)
+    freeze_at: int | None = None  # graph mode: the step after which the stager is frozen (as an engine does)
 
     def groups(self) -> list[dict[str, tuple[Any, Any]]]:
         first: dict[str, tuple[Any, Any]] = {}
@@ -80,7 +83,13 @@ class _Config:
             first["fi"] = (FLASHINFER, FlashInferOptions(decode_threshold=self.threshold))
         if self.attention in ("fa", "both"):
             first["fa"] = (FLASH_ATTN, None)
-        extra = [] if self.extra is None else [{self.extra: (get_builder(self.extra), EXTRA_OPTIONS[self.extra])}]
+        extra = []
+        for name, shared in self.extras:
+            entry = (get_builder(name), EXTRA_OPTIONS[name])
+            if shared:
+                first[name] = entry
+            else:
+                extra.append({name: entry})
         if self.mamba is None:
             return [first, *extra]
         ckpt = CheckpointConfig(hash_block_size=BS, cache_hit_alignment_tokens=BS, mamba_block_size=BS,
@@ -98,7 +107,11 @@ def _configs(draw: st.DrawFn) -> _Config:
                    checkpoints=mamba == "align" and draw(st.booleans()),
                    chunk=16 if graph else draw(st.sampled_from([16, 64])), drafts=draw(st.integers(0, 2)),
                    slots=draw(st.sampled_from([2, 3])), counts=draw(st.booleans()), causal_flags=draw(st.booleans()),
-                   extra=draw(st.sampled_from([None, *(n for n in EXTRA_OPTIONS if not (graph and n in EAGER_ONLY))])))
+                   extras=tuple(draw(st.lists(st.tuples(st.sampled_from([n for n in EXTRA_OPTIONS
+                                                                         if not (graph and n in EAGER_ONLY)]),
+                                                        st.booleans()),
+                                              max_size=2, unique_by=lambda e: e[0]))),
+                   freeze_at=draw(st.none() | st.integers(0, 8)) if graph else None)
 
 
 @dataclasses.dataclass
@@ -209,8 +222,8 @@ def _check_local(m: Any, spec: BatchSpec, chunk: int, where: str) -> None:
     """A local-attention block table's entries that kernels read: virtual row ``v``'s first
     ``cdiv(seq_lens[v], block_size)`` columns are its request's blocks from its chunk's first block on
     (the reference's rows and starts). The columns after them follow the staged table's width, as
-    vLLM's follow its runner's table: the lab reference has the width a plain build stages, graph mode
-    stages the profile's."""
+    vLLM's follow its runner's table: the lab reference has the width a plain build stages, a composer's
+    group rounds it up to its column step, graph mode stages the profile's."""
     f = ref_common_fields(spec, "cpu")
     lb = ref_local_virtual_batches(f["query_start_loc"], f["seq_lens"], chunk, spec.block_size)
     table = np.zeros((spec.padded_num_reqs, spec.block_table.shape[1]), np.int32)
@@ -231,12 +244,26 @@ def _check_step(s: _Step, cfg: _Config, where: str) -> None:
         for name, (builder, options) in builders.items():
             meta = _graph_twins(s.out[name]) if cfg.graph and hasattr(s.out[name], "batch_ptr_cpu") else s.out[name]
             skip: tuple[str, ...] = ()
-            if name == "local_attn" and cfg.graph:  # (graph mode stages the profile's width: see _check_local)
+            if name == "local_attn":  # (the staged width: the group's column step, graph mode's profile)
                 skip = ("block_table",)
                 _check_local(meta, spec, options.attn_chunk_size, f"{where} {name}")
             check_metadata(builder, meta, spec, options, s.inputs.get(name), where=f"{where} {name}", skip=skip)
     got = s.out.arrays["engine.ids"]
     assert got.cpu().tolist() == s.ids.tolist(), f"{where} engine.ids"
+
+
+def _build(composer: StepBuilder, cfg: _Config, spec: BatchSpec, specs: tuple[BatchSpec, ...], inputs: dict[str, Any],
+           arrays: dict[str, np.ndarray]) -> ComposedStep:
+    """The step through ``build`` (its specs) or ``build_counts`` (the scheduler's arrays, copies of its own)."""
+    if not cfg.counts:
+        return composer.build(specs, inputs, arrays)
+    drafts = spec.num_draft_tokens
+    return composer.build_counts(spec.num_computed_tokens.copy(), spec.num_scheduled_tokens.copy(),
+                                 [(s.block_table, s.block_size) for s in specs],
+                                 num_prompt_tokens=None if spec.num_prompt_tokens is None else spec.num_prompt_tokens.copy(),
+                                 num_draft_tokens=None if drafts is None else drafts.copy(),
+                                 num_reqs_padded=spec.num_reqs_padded, num_tokens_padded=spec.num_tokens_padded,
+                                 inputs=inputs, arrays=arrays)
 
 
 @given(data=st.data(), cfg=_configs())
@@ -261,25 +288,21 @@ def test_every_step_of_a_composer_equals_the_references(device: torch.device, da
         spec, states, mamba_inputs = made
         specs = (spec,) if cfg.mamba is None else (spec, spec.for_group(block_table=states, block_size=BS))
         inputs: dict[str, Any] = {"mamba": mamba_inputs} if mamba_inputs is not None and cfg.mamba is not None else {}
-        if cfg.extra is not None:
-            specs = (*specs, spec)
-            inputs[cfg.extra] = lab(cfg.extra).defaults(spec)[1]
+        specs = (*specs, *(spec for _n, shared in cfg.extras if not shared))
+        for name, _shared in cfg.extras:
+            inputs[name] = lab(name).defaults(spec)[1]
         if cfg.causal_flags and "fa" in groups[0]:  # (on some steps every row causal: the scalar flag too)
             flags = data.draw(st.lists(st.booleans(), min_size=spec.num_reqs, max_size=spec.num_reqs))
             inputs["fa"] = FlashAttentionInputs(causal=np.array(flags))
         ids = np.arange(100 * i, 100 * i + spec.padded_num_tokens, dtype=np.int32)
         arrays = {"engine.ids": ids}
-        if cfg.counts:
-            drafts = spec.num_draft_tokens  # (every array a copy: a scheduler's own)
-            out = composer.build_counts(spec.num_computed_tokens.copy(), spec.num_scheduled_tokens.copy(),
-                                        [(s.block_table, s.block_size) for s in specs],
-                                        num_prompt_tokens=None if spec.num_prompt_tokens is None
-                                        else spec.num_prompt_tokens.copy(),
-                                        num_draft_tokens=None if drafts is None else drafts.copy(),
-                                        num_reqs_padded=spec.num_reqs_padded, num_tokens_padded=spec.num_tokens_padded,
-                                        inputs=inputs, arrays=arrays)
-        else:
-            out = composer.build(specs, inputs, arrays)
+        if cfg.freeze_at is not None and i == cfg.freeze_at + 1:
+            stager.freeze()
+        try:
+            out = _build(composer, cfg, spec, specs, inputs, arrays)
+        except CapacityError as e:  # a frozen layout refuses a field no step had staged: nothing staged
+            assert cfg.freeze_at is not None and i > cfg.freeze_at and "after Stager.freeze()" in str(e), e
+            continue
         step = _Step(specs, inputs, ids, out)
         _check_step(step, cfg, f"step {i}")
         if not cfg.graph:  # the earlier steps whose slots are not reused yet still hold their values
