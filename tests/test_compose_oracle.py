@@ -14,7 +14,8 @@ without speculative decoding (every decode row verifies its drafts; the Mamba2 g
 counts), with up to two more registered builders (cascade, fast prefill, local attention, GDN, linear attention,
 Mamba1, MLA, multimodal prefix; their lab's default options and inputs), each in the attention group or a
 group of its own, eager or graph mode (frozen after some step, as an engine freezes it once its layouts
-are known, or never), two or three ring slots, through ``build`` or ``build_counts``. The steps
+are known, or never), on one device or (CPU) a ``MultiStager`` over two, whose second device's replicas
+are checked too, two or three ring slots, through ``build`` or ``build_counts``. The steps
 come from a small simulated scheduler: some requests are decoding when the composer is made, others join with prompts that are
 chunked over several steps, decode for a while (so the ring's slots see their layouts again and replay
 them) and leave; decode-only steps are padded to the
@@ -39,7 +40,7 @@ from attnmeta.backends.mamba import CheckpointConfig
 from attnmeta.backends.mamba.mamba2 import MAMBA2, Mamba2Inputs, Mamba2Options
 from attnmeta.builder import get_builder
 from attnmeta.compose import Array, ComposedStep, Group, StepBuilder
-from attnmeta.staging import CapacityError
+from attnmeta.staging import CapacityError, MultiStager
 from attnmeta.testing import check_metadata
 from attnmeta.testing.assertions import assert_matches_device
 from attnmeta.testing.lab import lab
@@ -76,6 +77,7 @@ class _Config:
     causal_flags: bool  # FlashAttention gets per-request causal flags (a per-step input)
     extras: tuple[tuple[str, bool], ...] = ()  # more registered builders: (name, in the attention group or its own)
     freeze_at: int | None = None  # graph mode: the step after which the stager is frozen (as an engine does)
+    devices: int = 1  # 2: a MultiStager over two simulated devices (CPU), each step checked on both
 
     def groups(self) -> list[dict[str, tuple[Any, Any]]]:
         first: dict[str, tuple[Any, Any]] = {}
@@ -111,7 +113,7 @@ def _configs(draw: st.DrawFn) -> _Config:
                                                                          if not (graph and n in EAGER_ONLY)]),
                                                         st.booleans()),
                                               max_size=2, unique_by=lambda e: e[0]))),
-                   freeze_at=draw(st.none() | st.integers(0, 8)) if graph else None)
+                   freeze_at=draw(st.none() | st.integers(0, 8)) if graph else None, devices=draw(st.sampled_from([1, 2])))
 
 
 @dataclasses.dataclass
@@ -237,19 +239,29 @@ def _check_local(m: Any, spec: BatchSpec, chunk: int, where: str) -> None:
         assert np.array_equal(host[v, : want.shape[0]], want), f"{where} block_table_cpu row {v}"
 
 
-def _check_step(s: _Step, cfg: _Config, where: str) -> None:
-    for g, (spec, builders) in enumerate(zip(s.specs, cfg.groups(), strict=True)):
-        tokens = not builders or any(b.needs(spec.shape, b.options(o)).token_arrays for b, o in builders.values())
-        _check_common(s.out.commons[g], spec, tokens, f"{where} group {g}")
-        for name, (builder, options) in builders.items():
-            meta = _graph_twins(s.out[name]) if cfg.graph and hasattr(s.out[name], "batch_ptr_cpu") else s.out[name]
-            skip: tuple[str, ...] = ()
-            if name == "local_attn":  # (the staged width: the group's column step, graph mode's profile)
-                skip = ("block_table",)
-                _check_local(meta, spec, options.attn_chunk_size, f"{where} {name}")
-            check_metadata(builder, meta, spec, options, s.inputs.get(name), where=f"{where} {name}", skip=skip)
-    got = s.out.arrays["engine.ids"]
-    assert got.cpu().tolist() == s.ids.tolist(), f"{where} engine.ids"
+def _check_step(s: _Step, cfg: _Config, where: str, stager: Stager) -> None:
+    """The step's objects against the references: on the primary device, and with a :class:`MultiStager`
+    on the second device too (its replicas: the same objects over that device's copy of the step)."""
+    multi = stager if isinstance(stager, MultiStager) else None
+    for d in (0, 1) if multi is not None else (0,):
+        def on(obj: Any, d: int = d) -> Any:
+            return obj if multi is None or d == 0 else multi.view(obj, d)
+
+        at = where if d == 0 else f"{where} (device {d})"
+        for g, (spec, builders) in enumerate(zip(s.specs, cfg.groups(), strict=True)):
+            tokens = not builders or any(b.needs(spec.shape, b.options(o)).token_arrays for b, o in builders.values())
+            _check_common(on(s.out.commons[g]), spec, tokens, f"{at} group {g}")
+            for name, (builder, options) in builders.items():
+                meta = on(s.out[name])
+                if cfg.graph and hasattr(meta, "batch_ptr_cpu"):
+                    meta = _graph_twins(meta)
+                skip: tuple[str, ...] = ()
+                if name == "local_attn":  # (the staged width: the group's column step, graph mode's profile)
+                    skip = ("block_table",)
+                    _check_local(meta, spec, options.attn_chunk_size, f"{at} {name}")
+                check_metadata(builder, meta, spec, options, s.inputs.get(name), where=f"{at} {name}", skip=skip)
+        got = on(s.out.arrays["engine.ids"])
+        assert got.cpu().tolist() == s.ids.tolist(), f"{at} engine.ids"
 
 
 def _build(composer: StepBuilder, cfg: _Config, spec: BatchSpec, specs: tuple[BatchSpec, ...], inputs: dict[str, Any],
@@ -276,7 +288,10 @@ def test_every_step_of_a_composer_equals_the_references(device: torch.device, da
     decl = [Group({n: (b, o) if o is not None else b for n, (b, o) in builders.items()},
                   prefix="common" if g == 0 else f"group{g}", table_column_step=1 if g else 8)
             for g, builders in enumerate(groups)]
-    stager = Stager(device, num_slots=cfg.slots, num_kv_blocks=4096, profile=PROFILE if cfg.graph else None)
+    profile = PROFILE if cfg.graph else None
+    stager = (MultiStager([device, device], num_slots=cfg.slots, num_kv_blocks=4096, profile=profile)
+              if cfg.devices == 2 and device.type == "cpu"  # (two CUDA devices: tests/gpu/test_multi_cuda.py)
+              else Stager(device, num_slots=cfg.slots, num_kv_blocks=4096, profile=profile))
     composer = StepBuilder(stager, *decl,
                            arrays=[Array("engine.ids", np.int32, capacity=PROFILE.max_num_tokens if cfg.graph else None)])
     scheduler = _Scheduler(data, cfg)
@@ -304,8 +319,8 @@ def test_every_step_of_a_composer_equals_the_references(device: torch.device, da
             assert cfg.freeze_at is not None and i > cfg.freeze_at and "after Stager.freeze()" in str(e), e
             continue
         step = _Step(specs, inputs, ids, out)
-        _check_step(step, cfg, f"step {i}")
+        _check_step(step, cfg, f"step {i}", stager)
         if not cfg.graph:  # the earlier steps whose slots are not reused yet still hold their values
             for k, old in enumerate(live):
-                _check_step(old, cfg, f"step {i}: the step {len(live) - k} before")
+                _check_step(old, cfg, f"step {i}: the step {len(live) - k} before", stager)
             live = [*live, step][-(cfg.slots - 1):]
