@@ -24,9 +24,13 @@ gives the medians over rounds of per-round medians (us) and their ratio. Garbage
 while timing. ``--cold`` times each step right after a cache thrash instead (64 MiB of cache lines
 written and 20,000 small dicts read, untimed: ``benchmarks/_cold.py``'s ``thrash``), the state an
 engine's loop leaves the caches in; a change that saves work in a tight loop may save nothing there,
-and the reverse.
+and the reverse. The engine rows cycle through the walk's 64 steps, so once warm the step composer finds
+every step's shape in its caches (its layout keys); in an engine's loop every decode step has a new
+longest sequence and misses them. ``--walk`` makes the engine rows walk one decode walk for the whole
+run instead, a step's counts a fresh array each step, as the loop does: for a change to the per-step
+key path, or to see what the cycle leaves out.
 
-Run: ``python benchmarks/ab_commit.py BASE_COMMIT [--device cuda] [--rounds 12] [--steps 300] [--cold]``; on a
+Run: ``python benchmarks/ab_commit.py BASE_COMMIT [--device cuda] [--rounds 12] [--steps 300] [--cold] [--walk]``; on a
 machine without the checkout's history, export the base first (``git archive BASE_COMMIT attnmeta | tar -x -C
 .ab_base``) and pass the folder instead of the commit (benchmarks/gpu_all.sh's part ``ab`` does).
 """
@@ -87,8 +91,9 @@ def base_package(commit: str, into: Path) -> Any:
     return importlib.import_module("attnmeta_base")
 
 
-def paths(mod: Any, batch: int, device: torch.device, **stager_kw: Any) -> dict[str, Callable[[], Any]]:
-    """The three step paths of package ``mod`` on the decode walk of ``batch`` requests."""
+def paths(mod: Any, batch: int, device: torch.device, walk: int = 0, **stager_kw: Any) -> dict[str, Callable[[], Any]]:
+    """The step paths of package ``mod`` on the decode walk of ``batch`` requests (the engine rows walk
+    ``walk`` steps without repeating one where it is given: :class:`_Walk`)."""
     fa = importlib.import_module(mod.__name__ + ".backends.flash_attn")
     fi = importlib.import_module(mod.__name__ + ".backends.flashinfer")
     fused = importlib.import_module(mod.__name__ + ".backends.fused")
@@ -121,8 +126,8 @@ def paths(mod: Any, batch: int, device: torch.device, **stager_kw: Any) -> dict[
     out = {"fused": f, "fused+spec": fs, "composable": comp}
     compose = _module(mod, "compose")
     if compose is not None:
-        out["engine graphs"] = engine_graphs(mod, compose, fi.FLASHINFER, raws, device)
-        out["engine hybrid"] = engine_hybrid(mod, compose, fi.FLASHINFER, raws, device)
+        out["engine graphs"] = engine_graphs(mod, compose, fi.FLASHINFER, raws, device, walk)
+        out["engine hybrid"] = engine_hybrid(mod, compose, fi.FLASHINFER, raws, device, walk)
     return out
 
 
@@ -145,8 +150,34 @@ def _engine_arrays(compose: Any, capacity: int | None = None) -> list[Any]:
             compose.Array("engine.prev_rows", np.int32, capacity=capacity, fill=-1)]
 
 
-def engine_hybrid(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, Any]], device: torch.device
-                  ) -> Callable[[], Any]:
+class _Walk:
+    """The engine rows' counts, step by step: the 64 steps of ``raws`` over and over (``steps`` 0), or
+    ``steps`` steps of one decode walk that never repeats a step, each step's counts a fresh array (as an
+    engine's scheduler makes them). In an engine's loop every decode step has a new longest sequence, so
+    the step composer's caches by step shape (its layout keys) miss on every step; the 64-step cycle
+    hits them once warm."""
+
+    def __init__(self, raws: list[dict[str, Any]], steps: int) -> None:
+        self.raws, self.steps = raws, steps
+        self.c0, self.q = raws[0]["num_computed_tokens"], raws[0]["num_scheduled_tokens"]
+
+    def longest(self) -> int:
+        """The longest sequence of the steps walked."""
+        return _longest(self.raws) + self.steps * int(self.q.max()) if self.steps else _longest(self.raws)
+
+    def counts(self, i: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Step ``i``'s computed and scheduled counts, and the index of its table in ``raws`` (one table for
+        the whole walk)."""
+        if not self.steps:
+            r = self.raws[i % 64]
+            return r["num_computed_tokens"], r["num_scheduled_tokens"], i % 64
+        if i >= self.steps:
+            raise RuntimeError(f"ab_commit: the walk has {self.steps} steps, step {i} asked")
+        return self.c0 + np.int32(i) * self.q, self.q, 0
+
+
+def engine_hybrid(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, Any]], device: torch.device,
+                  walk: int = 0) -> Callable[[], Any]:
     """The reference engine's hybrid step (examples/engine, eager): the step composer with FlashInfer over
     the attention group, Mamba2 over the Mamba group (one state slot a request) and the engine's two
     arrays; the attention spec made in the step from the scheduler's arrays, the Mamba group's from it
@@ -160,7 +191,8 @@ def engine_hybrid(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, 
                       table_column_step=1),
         arrays=_engine_arrays(compose))
     states = (1 + np.arange(batch, dtype=np.int32))[:, None]
-    longest = _longest(raws)
+    w = _Walk(raws, walk)
+    longest = w.longest()
     arrays = {"engine.input_ids": np.arange(batch, dtype=np.int32), "engine.prev_rows": np.arange(batch, dtype=np.int32)}
     at = [0]
 
@@ -168,31 +200,31 @@ def engine_hybrid(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, 
 
     def step() -> Any:
         i = at[0] = at[0] + 1
-        r = raws[i % 64]
+        c, q, k = w.counts(i)
+        r = raws[k]
         if counts:  # the engine's entry where the package has it: the scheduler's arrays, no specs
-            return composer.build_counts(r["num_computed_tokens"], r["num_scheduled_tokens"],
-                                         [(r["block_table"], r["block_size"]), (states, longest)], arrays=arrays)
-        spec = mod.BatchSpec(num_computed_tokens=r["num_computed_tokens"], num_scheduled_tokens=r["num_scheduled_tokens"],
-                             block_table=r["block_table"], block_size=r["block_size"])
+            return composer.build_counts(c, q, [(r["block_table"], r["block_size"]), (states, longest)], arrays=arrays)
+        spec = mod.BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=r["block_table"],
+                             block_size=r["block_size"])
         if hasattr(spec, "for_group"):
             mspec = spec.for_group(block_table=states, block_size=longest)
         else:
-            mspec = mod.BatchSpec(num_computed_tokens=r["num_computed_tokens"],
-                                  num_scheduled_tokens=r["num_scheduled_tokens"], block_table=states, block_size=longest)
+            mspec = mod.BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=states, block_size=longest)
         return composer.build((spec, mspec), None, arrays)
 
     return step
 
 
-def engine_graphs(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, Any]], device: torch.device
-                  ) -> Callable[[], Any]:
+def engine_graphs(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, Any]], device: torch.device,
+                  walk: int = 0) -> Callable[[], Any]:
     """The reference engine's step in graph mode (examples/engine): a graph-mode stager, the step composer
     with FlashInfer over the common metadata and the engine's two arrays, the spec made in the step from
     the scheduler's arrays with its rows padded to the next captured size."""
     batch = len(raws[0]["num_computed_tokens"])
     padded = next(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if s >= batch)
     bs = raws[0]["block_size"]  # the profile's table width: the walk's longest request (the workload's is wider)
-    width = -(-_longest(raws) // bs // 8) * 8
+    w = _Walk(raws, walk)
+    width = -(-w.longest() // bs // 8) * 8
     tables = [np.ascontiguousarray(r["block_table"][:, :width]) for r in raws]
     profile = mod.StaticProfile(max_num_reqs=padded, max_num_tokens=max(8192, padded), max_blocks_per_req=width,
                                 block_size=bs)
@@ -209,13 +241,12 @@ def engine_graphs(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, 
 
     def step() -> Any:
         i = at[0] = at[0] + 1
-        r = raws[i % 64]
+        c, q, k = w.counts(i)
         if counts:  # the engine's entry where the package has it: the scheduler's arrays, no specs
-            return composer.build_counts(r["num_computed_tokens"], r["num_scheduled_tokens"], [(tables[i % 64], bs)],
-                                         num_reqs_padded=padded, num_tokens_padded=padded, arrays=arrays)
-        spec = mod.BatchSpec(num_computed_tokens=r["num_computed_tokens"], num_scheduled_tokens=r["num_scheduled_tokens"],
-                             block_table=tables[i % 64], block_size=bs, num_reqs_padded=padded,
-                             num_tokens_padded=padded)
+            return composer.build_counts(c, q, [(tables[k], bs)], num_reqs_padded=padded, num_tokens_padded=padded,
+                                         arrays=arrays)
+        spec = mod.BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=tables[k], block_size=bs,
+                             num_reqs_padded=padded, num_tokens_padded=padded)
         return composer.build((spec,), None, arrays)
 
     return step
@@ -261,6 +292,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256,1024")
     ap.add_argument("--cold", action="store_true", help="time each step right after a cache thrash (module "
                                                          "docstring)")
+    ap.add_argument("--walk", action="store_true", help="the engine rows walk one decode walk that never repeats a "
+                                                         "step, as an engine's loop does (class _Walk), instead of "
+                                                         "cycling through 64 steps")
     ap.add_argument("--paths", default="", help="comma-separated rows to run (default: every row; e.g. "
                                                 "'engine graphs,lifetimes on/off')")
     args = ap.parse_args()
@@ -269,11 +303,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="attnmeta-ab-") as tmp:
         base = base_package(args.base, Path(tmp))
         print(f"# {args.device}, torch {torch.__version__}, base {args.base}, {args.rounds} rounds x {args.steps} "
-              f"steps{', each after a cache thrash' if args.cold else ''}; medians over rounds of per-round "
+              f"steps{', each after a cache thrash' if args.cold else ''}"
+              f"{'; engine rows: one walk, no step repeated' if args.walk else ''}; medians over rounds of per-round "
               f"medians (us)")
         print(f"{'batch':>6} {'path':<22} {'base':>8} {'this':>8} {'this/base':>10}")
         for batch in [int(x) for x in args.batches.split(",")]:
-            old, new = paths(base, batch, dev), paths(attnmeta, batch, dev)
+            # (each side's steps: ab()'s warm-up, then each round's warm-up and timed steps)
+            walk = min(300, 3 * args.steps) + args.rounds * (min(50, args.steps) + args.steps) + 1 if args.walk else 0
+            old, new = paths(base, batch, dev, walk), paths(attnmeta, batch, dev, walk)
             rows = [(name, old[name], new[name]) for name in new if name in old]
             rows.append(("lifetimes on/off", paths(attnmeta, batch, dev, check_lifetimes=False)["fused"], new["fused"]))
             if args.paths:

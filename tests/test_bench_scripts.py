@@ -116,6 +116,40 @@ def test_ab_commit_cold_times_each_step_after_a_thrash() -> None:
     assert [" ".join(r[1:-3]) for r in rows] == ["engine hybrid"] and float(rows[0][-1]) > 0, rows
 
 
+def test_ab_commit_walk_never_repeats_an_engine_step() -> None:
+    """``--walk``: the engine rows walk one decode walk (each step's counts new, the walk as long as the run
+    needs); ``_Walk`` hands out no step twice, and without it the 64-step cycle."""
+    import importlib.util
+
+    import numpy as np
+    import pytest
+
+    from attnmeta.testing.workloads import advance, decode_spec
+
+    out = _script("ab_commit.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "3", "--batches", "4",
+                  "--paths", "engine hybrid,engine graphs", "--walk")
+    assert "one walk, no step repeated" in out.splitlines()[0], out
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0] == "4"]
+    assert [" ".join(r[1:-3]) for r in rows] == ["engine graphs", "engine hybrid"] and all(float(r[-1]) > 0 for r in rows)
+    spec_ = importlib.util.spec_from_file_location("ab_commit_walk", ROOT / "benchmarks" / "ab_commit.py")
+    assert spec_ is not None and spec_.loader is not None
+    mod = importlib.util.module_from_spec(spec_)
+    sys.modules["ab_commit_walk"] = mod
+    try:
+        spec_.loader.exec_module(mod)
+    finally:
+        del sys.modules["ab_commit_walk"]
+    raws = [dict(num_computed_tokens=s.num_computed_tokens, num_scheduled_tokens=s.num_scheduled_tokens)
+            for s in advance(decode_spec(4, np.random.default_rng(0)), 64)]
+    walk = mod._Walk(raws, 200)
+    seen = {tuple(walk.counts(i)[0].tolist()) for i in range(200)}
+    assert len(seen) == 200 and walk.longest() == int((raws[0]["num_computed_tokens"] + 1).max()) + 63 + 200
+    cycle = mod._Walk(raws, 0)
+    assert len({tuple(cycle.counts(i)[0].tolist()) for i in range(200)}) == 64
+    with pytest.raises(RuntimeError, match="the walk has 200 steps"):
+        walk.counts(200)
+
+
 def test_bench_engine_cold_replica_reports_every_way(tmp_path: Path) -> None:
     """The engine's cold-step replica: its decode steps rebuilt outside the loop, timed back to back, after a
     sleep and after a cache thrash, with the control and the loop's ratios (CPU: torch's paged kernel)."""
