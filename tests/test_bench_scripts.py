@@ -109,16 +109,18 @@ def test_bench_decode_cold_times_every_way_after_its_wait() -> None:
 
 
 def test_ab_commit_cold_times_each_step_after_a_thrash() -> None:
+    """``--cold``, here with ``--walk``: each step timed after a cache thrash, the engine rows on one walk."""
     out = _script("ab_commit.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "3", "--batches", "1",
-                  "--paths", "engine hybrid", "--cold")
-    assert "each after a cache thrash" in out.splitlines()[0], out
+                  "--paths", "engine hybrid,engine graphs", "--cold", "--walk")
+    assert "each after a cache thrash" in out.splitlines()[0] and "one walk, no step repeated" in out.splitlines()[0], out
     rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0] == "1"]
-    assert [" ".join(r[1:-3]) for r in rows] == ["engine hybrid"] and float(rows[0][-1]) > 0, rows
+    assert [" ".join(r[1:-3]) for r in rows] == ["engine graphs", "engine hybrid"], rows
+    assert all(float(r[-1]) > 0 for r in rows), rows
 
 
 def test_ab_commit_walk_never_repeats_an_engine_step() -> None:
-    """``--walk``: the engine rows walk one decode walk (each step's counts new, the walk as long as the run
-    needs); ``_Walk`` hands out no step twice, and without it the 64-step cycle."""
+    """``--walk`` (run by the cold test below): the engine rows walk one decode walk (each step's counts new,
+    the walk as long as the run needs); ``_Walk`` hands out no step twice, and without it the 64-step cycle."""
     import importlib.util
 
     import numpy as np
@@ -126,11 +128,6 @@ def test_ab_commit_walk_never_repeats_an_engine_step() -> None:
 
     from attnmeta.testing.workloads import advance, decode_spec
 
-    out = _script("ab_commit.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "3", "--batches", "4",
-                  "--paths", "engine hybrid,engine graphs", "--walk")
-    assert "one walk, no step repeated" in out.splitlines()[0], out
-    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0] == "4"]
-    assert [" ".join(r[1:-3]) for r in rows] == ["engine graphs", "engine hybrid"] and all(float(r[-1]) > 0 for r in rows)
     spec_ = importlib.util.spec_from_file_location("ab_commit_walk", ROOT / "benchmarks" / "ab_commit.py")
     assert spec_ is not None and spec_.loader is not None
     mod = importlib.util.module_from_spec(spec_)

@@ -11,7 +11,8 @@ FlashAttention (with or without per-request causal flags), both or no builder ov
 group, with or without a Mamba2 group (a state slot
 a request, or vLLM's align mode: a state block per KV block, with or without prefill checkpoints), with or
 without speculative decoding (every decode row verifies its drafts; the Mamba2 group gets the accepted
-counts), with up to two more registered builders (cascade, fast prefill, local attention, GDN, linear attention,
+counts, and on some loops the runner's optimistic upper bounds on the lengths), with up to two more
+registered builders (cascade, fast prefill, local attention, GDN, linear attention,
 Mamba1, MLA, multimodal prefix; their lab's default options and inputs), each in the attention group or a
 group of its own, eager or graph mode (frozen after some step, as an engine freezes it once its layouts
 are known, or never), on one device or (CPU) a ``MultiStager`` over two, whose second device's replicas
@@ -78,6 +79,7 @@ class _Config:
     extras: tuple[tuple[str, bool], ...] = ()  # more registered builders: (name, in the attention group or its own)
     freeze_at: int | None = None  # graph mode: the step after which the stager is frozen (as an engine does)
     devices: int = 1  # 2: a MultiStager over two simulated devices (CPU), each step checked on both
+    upper_bounds: bool = False  # spec decode: the runner's optimistic lengths (every draft of the last step accepted)
 
     def groups(self) -> list[dict[str, tuple[Any, Any]]]:
         first: dict[str, tuple[Any, Any]] = {}
@@ -113,7 +115,8 @@ def _configs(draw: st.DrawFn) -> _Config:
                                                                          if not (graph and n in EAGER_ONLY)]),
                                                         st.booleans()),
                                               max_size=2, unique_by=lambda e: e[0]))),
-                   freeze_at=draw(st.none() | st.integers(0, 8)) if graph else None, devices=draw(st.sampled_from([1, 2])))
+                   freeze_at=draw(st.none() | st.integers(0, 8)) if graph else None, devices=draw(st.sampled_from([1, 2])),
+                   upper_bounds=draw(st.booleans()))
 
 
 @dataclasses.dataclass
@@ -122,6 +125,7 @@ class _Req:
     prompt: int
     blocks: np.ndarray  # (WIDTH,) int32: its KV blocks
     state: int  # its Mamba state slot (the "none" mode)
+    rejected: int = 0  # drafts of its last step that were not accepted (the host learns it a step late)
 
 
 @dataclasses.dataclass
@@ -169,14 +173,17 @@ class _Scheduler:
         drafts[~decode] = 0
         q = np.where(decode, 1 + drafts, np.minimum(prompt - c, chunk)).astype(np.int32)
         padded = next((p for p in PADS if p >= n), None) if cfg.graph and decode.all() else None
+        # async spec decode: the runner's lengths assume every draft of a row's last step was accepted
+        ub = (c + q + np.array([r.rejected for r in reqs], np.int32)).astype(np.int32) if k and cfg.upper_bounds else None
         spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, num_prompt_tokens=prompt,
-                         num_draft_tokens=drafts if k else None,
+                         num_draft_tokens=drafts if k else None, seq_lens_upper_bound=ub,
                          block_table=np.stack([r.blocks for r in reqs]), block_size=BS,
                          num_reqs_padded=padded, num_tokens_padded=None if padded is None else padded * (1 + k))
         accepted = np.array([data.draw(st.integers(1, 1 + int(d))) if dec else 1 for dec, d in zip(decode, drafts)],
                             np.int32)
         for r, d, qi, a in zip(reqs, decode, q.tolist(), accepted.tolist(), strict=True):
             r.computed += a if d else qi
+            r.rejected = qi - a if d else 0
         if cfg.mamba == "align":  # a state block per KV block
             states = np.stack([r.blocks for r in reqs]) + 1000
         else:  # one state slot a request (any column: the none mode reads the first)
@@ -274,6 +281,8 @@ def _build(composer: StepBuilder, cfg: _Config, spec: BatchSpec, specs: tuple[Ba
                                  [(s.block_table, s.block_size) for s in specs],
                                  num_prompt_tokens=None if spec.num_prompt_tokens is None else spec.num_prompt_tokens.copy(),
                                  num_draft_tokens=None if drafts is None else drafts.copy(),
+                                 seq_lens_upper_bound=None if spec.seq_lens_upper_bound is None
+                                 else spec.seq_lens_upper_bound.copy(),
                                  num_reqs_padded=spec.num_reqs_padded, num_tokens_padded=spec.num_tokens_padded,
                                  inputs=inputs, arrays=arrays)
 
