@@ -6,20 +6,26 @@ field a later step overwrites while an earlier step's objects are still live) is
 Here every step a composer builds, replayed or not, is checked against the builders' lab references
 (:func:`attnmeta.testing.check_metadata`: torch computations that share no code with the builders or
 the stager), its common metadata against the reference common fields, device tensors and host twins
-alike, and the engine's array against what the step was given. The compositions: FlashInfer,
-FlashAttention (with or without per-request causal flags), both or no builder over the attention
-group, with or without a Mamba2 group (a state slot
-a request, or vLLM's align mode: a state block per KV block, with or without prefill checkpoints), with or
-without speculative decoding (every decode row verifies its drafts; the Mamba2 group gets the accepted
-counts, and on some loops the runner's optimistic upper bounds on the lengths), with up to two more
-registered builders (cascade, fast prefill, local attention, GDN, linear attention,
-Mamba1, MLA, multimodal prefix; their lab's default options and inputs), each in the attention group or a
-group of its own, eager or graph mode (frozen after some step, as an engine freezes it once its layouts
-are known, or never), on one device or (CPU) a ``MultiStager`` over two, whose second device's replicas
-are checked too, two or three ring slots, through ``build`` or ``build_counts``. The steps
-come from a small simulated scheduler: some requests are decoding when the composer is made, others join with prompts that are
-chunked over several steps, decode for a while (so the ring's slots see their layouts again and replay
-them) and leave; decode-only steps are padded to the
+alike, and the engine's array against what the step was given.
+
+Compositions (:class:`_Config`):
+
+- over the attention group FlashInfer, FlashAttention (with or without per-request causal flags), both,
+  or no builder;
+- with or without a Mamba2 group: a state slot a request, or vLLM's align mode (a state block per KV
+  block, with or without prefill checkpoints);
+- with or without speculative decoding: decode rows verify their drafts, the Mamba2 group gets the
+  accepted counts, and on some loops the runner's optimistic upper bounds on the lengths;
+- up to two more registered builders (cascade, fast prefill, local attention, GDN, linear attention,
+  Mamba1, MLA, multimodal prefix; their lab's default options and inputs), each in the attention group
+  or in a group of its own;
+- eager or graph mode (frozen after some step, as an engine freezes it once its layouts are known, or
+  never); two or three ring slots; ``build`` or ``build_counts``; one device or (CPU) a ``MultiStager``
+  over two, whose second device's replicas are checked too.
+
+The steps come from a small simulated scheduler (:class:`_Scheduler`): some requests are decoding when
+the composer is made, others join with prompts chunked over several steps, decode for a while (so the
+ring's slots see their layouts again and replay them) and leave; decode-only steps are padded to the
 captured sizes in graph mode. In eager mode the objects of the last ``num_slots - 1`` steps are checked
 again after every step: their slots are not reused yet, so nothing may have overwritten them.
 """
