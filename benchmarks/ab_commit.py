@@ -163,7 +163,7 @@ class _Walk:
 
     def longest(self) -> int:
         """The longest sequence of the steps walked."""
-        return _longest(self.raws) + self.steps * int(self.q.max()) if self.steps else _longest(self.raws)
+        return _longest(self.raws) + self.steps * int(self.q.max())
 
     def counts(self, i: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Step ``i``'s computed and scheduled counts, and the index of its table in ``raws`` (one table for
@@ -252,20 +252,32 @@ def engine_graphs(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, 
     return step
 
 
+def _warm_ups(steps: int) -> tuple[int, int]:
+    """:func:`ab`'s untimed calls of each side: before the first round, and before each round's timed steps."""
+    return min(300, 3 * steps), min(50, steps)
+
+
+def calls_per_side(rounds: int, steps: int) -> int:
+    """How many times :func:`ab` calls each side (its warm-ups and its timed steps)."""
+    first, each = _warm_ups(steps)
+    return first + rounds * (each + steps)
+
+
 def ab(a: Callable[[], Any], b: Callable[[], Any], rounds: int, steps: int, device: torch.device,
        cold: bool = False) -> tuple[float, float]:
     """Medians over alternating rounds of the per-round median step time (us) of ``a`` and ``b`` (with
     ``cold``, each step timed right after :func:`_cold.thrash`)."""
     med: tuple[list[float], list[float]] = ([], [])
+    first, each = _warm_ups(steps)
     for fn in (a, b):
-        for _ in range(min(300, 3 * steps)):
+        for _ in range(first):
             fn()
     gc.disable()
     try:
         for r in range(rounds):
             for k in ((0, 1) if r % 2 == 0 else (1, 0)):
                 fn = (a, b)[k]
-                for _ in range(min(50, steps)):
+                for _ in range(each):
                     fn()
                 ts = np.empty(steps)
                 for j in range(steps):
@@ -308,8 +320,7 @@ def main() -> None:
               f"medians (us)")
         print(f"{'batch':>6} {'path':<22} {'base':>8} {'this':>8} {'this/base':>10}")
         for batch in [int(x) for x in args.batches.split(",")]:
-            # (each side's steps: ab()'s warm-up, then each round's warm-up and timed steps)
-            walk = min(300, 3 * args.steps) + args.rounds * (min(50, args.steps) + args.steps) + 1 if args.walk else 0
+            walk = calls_per_side(args.rounds, args.steps) + 1 if args.walk else 0  # (a side's steps count from 1)
             old, new = paths(base, batch, dev, walk), paths(attnmeta, batch, dev, walk)
             rows = [(name, old[name], new[name]) for name in new if name in old]
             rows.append(("lifetimes on/off", paths(attnmeta, batch, dev, check_lifetimes=False)["fused"], new["fused"]))

@@ -119,7 +119,7 @@ def test_ab_commit_cold_times_each_step_after_a_thrash() -> None:
 
 
 def test_ab_commit_walk_never_repeats_an_engine_step() -> None:
-    """``--walk`` (run by the cold test below): the engine rows walk one decode walk (each step's counts new,
+    """``--walk`` (run by the cold test above): the engine rows walk one decode walk (each step's counts new,
     the walk as long as the run needs); ``_Walk`` hands out no step twice, and without it the 64-step cycle."""
     import importlib.util
 
@@ -131,11 +131,7 @@ def test_ab_commit_walk_never_repeats_an_engine_step() -> None:
     spec_ = importlib.util.spec_from_file_location("ab_commit_walk", ROOT / "benchmarks" / "ab_commit.py")
     assert spec_ is not None and spec_.loader is not None
     mod = importlib.util.module_from_spec(spec_)
-    sys.modules["ab_commit_walk"] = mod
-    try:
-        spec_.loader.exec_module(mod)
-    finally:
-        del sys.modules["ab_commit_walk"]
+    spec_.loader.exec_module(mod)
     raws = [dict(num_computed_tokens=s.num_computed_tokens, num_scheduled_tokens=s.num_scheduled_tokens)
             for s in advance(decode_spec(4, np.random.default_rng(0)), 64)]
     walk = mod._Walk(raws, 200)
@@ -145,6 +141,7 @@ def test_ab_commit_walk_never_repeats_an_engine_step() -> None:
     assert len({tuple(cycle.counts(i)[0].tolist()) for i in range(200)}) == 64
     with pytest.raises(RuntimeError, match="the walk has 200 steps"):
         walk.counts(200)
+    assert mod.calls_per_side(2, 10) == 30 + 2 * (10 + 10)  # (ab()'s warm-ups: 3 * steps, then steps a round)
 
 
 def test_bench_engine_cold_replica_reports_every_way(tmp_path: Path) -> None:

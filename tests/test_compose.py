@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from compose_helpers import counts_arguments
 
 from attnmeta import BatchSpec, Stager, StaticProfile, UnsupportedBatchError
 from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionInputs, FlashAttentionOptions
@@ -56,22 +57,6 @@ def assert_same(got: Any, want: Any, path: str) -> None:
     assert type(got) is type(want) and got == want, f"{path}: {got!r} != {want!r}"
 
 
-def _counts(specs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``build_counts``'s arguments for a step of ``specs`` (one per group, sharing their counts): the
-    arguments and keywords, every vector a fresh writable copy (a scheduler's own arrays)."""
-    sp = (specs,) if isinstance(specs, BatchSpec) else tuple(specs)
-    first = sp[0]
-
-    def mine(a: np.ndarray | None) -> np.ndarray | None:
-        return None if a is None else a.copy()
-
-    return ((mine(first.num_computed_tokens), mine(first.num_scheduled_tokens),
-             [(s.block_table, s.block_size) for s in sp]),
-            dict(num_prompt_tokens=mine(first.num_prompt_tokens), num_draft_tokens=mine(first.num_draft_tokens),
-                 seq_lens_upper_bound=mine(first.seq_lens_upper_bound), num_reqs_padded=first.num_reqs_padded,
-                 num_tokens_padded=first.num_tokens_padded))
-
-
 def _check(composer: StepBuilder, reference: StepBuilder, counts: StepBuilder, steps: list[Any]) -> list[ComposedStep]:
     """Build every step on the three composers (``reference`` never replays; ``counts`` takes the
     scheduler's arrays, ``build_counts``) and compare them; earlier steps kept by the caller stay intact
@@ -81,7 +66,7 @@ def _check(composer: StepBuilder, reference: StepBuilder, counts: StepBuilder, s
     for i, (specs, inputs, arrays) in enumerate(steps):
         got = composer.build(specs, inputs, arrays)
         want = reference.build(specs, inputs, arrays)
-        args, kw = _counts(specs)
+        args, kw = counts_arguments(specs)
         raw = counts.build_counts(*args, **kw, inputs=inputs, arrays=arrays)
         for a in (*args[:2], *kw.values()):  # the counts were read, not kept: a scheduler reuses its arrays
             if isinstance(a, np.ndarray):

@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from compose_helpers import counts_arguments
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -277,20 +278,13 @@ def _check_step(s: _Step, cfg: _Config, where: str, stager: Stager) -> None:
         assert got.cpu().tolist() == s.ids.tolist(), f"{at} engine.ids"
 
 
-def _build(composer: StepBuilder, cfg: _Config, spec: BatchSpec, specs: tuple[BatchSpec, ...], inputs: dict[str, Any],
+def _build(composer: StepBuilder, cfg: _Config, specs: tuple[BatchSpec, ...], inputs: dict[str, Any],
            arrays: dict[str, np.ndarray]) -> ComposedStep:
     """The step through ``build`` (its specs) or ``build_counts`` (the scheduler's arrays, copies of its own)."""
     if not cfg.counts:
         return composer.build(specs, inputs, arrays)
-    drafts = spec.num_draft_tokens
-    return composer.build_counts(spec.num_computed_tokens.copy(), spec.num_scheduled_tokens.copy(),
-                                 [(s.block_table, s.block_size) for s in specs],
-                                 num_prompt_tokens=None if spec.num_prompt_tokens is None else spec.num_prompt_tokens.copy(),
-                                 num_draft_tokens=None if drafts is None else drafts.copy(),
-                                 seq_lens_upper_bound=None if spec.seq_lens_upper_bound is None
-                                 else spec.seq_lens_upper_bound.copy(),
-                                 num_reqs_padded=spec.num_reqs_padded, num_tokens_padded=spec.num_tokens_padded,
-                                 inputs=inputs, arrays=arrays)
+    args, kw = counts_arguments(specs)
+    return composer.build_counts(*args, **kw, inputs=inputs, arrays=arrays)
 
 
 @given(data=st.data(), cfg=_configs())
@@ -329,7 +323,7 @@ def test_every_step_of_a_composer_equals_the_references(device: torch.device, da
         if cfg.freeze_at is not None and i == cfg.freeze_at + 1:
             stager.freeze()
         try:
-            out = _build(composer, cfg, spec, specs, inputs, arrays)
+            out = _build(composer, cfg, specs, inputs, arrays)
         except CapacityError as e:  # a frozen layout refuses a field no step had staged: nothing staged
             assert cfg.freeze_at is not None and i > cfg.freeze_at and "after Stager.freeze()" in str(e), e
             continue
