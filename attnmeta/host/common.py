@@ -97,10 +97,13 @@ def common_pass_nb(
                 dst[j] = src[j]
             for j in range(w, dst.shape[0]):
                 dst[j] = 0
-    # Every used block id (columns [0, cdiv(c + q, span)) of a real row), in the rows just copied:
-    lo, hi = _used_block_range_nb(c, q, bt, block_size * world_size)
-    if lo < 0 or np.int64(hi) >= num_kv_blocks:
-        return BAD_BLOCK_ID
+    # Every used block id (columns [0, cdiv(c + q, span)) of a real row), in the rows just copied; or,
+    # where this call copies the paged-KV indices of one rank, below in them: the same ids, contiguous.
+    in_indices = paged and copy_rows and world_size == 1
+    if not in_indices:
+        lo, hi = _used_block_range_nb(c, q, bt, block_size * world_size)
+        if lo < 0 or np.int64(hi) >= num_kv_blocks:
+            return BAD_BLOCK_ID
     # The slot mapping reads the rows just copied (in cache) rather than the spec's wide table; a
     # staged table narrower than a request's blocks falls back to the spec's.
     if do_tokens:
@@ -140,9 +143,14 @@ def common_pass_nb(
         status |= _is_prefilling_nb(c, prompt, pre)[0]
     if paged:
         code, _row, _col, total = paged_layout_nb(seq_lens, bt, block_size, False, indptr[: Bp + 1], indices, last)
-        status |= code if total <= indices.shape[0] else _SHORT_INDICES
-        if copy_rows and status == 0:  # (the unchecked copy: the spec's used block ids are validated)
+        code = code if total <= indices.shape[0] else _SHORT_INDICES
+        if copy_rows and code == 0:  # (the unchecked copy: ids are copied, never used as addresses)
             paged_indices_nb(bt, indptr, indices, Bp)
+        if in_indices:  # (page size = block size, one rank: the page indices are the used block ids)
+            lo, hi = _id_range_nb(indices, total) if code == 0 else _used_block_range_nb(c, q, bt, block_size)
+            if lo < 0 or np.int64(hi) >= num_kv_blocks:
+                return BAD_BLOCK_ID
+        status |= code
         for i in range(Bp + 1, indptr.shape[0]):
             indptr[i] = indptr[Bp]
     return status
@@ -164,6 +172,18 @@ def _used_block_range_nb(c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int
             v = row[j]
             lo = v if v < lo else lo
             hi = v if v > hi else hi
+    return lo, hi
+
+
+@njit
+def _id_range_nb(ids: np.ndarray, n: int) -> tuple[np.int32, np.int32]:
+    """``(min(0, smallest), largest)`` of ``ids[:n]`` (a contiguous run: the loop vectorizes)."""
+    lo = np.int32(0)
+    hi = np.int32(0)
+    for j in range(n):
+        v = ids[j]
+        lo = v if v < lo else lo
+        hi = v if v > hi else hi
     return lo, hi
 
 

@@ -479,10 +479,11 @@ def test_first_broken_rule_is_reported(spec: BatchSpec, scale: int, data: st.Dat
         assert (again.num_tokens, again.max_exact_seq_len) == (int(q.sum()), int(seqs.max()))
         assert again.num_pages == int((-(-seqs // bs)).sum())
         bad_block = _first_bad_block(c.tolist(), q.tolist(), bt.tolist(), bs * world)
-        if bad_block is not None:  # the spec constructs; the build names the id
-            with pytest.raises(ValueError) as err:
-                build_common(again, Stager("cpu"))
-            assert str(err.value) == bad_block
+        if bad_block is not None:  # the spec constructs; the build names the id (with the paged-KV layout
+            for paged in (False, True):  # too: one rank checks the ids among the page indices it copies)
+                with pytest.raises(ValueError) as err:
+                    build_common(again, Stager("cpu"), paged_kv=paged)
+                assert str(err.value) == bad_block, paged
         return
     with pytest.raises(ValueError) as err:
         BatchSpec(**kw)
