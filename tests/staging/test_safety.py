@@ -105,6 +105,36 @@ def test_block_ids_past_the_cache_are_rejected(fused: bool) -> None:
         Stager("cpu", num_kv_blocks=0)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_copy_path_checks_the_used_block_ids(threads: int) -> None:
+    """The paged step checks the used ids among the page indices it copies (one rank, serial), or over
+    the table's used columns (threads: the indices are copied after the compiled pass; no paged-KV
+    layout): each path rejects a bad used id, naming it, and ignores a bad id in an unused column."""
+    from attnmeta.compose import PARALLEL_MIN_ROWS
+
+    n = PARALLEL_MIN_ROWS if threads > 1 else 5  # (threads copy from PARALLEL_MIN_ROWS rows)
+    c = np.arange(n, dtype=np.int32) % 9
+    table = (1 + np.arange(n * 4, dtype=np.int32)).reshape(n, 4)  # ids 1 .. 4n: request i uses cdiv(c + 1, 4)
+    spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=np.ones(n, np.int32), block_table=table, block_size=4)
+    stager = Stager("cpu", num_kv_blocks=4 * n + 1)
+    builder = FusedStepBuilder(stager, flash_attn=None, threads=threads)
+    build = {"paged": builder.build, "unpaged": lambda s: build_common(s, stager)}
+    for name, run in build.items():
+        for _ in range(4):  # (the fused builder: compose, then replay, with the threads it was given)
+            run(spec)
+        assert name == "unpaged" or builder.stats.replayed == 1
+        row = n - 2  # c = (n - 2) % 9, one or two blocks used of 4
+        used = -(-int(c[row] + 1) // 4)
+        table[row, used] = -7  # unused: never read
+        run(spec)
+        for bad, why in ((-7, "is negative"), (4 * n + 1, r"is past the KV cache's last block")):
+            table[row, used - 1] = bad
+            with pytest.raises(ValueError, match=rf"block_table\[{row}, {used - 1}\]={bad} {why}"):
+                run(spec)
+            table[row, used - 1] = 1
+        table[row, used] = 1
+
+
 def test_bad_scalars_of_a_spec() -> None:
     """Reproducer: ``block_size=True`` was taken as 1."""
     with pytest.raises(TypeError, match="block_size: expected a positive int, got bool True"):
