@@ -32,7 +32,9 @@ step's metadata built by vLLM 0.33.0's own runner buffers and ``FlashInferMetada
 ``copies/step`` counts the runner's own H2D copies. The sync audit runs in count mode (it records, it
 does not raise): vLLM's code may sync. The summary at the end gives attnmeta over vLLM for each pair
 (graphs and vllm-graphs, eager and vllm-eager, varlen and vllm-varlen, paged and vllm-paged): tokens/s
-and metadata host time.
+and metadata host time, as the ratio of the two medians and as ``paired``, the median over the rounds of
+each round's ratio (a round runs the two modes back to back, so a drift of the machine between rounds,
+which an eager step's host-bound time shows, cancels in it).
 
 More columns split attnmeta's time: ``fence ms``, the part spent blocked on a ring slot's fence (the
 host ran ``num_slots - 1`` steps ahead of the GPU; reported apart), ``own ms``, attnmeta's time less
@@ -256,6 +258,17 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
             "plan_waits": getattr(engine.kernel, "plan_waits", 0), "tokens": runs[0]["tokens"], **extra}
 
 
+def paired(ours: list[float], theirs: list[float]) -> float:
+    """The median over the rounds of ``theirs[k] / ours[k]`` (two modes' times of the same rounds, run back to
+    back in each): a drift of the machine between rounds, which moves both runs of a round alike, cancels in
+    each ratio, where it need not in the ratio of the two medians.
+
+    >>> round(paired([26.4, 24.5, 15.4], [26.1, 21.1, 16.5]), 3)  # the ratio of medians: 21.1 / 24.5 = 0.861
+    0.989
+    """
+    return float(statistics.median(t / o for o, t in zip(ours, theirs, strict=True)))
+
+
 def measure_all(model: Any, modes: list[str], n: int, prompt: int, new: int, device: torch.device,
                 cold_us: float | None, rounds: int) -> list[dict[str, Any]]:
     """Every mode at ``n`` requests in one process: a warmed engine per mode, then ``rounds`` timed runs
@@ -350,9 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [(x, y) for x, y in PAIRS if x in modes.split(",") and y in modes.split(",")]
     if pairs:
         print("\nattnmeta against vLLM 0.33.0's own metadata code, the same engine, model and kernels (ratios of "
-              "medians; metadata: host ms per decode step without plan())", flush=True)
-        print(f"{'pair':>20} {'reqs':>5} {'tok/s':>9} {'vLLM tok/s':>10} {'tok/s x':>8} {'metadata ms':>11} "
-              f"{'vLLM ms':>8} {'faster':>7} {'plan ms':>7} {'vLLM plan':>9} {'host x':>7} {'syncs':>5} "
+              "medians; paired: the median over the rounds of each round's ratio, the two modes' runs of a round "
+              "back to back; metadata: host ms per decode step without plan())", flush=True)
+        print(f"{'pair':>20} {'reqs':>5} {'tok/s':>9} {'vLLM tok/s':>10} {'tok/s x':>8} {'paired':>7} {'metadata ms':>11} "
+              f"{'vLLM ms':>8} {'faster':>7} {'paired':>7} {'plan ms':>7} {'vLLM plan':>9} {'host x':>7} {'syncs':>5} "
               f"{'vLLM syncs':>10} {'H2D':>5} {'vLLM H2D':>8} {'tokens differ':>13}", flush=True)
         by = {(r["mode"], r["concurrency"]): r for r in rows}
         for x, y in pairs:
@@ -360,12 +374,16 @@ def main(argv: list[str] | None = None) -> int:
                 r, v = by[(x, n)], by[(y, n)]
                 host = (v["metadata_ms"] + v["plan_ms"]) / (r["metadata_ms"] + r["plan_ms"])
                 differ = sum(t != u for t, u in zip(r["tokens"], v["tokens"], strict=True))
+                tok_paired = paired(r["step_ms_rounds"], v["step_ms_rounds"])  # (tok/s is n / step time)
+                meta_paired = paired(r["metadata_ms_rounds"], v["metadata_ms_rounds"])
                 print(f"{x + ' / ' + y:>20} {n:>5} {r['tokens_per_s']:9.0f} {v['tokens_per_s']:10.0f} "
-                      f"{r['tokens_per_s'] / v['tokens_per_s']:7.2f}x {r['metadata_ms']:11.4f} {v['metadata_ms']:8.4f} "
-                      f"{v['metadata_ms'] / r['metadata_ms']:6.1f}x {r['plan_ms']:7.3f} {v['plan_ms']:9.3f} "
+                      f"{r['tokens_per_s'] / v['tokens_per_s']:7.2f}x {tok_paired:6.2f}x {r['metadata_ms']:11.4f} "
+                      f"{v['metadata_ms']:8.4f} {v['metadata_ms'] / r['metadata_ms']:6.1f}x {meta_paired:6.1f}x "
+                      f"{r['plan_ms']:7.3f} {v['plan_ms']:9.3f} "
                       f"{host:6.1f}x {r['syncs_per_step']:5.2f} {v['syncs_per_step']:10.2f} {r['h2d_per_step']:5.1f} "
                       f"{v['h2d_per_step']:8.1f} {differ:>6} of {n:<5}", flush=True)
                 r.setdefault("requests_with_other_tokens_than", {})[y] = differ
+                r.setdefault("paired_against", {})[y] = {"tokens_per_s_x": tok_paired, "metadata_faster_x": meta_paired}
     for r in rows:
         del r["tokens"]  # compared above; not written to the JSON
     if a.json:

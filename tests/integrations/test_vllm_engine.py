@@ -71,6 +71,7 @@ def test_bench_engine_compares_the_pair_on_the_cpu(capsys: pytest.CaptureFixture
     """benchmarks/bench_engine.py's headline comparison end to end on the CPU (torch's paged kernel): both
     modes serve the same workload, the pair's line reports the ratios, the same greedy tokens, no syncs."""
     import json
+    import statistics
     import sys
     from pathlib import Path
 
@@ -92,3 +93,8 @@ def test_bench_engine_compares_the_pair_on_the_cpu(capsys: pytest.CaptureFixture
         ("paged", 1, 2), ("vllm-paged", 1, 2), ("paged", 3, 2), ("vllm-paged", 3, 2)]
     assert all(r["syncs_per_step"] == 0 for r in rows)
     assert [r["copies_per_step"] for r in rows] == [1.0, 8.0, 1.0, 8.0]
+    for r, v in zip(rows[::2], rows[1::2], strict=True):  # the paired ratios: medians of the rounds' ratios
+        got = r["paired_against"]["vllm-paged"]
+        want = [statistics.median(b / a for a, b in zip(r[k], v[k], strict=True))
+                for k in ("step_ms_rounds", "metadata_ms_rounds")]
+        assert [got["tokens_per_s_x"], got["metadata_faster_x"]] == pytest.approx(want)
