@@ -158,3 +158,26 @@ def test_bench_engine_cold_replica_reports_every_way(tmp_path: Path) -> None:
               "control_thrash_ms", "loop_over_cold", "loop_over_thrash"):
         assert row[k] > 0, (k, row)
     assert "cold_event_ms" not in row  # (CUDA only)
+
+
+def test_bench_engine_pairs_the_rounds() -> None:
+    """The headline summary's ``paired`` ratio: the median of the rounds' own ratios (its docstring's
+    example, a drifting host's rounds, runs here too), which a drift between rounds does not move."""
+    import doctest
+    import importlib.util
+
+    spec_ = importlib.util.spec_from_file_location("bench_engine_paired", ROOT / "benchmarks" / "bench_engine.py")
+    assert spec_ is not None and spec_.loader is not None
+    mod = importlib.util.module_from_spec(spec_)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec_.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(mod.paired, "paired", globs={"paired": mod.paired}):
+        runner.run(test)
+    assert runner.summarize(verbose=False) == (0, 1)
+    ours, theirs = [2.0, 4.0, 1.0], [3.0, 6.0, 1.5]  # every round 1.5x, the host twice as fast in round 3
+    assert mod.paired(ours, theirs) == 1.5 == mod.paired([x * 3 for x in ours], [x * 3 for x in theirs])
+    assert mod.paired([1.0, 2.0], [2.0, 3.0]) == 1.75  # (an even count: the mean of the middle two)
