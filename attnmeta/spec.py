@@ -157,16 +157,16 @@ def _copy_nb(src: np.ndarray, dst: np.ndarray) -> None:
 def _validate_nb(
     c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int, bs: int,
     prompt: np.ndarray, drafts: np.ndarray, ub: np.ndarray, diagnose: bool, own: np.ndarray,
-) -> tuple[int, int, int, int, int, int, int, int]:
+) -> tuple[int, int, int, int, int, int, int, int, bool]:
     """Every rule of BatchSpec, and the derived scalars; with a non-empty ``own``, of copies.
 
     ``own`` is ``(0, 0)``, or ``(2 + given optional arrays, n)`` int32: the vectors are first copied
     into its rows (:func:`_own_nb`) and the rules asked of the copies, which the spec keeps.
 
     ``prompt``, ``drafts`` and ``ub`` are empty when not given (else they have ``c``'s length: with no
-    rows the two are alike). Returns ``(status, row, col, total, max_q, max_seq, max_ub, pages)``:
-    status 0 = valid, with ``pages`` the sum of ``cdiv(seq, bs)``; else a rule is broken and the
-    scalars mean nothing.
+    rows the two are alike). Returns ``(status, row, col, total, max_q, max_seq, max_ub, pages,
+    prefilling)``: status 0 = valid, with ``pages`` the sum of ``cdiv(seq, bs)`` and ``prefilling``
+    whether some ``c < prompt``; else a rule is broken and the scalars mean nothing.
 
     The rules come in four groups: the counts (``c, q >= 0``; ``c + q`` and the running total of
     ``q`` fit int32; the table is wide enough: status ``_NEG_C`` to ``_NARROW``), the prompt lengths,
@@ -201,6 +201,7 @@ def _validate_nb(
     sh_span = pow2_shift(span)
     lo_c = lo_q = lo_p = lo_d = lo_u = np.int64(0)  # running minimums: negative breaks a rule
     over = short = np.int64(0)  # max(drafts - q), max(c + q - upper bound): positive breaks one
+    ahead = np.int64(0)  # max(prompt - c): positive when a row is still in its prompt
     total = pages = max_q = max_seq = max_ub = np.int64(0)
     code = 0
     row = 0  # (read after the loop)
@@ -220,7 +221,9 @@ def _validate_nb(
         if prompt.shape[0]:
             ps = prompt[row:end]
             for i in range(ps.shape[0]):
-                lo_p = min(lo_p, np.int64(ps[i]))
+                p = np.int64(ps[i])
+                lo_p = min(lo_p, p)
+                ahead = max(ahead, p - np.int64(cs[i]))
             if lo_p < 0:
                 code = _NEG_P
                 break
@@ -244,10 +247,10 @@ def _validate_nb(
                 code = _NEG_UB if lo_u < 0 else _UB
                 break
     if code == 0:
-        return 0, 0, 0, int(total), int(max_q), int(max_seq), int(max_ub), int(pages)
+        return 0, 0, 0, int(total), int(max_q), int(max_seq), int(max_ub), int(pages), bool(ahead > 0)
     if not diagnose:
-        return _INVALID, 0, 0, 0, 0, 0, 0, 0
-    return code, row, 0, 0, 0, 0, 0, 0
+        return _INVALID, 0, 0, 0, 0, 0, 0, 0, False
+    return code, row, 0, 0, 0, 0, 0, 0, False
 
 
 # The fold that divides is a kernel of its own: compiled alone, its loop is split once on
@@ -399,6 +402,9 @@ class BatchSpec:
     num_pages: int = dataclasses.field(init=False)
     """``sum(cdiv(num_computed_tokens + num_scheduled_tokens, block_size))`` over real rows: the KV
     pages of the batch (FlashInfer's ``paged_kv_indptr[-1]`` without decode context parallelism)."""
+    any_prefilling: bool = dataclasses.field(init=False)
+    """Whether a row is still in its prompt (``num_computed_tokens < num_prompt_tokens``; False without
+    prompt lengths)."""
 
     def __init__(
         self,
@@ -436,7 +442,7 @@ class BatchSpec:
         # The spec owns its per-request vectors: the kernel copies them into one read-only buffer and
         # validates the copies, so a caller changing its arrays afterwards changes nothing here.
         own = np.empty((2 + (prompt is not None) + (drafts is not None) + (ub is not None), n), np.int32)
-        code, _, _, total, max_q, max_seq, max_ub, pages = _validate_nb(
+        code, _, _, total, max_q, max_seq, max_ub, pages, prefilling = _validate_nb(
             c, q, bt, span, bs, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
             _EMPTY if ub is None else ub, False, own,  # (diagnose: only when a rule is broken, to name it)
         )
@@ -495,6 +501,7 @@ class BatchSpec:
             o.max_seq_len = max_seq if ub is None else max_ub
             o.max_exact_seq_len = max_seq
             o.num_pages = pages
+            o.any_prefilling = prefilling
         finally:
             if mine:
                 o.__class__ = BatchSpec
@@ -572,7 +579,7 @@ class BatchSpec:
             self.num_reqs, self.num_tokens, self.num_reqs_padded, self.num_tokens_padded, self.max_query_len,
             int(q[0]) if self.num_reqs else 0, self.max_seq_len, self.max_exact_seq_len, self.num_pages,
             self.block_size, int(self.block_table.shape[1]),
-            prompt is not None and bool(np.any(self.num_computed_tokens < prompt)), prompt is not None,
+            self.any_prefilling, prompt is not None,
             self.num_draft_tokens is not None, self.seq_lens_upper_bound is not None, self.context_parallel,
         )
 
@@ -656,8 +663,8 @@ def _scan_nb(c: np.ndarray, q: np.ndarray, bt: np.ndarray, bs: int, prompt: np.n
 
     Returns ``(status, total, max_q, max_seq, max_ub, pages, first_q, prefilling)``; status 0 = every
     rule holds (else the scalars mean nothing: the constructor names the broken rule)."""
-    st, _row, _col, total, max_q, max_seq, max_ub, pages0 = _validate_nb(c, q, bt, bs, bs, prompt, drafts, ub,
-                                                                          False, none)
+    st, _row, _col, total, max_q, max_seq, max_ub, pages0, prefilling = _validate_nb(c, q, bt, bs, bs, prompt,
+                                                                                      drafts, ub, False, none)
     if st:
         return st, 0, 0, 0, 0, 0, 0, False
     z = np.int64(0)
@@ -667,11 +674,6 @@ def _scan_nb(c: np.ndarray, q: np.ndarray, bt: np.ndarray, bs: int, prompt: np.n
         if cdiv_by(np.int64(max_seq), s, sh) > groups[g, 1]:
             return _NARROW, 0, 0, 0, 0, 0, 0, False
         groups[g, 2] = _fold_counts(c, q, s, sh, z, z, z, z, z, z)[3]
-    prefilling = False
-    for i in range(prompt.shape[0]):
-        if c[i] < prompt[i]:
-            prefilling = True
-            break
     return 0, total, max_q, max_seq, max_ub, pages0, int(q[0]) if c.shape[0] else 0, prefilling
 
 

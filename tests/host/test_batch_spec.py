@@ -215,9 +215,13 @@ def test_scalars_and_block_check_match_a_numpy_oracle(data: st.DataObject, bs: i
         with pytest.raises(ValueError, match=rf"block_table\[{i}, {j}\]={bt[i, j]} is negative"):
             build_common(spec, Stager("cpu"))
         return
+    prompt = data.draw(st.none() | st.lists(st.integers(0, 220), min_size=n, max_size=n).map(
+        lambda v: np.array(v, np.int32)), label="prompt lengths")
     spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=bt, block_size=np.int64(bs),
-                     context_parallel=cp, num_reqs_padded=np.int64(n + 1))
+                     context_parallel=cp, num_reqs_padded=np.int64(n + 1), num_prompt_tokens=prompt)
     assert (spec.num_reqs, spec.num_tokens, spec.num_pages) == (n, int(q.sum()), int((-(-seq // bs)).sum()))
+    prefilling = prompt is not None and bool((c < prompt).any())
+    assert type(spec.any_prefilling) is bool and spec.any_prefilling == spec.shape.any_prefilling == prefilling
     assert (spec.max_query_len, spec.max_exact_seq_len) == (int(q.max(initial=0)), int(seq.max(initial=0)))
     assert spec.max_seq_len == spec.max_exact_seq_len
     assert type(spec.block_size) is int and spec.block_size == bs and type(spec.num_reqs_padded) is int
@@ -251,6 +255,7 @@ def test_fields_are_set_in_declaration_order() -> None:
     assert (spec.block_size, spec.num_reqs_padded, spec.num_tokens_padded, spec.context_parallel) == (4, 5, 11, cp)
     assert (spec.num_reqs, spec.num_tokens, spec.max_query_len) == (3, 7, 4)
     assert (spec.max_seq_len, spec.max_exact_seq_len, spec.num_pages) == (30, 9, 2 + 1 + 3)
+    assert spec.any_prefilling is True
     assert type(spec) is BatchSpec
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.num_reqs = 1  # type: ignore[misc]
