@@ -20,6 +20,8 @@ kept here (docs/benchmarks.md has its A/B).
 from __future__ import annotations
 
 import dataclasses
+import operator
+import types
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
@@ -194,6 +196,7 @@ def template(obj: T, names: tuple[str, ...]) -> Callable[..., T]:
     replay, :class:`attnmeta.builder.Replayer`): a direct positional call of the class's
     :func:`positional_factory` with the shared values bound once, so a step pays for its own values
     only (binding every field by keyword costs more than the stores themselves; docs/benchmarks.md).
+    The function's body is compiled once per class and ``names``; each call binds new values to it.
 
     Examples
     --------
@@ -208,23 +211,52 @@ def template(obj: T, names: tuple[str, ...]) -> Callable[..., T]:
     (True, 1, 2, 30)
     """
     cls = type(obj)
+    code = _TEMPLATE_CODE.get((cls, names))
+    if code is None:
+        code = _TEMPLATE_CODE[(cls, names)] = _template_code(cls, names)
+    base, keys, shared = code
+    # (a new function of the one compiled body: only its keyword-only defaults, the shared values, differ)
+    make: Callable[..., T] = types.FunctionType(base.__code__, base.__globals__, base.__name__)
+    make.__kwdefaults__ = dict(zip(keys, (_POSITIONAL[cls], *shared(obj)), strict=True))
+    make.__qualname__ = base.__qualname__
+    return make
+
+
+_TEMPLATE_CODE: dict[tuple[type, tuple[str, ...]], tuple[Callable[..., Any], tuple[str, ...],
+                                                         Callable[[Any], tuple[Any, ...]]]] = {}
+""":func:`template`'s compiled body per class and per-call names: the function, the names of its
+keyword-only defaults (``_factory``, then one per shared field) and a getter of the shared values."""
+
+
+def _template_code(cls: type, names: tuple[str, ...]) -> tuple[Callable[..., Any], tuple[str, ...],
+                                                                Callable[[Any], tuple[Any, ...]]]:
+    """Compile :func:`template`'s body for ``cls`` and ``names`` (once per pair: the compile is most of
+    what a template would cost; a builder makes one per recorded layout, and an engine's decode loop
+    records a new layout every few dozen steps)."""
     fields = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     unknown = [n for n in names if n not in fields]
     if unknown:
         raise ValueError(f"template(): {cls.__name__} has no field {unknown}")
-    factory = _POSITIONAL.get(cls)
-    if factory is None:
-        factory = _POSITIONAL[cls] = positional_factory(cls)
-    shared = {f"_v{i}": getattr(obj, n) for i, n in enumerate(fields) if n not in names}
-    args = ", ".join(f"_a{names.index(n)}" if n in names else f"_v{i}" for i, n in enumerate(fields))
-    params = ", ".join([*(f"_a{i}" for i in range(len(names))), "*", "_factory=_factory",
-                        *(f"{k}={k}" for k in shared)])
-    env: dict[str, Any] = {"_factory": factory, **shared}
+    if cls not in _POSITIONAL:
+        _POSITIONAL[cls] = positional_factory(cls)
+    shared = [n for n in fields if n not in names]
+    keys = ("_factory", *(f"_v{i}" for i in range(len(shared))))
+    args = ", ".join(f"_a{names.index(n)}" if n in names else f"_v{shared.index(n)}" for n in fields)
+    params = ", ".join([*(f"_a{i}" for i in range(len(names))), "*", *(f"{k}=None" for k in keys)])
+    env: dict[str, Any] = {}
     # (the shared values are keyword-only defaults: locals of the call, the fastest loads there are)
     exec(f"def make({params}):\n    return _factory({args})\n", env)
-    make: Callable[..., T] = env["make"]
-    make.__qualname__ = f"template({cls.__name__}, {names})"
-    return make
+    base = env["make"]
+    base.__qualname__ = f"template({cls.__name__}, {names})"
+    get = operator.attrgetter(*shared) if len(shared) > 1 else None
+    one = shared[0] if len(shared) == 1 else None
+
+    def values(obj: Any) -> tuple[Any, ...]:
+        if get is not None:
+            return get(obj)  # type: ignore[no-any-return]
+        return () if one is None else (getattr(obj, one),)
+
+    return base, keys, values
 
 
 _POSITIONAL: dict[type, Callable[..., Any]] = {}

@@ -796,3 +796,26 @@ def test_keyword_factory_makes_ordinary_frozen_instances(cls: type) -> None:
         keyword_factory(cls)(**values, not_a_field=1)
     positional = positional_factory(cls)(*values.values())
     assert type(positional) is cls and [getattr(positional, n) for n in names] == list(values.values())
+
+
+@pytest.mark.parametrize("cls", _metadata_classes(), ids=lambda c: c.__name__)
+def test_templates_of_one_class_keep_their_own_shared_values(cls: type) -> None:
+    """:func:`attnmeta._fields.template` compiles its body once per class and names: templates of two
+    objects share that body and keep each its own object's values, for one, several and every field
+    given per call (no field shared)."""
+    from attnmeta._fields import template
+
+    names = [f.name for f in dataclasses.fields(cls)]
+    first, second = (cls(**{n: object() for n in names}) for _ in range(2))
+    for per_call in (names[:1], names[: max(1, len(names) // 2)], names[1:], names):
+        made = [template(obj, tuple(per_call)) for obj in (first, second)]
+        assert made[0].__code__ is made[1].__code__
+        given = [object() for _ in per_call]
+        for obj, make in zip((first, second), made, strict=True):
+            out = make(*given)
+            assert type(out) is cls
+            for n in names:
+                want = given[per_call.index(n)] if n in per_call else getattr(obj, n)
+                assert getattr(out, n) is want, (per_call, n)
+    with pytest.raises(ValueError, match="has no field"):
+        template(first, ("not_a_field",))
