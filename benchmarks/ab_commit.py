@@ -20,7 +20,7 @@ walks (contexts grow by one token a step, page size 16):
   column) against the default.
 
 Each round times ``--steps`` consecutive steps of one path; the two sides alternate rounds; the table
-gives the medians over rounds of per-round medians (us) and their ratio. Garbage collection is off
+gives the medians over rounds of per-round medians (us) and their ratio (``--mean``: of per-round means). Garbage collection is off
 while timing. ``--cold`` times each step right after a cache thrash instead (64 MiB of cache lines
 written and 20,000 small dicts read, untimed: ``benchmarks/_cold.py``'s ``thrash``), the state an
 engine's loop leaves the caches in; a change that saves work in a tight loop may save nothing there,
@@ -28,9 +28,11 @@ and the reverse. The engine rows cycle through the walk's 64 steps, so once warm
 every step's shape in its caches (its layout keys); in an engine's loop every decode step has a new
 longest sequence and misses them. ``--walk`` makes the engine rows walk one decode walk for the whole
 run instead, a step's counts a fresh array each step, as the loop does: for a change to the per-step
-key path, or to see what the cycle leaves out.
+key path, or to see what the cycle leaves out. A walk's longer sequences also outgrow their layout now
+and then (a new page-count bucket, a wider block table), and each ring slot then composes the step
+afresh: a median leaves those steps out, ``--mean`` counts them as a loop's average does.
 
-Run: ``python benchmarks/ab_commit.py BASE_COMMIT [--device cuda] [--rounds 12] [--steps 300] [--cold] [--walk]``; on a
+Run: ``python benchmarks/ab_commit.py BASE_COMMIT [--device cuda] [--rounds 12] [--steps 300] [--cold] [--walk] [--mean]``; on a
 machine without the checkout's history, export the base first (``git archive BASE_COMMIT attnmeta | tar -x -C
 .ab_base``) and pass the folder instead of the commit (benchmarks/gpu_all.sh's part ``ab`` does).
 """
@@ -264,9 +266,10 @@ def calls_per_side(rounds: int, steps: int) -> int:
 
 
 def ab(a: Callable[[], Any], b: Callable[[], Any], rounds: int, steps: int, device: torch.device,
-       cold: bool = False) -> tuple[float, float]:
+       cold: bool = False, mean: bool = False) -> tuple[float, float]:
     """Medians over alternating rounds of the per-round median step time (us) of ``a`` and ``b`` (with
-    ``cold``, each step timed right after :func:`_cold.thrash`)."""
+    ``cold``, each step timed right after :func:`_cold.thrash`; with ``mean``, of the per-round mean)."""
+    per_round = np.mean if mean else np.median
     med: tuple[list[float], list[float]] = ([], [])
     first, each = _warm_ups(steps)
     for fn in (a, b):
@@ -288,7 +291,7 @@ def ab(a: Callable[[], Any], b: Callable[[], Any], rounds: int, steps: int, devi
                     ts[j] = time.perf_counter_ns() - t0
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                med[k].append(float(np.median(ts)) / 1e3)
+                med[k].append(float(per_round(ts)) / 1e3)
     finally:
         gc.enable()
     return float(np.median(med[0])), float(np.median(med[1]))
@@ -307,6 +310,9 @@ def main() -> None:
     ap.add_argument("--walk", action="store_true", help="the engine rows walk one decode walk that never repeats a "
                                                          "step, as an engine's loop does (class _Walk), instead of "
                                                          "cycling through 64 steps")
+    ap.add_argument("--mean", action="store_true", help="each round's mean step time instead of its median: with "
+                                                         "--walk, the steps that compose a new layout count as they "
+                                                         "do in a loop's average")
     ap.add_argument("--paths", default="", help="comma-separated rows to run (default: every row; e.g. "
                                                 "'engine graphs,lifetimes on/off')")
     args = ap.parse_args()
@@ -317,7 +323,7 @@ def main() -> None:
         print(f"# {args.device}, torch {torch.__version__}, base {args.base}, {args.rounds} rounds x {args.steps} "
               f"steps{', each after a cache thrash' if args.cold else ''}"
               f"{'; engine rows: one walk, no step repeated' if args.walk else ''}; medians over rounds of per-round "
-              f"medians (us)")
+              f"{'means' if args.mean else 'medians'} (us)")
         print(f"{'batch':>6} {'path':<22} {'base':>8} {'this':>8} {'this/base':>10}")
         for batch in [int(x) for x in args.batches.split(",")]:
             walk = calls_per_side(args.rounds, args.steps) + 1 if args.walk else 0  # (a side's steps count from 1)
@@ -328,7 +334,7 @@ def main() -> None:
                 wanted = {p.strip() for p in args.paths.split(",")}
                 rows = [r for r in rows if r[0] in wanted]
             for name, a, b in rows:
-                ta, tb = ab(a, b, args.rounds, args.steps, dev, args.cold)
+                ta, tb = ab(a, b, args.rounds, args.steps, dev, args.cold, args.mean)
                 print(f"{batch:>6} {name:<22} {ta:>8.1f} {tb:>8.1f} {tb / ta:>10.3f}", flush=True)
 
 

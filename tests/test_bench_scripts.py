@@ -109,11 +109,44 @@ def test_ab_commit_cold_times_each_step_after_a_thrash() -> None:
     """``--cold``, here with ``--walk`` and ``--paths``: each step timed after a cache thrash, the engine rows
     on one walk, only the rows named."""
     out = _script("ab_commit.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "3", "--batches", "1",
-                  "--paths", "engine hybrid,engine graphs", "--cold", "--walk")
-    assert "each after a cache thrash" in out.splitlines()[0] and "one walk, no step repeated" in out.splitlines()[0], out
+                  "--paths", "engine hybrid,engine graphs", "--cold", "--walk", "--mean")
+    head = out.splitlines()[0]
+    assert "each after a cache thrash" in head and "one walk, no step repeated" in head and "per-round means" in head, out
     rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0] == "1"]
     assert [" ".join(r[1:-3]) for r in rows] == ["engine graphs", "engine hybrid"], rows
     assert all(float(r[-1]) > 0 for r in rows), rows
+
+
+def test_ab_commit_rounds_take_the_median_or_the_mean() -> None:
+    """``ab()`` on a fake clock: side ``b`` takes 1 us a step but every fifth step 21 us (a step that composes
+    a new layout): the per-round median leaves those out, ``mean=True`` counts them (5 us a step)."""
+    import importlib.util
+
+    import torch
+
+    spec_ = importlib.util.spec_from_file_location("ab_commit_mean", ROOT / "benchmarks" / "ab_commit.py")
+    assert spec_ is not None and spec_.loader is not None
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    now = [0]
+    calls = [0]
+
+    class Clock:
+        @staticmethod
+        def perf_counter_ns() -> int:
+            return now[0]
+
+    def a() -> None:
+        now[0] += 2000
+
+    def b() -> None:
+        calls[0] += 1
+        now[0] += 21000 if calls[0] % 5 == 0 else 1000
+
+    mod.time = Clock  # (ab() reads only time.perf_counter_ns)
+    cpu = torch.device("cpu")
+    assert mod.ab(a, b, 2, 10, cpu) == (2.0, 1.0)
+    assert mod.ab(a, b, 2, 10, cpu, mean=True) == (2.0, 5.0)
 
 
 def test_ab_commit_walk_never_repeats_an_engine_step() -> None:
