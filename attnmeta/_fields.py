@@ -20,7 +20,6 @@ kept here (docs/benchmarks.md has its A/B).
 from __future__ import annotations
 
 import dataclasses
-import operator
 import types
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
@@ -248,13 +247,8 @@ def _template_code(cls: type, names: tuple[str, ...]) -> tuple[Callable[..., Any
     exec(f"def make({params}):\n    return _factory({args})\n", env)
     base = env["make"]
     base.__qualname__ = f"template({cls.__name__}, {names})"
-    get = operator.attrgetter(*shared) if len(shared) > 1 else None
-    one = shared[0] if len(shared) == 1 else None
-
     def values(obj: Any) -> tuple[Any, ...]:
-        if get is not None:
-            return get(obj)  # type: ignore[no-any-return]
-        return () if one is None else (getattr(obj, one),)
+        return tuple(getattr(obj, n) for n in shared)
 
     return base, keys, values
 
