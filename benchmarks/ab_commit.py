@@ -23,8 +23,8 @@ Each round times ``--steps`` consecutive steps of one path; the two sides altern
 gives the medians over rounds of per-round medians (us) and their ratio (``--mean``: of per-round
 means). Garbage collection is off while timing. ``--cold`` times each step right after a cache
 thrash instead (64 MiB of cache lines written and 20,000 small dicts read, untimed:
-``benchmarks/_cold.py``'s ``thrash``), the state an engine's loop leaves the caches in; a change that saves work in a tight loop may save nothing there,
-and the reverse. The engine rows cycle through the walk's 64 steps, so once warm the step composer finds
+``benchmarks/_cold.py``'s ``thrash``), the state an engine's loop leaves the caches in; a change that
+saves work in a tight loop may save nothing there, and the reverse. The engine rows cycle through the walk's 64 steps, so once warm the step composer finds
 every step's shape in its caches (its layout keys); in an engine's loop every decode step has a new
 longest sequence and misses them. ``--walk`` makes the engine rows walk one decode walk for the whole
 run instead, a step's counts a fresh array each step, as the loop does: for a change to the per-step
