@@ -216,19 +216,17 @@ def template(obj: T, names: tuple[str, ...]) -> Callable[..., T]:
     base, keys, shared = code
     # (a new function of the one compiled body: only its keyword-only defaults, the shared values, differ)
     make: Callable[..., T] = types.FunctionType(base.__code__, base.__globals__, base.__name__)
-    make.__kwdefaults__ = dict(zip(keys, (_POSITIONAL[cls], *shared(obj)), strict=True))
+    make.__kwdefaults__ = dict(zip(keys, (_POSITIONAL[cls], *(getattr(obj, n) for n in shared)), strict=True))
     make.__qualname__ = base.__qualname__
     return make
 
 
-_TEMPLATE_CODE: dict[tuple[type, tuple[str, ...]], tuple[Callable[..., Any], tuple[str, ...],
-                                                         Callable[[Any], tuple[Any, ...]]]] = {}
+_TEMPLATE_CODE: dict[tuple[type, tuple[str, ...]], tuple[Callable[..., Any], tuple[str, ...], tuple[str, ...]]] = {}
 """:func:`template`'s compiled body per class and per-call names: the function, the names of its
-keyword-only defaults (``_factory``, then one per shared field) and a getter of the shared values."""
+keyword-only defaults (``_factory``, then one per shared field) and the shared fields, in that order."""
 
 
-def _template_code(cls: type, names: tuple[str, ...]) -> tuple[Callable[..., Any], tuple[str, ...],
-                                                                Callable[[Any], tuple[Any, ...]]]:
+def _template_code(cls: type, names: tuple[str, ...]) -> tuple[Callable[..., Any], tuple[str, ...], tuple[str, ...]]:
     """Compile :func:`template`'s body for ``cls`` and ``names`` (once per pair: the compile is most of
     what a template would cost; a builder makes one per recorded layout, and an engine's decode loop
     records a new layout every few dozen steps)."""
@@ -238,7 +236,7 @@ def _template_code(cls: type, names: tuple[str, ...]) -> tuple[Callable[..., Any
         raise ValueError(f"template(): {cls.__name__} has no field {unknown}")
     if cls not in _POSITIONAL:
         _POSITIONAL[cls] = positional_factory(cls)
-    shared = [n for n in fields if n not in names]
+    shared = tuple(n for n in fields if n not in names)
     keys = ("_factory", *(f"_v{i}" for i in range(len(shared))))
     args = ", ".join(f"_a{names.index(n)}" if n in names else f"_v{shared.index(n)}" for n in fields)
     params = ", ".join([*(f"_a{i}" for i in range(len(names))), "*", *(f"{k}=None" for k in keys)])
@@ -247,10 +245,7 @@ def _template_code(cls: type, names: tuple[str, ...]) -> tuple[Callable[..., Any
     exec(f"def make({params}):\n    return _factory({args})\n", env)
     base = env["make"]
     base.__qualname__ = f"template({cls.__name__}, {names})"
-    def values(obj: Any) -> tuple[Any, ...]:
-        return tuple(getattr(obj, n) for n in shared)
-
-    return base, keys, values
+    return base, keys, shared
 
 
 _POSITIONAL: dict[type, Callable[..., Any]] = {}
