@@ -348,6 +348,22 @@ class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
         without inputs) and reuses it."""
         return None
 
+    def reads_lengths(self, options: OptionsT) -> bool:
+        """Whether :meth:`needs` and :meth:`replay_key` read the step's lengths with ``options``:
+        :attr:`~attnmeta.StepShape.max_seq_len`, :attr:`~attnmeta.StepShape.max_exact_seq_len` and
+        :attr:`~attnmeta.StepShape.num_pages`, the scalars that change every step of a decode loop.
+        Default True.
+
+        False promises, for every ``shape`` and ``inputs``, with ``blank = shape._replace(max_seq_len=0,
+        max_exact_seq_len=0, num_pages=0)``: ``replay_key(shape, ...) == replay_key(blank, ...)``, and
+        ``needs(shape, ...)`` equals ``needs(blank, ...)`` but for its ``block_table_columns``, which is
+        None for both or the larger of ``needs(blank, ...).block_table_columns`` and the blocks of the
+        longest request (``cdiv(max_exact_seq_len, block_size)``, at least 1). The step composer then
+        asks once per step shape without lengths instead of every step (a decode loop's steps differ
+        in lengths only); ``tests/backends/test_registry.py`` checks the promise of every registered
+        builder on generated shapes."""
+        return True
+
     def replayer(self, staged: Staged[HostT, MetadataT], common: StagedCommon, step: Step, options: OptionsT,
                  inputs: InputsT) -> Replayer[InputsT, MetadataT] | None:
         """A :class:`Replayer` of ``staged``, what :meth:`stage` returned in ``step`` (committed) for a

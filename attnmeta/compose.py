@@ -31,6 +31,11 @@ with the longest request's blocks rounded up to ``table_column_step`` columns, s
 ``table_column_step * block_size`` steps of plain decoding. Any other step is staged the ordinary way:
 replay only ever saves time.
 
+The key is found without asking the builders again on most steps: the steps of a decode loop differ in
+their lengths only (the longest sequence, the page count), and for builders that do not read those
+(:meth:`~attnmeta.builder.Builder.reads_lengths`) the composer asks once per class of shapes without
+them and adds the width and the page bucket itself.
+
 Shape legend
 ------------
 As in :mod:`attnmeta.metadata`; an array's rows are the length of the array given each step.
@@ -319,8 +324,9 @@ class StepBuilder:
         self._threads = threads
         self._token = object()  # this composer's key in each slot's extras
         self._no_inputs = self._inputs({})  # every builder's empty inputs (the usual step's)
-        self._keys: dict[tuple[StepShape, ...], tuple[Hashable, ...] | None] = {}  # by shape, without inputs
-        self._scans: dict[tuple[Any, ...], tuple[StepShape, ...]] = {}  # build_counts: scan_counts's scalars -> shapes
+        self._classes: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}  # _key's, by shapes without lengths
+        self._numbers: dict[tuple[Hashable, ...], int] = {}  # a class's number, by its key without lengths
+        self._made = 0  # class numbers given (never reused)
         self._scratch = np.zeros((len(self._groups) - 1, 3), np.int64)  # scan_counts's per-group scalars
         self.stats = ComposeStats()
 
@@ -432,11 +438,7 @@ class StepBuilder:
         self.stats.steps += 1
         inp = self._no_inputs if not inputs else self._inputs(inputs)
         arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
-        shapes = self._scans.get(scan)
-        if shapes is None:
-            if len(self._scans) >= _MAX_KEYS:
-                self._scans.clear()
-            shapes = self._scans[scan] = shapes_of(scan)
+        shapes = shapes_of(scan)
         return self._run(shapes, self._key(shapes, inp, arr), inp, arr, None, (c, q, tables, prompt, drafts, ub, rp, tp))
 
     def _run(self, shapes: tuple[StepShape, ...], key: tuple[Hashable, ...] | None, inputs: list[list[Any]],
@@ -488,49 +490,124 @@ class StepBuilder:
              ) -> tuple[Hashable, ...] | None:
         """Everything the step's layout depends on, or None: compose it (context parallelism, a builder
         without a replay key, graph mode beyond the profile: the builders raise their errors). A
-        function of the shapes, the inputs and (eager mode) the arrays' rows; computed once per shape
-        for a step without inputs."""
-        key: Any
-        if inputs is self._no_inputs:
-            key = self._keys.get(shapes, _MISS)
-            if key is _MISS:
-                if len(self._keys) >= _MAX_KEYS:
-                    self._keys.clear()
-                key = self._keys[shapes] = self._layout_key(shapes, inputs)
-        else:
-            key = self._layout_key(shapes, inputs)
-        if key is None or not arrays or self._graph:
-            return key  # type: ignore[no-any-return]
-        return (*key, tuple(a.shape[0] for a in arrays))
+        function of the shapes, the inputs and (eager mode) the arrays' rows.
 
-    def _layout_key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]]) -> tuple[Hashable, ...] | None:
-        """:meth:`_key` but the arrays' rows."""
+        For a step without inputs, what does not depend on the step's lengths is found once per class
+        of shapes (the shapes without ``max_seq_len``, ``max_exact_seq_len`` and ``num_pages``: the
+        steps of a decode loop are of one class) and the lengths add the block-table width and the page
+        bucket of each group; a group with a builder that reads the lengths
+        (:meth:`~attnmeta.builder.Builder.reads_lengths`) is asked every step."""
+        if inputs is not self._no_inputs:
+            parts = [self._group_key(g, shape, inp) for g, shape, inp in zip(self._groups, shapes, inputs)]
+            return None if None in parts else self._with_rows(tuple(parts), arrays)
+        cls = shapes[0][:6] + shapes[0][9:] if len(shapes) == 1 else tuple([s[:6] + s[9:] for s in shapes])
+        entry = self._classes.get(cls, _MISS)  # (a StepShape without its three lengths)
+        if entry is _MISS:
+            if len(self._classes) >= _MAX_KEYS:
+                self._classes.clear()
+            entry = self._classes[cls] = self._class_entry(shapes, inputs)
+        if entry is None:
+            return None
+        assert isinstance(entry, tuple)
+        key: list[Hashable] = [entry[0]]
+        for i, e in enumerate(entry[1]):
+            shape = shapes[i]
+            if e is None:  # (a builder reads the lengths)
+                part = self._group_key(self._groups[i], shape, inputs[i])
+                if part is None:
+                    return None
+                key.append(part)
+            elif e[0]:  # eager: the block-table width and the page bucket
+                _eager, columns, step, bs, paged = e
+                need = -(-shape.max_exact_seq_len // bs) or 1
+                if columns > need:
+                    need = columns
+                key.append(-(-need // step) * step)
+                if paged:
+                    key.append(bucket_rows(shape.num_pages))
+            else:  # graph mode: within the profile, or composed (the builders raise its errors)
+                _eager, bs, pages, blocks = e
+                if shape.num_pages > pages or -(-shape.max_exact_seq_len // bs) > blocks:
+                    return None
+        return self._with_rows(tuple(key), arrays)
+
+    def _with_rows(self, key: tuple[Hashable, ...], arrays: list[np.ndarray]) -> tuple[Hashable, ...]:
+        """``key`` and, in eager mode, the arrays' rows."""
+        if not arrays or self._graph:
+            return key
+        return (*key, tuple([a.shape[0] for a in arrays]))
+
+    def _class_entry(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]]) -> tuple[Any, ...] | None:
+        """A class of shapes' part of :meth:`_key`: None (such steps are composed), or ``(class number,
+        per group: None when a builder reads the lengths, else eager mode's ``(True, block-table
+        columns the builders need, the column step, block size, whether a page table is staged)`` or
+        graph mode's ``(False, block size, the profile's pages, its blocks a request)``)``. The builders are asked about
+        the class's shape with the lengths 0. Classes whose keys without lengths are equal share their
+        number (padded steps of other real counts share a layout), and a number is never reused."""
+        groups: list[tuple[Any, ...] | None] = []
         parts: list[Hashable] = []
         prof = self._stager.profile
         for g, shape, inp in zip(self._groups, shapes, inputs):
             if shape.context_parallel is not None:
                 return None
-            tokens, paged, columns = g.needs(shape)
-            Bp, Tp = shape.padded_num_reqs, shape.padded_num_tokens
-            bs, exact = shape.block_size, shape.max_exact_seq_len
-            if prof is not None:
-                if (bs != prof.block_size or Bp > prof.max_num_reqs or Tp > prof.max_num_tokens
-                        or shape.num_pages > prof.max_num_pages or -(-exact // bs) > prof.max_blocks_per_req):
-                    return None
-                parts.append((Bp, Tp, tokens, paged))
+            if any(b.reads_lengths(o) for _n, b, o in g.builders):
+                groups.append(None)
+                parts.append(None)
+                continue
+            blank = shape._replace(max_seq_len=0, max_exact_seq_len=0, num_pages=0)
+            needs = g.needs(blank)
+            part = self._group_key(g, blank, inp, needs)
+            if part is None:
+                return None
+            parts.append(part)
+            if prof is None:
+                groups.append((True, needs[2], g.column_step, shape.block_size, needs[1]))
             else:
+                groups.append((False, shape.block_size, prof.max_num_pages, prof.max_blocks_per_req))
+        static = tuple(parts)
+        number = self._numbers.get(static)
+        if number is None:
+            if len(self._numbers) >= _MAX_KEYS:
+                self._numbers.clear()
+            self._made += 1
+            number = self._numbers[static] = self._made
+        return (number, groups)
+
+    def _group_key(self, g: _Group, shape: StepShape, inputs: list[Any],
+                   needs: tuple[bool, bool, int] | None = None) -> tuple[Hashable, ...] | None:
+        """One group's part of :meth:`_key` for a step of ``shape``, or None (compose). Given the
+        group's ``needs`` of a shape without lengths (:meth:`_class_entry`), the part without what
+        :meth:`_key` adds from the lengths (the block-table width, the page bucket, graph
+        mode's checks of both)."""
+        if shape.context_parallel is not None:
+            return None
+        lengths = needs is None
+        tokens, paged, columns = g.needs(shape) if needs is None else needs
+        Bp, Tp = shape.padded_num_reqs, shape.padded_num_tokens
+        bs, exact = shape.block_size, shape.max_exact_seq_len
+        parts: list[Hashable] = []
+        prof = self._stager.profile
+        if prof is not None:
+            if bs != prof.block_size or Bp > prof.max_num_reqs or Tp > prof.max_num_tokens:
+                return None
+            if lengths and (shape.num_pages > prof.max_num_pages or -(-exact // bs) > prof.max_blocks_per_req):
+                return None
+            parts.append((Bp, Tp, tokens, paged))
+        else:
+            layout: tuple[Hashable, ...] = (Bp, Tp if tokens else 0, bs, tokens, paged)
+            if lengths:
                 need = -(-exact // bs) or 1  # table_columns(spec, 1)
                 if columns > need:
                     need = columns
                 step = g.column_step
-                parts.append((Bp, Tp if tokens else 0, -(-need // step) * step,
-                              bucket_rows(shape.num_pages) if paged else 0, bs, tokens, paged))
-            parts.append((shape.has_prompt, shape.has_drafts, shape.has_upper_bound))
-            for (_n, b, o), i in zip(g.builders, inp):
-                k = b.replay_key(shape, o, i)
-                if k is None:
-                    return None
-                parts.append(k)
+                layout += (-(-need // step) * step, bucket_rows(shape.num_pages) if paged else 0)
+            parts.append(layout)
+        parts.append((shape.has_prompt, shape.has_drafts, shape.has_upper_bound))
+        for (_n, b, o), i in zip(g.builders, inputs):
+            k = b.replay_key(shape, o, i)
+            if k is None:
+                return None
+            parts.append(k)
         return tuple(parts)
 
     def _rows(self, rec: _Record, shapes: tuple[StepShape, ...], arrays: list[np.ndarray]) -> dict[str, int] | None:

@@ -190,6 +190,40 @@ def test_one_copy_a_step_and_no_device_read() -> None:
     assert composer.stats.replayed >= 4
 
 
+@pytest.mark.parametrize("reads", [False, True], ids=["no-lengths", "lengths"])
+def test_a_decode_walk_asks_its_builders_once_unless_they_read_the_lengths(reads: bool) -> None:
+    """Builder.reads_lengths: the steps of a decode walk differ only in their lengths, so a composer asks
+    builders that do not read them (replay_key, needs) about the walk's one class of shapes once; a
+    builder that reads them is asked every step. Both replay, and equal the composed steps."""
+    calls = {"replay_key": 0, "needs": 0}
+
+    class Counting(type(FLASHINFER)):  # type: ignore[misc]
+        def replay_key(self, shape: Any, options: Any, inputs: Any) -> Any:
+            calls["replay_key"] += 1
+            return super().replay_key(shape, options, inputs)
+
+        def needs(self, shape: Any, options: Any) -> Any:
+            calls["needs"] += 1
+            return super().needs(shape, options)
+
+        def reads_lengths(self, options: Any) -> bool:
+            return reads
+
+    composer = StepBuilder(Stager("cpu"), Group({"fi": Counting()}, table_column_step=1))
+    reference = StepBuilder(Stager("cpu"), Group({"fi": FLASHINFER}, table_column_step=1))
+    walk = _walk(4, 40)
+    assert len({(s.max_exact_seq_len, s.num_pages) for s in walk}) == len(walk)  # (new lengths every step)
+    for spec in walk:
+        want = reference.build(spec)
+        got = composer.build(spec)
+        assert_same(got["fi"], want["fi"], "fi")
+    assert composer.stats.replayed == reference.stats.replayed > len(walk) // 2
+    steps_asked = len(walk) if reads else 1
+    assert calls["replay_key"] == steps_asked
+    composed = composer.stats.steps - composer.stats.replayed
+    assert calls["needs"] == steps_asked + composed  # (and once a composed step, staging it)
+
+
 def test_a_replayed_steps_objects_expire_with_their_slot() -> None:
     composer = StepBuilder(Stager("cpu", num_slots=2), Group({"fa": FLASH_ATTN}))
     walk = _walk(2, 6)

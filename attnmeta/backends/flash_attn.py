@@ -342,6 +342,10 @@ class FlashAttentionBuilder(Builder[FlashAttentionOptions, FlashAttentionInputs,
         """Whether the step has per-request causal flags (the only field the options do not fix)."""
         return inputs.causal is not None
 
+    def reads_lengths(self, options: FlashAttentionOptions) -> bool:
+        """False: neither :meth:`needs` nor :meth:`replay_key` reads the step's lengths."""
+        return False
+
     def replayer(self, staged: Staged[None, FlashAttentionMetadata], common: StagedCommon, step: Step,
                  options: FlashAttentionOptions, inputs: FlashAttentionInputs) -> _Replayer:
         """Replays keep the recorded step's own fields (the DCP lengths, the causal flags) and rewrite them."""

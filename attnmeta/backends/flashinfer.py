@@ -576,6 +576,10 @@ class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInfer
             return "prefill"
         return None if shape.num_reqs_padded is None else "mixed"  # (the graph-mode buffer; else composed)
 
+    def reads_lengths(self, options: FlashInferOptions) -> bool:
+        """False: neither :meth:`needs` nor :meth:`replay_key` reads the step's lengths."""
+        return False
+
     def replayer(self, staged: Staged[SplitCounts, FlashInferMetadata], common: StagedCommon, step: Step,
                  options: FlashInferOptions, inputs: None) -> _Replayer | None:
         """Replays of the layouts :meth:`replay_key` names (graph mode rewrites the prefill query indptr)."""

@@ -64,6 +64,27 @@ def test_every_builder_equals_its_reference(device: torch.device, name: str, spe
 
 
 @pytest.mark.parametrize("name", BUILDERS)
+@settings(max_examples=25)
+@given(spec=SPECS, seed=st.integers(0, 2**32 - 1))
+def test_a_builder_that_reads_no_lengths_answers_alike_without_them(name: str, spec: BatchSpec, seed: int) -> None:
+    """Builder.reads_lengths's promise, on the builder's own options and inputs: where it says False,
+    replay_key and needs of the step equal those of its shape with the three lengths 0 (the step
+    composer asks once per such shape), but the block-table columns, which add the longest request's."""
+    b = attnmeta.get_builder(name)
+    options, inputs = lab(name).sample(spec, np.random.default_rng(seed))
+    o, i = b.options(options), b.inputs(inputs)
+    if b.reads_lengths(o):
+        return
+    shape = spec.shape
+    blank = shape._replace(max_seq_len=0, max_exact_seq_len=0, num_pages=0)
+    assert b.replay_key(shape, o, i) == b.replay_key(blank, o, i)
+    got, base = b.needs(shape, o), b.needs(blank, o)
+    used = max(1, -(-shape.max_exact_seq_len // shape.block_size))
+    columns = None if base.block_table_columns is None else max(base.block_table_columns, used)
+    assert got == dataclasses.replace(base, block_table_columns=columns)
+
+
+@pytest.mark.parametrize("name", BUILDERS)
 def test_every_builder_is_clean_under_the_audit(name: str) -> None:
     rows = audit_builder(name, batches=2)
     assert [r.clean for r in rows] == [True, True], [r.first_problem for r in rows]

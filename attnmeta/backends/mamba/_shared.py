@@ -167,6 +167,17 @@ def block_table_columns(spec: BatchSpec | StepShape, options: Any) -> int:
     return max(1, used, start + 1 + k, min(ckpt_cols, width))
 
 
+class AlignReadsLengths:
+    """:meth:`attnmeta.builder.Builder.reads_lengths` of the Mamba family: only with
+    ``cache_mode="align"``, whose state columns follow the longest request; in the other modes
+    :meth:`~attnmeta.builder.Builder.needs` asks for the longest request's blocks and a minimum that
+    the options fix (:func:`block_table_columns`)."""
+
+    def reads_lengths(self, options: Any) -> bool:
+        """Whether ``options`` stage the state columns of ``cache_mode="align"``."""
+        return bool(options.cache_mode == "align")
+
+
 @functools.lru_cache(maxsize=256)
 def runner_draft_counts(h: CommonHost, spec_tokens: int) -> np.ndarray | None:
     """The runner's ``num_decode_draft_tokens_cpu`` a Mamba-family builder reads: the common metadata's

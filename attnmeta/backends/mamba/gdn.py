@@ -33,6 +33,7 @@ from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
     MAMBA_BLOCK_SIZE_RULE,
     NULL_BLOCK_ID,
+    AlignReadsLengths,
     CacheMode,
     block_table_columns,
     check_align_block_size,
@@ -324,7 +325,7 @@ class GDNInputs:
     ``[1, 1 + k]``. Default: the rows' ``q`` (vLLM's capture path)."""
 
 
-class GDNBuilder(Builder[GDNOptions, GDNInputs, None, GDNMetadata]):
+class GDNBuilder(AlignReadsLengths, Builder[GDNOptions, GDNInputs, None, GDNMetadata]):
     """The GDN builder (:data:`GDN`)."""
 
     name = "gdn"

@@ -26,6 +26,7 @@ from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
     MAMBA_BLOCK_SIZE_RULE,
     NULL_BLOCK_ID,
+    AlignReadsLengths,
     CacheMode,
     block_table_columns,
     check_align_block_size,
@@ -144,7 +145,7 @@ class LinearAttentionMetadata(MetadataBase):
 _make_la = keyword_factory(LinearAttentionMetadata)
 
 
-class LinearAttentionBuilder(Builder[LinearAttentionOptions, None, LinearAttentionHost, LinearAttentionMetadata]):
+class LinearAttentionBuilder(AlignReadsLengths, Builder[LinearAttentionOptions, None, LinearAttentionHost, LinearAttentionMetadata]):
     """The linear-attention builder (:data:`LINEAR_ATTN`)."""
 
     name = "linear_attn"

@@ -23,6 +23,7 @@ from attnmeta.backends.mamba._fill import fill
 from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
     MAMBA_BLOCK_SIZE_RULE,
+    AlignReadsLengths,
     CacheMode,
     MambaHost,
     MambaMetadata,
@@ -85,7 +86,7 @@ class Mamba1Metadata(MambaMetadata):
 _make_m1 = keyword_factory(Mamba1Metadata)
 
 
-class Mamba1Builder(Builder[Mamba1Options, None, MambaHost, Mamba1Metadata]):
+class Mamba1Builder(AlignReadsLengths, Builder[Mamba1Options, None, MambaHost, Mamba1Metadata]):
     """The Mamba1 builder (:data:`MAMBA1`)."""
 
     name = "mamba1"

@@ -47,6 +47,7 @@ from attnmeta.backends.mamba._fill import Filled, accepted_counts, fill, fill_ke
 from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
     MAMBA_BLOCK_SIZE_RULE,
+    AlignReadsLengths,
     CacheMode,
     MambaHost,
     MambaMetadata,
@@ -324,7 +325,7 @@ class Mamba2Inputs:
     ``diff(query_start_loc_d)`` (vLLM's capture path)."""
 
 
-class Mamba2Builder(Builder[Mamba2Options, Mamba2Inputs, MambaHost, Mamba2Metadata]):
+class Mamba2Builder(AlignReadsLengths, Builder[Mamba2Options, Mamba2Inputs, MambaHost, Mamba2Metadata]):
     """The Mamba2 builder (:data:`MAMBA2`).
 
     Examples
