@@ -324,6 +324,8 @@ class StepBuilder:
         self._threads = threads
         self._token = object()  # this composer's key in each slot's extras
         self._no_inputs = self._inputs({})  # every builder's empty inputs (the usual step's)
+        self._keys: dict[tuple[StepShape, ...], tuple[Hashable, ...] | None] = {}  # by shapes, without inputs
+        self._scans: dict[tuple[Any, ...], tuple[StepShape, ...]] = {}  # build_counts: scan_counts's scalars -> shapes
         self._classes: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}  # _key's, by shapes without lengths
         self._numbers: dict[tuple[Hashable, ...], int] = {}  # a class's number, by its key without lengths
         self._made = 0  # class numbers given (never reused)
@@ -438,7 +440,11 @@ class StepBuilder:
         self.stats.steps += 1
         inp = self._no_inputs if not inputs else self._inputs(inputs)
         arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
-        shapes = shapes_of(scan)
+        shapes = self._scans.get(scan)
+        if shapes is None:
+            if len(self._scans) >= _MAX_KEYS:
+                self._scans.clear()
+            shapes = self._scans[scan] = shapes_of(scan)
         return self._run(shapes, self._key(shapes, inp, arr), inp, arr, None, (c, q, tables, prompt, drafts, ub, rp, tp))
 
     def _run(self, shapes: tuple[StepShape, ...], key: tuple[Hashable, ...] | None, inputs: list[list[Any]],
@@ -492,14 +498,25 @@ class StepBuilder:
         without a replay key, graph mode beyond the profile: the builders raise their errors). A
         function of the shapes, the inputs and (eager mode) the arrays' rows.
 
-        For a step without inputs, what does not depend on the step's lengths is found once per class
-        of shapes (the shapes without ``max_seq_len``, ``max_exact_seq_len`` and ``num_pages``: the
-        steps of a decode loop are of one class) and the lengths add the block-table width and the page
-        bucket of each group; a group with a builder that reads the lengths
-        (:meth:`~attnmeta.builder.Builder.reads_lengths`) is asked every step."""
+        A step without inputs takes the key of its shapes if it was computed before; else what does
+        not depend on the step's lengths is found once per class of shapes (the shapes without
+        ``max_seq_len``, ``max_exact_seq_len`` and ``num_pages``: the steps of a decode loop are of one
+        class), and the lengths add the block-table width and the page bucket of each group; a group
+        with a builder that reads the lengths (:meth:`~attnmeta.builder.Builder.reads_lengths`) is
+        asked for every new shape."""
         if inputs is not self._no_inputs:
             parts = [self._group_key(g, shape, inp) for g, shape, inp in zip(self._groups, shapes, inputs)]
             return None if None in parts else self._with_rows(tuple(parts), arrays)
+        key = self._keys.get(shapes, _MISS)  # (a loop that repeats its steps exactly: a benchmark's)
+        if key is _MISS:
+            if len(self._keys) >= _MAX_KEYS:
+                self._keys.clear()
+            key = self._keys[shapes] = self._lengths_key(shapes, inputs)
+        return None if key is None else self._with_rows(key, arrays)  # type: ignore[arg-type]
+
+    def _lengths_key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]]) -> tuple[Hashable, ...] | None:
+        """:meth:`_key` of a step without inputs, but the arrays' rows: its class's part
+        (:meth:`_class_entry`) and what its lengths add."""
         cls = shapes[0][:6] + shapes[0][9:] if len(shapes) == 1 else tuple([s[:6] + s[9:] for s in shapes])
         entry = self._classes.get(cls, _MISS)  # (a StepShape without its three lengths)
         if entry is _MISS:
@@ -529,7 +546,7 @@ class StepBuilder:
                 _eager, bs, pages, blocks = e
                 if shape.num_pages > pages or -(-shape.max_exact_seq_len // bs) > blocks:
                     return None
-        return self._with_rows(tuple(key), arrays)
+        return tuple(key)
 
     def _with_rows(self, key: tuple[Hashable, ...], arrays: list[np.ndarray]) -> tuple[Hashable, ...]:
         """``key`` and, in eager mode, the arrays' rows."""
