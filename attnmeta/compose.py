@@ -27,8 +27,8 @@ A step replays when every builder of every group gives it a replay key
 (:meth:`attnmeta.builder.Builder.replay_key`), no group is context-parallel, and its layout was
 recorded on its slot: the same padded rows and tokens, block-table width, bucket of KV pages, block
 size, optional spec arrays, builder keys and array rows. In eager mode a group's block table is staged
-with the longest request's blocks rounded up to ``table_column_step`` columns, so a layout lasts
-``table_column_step * block_size`` steps of plain decoding. Any other step is staged the ordinary way:
+with the longest request's blocks rounded up to ``table_column_step`` columns (at most the table's own),
+so a layout lasts ``table_column_step * block_size`` steps of plain decoding. Any other step is staged the ordinary way:
 replay only ever saves time.
 
 The key is found without asking the builders again on most steps: the steps of a decode loop differ in
@@ -74,21 +74,31 @@ _NO_ARRAYS: list[np.ndarray] = []
 def table_columns(spec: BatchSpec, column_step: int = 8) -> int:
     """The eager-mode ``block_table_columns`` a group with ``table_column_step`` stages for ``spec``:
     the longest request's block count (one column spans ``block_size * world_size`` tokens under
-    context parallelism), at least 1, rounded up to a multiple of ``column_step``. Pass it to
-    :func:`attnmeta.stage_common` to compose the same objects, or to keep a composable loop's layouts
-    as long (docs/serving.md).
+    context parallelism), at least 1, rounded up to a multiple of ``column_step``, but never past the
+    spec's block table (no request can outgrow its columns, so rounding past them only copies zeros).
+    Pass it to :func:`attnmeta.stage_common` to compose the same objects, or to keep a composable loop's
+    layouts as long (docs/serving.md).
 
     Examples
     --------
     >>> from attnmeta import BatchSpec
     >>> spec = BatchSpec(num_computed_tokens=[70], num_scheduled_tokens=[1], block_table=[list(range(16))],
     ...                  block_size=8)
-    >>> table_columns(spec), table_columns(spec, 1)
-    (16, 9)
+    >>> table_columns(spec), table_columns(spec, 1), table_columns(spec, 20)
+    (16, 9, 16)
     """
     cp = spec.context_parallel
     span = spec.block_size * (1 if cp is None else cp.world_size)
-    return -(-max(1, -(-spec.max_exact_seq_len // span)) // column_step) * column_step
+    return _width(max(1, -(-spec.max_exact_seq_len // span)), column_step, int(spec.block_table.shape[1]))
+
+
+def _width(need: int, step: int, table: int) -> int:
+    """An eager group's staged block-table width: ``need`` columns rounded up to a multiple of
+    ``step``, at most the ``table``'s columns unless ``need`` is more."""
+    w = -(-need // step) * step
+    if w > table:
+        w = table if table > need else need
+    return w
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,9 +122,10 @@ class Group:
     """``CommonAttentionMetadata.causal``."""
     table_column_step: int = 8
     """Eager mode: stage ``block_table_tensor`` with the longest request's block count rounded up to a
-    multiple of this many columns (at least what the builders need, :meth:`~attnmeta.builder.Builder.needs`);
-    the width is part of a replay's layout, and 1 would start a new layout each time the longest request
-    gets a block. Graph mode stages the profile's width."""
+    multiple of this many columns (at least what the builders need, :meth:`~attnmeta.builder.Builder.needs`;
+    at most the spec's table, unless they need more: :func:`table_columns`); the width is part of a
+    replay's layout, and 1 would start a new layout each time the longest request gets a block. Graph
+    mode stages the profile's width."""
     token_arrays: bool | None = None
     """Stage the per-token ``positions`` and ``slot_mapping``: None (the default) when a builder of the
     group reads them (:meth:`~attnmeta.builder.Builder.needs`), and always for a group without builders
@@ -539,7 +550,7 @@ class StepBuilder:
                 need = -(-shape.max_exact_seq_len // bs) or 1
                 if columns > need:
                     need = columns
-                key.append(-(-need // step) * step)
+                key.append(_width(need, step, shape.table_columns))
                 if paged:
                     key.append(bucket_rows(shape.num_pages))
             else:  # graph mode: within the profile, or composed (the builders raise its errors)
@@ -616,8 +627,7 @@ class StepBuilder:
                 need = -(-exact // bs) or 1  # table_columns(spec, 1)
                 if columns > need:
                     need = columns
-                step = g.column_step
-                layout += (-(-need // step) * step, bucket_rows(shape.num_pages) if paged else 0)
+                layout += (_width(need, g.column_step, shape.table_columns), bucket_rows(shape.num_pages) if paged else 0)
             parts.append(layout)
         parts.append((shape.has_prompt, shape.has_drafts, shape.has_upper_bound))
         for (_n, b, o), i in zip(g.builders, inputs):
@@ -669,7 +679,7 @@ class StepBuilder:
                 tokens, paged, columns = g.needs(shape)
                 W = None
                 if not self._graph:
-                    W = -(-max(columns, table_columns(spec, 1)) // g.column_step) * g.column_step
+                    W = _width(max(columns, table_columns(spec, 1)), g.column_step, int(spec.block_table.shape[1]))
                 common, writer = _stage_common(spec, step, g.prefix, g.causal, W, tokens, paged)
                 commons.append(common)
                 writers.append(writer)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from compose_helpers import counts_arguments
 
-from attnmeta import BatchSpec, Stager, StaticProfile, UnsupportedBatchError
+from attnmeta import BatchSpec, Stager, StaticProfile, UnsupportedBatchError, stage_common
 from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionInputs, FlashAttentionOptions
 from attnmeta.backends.flashinfer import FLASHINFER, FlashInferOptions
 from attnmeta.backends.mamba import mamba2
@@ -179,6 +179,29 @@ def test_table_columns_rounds_the_longest_request_up() -> None:
     spec = BatchSpec(num_computed_tokens=[70], num_scheduled_tokens=[1], block_table=[list(range(16))],
                      block_size=8)
     assert (table_columns(spec), table_columns(spec, 1), table_columns(spec, 4)) == (16, 9, 12)
+    narrow = BatchSpec(num_computed_tokens=[70], num_scheduled_tokens=[1], block_table=[list(range(10))],
+                       block_size=8)
+    assert (table_columns(narrow), table_columns(narrow, 4)) == (10, 10)  # (the table's own width: never past it)
+
+
+def test_an_eager_table_is_never_wider_than_the_spec_table() -> None:
+    """A table of 10 columns, the longest request at 9 blocks then 10: the step-8 rounding would stage 16
+    columns (6 of zeros); the composer stages the table's 10, and replays equal the composed steps."""
+    table = np.arange(3 * 10, dtype=np.int32).reshape(3, 10)
+    composer = StepBuilder(Stager("cpu"), Group({"fi": FLASHINFER, "fa": FLASH_ATTN}))
+    reference = StepBuilder(Stager("cpu"), Group({"fi": FLASHINFER, "fa": FLASH_ATTN}))
+    for k in range(24):
+        spec = BatchSpec(num_computed_tokens=[20 + k, 130 + k, 5], num_scheduled_tokens=[1, 1, 1], block_table=table,
+                         block_size=16)
+        got = composer.build(spec)
+        want = reference.build(spec)  # (same steps, same replays)
+        assert got.common.block_table_cpu.shape == (3, 10)
+        assert_same(got["fi"], want["fi"], "fi")
+        assert_same(got["fa"], want["fa"], "fa")
+        with Stager("cpu").step() as step:  # the composable path with table_columns: the same table
+            staged = stage_common(spec, step, paged_kv=True, block_table_columns=table_columns(spec))
+        assert np.array_equal(staged.result().block_table_cpu, got.common.block_table_cpu)
+    assert composer.stats.replayed > 12
 
 
 def test_one_copy_a_step_and_no_device_read() -> None:

@@ -29,7 +29,9 @@ def _columns(spec: BatchSpec, column_step: int, graph: bool) -> int | None:
         return None
     cp = spec.context_parallel
     span = spec.block_size * (1 if cp is None else cp.world_size)
-    return -(-max(1, -(-spec.max_exact_seq_len // span)) // column_step) * column_step
+    need = max(1, -(-spec.max_exact_seq_len // span))
+    rounded = -(-need // column_step) * column_step
+    return min(rounded, max(need, spec.block_table.shape[1]))  # (never past the table, unless a request is)
 
 
 def _composed(spec: BatchSpec, stager: Stager, fa_opts: Any, fi_opts: Any, paged: bool, column_step: int = 1) -> FusedStep:
@@ -393,17 +395,21 @@ def test_table_column_step_keeps_layouts_while_the_longest_request_grows(device:
 
 def test_table_columns_is_the_builders_width() -> None:
     """``table_columns``: the longest request's blocks (columns of ``block_size * world_size`` tokens
-    under context parallelism), at least 1, rounded up; what a composed step's table has."""
+    under context parallelism), at least 1, rounded up but not past the spec's table; what a composed
+    step's table has."""
     from attnmeta.spec import ContextParallel
 
     table = np.arange(2 * 12, dtype=np.int32).reshape(2, 12)
     spec = BatchSpec(num_computed_tokens=[40, 3], num_scheduled_tokens=[1, 1], block_table=table, block_size=4)
-    assert (fused.table_columns(spec, 1), fused.table_columns(spec, 8), fused.table_columns(spec)) == (11, 16, 16)
+    assert (fused.table_columns(spec, 1), fused.table_columns(spec, 8), fused.table_columns(spec, 4)) == (11, 12, 12)
+    wide = dataclasses.replace(spec, block_table=np.zeros((2, 40), np.int32))
+    assert (fused.table_columns(wide, 8), fused.table_columns(wide, 5)) == (16, 15)
+    assert FusedStepBuilder(Stager("cpu")).build(spec).common.block_table_cpu.shape == (2, 12)  # (not 16)
     cp = dataclasses.replace(spec, context_parallel=ContextParallel(2, 0))
     assert (fused.table_columns(cp, 1), fused.table_columns(cp, 4)) == (6, 8)  # cdiv(41, 8) = 6
     empty = BatchSpec(num_computed_tokens=[], num_scheduled_tokens=[], block_table=np.zeros((0, 1), np.int32),
                       block_size=4)
-    assert (fused.table_columns(empty, 1), fused.table_columns(empty, 8)) == (1, 8)
+    assert (fused.table_columns(empty, 1), fused.table_columns(empty, 8)) == (1, 1)
     common = FusedStepBuilder(Stager("cpu"), table_column_step=4).build(spec).common
     assert common.block_table_cpu.shape == (2, fused.table_columns(spec, 4)) == (2, 12)
 
