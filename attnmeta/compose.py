@@ -27,9 +27,9 @@ A step replays when every builder of every group gives it a replay key
 (:meth:`attnmeta.builder.Builder.replay_key`), no group is context-parallel, and its layout was
 recorded on its slot: the same padded rows and tokens, block-table width, bucket of KV pages, block
 size, optional spec arrays, builder keys and array rows. In eager mode a group's block table is staged
-with the longest request's blocks rounded up to ``table_column_step`` columns (at most the table's own),
-so a layout lasts ``table_column_step * block_size`` steps of plain decoding. Any other step is staged the ordinary way:
-replay only ever saves time.
+with the longest request's blocks rounded up to ``table_column_step`` columns (at most the table's
+own), so a layout lasts ``table_column_step * block_size`` steps of plain decoding. Any other step is
+staged the ordinary way: replay only ever saves time.
 
 The key is found without asking the builders again on most steps: the steps of a decode loop differ in
 their lengths only (the longest sequence, the page count), and for builders that do not read those
@@ -567,9 +567,9 @@ class StepBuilder:
 
     def _class_entry(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]]) -> tuple[Any, ...] | None:
         """A class of shapes' part of :meth:`_key`: None (such steps are composed), or ``(class number,
-        per group: None when a builder reads the lengths, else eager mode's ``(True, block-table
-        columns the builders need, the column step, block size, whether a page table is staged)`` or
-        graph mode's ``(False, block size, the profile's pages, its blocks a request)``)``. The builders are asked about
+        per group: None when a builder reads the lengths, else eager mode's (True, block-table columns
+        the builders need, the column step, block size, whether a page table is staged) or graph mode's
+        (False, block size, the profile's pages, its blocks a request))``. The builders are asked about
         the class's shape with the lengths 0. Classes whose keys without lengths are equal share their
         number (padded steps of other real counts share a layout), and a number is never reused."""
         groups: list[tuple[Any, ...] | None] = []
@@ -627,7 +627,8 @@ class StepBuilder:
                 need = -(-exact // bs) or 1  # table_columns(spec, 1)
                 if columns > need:
                     need = columns
-                layout += (_width(need, g.column_step, shape.table_columns), bucket_rows(shape.num_pages) if paged else 0)
+                pages = bucket_rows(shape.num_pages) if paged else 0
+                layout += (_width(need, g.column_step, shape.table_columns), pages)
             parts.append(layout)
         parts.append((shape.has_prompt, shape.has_drafts, shape.has_upper_bound))
         for (_n, b, o), i in zip(g.builders, inputs):
