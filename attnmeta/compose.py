@@ -92,6 +92,13 @@ def table_columns(spec: BatchSpec, column_step: int = 8) -> int:
     return _width(max(1, -(-spec.max_exact_seq_len // span)), column_step, int(spec.block_table.shape[1]))
 
 
+def _shape_width(shape: StepShape, columns: int, step: int) -> int:
+    """:func:`_width` of a step of ``shape`` without context parallelism whose builders need ``columns``
+    (what the composer stages: ``table_columns`` of the step, at least ``columns`` before rounding)."""
+    need = -(-shape.max_exact_seq_len // shape.block_size) or 1
+    return _width(columns if columns > need else need, step, shape.table_columns)
+
+
 def _width(need: int, step: int, table: int) -> int:
     """An eager group's staged block-table width: ``need`` columns rounded up to a multiple of
     ``step``, at most the ``table``'s columns unless ``need`` is more."""
@@ -546,11 +553,8 @@ class StepBuilder:
                     return None
                 key.append(part)
             elif e[0]:  # eager: the block-table width and the page bucket
-                _eager, columns, step, bs, paged = e
-                need = -(-shape.max_exact_seq_len // bs) or 1
-                if columns > need:
-                    need = columns
-                key.append(_width(need, step, shape.table_columns))
+                _eager, columns, step, paged = e
+                key.append(_shape_width(shape, columns, step))
                 if paged:
                     key.append(bucket_rows(shape.num_pages))
             else:  # graph mode: within the profile, or composed (the builders raise its errors)
@@ -568,7 +572,7 @@ class StepBuilder:
     def _class_entry(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]]) -> tuple[Any, ...] | None:
         """A class of shapes' part of :meth:`_key`: None (such steps are composed), or ``(class number,
         per group: None when a builder reads the lengths, else eager mode's (True, block-table columns
-        the builders need, the column step, block size, whether a page table is staged) or graph mode's
+        the builders need, the column step, whether a page table is staged) or graph mode's
         (False, block size, the profile's pages, its blocks a request))``. The builders are asked about
         the class's shape with the lengths 0. Classes whose keys without lengths are equal share their
         number (padded steps of other real counts share a layout), and a number is never reused."""
@@ -589,7 +593,7 @@ class StepBuilder:
                 return None
             parts.append(part)
             if prof is None:
-                groups.append((True, needs[2], g.column_step, shape.block_size, needs[1]))
+                groups.append((True, needs[2], g.column_step, needs[1]))
             else:
                 groups.append((False, shape.block_size, prof.max_num_pages, prof.max_blocks_per_req))
         static = tuple(parts)
@@ -624,11 +628,7 @@ class StepBuilder:
         else:
             layout: tuple[Hashable, ...] = (Bp, Tp if tokens else 0, bs, tokens, paged)
             if lengths:
-                need = -(-exact // bs) or 1  # table_columns(spec, 1)
-                if columns > need:
-                    need = columns
-                pages = bucket_rows(shape.num_pages) if paged else 0
-                layout += (_width(need, g.column_step, shape.table_columns), pages)
+                layout += (_shape_width(shape, columns, g.column_step), bucket_rows(shape.num_pages) if paged else 0)
             parts.append(layout)
         parts.append((shape.has_prompt, shape.has_drafts, shape.has_upper_bound))
         for (_n, b, o), i in zip(g.builders, inputs):
