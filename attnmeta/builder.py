@@ -360,8 +360,8 @@ class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
         None for both or the larger of ``needs(blank, ...).block_table_columns`` and the blocks of the
         longest request (``cdiv(max_exact_seq_len, block_size)``, at least 1). The step composer then
         asks once per step shape without lengths instead of every step (a decode loop's steps differ
-        in lengths only); ``tests/backends/test_registry.py`` checks the promise of every registered
-        builder on generated shapes."""
+        in lengths only); :func:`attnmeta.testing.check_reads_lengths` checks the promise on a shape
+        (and :func:`attnmeta.testing.check_builder` on every batch it builds)."""
         return True
 
     def replayer(self, staged: Staged[HostT, MetadataT], common: StagedCommon, step: Step, options: OptionsT,

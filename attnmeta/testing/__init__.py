@@ -7,11 +7,13 @@
 - :mod:`attnmeta.testing.workloads`: seeded random batches (numpy only) for audits and benchmarks.
 - :mod:`attnmeta.testing.builders`: :func:`check_builder` (a builder's fields against its reference),
   :func:`check_metadata` (metadata staged any other way, a step composer's for one, against the same
-  reference) and :func:`audit_builder` (a builder under the sync audit), for any registered builder.
+  reference), :func:`check_reads_lengths` (the promise of ``Builder.reads_lengths``, which
+  :func:`check_builder` checks too) and :func:`audit_builder` (a builder under the sync audit), for any
+  registered builder.
 
 Nothing here is used on the serving path; these modules may read device tensors on the host.
 """
 
-from attnmeta.testing.builders import audit_builder, check_builder, check_metadata
+from attnmeta.testing.builders import audit_builder, check_builder, check_metadata, check_reads_lengths
 
-__all__ = ["audit_builder", "check_builder", "check_metadata"]
+__all__ = ["audit_builder", "check_builder", "check_metadata", "check_reads_lengths"]

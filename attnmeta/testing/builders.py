@@ -7,6 +7,8 @@ machinery as the built-in ones (docs/extending.md):
   field the builder's lab reference (:meth:`attnmeta.testing.lab.Lab.reference`) names with that
   reference: a device field's values, dtype and shape, its host twin (``<name>_cpu``) where there is
   one, and host values and scalars by equality;
+- :func:`check_reads_lengths`: the promise of :meth:`attnmeta.builder.Builder.reads_lengths` on one step
+  shape (:func:`check_builder` checks it too);
 - :func:`audit_builder`: run the builder under the sync audit (:func:`attnmeta.sync.run_audit`) on
   generated batches of every kind, with options and inputs its lab entry draws
   (:meth:`attnmeta.testing.lab.Lab.sample`).
@@ -24,14 +26,14 @@ import numpy as np
 import torch
 
 from attnmeta.builder import AnyBuilder, build, get_builder
-from attnmeta.spec import BatchSpec
+from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import Stager
 from attnmeta.sync import AuditRow, register_audit_target, run_audit, unregister_audit_target
 from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
 from attnmeta.testing.lab import lab
 from attnmeta.testing.workloads import KINDS, random_spec
 
-__all__ = ["audit_builder", "audit_stager", "builder_target", "check_builder", "check_metadata"]
+__all__ = ["audit_builder", "audit_stager", "builder_target", "check_builder", "check_metadata", "check_reads_lengths"]
 
 
 def check_builder(
@@ -87,7 +89,42 @@ def check_builder(
     expected = _reference(b, spec, opts, dev, inp)
     meta = build(spec, stager if stager is not None else Stager(dev), b, opts, inp)
     _compare(meta, expected, b.name, dev)
+    check_reads_lengths(b, spec.shape, opts, inp)
     return meta
+
+
+def check_reads_lengths(builder: AnyBuilder | str, shape: StepShape, options: Any = None, inputs: Any = None) -> None:
+    """Assert :meth:`~attnmeta.builder.Builder.reads_lengths`'s promise on ``shape``: where the builder
+    says False for ``options``, its ``replay_key`` equals that of ``shape`` with the three lengths 0, and
+    so does its ``needs``, but for ``block_table_columns``, which may add the longest request's blocks.
+    (A builder that says False wrongly would replay a layout recorded for other lengths.)
+
+    Raises
+    ------
+    AssertionError
+        Naming the builder, the shape and what differs.
+
+    Examples
+    --------
+    >>> from attnmeta import BatchSpec
+    >>> spec = BatchSpec(num_computed_tokens=[5, 40], num_scheduled_tokens=[1, 1], block_table=[[1, 0, 0], [2, 3, 4]],
+    ...                  block_size=16)
+    >>> check_reads_lengths("flashinfer", spec.shape)
+    """
+    b = get_builder(builder) if isinstance(builder, str) else builder
+    opts, inp = b.options(options), b.inputs(inputs)
+    if b.reads_lengths(opts):
+        return
+    blank = shape._replace(max_seq_len=0, max_exact_seq_len=0, num_pages=0)
+    got, want = b.replay_key(shape, opts, inp), b.replay_key(blank, opts, inp)
+    assert got == want, (f"{b.name}.reads_lengths() is False, but replay_key changes with the lengths: {got!r} for "
+                         f"{shape}, {want!r} without its lengths")
+    needs, base = b.needs(shape, opts), b.needs(blank, opts)
+    used = max(1, -(-shape.max_exact_seq_len // shape.block_size))
+    columns = None if base.block_table_columns is None else max(base.block_table_columns, used)
+    assert needs == dataclasses.replace(base, block_table_columns=columns), (
+        f"{b.name}.reads_lengths() is False, but needs changes with the lengths: {needs} for {shape}, {base} "
+        f"without its lengths (only block_table_columns may add the longest request's {used} blocks)")
 
 
 def check_metadata(builder: AnyBuilder | str, metadata: Any, spec: BatchSpec, options: Any = None,

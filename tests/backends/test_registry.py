@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import attnmeta
 from attnmeta import BatchSpec, ContextParallel, Stager, StaticProfile
 from attnmeta.builder import Builder, CommonNeeds, UnsupportedBatchError
-from attnmeta.testing.builders import audit_builder, check_builder
+from attnmeta.testing.builders import audit_builder, check_builder, check_reads_lengths
 from attnmeta.testing.lab import lab
 from attnmeta.testing.strategies import batch_specs
 
@@ -70,18 +70,25 @@ def test_a_builder_that_reads_no_lengths_answers_alike_without_them(name: str, s
     """Builder.reads_lengths's promise, on the builder's own options and inputs: where it says False,
     replay_key and needs of the step equal those of its shape with the three lengths 0 (the step
     composer asks once per such shape), but the block-table columns, which add the longest request's."""
-    b = attnmeta.get_builder(name)
     options, inputs = lab(name).sample(spec, np.random.default_rng(seed))
-    o, i = b.options(options), b.inputs(inputs)
-    if b.reads_lengths(o):
-        return
-    shape = spec.shape
-    blank = shape._replace(max_seq_len=0, max_exact_seq_len=0, num_pages=0)
-    assert b.replay_key(shape, o, i) == b.replay_key(blank, o, i)
-    got, base = b.needs(shape, o), b.needs(blank, o)
-    used = max(1, -(-shape.max_exact_seq_len // shape.block_size))
-    columns = None if base.block_table_columns is None else max(base.block_table_columns, used)
-    assert got == dataclasses.replace(base, block_table_columns=columns)
+    check_reads_lengths(name, spec.shape, options, inputs)
+
+
+def test_a_false_reads_lengths_promise_is_caught() -> None:
+    """check_reads_lengths names the builder whose answers change with the lengths it says it does not
+    read (Mamba2 in align mode with drafts, whose state columns run past the longest request's blocks)."""
+    from attnmeta.backends.mamba.mamba2 import Mamba2Builder, Mamba2Options
+
+    class Claims(Mamba2Builder):
+        def reads_lengths(self, options: Any) -> bool:
+            return False
+
+    table = [[1, 2, 3, 4, 5, 6], [7, 0, 0, 0, 0, 0]]
+    spec = BatchSpec(num_computed_tokens=[40, 3], num_scheduled_tokens=[1, 1], block_table=table, block_size=16)
+    opts = Mamba2Options(cache_mode="align", num_speculative_tokens=2)  # (state columns 2 .. 4 of row 0)
+    with pytest.raises(AssertionError, match=r"mamba2\.reads_lengths\(\) is False, but needs changes"):
+        check_reads_lengths(Claims(), spec.shape, opts)
+    check_reads_lengths(attnmeta.get_builder("mamba2"), spec.shape, opts)  # (the registered one says True)
 
 
 @pytest.mark.parametrize("name", BUILDERS)
