@@ -55,6 +55,7 @@ import torch
 from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchError
 from attnmeta.common import CommonWriter, _stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata
+from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec, StepShape, scan_counts, shapes_of
 from attnmeta.staging import STAGEABLE_DTYPES, Staged, Stager, Step, StepLayout, bucket_rows
 
@@ -97,6 +98,13 @@ def _shape_width(shape: StepShape, columns: int, step: int) -> int:
     (what the composer stages: ``table_columns`` of the step, at least ``columns`` before rounding)."""
     need = -(-shape.max_exact_seq_len // shape.block_size) or 1
     return _width(columns if columns > need else need, step, shape.table_columns)
+
+
+def _lengths_fit(shape: StepShape, prof: StaticProfile | None) -> bool:
+    """Graph mode: ``shape``'s pages and longest request within the profile's capacities."""
+    assert prof is not None
+    blocks = -(-shape.max_exact_seq_len // shape.block_size)
+    return bool(shape.num_pages <= prof.max_num_pages and blocks <= prof.max_blocks_per_req)
 
 
 def _width(need: int, step: int, table: int) -> int:
@@ -557,10 +565,8 @@ class StepBuilder:
                 key.append(_shape_width(shape, columns, step))
                 if paged:
                     key.append(bucket_rows(shape.num_pages))
-            else:  # graph mode: within the profile, or composed (the builders raise its errors)
-                _eager, bs, pages, blocks = e
-                if shape.num_pages > pages or -(-shape.max_exact_seq_len // bs) > blocks:
-                    return None
+            elif not _lengths_fit(shape, self._stager.profile):  # graph mode (else composed: the builders raise)
+                return None
         return tuple(key)
 
     def _with_rows(self, key: tuple[Hashable, ...], arrays: list[np.ndarray]) -> tuple[Hashable, ...]:
@@ -572,8 +578,8 @@ class StepBuilder:
     def _class_entry(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]]) -> tuple[Any, ...] | None:
         """A class of shapes' part of :meth:`_key`: None (such steps are composed), or ``(class number,
         per group: None when a builder reads the lengths, else eager mode's (True, block-table columns
-        the builders need, the column step, whether a page table is staged) or graph mode's
-        (False, block size, the profile's pages, its blocks a request))``. The builders are asked about
+        the builders need, the column step, whether a page table is staged) or graph mode's (False,):
+        the lengths within the profile)``. The builders are asked about
         the class's shape with the lengths 0. Classes whose keys without lengths are equal share their
         number (padded steps of other real counts share a layout), and a number is never reused."""
         groups: list[tuple[Any, ...] | None] = []
@@ -592,10 +598,7 @@ class StepBuilder:
             if part is None:
                 return None
             parts.append(part)
-            if prof is None:
-                groups.append((True, needs[2], g.column_step, needs[1]))
-            else:
-                groups.append((False, shape.block_size, prof.max_num_pages, prof.max_blocks_per_req))
+            groups.append((True, needs[2], g.column_step, needs[1]) if prof is None else (False,))
         static = tuple(parts)
         number = self._numbers.get(static)
         if number is None:
@@ -616,13 +619,13 @@ class StepBuilder:
         lengths = needs is None
         tokens, paged, columns = g.needs(shape) if needs is None else needs
         Bp, Tp = shape.padded_num_reqs, shape.padded_num_tokens
-        bs, exact = shape.block_size, shape.max_exact_seq_len
+        bs = shape.block_size
         parts: list[Hashable] = []
         prof = self._stager.profile
         if prof is not None:
             if bs != prof.block_size or Bp > prof.max_num_reqs or Tp > prof.max_num_tokens:
                 return None
-            if lengths and (shape.num_pages > prof.max_num_pages or -(-exact // bs) > prof.max_blocks_per_req):
+            if lengths and not _lengths_fit(shape, prof):
                 return None
             parts.append((Bp, Tp, tokens, paged))
         else:

@@ -61,7 +61,8 @@ class StepShape(NamedTuple):
     No arrays: what a step's layout depends on is a function of these, the builder's options and its
     inputs, so the step composer (:class:`attnmeta.compose.StepBuilder`) computes a layout's key from
     them (once per class of shapes without the three lengths, for builders that do not read them:
-    :meth:`~attnmeta.builder.Builder.reads_lengths`), and its counts entry (:meth:`~attnmeta.compose.StepBuilder.build_counts`)
+    :meth:`~attnmeta.builder.Builder.reads_lengths`), and its counts entry
+    (:meth:`~attnmeta.compose.StepBuilder.build_counts`)
     makes no :class:`BatchSpec` for a replayed step. The names are :class:`BatchSpec`'s.
 
     Examples
