@@ -274,6 +274,34 @@ def test_flashinfer_and_mamba2_groups(device: torch.device) -> None:
     _check(composer, reference, counts, steps)
 
 
+def test_a_none_mode_decode_step_reads_its_state_slots_from_the_common_block_table(device: torch.device) -> None:
+    """vLLM's "none" mode: ``state_indices_tensor_d`` is the first column of the Mamba group's block
+    table (``block_table_tensor[:D, :1]``). An eager decode-only layout stages no field of its own for
+    it, so a replayed step whose requests changed state slots reads the new ones."""
+    def groups() -> list[Group]:
+        return [Group({"fi": FLASHINFER}),
+                Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))}, prefix="mamba_common",
+                      table_column_step=1)]
+
+    composer, reference, counts = _pair(device, groups)
+    rng = np.random.default_rng(3)
+    steps = []
+    for spec in _walk(6, 16):
+        n = spec.num_reqs
+        slots = rng.permutation(64)[: n * 2].astype(np.int32).reshape(n, 2)  # (new slots every step; 2 columns)
+        steps.append(((spec, spec.for_group(block_table=slots, block_size=4096)), None, None))
+    built = _check(composer, reference, counts, steps)
+    assert composer.stats.replayed >= 10, composer.stats
+    for (specs, _i, _a), step in zip(steps[-2:], built[-2:]):  # (the slots of the last two steps are not reused yet)
+        m, cm = step["mamba"], step.commons[1]
+        assert m.num_decodes == specs[0].num_reqs and m.num_prefills == 0
+        assert m.state_indices_tensor_d_cpu.tolist() == specs[1].block_table[:, :1].tolist()
+        assert m.state_indices_tensor_d.cpu().tolist() == specs[1].block_table[:, :1].tolist()  # test-only read-back
+        assert m.state_indices_tensor_d.data_ptr() == cm.block_table_tensor.data_ptr()  # a view, not a copy
+        assert np.shares_memory(m.state_indices_tensor_d_cpu, cm.block_table_cpu)
+        assert "mamba2.state_indices_tensor_d" not in step.step.layout().fields
+
+
 @pytest.mark.parametrize("profile", [None, dataclasses.replace(_PROFILE, chunk_size=16)], ids=["eager", "graph"])
 def test_two_groups_device_fields_hold_their_host_values_when_a_prefill_step_grows_the_layout(
         device: torch.device, profile: Any) -> None:

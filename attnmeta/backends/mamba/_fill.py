@@ -21,7 +21,10 @@ group, as the staged bytes live with the slot). The optional chunk formats (logi
 An eager layout without prefill fields or spec decode (its key says every row of its steps is a
 decode) skips the kernel's other parts: the split is known, and its one write, the decode rows'
 state indices, is the kernel's own step (:func:`attnmeta.host.mamba.state_indices_nb`), called
-alone (``_refill_decodes``).
+alone (``_refill_decodes``). In ``"none"`` mode such a layout stages no state indices at all:
+vLLM's ``state_indices_tensor_d`` is then the first column of the common block table's decode rows,
+a view (``block_table_tensor[:D, :1]``), and so is attnmeta's (device and host alike). Its steps
+write nothing of their own.
 
 What the fill path keeps per ring slot and layout is a :class:`_Layout` in the field group's
 ``extras``: the views, the host-only arrays and the exact-length views of the latest counts (rebuilt
@@ -31,6 +34,12 @@ the slot's last step left holding ``-1`` (their tail, ``2 * max(1024, tot) - tot
 a large prefill step's writes). The next step of the slot does not write them again where its own
 pointers lie over them: :attr:`attnmeta.staging.StagerStats.steps_begun` tells that no other step
 touched the slot in between, and within a step the bytes of a field are written by its owner only.
+
+Why one module
+--------------
+A layout's key (:func:`fill_key`), the fields it stages, the views it keeps and every write into them
+(the kernel's, the decode-only short path's, a replay's) must agree byte for byte: a field a key
+leaves out is one no write may touch. Kept side by side, one reading shows they do.
 
 Shape legend
 ------------
@@ -166,13 +175,18 @@ class _Shape(NamedTuple):
     token_rows: int
     """Rows of ``token_seq_idx_p`` (0: not staged)."""
     graph: bool
+    table_d: bool
+    """``"none"`` mode, eager, no prefill fields, no spec decode: ``state_indices_tensor_d`` is not
+    staged but a view of the common block table's first column."""
 
 
 def _specs(shape: _Shape, step: Step) -> tuple[tuple[str, Any, np.dtype, int | None, Any], ...]:
     """The ``alloc_fields`` specs of a layout: ``(name, rows, dtype, capacity, sentinel)``."""
     B = shape.num_reqs
     prof = step.profile
-    rows: dict[str, Any] = {"state_indices_tensor_d": (B, shape.ncols), "state_indices_tensor_p": B}
+    rows: dict[str, Any] = {"state_indices_tensor_p": B}
+    if not shape.table_d:
+        rows["state_indices_tensor_d"] = (B, shape.ncols)
     caps: dict[str, int | None] = dict.fromkeys(_FIELDS)
     if shape.accepted:
         rows["num_accepted_tokens"] = B
@@ -250,6 +264,7 @@ class _Layout:
         "qsl_d",
         "ro",
         "staged_rows",
+        "table_d",
         "tokens",
     )
 
@@ -264,6 +279,10 @@ class _Layout:
         # An eager layout without prefill fields or spec decode: every row of its steps is a decode
         # (fill_key), and a step writes only the decode rows' state indices (refill's short path).
         self.decodes_only = not (shape.prefill or shape.accepted or shape.graph)
+        # "none" mode: nothing staged for the decode rows; their state indices are views of the common
+        # block table: (its device view, D, the [:D, :1] device view, the host one) of the last step
+        self.table_d: tuple[Any, ...] | None = (None, -1, None, None) if shape.table_d else None
+        assert shape.table_d <= self.decodes_only, "a table_d layout is a decode-only one (refill's short path)"
         host = {name: group.host[i] for name, i in self.index.items()}
         self.ro: dict[str, np.ndarray | None] = {name: group.frozen[i] for name, i in self.index.items()}
         prefill = shape.prefill
@@ -403,6 +422,16 @@ class _Layout:
         views: tuple[Any, Any, int] = hit[2]
         return views
 
+    def table_views(self, common: CommonAttentionMetadata, D: int) -> tuple[torch.Tensor, np.ndarray]:
+        """A :attr:`table_d` layout's ``state_indices_tensor_d`` and its host twin: the first column of
+        the common block table's ``D`` decode rows (device and read-only host views)."""
+        hit = self.table_d
+        assert hit is not None
+        bt = common.block_table_tensor
+        if hit[0] is not bt or hit[1] != D:
+            hit = self.table_d = (bt, D, bt[:D, :1], common.block_table_cpu[:D, :1])
+        return hit[2], hit[3]
+
     def query_start_loc_d(self, common: CommonAttentionMetadata, D: int) -> tuple[Any, Any]:
         """``query_start_loc[:D + 1]`` of the common metadata: the device and host views."""
         hit = self.qsl_d
@@ -504,6 +533,11 @@ class Filled:
         dev = self.dev = self.group.device(self.step)  # raises if the step has not committed or its slot was reused
         hd = self.host_d = lay.host_d(D)
         dd = self.dev_d = lay.device_d(dev, D)
+        si_d = si_d_h = None
+        if lay.table_d is not None:
+            si_d, si_d_h = lay.table_views(cm, D)
+        else:
+            si_d, si_d_h = dd[0], hd[0]
         qsl_d = qsl_d_h = acc = acc_h = None
         if D and hd[1] is not None:  # spec decode with decodes
             qsl_d, qsl_d_h = lay.query_start_loc_d(cm, D)
@@ -522,10 +556,10 @@ class Filled:
             "num_decode_tokens": self.Dt, "num_reqs": lay.num_reqs, "conv1d_num_programs_total": tot if nums is not None else 0,
             "conv1d_max_num_programs": length, "has_initial_states_p": dd[4] if pre else None,
             "query_start_loc_p": dd[3] if pre else None, "state_indices_tensor_p": dd[2],
-            "state_indices_tensor_d": dd[0], "query_start_loc_d": qsl_d, "num_accepted_tokens": acc,
+            "state_indices_tensor_d": si_d, "query_start_loc_d": qsl_d, "num_accepted_tokens": acc,
             "seq_lens": cm.seq_lens, "batch_ptr": bp, "token_chunk_offset_ptr": op,
             "has_initial_states_p_cpu": hd[4] if pre else None, "query_start_loc_p_cpu": hd[3] if pre else None,
-            "state_indices_tensor_p_cpu": hd[2], "state_indices_tensor_d_cpu": hd[0], "query_start_loc_d_cpu": qsl_d_h,
+            "state_indices_tensor_p_cpu": hd[2], "state_indices_tensor_d_cpu": si_d_h, "query_start_loc_d_cpu": qsl_d_h,
             "num_accepted_tokens_cpu": acc_h, "seq_lens_cpu": cm.seq_lens_cpu, "batch_ptr_cpu": bp_h,
             "token_chunk_offset_ptr_cpu": op_h, "num_computed_tokens_p_cpu": hd[5] if pre else None,
             "conv1d_nums_cpu": nums, "conv1d_mlist_cpu": mlist, "conv1d_offsetlist_cpu": offsets,
@@ -605,7 +639,7 @@ def fill(
             f"the chunk buffers with the profile's max_num_chunks; build the profile with chunk_size={chunk_size}"
         )
     key = fill_key(B, T, h.max_query_len, bool(np.count_nonzero(isp)), prefix, spec_tokens, chunk_size, conv1d,
-                   checkpoint, logical, token_seq_idx, prof)
+                   checkpoint, logical, token_seq_idx, prof, align)
     group = step.alloc_fields(lambda: _specs(_Shape(*key), step), key)
     lay: _Layout | None = group.extras.get(_Layout)
     if lay is None:
@@ -616,11 +650,12 @@ def fill(
 
 def fill_key(num_reqs: int, num_tokens: int, max_query_len: int, any_prefilling: bool, prefix: str, spec_tokens: int,
              chunk_size: int, conv1d: bool, checkpoint: CheckpointConfig | None, logical: bool, token_seq_idx: bool,
-             profile: StaticProfile | None) -> tuple[Any, ...]:
+             profile: StaticProfile | None, align: bool) -> tuple[Any, ...]:
     """What the fields :func:`fill` stages depend on: their names, rows and order (:class:`_Shape`).
 
     ``num_reqs`` / ``num_tokens`` are the padded counts; ``any_prefilling`` whether a row is still in
-    its prompt. The same key from a spec (a replay's) and from its staged common metadata (a step's)."""
+    its prompt; ``align`` whether the cache mode is ``"align"``. The same key from a spec (a replay's)
+    and from its staged common metadata (a step's)."""
     thr = 1 + spec_tokens
     B, T = num_reqs, num_tokens
     # Prefill rows are possible when a query is longer than the threshold or a row still prefills;
@@ -643,7 +678,7 @@ def fill_key(num_reqs: int, num_tokens: int, max_query_len: int, any_prefilling:
             logical_rows = min(logical_rows, logical_capacity(Q, R, chunk_size or 1))
             token_rows = min(token_rows, Q)
     return (prefix, B, thr, spec_tokens > 0, pre, conv_rows, chunk_rows, checkpoint is not None, logical_rows,
-            token_rows, profile is not None)
+            token_rows, profile is not None, not (align or pre or spec_tokens or profile is not None))
 
 
 def refill(step: Step, h: CommonHost, group: FieldGroup, lay: _Layout, owner: str, prefix: str, spec_tokens: int,
@@ -727,9 +762,13 @@ def _refill_decodes(step: Step, h: CommonHost, group: FieldGroup, lay: _Layout, 
     whose rows are all decodes (no query longer than 1, no row in its prompt: the layout's key says
     so), without its other parts: the split is ``(B, 0, T, 0)`` and the one staged write is the state
     indices of the decode rows (:func:`~attnmeta.host.mamba.state_indices_nb`, the kernel's own step
-    2). Its errors are the kernel's."""
+    2; none in a :attr:`_Layout.table_d` layout, whose one check is the table's first column). Its
+    errors are the kernel's."""
     B, T = h.num_reqs, h.num_actual_tokens
-    bad = state_indices_nb(h.block_table_cpu[:B], h.seq_lens_cpu[:B], bs_m, align, lay.outputs.state_d[:B])
+    if lay.table_d is not None:  # nothing to write: the views of the common block table (a column is enough)
+        bad = 0 if B and h.block_table_cpu.shape[1] < 1 else -1
+    else:
+        bad = state_indices_nb(h.block_table_cpu[:B], h.seq_lens_cpu[:B], bs_m, align, lay.outputs.state_d[:B])
     if bad >= 0:
         _raise_fill_error(-1 - (bad * FILL_STATUS_STRIDE + FILL_E_TABLE_D), h, 0, bs_m, align, checkpoint, prefix,
                           _NO_I32, owner)

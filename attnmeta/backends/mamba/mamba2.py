@@ -441,7 +441,7 @@ class Mamba2Builder(AlignReadsLengths, Builder[Mamba2Options, Mamba2Inputs, Mamb
         o = options
         return fill_key(shape.padded_num_reqs, shape.padded_num_tokens, shape.max_query_len, shape.any_prefilling,
                         o.prefix, o.num_speculative_tokens, o.chunk_size, o.needs_causal_conv1d_metadata, o.checkpoint,
-                        o.logical_chunks, o.token_seq_idx, None)
+                        o.logical_chunks, o.token_seq_idx, None, o.cache_mode == "align")
 
     def replayer(self, staged: Staged[MambaHost, Mamba2Metadata], common: StagedCommon, step: Step,
                  options: Mamba2Options, inputs: Mamba2Inputs) -> _Replayer:
@@ -493,16 +493,24 @@ class _Replayer(Replayer[Mamba2Inputs, Mamba2Metadata]):
     """Replays of a Mamba2 layout: the fill path's write (:func:`~attnmeta.backends.mamba._fill.refill`)
     into the recorded fields, then :func:`_metadata`."""
 
-    __slots__ = ("decode", "filled", "group", "layout", "options")
+    __slots__ = ("decode", "filled", "group", "layout", "options", "unwritten")
 
     def __init__(self, options: Mamba2Options, filled: Filled) -> None:
         self.options, self.group, self.layout = options, filled.group, filled.layout
         self.filled: Filled | None = None
         # A step without prefill rows: every field but the common metadata's is a view fixed by the
-        # slot's device views, the split and the common query starts; (those, template(...)) of the last.
-        self.decode: tuple[Any, Any, tuple[int, int, int], Callable[..., Mamba2Metadata]] | None = None
+        # slot's device views, the split and the common query starts and block table; (those,
+        # template(...)) of the last.
+        self.decode: tuple[Any, Any, tuple[int, int, int], Any, Callable[..., Mamba2Metadata]] | None = None
+        # A "none"-mode decode-only layout stages nothing (_Layout.table_d): its rewrite keeps (the
+        # step, its common host) for result() instead of filling.
+        self.unwritten: tuple[Step, CommonHost] | None = None
 
     def rewrite(self, step: Step, host: CommonHost, inputs: Mamba2Inputs) -> None:
+        if self.layout.table_d is not None and inputs.num_accepted_tokens is None and host.block_table_cpu.shape[1]:
+            self.filled, self.unwritten = None, (step, host)
+            return
+        self.unwritten = None
         o = self.options
         bs_m = host.block_size if o.mamba_block_size is None else o.mamba_block_size
         acc = accepted_counts(inputs.num_accepted_tokens, host, o.num_speculative_tokens, "Mamba2Options")
@@ -513,15 +521,27 @@ class _Replayer(Replayer[Mamba2Inputs, Mamba2Metadata]):
     def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
                inputs: Mamba2Inputs) -> Mamba2Metadata:
         f, self.filled = self.filled, None
-        assert f is not None and f.step is step, "result() without this step's rewrite()"
-        if f.P:
-            return _metadata(f, common, self.options.chunk_size)
-        dev, qsl, split = self.group.device(step), common.query_start_loc, (f.D, f.Dt, f.Pt)  # (raises if expired)
+        u, self.unwritten = self.unwritten, None
+        if u is not None:  # (a table_d layout: every row a decode, nothing staged: the split is the host's)
+            assert u[0] is step, "result() without this step's rewrite()"
+            split = (u[1].num_reqs, u[1].num_actual_tokens, 0)
+        else:
+            assert f is not None and f.step is step, "result() without this step's rewrite()"
+            if f.P:
+                return _metadata(f, common, self.options.chunk_size)
+            split = (f.D, f.Dt, f.Pt)
+        dev, qsl, bt = self.group.device(step), common.query_start_loc, common.block_table_tensor  # (raises if expired)
         d = self.decode
-        if d is not None and d[0] is dev and d[1] is qsl and d[2] == split:
-            return d[3](common, common.seq_lens, common.seq_lens_cpu)
+        if d is not None and d[0] is dev and d[1] is qsl and d[2] == split and d[3] is bt:
+            return d[4](common, common.seq_lens, common.seq_lens_cpu)
+        if f is None:  # (a table_d layout writes nothing: its fill may follow the commit)
+            assert u is not None
+            o, h = self.options, u[1]
+            bs_m = h.block_size if o.mamba_block_size is None else o.mamba_block_size
+            f = refill(step, h, self.group, self.layout, "Mamba2Options", o.prefix, 0, o.chunk_size, bs_m, False,
+                       o.checkpoint, o.consecutive_seq_ids, accepted_counts(None, h, 0, "Mamba2Options"), False)
         m = _metadata(f, common, self.options.chunk_size)
-        self.decode = (dev, qsl, split, template(m, _DECODE_PER_STEP))
+        self.decode = (dev, qsl, split, bt, template(m, _DECODE_PER_STEP))
         return m
 
 
