@@ -533,7 +533,6 @@ class Filled:
         dev = self.dev = self.group.device(self.step)  # raises if the step has not committed or its slot was reused
         hd = self.host_d = lay.host_d(D)
         dd = self.dev_d = lay.device_d(dev, D)
-        si_d = si_d_h = None
         if lay.table_d is not None:
             si_d, si_d_h = lay.table_views(cm, D)
         else:

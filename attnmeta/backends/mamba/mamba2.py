@@ -503,20 +503,23 @@ class _Replayer(Replayer[Mamba2Inputs, Mamba2Metadata]):
         # template(...)) of the last.
         self.decode: tuple[Any, Any, tuple[int, int, int], Any, Callable[..., Mamba2Metadata]] | None = None
         # A "none"-mode decode-only layout stages nothing (_Layout.table_d): its rewrite keeps (the
-        # step, its common host) for result() instead of filling.
-        self.unwritten: tuple[Step, CommonHost] | None = None
+        # step, its common host, its inputs) for result() instead of filling.
+        self.unwritten: tuple[Step, CommonHost, Mamba2Inputs] | None = None
 
     def rewrite(self, step: Step, host: CommonHost, inputs: Mamba2Inputs) -> None:
         if self.layout.table_d is not None and inputs.num_accepted_tokens is None and host.block_table_cpu.shape[1]:
-            self.filled, self.unwritten = None, (step, host)
+            self.filled, self.unwritten = None, (step, host, inputs)
             return
         self.unwritten = None
+        self.filled = self._refill(step, host, inputs)
+
+    def _refill(self, step: Step, host: CommonHost, inputs: Mamba2Inputs) -> Filled:
         o = self.options
         bs_m = host.block_size if o.mamba_block_size is None else o.mamba_block_size
         acc = accepted_counts(inputs.num_accepted_tokens, host, o.num_speculative_tokens, "Mamba2Options")
-        self.filled = refill(step, host, self.group, self.layout, "Mamba2Options", o.prefix, o.num_speculative_tokens,
-                             o.chunk_size, bs_m, o.cache_mode == "align", o.checkpoint, o.consecutive_seq_ids, acc,
-                             inputs.num_accepted_tokens is not None)
+        return refill(step, host, self.group, self.layout, "Mamba2Options", o.prefix, o.num_speculative_tokens,
+                      o.chunk_size, bs_m, o.cache_mode == "align", o.checkpoint, o.consecutive_seq_ids, acc,
+                      inputs.num_accepted_tokens is not None)
 
     def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
                inputs: Mamba2Inputs) -> Mamba2Metadata:
@@ -536,10 +539,7 @@ class _Replayer(Replayer[Mamba2Inputs, Mamba2Metadata]):
             return d[4](common, common.seq_lens, common.seq_lens_cpu)
         if f is None:  # (a table_d layout writes nothing: its fill may follow the commit)
             assert u is not None
-            o, h = self.options, u[1]
-            bs_m = h.block_size if o.mamba_block_size is None else o.mamba_block_size
-            f = refill(step, h, self.group, self.layout, "Mamba2Options", o.prefix, 0, o.chunk_size, bs_m, False,
-                       o.checkpoint, o.consecutive_seq_ids, accepted_counts(None, h, 0, "Mamba2Options"), False)
+            f = self._refill(step, u[1], u[2])
         m = _metadata(f, common, self.options.chunk_size)
         self.decode = (dev, qsl, split, bt, template(m, _DECODE_PER_STEP))
         return m
