@@ -422,6 +422,11 @@ class _Layout:
         views: tuple[Any, Any, int] = hit[2]
         return views
 
+    def reads_table(self, h: CommonHost) -> bool:
+        """A :attr:`table_d` layout's step whose state indices are views of its common block table: the
+        table has the one column they read (else the fill path raises the kernel's error)."""
+        return self.table_d is not None and (h.block_table_cpu.shape[1] >= 1 or not h.num_reqs)
+
     def table_views(self, common: CommonAttentionMetadata, D: int) -> tuple[torch.Tensor, np.ndarray]:
         """A :attr:`table_d` layout's ``state_indices_tensor_d`` and its host twin: the first column of
         the common block table's ``D`` decode rows (device and read-only host views)."""
@@ -765,7 +770,7 @@ def _refill_decodes(step: Step, h: CommonHost, group: FieldGroup, lay: _Layout, 
     errors are the kernel's."""
     B, T = h.num_reqs, h.num_actual_tokens
     if lay.table_d is not None:  # nothing to write: the views of the common block table (a column is enough)
-        bad = 0 if B and h.block_table_cpu.shape[1] < 1 else -1
+        bad = -1 if lay.reads_table(h) else 0
     else:
         bad = state_indices_nb(h.block_table_cpu[:B], h.seq_lens_cpu[:B], bs_m, align, lay.outputs.state_d[:B])
     if bad >= 0:

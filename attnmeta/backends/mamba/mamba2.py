@@ -507,7 +507,7 @@ class _Replayer(Replayer[Mamba2Inputs, Mamba2Metadata]):
         self.unwritten: tuple[Step, CommonHost, Mamba2Inputs] | None = None
 
     def rewrite(self, step: Step, host: CommonHost, inputs: Mamba2Inputs) -> None:
-        if self.layout.table_d is not None and inputs.num_accepted_tokens is None and host.block_table_cpu.shape[1]:
+        if inputs.num_accepted_tokens is None and self.layout.reads_table(host):
             self.filled, self.unwritten = None, (step, host, inputs)
             return
         self.unwritten = None
