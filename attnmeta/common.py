@@ -20,6 +20,7 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numba
@@ -29,7 +30,15 @@ import torch
 from attnmeta._checks import INT32_MAX
 from attnmeta._fields import positional_factory
 from attnmeta._numba import pool_threads
-from attnmeta.host.common import BAD_BLOCK_ID, bad_block_id, block_table_rows_par_nb, common_pass_nb
+from attnmeta.host.common import (
+    BAD_BLOCK_ID,
+    PASS_OUTPUTS,
+    PLAN_WIDTH,
+    bad_block_id,
+    block_table_rows_par_nb,
+    common_pass_nb,
+    common_passes_nb,
+)
 from attnmeta.host.paged import PagedKV, num_pages, paged_indices_par_nb, paged_kv_layout, paged_layout_nb
 from attnmeta.metadata import (
     CommonAttentionMetadata,
@@ -41,10 +50,10 @@ from attnmeta.metadata import (
 from attnmeta.spec import BatchSpec, ContextParallel, StepShape
 from attnmeta.staging import CapacityError, FieldGroup, Staged, Stager, Step, bucket_rows
 
-__all__ = ["CommonWriter", "build_common", "stage_common", "stage_paged_kv"]
+__all__ = ["CommonPasses", "CommonWriter", "build_common", "stage_common", "stage_paged_kv"]
 
 
-_I32, _I64, _BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_)
+_I32, _I64, _BOOL, _U8 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_), np.dtype(np.uint8)
 _NO_LIMIT = 1 << 31  # num_kv_blocks when the KV cache's size is not given: any int32 id >= 0 is in range
 _EMPTY_I32 = np.zeros(0, np.int32)
 _PAGED_FIELDS = tuple(f.name for f in dataclasses.fields(PagedKVMetadata))
@@ -356,6 +365,118 @@ class CommonWriter:
         meta = _make_paged_positional(*v)
         self._paged_meta = (step, num_pages, meta, dev, v)
         return meta
+
+
+class CommonPasses:
+    """Every KV-cache group's common pass of one recorded step layout, in one compiled call.
+
+    The step composer (:class:`attnmeta.compose.StepBuilder`) replays a layout of several groups (an
+    attention group and a Mamba group of a hybrid model) by writing each group's common fields from the
+    same counts and the group's own block table. Each group's :meth:`CommonWriter.write_arrays` is one
+    compiled call that takes its fifteen arrays one by one; this class makes the plan of where every
+    group's outputs lie once per layout (an int64 array of byte offsets into the slot's pinned bytes
+    and each writer's host-only bytes) and writes every group with one call of
+    :func:`attnmeta.host.common.common_passes_nb`: the same bytes, a handful of arrays to hand to
+    compiled code instead of fifteen per group.
+
+    Make one with :meth:`of`, which returns None where a writer's views are not addressable that way
+    (a slot that grew while its fields were reserved); the caller then writes group by group.
+    """
+
+    __slots__ = ("_bufs", "_plan", "writers")
+
+    _DTYPES = (_I32, _I32, _I32, _I64, _I64, _I32, _I32, _BOOL, _I32, _I32, _I32, _I32)  # PASS_OUTPUTS'
+
+    def __init__(self, writers: tuple[CommonWriter, ...], bufs: tuple[np.ndarray, ...], plan: np.ndarray) -> None:
+        self.writers = writers
+        self._bufs = bufs
+        self._plan = plan
+
+    @classmethod
+    def of(cls, writers: Sequence[CommonWriter]) -> CommonPasses | None:
+        """The passes of ``writers`` (one per group, in group order, all of one step), or None when one
+        of their outputs does not lie in the slot's bytes or the writer's host-only bytes."""
+        slot = writers[0].group.buf
+        if slot is None or any(w.group.buf is not slot for w in writers):
+            return None
+        bufs = (slot, *(w._host_only for w in writers))
+        if any(b.dtype != _U8 or b.ndim != 1 or not (b.flags.c_contiguous and b.flags.writeable and b.flags.aligned)
+               for b in bufs):  # (one compiled type for the tuple)
+            return None
+        starts = [b.__array_interface__["data"][0] for b in bufs]
+        rows: list[list[int]] = []
+        for w in writers:
+            outs = (w.qsl, w.sl, w.bt, w.pos, w.sm, w.ub, w.nc, w.pre, w.ddt, w.indptr, w.last, w.indices)
+            assert len(outs) == len(PASS_OUTPUTS)
+            row: list[int] = []
+            for a, dt in zip(outs, cls._DTYPES, strict=True):
+                if a.dtype != dt or not a.flags.c_contiguous:
+                    return None
+                place = _place(a, bufs, starts)
+                if place is None:
+                    return None
+                row += (place[0], place[1], place[1] + a.nbytes)
+            ws, rank, il = w._ranks
+            row += (w.block_size, ws, rank, il, w.num_kv_blocks, int(w.token_arrays), int(w.paged), *w.bt.shape)
+            assert len(row) == PLAN_WIDTH
+            rows.append(row)
+        return cls(tuple(writers), bufs, np.array(rows, np.int64))
+
+    def write_arrays(self, c: np.ndarray, q: np.ndarray, tables: Sequence[tuple[np.ndarray, int]],
+                     prompt: np.ndarray | None, drafts: np.ndarray | None, upper: np.ndarray | None) -> bool:
+        """Every writer's :meth:`CommonWriter.write_arrays` of the counts and its group's table
+        (``tables[g][0]``: C-contiguous int32, as :meth:`attnmeta.compose.StepBuilder.build_counts`
+        checked), serially, in one compiled call; the same errors. Returns True (as :meth:`write`)."""
+        if not self._call(c, q, prompt, drafts, upper, tuple([t for t, _bs in tables])):
+            for w, (table, _bs) in zip(self.writers, tables, strict=True):
+                w.write_arrays(c, q, table, prompt, drafts, upper)
+        return True
+
+    def write(self, specs: Sequence[BatchSpec]) -> bool:
+        """Every writer's :meth:`CommonWriter.write` of its group's spec, in one compiled call; the same
+        errors. False, with nothing written, unless every spec has the first one's count arrays (as
+        :meth:`BatchSpec.for_group` makes them) and a C-contiguous block table: the caller then writes
+        group by group."""
+        s0 = specs[0]
+        tables = []
+        for s in specs:
+            t = s.block_table
+            if not t.flags.c_contiguous or (s is not s0 and not (
+                    s.num_computed_tokens is s0.num_computed_tokens and s.num_scheduled_tokens is s0.num_scheduled_tokens
+                    and s.num_prompt_tokens is s0.num_prompt_tokens and s.num_draft_tokens is s0.num_draft_tokens
+                    and s.seq_lens_upper_bound is s0.seq_lens_upper_bound)):
+                return False
+            tables.append(t)
+        if not self._call(s0.num_computed_tokens, s0.num_scheduled_tokens, s0.num_prompt_tokens, s0.num_draft_tokens,
+                          s0.seq_lens_upper_bound, tuple(tables)):
+            for w, sp in zip(self.writers, specs, strict=True):
+                w.write(sp)
+        return True
+
+    def _call(self, c: np.ndarray, q: np.ndarray, prompt: np.ndarray | None, drafts: np.ndarray | None,
+              upper: np.ndarray | None, tables: tuple[np.ndarray, ...]) -> bool:
+        """The compiled call; False where the caller writes group by group instead: tables of more than
+        one compiled type (writable and read-only ones), or a group's non-zero status (its own pass
+        then names the error)."""
+        if len(tables) > 1:
+            f = tables[0].flags
+            w, a = f.writeable, f.aligned
+            for t in tables[1:]:
+                f = t.flags
+                if f.writeable is not w or f.aligned is not a:
+                    return False
+        return not common_passes_nb(c, q, prompt, drafts, upper, tables, self._bufs, self._plan)
+
+
+def _place(a: np.ndarray, bufs: tuple[np.ndarray, ...], starts: list[int]) -> tuple[int, int] | None:
+    """``(index in bufs, byte offset)`` of the buffer that holds all of ``a`` (``(0, 0)`` for no bytes)."""
+    if not a.nbytes:
+        return 0, 0
+    at = a.__array_interface__["data"][0]
+    for i, (b, start) in enumerate(zip(bufs, starts, strict=True)):
+        if start <= at and at + a.nbytes <= start + b.nbytes:
+            return i, at - start
+    return None
 
 
 def _common_fields(

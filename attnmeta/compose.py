@@ -53,7 +53,7 @@ import numpy.typing as npt
 import torch
 
 from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchError
-from attnmeta.common import CommonWriter, _stage_common
+from attnmeta.common import CommonPasses, CommonWriter, _stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata
 from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec, StepShape, scan_counts, shapes_of
@@ -261,13 +261,17 @@ class _Group:
 class _Record:
     """A recorded layout on one ring slot: how to stage it again and rewrite it."""
 
-    __slots__ = ("arrays", "groups", "indices", "layout", "replayers")
+    __slots__ = ("arrays", "devices", "groups", "indices", "layout", "passes", "replayers")
 
     def __init__(self, layout: StepLayout, groups: list[tuple[CommonWriter, bool, bool, int]],
                  replayers: list[tuple[str, int, int, Replayer[Any, Any]]], arrays: list[tuple[str, np.ndarray]],
-                 indices: list[str]) -> None:
+                 indices: list[str], graph: bool) -> None:
         self.layout = layout
         self.groups = groups  # per group: (its writer, causal, whether it writes the page table, numba threads)
+        # every group's common pass in one compiled call (build_counts; None: group by group)
+        self.passes = None if any(t > 1 for *_g, t in groups) else CommonPasses.of([w for w, *_g in groups])
+        # eager mode: the arrays' device views, the same every replay (their rows are in the key); graph: None
+        self.devices: dict[str, torch.Tensor] | None = None if graph else {}
         self.replayers = replayers  # (builder name, group index, position in the group, replayer)
         self.arrays = arrays  # (name, writable host view: eager the step's rows, graph the whole capacity)
         self.indices = indices  # graph mode, per group: the page indices' field name ("" without a page table)
@@ -726,7 +730,7 @@ class StepBuilder:
         records = self._records(step)
         if len(records) >= _MAX_RECORDS:
             records.clear()
-        records[key] = _Record(step.layout(), groups, replayers, arrays, indices)
+        records[key] = _Record(step.layout(), groups, replayers, arrays, indices, self._graph)
 
     # ------------------------------------------------------------------ a steady-state step
     def _replay(self, step: Step, rec: _Record, shapes: tuple[StepShape, ...], inputs: list[list[Any]],
@@ -735,14 +739,19 @@ class StepBuilder:
         """Rewrite ``rec``'s restaged fields for this step (of ``specs``, or of :meth:`build_counts`'s
         ``counts``), commit, and make the objects."""
         hosts: list[CommonHost] = []
+        passes = rec.passes
         try:
-            for g, ((w, causal, _paged, threads), shape) in enumerate(zip(rec.groups, shapes)):
-                if specs is not None:
-                    w.write(specs[g], threads=threads)
-                else:  # (build_counts: every group's counts are the same arrays, its table its own)
-                    c, q, tables, prompt, drafts, ub = counts[:6]  # type: ignore[index]
-                    w.write_arrays(c, q, tables[g][0], prompt, drafts, ub, threads=threads)
-                hosts.append(w.host(shape, causal))
+            if passes is not None and (passes.write(specs) if specs is not None
+                                       else passes.write_arrays(*counts[:6])):  # type: ignore[index]
+                hosts = [w.host(shape, causal) for (w, causal, _p, _t), shape in zip(rec.groups, shapes)]
+            else:  # (group by group)
+                for g, ((w, causal, _paged, threads), shape) in enumerate(zip(rec.groups, shapes)):
+                    if specs is not None:
+                        w.write(specs[g], threads=threads)
+                    else:  # (each group's table its own)
+                        c, q, tables, prompt, drafts, ub = counts[:6]  # type: ignore[index]
+                        w.write_arrays(c, q, tables[g][0], prompt, drafts, ub, threads=threads)
+                    hosts.append(w.host(shape, causal))
             for _n, gi, pi, rep in rec.replayers:
                 rep.rewrite(step, hosts[gi], inputs[gi][pi])
             for (_name, view), a in zip(rec.arrays, arrays):
@@ -770,7 +779,16 @@ class StepBuilder:
             meta[n] = m = rep.result(step, cms[gi], hosts[gi], pks[gi], inputs[gi][pi])
             owned.append(m)
         step.own_all(owned)
-        return ComposedStep(step, tuple(cms), meta, {n: step.device(n) for n, _v in rec.arrays} if rec.arrays else {})
+        devices = rec.devices
+        if not rec.arrays:
+            devices = {}
+        elif devices is None:  # (graph mode: the step's rows)
+            devices = {n: step.device(n) for n, _v in rec.arrays}
+        else:
+            if not devices:
+                devices.update([(n, step.device(n)) for n, _v in rec.arrays])
+            devices = devices.copy()
+        return ComposedStep(step, tuple(cms), meta, devices)
 
     def __repr__(self) -> str:
         groups = ", ".join(f"{g.prefix}: {[n for n, _b, _o in g.builders]}"

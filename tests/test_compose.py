@@ -303,6 +303,50 @@ def test_a_none_mode_decode_step_reads_its_state_slots_from_the_common_block_tab
 
 
 @pytest.mark.parametrize("profile", [None, dataclasses.replace(_PROFILE, chunk_size=16)], ids=["eager", "graph"])
+def test_a_replayed_step_writes_every_group_s_common_fields_in_one_compiled_call(
+        device: torch.device, profile: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replayed step of two groups (``build`` of specs made by ``for_group``, and ``build_counts``)
+    writes both groups' common fields with one compiled call (``CommonPasses``), and equals the step
+    staged through the builders. Tables of two compiled types (one read-only) are written group by group,
+    with the same result."""
+    import attnmeta.common as common_module
+
+    calls = {"passes": 0, "groups": 0}
+    passes, group = common_module.common_passes_nb, common_module.CommonWriter.write_arrays
+
+    def counted_passes(*a: Any) -> int:
+        calls["passes"] += 1
+        return passes(*a)  # type: ignore[no-any-return]
+
+    def counted_group(self: Any, *a: Any, **k: Any) -> None:
+        calls["groups"] += 1
+        group(self, *a, **k)
+
+    monkeypatch.setattr(common_module, "common_passes_nb", counted_passes)
+    monkeypatch.setattr(common_module.CommonWriter, "write_arrays", counted_group)
+
+    def groups() -> list[Group]:
+        return [Group({"fi": FLASHINFER}), Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))},
+                                                 prefix="mamba_common", table_column_step=1)]
+
+    for read_only in (False, True):
+        composer, reference, counts = _pair(device, groups, profile=profile)
+        steps = []
+        for spec in _walk(6, 12):
+            states = np.repeat((1 + np.arange(spec.num_reqs, dtype=np.int32))[:, None], spec.block_table.shape[1], 1)
+            states.flags.writeable = not read_only
+            steps.append(((spec, spec.for_group(block_table=states, block_size=16)), None, None))
+        calls.update(passes=0, groups=0)
+        _check(composer, reference, counts, steps)
+        replayed, built = composer.stats.replayed + counts.stats.replayed, 3 * len(steps)
+        assert replayed >= 10, composer.stats
+        if read_only:  # (a writable attention table beside a read-only state table: two compiled types)
+            assert calls == {"passes": 0, "groups": 2 * built}, calls
+        else:  # (every composed step, the reference's all, writes group by group as it stages)
+            assert calls == {"passes": replayed, "groups": 2 * (built - replayed)}, calls
+
+
+@pytest.mark.parametrize("profile", [None, dataclasses.replace(_PROFILE, chunk_size=16)], ids=["eager", "graph"])
 def test_two_groups_device_fields_hold_their_host_values_when_a_prefill_step_grows_the_layout(
         device: torch.device, profile: Any) -> None:
     """Decode steps, then prefill steps whose Mamba fields grow the layout (graph mode: new fields of the

@@ -30,7 +30,16 @@ from attnmeta.host.layout import (
 from attnmeta.host.paged import paged_indices_nb, paged_layout_nb
 from attnmeta.spec import BatchSpec
 
-__all__ = ["BAD_BLOCK_ID", "bad_block_id", "block_table_rows_par_nb", "common_layout", "common_pass_nb"]
+__all__ = [
+    "BAD_BLOCK_ID",
+    "PASS_OUTPUTS",
+    "PLAN_WIDTH",
+    "bad_block_id",
+    "block_table_rows_par_nb",
+    "common_layout",
+    "common_pass_nb",
+    "common_passes_nb",
+]
 
 _SHORT_INDICES = 1 << 20  # common_pass_nb's status for an ``indices`` shorter than the page count
 BAD_BLOCK_ID = 1 << 21
@@ -154,6 +163,64 @@ def common_pass_nb(
         for i in range(Bp + 1, indptr.shape[0]):
             indptr[i] = indptr[Bp]
     return status
+
+
+# A row of common_passes_nb's plan: for each output of common_pass_nb, in its argument order, the
+# buffer it lives in (an index into ``bufs``) and its first and last-plus-one byte there; then the
+# group's scalars.
+PASS_OUTPUTS = ("qsl", "sl", "bt", "pos", "sm", "ub", "nc", "pre", "ddt", "indptr", "last", "indices")
+P_BLOCK_SIZE, P_WORLD, P_RANK, P_INTERLEAVE, P_KV_BLOCKS, P_TOKENS, P_PAGED, P_ROWS, P_COLUMNS = range(36, 45)
+PLAN_WIDTH = 45
+
+
+@njit
+def common_passes_nb(
+    c: np.ndarray,
+    q: np.ndarray,
+    prompt: np.ndarray | None,
+    drafts: np.ndarray | None,
+    upper: np.ndarray | None,
+    tables: tuple[np.ndarray, ...],
+    bufs: tuple[np.ndarray, ...],
+    plan: np.ndarray,
+) -> int:
+    """:func:`common_pass_nb` of every KV-cache group of one step (serial, rows copied here), in one
+    compiled call: group ``g`` reads the counts and ``tables[g]`` (C-contiguous int32 tables, all
+    writable or all read-only: one compiled type for the tuple) and writes the outputs that row ``g``
+    of ``plan`` places in ``bufs``. What the call saves is the per-call cost of a compiled call: a few
+    arrays to unbox instead of fifteen per group.
+
+    ``plan`` is ``(groups, PLAN_WIDTH)`` int64: for each name of :data:`PASS_OUTPUTS` (the outputs of
+    :func:`common_pass_nb`, in its argument order) the index in ``bufs`` of the uint8 buffer it lives
+    in and its first and last-plus-one byte; then ``block_size``, ``world_size``, ``rank``,
+    ``interleave``, ``num_kv_blocks``, ``do_tokens``, ``paged``, and the block table's rows and columns
+    (``P_BLOCK_SIZE`` ... ``P_COLUMNS``). The outputs are int32 but ``pos`` and ``sm`` (int64) and
+    ``pre`` (bool). Unchecked, as :func:`common_pass_nb`: :class:`attnmeta.common.CommonPasses` makes
+    the plan from the writers' own views.
+
+    Returns 0, or ``g + 1`` for the first group whose pass returned a non-zero status (the groups
+    after it are not written): the caller writes the groups again one by one, which names the error.
+    """
+    for g in range(plan.shape[0]):
+        p = plan[g]
+        qsl = bufs[p[0]][p[1] : p[2]].view(np.int32)
+        seq_lens = bufs[p[3]][p[4] : p[5]].view(np.int32)
+        bt = bufs[p[6]][p[7] : p[8]].view(np.int32).reshape((p[P_ROWS], p[P_COLUMNS]))
+        positions = bufs[p[9]][p[10] : p[11]].view(np.int64)
+        slots = bufs[p[12]][p[13] : p[14]].view(np.int64)
+        ub = bufs[p[15]][p[16] : p[17]].view(np.int32)
+        nc = bufs[p[18]][p[19] : p[20]].view(np.int32)
+        pre = bufs[p[21]][p[22] : p[23]].view(np.bool_)
+        ddt = bufs[p[24]][p[25] : p[26]].view(np.int32)
+        indptr = bufs[p[27]][p[28] : p[29]].view(np.int32)
+        last = bufs[p[30]][p[31] : p[32]].view(np.int32)
+        indices = bufs[p[33]][p[34] : p[35]].view(np.int32)
+        status = common_pass_nb(c, q, tables[g], p[P_BLOCK_SIZE], p[P_WORLD], p[P_RANK], p[P_INTERLEAVE],
+                                p[P_KV_BLOCKS], prompt, drafts, upper, p[P_TOKENS] != 0, True, qsl, seq_lens, bt,
+                                positions, slots, ub, nc, pre, ddt, p[P_PAGED] != 0, indptr, last, indices)
+        if status:
+            return g + 1
+    return 0
 
 
 @njit
