@@ -423,14 +423,13 @@ class CommonPasses:
         return cls(tuple(writers), bufs, np.array(rows, np.int64))
 
     def write_arrays(self, c: np.ndarray, q: np.ndarray, tables: Sequence[tuple[np.ndarray, int]],
-                     prompt: np.ndarray | None, drafts: np.ndarray | None, upper: np.ndarray | None) -> bool:
+                     prompt: np.ndarray | None, drafts: np.ndarray | None, upper: np.ndarray | None) -> None:
         """Every writer's :meth:`CommonWriter.write_arrays` of the counts and its group's table
         (``tables[g][0]``: C-contiguous int32, as :meth:`attnmeta.compose.StepBuilder.build_counts`
-        checked), serially, in one compiled call; the same errors. Returns True (as :meth:`write`)."""
+        checked), serially, in one compiled call; the same errors."""
         if not self._call(c, q, prompt, drafts, upper, tuple([t for t, _bs in tables])):
             for w, (table, _bs) in zip(self.writers, tables, strict=True):
                 w.write_arrays(c, q, table, prompt, drafts, upper)
-        return True
 
     def write(self, specs: Sequence[BatchSpec]) -> bool:
         """Every writer's :meth:`CommonWriter.write` of its group's spec, in one compiled call; the same

@@ -268,7 +268,7 @@ class _Record:
                  indices: list[str], graph: bool) -> None:
         self.layout = layout
         self.groups = groups  # per group: (its writer, causal, whether it writes the page table, numba threads)
-        # every group's common pass in one compiled call (build_counts; None: group by group)
+        # every group's common pass in one compiled call (None: group by group, each on numba's pool when threaded)
         self.passes = None if any(t > 1 for *_g, t in groups) else CommonPasses.of([w for w, *_g in groups])
         # eager mode: the arrays' device views, the same every replay (their rows are in the key); graph: None
         self.devices: dict[str, torch.Tensor] | None = None if graph else {}
@@ -741,8 +741,12 @@ class StepBuilder:
         hosts: list[CommonHost] = []
         passes = rec.passes
         try:
-            if passes is not None and (passes.write(specs) if specs is not None
-                                       else passes.write_arrays(*counts[:6])):  # type: ignore[index]
+            if passes is not None:
+                if specs is None:  # (build_counts: every group's counts are the same arrays)
+                    passes.write_arrays(*counts[:6])  # type: ignore[index]
+                elif not passes.write(specs):  # (specs with counts of their own)
+                    passes = None
+            if passes is not None:
                 hosts = [w.host(shape, causal) for (w, causal, _p, _t), shape in zip(rec.groups, shapes)]
             else:  # (group by group)
                 for g, ((w, causal, _paged, threads), shape) in enumerate(zip(rec.groups, shapes)):

@@ -307,8 +307,8 @@ def test_a_replayed_step_writes_every_group_s_common_fields_in_one_compiled_call
         device: torch.device, profile: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A replayed step of two groups (``build`` of specs made by ``for_group``, and ``build_counts``)
     writes both groups' common fields with one compiled call (``CommonPasses``), and equals the step
-    staged through the builders. Tables of two compiled types (one read-only) are written group by group,
-    with the same result."""
+    staged through the builders. Tables of two compiled types (one read-only), and specs whose counts are
+    arrays of their own, are written group by group, with the same result."""
     import attnmeta.common as common_module
 
     calls = {"passes": 0, "groups": 0}
@@ -329,19 +329,24 @@ def test_a_replayed_step_writes_every_group_s_common_fields_in_one_compiled_call
         return [Group({"fi": FLASHINFER}), Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))},
                                                  prefix="mamba_common", table_column_step=1)]
 
-    for read_only in (False, True):
+    for case in ("for_group", "read-only table", "counts of its own"):
         composer, reference, counts = _pair(device, groups, profile=profile)
         steps = []
         for spec in _walk(6, 12):
             states = np.repeat((1 + np.arange(spec.num_reqs, dtype=np.int32))[:, None], spec.block_table.shape[1], 1)
-            states.flags.writeable = not read_only
-            steps.append(((spec, spec.for_group(block_table=states, block_size=16)), None, None))
+            states.flags.writeable = case != "read-only table"
+            other = (spec.for_group(block_table=states, block_size=16) if case != "counts of its own" else
+                     BatchSpec(num_computed_tokens=spec.num_computed_tokens.copy(),
+                               num_scheduled_tokens=spec.num_scheduled_tokens.copy(), block_table=states, block_size=16))
+            steps.append(((spec, other), None, None))
         calls.update(passes=0, groups=0)
         _check(composer, reference, counts, steps)
         replayed, built = composer.stats.replayed + counts.stats.replayed, 3 * len(steps)
         assert replayed >= 10, composer.stats
-        if read_only:  # (a writable attention table beside a read-only state table: two compiled types)
+        if case == "read-only table":  # (a writable attention table beside a read-only state table: two types)
             assert calls == {"passes": 0, "groups": 2 * built}, calls
+        elif case == "counts of its own":  # (build: group by group; build_counts: one set of counts)
+            assert calls == {"passes": counts.stats.replayed, "groups": 2 * (built - counts.stats.replayed)}, calls
         else:  # (every composed step, the reference's all, writes group by group as it stages)
             assert calls == {"passes": replayed, "groups": 2 * (built - replayed)}, calls
 
