@@ -36,6 +36,13 @@ their lengths only (the longest sequence, the page count), and for builders that
 (:meth:`~attnmeta.builder.Builder.reads_lengths`) the composer asks once per class of shapes without
 them and adds the width and the page bucket itself.
 
+Why one module
+--------------
+A step's key (:meth:`StepBuilder._key`), what a recorded layout keeps (``_Record``: the writers, the
+one-call common passes, the replayers, the arrays' views) and the replay that rewrites it must agree on
+every field the layout holds: a part of the layout the key leaves out is one the replay would write
+wrongly. Kept side by side, one reading shows they do.
+
 Shape legend
 ------------
 As in :mod:`attnmeta.metadata`; an array's rows are the length of the array given each step.
