@@ -272,13 +272,14 @@ class _Record:
 
     def __init__(self, layout: StepLayout, groups: list[tuple[CommonWriter, bool, bool, int]],
                  replayers: list[tuple[str, int, int, Replayer[Any, Any]]], arrays: list[tuple[str, np.ndarray]],
-                 indices: list[str], graph: bool) -> None:
+                 indices: list[str], devices: dict[str, torch.Tensor] | None) -> None:
         self.layout = layout
         self.groups = groups  # per group: (its writer, causal, whether it writes the page table, numba threads)
         # every group's common pass in one compiled call (None: group by group, each on numba's pool when threaded)
         self.passes = None if any(t > 1 for *_g, t in groups) else CommonPasses.of([w for w, *_g in groups])
-        # eager mode: the arrays' device views, the same every replay (their rows are in the key); graph: None
-        self.devices: dict[str, torch.Tensor] | None = None if graph else {}
+        # eager mode: the arrays' device views, the recorded step's and every replay's (their rows are in the
+        # key); graph mode: None (each step's rows)
+        self.devices = devices
         self.replayers = replayers  # (builder name, group index, position in the group, replayer)
         self.arrays = arrays  # (name, writable host view: eager the step's rows, graph the whole capacity)
         self.indices = indices  # graph mode, per group: the page indices' field name ("" without a page table)
@@ -713,14 +714,14 @@ class StepBuilder:
                 for (n, _b, _o), s in zip(g.builders, ss, strict=True)}
         out = ComposedStep(step, cms, meta, {n: step.device(n) for n, *_r in self._arrays})
         if key is not None and not step.stats.grew:
-            self._record(step, key, specs, inputs, commons, writers, paged_flags, staged, views)
+            self._record(step, key, specs, inputs, commons, writers, paged_flags, staged, views, dict(out.arrays))
         return out
 
     def _record(self, step: Step, key: tuple[Hashable, ...], specs: tuple[BatchSpec, ...], inputs: list[list[Any]],
                 commons: list[Any], writers: list[CommonWriter], paged: list[bool], staged: list[list[Staged[Any, Any]]],
-                views: list[np.ndarray]) -> None:
+                views: list[np.ndarray], devices: dict[str, torch.Tensor]) -> None:
         """Keep what a replay of this committed step's layout on its slot needs (unless a builder
-        declines)."""
+        declines); ``devices``: a copy of the arrays' device views it handed out (the caller may change its dict)."""
         replayers: list[tuple[str, int, int, Replayer[Any, Any]]] = []
         for gi, (g, common, ss, inp) in enumerate(zip(self._groups, commons, staged, inputs, strict=True)):
             for pi, ((n, b, o), s, i) in enumerate(zip(g.builders, ss, inp, strict=True)):
@@ -737,7 +738,7 @@ class StepBuilder:
         records = self._records(step)
         if len(records) >= _MAX_RECORDS:
             records.clear()
-        records[key] = _Record(step.layout(), groups, replayers, arrays, indices, self._graph)
+        records[key] = _Record(step.layout(), groups, replayers, arrays, indices, None if self._graph else devices)
 
     # ------------------------------------------------------------------ a steady-state step
     def _replay(self, step: Step, rec: _Record, shapes: tuple[StepShape, ...], inputs: list[list[Any]],
@@ -791,15 +792,8 @@ class StepBuilder:
             owned.append(m)
         step.own_all(owned)
         devices = rec.devices
-        if not rec.arrays:
-            devices = {}
-        elif devices is None:  # (graph mode: the step's rows)
-            devices = {n: step.device(n) for n, _v in rec.arrays}
-        else:
-            if not devices:
-                devices.update([(n, step.device(n)) for n, _v in rec.arrays])
-            devices = devices.copy()
-        return ComposedStep(step, tuple(cms), meta, devices)
+        return ComposedStep(step, tuple(cms), meta, devices.copy() if devices is not None else
+                            {n: step.device(n) for n, _v in rec.arrays})
 
     def __repr__(self) -> str:
         groups = ", ".join(f"{g.prefix}: {[n for n, _b, _o in g.builders]}"
