@@ -101,14 +101,26 @@ PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"), ("varlen", "vllm-va
 
 
 def _requests(n: int, prompt: int, new: int, vocab: int, seed: int) -> list[Request]:
+    """``n`` requests of ``new`` tokens each, their prompts of :func:`_prompt_range` lengths, drawn from
+    ``seed``: each run of the workload is a new one, as a serving loop's steps are. (A run that repeated
+    an earlier run's requests would repeat its steps exactly, every step's lengths included, and the step
+    composer would find each step in its caches by exact step shape, which a serving loop misses on
+    nearly every decode step: its longest sequence grows every step.)"""
     g = torch.Generator().manual_seed(seed)
-    return [Request(i, torch.randint(1, vocab, (prompt,), generator=g).tolist(), new) for i in range(n)]
+    lo, hi = _prompt_range(prompt)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [Request(i, torch.randint(1, vocab, (k,), generator=g).tolist(), new) for i, k in enumerate(lengths)]
+
+
+def _prompt_range(prompt: int) -> tuple[int, int]:
+    """The prompt lengths of a ``--prompt`` workload: ``prompt`` give or take a quarter."""
+    return max(1, prompt - prompt // 4), prompt + prompt // 4
 
 
 def _engine(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device) -> Engine:
     kernel, graphs, uploads, metadata = MODES[mode]
     sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s <= max(n, 1))
-    blocks_per_req = -(-(prompt + new) // 16)
+    blocks_per_req = -(-(_prompt_range(prompt)[1] + new) // 16)
     cfg = EngineConfig(block_size=16, num_blocks=n * blocks_per_req + 64, max_num_tokens=max(8192, n),
                        max_num_seqs=max(n, 1), max_model_len=blocks_per_req * 16, decode_sizes=sizes,
                        cuda_graphs=graphs, uploads=uploads, mamba_kernels="vllm",  # type: ignore[arg-type]
@@ -178,10 +190,10 @@ def warm_engine(model: Any, mode: str, n: int, prompt: int, new: int, device: to
     return engine
 
 
-def timed_run(engine: Engine, n: int, prompt: int, new: int, vocab: int) -> dict[str, Any]:
-    """One timed run of the workload (seed 1, GC off): each step's kind, time, metadata time, fence wait
-    and replay flag, the run's copies, plan time and waits, and the generated tokens."""
-    reqs = _requests(n, prompt, new, vocab, 1)
+def timed_run(engine: Engine, n: int, prompt: int, new: int, vocab: int, seed: int = 1) -> dict[str, Any]:
+    """One timed run of the workload (requests of ``seed``, GC off): each step's kind, time, metadata time,
+    fence wait and replay flag, the run's copies, plan time and waits, and the generated tokens."""
+    reqs = _requests(n, prompt, new, vocab, seed)
     st = engine.stats
     gc.collect()
     gc.disable()
@@ -196,7 +208,7 @@ def timed_run(engine: Engine, n: int, prompt: int, new: int, vocab: int) -> dict
     return {"kinds": st.step_kinds[s0:], "times": st.step_times[st0:], "metadata": st.step_metadata[s0:],
             "fence": st.step_fence[s0:], "replayed": st.step_replayed[s0:], "steps": st.steps - n0,
             "copies": st.metadata_copies - c0, "plan_s": st.plan_s - plan0, "waits": st.token_waits - w0,
-            "wall": wall, "tokens": [r.tokens[prompt:] for r in reqs]}
+            "wall": wall, "tokens": [r.tokens[len(r.prompt):] for r in reqs]}
 
 
 def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, prompt: int, new: int, vocab: int,
@@ -277,9 +289,9 @@ def measure_all(model: Any, modes: list[str], n: int, prompt: int, new: int, dev
     vocab = model.config.vocab_size
     engines = {mode: warm_engine(model, mode, n, prompt, new, device) for mode in modes}
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-    for _ in range(rounds):
+    for k in range(rounds):  # (each round its own requests, the same for every mode)
         for mode in modes:
-            runs[mode].append(timed_run(engines[mode], n, prompt, new, vocab))
+            runs[mode].append(timed_run(engines[mode], n, prompt, new, vocab, 1000 + k))
     rows = [summarize(engines[m], m, runs[m], n, prompt, new, vocab, cold_us) for m in modes]
     del engines
     gc.collect()
@@ -293,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--concurrency", default="1,64,256")
     p.add_argument("--modes", default="graphs,eager,per-tensor")
-    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=64,
+                   help="prompt length, give or take a quarter (default 64: prompts of 48 to 80 tokens)")
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--model", choices=["1b", "hybrid-1b", "tiny"], default="1b")
     p.add_argument("--json", default=None)
@@ -314,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(config, device, torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {'Bamba (Mamba2 layers: vLLM kernels)' if hybrid else 'Llama'} {params / 1e9:.2f}B params, bf16, "
-          f"{device_name}; prompt {a.prompt}, {a.new} new tokens per request", flush=True)
+          f"{device_name}; prompts of {'-'.join(map(str, _prompt_range(a.prompt)))} tokens, {a.new} new tokens per "
+          f"request, new requests every run", flush=True)
     modes = "eager" if hybrid and a.modes == p.get_default("modes") else a.modes
     unknown = [m for m in modes.split(",") if m not in MODES]
     if unknown:

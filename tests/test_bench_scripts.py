@@ -212,3 +212,41 @@ def test_bench_engine_pairs_the_rounds() -> None:
     ours, theirs = [2.0, 4.0, 1.0], [3.0, 6.0, 1.5]  # every round 1.5x, the host twice as fast in round 3
     assert mod.paired(ours, theirs) == 1.5 == mod.paired([x * 3 for x in ours], [x * 3 for x in theirs])
     assert mod.paired([1.0, 2.0], [2.0, 3.0]) == 1.75  # (an even count: the mean of the middle two)
+
+
+def test_bench_engine_timed_runs_make_steps_no_earlier_run_made() -> None:
+    """Each timed round of bench_engine.py serves new requests (the same for every mode of the round), so
+    its decode steps are (all but a few met by chance) not steps an earlier run made: a run that repeated the warm-up's requests would
+    repeat its steps' exact shapes, and the step composer would find every step in its caches by exact
+    shape, which a serving loop, whose longest sequence grows every step, misses."""
+    import importlib.util
+
+    import torch
+
+    spec_ = importlib.util.spec_from_file_location("bench_engine_runs", ROOT / "benchmarks" / "bench_engine.py")
+    assert spec_ is not None and spec_.loader is not None
+    mod = importlib.util.module_from_spec(spec_)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec_.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from examples.engine.workload import make_model, tiny_config
+
+    model = make_model(tiny_config())
+    vocab = model.config.vocab_size
+    n, prompt, new = 16, 64, 8
+    assert [r.prompt for r in mod._requests(n, prompt, new, vocab, 1000)] == [
+        r.prompt for r in mod._requests(n, prompt, new, vocab, 1000)]  # (every mode of a round: the same requests)
+    engine = mod.warm_engine(model, "paged", n, prompt, new, torch.device("cpu"))
+    seen: set[tuple[int, ...]] = set()
+    for seed in (0, 1000, 1001):  # the warm-up's requests, then two rounds'
+        engine.trace = []
+        engine.run(mod._requests(n, prompt, new, vocab, seed))
+        shapes = {tuple(specs[0].shape) for specs, _inputs, _arrays in engine.trace
+                  if int(specs[0].max_query_len) == 1}
+        assert shapes, "no decode steps"
+        if seed:
+            assert len(shapes & seen) <= len(shapes) // 4, (seed, sorted(shapes & seen))  # (a few meet by chance)
+        seen |= shapes
+    engine.trace = None

@@ -514,3 +514,33 @@ def test_build_counts_takes_lists_and_other_dtypes_as_build_does() -> None:
                                      block_size=4, num_reqs_padded=4))
     assert_same(got.metadata, want.metadata, "metadata")
     assert_same(got.commons, want.commons, "commons")
+
+
+@pytest.mark.parametrize("profile", [None, dataclasses.replace(_PROFILE, chunk_size=16)], ids=["eager", "graph"])
+def test_build_and_build_counts_find_each_other_s_layouts(device: torch.device, profile: Any) -> None:
+    """``build`` keys a step by its shapes, ``build_counts`` by its counts' scan (the class of the scan
+    without its lengths, then the lengths): on one composer, steps alternating between the two entries
+    replay the layouts the other entry recorded on their ring slots, with every step's lengths new (a
+    serving loop's decode walk), and equal the reference."""
+    def groups() -> list[Group]:
+        return [Group({"fi": FLASHINFER}), Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))},
+                                                 prefix="mamba_common", table_column_step=1)]
+
+    composer, reference = _pair(device, groups, profile=profile)[:2]
+    walk = _walk(6, 15)
+    assert len({(s.max_seq_len, s.num_pages) for s in walk}) == len(walk)  # (no step's lengths repeat)
+    slots = composer.stager.num_slots
+    for k, spec in enumerate(walk):
+        states = np.repeat((1 + np.arange(spec.num_reqs, dtype=np.int32))[:, None], spec.block_table.shape[1], 1)
+        specs = (spec, spec.for_group(block_table=states, block_size=16))
+        before = composer.stats.replayed
+        if (k // slots) % 2:  # (each slot's previous step came through the other entry)
+            args, kw = counts_arguments(specs)
+            got = composer.build_counts(*args, **kw)
+        else:
+            got = composer.build(specs)
+        want = reference.build(specs)
+        if k >= 2 * slots:  # (a slot's first step grows it, and a step that grew records no layout)
+            assert composer.stats.replayed == before + 1, f"step {k} was composed, not replayed"
+        assert_same(got.commons, want.commons, f"step {k} commons")
+        assert_same(got.metadata, want.metadata, f"step {k} metadata")
