@@ -51,8 +51,7 @@ As in :mod:`attnmeta.metadata`; an array's rows are the length of the array give
 from __future__ import annotations
 
 import dataclasses
-import operator
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numba
@@ -106,14 +105,6 @@ def _shape_width(shape: StepShape, columns: int, step: int) -> int:
     (what the composer stages: ``table_columns`` of the step, at least ``columns`` before rounding)."""
     need = -(-shape.max_exact_seq_len // shape.block_size) or 1
     return _width(columns if columns > need else need, step, shape.table_columns)
-
-
-def _scan_class_getter(groups: int) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
-    """The class of a :func:`~attnmeta.spec.scan_counts` result over ``groups`` groups: the scan without
-    its three lengths (``max_seq_len``, ``max_exact_seq_len`` and each group's ``num_pages``), as one
-    tuple (one C call)."""
-    lengths = {6, 7, *range(12, 12 + 3 * groups, 3)}
-    return operator.itemgetter(*[i for i in range(12 + 3 * groups) if i not in lengths])
 
 
 def _lengths_fit(shape: StepShape, prof: StaticProfile | None) -> bool:
@@ -365,18 +356,16 @@ class StepBuilder:
             if stager.graph_mode and a.capacity is None:
                 raise ValueError(f"Array({a.name!r}): a graph-mode stager needs its capacity")
             self._arrays.append((a.name, dt, a.capacity, a.fill))
-        if len({a[0] for a in self._arrays}) != len(self._arrays):
+        self._array_names = frozenset(a[0] for a in self._arrays)
+        if len(self._array_names) != len(self._arrays):
             raise ValueError("arrays: names must be unique")
         self._graph = stager.graph_mode
         self._threads = threads
         self._token = object()  # this composer's key in each slot's extras
         self._no_inputs = self._inputs({})  # every builder's empty inputs (the usual step's)
         self._keys: dict[tuple[StepShape, ...], tuple[Hashable, ...] | None] = {}  # by shapes, without inputs
-        # build_counts: scan_counts's scalars -> [shapes, the key without inputs (or _MISS), the scan]
-        self._scans: dict[tuple[Any, ...], list[Any]] = {}
+        self._scans: dict[tuple[Any, ...], tuple[StepShape, ...]] = {}  # build_counts: scan_counts's scalars -> shapes
         self._classes: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}  # _key's, by shapes without lengths
-        self._scan_classes: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}  # the same, by a scan without them
-        self._scan_class = _scan_class_getter(len(self._groups))
         self._numbers: dict[tuple[Hashable, ...], int] = {}  # a class's number, by its key without lengths
         self._made = 0  # class numbers given (never reused)
         self._scratch = np.zeros((len(self._groups) - 1, 3), np.int64)  # scan_counts's per-group scalars
@@ -490,14 +479,12 @@ class StepBuilder:
         self.stats.steps += 1
         inp = self._no_inputs if not inputs else self._inputs(inputs)
         arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
-        entry = self._scans.get(scan)
-        if entry is None:  # (an engine's loop: every decode step has a new longest sequence)
+        shapes = self._scans.get(scan)
+        if shapes is None:
             if len(self._scans) >= _MAX_KEYS:
                 self._scans.clear()
-            entry = self._scans[scan] = [shapes_of(scan), _MISS, scan]
-        shapes: tuple[StepShape, ...] = entry[0]
-        return self._run(shapes, self._key(shapes, inp, arr, entry), inp, arr, None,
-                         (c, q, tables, prompt, drafts, ub, rp, tp))
+            shapes = self._scans[scan] = shapes_of(scan)
+        return self._run(shapes, self._key(shapes, inp, arr), inp, arr, None, (c, q, tables, prompt, drafts, ub, rp, tp))
 
     def _run(self, shapes: tuple[StepShape, ...], key: tuple[Hashable, ...] | None, inputs: list[list[Any]],
              arrays: list[np.ndarray], specs: tuple[BatchSpec, ...] | None, counts: tuple[Any, ...] | None
@@ -530,7 +517,7 @@ class StepBuilder:
 
     def _check_arrays(self, arrays: Mapping[str, np.ndarray] | None) -> list[np.ndarray]:
         got = arrays or {}
-        if len(got) != len(self._arrays) or any(n not in got for n, *_r in self._arrays):
+        if got.keys() != self._array_names:
             names = [n for n, *_r in self._arrays]
             raise TypeError(f"arrays: expected exactly {names}, got {sorted(got)}")
         out = []
@@ -544,8 +531,8 @@ class StepBuilder:
             out.append(a)
         return out
 
-    def _key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]], arrays: list[np.ndarray],
-             scanned: list[Any] | None = None) -> tuple[Hashable, ...] | None:
+    def _key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]], arrays: list[np.ndarray]
+             ) -> tuple[Hashable, ...] | None:
         """Everything the step's layout depends on, or None: compose it (context parallelism, a builder
         without a replay key, graph mode beyond the profile: the builders raise their errors). A
         function of the shapes, the inputs and (eager mode) the arrays' rows.
@@ -555,41 +542,26 @@ class StepBuilder:
         ``max_seq_len``, ``max_exact_seq_len`` and ``num_pages``: the steps of a decode loop are of one
         class), and the lengths add the block-table width and the page bucket of each group; a group
         with a builder that reads the lengths (:meth:`~attnmeta.builder.Builder.reads_lengths`) is
-        asked for every new shape. ``scanned``: :meth:`build_counts`'s entry of the step's scan
-        (``[shapes, key or _MISS, scan]``), which keeps the key, and whose class (the scan without its
-        lengths) stands for the shapes' class: a serving loop's decode step, whose lengths are new,
-        hashes no :class:`StepShape`."""
+        asked for every new shape."""
         if inputs is not self._no_inputs:
             parts = [self._group_key(g, shape, inp) for g, shape, inp in zip(self._groups, shapes, inputs)]
             return None if None in parts else self._with_rows(tuple(parts), arrays)
-        if scanned is not None:  # (build_counts: the key kept with its scan, or found by the scan's class)
-            key = scanned[1]
-            if key is _MISS:
-                key = scanned[1] = self._lengths_key(shapes, inputs, self._scan_class(scanned[2]))
-        else:
-            key = self._keys.get(shapes, _MISS)
-            if key is _MISS:
-                if len(self._keys) >= _MAX_KEYS:
-                    self._keys.clear()
-                key = self._keys[shapes] = self._lengths_key(shapes, inputs)
+        key = self._keys.get(shapes, _MISS)  # (a loop that repeats its steps exactly: a benchmark's)
+        if key is _MISS:
+            if len(self._keys) >= _MAX_KEYS:
+                self._keys.clear()
+            key = self._keys[shapes] = self._lengths_key(shapes, inputs)
         return None if key is None else self._with_rows(key, arrays)  # type: ignore[arg-type]
 
-    def _lengths_key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]],
-                     scan_class: tuple[Any, ...] | None = None) -> tuple[Hashable, ...] | None:
+    def _lengths_key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]]) -> tuple[Hashable, ...] | None:
         """:meth:`_key` of a step without inputs, but the arrays' rows: its class's part
-        (:meth:`_class_entry`) and what its lengths add. ``scan_class``: the class as
-        :meth:`build_counts` has it (:attr:`_scan_class` of its scan), looked up without slicing the
-        shapes."""
-        if scan_class is None:
-            classes = self._classes
-            cls = shapes[0][:6] + shapes[0][9:] if len(shapes) == 1 else tuple([s[:6] + s[9:] for s in shapes])
-        else:
-            classes, cls = self._scan_classes, scan_class
-        entry = classes.get(cls, _MISS)  # (a StepShape without its three lengths)
+        (:meth:`_class_entry`) and what its lengths add."""
+        cls = shapes[0][:6] + shapes[0][9:] if len(shapes) == 1 else tuple([s[:6] + s[9:] for s in shapes])
+        entry = self._classes.get(cls, _MISS)  # (a StepShape without its three lengths)
         if entry is _MISS:
-            if len(classes) >= _MAX_KEYS:
-                classes.clear()
-            entry = classes[cls] = self._class_entry(shapes, inputs)
+            if len(self._classes) >= _MAX_KEYS:
+                self._classes.clear()
+            entry = self._classes[cls] = self._class_entry(shapes, inputs)
         if entry is None:
             return None
         assert isinstance(entry, tuple)

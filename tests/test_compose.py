@@ -518,10 +518,10 @@ def test_build_counts_takes_lists_and_other_dtypes_as_build_does() -> None:
 
 @pytest.mark.parametrize("profile", [None, dataclasses.replace(_PROFILE, chunk_size=16)], ids=["eager", "graph"])
 def test_build_and_build_counts_find_each_other_s_layouts(device: torch.device, profile: Any) -> None:
-    """``build`` keys a step by its shapes, ``build_counts`` by its counts' scan (the class of the scan
-    without its lengths, then the lengths): on one composer, steps alternating between the two entries
-    replay the layouts the other entry recorded on their ring slots, with every step's lengths new (a
-    serving loop's decode walk), and equal the reference."""
+    """``build`` keys a step by its specs' shapes, ``build_counts`` by the shapes its counts' scan makes
+    (neither makes the other's specs): on one composer, steps alternating between the two entries replay
+    the layouts the other entry recorded on their ring slots, with every step's lengths new (a serving
+    loop's decode walk), and equal the reference."""
     def groups() -> list[Group]:
         return [Group({"fi": FLASHINFER}), Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))},
                                                  prefix="mamba_common", table_column_step=1)]
