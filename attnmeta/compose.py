@@ -51,7 +51,8 @@ As in :mod:`attnmeta.metadata`; an array's rows are the length of the array give
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Mapping, Sequence
+import operator
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import numba
@@ -105,6 +106,13 @@ def _shape_width(shape: StepShape, columns: int, step: int) -> int:
     (what the composer stages: ``table_columns`` of the step, at least ``columns`` before rounding)."""
     need = -(-shape.max_exact_seq_len // shape.block_size) or 1
     return _width(columns if columns > need else need, step, shape.table_columns)
+
+
+def _scan_class_getter(groups: int) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """The class of a :func:`~attnmeta.spec.scan_counts` result over ``groups`` groups, as one tuple: the
+    scan without its lengths (``max_seq_len``, ``max_exact_seq_len`` and each group's ``num_pages``)."""
+    lengths = {6, 7, *range(12, 12 + 3 * groups, 3)}
+    return operator.itemgetter(*[i for i in range(12 + 3 * groups) if i not in lengths])
 
 
 def _lengths_fit(shape: StepShape, prof: StaticProfile | None) -> bool:
@@ -364,8 +372,9 @@ class StepBuilder:
         self._token = object()  # this composer's key in each slot's extras
         self._no_inputs = self._inputs({})  # every builder's empty inputs (the usual step's)
         self._keys: dict[tuple[StepShape, ...], tuple[Hashable, ...] | None] = {}  # by shapes, without inputs
-        self._scans: dict[tuple[Any, ...], tuple[StepShape, ...]] = {}  # build_counts: scan_counts's scalars -> shapes
         self._classes: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}  # _key's, by shapes without lengths
+        self._scan_classes: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}  # the same, by scans without them
+        self._scan_class = _scan_class_getter(len(self._groups))
         self._numbers: dict[tuple[Hashable, ...], int] = {}  # a class's number, by its key without lengths
         self._made = 0  # class numbers given (never reused)
         self._scratch = np.zeros((len(self._groups) - 1, 3), np.int64)  # scan_counts's per-group scalars
@@ -479,12 +488,8 @@ class StepBuilder:
         self.stats.steps += 1
         inp = self._no_inputs if not inputs else self._inputs(inputs)
         arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
-        shapes = self._scans.get(scan)
-        if shapes is None:
-            if len(self._scans) >= _MAX_KEYS:
-                self._scans.clear()
-            shapes = self._scans[scan] = shapes_of(scan)
-        return self._run(shapes, self._key(shapes, inp, arr), inp, arr, None, (c, q, tables, prompt, drafts, ub, rp, tp))
+        shapes = shapes_of(scan)
+        return self._run(shapes, self._key(shapes, inp, arr, scan), inp, arr, None, (c, q, tables, prompt, drafts, ub, rp, tp))
 
     def _run(self, shapes: tuple[StepShape, ...], key: tuple[Hashable, ...] | None, inputs: list[list[Any]],
              arrays: list[np.ndarray], specs: tuple[BatchSpec, ...] | None, counts: tuple[Any, ...] | None
@@ -531,8 +536,8 @@ class StepBuilder:
             out.append(a)
         return out
 
-    def _key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]], arrays: list[np.ndarray]
-             ) -> tuple[Hashable, ...] | None:
+    def _key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]], arrays: list[np.ndarray],
+             scan: tuple[Any, ...] | None = None) -> tuple[Hashable, ...] | None:
         """Everything the step's layout depends on, or None: compose it (context parallelism, a builder
         without a replay key, graph mode beyond the profile: the builders raise their errors). A
         function of the shapes, the inputs and (eager mode) the arrays' rows.
@@ -546,22 +551,31 @@ class StepBuilder:
         if inputs is not self._no_inputs:
             parts = [self._group_key(g, shape, inp) for g, shape, inp in zip(self._groups, shapes, inputs)]
             return None if None in parts else self._with_rows(tuple(parts), arrays)
-        key = self._keys.get(shapes, _MISS)  # (a loop that repeats its steps exactly: a benchmark's)
-        if key is _MISS:
-            if len(self._keys) >= _MAX_KEYS:
-                self._keys.clear()
-            key = self._keys[shapes] = self._lengths_key(shapes, inputs)
-        return None if key is None else self._with_rows(key, arrays)  # type: ignore[arg-type]
+        if scan is not None:  # (build_counts: its scan's class, without hashing or slicing the shapes)
+            key: Any = self._lengths_key(shapes, inputs, self._scan_class(scan))
+        else:
+            key = self._keys.get(shapes, _MISS)  # (a loop that repeats its steps exactly: a benchmark's)
+            if key is _MISS:
+                if len(self._keys) >= _MAX_KEYS:
+                    self._keys.clear()
+                key = self._keys[shapes] = self._lengths_key(shapes, inputs)
+        return None if key is None else self._with_rows(key, arrays)
 
-    def _lengths_key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]]) -> tuple[Hashable, ...] | None:
+    def _lengths_key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]],
+                     scan_class: tuple[Any, ...] | None = None) -> tuple[Hashable, ...] | None:
         """:meth:`_key` of a step without inputs, but the arrays' rows: its class's part
-        (:meth:`_class_entry`) and what its lengths add."""
-        cls = shapes[0][:6] + shapes[0][9:] if len(shapes) == 1 else tuple([s[:6] + s[9:] for s in shapes])
-        entry = self._classes.get(cls, _MISS)  # (a StepShape without its three lengths)
+        (:meth:`_class_entry`) and what its lengths add. ``scan_class``: the class of
+        :meth:`build_counts`'s scan (the scan without its lengths), which stands for the shapes'."""
+        if scan_class is None:
+            classes = self._classes
+            cls = shapes[0][:6] + shapes[0][9:] if len(shapes) == 1 else tuple([s[:6] + s[9:] for s in shapes])
+        else:
+            classes, cls = self._scan_classes, scan_class
+        entry = classes.get(cls, _MISS)  # (a StepShape without its three lengths)
         if entry is _MISS:
-            if len(self._classes) >= _MAX_KEYS:
-                self._classes.clear()
-            entry = self._classes[cls] = self._class_entry(shapes, inputs)
+            if len(classes) >= _MAX_KEYS:
+                classes.clear()
+            entry = classes[cls] = self._class_entry(shapes, inputs)
         if entry is None:
             return None
         assert isinstance(entry, tuple)
