@@ -443,8 +443,10 @@ class StepBuilder:
         specs[0].for_group(block_table=tables[g][0], block_size=tables[g][1])``: the same metadata,
         field for field, and the same errors. A step that replays its slot's recorded layout validates
         the counts against every group's table in one compiled scan, reads the arrays in place (no
-        copies, no :class:`~attnmeta.BatchSpec`) and reuses the layout's key (by
-        :class:`~attnmeta.StepShape`); any other step makes the specs and goes through :meth:`build`.
+        copies, no :class:`~attnmeta.BatchSpec`) and finds the layout's key from the scan (its class,
+        the scan without its lengths, then what the lengths add: no cache by exact step shape, which a
+        serving loop's decode steps, each with new lengths, would only fill); any other step makes the
+        specs and goes through :meth:`build`.
 
         Parameters
         ----------
