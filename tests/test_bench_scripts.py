@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from attnmeta.__main__ import main
 
@@ -25,6 +26,21 @@ def _script(script: str, *args: str) -> str:
                           text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def _bench_engine(name: str) -> Any:
+    """``benchmarks/bench_engine.py`` imported as module ``name`` (its own imports resolved from benchmarks/)."""
+    import importlib.util
+
+    spec_ = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "bench_engine.py")
+    assert spec_ is not None and spec_.loader is not None
+    mod = importlib.util.module_from_spec(spec_)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec_.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return mod
 
 
 def _run(script: str, *args: str) -> list[list[str]]:
@@ -195,16 +211,8 @@ def test_bench_engine_pairs_the_rounds() -> None:
     """The headline summary's ``paired`` ratio: the median of the rounds' own ratios (its docstring's
     example, a drifting host's rounds, runs here too), which a drift between rounds does not move."""
     import doctest
-    import importlib.util
 
-    spec_ = importlib.util.spec_from_file_location("bench_engine_paired", ROOT / "benchmarks" / "bench_engine.py")
-    assert spec_ is not None and spec_.loader is not None
-    mod = importlib.util.module_from_spec(spec_)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec_.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    mod = _bench_engine("bench_engine_paired")
     runner = doctest.DocTestRunner()
     for test in doctest.DocTestFinder().find(mod.paired, "paired", globs={"paired": mod.paired}):
         runner.run(test)
@@ -216,22 +224,14 @@ def test_bench_engine_pairs_the_rounds() -> None:
 
 def test_bench_engine_timed_runs_make_steps_no_earlier_run_made() -> None:
     """Each timed round of bench_engine.py serves new requests (the same for every mode of the round), so
-    its decode steps are (all but a few met by chance) not steps an earlier run made: a run that repeated the warm-up's requests would
-    repeat its steps' exact shapes, and the step composer would find every step in its caches by exact
-    shape, which a serving loop, whose longest sequence grows every step, misses."""
-    import importlib.util
-
+    its decode steps are, but for a few met by chance, not steps an earlier run made: a run that repeated
+    the warm-up's requests would repeat its steps' exact shapes, which a serving loop, whose longest
+    sequence grows every step, never does."""
     import torch
 
-    spec_ = importlib.util.spec_from_file_location("bench_engine_runs", ROOT / "benchmarks" / "bench_engine.py")
-    assert spec_ is not None and spec_.loader is not None
-    mod = importlib.util.module_from_spec(spec_)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec_.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
     from examples.engine.workload import make_model, tiny_config
+
+    mod = _bench_engine("bench_engine_runs")
 
     model = make_model(tiny_config())
     vocab = model.config.vocab_size
