@@ -549,7 +549,9 @@ class StepBuilder:
         ``max_seq_len``, ``max_exact_seq_len`` and ``num_pages``: the steps of a decode loop are of one
         class), and the lengths add the block-table width and the page bucket of each group; a group
         with a builder that reads the lengths (:meth:`~attnmeta.builder.Builder.reads_lengths`) is
-        asked for every new shape."""
+        asked for every new shape. Given :meth:`build_counts`'s ``scan``, the class is the scan without
+        its lengths, and no key is kept by exact shape (a serving loop's decode steps, each with new
+        lengths, would only fill such a cache)."""
         if inputs is not self._no_inputs:
             parts = [self._group_key(g, shape, inp) for g, shape, inp in zip(self._groups, shapes, inputs)]
             return None if None in parts else self._with_rows(tuple(parts), arrays)

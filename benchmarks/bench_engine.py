@@ -7,8 +7,8 @@ layouts staged); then the modes' timed runs alternate in ``--rounds`` rounds (A 
 the machine lands on every mode alike); then each serves it once under the sync audit and once under
 the profiler (H2D copies counted from the trace). Every run serves new requests (prompts of ``--prompt``
 tokens give or take a quarter, drawn per run; every mode of a round serves the same ones), as a serving
-loop does: a run that repeated an earlier one would repeat its steps' exact shapes. The figures are the medians over the rounds of each
-timed run's medians over its full-batch decode steps:
+loop does: a run that repeated an earlier one would repeat its steps' exact shapes. The figures are the
+medians over the rounds of each timed run's medians over its full-batch decode steps:
 
 - ``step ms``: one iteration of the async loop (schedule, build, plan, launch, read the previous step's
   tokens): with the GPU busy, the GPU's step time;
