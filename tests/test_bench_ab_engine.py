@@ -1,0 +1,138 @@
+"""ab_commit.py (the A/B in one process against another commit) and bench_engine.py (the engine's loop,
+attnmeta against vLLM's code) end to end on the CPU, with tiny settings, and their pieces: as
+test_bench_scripts.py, timings are never asserted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench_script_helpers import load_benchmark, run_script, table_rows
+
+
+def test_ab_commit_compares_a_commit_with_this_checkout() -> None:
+    """The A/B against another commit (here HEAD itself: any clone has it) prints every path, with a ratio."""
+    rows = table_rows("ab_commit.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "5", "--batches", "1")
+    names = [" ".join(r[1:-3]) for r in rows if r and r[0] == "1"]
+    assert names == ["fused", "fused+spec", "composable", "engine graphs", "engine hybrid", "lifetimes on/off"], rows
+    assert all(float(r[-1]) > 0 for r in rows if r and r[0] == "1")  # (--paths: the cold test below)
+
+
+def test_ab_commit_cold_times_each_step_after_a_thrash() -> None:
+    """``--cold``, here with ``--walk`` and ``--paths``: each step timed after a cache thrash, the engine rows
+    on one walk, only the rows named."""
+    out = run_script("ab_commit.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "3", "--batches", "1",
+                  "--paths", "engine hybrid,engine graphs", "--cold", "--walk", "--mean")
+    head = out.splitlines()[0]
+    assert "each after a cache thrash" in head and "one walk, no step repeated" in head and "per-round means" in head, out
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0] == "1"]
+    assert [" ".join(r[1:-3]) for r in rows] == ["engine graphs", "engine hybrid"], rows
+    assert all(float(r[-1]) > 0 for r in rows), rows
+
+
+def test_ab_commit_rounds_take_the_median_or_the_mean() -> None:
+    """``ab()`` on a fake clock: side ``b`` takes 1 us a step but every fifth step 21 us (a step that composes
+    a new layout): the per-round median leaves those out, ``mean=True`` counts them (5 us a step)."""
+    import torch
+
+    mod = load_benchmark("ab_commit.py", "ab_commit_mean")
+    now = [0]
+    calls = [0]
+
+    class Clock:
+        @staticmethod
+        def perf_counter_ns() -> int:
+            return now[0]
+
+    def a() -> None:
+        now[0] += 2000
+
+    def b() -> None:
+        calls[0] += 1
+        now[0] += 21000 if calls[0] % 5 == 0 else 1000
+
+    mod.time = Clock  # (ab() reads only time.perf_counter_ns)
+    cpu = torch.device("cpu")
+    assert mod.ab(a, b, 2, 10, cpu) == (2.0, 1.0)
+    assert mod.ab(a, b, 2, 10, cpu, mean=True) == (2.0, 5.0)
+
+
+def test_ab_commit_walk_never_repeats_an_engine_step() -> None:
+    """``--walk`` (run by the cold test above): the engine rows walk one decode walk (each step's counts new,
+    the walk as long as the run needs); ``_Walk`` hands out no step twice, and without it the 64-step cycle."""
+    import numpy as np
+    import pytest
+
+    from attnmeta.testing.workloads import advance, decode_spec
+
+    mod = load_benchmark("ab_commit.py", "ab_commit_walk")
+    raws = [dict(num_computed_tokens=s.num_computed_tokens, num_scheduled_tokens=s.num_scheduled_tokens)
+            for s in advance(decode_spec(4, np.random.default_rng(0)), 64)]
+    walk = mod._Walk(raws, 200)
+    seen = {tuple(walk.counts(i)[0].tolist()) for i in range(200)}
+    assert len(seen) == 200 and walk.longest() == int((raws[0]["num_computed_tokens"] + 1).max()) + 63 + 200
+    cycle = mod._Walk(raws, 0)
+    assert len({tuple(cycle.counts(i)[0].tolist()) for i in range(200)}) == 64
+    with pytest.raises(RuntimeError, match="the walk has 200 steps"):
+        walk.counts(200)
+    assert mod.calls_per_side(2, 10) == 30 + 2 * (10 + 10)  # (ab()'s warm-ups: 3 * steps, then steps a round)
+
+
+def test_bench_engine_cold_replica_reports_every_way(tmp_path: Path) -> None:
+    """The engine's cold-step replica: its decode steps rebuilt outside the loop, timed back to back, after a
+    sleep and after a cache thrash, with the control and the loop's ratios (CPU: torch's paged kernel)."""
+    import json
+
+    out = tmp_path / "bench.json"
+    text = run_script("bench_engine.py", "--device", "cpu", "--model", "tiny", "--modes", "paged", "--concurrency", "3",
+                   "--prompt", "8", "--new", "12", "--rounds", "1", "--cold-us", "100", "--json", str(out))
+    assert "loop/thrash" in text, text
+    row = json.loads(out.read_text())["rows"][0]
+    for k in ("cold_tight_ms", "cold_sleep_ms", "cold_thrash_ms", "control_tight_ms", "control_sleep_ms",
+              "control_thrash_ms", "loop_over_cold", "loop_over_thrash"):
+        assert row[k] > 0, (k, row)
+    assert "cold_event_ms" not in row  # (CUDA only)
+
+
+def test_bench_engine_pairs_the_rounds() -> None:
+    """The headline summary's ``paired`` ratio: the median of the rounds' own ratios (its docstring's
+    example, a drifting host's rounds, runs here too), which a drift between rounds does not move."""
+    import doctest
+
+    mod = load_benchmark("bench_engine.py", "bench_engine_paired")
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(mod.paired, "paired", globs={"paired": mod.paired}):
+        runner.run(test)
+    assert runner.summarize(verbose=False) == (0, 1)
+    ours, theirs = [2.0, 4.0, 1.0], [3.0, 6.0, 1.5]  # every round 1.5x, the host twice as fast in round 3
+    assert mod.paired(ours, theirs) == 1.5 == mod.paired([x * 3 for x in ours], [x * 3 for x in theirs])
+    assert mod.paired([1.0, 2.0], [2.0, 3.0]) == 1.75  # (an even count: the mean of the middle two)
+
+
+def test_bench_engine_timed_runs_make_steps_no_earlier_run_made() -> None:
+    """Each timed round of bench_engine.py serves new requests (the same for every mode of the round), so
+    its decode steps are, but for a few met by chance, not steps an earlier run made: a run that repeated
+    the warm-up's requests would repeat its steps' exact shapes, which a serving loop, whose longest
+    sequence grows every step, never does."""
+    import torch
+
+    from examples.engine.workload import make_model, tiny_config
+
+    mod = load_benchmark("bench_engine.py", "bench_engine_runs")
+
+    model = make_model(tiny_config())
+    vocab = model.config.vocab_size
+    n, prompt, new = 16, 64, 8
+    assert [r.prompt for r in mod._requests(n, prompt, new, vocab, 1000)] == [
+        r.prompt for r in mod._requests(n, prompt, new, vocab, 1000)]  # (every mode of a round: the same requests)
+    engine = mod.warm_engine(model, "paged", n, prompt, new, torch.device("cpu"))
+    seen: set[tuple[int, ...]] = set()
+    for seed in (0, 1000, 1001):  # the warm-up's requests, then two rounds'
+        engine.trace = []
+        engine.run(mod._requests(n, prompt, new, vocab, seed))
+        shapes = {tuple(specs[0].shape) for specs, _inputs, _arrays in engine.trace
+                  if int(specs[0].max_query_len) == 1}
+        assert shapes, "no decode steps"
+        if seed:
+            assert len(shapes & seen) <= len(shapes) // 4, (seed, sorted(shapes & seen))  # (a few meet by chance)
+        seen |= shapes
+    engine.trace = None
