@@ -744,12 +744,14 @@ def scan_counts(
     return head + tuple(rest)
 
 
+_new_tuple = tuple.__new__
+"""``_new_tuple(StepShape, fields)``: a :class:`StepShape` of its 16 fields in order, without the named
+tuple's Python-level ``__new__``."""
+
+
 def shapes_of(scan: tuple[Any, ...]) -> tuple[StepShape, ...]:
     """The :class:`StepShape` of each group of a :func:`scan_counts` result."""
     n, total, rp, tp, max_q, first, top, exact, pre, has_p, has_d, has_u = scan[:12]
     return tuple([_new_tuple(StepShape, (n, total, rp, tp, max_q, first, top, exact, scan[k], scan[k + 1], scan[k + 2],
                                          pre, has_p, has_d, has_u, None)) for k in range(12, len(scan), 3)])
 
-
-_new_tuple = tuple.__new__
-"""A :class:`StepShape` of its 16 fields in order, without the named tuple's Python-level ``__new__``."""

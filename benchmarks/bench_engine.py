@@ -192,7 +192,7 @@ def warm_engine(model: Any, mode: str, n: int, prompt: int, new: int, device: to
     return engine
 
 
-def timed_run(engine: Engine, n: int, prompt: int, new: int, vocab: int, seed: int = 1) -> dict[str, Any]:
+def timed_run(engine: Engine, n: int, prompt: int, new: int, vocab: int, seed: int) -> dict[str, Any]:
     """One timed run of the workload (requests of ``seed``, GC off): each step's kind, time, metadata time,
     fence wait and replay flag, the run's copies, plan time and waits, and the generated tokens."""
     reqs = _requests(n, prompt, new, vocab, seed)

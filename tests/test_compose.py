@@ -108,6 +108,13 @@ def _pair(device: torch.device, groups: Callable[[], list[Group]], arrays: Any =
             StepBuilder(Stager(device, profile=profile), *groups(), arrays=arrays))
 
 
+def _hybrid_groups() -> list[Group]:
+    """The reference engine's hybrid step: FlashInfer over the attention group, Mamba2 over a state group
+    whose table has one column per block (table_column_step 1)."""
+    return [Group({"fi": FLASHINFER}), Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))},
+                                             prefix="mamba_common", table_column_step=1)]
+
+
 def _walk(batch: int, steps: int, seed: int = 0) -> list[BatchSpec]:
     return advance(decode_spec(batch, np.random.default_rng(seed), max_context=300, table_width=40), steps)
 
@@ -325,12 +332,8 @@ def test_a_replayed_step_writes_every_group_s_common_fields_in_one_compiled_call
     monkeypatch.setattr(common_module, "common_passes_nb", counted_passes)
     monkeypatch.setattr(common_module.CommonWriter, "write_arrays", counted_group)
 
-    def groups() -> list[Group]:
-        return [Group({"fi": FLASHINFER}), Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))},
-                                                 prefix="mamba_common", table_column_step=1)]
-
     for case in ("for_group", "read-only table", "counts of its own"):
-        composer, reference, counts = _pair(device, groups, profile=profile)
+        composer, reference, counts = _pair(device, _hybrid_groups, profile=profile)
         steps = []
         for spec in _walk(6, 12):
             states = np.repeat((1 + np.arange(spec.num_reqs, dtype=np.int32))[:, None], spec.block_table.shape[1], 1)
@@ -358,11 +361,7 @@ def test_two_groups_device_fields_hold_their_host_values_when_a_prefill_step_gro
     fixed arena) while the Mamba group's common fields come back from the slot's cache: every group's
     device fields hold the step's host values (before the staging fix, the Mamba group's query starts
     were the last decode step's)."""
-    def groups() -> list[Group]:
-        return [Group({"fi": FLASHINFER}), Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))},
-                                                 prefix="mamba_common", table_column_step=1)]
-
-    composer, reference, counts = _pair(device, groups, profile=profile)
+    composer, reference, counts = _pair(device, _hybrid_groups, profile=profile)
     walk, steps = _walk(6, 10), []
     for k, w in enumerate(walk):
         c, q, prompt = w.num_computed_tokens, w.num_scheduled_tokens, w.num_prompt_tokens
@@ -462,12 +461,8 @@ def test_build_counts_raises_what_the_specs_raise() -> None:
     """Every broken rule of the counts, the tables and the padding, on a step that would replay and on a
     first step: ``build_counts`` raises the error ``build`` of the specs raises (the constructor's, naming
     the field, the row and the rule), and the stager goes on."""
-    def groups() -> list[Group]:
-        return [Group({"fi": FLASHINFER}), Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))},
-                                                 prefix="mamba_common", table_column_step=1)]
-
-    composer = StepBuilder(Stager("cpu", num_kv_blocks=64), *groups())
-    reference = StepBuilder(Stager("cpu", num_kv_blocks=64), *groups())
+    composer = StepBuilder(Stager("cpu", num_kv_blocks=64), *_hybrid_groups())
+    reference = StepBuilder(Stager("cpu", num_kv_blocks=64), *_hybrid_groups())
     c, q = np.array([5, 9], np.int32), np.array([1, 1], np.int32)
     table, states = np.arange(8, dtype=np.int32).reshape(2, 4), np.array([[1], [2]], np.int32)
 
@@ -518,15 +513,11 @@ def test_build_counts_takes_lists_and_other_dtypes_as_build_does() -> None:
 
 @pytest.mark.parametrize("profile", [None, dataclasses.replace(_PROFILE, chunk_size=16)], ids=["eager", "graph"])
 def test_build_and_build_counts_find_each_other_s_layouts(device: torch.device, profile: Any) -> None:
-    """``build`` keys a step by its specs' shapes, ``build_counts`` by the shapes its counts' scan makes
-    (neither makes the other's specs): on one composer, steps alternating between the two entries replay
+    """``build`` keys a step by its specs' shapes, ``build_counts`` by its counts' scan (the scan's class,
+    the scan without its lengths, then the lengths): on one composer, steps alternating between the two entries replay
     the layouts the other entry recorded on their ring slots, with every step's lengths new (a serving
     loop's decode walk), and equal the reference."""
-    def groups() -> list[Group]:
-        return [Group({"fi": FLASHINFER}), Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))},
-                                                 prefix="mamba_common", table_column_step=1)]
-
-    composer, reference = _pair(device, groups, profile=profile)[:2]
+    composer, reference, _counts = _pair(device, _hybrid_groups, profile=profile)
     walk = _walk(6, 15)
     assert len({(s.max_seq_len, s.num_pages) for s in walk}) == len(walk)  # (no step's lengths repeat)
     slots = composer.stager.num_slots
