@@ -9,6 +9,11 @@
 #   ab      benchmarks/ab_commit.py on cuda against the base package exported into .ab_base/attnmeta
 #           (git archive BASE attnmeta | tar -x -C .ab_base; carry .ab_base) -> ab.txt; AB_ROUNDS and
 #           AB_STEPS (default 12, 300) set its rounds;
+#   abengine  benchmarks/ab_engine.py on cuda: the reference engine's loop (1.24B Llama, graphs; ABENGINE_MODEL,
+#           ABENGINE_MODE, ABENGINE_CONCURRENCY, ABENGINE_ROUNDS) with this checkout's attnmeta against the base's,
+#           exported into .ab_base (git archive BASE attnmeta examples/engine | tar -x -C .ab_base; carry .ab_base, or
+#           carry a tarball of it beside .vllm and .kernels and unpack it first) -> ab_engine.txt; needs FlashInfer
+#           as enginebench;
 #   before-after  a kernel test on this tree and on a copy of it with the files under $BEFORE (default
 #           .ab_base/before-fix, carried) laid over it: the code before a fix, so the test that comes
 #           with the fix shows it fails before and passes after -> before_after.log. $BEFORE_TEST
@@ -94,12 +99,12 @@
 #   600 s, so a full run takes nine calls: PARTS="gpu decode bench", "mamba audit", "suites", "kernels",
 #   "engine", "enginebench", then "mamba-kernels", "hybrid" and "hybridbench" (each with carry
 #   [".kernels"]; the last two also ".whl");
-#   on the nvidia-h200-x2 machine PARTS="multi" is one more; "ab" and "before-after" (carry .ab_base;
+#   on the nvidia-h200-x2 machine PARTS="multi" is one more; "ab", "abengine" and "before-after" (carry .ab_base;
 #   before-after also .whl, for fla's kernels), "vllm" and "vllmbench" (carry .vllm .whl .kernels, or .vllm .kernels when .vllm holds FlashInfer) are asked
 #   for by name.
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, before-after, vllm, vllmbench: by name
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, abengine, before-after, vllm, vllmbench: by name
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -171,6 +176,19 @@ if [[ -f .ab_base/attnmeta/__init__.py ]]; then
 else
   echo "no .ab_base/attnmeta: export the base (git archive BASE attnmeta | tar -x -C .ab_base) and carry .ab_base" \
     | tee -a "$OUT_DIR/ab.txt"; status=1
+fi
+fi
+if want abengine; then
+echo "== abengine: this checkout's engine loop against .ab_base's (benchmarks/ab_engine.py)" | tee "$OUT_DIR/ab_engine.txt"
+if [[ -f .ab_base/attnmeta/__init__.py && -f .ab_base/examples/engine/__init__.py ]] && flashinfer_site >> "$OUT_DIR/ab_engine.txt" 2>&1; then
+  timeout 540 $PY benchmarks/ab_engine.py .ab_base --device cuda --model "${ABENGINE_MODEL:-1b}" \
+    --mode "${ABENGINE_MODE:-graphs}" --concurrency "${ABENGINE_CONCURRENCY:-64,256}" --rounds "${ABENGINE_ROUNDS:-8}" \
+    2>&1 | grep -v "flashinfer.jit\|artifactory" | tee -a "$OUT_DIR/ab_engine.txt"
+  rc=${PIPESTATUS[0]}; [[ $rc -eq 0 ]] || failed "abengine" "$rc"
+else
+  echo "abengine needs .ab_base/attnmeta and .ab_base/examples/engine (git archive BASE attnmeta examples/engine |" \
+    "tar -x -C .ab_base; carry .ab_base) and FlashInfer (carry .vllm made by fetch_vllm.py --flashinfer, or .whl)" \
+    | tee -a "$OUT_DIR/ab_engine.txt"; status=1
 fi
 fi
 if want before-after; then
