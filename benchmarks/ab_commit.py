@@ -68,28 +68,43 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _cold import thrash  # noqa: E402  (benchmarks/_cold.py)
 
 
-def base_package(commit: str, into: Path) -> Any:
-    """``commit``'s ``attnmeta`` package, imported as ``attnmeta_base`` from a copy under ``into``.
-
-    ``commit`` is a commit of this checkout, or a folder holding an ``attnmeta`` package exported from one
-    (``git archive COMMIT attnmeta | tar -x -C FOLDER``), for a machine the checkout travels to without
-    its history."""
-    exported = Path(commit)
-    if (exported / "attnmeta" / "__init__.py").is_file():
-        shutil.copytree(exported / "attnmeta", into / "attnmeta")
+def export(commit: str, path: str, into: Path) -> Path:
+    """``path`` (a folder of this checkout: ``attnmeta``, ``examples/engine``) as of ``commit``, copied
+    under ``into``; where it is. ``commit`` is a commit of this checkout, or a folder holding ``path``
+    exported from one (``git archive COMMIT PATH | tar -x -C FOLDER``), for a machine the checkout travels
+    to without its history."""
+    exported = Path(commit) / path
+    dst = into / "_export" / path
+    if (exported / "__init__.py").is_file():
+        shutil.copytree(exported, dst)
     else:
-        data = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "attnmeta"], capture_output=True,
+        data = subprocess.run(["git", "-C", str(ROOT), "archive", commit, path], capture_output=True,
                               check=True).stdout
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-            tar.extractall(into, filter="data")
-    pkg = into / "attnmeta_base"
-    (into / "attnmeta").rename(pkg)
-    for f in pkg.rglob("*.py"):
+            tar.extractall(into / "_export", filter="data")
+    return dst
+
+
+def rename_imports(folder: Path, renames: dict[str, str]) -> None:
+    """Rewrite every ``.py`` file under ``folder``: each package of ``renames`` (``attnmeta``,
+    ``examples.engine``) imported and named under its new name instead."""
+    for f in folder.rglob("*.py"):
         text = f.read_text()
-        text = re.sub(r"\battnmeta\.", "attnmeta_base.", text)
-        text = re.sub(r"^(\s*)(import|from) attnmeta\b", r"\1\2 attnmeta_base", text, flags=re.M)
+        for old, new in renames.items():
+            dotted = re.escape(old)
+            text = re.sub(rf"\b{dotted}\.", f"{new}.", text)
+            text = re.sub(rf"^(\s*)(import|from) {dotted}\b", rf"\1\2 {new}", text, flags=re.M)
         f.write_text(text)
-    sys.path.insert(0, str(into))
+
+
+def base_package(commit: str, into: Path) -> Any:
+    """``commit``'s ``attnmeta`` package, imported as ``attnmeta_base`` from a copy under ``into``
+    (:func:`export`: a commit, or a folder exported from one)."""
+    pkg = into / "attnmeta_base"
+    export(commit, "attnmeta", into).rename(pkg)
+    rename_imports(pkg, {"attnmeta": "attnmeta_base"})
+    if str(into) not in sys.path:
+        sys.path.insert(0, str(into))
     return importlib.import_module("attnmeta_base")
 
 

@@ -31,13 +31,8 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
-import io
-import re
-import shutil
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -49,8 +44,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from ab_commit import base_package  # noqa: E402  (benchmarks/ab_commit.py)
-from bench_engine import MODES, _prompt_range  # noqa: E402  (benchmarks/bench_engine.py)
+from ab_commit import base_package, export, rename_imports  # noqa: E402  (benchmarks/ab_commit.py)
+from bench_engine import _engine, _prompt_range, _requests, full_batch, timed_run  # noqa: E402
 
 import examples.engine as engine_this  # noqa: E402
 from examples.engine.workload import config_1b, config_hybrid_1b, make_model, tiny_config  # noqa: E402
@@ -61,83 +56,30 @@ def base_engine(commit: str, into: Path) -> Any:
     ``into``) with its attnmeta imports renamed to ``attnmeta_base`` (:func:`ab_commit.base_package`
     imports that package). ``commit`` is a commit of this checkout, or a folder holding
     ``examples/engine`` exported from one."""
-    exported = Path(commit) / "examples" / "engine"
-    dst = into / "engine_base"
-    if (exported / "__init__.py").is_file():
-        shutil.copytree(exported, dst)
-    else:
-        data = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "examples/engine"], capture_output=True,
-                              check=True).stdout
-        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-            tar.extractall(into / "_export", filter="data")
-        (into / "_export" / "examples" / "engine").rename(dst)
-    for f in dst.rglob("*.py"):
-        text = f.read_text()
-        text = re.sub(r"\battnmeta\.", "attnmeta_base.", text)
-        text = re.sub(r"^(\s*)(import|from) attnmeta\b", r"\1\2 attnmeta_base", text, flags=re.M)
-        text = re.sub(r"\bexamples\.engine\b", "engine_base", text)
-        f.write_text(text)
+    pkg = into / "engine_base"
+    export(commit, "examples/engine", into).rename(pkg)
+    rename_imports(pkg, {"attnmeta": "attnmeta_base", "examples.engine": "engine_base"})
     if str(into) not in sys.path:
         sys.path.insert(0, str(into))
-    pkg = importlib.import_module("engine_base")
+    engine = importlib.import_module("engine_base")
     composer = importlib.import_module("engine_base.engine").StepBuilder
     if not composer.__module__.startswith("attnmeta_base."):  # (else the A/B would time this checkout twice)
         raise RuntimeError(f"ab_engine: the base engine's step composer comes from {composer.__module__}, "
                            "not attnmeta_base")
-    return pkg
-
-
-def make_engine(pkg: Any, model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device) -> Any:
-    """An engine of package ``pkg`` (``examples.engine`` or ``engine_base``) configured as
-    ``bench_engine.py``'s for ``mode`` at ``n`` requests."""
-    kernel, graphs, uploads, metadata = MODES[mode]
-    sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s <= max(n, 1))
-    blocks_per_req = -(-(_prompt_range(prompt)[1] + new) // 16)
-    cfg = pkg.EngineConfig(block_size=16, num_blocks=n * blocks_per_req + 64, max_num_tokens=max(8192, n),
-                           max_num_seqs=max(n, 1), max_model_len=blocks_per_req * 16, decode_sizes=sizes,
-                           cuda_graphs=graphs, uploads=uploads, metadata=metadata,
-                           mamba_kernels="vllm" if device.type == "cuda" else "torch")
-    return pkg.Engine(model, pkg.make_kernel(kernel, model, device, cascade=False), cfg)
-
-
-def requests(pkg: Any, n: int, prompt: int, new: int, vocab: int, seed: int) -> list[Any]:
-    """``bench_engine.py``'s workload of ``seed`` (``n`` requests, prompts of ``prompt`` tokens give or take
-    a quarter, ``new`` tokens each) as ``pkg``'s own ``Request`` objects."""
-    g = torch.Generator().manual_seed(seed)
-    lo, hi = _prompt_range(prompt)
-    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-    return [pkg.Request(i, torch.randint(1, vocab, (k,), generator=g).tolist(), new) for i, k in enumerate(lengths)]
-
-
-def serve(engine: Any, reqs: list[Any]) -> tuple[float, float, list[list[int]]]:
-    """Serve ``reqs`` (garbage collection off): the median attnmeta time and step time (seconds) over
-    the run's full-batch decode steps, and the tokens each request generated."""
-    st = engine.stats
-    s0 = len(st.step_kinds)
-    gc.collect()
-    gc.disable()
-    try:
-        engine.run(reqs)
-    finally:
-        gc.enable()
-    kinds, md, times = st.step_kinds[s0:], st.step_metadata[s0:], st.step_times[s0:]
-    idx = [i for i, k in enumerate(kinds) if k == "decode"][3:-3]  # full batch: not the first few, not the tail
-    if not idx:
-        raise RuntimeError("ab_engine: the run had no full-batch decode steps (raise --new)")
-    return (statistics.median(md[i] for i in idx), statistics.median(times[i] for i in idx),
-            [r.tokens[len(r.prompt):] for r in reqs])
+    return engine
 
 
 def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device,
        rounds: int, warm: int = 3) -> dict[str, Any]:
-    """Both sides' engines at ``n`` requests, warmed by ``warm`` runs, then ``rounds`` rounds, each serving
-    new requests on both (order alternating). Returns each side's per-round medians (ms) and the
-    requests whose tokens differed in any round."""
+    """Both sides' engines at ``n`` requests (``bench_engine.py``'s, each of its side's package), warmed by
+    ``warm`` runs, then ``rounds`` rounds, each serving new requests on both (order alternating). Returns
+    each side's per-round medians over the full-batch decode steps (ms) and the requests whose tokens
+    differed in any round."""
     vocab = model.config.vocab_size
-    engines = {name: make_engine(pkg, model, mode, n, prompt, new, device) for name, pkg in sides.items()}
+    engines = {name: _engine(model, mode, n, prompt, new, device, pkg) for name, pkg in sides.items()}
     for name, eng in engines.items():
         for seed in range(warm):
-            eng.run(requests(sides[name], n, prompt, new, vocab, seed))
+            eng.run(_requests(n, prompt, new, vocab, seed, sides[name].Request))
     meta: dict[str, list[float]] = {name: [] for name in sides}
     step: dict[str, list[float]] = {name: [] for name in sides}
     differ = 0
@@ -145,9 +87,13 @@ def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: i
     for k in range(rounds):
         tokens = {}
         for name in (names if k % 2 == 0 else names[::-1]):
-            m, s, tokens[name] = serve(engines[name], requests(sides[name], n, prompt, new, vocab, 1000 + k))
-            meta[name].append(m * 1e3)
-            step[name].append(s * 1e3)
+            run = timed_run(engines[name], n, prompt, new, vocab, 1000 + k, sides[name].Request)
+            idx = full_batch(run["kinds"])
+            if not idx:
+                raise RuntimeError("ab_engine: the run had no full-batch decode steps (raise --new)")
+            meta[name].append(statistics.median(run["metadata"][i] for i in idx) * 1e3)
+            step[name].append(statistics.median(run["times"][i] for i in idx) * 1e3)
+            tokens[name] = run["tokens"]
         differ += sum(a != b for a, b in zip(tokens[names[0]], tokens[names[1]], strict=True))
     del engines
     gc.collect()
@@ -171,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm", type=int, default=3, help="untimed runs of each engine before the rounds")
     a = p.parse_args(argv)
     device = torch.device(a.device)
-    if device.type != "cuda" and a.mode != "paged":
-        print("ab_engine: on a CPU only --mode paged runs (torch's paged kernel)", file=sys.stderr)
+    if device.type != "cuda" and (a.mode != "paged" or a.model != "tiny"):
+        print("ab_engine: on a CPU only --model tiny --mode paged runs (torch's paged kernel)", file=sys.stderr)
         return 2
     if a.model == "hybrid-1b" and a.mode == "graphs":
         print("ab_engine: a hybrid model runs eager steps (--mode eager or paged)", file=sys.stderr)

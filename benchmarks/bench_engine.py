@@ -102,16 +102,17 @@ PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"), ("varlen", "vllm-va
 """The headline's pairs: attnmeta's mode and vLLM's, the same loop otherwise."""
 
 
-def _requests(n: int, prompt: int, new: int, vocab: int, seed: int) -> list[Request]:
+def _requests(n: int, prompt: int, new: int, vocab: int, seed: int, request: Any = Request) -> list[Any]:
     """``n`` requests of ``new`` tokens each, their prompts of :func:`_prompt_range` lengths, drawn from
     ``seed``: each run of the workload is a new one, as a serving loop's steps are. (A run that repeated
     an earlier run's requests would repeat its steps exactly, every step's lengths included, and the step
     composer would find each step in its caches by exact step shape, which a serving loop misses on
-    nearly every decode step: its longest sequence grows every step.)"""
+    nearly every decode step: its longest sequence grows every step.) ``request``: the ``Request`` class
+    of the engine that serves them (``ab_engine.py``'s other commit has its own)."""
     g = torch.Generator().manual_seed(seed)
     lo, hi = _prompt_range(prompt)
     lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-    return [Request(i, torch.randint(1, vocab, (k,), generator=g).tolist(), new) for i, k in enumerate(lengths)]
+    return [request(i, torch.randint(1, vocab, (k,), generator=g).tolist(), new) for i, k in enumerate(lengths)]
 
 
 def _prompt_range(prompt: int) -> tuple[int, int]:
@@ -119,15 +120,25 @@ def _prompt_range(prompt: int) -> tuple[int, int]:
     return max(1, prompt - prompt // 4), prompt + prompt // 4
 
 
-def _engine(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device) -> Engine:
+def _engine(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device, pkg: Any = None) -> Engine:
+    """A fresh engine of ``mode`` sized for the workload; of ``pkg``'s ``Engine``, ``EngineConfig`` and
+    ``make_kernel`` where given (``ab_engine.py``: another commit's ``examples/engine``)."""
+    engine_cls, config_cls, kernel_of = (Engine, EngineConfig, make_kernel) if pkg is None else (
+        pkg.Engine, pkg.EngineConfig, pkg.make_kernel)
     kernel, graphs, uploads, metadata = MODES[mode]
     sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s <= max(n, 1))
     blocks_per_req = -(-(_prompt_range(prompt)[1] + new) // 16)
-    cfg = EngineConfig(block_size=16, num_blocks=n * blocks_per_req + 64, max_num_tokens=max(8192, n),
-                       max_num_seqs=max(n, 1), max_model_len=blocks_per_req * 16, decode_sizes=sizes,
-                       cuda_graphs=graphs, uploads=uploads, mamba_kernels="vllm",  # type: ignore[arg-type]
-                       metadata=metadata)  # type: ignore[arg-type]
-    return Engine(model, make_kernel(kernel, model, device, cascade=False), cfg)
+    cfg = config_cls(block_size=16, num_blocks=n * blocks_per_req + 64, max_num_tokens=max(8192, n),
+                     max_num_seqs=max(n, 1), max_model_len=blocks_per_req * 16, decode_sizes=sizes,
+                     cuda_graphs=graphs, uploads=uploads, mamba_kernels="vllm", metadata=metadata)
+    engine: Engine = engine_cls(model, kernel_of(kernel, model, device, cascade=False), cfg)
+    return engine
+
+
+def full_batch(kinds: list[str]) -> list[int]:
+    """The indices of a run's full-batch decode steps (given each step's kind): its decode steps but the
+    first and the last three (requests still arriving, or already finishing)."""
+    return [i for i, k in enumerate(kinds) if k == "decode"][3:-3]
 
 
 def _h2d_per_step(engine: Engine, reqs: list[Request]) -> float:
@@ -192,10 +203,12 @@ def warm_engine(model: Any, mode: str, n: int, prompt: int, new: int, device: to
     return engine
 
 
-def timed_run(engine: Engine, n: int, prompt: int, new: int, vocab: int, seed: int) -> dict[str, Any]:
-    """One timed run of the workload (requests of ``seed``, GC off): each step's kind, time, metadata time,
-    fence wait and replay flag, the run's copies, plan time and waits, and the generated tokens."""
-    reqs = _requests(n, prompt, new, vocab, seed)
+def timed_run(engine: Engine, n: int, prompt: int, new: int, vocab: int, seed: int,
+              request: Any = Request) -> dict[str, Any]:
+    """One timed run of the workload (requests of ``seed``, of class ``request``, GC off): each step's
+    kind, time, metadata time, fence wait and replay flag, the run's copies, plan time and waits, and the
+    generated tokens."""
+    reqs = _requests(n, prompt, new, vocab, seed, request)
     st = engine.stats
     gc.collect()
     gc.disable()
@@ -221,7 +234,7 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
 
     def per_run(run: dict[str, Any]) -> dict[str, float]:
         kinds, times, md, fence = run["kinds"], run["times"], run["metadata"], run["fence"]
-        idx = [i for i, k in enumerate(kinds) if k == "decode"][3:-3]  # full batch: not the first few, not the tail
+        idx = full_batch(kinds)
         out = {"step": statistics.median(times[i] for i in idx), "meta": statistics.median(md[i] for i in idx),
                "own": statistics.median(md[i] - fence[i] for i in idx),
                "fence": statistics.median(fence[i] for i in idx), "fenced": sum(fence[i] > 0 for i in idx),
