@@ -29,25 +29,6 @@ settings.load_profile(os.environ.get("ATTNMETA_HYPOTHESIS_PROFILE", "dev"))
 torch.set_num_threads(1)
 
 
-_TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist's ``--dist loadfile`` (the README's command), hand the test files to the workers
-    in the order :func:`pytest_collection_modifyitems` leaves them, not by how many tests each holds
-    (xdist's default): the slowest files have the fewest tests, and handed out last they left one worker
-    running them alone at the end."""
-    if hasattr(config.option, "loadscopereorder"):  # (pytest-xdist >= 3.8; older ones always reorder)
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The top-level test files (tests/test_*.py: fresh processes, the benchmark scripts end to end, the
-    repository rules, the composer against its oracle; the suite's slowest files) first, each file's tests
-    in their order, then the packages' unit tests. The same order in every worker, as xdist requires."""
-    items.sort(key=lambda item: os.path.dirname(str(item.path)) != _TESTS)
-
-
 def _devices() -> list[str]:
     devs = ["cpu"]
     if torch.cuda.is_available():
