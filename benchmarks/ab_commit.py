@@ -97,15 +97,21 @@ def rename_imports(folder: Path, renames: dict[str, str]) -> None:
         f.write_text(text)
 
 
+def import_exported(commit: str, path: str, into: Path, name: str, renames: dict[str, str]) -> Any:
+    """``path`` as of ``commit`` (:func:`export`), imported as the package ``name`` from a copy under
+    ``into``, with the imports of :func:`rename_imports`'s ``renames`` rewritten."""
+    pkg = into / name
+    export(commit, path, into).rename(pkg)
+    rename_imports(pkg, renames)
+    if str(into) not in sys.path:
+        sys.path.insert(0, str(into))
+    return importlib.import_module(name)
+
+
 def base_package(commit: str, into: Path) -> Any:
     """``commit``'s ``attnmeta`` package, imported as ``attnmeta_base`` from a copy under ``into``
     (:func:`export`: a commit, or a folder exported from one)."""
-    pkg = into / "attnmeta_base"
-    export(commit, "attnmeta", into).rename(pkg)
-    rename_imports(pkg, {"attnmeta": "attnmeta_base"})
-    if str(into) not in sys.path:
-        sys.path.insert(0, str(into))
-    return importlib.import_module("attnmeta_base")
+    return import_exported(commit, "attnmeta", into, "attnmeta_base", {"attnmeta": "attnmeta_base"})
 
 
 def paths(mod: Any, batch: int, device: torch.device, walk: int = 0, **stager_kw: Any) -> dict[str, Callable[[], Any]]:

@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from ab_commit import base_package, export, rename_imports  # noqa: E402  (benchmarks/ab_commit.py)
+from ab_commit import base_package, import_exported  # noqa: E402  (benchmarks/ab_commit.py)
 from bench_engine import _engine, _prompt_range, _requests, full_batch, timed_run  # noqa: E402
 
 import examples.engine as engine_this  # noqa: E402
@@ -56,12 +56,8 @@ def base_engine(commit: str, into: Path) -> Any:
     ``into``) with its attnmeta imports renamed to ``attnmeta_base`` (:func:`ab_commit.base_package`
     imports that package). ``commit`` is a commit of this checkout, or a folder holding
     ``examples/engine`` exported from one."""
-    pkg = into / "engine_base"
-    export(commit, "examples/engine", into).rename(pkg)
-    rename_imports(pkg, {"attnmeta": "attnmeta_base", "examples.engine": "engine_base"})
-    if str(into) not in sys.path:
-        sys.path.insert(0, str(into))
-    engine = importlib.import_module("engine_base")
+    engine = import_exported(commit, "examples/engine", into, "engine_base",
+                             {"attnmeta": "attnmeta_base", "examples.engine": "engine_base"})
     composer = importlib.import_module("engine_base.engine").StepBuilder
     if not composer.__module__.startswith("attnmeta_base."):  # (else the A/B would time this checkout twice)
         raise RuntimeError(f"ab_engine: the base engine's step composer comes from {composer.__module__}, "
