@@ -1,8 +1,10 @@
 """A/B in one process: this checkout's decode step against another commit's, and the lifetime check on/off.
 
-The other commit's package is exported with ``git archive`` into a temporary folder and imported under
-another name (``attnmeta_base``: every ``attnmeta`` import in it renamed), so both run in the same
-process, on the same machine, in alternating rounds. Paths, at batch 1 / 64 / 256 / 1024 of the decode
+The other commit's package is exported with ``git archive`` and imported under another name
+(``attnmeta_base``: every ``attnmeta`` import in it renamed), so both run in the same process, on the
+same machine, in alternating rounds. The renamed copy is kept in ``.ab_exports`` (``--exports``) with
+its compiled kernels, so a later run against the same base (this script's or ``ab_engine.py``'s) skips
+compiling them; the six most recently used copies are kept. Paths, at batch 1 / 64 / 256 / 1024 of the decode
 walks (contexts grow by one token a step, page size 16):
 
 - ``fused``: :class:`attnmeta.backends.fused.FusedStepBuilder` on ready-made specs;
@@ -41,8 +43,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import importlib
 import io
+import os
 import re
 import shutil
 import subprocess
@@ -67,6 +71,13 @@ from attnmeta.testing.workloads import advance, decode_spec  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _cold import thrash  # noqa: E402  (benchmarks/_cold.py)
 
+EXPORTS = ROOT / ".ab_exports"
+"""Where the exported base packages are kept between runs (:func:`import_exported`; ``--exports``)."""
+KEEP_EXPORTS = 6
+"""How many exports :func:`import_exported` keeps (the most recently used); each is a copy of a package
+with the kernels compiled from it: a few MB."""
+_NOT_SOURCE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.nbi", "*.nbc")
+
 
 def export(commit: str, path: str, into: Path) -> Path:
     """``path`` (a folder of this checkout: ``attnmeta``, ``examples/engine``) as of ``commit``, copied
@@ -76,13 +87,28 @@ def export(commit: str, path: str, into: Path) -> Path:
     exported = Path(commit) / path
     dst = into / "_export" / path
     if (exported / "__init__.py").is_file():
-        shutil.copytree(exported, dst)
+        shutil.copytree(exported, dst, ignore=_NOT_SOURCE)
     else:
         data = subprocess.run(["git", "-C", str(ROOT), "archive", commit, path], capture_output=True,
                               check=True).stdout
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             tar.extractall(into / "_export", filter="data")
     return dst
+
+
+def export_key(commit: str, path: str) -> str:
+    """A name for the content of ``path`` as of ``commit`` (:func:`export`'s arguments): git's hash of
+    its tree at a commit; for an exported folder, a hash of its files' names and bytes (compiled caches
+    left out). Two commits with the same ``path`` share the key."""
+    exported = Path(commit) / path
+    if not (exported / "__init__.py").is_file():
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", f"{commit}:{path}"], capture_output=True,
+                              check=True, text=True).stdout.strip()
+    h = hashlib.sha1()
+    for f in sorted(exported.rglob("*")):
+        if f.is_file() and "__pycache__" not in f.parts and f.suffix not in (".pyc", ".nbi", ".nbc"):
+            h.update(f.relative_to(exported).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def rename_imports(folder: Path, renames: dict[str, str]) -> None:
@@ -97,21 +123,42 @@ def rename_imports(folder: Path, renames: dict[str, str]) -> None:
         f.write_text(text)
 
 
-def import_exported(commit: str, path: str, into: Path, name: str, renames: dict[str, str]) -> Any:
-    """``path`` as of ``commit`` (:func:`export`), imported as the package ``name`` from a copy under
-    ``into``, with the imports of :func:`rename_imports`'s ``renames`` rewritten."""
-    pkg = into / name
-    export(commit, path, into).rename(pkg)
-    rename_imports(pkg, renames)
-    if str(into) not in sys.path:
-        sys.path.insert(0, str(into))
+def import_exported(commit: str, path: str, name: str, renames: dict[str, str], exports: Path = EXPORTS) -> Any:
+    """``path`` as of ``commit`` (:func:`export`), imported as the package ``name``, with the imports of
+    :func:`rename_imports`'s ``renames`` rewritten.
+
+    The renamed copy is kept under ``exports`` (a folder per content, :func:`export_key`) and reused by
+    later runs, so the base's kernels compile once: numba caches them beside their source, and the cache
+    stays valid while the copy's files are untouched. Processes exporting the same content at once each
+    write their own copy and keep the first one renamed into place. The :data:`KEEP_EXPORTS` most recently
+    used copies are kept, older ones deleted."""
+    digest = hashlib.sha1(repr((export_key(commit, path), name, sorted(renames.items()))).encode()).hexdigest()
+    home = exports / f"{name}-{digest[:16]}"
+    if not (home / name / "__init__.py").is_file():
+        exports.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}-", dir=exports))
+        export(commit, path, tmp).rename(tmp / name)
+        rename_imports(tmp / name, renames)
+        shutil.rmtree(tmp / "_export")
+        try:
+            tmp.rename(home)
+        except OSError:  # (another process put the same copy in place first)
+            shutil.rmtree(tmp, ignore_errors=True)
+    os.utime(home)  # (its last use, for the eviction below)
+    copies = sorted((d for d in exports.iterdir() if d.is_dir() and not d.name.startswith(".")),
+                    key=lambda d: d.stat().st_mtime, reverse=True)
+    unfinished = [d for d in exports.iterdir() if d.name.startswith(".") and time.time() - d.stat().st_mtime > 3600]
+    for old in copies[KEEP_EXPORTS:] + unfinished:  # (unfinished: a copy whose process died an hour ago)
+        shutil.rmtree(old, ignore_errors=True)
+    if str(home) not in sys.path:
+        sys.path.insert(0, str(home))
     return importlib.import_module(name)
 
 
-def base_package(commit: str, into: Path) -> Any:
-    """``commit``'s ``attnmeta`` package, imported as ``attnmeta_base`` from a copy under ``into``
-    (:func:`export`: a commit, or a folder exported from one)."""
-    return import_exported(commit, "attnmeta", into, "attnmeta_base", {"attnmeta": "attnmeta_base"})
+def base_package(commit: str, exports: Path = EXPORTS) -> Any:
+    """``commit``'s ``attnmeta`` package, imported as ``attnmeta_base`` from a copy kept under ``exports``
+    (:func:`import_exported`; ``commit``: a commit, or a folder exported from one, :func:`export`)."""
+    return import_exported(commit, "attnmeta", "attnmeta_base", {"attnmeta": "attnmeta_base"}, exports)
 
 
 def paths(mod: Any, batch: int, device: torch.device, walk: int = 0, **stager_kw: Any) -> dict[str, Callable[[], Any]]:
@@ -336,27 +383,29 @@ def main() -> None:
                                                          "do in a loop's average")
     ap.add_argument("--paths", default="", help="comma-separated rows to run (default: every row; e.g. "
                                                 "'engine graphs,lifetimes on/off')")
+    ap.add_argument("--exports", type=Path, default=EXPORTS, help="where the base's renamed copy is kept and "
+                                                                  "reused, its compiled kernels with it "
+                                                                  "(default: .ab_exports in the checkout)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dev = torch.device(args.device)
-    with tempfile.TemporaryDirectory(prefix="attnmeta-ab-") as tmp:
-        base = base_package(args.base, Path(tmp))
-        print(f"# {args.device}, torch {torch.__version__}, base {args.base}, {args.rounds} rounds x {args.steps} "
-              f"steps{', each after a cache thrash' if args.cold else ''}"
-              f"{'; engine rows: one walk, no step repeated' if args.walk else ''}; medians over rounds of per-round "
-              f"{'means' if args.mean else 'medians'} (us)")
-        print(f"{'batch':>6} {'path':<22} {'base':>8} {'this':>8} {'this/base':>10}")
-        for batch in [int(x) for x in args.batches.split(",")]:
-            walk = calls_per_side(args.rounds, args.steps) + 1 if args.walk else 0  # (a side's steps count from 1)
-            old, new = paths(base, batch, dev, walk), paths(attnmeta, batch, dev, walk)
-            rows = [(name, old[name], new[name]) for name in new if name in old]
-            rows.append(("lifetimes on/off", paths(attnmeta, batch, dev, check_lifetimes=False)["fused"], new["fused"]))
-            if args.paths:
-                wanted = {p.strip() for p in args.paths.split(",")}
-                rows = [r for r in rows if r[0] in wanted]
-            for name, a, b in rows:
-                ta, tb = ab(a, b, args.rounds, args.steps, dev, args.cold, args.mean)
-                print(f"{batch:>6} {name:<22} {ta:>8.1f} {tb:>8.1f} {tb / ta:>10.3f}", flush=True)
+    base = base_package(args.base, args.exports)
+    print(f"# {args.device}, torch {torch.__version__}, base {args.base}, {args.rounds} rounds x {args.steps} "
+          f"steps{', each after a cache thrash' if args.cold else ''}"
+          f"{'; engine rows: one walk, no step repeated' if args.walk else ''}; medians over rounds of per-round "
+          f"{'means' if args.mean else 'medians'} (us)")
+    print(f"{'batch':>6} {'path':<22} {'base':>8} {'this':>8} {'this/base':>10}")
+    for batch in [int(x) for x in args.batches.split(",")]:
+        walk = calls_per_side(args.rounds, args.steps) + 1 if args.walk else 0  # (a side's steps count from 1)
+        old, new = paths(base, batch, dev, walk), paths(attnmeta, batch, dev, walk)
+        rows = [(name, old[name], new[name]) for name in new if name in old]
+        rows.append(("lifetimes on/off", paths(attnmeta, batch, dev, check_lifetimes=False)["fused"], new["fused"]))
+        if args.paths:
+            wanted = {p.strip() for p in args.paths.split(",")}
+            rows = [r for r in rows if r[0] in wanted]
+        for name, a, b in rows:
+            ta, tb = ab(a, b, args.rounds, args.steps, dev, args.cold, args.mean)
+            print(f"{batch:>6} {name:<22} {ta:>8.1f} {tb:>8.1f} {tb / ta:>10.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ also the step time of each side, and the requests whose tokens differ between th
 kernels and model read either side's metadata).
 
 The other commit's package comes from ``ab_commit.base_package``; its engine from the same commit's
-``examples/engine`` (imported as ``engine_base``, every attnmeta import renamed). On a machine without
+``examples/engine`` (imported as ``engine_base``, every attnmeta import renamed), both kept in
+``.ab_exports`` for later runs as ``ab_commit.py`` keeps them. On a machine without
 the checkout's history, export both first and pass the folder:
 ``git archive BASE attnmeta examples/engine | tar -x -C FOLDER``.
 
@@ -33,7 +34,6 @@ import gc
 import importlib
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,20 +44,20 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from ab_commit import base_package, import_exported  # noqa: E402  (benchmarks/ab_commit.py)
+from ab_commit import EXPORTS, base_package, import_exported  # noqa: E402  (benchmarks/ab_commit.py)
 from bench_engine import _engine, _prompt_range, _requests, full_batch, timed_run  # noqa: E402
 
 import examples.engine as engine_this  # noqa: E402
 from examples.engine.workload import config_1b, config_hybrid_1b, make_model, tiny_config  # noqa: E402
 
 
-def base_engine(commit: str, into: Path) -> Any:
-    """``commit``'s ``examples/engine``, imported as the package ``engine_base`` (from a copy under
-    ``into``) with its attnmeta imports renamed to ``attnmeta_base`` (:func:`ab_commit.base_package`
-    imports that package). ``commit`` is a commit of this checkout, or a folder holding
-    ``examples/engine`` exported from one."""
-    engine = import_exported(commit, "examples/engine", into, "engine_base",
-                             {"attnmeta": "attnmeta_base", "examples.engine": "engine_base"})
+def base_engine(commit: str, exports: Path = EXPORTS) -> Any:
+    """``commit``'s ``examples/engine``, imported as the package ``engine_base`` (from a copy kept under
+    ``exports``: :func:`ab_commit.import_exported`) with its attnmeta imports renamed to ``attnmeta_base``
+    (:func:`ab_commit.base_package` imports that package). ``commit`` is a commit of this checkout, or a
+    folder holding ``examples/engine`` exported from one."""
+    engine = import_exported(commit, "examples/engine", "engine_base",
+                             {"attnmeta": "attnmeta_base", "examples.engine": "engine_base"}, exports)
     composer = importlib.import_module("engine_base.engine").StepBuilder
     if not composer.__module__.startswith("attnmeta_base."):  # (else the A/B would time this checkout twice)
         raise RuntimeError(f"ab_engine: the base engine's step composer comes from {composer.__module__}, "
@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--warm", type=int, default=3, help="untimed runs of each engine before the rounds")
+    p.add_argument("--exports", type=Path, default=EXPORTS, help="where the base's renamed copies are kept and "
+                                                                 "reused, their compiled kernels with them "
+                                                                 "(default: .ab_exports in the checkout; "
+                                                                 "ab_commit.py's too)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type != "cuda" and (a.mode != "paged" or a.model != "tiny"):
@@ -121,23 +125,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config}[a.model]()
     model = make_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    with tempfile.TemporaryDirectory(prefix="attnmeta-ab-engine-") as tmp:
-        base_package(a.base, Path(tmp))
-        sides = {"base": base_engine(a.base, Path(tmp)), "this": engine_this}
-        print(f"# {device.type}, torch {torch.__version__}, base {a.base}, model {a.model}, mode {a.mode}, "
-              f"{a.rounds} rounds of new requests (prompts {'-'.join(map(str, _prompt_range(a.prompt)))}, "
-              f"{a.new} new tokens); medians over rounds of each run's median over its full-batch decode steps (ms)",
-              flush=True)
-        print(f"{'reqs':>5} {'base ms':>8} {'this ms':>8} {'this/base':>9} {'paired':>7} {'base step':>9} "
-              f"{'this step':>9} {'tokens differ':>13}", flush=True)
-        for n in [int(x) for x in a.concurrency.split(",")]:
-            r = ab(sides, model, a.mode, n, a.prompt, a.new, device, a.rounds, a.warm)
-            mb, mt = r["metadata_ms"]["base"], r["metadata_ms"]["this"]
-            paired = statistics.median(t / b for b, t in zip(mb, mt, strict=True))
-            print(f"{n:>5} {statistics.median(mb):8.4f} {statistics.median(mt):8.4f} "
-                  f"{statistics.median(mt) / statistics.median(mb):9.3f} {paired:7.3f} "
-                  f"{statistics.median(r['step_ms']['base']):9.3f} {statistics.median(r['step_ms']['this']):9.3f} "
-                  f"{r['tokens_differ']:>13}", flush=True)
+    base_package(a.base, a.exports)
+    sides = {"base": base_engine(a.base, a.exports), "this": engine_this}
+    print(f"# {device.type}, torch {torch.__version__}, base {a.base}, model {a.model}, mode {a.mode}, "
+          f"{a.rounds} rounds of new requests (prompts {'-'.join(map(str, _prompt_range(a.prompt)))}, "
+          f"{a.new} new tokens); medians over rounds of each run's median over its full-batch decode steps (ms)",
+          flush=True)
+    print(f"{'reqs':>5} {'base ms':>8} {'this ms':>8} {'this/base':>9} {'paired':>7} {'base step':>9} "
+          f"{'this step':>9} {'tokens differ':>13}", flush=True)
+    for n in [int(x) for x in a.concurrency.split(",")]:
+        r = ab(sides, model, a.mode, n, a.prompt, a.new, device, a.rounds, a.warm)
+        mb, mt = r["metadata_ms"]["base"], r["metadata_ms"]["this"]
+        paired = statistics.median(t / b for b, t in zip(mb, mt, strict=True))
+        print(f"{n:>5} {statistics.median(mb):8.4f} {statistics.median(mt):8.4f} "
+              f"{statistics.median(mt) / statistics.median(mb):9.3f} {paired:7.3f} "
+              f"{statistics.median(r['step_ms']['base']):9.3f} {statistics.median(r['step_ms']['this']):9.3f} "
+              f"{r['tokens_differ']:>13}", flush=True)
     return 0
 
 

@@ -5,7 +5,9 @@ test_bench_scripts.py, timings are never asserted."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 from bench_script_helpers import load_benchmark, run_script
 
 
@@ -13,8 +15,9 @@ def test_ab_commit_compares_a_commit_with_this_checkout() -> None:
     """The A/B against another commit (here HEAD itself: any clone has it) prints every path named in
     ``--paths`` (here all of them, named out of order), in its own order, with a ratio; with ``--cold``,
     ``--walk`` and ``--mean``: each step timed after a cache thrash, the engine rows on one walk, per-round
-    means. (One run: each run compiles the base package's kernels afresh. The rounds' medians without
-    ``--cold`` are the fake-clock test's below.)"""
+    means. (One run: the rounds' medians without ``--cold`` are the fake-clock test's below. The base's copy
+    and its compiled kernels are kept in ``.ab_exports``: whichever of this and test_bench_ab_loop.py runs
+    second compiles nothing.)"""
     out = run_script("ab_commit.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "3", "--batches", "1",
                      "--paths", "lifetimes on/off, engine hybrid,engine graphs,composable,fused+spec,fused",
                      "--cold", "--walk", "--mean")
@@ -24,6 +27,51 @@ def test_ab_commit_compares_a_commit_with_this_checkout() -> None:
     names = [" ".join(r[1:-3]) for r in rows]
     assert names == ["fused", "fused+spec", "composable", "engine graphs", "engine hybrid", "lifetimes on/off"], rows
     assert all(float(r[-1]) > 0 for r in rows), rows
+
+
+def test_ab_commit_keeps_and_reuses_the_exported_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``import_exported`` keeps the renamed copy per content and reuses it untouched (numba's cache of the
+    base's kernels, kept beside their source, stays valid only while the source's files do), makes a new
+    copy when the content changes, and keeps only the ``KEEP_EXPORTS`` most recently used copies; a folder's
+    key leaves compiled caches out. (The A/B tests above and in test_bench_ab_loop.py share one copy of
+    HEAD this way: the second compiles nothing.)"""
+    import sys
+
+    mod = load_benchmark("ab_commit.py", "ab_commit_exports")
+    exports = tmp_path / "exports"
+    monkeypatch.setattr(mod, "KEEP_EXPORTS", 2)
+
+    def base(version: int) -> Path:
+        folder = tmp_path / f"base{version}"
+        pkg = folder / "abx" / "sub"
+        pkg.mkdir(parents=True, exist_ok=True)
+        (folder / "abx" / "__init__.py").write_text(f"from abx.sub import VERSION\nimport abx.sub as s\nV = {version}\n")
+        (pkg / "__init__.py").write_text(f"VERSION = {version}\n")
+        return folder
+
+    def load(folder: Path) -> Any:
+        for name in [m for m in sys.modules if m == "abx_base" or m.startswith("abx_base.")]:
+            del sys.modules[name]
+        sys.path[:] = [p for p in sys.path if not p.startswith(str(exports))]
+        return mod.import_exported(str(folder), "abx", "abx_base", {"abx": "abx_base"}, exports)
+
+    one = base(1)
+    first = load(one)
+    assert first.V == 1 and first.VERSION == 1 and first.s.__name__ == "abx_base.sub"  # (imports renamed)
+    copy = Path(first.__file__)
+    stamp = copy.stat().st_mtime_ns
+    (copy.parent / "marker").write_text("compiled")  # (stands for the kernels numba cached beside the source)
+    key = mod.export_key(str(one), "abx")
+    (one / "abx" / "__pycache__").mkdir()
+    (one / "abx" / "__pycache__" / "x.nbi").write_bytes(b"cache")
+    assert mod.export_key(str(one), "abx") == key  # (compiled caches are not content)
+    again = load(one)
+    assert Path(again.__file__) == copy and copy.stat().st_mtime_ns == stamp and (copy.parent / "marker").exists()
+    for version in (2, 3):
+        assert version == load(base(version)).V
+    homes = sorted(d.name for d in exports.iterdir())
+    assert len(homes) == 2 and copy.parent.parent.name not in homes, homes  # (the least recently used went)
+    assert load(one).V == 1 and not (Path(load(one).__file__).parent / "marker").exists()  # (a fresh copy)
 
 
 def test_ab_commit_rounds_take_the_median_or_the_mean() -> None:
