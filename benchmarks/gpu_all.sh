@@ -200,7 +200,7 @@ if [[ -d "$BEFORE" ]]; then
     | tail -20 | sed 's/^/after:  /' | tee -a "$OUT_DIR/before_after.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   copy=$(mktemp -d)
-  tar -c --exclude=./.site --exclude=./.whl --exclude=./.ab_base --exclude=./.kernels . | tar -x -C "$copy"
+  tar -c --exclude=./.site --exclude=./.whl --exclude=./.ab_base --exclude=./.ab_exports --exclude=./.kernels . | tar -x -C "$copy"
   cp -r "$BEFORE"/. "$copy"/
   (cd "$copy" && PYTHONPATH="$copy${PYTHONPATH#$PWD}" timeout 250 $PY -m pytest -p attnmeta.testing.pytest_plugin \
     "$BEFORE_TEST" -q -rs -p no:cacheprovider 2>&1) | tail -20 | sed 's/^/before: /' | tee -a "$OUT_DIR/before_after.log"
