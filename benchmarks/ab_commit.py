@@ -145,14 +145,22 @@ def import_exported(commit: str, path: str, name: str, renames: dict[str, str], 
         except OSError:  # (another process put the same copy in place first)
             shutil.rmtree(tmp, ignore_errors=True)
     os.utime(home)  # (its last use, for the eviction below)
-    copies = sorted((d for d in exports.iterdir() if d.is_dir() and not d.name.startswith(".")),
-                    key=lambda d: d.stat().st_mtime, reverse=True)
-    unfinished = [d for d in exports.iterdir() if d.name.startswith(".") and time.time() - d.stat().st_mtime > 3600]
+    used = {d: _mtime(d) for d in exports.iterdir()}  # (another process may delete one meanwhile: then 0)
+    copies = sorted((d for d in used if not d.name.startswith(".")), key=used.__getitem__, reverse=True)
+    unfinished = [d for d in used if d.name.startswith(".") and time.time() - used[d] > 3600]
     for old in copies[KEEP_EXPORTS:] + unfinished:  # (unfinished: a copy whose process died an hour ago)
         shutil.rmtree(old, ignore_errors=True)
     if str(home) not in sys.path:
         sys.path.insert(0, str(home))
     return importlib.import_module(name)
+
+
+def _mtime(path: Path) -> float:
+    """``path``'s modification time; 0 where it is gone."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def base_package(commit: str, exports: Path = EXPORTS) -> Any:
