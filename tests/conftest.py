@@ -4,7 +4,7 @@ Profiles (select with ``ATTNMETA_HYPOTHESIS_PROFILE``; default ``dev``):
 
 - ``dev``: 50 examples per property, for a quick local loop.
 - ``ci``: 100 examples per property, no deadline (``.ci/run`` selects it; the suite takes about 7 min on
-  2 cores, about 10 on a fresh checkout that compiles every kernel first).
+  2 cores, 7-10 on a fresh checkout that compiles every kernel first).
 - ``thorough``: 1000 examples per property, no deadline.
 - ``gpu``: 25 derandomized examples per property, for the GPU machine.
 """
