@@ -135,8 +135,12 @@ def import_exported(commit: str, path: str, name: str, renames: dict[str, str], 
     digest = hashlib.sha1(repr((export_key(commit, path), name, sorted(renames.items()))).encode()).hexdigest()
     home = exports / f"{name}-{digest[:16]}"
     if not (home / name / "__init__.py").is_file():
-        exports.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}-", dir=exports))
+        try:
+            exports.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}-", dir=exports))
+        except OSError as e:
+            raise OSError(f"cannot keep the base's copy under {exports} ({e}); --exports DIR names a writable "
+                          "folder") from None
         export(commit, path, tmp).rename(tmp / name)
         rename_imports(tmp / name, renames)
         shutil.rmtree(tmp / "_export")

@@ -33,7 +33,7 @@ def test_ab_commit_keeps_and_reuses_the_exported_base(tmp_path: Path, monkeypatc
     """``import_exported`` keeps the renamed copy per content and reuses it untouched (numba's cache of the
     base's kernels, kept beside their source, stays valid only while the source's files do), makes a new
     copy when the content changes, and keeps only the ``KEEP_EXPORTS`` most recently used copies; a folder's
-    key leaves compiled caches out. (The A/B tests above and in test_bench_ab_loop.py share one copy of
+    key leaves compiled caches out; where it cannot write, the error says how to choose another folder. (The A/B tests above and in test_bench_ab_loop.py share one copy of
     HEAD this way: the second compiles nothing.)"""
     import sys
 
@@ -72,6 +72,10 @@ def test_ab_commit_keeps_and_reuses_the_exported_base(tmp_path: Path, monkeypatc
     homes = sorted(d.name for d in exports.iterdir())
     assert len(homes) == 2 and copy.parent.parent.name not in homes, homes  # (the least recently used went)
     assert load(one).V == 1 and not (Path(load(one).__file__).parent / "marker").exists()  # (a fresh copy)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with pytest.raises(OSError, match="--exports DIR names a writable folder"):
+        mod.import_exported(str(base(4)), "abx", "abx_base", {"abx": "abx_base"}, blocked / "exports")
 
 
 def test_ab_commit_rounds_take_the_median_or_the_mean() -> None:
