@@ -76,7 +76,8 @@ EXPORTS = ROOT / ".ab_exports"
 KEEP_EXPORTS = 6
 """How many exports :func:`import_exported` keeps (the most recently used); each is a copy of a package
 with the kernels compiled from it: a few MB."""
-_NOT_SOURCE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.nbi", "*.nbc")
+_COMPILED = (".pyc", ".nbi", ".nbc")  # (Python's and numba's caches: not a copy's content)
+_NOT_SOURCE = shutil.ignore_patterns("__pycache__", *(f"*{suffix}" for suffix in _COMPILED))
 
 
 def export(commit: str, path: str, into: Path) -> Path:
@@ -106,7 +107,7 @@ def export_key(commit: str, path: str) -> str:
                               check=True, text=True).stdout.strip()
     h = hashlib.sha1()
     for f in sorted(exported.rglob("*")):
-        if f.is_file() and "__pycache__" not in f.parts and f.suffix not in (".pyc", ".nbi", ".nbc"):
+        if f.is_file() and "__pycache__" not in f.parts and f.suffix not in _COMPILED:
             h.update(f.relative_to(exported).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 

@@ -33,8 +33,9 @@ def test_ab_commit_keeps_and_reuses_the_exported_base(tmp_path: Path, monkeypatc
     """``import_exported`` keeps the renamed copy per content and reuses it untouched (numba's cache of the
     base's kernels, kept beside their source, stays valid only while the source's files do), makes a new
     copy when the content changes, and keeps only the ``KEEP_EXPORTS`` most recently used copies; a folder's
-    key leaves compiled caches out; where it cannot write, the error says how to choose another folder. (The A/B tests above and in test_bench_ab_loop.py share one copy of
-    HEAD this way: the second compiles nothing.)"""
+    key leaves compiled caches out; where it cannot write, the error says how to choose another folder.
+    (The A/B tests above and in test_bench_ab_loop.py share one copy of HEAD this way: the second compiles
+    nothing.)"""
     import sys
 
     mod = load_benchmark("ab_commit.py", "ab_commit_exports")
@@ -109,7 +110,6 @@ def test_ab_commit_walk_never_repeats_an_engine_step() -> None:
     """``--walk`` (run by the A/B test above): the engine rows walk one decode walk (each step's counts new,
     the walk as long as the run needs); ``_Walk`` hands out no step twice, and without it the 64-step cycle."""
     import numpy as np
-    import pytest
 
     from attnmeta.testing.workloads import advance, decode_spec
 
