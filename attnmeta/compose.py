@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numba
 import numpy as np
@@ -63,7 +63,6 @@ import torch
 from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchError
 from attnmeta.common import CommonPasses, CommonWriter, _stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata
-from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec, StepShape, scan_counts, shapes_of
 from attnmeta.staging import STAGEABLE_DTYPES, Staged, Stager, Step, StepLayout, bucket_rows
 
@@ -115,11 +114,10 @@ def _scan_class_getter(groups: int) -> Callable[[tuple[Any, ...]], tuple[Any, ..
     return operator.itemgetter(*[i for i in range(12 + 3 * groups) if i not in lengths])
 
 
-def _lengths_fit(shape: StepShape, prof: StaticProfile | None) -> bool:
-    """Graph mode: ``shape``'s pages and longest request within the profile's capacities."""
-    assert prof is not None
-    blocks = -(-shape.max_exact_seq_len // shape.block_size)
-    return bool(shape.num_pages <= prof.max_num_pages and blocks <= prof.max_blocks_per_req)
+def _lengths_fit(shape: StepShape, caps: tuple[int, int]) -> bool:
+    """Graph mode: ``shape``'s pages and longest request within the profile's capacities ``caps``,
+    ``(max_num_pages, max_blocks_per_req)``."""
+    return shape.num_pages <= caps[0] and -(-shape.max_exact_seq_len // shape.block_size) <= caps[1]
 
 
 def _width(need: int, step: int, table: int) -> int:
@@ -276,7 +274,7 @@ class _Group:
 class _Record:
     """A recorded layout on one ring slot: how to stage it again and rewrite it."""
 
-    __slots__ = ("arrays", "devices", "groups", "indices", "layout", "passes", "replayers")
+    __slots__ = ("arrays", "devices", "graph_devices", "groups", "indices", "layout", "passes", "replayers")
 
     def __init__(self, layout: StepLayout, groups: list[tuple[CommonWriter, bool, bool, int]],
                  replayers: list[tuple[str, int, int, Replayer[Any, Any]]], arrays: list[tuple[str, np.ndarray]],
@@ -288,6 +286,9 @@ class _Record:
         # eager mode: the arrays' device views, the recorded step's and every replay's (their rows are in the
         # key); graph mode: None (each step's rows)
         self.devices = devices
+        # graph mode: the arrays' device views, by their row counts (views of the one arena: the same tensors
+        # for every step that stages the same rows)
+        self.graph_devices: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
         self.replayers = replayers  # (builder name, group index, position in the group, replayer)
         self.arrays = arrays  # (name, writable host view: eager the step's rows, graph the whole capacity)
         self.indices = indices  # graph mode, per group: the page indices' field name ("" without a page table)
@@ -368,6 +369,8 @@ class StepBuilder:
         if len(self._array_names) != len(self._arrays):
             raise ValueError("arrays: names must be unique")
         self._graph = stager.graph_mode
+        prof = stager.profile  # (graph mode: the capacities a step's lengths must fit, read every step)
+        self._caps = (0, 0) if prof is None else (prof.max_num_pages, prof.max_blocks_per_req)
         self._threads = threads
         self._token = object()  # this composer's key in each slot's extras
         self._no_inputs = self._inputs({})  # every builder's empty inputs (the usual step's)
@@ -491,7 +494,8 @@ class StepBuilder:
         inp = self._no_inputs if not inputs else self._inputs(inputs)
         arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
         shapes = shapes_of(scan)
-        return self._run(shapes, self._key(shapes, inp, arr, scan), inp, arr, None, (c, q, tables, prompt, drafts, ub, rp, tp))
+        key = self._lengths_key(shapes, inp, arr, scan) if inp is self._no_inputs else self._key(shapes, inp, arr)
+        return self._run(shapes, key, inp, arr, None, (c, q, tables, prompt, drafts, ub, rp, tp))
 
     def _run(self, shapes: tuple[StepShape, ...], key: tuple[Hashable, ...] | None, inputs: list[list[Any]],
              arrays: list[np.ndarray], specs: tuple[BatchSpec, ...] | None, counts: tuple[Any, ...] | None
@@ -504,8 +508,17 @@ class StepBuilder:
             self._check(sp, inputs)
             return self._compose(self._stager.step(), sp, shapes, inputs, arrays, None)
         step = self._stager.step()
-        rec = self._records(step).get(key)
-        if rec is None or not step.restage(rec.layout, self._rows(rec, shapes, arrays)):
+        records = step.slot_extras.get(self._token)
+        rec = None if records is None else records.get(key)
+        rows: dict[str, int] | None = None
+        if rec is not None and self._graph:  # the row counts of the fields that change from step to step
+            rows = {}
+            for name, shape in zip(rec.indices, shapes):
+                if name:
+                    rows[name] = shape.num_pages
+            for (name, *_r), a in zip(self._arrays, arrays):
+                rows[name] = len(a)
+        if rec is None or not step.restage(rec.layout, rows):
             try:
                 sp = specs if specs is not None else _make_specs(*counts)  # type: ignore[misc]
             except BaseException:
@@ -523,11 +536,26 @@ class StepBuilder:
         return [[b.inputs(inputs.get(n)) for n, b, _o in g.builders] for g in self._groups]
 
     def _check_arrays(self, arrays: Mapping[str, np.ndarray] | None) -> list[np.ndarray]:
+        """The declared arrays of ``arrays`` in declaration order, each a 1-D numpy array of its dtype
+        within its capacity (else :meth:`_array_error` raises)."""
         got = arrays or {}
+        if len(got) != len(self._arrays):
+            self._array_error(got)
+        out = []
+        for name, dt, cap, _fill in self._arrays:
+            a = got.get(name)
+            # (the dtype by identity first: an array of a declared dtype almost always holds numpy's own object)
+            if type(a) is not np.ndarray or (a.dtype is not dt and a.dtype != dt) or a.ndim != 1 or (
+                    cap is not None and len(a) > cap):
+                self._array_error(got)
+            out.append(a)
+        return out
+
+    def _array_error(self, got: Mapping[str, Any]) -> NoReturn:
+        """Raise the error of ``got``'s names, or of its first array that is not as declared."""
         if got.keys() != self._array_names:
             names = [n for n, *_r in self._arrays]
             raise TypeError(f"arrays: expected exactly {names}, got {sorted(got)}")
-        out = []
         for name, dt, cap, _fill in self._arrays:
             a = got[name]
             if type(a) is not np.ndarray or a.dtype != dt or a.ndim != 1:
@@ -535,11 +563,10 @@ class StepBuilder:
                                 f"{type(a).__name__} {getattr(a, 'dtype', '')} {getattr(a, 'shape', '')}")
             if cap is not None and a.shape[0] > cap:
                 raise ValueError(f"arrays[{name!r}]: {a.shape[0]} rows exceed the capacity {cap}")
-            out.append(a)
-        return out
+        raise AssertionError("_array_error: every array is as declared")  # pragma: no cover
 
-    def _key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]], arrays: list[np.ndarray],
-             scan: tuple[Any, ...] | None = None) -> tuple[Hashable, ...] | None:
+    def _key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]], arrays: list[np.ndarray]
+             ) -> tuple[Hashable, ...] | None:
         """Everything the step's layout depends on, or None: compose it (context parallelism, a builder
         without a replay key, graph mode beyond the profile: the builders raise their errors). A
         function of the shapes, the inputs and (eager mode) the arrays' rows.
@@ -549,32 +576,30 @@ class StepBuilder:
         ``max_seq_len``, ``max_exact_seq_len`` and ``num_pages``: the steps of a decode loop are of one
         class), and the lengths add the block-table width and the page bucket of each group; a group
         with a builder that reads the lengths (:meth:`~attnmeta.builder.Builder.reads_lengths`) is
-        asked for every new shape. Given :meth:`build_counts`'s ``scan``, the class is the scan without
-        its lengths, and no key is kept by exact shape (a serving loop's decode steps, each with new
-        lengths, would only fill such a cache)."""
+        asked for every new shape. (:meth:`build_counts` asks :meth:`_lengths_key` directly, with its
+        scan: no key is kept by exact shape, which a serving loop's decode steps, each with new lengths,
+        would only fill.)"""
         if inputs is not self._no_inputs:
             parts = [self._group_key(g, shape, inp) for g, shape, inp in zip(self._groups, shapes, inputs)]
             return None if None in parts else self._with_rows(tuple(parts), arrays)
-        if scan is not None:  # (build_counts: its scan's class, without hashing or slicing the shapes)
-            key: Any = self._lengths_key(shapes, inputs, self._scan_class(scan))
-        else:
-            key = self._keys.get(shapes, _MISS)  # (a loop that repeats its steps exactly: a benchmark's)
-            if key is _MISS:
-                if len(self._keys) >= _MAX_KEYS:
-                    self._keys.clear()
-                key = self._keys[shapes] = self._lengths_key(shapes, inputs)
+        key = self._keys.get(shapes, _MISS)  # (a loop that repeats its steps exactly: a benchmark's)
+        if key is _MISS:
+            if len(self._keys) >= _MAX_KEYS:
+                self._keys.clear()
+            key = self._keys[shapes] = self._lengths_key(shapes, inputs, _NO_ARRAYS)
         return None if key is None else self._with_rows(key, arrays)
 
-    def _lengths_key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]],
-                     scan_class: tuple[Any, ...] | None = None) -> tuple[Hashable, ...] | None:
-        """:meth:`_key` of a step without inputs, but the arrays' rows: its class's part
-        (:meth:`_class_entry`) and what its lengths add. ``scan_class``: the class of
-        :meth:`build_counts`'s scan (the scan without its lengths), which stands for the shapes'."""
-        if scan_class is None:
+    def _lengths_key(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]], arrays: list[np.ndarray],
+                     scan: tuple[Any, ...] | None = None) -> tuple[Hashable, ...] | None:
+        """:meth:`_key` of a step without inputs: its class's part (:meth:`_class_entry`), what its
+        lengths add, and (eager mode) the rows of ``arrays``. ``scan``: :meth:`build_counts`'s scan,
+        whose class (the scan without its lengths) stands for the shapes'. (One call for the whole key:
+        a serving loop's every step computes it, after a wait that left the caches cold.)"""
+        if scan is None:
             classes = self._classes
             cls = shapes[0][:6] + shapes[0][9:] if len(shapes) == 1 else tuple([s[:6] + s[9:] for s in shapes])
         else:
-            classes, cls = self._scan_classes, scan_class
+            classes, cls = self._scan_classes, self._scan_class(scan)
         entry = classes.get(cls, _MISS)  # (a StepShape without its three lengths)
         if entry is _MISS:
             if len(classes) >= _MAX_KEYS:
@@ -596,8 +621,10 @@ class StepBuilder:
                 key.append(_shape_width(shape, columns, step))
                 if paged:
                     key.append(bucket_rows(shape.num_pages))
-            elif not _lengths_fit(shape, self._stager.profile):  # graph mode (else composed: the builders raise)
+            elif not _lengths_fit(shape, self._caps):  # graph mode (else composed: the builders raise)
                 return None
+        if arrays and not self._graph:
+            key.append(tuple([len(a) for a in arrays]))
         return tuple(key)
 
     def _with_rows(self, key: tuple[Hashable, ...], arrays: list[np.ndarray]) -> tuple[Hashable, ...]:
@@ -656,7 +683,7 @@ class StepBuilder:
         if prof is not None:
             if bs != prof.block_size or Bp > prof.max_num_reqs or Tp > prof.max_num_tokens:
                 return None
-            if lengths and not _lengths_fit(shape, prof):
+            if lengths and not _lengths_fit(shape, self._caps):
                 return None
             parts.append((Bp, Tp, tokens, paged))
         else:
@@ -671,16 +698,6 @@ class StepBuilder:
                 return None
             parts.append(k)
         return tuple(parts)
-
-    def _rows(self, rec: _Record, shapes: tuple[StepShape, ...], arrays: list[np.ndarray]) -> dict[str, int] | None:
-        """Graph mode: the row counts of the restaged fields that change from step to step (the page
-        indices, the arrays)."""
-        if not self._graph:
-            return None
-        rows = {name: shape.num_pages for name, shape in zip(rec.indices, shapes, strict=True) if name}
-        for (name, *_r), a in zip(self._arrays, arrays, strict=True):
-            rows[name] = a.shape[0]
-        return rows
 
     def _check(self, specs: tuple[BatchSpec, ...], inputs: list[list[Any]]) -> None:
         """Raise :class:`~attnmeta.UnsupportedBatchError` for the first builder that cannot serve its
@@ -774,7 +791,8 @@ class StepBuilder:
                 elif not passes.write(specs):  # (specs with counts of their own)
                     passes = None
             if passes is not None:
-                hosts = [w.host(shape, causal) for (w, causal, _p, _t), shape in zip(rec.groups, shapes)]
+                for (w, causal, _p, _t), shape in zip(rec.groups, shapes):
+                    hosts.append(w.host(shape, causal))
             else:  # (group by group)
                 for g, ((w, causal, _paged, threads), shape) in enumerate(zip(rec.groups, shapes)):
                     if specs is not None:
@@ -811,8 +829,14 @@ class StepBuilder:
             owned.append(m)
         step.own_all(owned)
         devices = rec.devices
-        return ComposedStep(step, tuple(cms), meta, devices.copy() if devices is not None else
-                            {n: step.device(n) for n, _v in rec.arrays})
+        if devices is None:  # (graph mode: the arrays' views of the one arena, the same for the same rows)
+            rows = tuple([len(a) for a in arrays])
+            devices = rec.graph_devices.get(rows)
+            if devices is None:
+                if len(rec.graph_devices) >= _MAX_KEYS:
+                    rec.graph_devices.clear()
+                devices = rec.graph_devices[rows] = {n: step.device(n) for n, _v in rec.arrays}
+        return ComposedStep(step, tuple(cms), meta, devices.copy())
 
     def __repr__(self) -> str:
         groups = ", ".join(f"{g.prefix}: {[n for n, _b, _o in g.builders]}"

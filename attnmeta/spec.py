@@ -752,6 +752,9 @@ tuple's Python-level ``__new__``."""
 def shapes_of(scan: tuple[Any, ...]) -> tuple[StepShape, ...]:
     """The :class:`StepShape` of each group of a :func:`scan_counts` result."""
     n, total, rp, tp, max_q, first, top, exact, pre, has_p, has_d, has_u = scan[:12]
-    return tuple([_new_tuple(StepShape, (n, total, rp, tp, max_q, first, top, exact, scan[k], scan[k + 1], scan[k + 2],
-                                         pre, has_p, has_d, has_u, None)) for k in range(12, len(scan), 3)])
+    shapes = []
+    for k in range(12, len(scan), 3):
+        shapes.append(_new_tuple(StepShape, (n, total, rp, tp, max_q, first, top, exact, scan[k], scan[k + 1],
+                                             scan[k + 2], pre, has_p, has_d, has_u, None)))
+    return tuple(shapes)
 

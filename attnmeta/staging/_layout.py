@@ -357,7 +357,7 @@ class StepLayout:
     makes :meth:`Step.restage` return False.
     """
 
-    __slots__ = ("by_rows", "end", "fields", "plain", "slot", "version", "with_rows")
+    __slots__ = ("by_rows", "end", "fields", "plain", "slot", "version")
 
     def __init__(self, slot: Slot, version: int, fields: dict[str, FieldLayout], end: int) -> None:
         self.slot = slot
@@ -366,11 +366,10 @@ class StepLayout:
         self.end = end
         self.plain: Restaged = (fields, (), fields)
         """A step restaged with the layout's own row counts."""
-        # Graph mode: what a step restaged with other row counts was restaged as, by the rows given (one
-        # field dict per row counts, shared by the steps that restage them: a steady-state commit sees
-        # the same dict); and each field of another row count, by (name, rows), made once.
-        self.by_rows: dict[tuple[tuple[str, int], ...], Restaged] = {}
-        self.with_rows: dict[tuple[str, int], FieldLayout] = {}
+        # Graph mode: what a step restaged with other row counts than the layout's was restaged as, by those
+        # fields and rows (one field dict per row counts, shared by the steps that restage them: a commit that
+        # repeats its slot's last one sees the same dict).
+        self.by_rows: dict[tuple[tuple[str, Any], ...], Restaged] = {}
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -35,12 +35,10 @@ from attnmeta.staging._ring import StepCore
 __all__ = ["Step"]
 
 _MAX_ROW_COUNTS = 32
-"""Row-count combinations a recorded layout keeps the restaged fields of (:meth:`Step.restage`), dropped
-when it outgrows this. A loop repeats a few (a padded size's arrays, a page count that changes every
-``block_size`` decode steps), and every entry holds a field dict, so a short list bounds the memory."""
-_MAX_RESTAGED_FIELDS = 512
-"""Fields of another row count a recorded layout keeps (:meth:`Step.restage`), dropped when it outgrows
-this: a large batch's page count takes a new value most steps, and an entry is one small object."""
+"""Row-count combinations a recorded layout keeps the restaged fields of (:meth:`Step.restage`: the fields
+given another row count than the layout's), dropped when it outgrows this. A small batch repeats a few (its
+page count changes every ``block_size`` decode steps), and every entry holds a field dict, so a short list
+bounds the memory."""
 
 
 class Step(StepCore):
@@ -315,39 +313,37 @@ class Step(StepCore):
             return False
         done = layout.plain
         if rows:
-            key = tuple(rows.items())
-            found = layout.by_rows.get(key)
-            if found is None:
-                found = (layout.fields, tuple(rows), self._rows_fields(layout, rows))
-                if len(layout.by_rows) >= _MAX_ROW_COUNTS:
-                    layout.by_rows.clear()
-                layout.by_rows[key] = found
-            done = found
+            if not self._stager.graph_mode:
+                raise ValueError("restage(rows=...): only graph mode has fixed offsets; eager rows are part of the "
+                                 "layout")
+            fields = layout.fields
+            changed = []  # (the fields given another row count than the layout's, and their names)
+            names = []
+            for item in rows.items():
+                f = fields.get(item[0])
+                if f is None or type(item[1]) is not int or f.rows != item[1]:
+                    changed.append(item)
+                    names.append(item[0])
+            if changed:
+                key = tuple(changed)
+                found = layout.by_rows.get(key)
+                if found is None:
+                    made = dict(fields)
+                    for name, n in changed:
+                        made[name] = self._with_rows(layout, name, n)
+                    found = (fields, tuple(names), made)
+                    if len(layout.by_rows) >= _MAX_ROW_COUNTS:
+                        layout.by_rows.clear()
+                    layout.by_rows[key] = found
+                done = found
         self._fields, self._shared = done[2], True  # copied only if the step adds a field
         self._restaged = done
         self._base = slot.host_np
         self._used = layout.end
         return True
 
-    def _rows_fields(self, layout: StepLayout, rows: dict[str, int]) -> dict[str, FieldLayout]:
-        """``layout``'s fields with the row counts of ``rows`` (graph mode), each field of another row
-        count made once per layout (checked then)."""
-        fields = dict(layout.fields)
-        made = layout.with_rows
-        for name, n in rows.items():
-            f = made.get((name, n)) if type(n) is int else None  # (other types: checked below)
-            if f is None:
-                f = self._with_rows(layout, name, n)
-                if len(made) >= _MAX_RESTAGED_FIELDS:
-                    made.clear()
-                made[(name, n)] = f
-            fields[name] = f
-        return fields
-
     def _with_rows(self, layout: StepLayout, name: str, n: Any) -> FieldLayout:
         """``layout``'s field ``name`` staged with ``n`` rows (graph mode), checked."""
-        if not self._stager.graph_mode:
-            raise ValueError("restage(rows=...): only graph mode has fixed offsets; eager rows are part of the layout")
         f = layout.fields.get(name)
         if f is None:
             raise ValueError(f"restage(rows=...): {name} is not a field of the layout")

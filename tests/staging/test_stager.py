@@ -20,6 +20,7 @@ from attnmeta.staging import (
     StepNotCommittedError,
     pad_out,
 )
+from attnmeta.staging._ring import staged_fields
 
 PROFILE = StaticProfile(max_num_reqs=8, max_num_tokens=32, max_blocks_per_req=4, block_size=4)
 
@@ -315,6 +316,44 @@ def test_graph_mode_restage_after_an_abandoned_longer_step_refills_its_rows() ->
     step.alloc("a", 2, np.int32)[:] = 5
     step.commit()
     assert step.device_full("a").tolist() == [5, 5, -1, -1, -1, -1]
+
+
+def test_restage_rows_equal_to_the_layouts_reuse_its_fields_and_eager_mode_refuses_rows() -> None:
+    """Graph mode: row counts equal to the recorded layout's change nothing (the step takes the layout's
+    own fields, as with no rows); other row counts are checked against the capacity. Eager mode has no
+    fixed offsets: any ``rows`` is refused, even the layout's own."""
+    stager = Stager("cpu", num_slots=2, profile=PROFILE)
+
+    def on_slot_1(s: Stager) -> Any:  # (an empty step on slot 0 first: slots are used in ring order)
+        with s.step():
+            pass
+        return s.step()
+
+    with stager.step() as step:  # (lays the field out: this step grew the layout)
+        step.alloc("a", 3, np.int32, capacity=6, fill=-1)[:] = 1
+    with stager.step() as step:
+        step.alloc("a", 3, np.int32)[:] = 1
+    rec = step.layout()
+    step = on_slot_1(stager)
+    assert step.restage(rec, {"a": 3})
+    assert staged_fields(step) is rec.fields
+    step.host_full("a")[:3] = 2
+    step.commit()
+    assert step.device_full("a").tolist() == [2, 2, 2, -1, -1, -1]
+    step = on_slot_1(stager)
+    with pytest.raises(CapacityError, match="needs 7 rows but its graph-mode capacity is 6"):
+        step.restage(rec, {"a": 7})
+    step.abandon()
+    eager = Stager("cpu", num_slots=2)
+    with eager.step():
+        pass
+    with eager.step() as step:
+        step.alloc("a", 3, np.int32)[:] = 1
+    rec = step.layout()
+    step = on_slot_1(eager)
+    with pytest.raises(ValueError, match="only graph mode has fixed offsets"):
+        step.restage(rec, {"a": 3})
+    step.abandon()
 
 
 # ------------------------------------------------------------------------------- helpers
