@@ -582,7 +582,7 @@ class StepBuilder:
         if inputs is not self._no_inputs:
             parts = [self._group_key(g, shape, inp) for g, shape, inp in zip(self._groups, shapes, inputs)]
             return None if None in parts else self._with_rows(tuple(parts), arrays)
-        key = self._keys.get(shapes, _MISS)  # (a loop that repeats its steps exactly: a benchmark's)
+        key: Any = self._keys.get(shapes, _MISS)  # (a loop that repeats its steps exactly: a benchmark's)
         if key is _MISS:
             if len(self._keys) >= _MAX_KEYS:
                 self._keys.clear()

@@ -162,6 +162,18 @@ def test_inputs_and_arrays_are_checked() -> None:
         composer.build(spec)
     with pytest.raises(TypeError, match="1-D numpy array of int32"):
         composer.build(spec, arrays={"ids": np.zeros(2, np.int64)})
+    with pytest.raises(TypeError, match="arrays: expected exactly \\['ids'\\], got \\['idz'\\]"):  # (as many, named otherwise)
+        composer.build(spec, arrays={"idz": np.zeros(2, np.int32)})
+    with pytest.raises(TypeError, match="1-D numpy array of int32"):  # (an equal kind, another byte order)
+        composer.build(spec, arrays={"ids": np.zeros(2, ">i4")})
+    with pytest.raises(TypeError, match="1-D numpy array of int32"):
+        composer.build(spec, arrays={"ids": np.zeros((2, 1), np.int32)})
+    with pytest.raises(TypeError, match="1-D numpy array of int32"):
+        composer.build(spec, arrays={"ids": [1, 2]})
+    graph = StepBuilder(Stager("cpu", profile=_PROFILE), Group({"fa": FLASH_ATTN}),
+                        arrays=[Array("ids", np.int32, capacity=4)])
+    with pytest.raises(ValueError, match="arrays\\['ids'\\]: 5 rows exceed the capacity 4"):
+        graph.build(spec, arrays={"ids": np.zeros(5, np.int32)})
     with pytest.raises(TypeError, match="inputs: no builder named \\['nope'\\]"):
         composer.build(spec, {"nope": None}, {"ids": np.zeros(2, np.int32)})
     with pytest.raises(TypeError, match="flash_attn: inputs must be FlashAttentionInputs"):
