@@ -623,15 +623,13 @@ class StepBuilder:
                     key.append(bucket_rows(shape.num_pages))
             elif not _lengths_fit(shape, self._caps):  # graph mode (else composed: the builders raise)
                 return None
-        if arrays and not self._graph:
-            key.append(tuple([len(a) for a in arrays]))
-        return tuple(key)
+        return self._with_rows(tuple(key), arrays)
 
     def _with_rows(self, key: tuple[Hashable, ...], arrays: list[np.ndarray]) -> tuple[Hashable, ...]:
         """``key`` and, in eager mode, the arrays' rows."""
         if not arrays or self._graph:
             return key
-        return (*key, tuple([a.shape[0] for a in arrays]))
+        return (*key, tuple([len(a) for a in arrays]))
 
     def _class_entry(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]]) -> tuple[Any, ...] | None:
         """A class of shapes' part of :meth:`_key`: None (such steps are composed), or ``(class number,

@@ -317,13 +317,11 @@ class Step(StepCore):
                 raise ValueError("restage(rows=...): only graph mode has fixed offsets; eager rows are part of the "
                                  "layout")
             fields = layout.fields
-            changed = []  # (the fields given another row count than the layout's, and their names)
-            names = []
+            changed = []  # (the fields given another row count than the layout's)
             for item in rows.items():
                 f = fields.get(item[0])
                 if f is None or type(item[1]) is not int or f.rows != item[1]:
                     changed.append(item)
-                    names.append(item[0])
             if changed:
                 key = tuple(changed)
                 found = layout.by_rows.get(key)
@@ -331,7 +329,7 @@ class Step(StepCore):
                     made = dict(fields)
                     for name, n in changed:
                         made[name] = self._with_rows(layout, name, n)
-                    found = (fields, tuple(names), made)
+                    found = (fields, tuple([name for name, _n in changed]), made)
                     if len(layout.by_rows) >= _MAX_ROW_COUNTS:
                         layout.by_rows.clear()
                     layout.by_rows[key] = found
