@@ -762,7 +762,7 @@ def build_common(spec: BatchSpec, stager: Stager, **kwargs: Any) -> CommonAttent
     --------
     >>> from attnmeta import BatchSpec, Stager
     >>> spec = BatchSpec(num_computed_tokens=[3], num_scheduled_tokens=[2], block_table=[[7, 8]], block_size=4)
-    >>> build_common(spec, Stager("cpu")).slot_mapping_cpu.tolist()
+    >>> build_common(spec, Stager("cpu")).slot_mapping_cpu.tolist()  # (a host twin: no device read)
     [31, 32]
 
     Raises

@@ -330,6 +330,7 @@ class StepBuilder:
     ...                  block_table=[[3, 4, 0, 0, 0], [7, 8, 9, 1, 2]], block_size=4)
     >>> for _ in range(4):  # the 4th step replays the layout the 1st recorded on ring slot 0
     ...     out = composer.build(spec, arrays={"engine.input_ids": np.array([11, 12], np.int32)})
+    >>> # (host twins, and an array's device view of a cpu stager, whose device is the host: no device read)
     >>> out["fi"].paged_kv_indices_cpu.tolist(), out["fa"].max_seq_len, out.common.slot_mapping_cpu.tolist()
     ([3, 4, 7, 8, 9, 1, 2], 18, [17, 9])
     >>> out.arrays["engine.input_ids"].tolist(), composer.stats

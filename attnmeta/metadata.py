@@ -75,9 +75,9 @@ class CommonAttentionMetadata(MetadataBase):
     ...                  block_table=[[10, 11], [20, 21], [30, 31]], block_size=4,
     ...                  num_reqs_padded=4, num_tokens_padded=8)
     >>> cm = build_common(spec, Stager("cpu"))
-    >>> cm.query_start_loc_cpu.tolist(), cm.seq_lens_cpu.tolist()
+    >>> cm.query_start_loc_cpu.tolist(), cm.seq_lens_cpu.tolist()  # (host twins: no device read)
     ([0, 1, 2, 6, 6], [6, 8, 4, 0])
-    >>> cm.slot_mapping_cpu.tolist()
+    >>> cm.slot_mapping_cpu.tolist()  # (a host twin)
     [45, 87, 120, 121, 122, 123, -1, -1]
     >>> cm.query_start_loc
     tensor([0, 1, 2, 6, 6], dtype=torch.int32)
@@ -303,7 +303,7 @@ class CommonHost(MetadataBase):
     ...                  block_table=[[10, 11], [20, 21], [30, 31]], block_size=4)
     >>> with Stager("cpu").step() as step:
     ...     host = stage_common(spec, step).host
-    >>> host.seq_lens_cpu.tolist(), host.num_pages, host.split()
+    >>> host.seq_lens_cpu.tolist(), host.num_pages, host.split()  # (host arrays)
     ([6, 8, 4], 5, SplitCounts(num_decodes=2, num_prefills=1, num_decode_tokens=2, num_prefill_tokens=4))
     """
 

@@ -412,9 +412,9 @@ def stage_ubatches(
     >>> stager = Stager("cpu")
     >>> with stager.step() as step:
     ...     ubs = stage_ubatches(spec, step, plan.padded_slices)
-    >>> [u.result().seq_lens_cpu.tolist() for u in ubs], stager.stats.copies
+    >>> [u.result().seq_lens_cpu.tolist() for u in ubs], stager.stats.copies  # (host twins)
     ([[12, 3, 23], [30, 7, 0, 0]], 1)
-    >>> ubs[1].result().query_start_loc_cpu.tolist(), ubs[1].result().max_seq_len
+    >>> ubs[1].result().query_start_loc_cpu.tolist(), ubs[1].result().max_seq_len  # (host twins)
     ([0, 7, 8, 8, 8], 30)
     """
     specs = ubatch_specs(spec, slices)

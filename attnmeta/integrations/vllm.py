@@ -337,6 +337,7 @@ def spec_from_vllm(
     ...     is_prefilling=torch.tensor([False, False, True, False]))
     >>> table = np.array([[10, 11], [20, 21], [30, 31], [0, 0]], np.int32)
     >>> spec = spec_from_vllm(cm, block_table=table, block_size=4)
+    >>> # (numpy arrays: host data)
     >>> spec.num_computed_tokens.tolist(), spec.num_scheduled_tokens.tolist(), spec.num_prompt_tokens.tolist()
     ([5, 7, 0], [1, 1, 4], [5, 7, 1])
     >>> spec.num_reqs, spec.num_reqs_padded, spec.num_tokens, spec.num_tokens_padded
@@ -470,7 +471,7 @@ def vllm_common_kwargs(common: CommonAttentionMetadata, **inputs: Any) -> dict[s
     >>> kw = vllm_common_kwargs(build_common(spec, Stager("cpu")))
     >>> kw["query_start_loc_cpu"], kw["num_reqs"], kw["max_seq_len"], kw["req_idx"]
     (tensor([0, 1, 2, 6], dtype=torch.int32), 3, 8, None)
-    >>> kw["seq_lens_cpu_upper_bound"].tolist(), kw["is_prefilling"].dtype
+    >>> kw["seq_lens_cpu_upper_bound"].tolist(), kw["is_prefilling"].dtype  # (host arrays)
     ([6, 8, 4], torch.bool)
     """
     if not isinstance(common, CommonAttentionMetadata):
