@@ -38,6 +38,7 @@ from attnmeta.host.common import (
     block_table_rows_par_nb,
     common_pass_nb,
     common_passes_nb,
+    optional_arrays,
 )
 from attnmeta.host.paged import PagedKV, num_pages, paged_indices_par_nb, paged_kv_layout, paged_layout_nb
 from attnmeta.metadata import (
@@ -225,7 +226,7 @@ class CommonWriter:
             if not serial:  # the block-table rows (and below the page indices) copied on numba's pool
                 block_table_rows_par_nb(table, self.bt, q.shape[0])
             status = common_pass_nb(
-                c, q, table, self.block_size, ws, rank, il, self.num_kv_blocks, prompt, drafts, upper,
+                c, q, table, self.block_size, ws, rank, il, self.num_kv_blocks, *optional_arrays(prompt, drafts, upper),
                 self.token_arrays, serial, self.qsl, self.sl, self.bt, self.pos, self.sm, self.ub, self.nc, self.pre,
                 self.ddt, self.paged, self.indptr, self.last, self.indices,
             )
@@ -464,7 +465,7 @@ class CommonPasses:
                 f = t.flags
                 if f.writeable is not w or f.aligned is not a:
                     return False
-        return not common_passes_nb(c, q, prompt, drafts, upper, tables, self._bufs, self._plan)
+        return not common_passes_nb(c, q, *optional_arrays(prompt, drafts, upper), tables, self._bufs, self._plan)
 
 
 def _place(a: np.ndarray, bufs: tuple[np.ndarray, ...], starts: list[int]) -> tuple[int, int] | None:

@@ -31,7 +31,11 @@ from attnmeta.host.paged import paged_indices_nb, paged_layout_nb
 from attnmeta.spec import BatchSpec
 
 __all__ = [
+    "ABSENT",
     "BAD_BLOCK_ID",
+    "HAS_DRAFTS",
+    "HAS_PROMPT",
+    "HAS_UPPER",
     "PASS_OUTPUTS",
     "PLAN_WIDTH",
     "bad_block_id",
@@ -39,11 +43,29 @@ __all__ = [
     "common_layout",
     "common_pass_nb",
     "common_passes_nb",
+    "optional_arrays",
 ]
 
 _SHORT_INDICES = 1 << 20  # common_pass_nb's status for an ``indices`` shorter than the page count
 BAD_BLOCK_ID = 1 << 21
 """:func:`common_pass_nb`'s status for a used block id that is negative or ``>= num_kv_blocks``."""
+HAS_PROMPT, HAS_DRAFTS, HAS_UPPER = 1, 2, 4
+"""The bits of :func:`common_pass_nb`'s ``present``: which of the spec's optional arrays it has."""
+ABSENT = np.zeros(0, np.int32)
+"""What :func:`common_pass_nb` and :func:`common_passes_nb` take for an optional array a spec does not
+have (read-only, as a spec's own arrays are: one compiled type for present and absent arrays alike)."""
+ABSENT.flags.writeable = False
+
+
+def optional_arrays(prompt: np.ndarray | None, drafts: np.ndarray | None,
+                    upper: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """``(prompt, drafts, upper, present)`` as :func:`common_pass_nb` takes a spec's optional arrays:
+    :data:`ABSENT` for each one that is None, and the :data:`HAS_PROMPT` / :data:`HAS_DRAFTS` /
+    :data:`HAS_UPPER` bits of those that are not."""
+    present = (0 if prompt is None else HAS_PROMPT) | (0 if drafts is None else HAS_DRAFTS) | (
+        0 if upper is None else HAS_UPPER)
+    return (ABSENT if prompt is None else prompt, ABSENT if drafts is None else drafts,
+            ABSENT if upper is None else upper, present)
 
 
 @njit
@@ -56,9 +78,10 @@ def common_pass_nb(
     rank: int,
     interleave: int,
     num_kv_blocks: int,
-    prompt: np.ndarray | None,
-    drafts: np.ndarray | None,
-    upper: np.ndarray | None,
+    prompt: np.ndarray,
+    drafts: np.ndarray,
+    upper: np.ndarray,
+    present: int,
     do_tokens: bool,
     copy_rows: bool,
     qsl: np.ndarray,
@@ -86,8 +109,11 @@ def common_pass_nb(
     mode: the tail repeats the total). With ``copy_rows`` False the caller has copied the real
     block-table rows (:func:`block_table_rows_par_nb`) and copies the page indices afterwards
     (:func:`attnmeta.host.paged.paged_indices_par_nb`): the same bytes, on numba's thread pool.
-    ``prompt`` / ``drafts`` / ``upper`` are the spec's optional arrays, ``None`` when it has none
-    (numba compiles a variant per combination, with the branches of the absent ones removed).
+    ``prompt`` / ``drafts`` / ``upper`` are the spec's optional arrays, :data:`ABSENT` for those it does
+    not have, and ``present`` their :data:`HAS_PROMPT` / :data:`HAS_DRAFTS` / :data:`HAS_UPPER` bits
+    (:func:`optional_arrays` makes both): one compiled variant serves every combination, where ``None``
+    for an absent array compiled this long kernel up to eight times over, for branches that cost nothing
+    at run time.
 
     The one check it makes: the block table is read now, not when its spec was validated, so every
     used block id (columns ``[0, cdiv(c + q, block_size * world_size))`` of each real row) must be
@@ -122,7 +148,8 @@ def common_pass_nb(
                                     slots)[0]
         status |= code
     Bp = bt.shape[0]
-    if upper is None:
+    has_prompt = (present & HAS_PROMPT) != 0
+    if (present & HAS_UPPER) == 0:
         for i in range(n):
             ub[i] = seq_lens[i]
     else:
@@ -130,12 +157,12 @@ def common_pass_nb(
             ub[i] = upper[i]
     for i in range(n):
         nc[i] = c[i]
-    if drafts is not None:  # vLLM's runner rule (docs/semantics.md, "Draft tokens")
+    if present & HAS_DRAFTS:  # vLLM's runner rule (docs/semantics.md, "Draft tokens")
         for i in range(n):
             d = drafts[i]
             if d > 0 and q[i] == d + 1:
                 ddt[i] = d  # drafts plus the bonus token
-            elif q[i] == 1 and (prompt is None or c[i] >= prompt[i]):
+            elif q[i] == 1 and (not has_prompt or c[i] >= prompt[i]):
                 ddt[i] = 0  # a one-token decode past its prompt: a spec row with zero drafts
             else:
                 ddt[i] = -1  # a prompt chunk (a one-token one included), or drafts that are not all scheduled
@@ -146,10 +173,10 @@ def common_pass_nb(
             bt[i, j] = 0
         ub[i] = 0
         nc[i] = 0
-    if prompt is None:
-        pre[:] = False
-    else:
+    if has_prompt:
         status |= _is_prefilling_nb(c, prompt, pre)[0]
+    else:
+        pre[:] = False
     if paged:
         code, _row, _col, total = paged_layout_nb(seq_lens, bt, block_size, False, indptr[: Bp + 1], indices, last)
         code = code if total <= indices.shape[0] else _SHORT_INDICES
@@ -177,16 +204,18 @@ PLAN_WIDTH = 45
 def common_passes_nb(
     c: np.ndarray,
     q: np.ndarray,
-    prompt: np.ndarray | None,
-    drafts: np.ndarray | None,
-    upper: np.ndarray | None,
+    prompt: np.ndarray,
+    drafts: np.ndarray,
+    upper: np.ndarray,
+    present: int,
     tables: tuple[np.ndarray, ...],
     bufs: tuple[np.ndarray, ...],
     plan: np.ndarray,
 ) -> int:
     """:func:`common_pass_nb` of every KV-cache group of one step (serial, rows copied here), in one
     compiled call: group ``g`` reads the counts and ``tables[g]`` (C-contiguous int32 tables, all
-    writable or all read-only: one compiled type for the tuple) and writes the outputs that row ``g``
+    writable or all read-only: one compiled type for the tuple), with the optional arrays as
+    :func:`common_pass_nb` takes them, and writes the outputs that row ``g``
     of ``plan`` places in ``bufs``. What the call saves is the per-call cost of a compiled call: a few
     arrays to unbox instead of fifteen per group.
 
@@ -216,7 +245,7 @@ def common_passes_nb(
         last = bufs[p[30]][p[31] : p[32]].view(np.int32)
         indices = bufs[p[33]][p[34] : p[35]].view(np.int32)
         status = common_pass_nb(c, q, tables[g], p[P_BLOCK_SIZE], p[P_WORLD], p[P_RANK], p[P_INTERLEAVE],
-                                p[P_KV_BLOCKS], prompt, drafts, upper, p[P_TOKENS] != 0, True, qsl, seq_lens, bt,
+                                p[P_KV_BLOCKS], prompt, drafts, upper, present, p[P_TOKENS] != 0, True, qsl, seq_lens, bt,
                                 positions, slots, ub, nc, pre, ddt, p[P_PAGED] != 0, indptr, last, indices)
         if status:
             return g + 1
@@ -375,9 +404,7 @@ def common_layout(
         rank,
         il,
         _NO_LIMIT,
-        spec.num_prompt_tokens,
-        spec.num_draft_tokens,
-        spec.seq_lens_upper_bound,
+        *optional_arrays(spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound),
         True,
         True,
         query_start_loc,

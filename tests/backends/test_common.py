@@ -444,6 +444,36 @@ def test_narrow_staged_table_still_maps_slots() -> None:
     assert bufs["slot_mapping"].tolist() == [18, 19] and bufs["block_table"].tolist() == [[3]]
 
 
+def test_one_compiled_common_pass_serves_every_combination_of_optional_arrays() -> None:
+    """Prompt lengths, draft counts and upper bounds, each present or not, reach the common pass (one
+    group, through ``stage_common``) and the passes of a step's groups (a composer's replayed steps)
+    as one compiled type: an absent array is a read-only empty array and a cleared bit, not None, for
+    which numba would compile one of the package's longest kernels again for each combination."""
+    import itertools
+
+    import numba
+
+    from attnmeta.compose import Group, StepBuilder
+    from attnmeta.host.common import ABSENT, common_pass_nb, common_passes_nb
+
+    before = {f: set(f.signatures) for f in (common_pass_nb, common_passes_nb)}
+    composer = StepBuilder(Stager("cpu", num_slots=2), Group({}))
+    table = [[1, 2, 0], [3, 4, 5]]
+    for p, d, u in itertools.product((False, True), repeat=3):
+        spec = BatchSpec(num_computed_tokens=[4, 0], num_scheduled_tokens=[3, 5], block_table=table, block_size=4,
+                         num_prompt_tokens=[2, 9] if p else None, num_draft_tokens=[2, 0] if d else None,
+                         seq_lens_upper_bound=[9, 5] if u else None)
+        for a in (spec.num_prompt_tokens, spec.num_draft_tokens, spec.seq_lens_upper_bound):
+            assert a is None or numba.typeof(a) == numba.typeof(ABSENT)  # (a spec's arrays are read-only too)
+        build_common(spec, Stager("cpu"))
+        for _ in range(3):  # the third replays the first's layout on ring slot 0
+            composer.build(spec)
+        assert composer.stats.replayed >= 1
+    for f in (common_pass_nb, common_passes_nb):
+        added = set(f.signatures) - before[f]
+        assert len(added) <= 1, (f.py_func.__name__, added)
+
+
 # --------------------------------------------------------------------------------------------------
 # graph mode
 # --------------------------------------------------------------------------------------------------

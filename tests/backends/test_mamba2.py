@@ -1065,3 +1065,23 @@ def test_a_checkpoint_config_without_checkpoints_changes_nothing_but_the_options
     assert with_cfg.checkpoint_meta is None and with_cfg.checkpoint_chunk_idx is None
     for name in _DEVICE_COMPARED:
         _same(getattr(with_cfg, name), getattr(without, name), name)
+
+
+def test_one_compiled_fill_serves_steps_with_and_without_draft_counts() -> None:
+    """The fill kernel (the package's longest to compile) takes the draft counts as one compiled type
+    whether the step has none, derives them by vLLM's runner rule (spec decode on, no drafts given),
+    or reads the common metadata's: each is a read-only int32 array, so no step compiles it again."""
+    from attnmeta.host.mamba import mamba_fill_nb
+
+    before = set(mamba_fill_nb.signatures)
+    table = [[1, 2, 0], [3, 4, 5], [6, 7, 8]]
+    plain = BatchSpec(num_computed_tokens=[4, 0, 7], num_scheduled_tokens=[1, 5, 3], block_table=table, block_size=4,
+                      num_prompt_tokens=[2, 9, 3])
+    drafted = BatchSpec(num_computed_tokens=[4, 0, 7], num_scheduled_tokens=[1, 5, 3], block_table=table, block_size=4,
+                        num_prompt_tokens=[2, 9, 3], num_draft_tokens=[0, 0, 2])
+    accepted = Mamba2Inputs(num_accepted_tokens=np.array([1, 1, 1], np.int32))
+    spec_on = Mamba2Options(num_speculative_tokens=2)
+    for spec, options, inputs in ((plain, Mamba2Options(), None), (plain, spec_on, accepted), (drafted, spec_on, accepted)):
+        mamba2.build(spec, Stager("cpu"), options, inputs)
+    added = set(mamba_fill_nb.signatures) - before
+    assert len(added) <= 1, added

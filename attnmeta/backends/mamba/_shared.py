@@ -185,13 +185,16 @@ def runner_draft_counts(h: CommonHost, spec_tokens: int) -> np.ndarray | None:
     for a step in which no row got drafts (it fills the counts every step while spec decode is on): 0
     for a one-token row past its prompt (a spec row with zero drafts), -1 for the rest; else None.
 
-    ``(num_reqs,)`` int32, host.
+    ``(num_reqs,)`` int32, host, read-only (as the common metadata's own: one compiled type for the
+    kernels that read either).
     """
     drafts = h.num_decode_draft_tokens_cpu
     if drafts is not None or not spec_tokens:
         return drafts
     q = np.diff(h.query_start_loc_cpu)
-    return np.where((q == 1) & ~h.is_prefilling, 0, -1).astype(np.int32)
+    rule: np.ndarray = np.where((q == 1) & ~h.is_prefilling, 0, -1).astype(np.int32)
+    rule.flags.writeable = False
+    return rule
 
 
 def common_needs(columns: int) -> CommonNeeds:
