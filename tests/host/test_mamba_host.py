@@ -255,7 +255,7 @@ def _fill_cases(draw: st.DrawFn) -> dict[str, Any]:
     c = np.array([r[0] for r in rows] + [0] * pad, np.int32)
     q = np.array([r[1] for r in rows] + [0] * pad, np.int32)
     sl = c + q
-    isp = np.array([r[2] for r in rows] + [False] * pad)
+    isp = np.array([r[2] for r in rows] + [False] * pad, np.bool_)
     drafts = np.array([r[3] for r in rows] + [-1] * pad, np.int32) if k else np.zeros(0, np.int32)
     qsl = np.zeros(B + 1, np.int32)
     np.cumsum(q, out=qsl[1:])
@@ -304,6 +304,12 @@ def _outputs(case: dict[str, Any]) -> dict[str, np.ndarray]:
     return out
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
 def _fill(case: dict[str, Any], out: dict[str, np.ndarray]) -> tuple[int, ...]:
     ck = case["ckpt"]
     params = (0, 0, 0, 0, False) if ck is None else (
@@ -314,8 +320,11 @@ def _fill(case: dict[str, Any], out: dict[str, np.ndarray]) -> tuple[int, ...]:
     rows = out["batch_ptr"].shape[0]
     for arr, (a, b) in ((out["batch_ptr"], (lo, hi)), (out["offset_ptr"], (olo, ohi))):
         arr[min(a, rows) : min(b, rows)] = -1  # rows the caller knows hold -1 already
+    # The inputs read-only, as the builder passes them (host views of the common metadata): the compiled
+    # variant the library runs, not one of writable arrays compiled for this test alone.
+    qsl, ub, isp, drafts, sl, bt = (_read_only(case[n]) for n in ("qsl", "ub", "isp", "drafts", "sl", "bt"))
     return tuple(hm.mamba_fill_nb(
-        case["qsl"], case["ub"], case["isp"], case["drafts"], case["sl"], case["bt"], case["T"], 1 + case["k"],
+        qsl, ub, isp, drafts, sl, bt, case["T"], 1 + case["k"],
         case["bsm"], case["align"], case["C"], case["pad"], case["accepted"], case["given"], min(lo, rows),
         min(hi, rows), min(olo, rows), min(ohi, rows), *params, **out))
 
