@@ -52,8 +52,9 @@ BAD_BLOCK_ID = 1 << 21
 HAS_PROMPT, HAS_DRAFTS, HAS_UPPER = 1, 2, 4
 """The bits of :func:`common_pass_nb`'s ``present``: which of the spec's optional arrays it has."""
 ABSENT = np.zeros(0, np.int32)
-"""What :func:`common_pass_nb` and :func:`common_passes_nb` take for an optional array a spec does not
-have (read-only, as a spec's own arrays are: one compiled type for present and absent arrays alike)."""
+"""What :func:`common_pass_nb` and :func:`common_passes_nb` (and the Mamba fill kernel, for draft counts)
+take for an optional int32 array a step does not have: read-only, as a spec's own arrays and the common
+metadata's host views are, so present and absent arrays are one compiled type."""
 ABSENT.flags.writeable = False
 
 

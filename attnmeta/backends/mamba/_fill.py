@@ -68,6 +68,7 @@ from attnmeta.backends.mamba._shared import (
     state_indices_error,
 )
 from attnmeta.host.chunks import ChunkMetadata, logical_chunks_nb, token_seq_idx_nb
+from attnmeta.host.common import ABSENT
 from attnmeta.host.layout import prefill_cpu_metadata
 from attnmeta.host.mamba import (
     CONV1D_BLOCK_M,
@@ -98,10 +99,6 @@ _I32, _I64, _BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_)
 _NO_I32 = np.zeros(0, _I32)
 _NO_I64 = np.zeros(0, _I64)
 _NO_BOOL = np.zeros(0, _BOOL)
-_NO_DRAFTS = np.zeros(0, _I32)
-"""``mamba_fill_nb``'s draft counts for a step without: read-only, as the common metadata's are (one
-compiled variant of the kernel, the package's longest to compile, for both)."""
-_NO_DRAFTS.flags.writeable = False
 _NO_ROWS = (0, 0, 0, 0)  # no conv1d pointer rows known to hold -1
 _new_tuple = tuple.__new__  # a NamedTuple from a tuple of its fields, without __new__'s argument parsing
 
@@ -720,7 +717,7 @@ def refill(step: Step, h: CommonHost, group: FieldGroup, lay: _Layout, owner: st
         ck_align, drop = checkpoint.checkpoint_alignment or 0, checkpoint.drop_eagle_block
     drafts = runner_draft_counts(h, spec_tokens) if spec_tokens else None
     status, D, Dt, tot, n, prep, nck, num_moved = mamba_fill_nb(
-        h.query_start_loc_cpu, h.seq_lens_cpu_upper_bound, isp, _NO_DRAFTS if drafts is None else drafts,
+        h.query_start_loc_cpu, h.seq_lens_cpu_upper_bound, isp, ABSENT if drafts is None else drafts,
         h.seq_lens_cpu, h.block_table_cpu, T, thr, bs_m, align, chunk_size, prof is not None, accepted,
         has_accepted, known[0], known[1], known[2], known[3], hb, hit, ck_align, look, drop,
         *lay.outputs,
