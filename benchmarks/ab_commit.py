@@ -33,8 +33,15 @@ run instead, a step's counts a fresh array each step, as the loop does: for a ch
 key path, or to see what the cycle leaves out. A walk's longer sequences also outgrow their layout now
 and then (a new page-count bucket, a wider block table), and each ring slot then composes the step
 afresh: a median leaves those steps out, ``--mean`` counts them as a loop's average does.
+``--engine-steps`` makes the engine rows cycle through the reference engine's own decode steps instead,
+recorded first on the CPU (:func:`engine_steps`: ``bench_engine.py``'s workload, four runs of new
+requests, a few hundred steps, about 30 s at 64 requests): their page counts are a serving loop's, a
+new one nearly every step and recurring over the runs; cycled, every count has been seen by the timed
+rounds, as in a loop that has served for a while (``bench_engine.py``'s few warm-up runs have seen about
+half of its timed steps' counts).
 
-Run: ``python benchmarks/ab_commit.py BASE_COMMIT [--device cuda] [--rounds 12] [--steps 300] [--cold] [--walk] [--mean]``; on a
+Run: ``python benchmarks/ab_commit.py BASE_COMMIT [--device cuda] [--rounds 12] [--steps 300] [--cold] [--walk |
+--engine-steps] [--mean]``; on a
 machine without the checkout's history, export the base first (``git archive BASE_COMMIT attnmeta | tar -x -C
 .ab_base``) and pass the folder instead of the commit (benchmarks/gpu_all.sh's part ``ab`` does).
 """
@@ -174,9 +181,11 @@ def base_package(commit: str, exports: Path = EXPORTS) -> Any:
     return import_exported(commit, "attnmeta", "attnmeta_base", {"attnmeta": "attnmeta_base"}, exports)
 
 
-def paths(mod: Any, batch: int, device: torch.device, walk: int = 0, **stager_kw: Any) -> dict[str, Callable[[], Any]]:
+def paths(mod: Any, batch: int, device: torch.device, walk: int = 0, engine: list[dict[str, Any]] | None = None,
+          **stager_kw: Any) -> dict[str, Callable[[], Any]]:
     """The step paths of package ``mod`` on the decode walk of ``batch`` requests (the engine rows walk
-    ``walk`` steps without repeating one where it is given: :class:`_Walk`)."""
+    ``walk`` steps without repeating one where it is given: :class:`_Walk`; or cycle through ``engine``,
+    the reference engine's own steps: :func:`engine_steps`)."""
     fa = importlib.import_module(mod.__name__ + ".backends.flash_attn")
     fi = importlib.import_module(mod.__name__ + ".backends.flashinfer")
     fused = importlib.import_module(mod.__name__ + ".backends.fused")
@@ -209,8 +218,9 @@ def paths(mod: Any, batch: int, device: torch.device, walk: int = 0, **stager_kw
     out = {"fused": f, "fused+spec": fs, "composable": comp}
     compose = _module(mod, "compose")
     if compose is not None:
-        out["engine graphs"] = engine_graphs(mod, compose, fi.FLASHINFER, raws, device, walk)
-        out["engine hybrid"] = engine_hybrid(mod, compose, fi.FLASHINFER, raws, device, walk)
+        steps = raws if engine is None else engine
+        out["engine graphs"] = engine_graphs(mod, compose, fi.FLASHINFER, steps, device, walk)
+        out["engine hybrid"] = engine_hybrid(mod, compose, fi.FLASHINFER, steps, device, walk)
     return out
 
 
@@ -227,6 +237,44 @@ def _longest(raws: list[dict[str, Any]]) -> int:
     return max(int((r["num_computed_tokens"] + r["num_scheduled_tokens"]).max()) for r in raws)
 
 
+def _fit(table: np.ndarray, width: int) -> np.ndarray:
+    """``table``'s first ``width`` columns (zeros past its own), C-contiguous."""
+    out = np.zeros((table.shape[0], width), np.int32)
+    cols = min(width, table.shape[1])
+    out[:, :cols] = table[:, :cols]
+    return out
+
+
+def engine_steps(batch: int, runs: int = 4) -> list[dict[str, Any]]:
+    """The full-batch decode steps of the reference engine (``examples/engine``) serving
+    ``bench_engine.py``'s workload at ``batch`` requests on the CPU (its tiny Llama and torch's paged kernel:
+    the same scheduler and counts as the GPU's modes), ``runs`` runs of new requests: each step's computed
+    and scheduled counts and block table as the engine hands them to its step composer, in order. Their
+    page counts are a serving loop's: a new one nearly every step, recurring over the runs (neither the
+    synthetic walk's cycle, where all recur, nor ``--walk``, where none does)."""
+    import bench_engine  # (benchmarks/: the engine benchmark's workload and engine)
+
+    from examples.engine.workload import make_model, tiny_config
+
+    cpu = torch.device("cpu")
+    model = make_model(tiny_config(), cpu)
+    engine = bench_engine._engine(model, "paged", batch, 64, 96, cpu)
+    composer = engine.composer
+    steps: list[dict[str, Any]] = []
+    build_counts = composer.build_counts
+
+    def record(c: np.ndarray, q: np.ndarray, tables: list[tuple[np.ndarray, int]], **kw: Any) -> Any:
+        if len(c) == batch and bool((q == 1).all()):
+            steps.append({"num_computed_tokens": c.copy(), "num_scheduled_tokens": q.copy(),
+                          "block_table": tables[0][0].copy(), "block_size": tables[0][1]})
+        return build_counts(c, q, tables, **kw)
+
+    composer.build_counts = record  # (this engine's own composer only)
+    for seed in range(runs):
+        engine.run(bench_engine._requests(batch, 64, 96, model.config.vocab_size, seed))
+    return steps
+
+
 def _engine_arrays(compose: Any, capacity: int | None = None) -> list[Any]:
     """The reference engine's two arrays of its own (token ids, last step's sampled rows)."""
     return [compose.Array("engine.input_ids", np.int32, capacity=capacity),
@@ -234,11 +282,13 @@ def _engine_arrays(compose: Any, capacity: int | None = None) -> list[Any]:
 
 
 class _Walk:
-    """The engine rows' counts, step by step: the 64 steps of ``raws`` over and over (``steps`` 0), or
+    """The engine rows' counts, step by step: the steps of ``raws`` over and over (``steps`` 0), or
     ``steps`` steps of one decode walk that never repeats a step, each step's counts a fresh array (as an
     engine's scheduler makes them). In an engine's loop every decode step has a new longest sequence, so
-    the step composer's caches by step shape (its layout keys) miss on every step; the 64-step cycle
-    hits them once warm."""
+    the step composer's caches by step shape (its layout keys) miss on every step; the 64-step cycle of
+    the synthetic walk hits them once warm, and the walk misses every one (its page count never recurs);
+    the reference engine's own steps (:func:`engine_steps`) have a loop's page counts, which recur over
+    its runs."""
 
     def __init__(self, raws: list[dict[str, Any]], steps: int) -> None:
         self.raws, self.steps = raws, steps
@@ -252,8 +302,9 @@ class _Walk:
         """Step ``i``'s computed and scheduled counts, and the index of its table in ``raws`` (one table for
         the whole walk)."""
         if not self.steps:
-            r = self.raws[i % 64]
-            return r["num_computed_tokens"], r["num_scheduled_tokens"], i % 64
+            k = i % len(self.raws)
+            r = self.raws[k]
+            return r["num_computed_tokens"], r["num_scheduled_tokens"], k
         if i >= self.steps:
             raise RuntimeError(f"ab_commit: the walk has {self.steps} steps, step {i} asked")
         return self.c0 + np.int32(i) * self.q, self.q, 0
@@ -308,7 +359,7 @@ def engine_graphs(mod: Any, compose: Any, flashinfer: Any, raws: list[dict[str, 
     bs = raws[0]["block_size"]  # the profile's table width: the walk's longest request (the workload's is wider)
     w = _Walk(raws, walk)
     width = -(-w.longest() // bs // 8) * 8
-    tables = [np.ascontiguousarray(r["block_table"][:, :width]) for r in raws]
+    tables = [_fit(r["block_table"], width) for r in raws]
     profile = mod.StaticProfile(max_num_reqs=padded, max_num_tokens=max(8192, padded), max_blocks_per_req=width,
                                 block_size=bs)
     stager = mod.Stager(device, num_slots=3, profile=profile)
@@ -391,6 +442,9 @@ def main() -> None:
     ap.add_argument("--walk", action="store_true", help="the engine rows walk one decode walk that never repeats a "
                                                          "step, as an engine's loop does (class _Walk), instead of "
                                                          "cycling through 64 steps")
+    ap.add_argument("--engine-steps", action="store_true",
+                    help="the engine rows cycle through the reference engine's own decode steps, recorded on the "
+                         "CPU first (engine_steps: a loop's page counts, which recur over its runs)")
     ap.add_argument("--mean", action="store_true", help="each round's mean step time instead of its median: with "
                                                          "--walk, the steps that compose a new layout count as they "
                                                          "do in a loop's average")
@@ -402,15 +456,25 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     dev = torch.device(args.device)
+    if args.walk and args.engine_steps:
+        ap.error("--walk and --engine-steps: the engine rows take one of them")
     base = base_package(args.base, args.exports)
+    rows_from = ("; engine rows: one walk, no step repeated" if args.walk else
+                 "; engine rows: the reference engine's decode steps" if args.engine_steps else "")
     print(f"# {args.device}, torch {torch.__version__}, base {args.base}, {args.rounds} rounds x {args.steps} "
           f"steps{', each after a cache thrash' if args.cold else ''}"
-          f"{'; engine rows: one walk, no step repeated' if args.walk else ''}; medians over rounds of per-round "
+          f"{rows_from}; medians over rounds of per-round "
           f"{'means' if args.mean else 'medians'} (us)")
     print(f"{'batch':>6} {'path':<22} {'base':>8} {'this':>8} {'this/base':>10}")
     for batch in [int(x) for x in args.batches.split(",")]:
         walk = calls_per_side(args.rounds, args.steps) + 1 if args.walk else 0  # (a side's steps count from 1)
-        old, new = paths(base, batch, dev, walk), paths(attnmeta, batch, dev, walk)
+        engine = None
+        if args.engine_steps:
+            t0 = time.perf_counter()
+            print(f"# recording the reference engine's decode steps at {batch} requests (CPU) ...", end="", flush=True)
+            engine = engine_steps(batch)
+            print(f" {len(engine)} steps in {time.perf_counter() - t0:.0f} s", flush=True)
+        old, new = paths(base, batch, dev, walk, engine), paths(attnmeta, batch, dev, walk, engine)
         rows = [(name, old[name], new[name]) for name in new if name in old]
         rows.append(("lifetimes on/off", paths(attnmeta, batch, dev, check_lifetimes=False)["fused"], new["fused"]))
         if args.paths:

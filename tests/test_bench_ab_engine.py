@@ -29,6 +29,38 @@ def test_ab_commit_compares_a_commit_with_this_checkout() -> None:
     assert all(float(r[-1]) > 0 for r in rows), rows
 
 
+def test_ab_commit_engine_steps_are_the_reference_engine_s_decode_steps(monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``--engine-steps``: the engine rows cycle through the reference engine's own full-batch decode steps,
+    recorded on the CPU (each step's counts and table as the engine hands them to its composer: one new
+    token a request, the tables' block ids those of their requests' pages), and both engine rows build
+    them; ``--walk`` with it is refused."""
+    import sys
+
+    import torch
+
+    import attnmeta
+
+    mod = load_benchmark("ab_commit.py", "ab_commit_engine_steps")
+    steps = mod.engine_steps(3, runs=1)
+    assert len(steps) >= 20, len(steps)
+    for s in steps:
+        c, q, table = s["num_computed_tokens"], s["num_scheduled_tokens"], s["block_table"]
+        assert q.tolist() == [1, 1, 1] and table.shape[0] == 3 and s["block_size"] == 16
+        pages = -(-(c + q) // 16)
+        assert all((table[r, : pages[r]] >= 0).all() for r in range(3))
+    assert len({int((-(-(s["num_computed_tokens"] + 1) // 16)).sum()) for s in steps}) > 1  # (page counts change)
+    built = mod.paths(attnmeta, 3, torch.device("cpu"), engine=steps)
+    for name in ("engine graphs", "engine hybrid"):
+        for _ in range(len(steps) + 2):  # (once round the cycle)
+            out = built[name]()
+        assert out.common.num_reqs == 3 or out.common.num_reqs == 4, name  # (graph mode pads to 4)
+    monkeypatch.setattr(sys, "argv", ["ab_commit.py", "HEAD", "--walk", "--engine-steps"])
+    with pytest.raises(SystemExit):
+        mod.main()
+    assert "the engine rows take one of them" in capsys.readouterr().err
+
+
 def test_ab_commit_keeps_and_reuses_the_exported_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``import_exported`` keeps the renamed copy per content and reuses it untouched (numba's cache of the
     base's kernels, kept beside their source, stays valid only while the source's files do), makes a new
