@@ -116,10 +116,12 @@ class EngineStats:
     token_waits: int = 0
     """Times the host had to wait for a step's sampled-token copy."""
     metadata_s: float = 0.0
-    """Host time in attnmeta: the step's BatchSpecs and the composer's build (common metadata, the kernel's
-    builders, the Mamba group, the engine's two arrays, the commit, the results; in the per-tensor
-    baseline, its uploads too). The engine's own preparation of the arrays (the scheduler, the block
-    table rows) is not in it."""
+    """Host time in attnmeta: the step composer's call on the scheduler's arrays
+    (:meth:`~attnmeta.compose.StepBuilder.build_counts`: common metadata, the kernel's builders, the
+    Mamba group, the engine's two arrays, the commit, the results; in the per-tensor baseline, its
+    uploads too). The engine's own preparation of the call's arguments (the scheduler, the block table
+    rows and their views, the kernel's inputs) is not in it, as the vllm mode's ``set_batch`` is not in
+    vLLM's."""
     plan_s: float = 0.0
     """Host time in the kernel's per-step preparation (FlashInfer's ``plan()``)."""
     step_times: list[float] = dataclasses.field(default_factory=list)
@@ -327,12 +329,14 @@ class Engine:
             self._step_vllm(out, computed, scheduled, ids, prev_rows, padded)
             return
         replays = self.composer.stats.replayed  # (bookkeeping: read before the timed part)
-        t_md = time.perf_counter()  # attnmeta's part of the step starts here
         tables = [(self.table[:n], cfg.block_size)]
         if self.hybrid:  # the Mamba group: the same step, its own table (none mode: one state slot a request)
             tables.append((self.state_table[:n], cfg.block_size if self.align else cfg.max_model_len))
         inputs = self.kernel.inputs(0 if self.graphs else out.num_common_prefix_blocks)
         arrays = {"engine.input_ids": ids, "engine.prev_rows": prev_rows}
+        # attnmeta's part of the step starts here, its arguments ready (as the vllm mode's starts after
+        # set_batch): the composer's call, and in the per-tensor baseline its uploads
+        t_md = time.perf_counter()
         built = self.composer.build_counts(computed, scheduled, tables, num_reqs_padded=padded,
                                            num_tokens_padded=padded, inputs=inputs, arrays=arrays)
         cm, step = built.common, built.step

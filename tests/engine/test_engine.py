@@ -156,6 +156,33 @@ def test_per_tensor_baseline_uploads_every_device_field(model: Any) -> None:
                 assert new.data_ptr() != old.data_ptr() and torch.equal(new, old), name
 
 
+def test_attnmeta_s_time_is_the_composer_s_call(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``metadata_s`` and ``step_metadata`` time the step composer's call and nothing of the engine's
+    own preparation of its arguments (the kernel's inputs, the block table's rows), as the vllm mode
+    leaves its ``set_batch`` out: on a clock that only the kernel's ``inputs`` (100 s) and the
+    composer's call (1 s) advance, every step took exactly 1 s of attnmeta's time."""
+    import examples.engine.engine as engine_module
+
+    clock = [0.0]
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: clock[0])
+    cfg = EngineConfig(num_blocks=40, max_num_tokens=64, max_num_seqs=16, max_model_len=256)
+    engine = Engine(model, make_kernel("torch-paged", model, torch.device("cpu")), cfg)
+    inputs, build_counts = engine.kernel.inputs, engine.composer.build_counts
+
+    def slow_inputs(*a: Any) -> Any:
+        clock[0] += 100.0
+        return inputs(*a)
+
+    def timed_build(*a: Any, **kw: Any) -> Any:
+        clock[0] += 1.0
+        return build_counts(*a, **kw)
+
+    monkeypatch.setattr(engine.kernel, "inputs", slow_inputs)
+    monkeypatch.setattr(engine.composer, "build_counts", timed_build)
+    st = engine.run(make_requests(6, model.config.vocab_size, seed=2))
+    assert st.steps > 5 and st.step_metadata == [1.0] * st.steps and st.metadata_s == st.steps
+
+
 # ---------------------------------------------------------------------------------------------------
 # a hybrid model: Mamba2 layers read attnmeta's mamba2 metadata of the step's second KV-cache group
 # ---------------------------------------------------------------------------------------------------
