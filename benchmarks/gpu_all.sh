@@ -8,12 +8,16 @@
 #           event wait / after a sleep); benchmarks/bench_spec.py: constructing a step's BatchSpec;
 #   ab      benchmarks/ab_commit.py on cuda against the base package exported into .ab_base/attnmeta
 #           (git archive BASE attnmeta | tar -x -C .ab_base; carry .ab_base) -> ab.txt; AB_ROUNDS and
-#           AB_STEPS (default 12, 300) set its rounds;
+#           AB_STEPS (default 12, 300) set its rounds, AB_ARGS adds options (e.g. "--engine-steps --cold --paths
+#           'engine graphs,engine hybrid' --batches 64,256": the engine rows on the reference engine's own decode
+#           steps, each after a cache thrash);
 #   abengine  benchmarks/ab_engine.py on cuda: the reference engine's loop (1.24B Llama, graphs; ABENGINE_MODEL,
 #           ABENGINE_MODE, ABENGINE_CONCURRENCY, ABENGINE_ROUNDS) with this checkout's attnmeta against the base's,
 #           exported into .ab_base (git archive BASE attnmeta examples/engine | tar -x -C .ab_base; carry .ab_base, or
 #           carry a tarball of it beside .vllm and .kernels and unpack it first) -> ab_engine.txt; needs FlashInfer
-#           as enginebench;
+#           as enginebench; the base's engine times its own window (84c4997 made it the composer's call):
+#           to compare only attnmeta across that commit, export the base's attnmeta with this checkout's
+#           examples/engine;
 #   before-after  a kernel test on this tree and on a copy of it with the files under $BEFORE (default
 #           .ab_base/before-fix, carried) laid over it: the code before a fix, so the test that comes
 #           with the fix shows it fails before and passes after -> before_after.log. $BEFORE_TEST
@@ -171,8 +175,9 @@ fi
 if want ab; then
 echo "== ab: this checkout against .ab_base (benchmarks/ab_commit.py)" | tee "$OUT_DIR/ab.txt"
 if [[ -f .ab_base/attnmeta/__init__.py ]]; then
+  # shellcheck disable=SC2086  # (AB_ARGS: more options, word-split on purpose: e.g. "--engine-steps --cold")
   timeout 480 $PY benchmarks/ab_commit.py .ab_base --device cuda --rounds "${AB_ROUNDS:-12}" --steps "${AB_STEPS:-300}" \
-    2>&1 | tee -a "$OUT_DIR/ab.txt" || status=1
+    ${AB_ARGS:-} 2>&1 | tee -a "$OUT_DIR/ab.txt" || status=1
 else
   echo "no .ab_base/attnmeta: export the base (git archive BASE attnmeta | tar -x -C .ab_base) and carry .ab_base" \
     | tee -a "$OUT_DIR/ab.txt"; status=1
