@@ -91,8 +91,9 @@
 #           minutes (vLLM's FA3 prefill among them) into the machine's cache, which lasts while the machine is
 #           warm: run the parts in back-to-back calls, one model or concurrency a call
 #           (carry .vllm, .whl, .kernels; VLLMBENCH_MODELS, default "1b hybrid-1b", picks the models,
-#           VLLMBENCH_MODES the modes, VLLMBENCH_CONCURRENCY the requests, default 1,64,256; one model's three
-#           rows of two modes take about one call). The FlashInfer pairs (graphs,vllm-graphs and
+#           VLLMBENCH_MODES the modes, VLLMBENCH_CONCURRENCY the requests, default 1,64,256, VLLMBENCH_ROUNDS
+#           the alternating rounds, default 3; one model's three rows of two modes take about one call). The
+#           FlashInfer pairs (graphs,vllm-graphs and
 #           eager,vllm-eager) need vLLM's FlashInfer backend, which imports only with the FlashInfer vLLM pins:
 #           make .vllm with `fetch_vllm.py --flashinfer` (.vllm is then 58 MB and needs nothing of .whl: carry
 #           [".vllm", ".kernels"] only, the call's 64 MiB limit); vllm_site puts that FlashInfer first on
@@ -329,13 +330,13 @@ if vllm_site; then
   for m in ${VLLMBENCH_MODELS:-1b hybrid-1b}; do
     if [[ $m == 1b ]]; then
       timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --modes "${VLLMBENCH_MODES:-$llama_modes}" --no-cold \
-        --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" \
+        --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" --rounds "${VLLMBENCH_ROUNDS:-3}" \
         --json "$OUT_DIR/vllm_bench.json" 2>&1 | tee -a "$OUT_DIR/vllm_bench.txt"
       rc=${PIPESTATUS[0]}  # (read before any other command: [[ ]] has a PIPESTATUS of its own)
       [[ $rc -eq 0 ]] || failed "vllmbench (1b)" "$rc"
     else
       timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --modes "${VLLMBENCH_MODES:-$hybrid_modes}" \
-        --no-cold --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" \
+        --no-cold --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" --rounds "${VLLMBENCH_ROUNDS:-3}" \
         --json "$OUT_DIR/vllm_hybrid_bench.json" 2>&1 | tee "$OUT_DIR/vllm_hybrid_bench.txt"
       rc=${PIPESTATUS[0]}
       [[ $rc -eq 0 ]] || failed "vllmbench (hybrid-1b)" "$rc"
