@@ -8,9 +8,9 @@
 #           event wait / after a sleep); benchmarks/bench_spec.py: constructing a step's BatchSpec;
 #   ab      benchmarks/ab_commit.py on cuda against the base package exported into .ab_base/attnmeta
 #           (git archive BASE attnmeta | tar -x -C .ab_base; carry .ab_base) -> ab.txt; AB_ROUNDS and
-#           AB_STEPS (default 12, 300) set its rounds, AB_ARGS adds options (e.g. "--engine-steps --cold --paths
-#           'engine graphs,engine hybrid' --batches 64,256": the engine rows on the reference engine's own decode
-#           steps, each after a cache thrash);
+#           AB_STEPS (default 12, 300) set its rounds, AB_BATCHES and AB_PATHS its batches and rows (default
+#           1,64,256,1024 and every row), AB_ARGS adds flags (e.g. "--engine-steps --cold": the engine rows on
+#           the reference engine's own decode steps, each after a cache thrash);
 #   abengine  benchmarks/ab_engine.py on cuda: the reference engine's loop (1.24B Llama, graphs; ABENGINE_MODEL,
 #           ABENGINE_MODE, ABENGINE_CONCURRENCY, ABENGINE_ROUNDS) with this checkout's attnmeta against the base's,
 #           exported into .ab_base (git archive BASE attnmeta examples/engine | tar -x -C .ab_base; carry .ab_base, or
@@ -176,9 +176,9 @@ fi
 if want ab; then
 echo "== ab: this checkout against .ab_base (benchmarks/ab_commit.py)" | tee "$OUT_DIR/ab.txt"
 if [[ -f .ab_base/attnmeta/__init__.py ]]; then
-  # shellcheck disable=SC2086  # (AB_ARGS: more options, word-split on purpose: e.g. "--engine-steps --cold")
+  # shellcheck disable=SC2086  # (AB_ARGS: flags, word-split on purpose: e.g. "--engine-steps --cold")
   timeout 480 $PY benchmarks/ab_commit.py .ab_base --device cuda --rounds "${AB_ROUNDS:-12}" --steps "${AB_STEPS:-300}" \
-    ${AB_ARGS:-} 2>&1 | tee -a "$OUT_DIR/ab.txt" || status=1
+    --batches "${AB_BATCHES:-1,64,256,1024}" --paths "${AB_PATHS:-}" ${AB_ARGS:-} 2>&1 | tee -a "$OUT_DIR/ab.txt" || status=1
 else
   echo "no .ab_base/attnmeta: export the base (git archive BASE attnmeta | tar -x -C .ab_base) and carry .ab_base" \
     | tee -a "$OUT_DIR/ab.txt"; status=1
