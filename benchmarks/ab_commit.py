@@ -33,12 +33,14 @@ run instead, a step's counts a fresh array each step, as the loop does: for a ch
 key path, or to see what the cycle leaves out. A walk's longer sequences also outgrow their layout now
 and then (a new page-count bucket, a wider block table), and each ring slot then composes the step
 afresh: a median leaves those steps out, ``--mean`` counts them as a loop's average does.
-``--engine-steps`` makes the engine rows cycle through the reference engine's own decode steps instead,
-recorded first on the CPU (:func:`engine_steps`: ``bench_engine.py``'s workload, four runs of new
-requests, a few hundred steps, about 30 s at 64 requests): their page counts are a serving loop's, a
-new one nearly every step and recurring over the runs; cycled, every count has been seen by the timed
-rounds, as in a loop that has served for a while (``bench_engine.py``'s few warm-up runs have seen about
-half of its timed steps' counts).
+``--engine-steps`` makes the engine rows walk the reference engine's own decode steps instead,
+recorded first on the CPU (:func:`engine_steps`: ``bench_engine.py``'s workload, served as many times,
+with new requests each time, as the timed walk has steps; about 30 s for 6 rounds of 200 steps at 64
+requests on the 2-core CPU machine): their page counts are a serving loop's, a new one nearly every step, recurring over the
+runs. No step is timed twice, so a cache by page count fills as it does in a loop that serves one run
+after another: empty at the first run, finding more of each run's counts the more runs it has served.
+(Cycling through a few runs instead would find every count after the first cycle: a
+loop that has served for hours, and only while its page counts stay in a narrow range.)
 
 Run: ``python benchmarks/ab_commit.py BASE_COMMIT [--device cuda] [--rounds 12] [--steps 300] [--cold] [--walk |
 --engine-steps] [--mean]``; on a
@@ -184,7 +186,7 @@ def base_package(commit: str, exports: Path = EXPORTS) -> Any:
 def paths(mod: Any, batch: int, device: torch.device, walk: int = 0, engine: list[dict[str, Any]] | None = None,
           **stager_kw: Any) -> dict[str, Callable[[], Any]]:
     """The step paths of package ``mod`` on the decode walk of ``batch`` requests (the engine rows walk
-    ``walk`` steps without repeating one where it is given: :class:`_Walk`; or cycle through ``engine``,
+    ``walk`` steps without repeating one where it is given: :class:`_Walk`; or walk ``engine`` in order,
     the reference engine's own steps: :func:`engine_steps`)."""
     fa = importlib.import_module(mod.__name__ + ".backends.flash_attn")
     fi = importlib.import_module(mod.__name__ + ".backends.flashinfer")
@@ -245,13 +247,14 @@ def _fit(table: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-def engine_steps(batch: int, runs: int = 4) -> list[dict[str, Any]]:
+def engine_steps(batch: int, runs: int = 4, at_least: int = 0) -> list[dict[str, Any]]:
     """The full-batch decode steps of the reference engine (``examples/engine``) serving
     ``bench_engine.py``'s workload at ``batch`` requests on the CPU (its tiny Llama and torch's paged kernel:
-    the same scheduler and counts as the GPU's modes), ``runs`` runs of new requests: each step's computed
-    and scheduled counts and block table as the engine hands them to its step composer, in order. Their
-    page counts are a serving loop's: a new one nearly every step, recurring over the runs (neither the
-    synthetic walk's cycle, where all recur, nor ``--walk``, where none does)."""
+    the same scheduler and counts as the GPU's modes), ``runs`` runs of new requests, and more runs until
+    there are ``at_least`` steps: each step's computed and scheduled counts and block table as the engine
+    hands them to its step composer, in order. Their page counts are a serving loop's: a new one nearly
+    every step, recurring over the runs (neither the synthetic walk's cycle, where all recur, nor
+    ``--walk``, where none does)."""
     import bench_engine  # (benchmarks/: the engine benchmark's workload and engine)
 
     from examples.engine.workload import make_model, tiny_config
@@ -270,8 +273,10 @@ def engine_steps(batch: int, runs: int = 4) -> list[dict[str, Any]]:
         return build_counts(c, q, tables, **kw)
 
     composer.build_counts = record  # (this engine's own composer only)
-    for seed in range(runs):
+    seed = 0
+    while seed < runs or len(steps) < at_least:
         engine.run(bench_engine._requests(batch, 64, 96, model.config.vocab_size, seed))
+        seed += 1
     return steps
 
 
@@ -443,8 +448,8 @@ def main() -> None:
                                                          "step, as an engine's loop does (class _Walk), instead of "
                                                          "cycling through 64 steps")
     ap.add_argument("--engine-steps", action="store_true",
-                    help="the engine rows cycle through the reference engine's own decode steps, recorded on the "
-                         "CPU first (engine_steps: a loop's page counts, which recur over its runs)")
+                    help="the engine rows walk the reference engine's own decode steps, recorded on the CPU "
+                         "first, each timed once (engine_steps: a loop's page counts, which recur over its runs)")
     ap.add_argument("--mean", action="store_true", help="each round's mean step time instead of its median: with "
                                                          "--walk, the steps that compose a new layout count as they "
                                                          "do in a loop's average")
@@ -472,7 +477,7 @@ def main() -> None:
         if args.engine_steps:
             t0 = time.perf_counter()
             print(f"# recording the reference engine's decode steps at {batch} requests (CPU) ...", end="", flush=True)
-            engine = engine_steps(batch)
+            engine = engine_steps(batch, runs=1, at_least=calls_per_side(args.rounds, args.steps) + 1)  # (no cycle)
             print(f" {len(engine)} steps in {time.perf_counter() - t0:.0f} s", flush=True)
         old, new = paths(base, batch, dev, walk, engine), paths(attnmeta, batch, dev, walk, engine)
         rows = [(name, old[name], new[name]) for name in new if name in old]

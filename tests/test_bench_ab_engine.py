@@ -31,10 +31,10 @@ def test_ab_commit_compares_a_commit_with_this_checkout() -> None:
 
 def test_ab_commit_engine_steps_are_the_reference_engine_s_decode_steps(monkeypatch: pytest.MonkeyPatch,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    """``--engine-steps``: the engine rows cycle through the reference engine's own full-batch decode steps,
-    recorded on the CPU (each step's counts and table as the engine hands them to its composer: one new
-    token a request, the tables' block ids those of their requests' pages), and both engine rows build
-    them; ``--walk`` with it is refused."""
+    """``--engine-steps``: the engine rows walk the reference engine's own full-batch decode steps, recorded
+    on the CPU (each step's counts and table as the engine hands them to its composer: one new token a
+    request, the tables' block ids those of their requests' pages), as many runs of new requests as the
+    walk needs steps (none timed twice), and both engine rows build them; ``--walk`` with it is refused."""
     import sys
 
     import torch
@@ -44,6 +44,9 @@ def test_ab_commit_engine_steps_are_the_reference_engine_s_decode_steps(monkeypa
     mod = load_benchmark("ab_commit.py", "ab_commit_engine_steps")
     steps = mod.engine_steps(3, runs=1)
     assert len(steps) >= 20, len(steps)
+    more = mod.engine_steps(3, runs=1, at_least=len(steps) + 1)  # (a second run of new requests)
+    assert len(more) >= len(steps) + 20 and all(
+        (a["num_computed_tokens"] == b["num_computed_tokens"]).all() for a, b in zip(steps, more))
     for s in steps:
         c, q, table = s["num_computed_tokens"], s["num_scheduled_tokens"], s["block_table"]
         assert q.tolist() == [1, 1, 1] and table.shape[0] == 3 and s["block_size"] == 16
