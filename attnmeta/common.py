@@ -56,13 +56,6 @@ __all__ = ["CommonPasses", "CommonWriter", "build_common", "stage_common", "stag
 
 _I32, _I64, _BOOL, _U8 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_), np.dtype(np.uint8)
 _NO_LIMIT = 1 << 31  # num_kv_blocks when the KV cache's size is not given: any int32 id >= 0 is in range
-_MAX_PAGE_VIEWS = 512
-"""Page counts a recorded layout keeps the page indices' views of (:meth:`CommonWriter.paged_metadata`),
-dropped when it outgrows this. A serving loop's page count changes almost every decode step but recurs
-over a run; a step whose count is kept makes no torch view and no numpy view: a step that runs after a
-wait, with cold caches, pays for every entry into torch far more than for the work
-(docs/benchmarks.md). Eager mode's layouts span one page bucket (:func:`attnmeta.staging.bucket_rows`),
-at most an eighth of their page counts; graph mode's every count up to the profile's."""
 _EMPTY_I32 = np.zeros(0, np.int32)
 _PAGED_FIELDS = tuple(f.name for f in dataclasses.fields(PagedKVMetadata))
 _PK_INDICES, _PK_INDICES_CPU, _PK_NUM_PAGES = (
@@ -202,8 +195,7 @@ class CommonWriter:
         self._idx_host: tuple[Any, ...] = (-1, None)  # (page count, host indices view)
         # (step, page count, its PagedKVMetadata, device views, the object's field values)
         self._paged_meta: tuple[Any, ...] = (None, -1, None, None, None)
-        # (device views, full indices, field values, page count -> (device, host) indices views)
-        self._paged_template: tuple[Any, ...] = (None, None, None, {})
+        self._paged_template: tuple[Any, ...] = (None, None, None)  # (device views, full indices, field values)
         self._qsl_rows: dict[Any, Any] = {}
 
     def write(self, spec: BatchSpec, *, threads: int = 1) -> None:
@@ -366,15 +358,11 @@ class CommonWriter:
             indptr = dev[5] if dev[5].shape[0] == self.num_reqs + 1 else dev[5][: self.num_reqs + 1]
             fixed = dict(paged_kv_indptr=indptr, paged_kv_last_page_len=dev[6], paged_kv_indptr_cpu=self._indptr_ro,
                          paged_kv_last_page_len_cpu=self.group.frozen[6], page_size=self.block_size)
-            t = self._paged_template = (dev, full, [fixed.get(n) for n in _PAGED_FIELDS], {})
-        views = t[3].get(num_pages)
-        if views is None:  # (a page count these views have not had: a serving loop's counts recur)
-            if len(t[3]) >= _MAX_PAGE_VIEWS:
-                t[3].clear()
-            # as_strided: the view a slice would make, at a fraction of the cost
-            views = t[3][num_pages] = (t[1].as_strided((num_pages,), (1,)), self._indices_ro[:num_pages])
+            t = self._paged_template = (dev, full, [fixed.get(n) for n in _PAGED_FIELDS])
         v = t[2].copy()
-        v[_PK_INDICES], v[_PK_INDICES_CPU], v[_PK_NUM_PAGES] = views[0], views[1], num_pages
+        # as_strided: the view a slice would make, at a fraction of the cost
+        v[_PK_INDICES], v[_PK_INDICES_CPU], v[_PK_NUM_PAGES] = (
+            t[1].as_strided((num_pages,), (1,)), self._indices_cpu(num_pages), num_pages)
         meta = _make_paged_positional(*v)
         self._paged_meta = (step, num_pages, meta, dev, v)
         return meta

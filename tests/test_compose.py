@@ -14,7 +14,7 @@ import pytest
 import torch
 from compose_helpers import counts_arguments
 
-from attnmeta import BatchSpec, Stager, StaticProfile, UnsupportedBatchError, common, stage_common
+from attnmeta import BatchSpec, Stager, StaticProfile, UnsupportedBatchError, stage_common
 from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionInputs, FlashAttentionOptions
 from attnmeta.backends.flashinfer import FLASHINFER, FlashInferOptions
 from attnmeta.backends.mamba import mamba2
@@ -547,35 +547,3 @@ def test_build_and_build_counts_find_each_other_s_layouts(device: torch.device, 
             assert composer.stats.replayed == before + 1, f"step {k} was composed, not replayed"
         assert_same(got.commons, want.commons, f"step {k} commons")
         assert_same(got.metadata, want.metadata, f"step {k} metadata")
-
-
-@pytest.mark.parametrize("profile", [None, _PROFILE], ids=["eager", "graph"])
-@pytest.mark.parametrize("cap", [8, 2], ids=["kept", "outgrown"])
-def test_a_recurring_page_count_hands_out_the_views_it_had(device: torch.device, profile: Any, cap: int,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A serving loop's page count changes nearly every step and recurs: a replayed step of a page count
-    its layout had hands out the same views of the page indices (no torch or numpy view made), holding
-    this step's values; a layout that has had more than ``_MAX_PAGE_VIEWS`` counts drops them and makes
-    them anew."""
-    monkeypatch.setattr(common, "_MAX_PAGE_VIEWS", cap)
-    composer, reference, counts = _pair(device, lambda: [Group({"fi": FLASHINFER})], profile=profile)
-    first = _walk(3, 1, seed=3)[0]
-    steps = []
-    for i in range(30):  # five page counts in turn (one request's context crosses a page each step); 3 slots
-        c = first.num_computed_tokens.copy()
-        c[0] = 16 * (i % 5) + 3
-        spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=first.num_scheduled_tokens,
-                         block_table=first.block_table, block_size=first.block_size)
-        steps.append((spec, None, None))
-    def views(built: ComposedStep) -> tuple[Any, Any]:
-        return built["fi"].paged.paged_kv_indices, built["fi"].paged.paged_kv_indices_cpu
-
-    # every step's values are those of its own step; step 10 and step 25 share a slot (15 % 3) and a page
-    # count (15 % 5), and both replay (their views read before a newer step reuses their slot)
-    early = views(_check(composer, reference, counts, steps[:11])[-1])
-    late = views(_check(composer, reference, counts, steps[11:26])[-1])
-    _check(composer, reference, counts, steps[26:])
-    assert composer.stats.replayed >= 20
-    pages = [s.num_pages for s, _i, _a in steps]
-    assert pages[10] == pages[25] and len(set(pages)) == 5
-    assert (late[0] is early[0] and late[1] is early[1]) == (cap >= 5)

@@ -34,12 +34,11 @@ from attnmeta.staging._ring import StepCore
 
 __all__ = ["Step"]
 
-_MAX_ROW_COUNTS = 512
+_MAX_ROW_COUNTS = 32
 """Row-count combinations a recorded layout keeps the restaged fields of (:meth:`Step.restage`: the fields
-given another row count than the layout's), dropped when it outgrows this. A serving loop's page count
-changes nearly every decode step and recurs over a run (a few hundred counts at 64 requests): a count
-kept makes no field dict and no field for the step. An entry is a dict of the layout's fields (a few
-hundred bytes for an attention group and the engine's arrays)."""
+given another row count than the layout's), dropped when it outgrows this. A small batch repeats a few (its
+page count changes every ``block_size`` decode steps), and every entry holds a field dict, so a short list
+bounds the memory."""
 
 
 class Step(StepCore):

@@ -20,7 +20,6 @@ from attnmeta.staging import (
     StepNotCommittedError,
     pad_out,
 )
-from attnmeta.staging import step as step_module
 from attnmeta.staging._ring import staged_fields
 
 PROFILE = StaticProfile(max_num_reqs=8, max_num_tokens=32, max_blocks_per_req=4, block_size=4)
@@ -355,31 +354,6 @@ def test_restage_rows_equal_to_the_layouts_reuse_its_fields_and_eager_mode_refus
     with pytest.raises(ValueError, match="only graph mode has fixed offsets"):
         step.restage(rec, {"a": 3})
     step.abandon()
-
-
-@pytest.mark.parametrize("cap", [8, 2], ids=["kept", "outgrown"])
-def test_restaged_row_counts_that_recur_reuse_their_fields(cap: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Graph mode: a step restaged with row counts its layout had before takes the fields made then (a
-    serving loop's page count recurs), and its copy holds this step's rows; a layout that has had more
-    than ``_MAX_ROW_COUNTS`` combinations drops them and makes them anew."""
-    monkeypatch.setattr(step_module, "_MAX_ROW_COUNTS", cap)
-    stager = Stager("cpu", num_slots=2, profile=PROFILE)
-    with stager.step() as step:  # (lays the field out: this step grew the layout)
-        step.alloc("a", 6, np.int32, capacity=6, fill=-1)[:] = 1
-    with stager.step() as step:
-        step.alloc("a", 6, np.int32)[:] = 1
-    rec = step.layout()  # (slot 1's)
-    made: dict[int, list[Any]] = {}
-    for k, rows in enumerate([1, 2, 3, 4, 5, 1, 2, 3, 4, 5]):
-        with stager.step():  # (slot 0: slots are used in ring order)
-            pass
-        step = stager.step()
-        assert step.restage(rec, {"a": rows})
-        step.host_full("a")[:rows] = k
-        step.commit()
-        assert step.device_full("a").tolist() == [k] * rows + [-1] * (6 - rows)
-        made.setdefault(rows, []).append(staged_fields(step))
-    assert all((first is again) == (cap >= 5) for first, again in made.values())
 
 
 # ------------------------------------------------------------------------------- helpers
