@@ -44,8 +44,9 @@
 #   enginebench  benchmarks/bench_engine.py: steady-state decode of the ~1.2B engine at 1/64/256
 #           requests, graphs / eager / per-tensor uploads ($ENGINE_MODES, default all three), with the
 #           cold-step replica of the same composition -> engine_bench.txt, engine_bench.json. Needs FlashInfer:
-#           .site's (from .whl), else vLLM's pinned one when .vllm holds it (fetch_vllm.py --flashinfer; carry
-#           .vllm), else the part fails saying so (hybridbench alike);
+#           .site's (installed from a carried .whl when it is not there yet), else vLLM's pinned one when
+#           .vllm holds it (fetch_vllm.py --flashinfer; carry .vllm), else the part fails saying so
+#           (hybridbench alike);
 #   hybrid  the reference engine's hybrid model (Bamba: Mamba2 and attention layers), its Mamba2 layers through
 #           vLLM 0.33.0's Triton kernels (needs .kernels carried, as mamba-kernels): the hybrid tests of
 #           tests/gpu/test_engine_cuda.py (a small Bamba, both Mamba cache modes, tokens against generate and
@@ -156,7 +157,12 @@ import flashinfer; print('FlashInfer', flashinfer.__version__, 'from', flashinfe
 flashinfer_site() {  # FlashInfer importable for the engine's benchmarks: .site's (.whl) or, carried in .vllm, vLLM's pinned one
   $PY -c "import flashinfer" 2>/dev/null && return 0
   if [[ -f .vllm/flashinfer.zip ]] && vllm_site && $PY -c "import flashinfer" 2>/dev/null; then return 0; fi
-  echo "no FlashInfer: carry .whl (installed into .site) or .vllm made by tests/kernels/fetch_vllm.py --flashinfer" >&2
+  if compgen -G ".whl/flashinfer_python-*.whl" > /dev/null; then  # .whl carried, not yet installed (gpu-wheels.sh)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl || return 1
+    export PYTHONPATH="$PYTHONPATH:$PWD/.site" FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-9.0}"
+    $PY -c "import flashinfer" 2>/dev/null && return 0
+  fi
+  echo "no FlashInfer: carry .whl (from gpu-wheels.sh) or .vllm made by tests/kernels/fetch_vllm.py --flashinfer" >&2
   return 1
 }
 if want gpu; then
