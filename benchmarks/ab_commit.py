@@ -35,9 +35,9 @@ and then (a new page-count bucket, a wider block table), and each ring slot then
 afresh: a median leaves those steps out, ``--mean`` counts them as a loop's average does.
 ``--engine-steps`` makes the engine rows walk the reference engine's own decode steps instead,
 recorded first on the CPU (:func:`engine_steps`: ``bench_engine.py``'s workload, served as many times,
-with new requests each time, as the timed walk has steps; about 30 s for 6 rounds of 200 steps at 64
-requests on the 2-core CPU machine): their page counts are a serving loop's, a new one nearly every step, recurring over the
-runs. No step is timed twice, so a cache by page count fills as it does in a loop that serves one run
+with new requests each time, as the timed walk has steps; about 30 s for 6 rounds of 200 steps at
+64 requests on the 2-core CPU machine): their page counts are a serving loop's, a new one nearly
+every step, recurring over the runs. No step is timed twice, so a cache by page count fills as it does in a loop that serves one run
 after another: empty at the first run, finding more of each run's counts the more runs it has served.
 (Cycling through a few runs instead would find every count after the first cycle: a
 loop that has served for hours, and only while its page counts stay in a narrow range.)
@@ -247,12 +247,12 @@ def _fit(table: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-def engine_steps(batch: int, runs: int = 4, at_least: int = 0) -> list[dict[str, Any]]:
+def engine_steps(batch: int, at_least: int = 1) -> list[dict[str, Any]]:
     """The full-batch decode steps of the reference engine (``examples/engine``) serving
     ``bench_engine.py``'s workload at ``batch`` requests on the CPU (its tiny Llama and torch's paged kernel:
-    the same scheduler and counts as the GPU's modes), ``runs`` runs of new requests, and more runs until
-    there are ``at_least`` steps: each step's computed and scheduled counts and block table as the engine
-    hands them to its step composer, in order. Their page counts are a serving loop's: a new one nearly
+    the same scheduler and counts as the GPU's modes), run after run of new requests until there are
+    ``at_least`` steps (one run at least): each step's computed and scheduled counts and block table as
+    the engine hands them to its step composer, in order. Their page counts are a serving loop's: a new one nearly
     every step, recurring over the runs (neither the synthetic walk's cycle, where all recur, nor
     ``--walk``, where none does)."""
     import bench_engine  # (benchmarks/: the engine benchmark's workload and engine)
@@ -274,7 +274,7 @@ def engine_steps(batch: int, runs: int = 4, at_least: int = 0) -> list[dict[str,
 
     composer.build_counts = record  # (this engine's own composer only)
     seed = 0
-    while seed < runs or len(steps) < at_least:
+    while seed == 0 or len(steps) < at_least:
         engine.run(bench_engine._requests(batch, 64, 96, model.config.vocab_size, seed))
         seed += 1
     return steps
@@ -477,7 +477,7 @@ def main() -> None:
         if args.engine_steps:
             t0 = time.perf_counter()
             print(f"# recording the reference engine's decode steps at {batch} requests (CPU) ...", end="", flush=True)
-            engine = engine_steps(batch, runs=1, at_least=calls_per_side(args.rounds, args.steps) + 1)  # (no cycle)
+            engine = engine_steps(batch, calls_per_side(args.rounds, args.steps) + 1)  # (each step timed once)
             print(f" {len(engine)} steps in {time.perf_counter() - t0:.0f} s", flush=True)
         old, new = paths(base, batch, dev, walk, engine), paths(attnmeta, batch, dev, walk, engine)
         rows = [(name, old[name], new[name]) for name in new if name in old]

@@ -42,9 +42,9 @@ def test_ab_commit_engine_steps_are_the_reference_engine_s_decode_steps(monkeypa
     import attnmeta
 
     mod = load_benchmark("ab_commit.py", "ab_commit_engine_steps")
-    steps = mod.engine_steps(3, runs=1)
+    steps = mod.engine_steps(3)  # (one run)
     assert len(steps) >= 20, len(steps)
-    more = mod.engine_steps(3, runs=1, at_least=len(steps) + 1)  # (a second run of new requests)
+    more = mod.engine_steps(3, at_least=len(steps) + 1)  # (a second run of new requests)
     assert len(more) >= len(steps) + 20 and all(
         (a["num_computed_tokens"] == b["num_computed_tokens"]).all() for a, b in zip(steps, more))
     for s in steps:
