@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numba
 
-__all__ = ["CacheInfo", "cache_info", "compile_progress", "fallback_dir", "kernels", "njit", "njit_parallel", "njit_uncached",
+__all__ = ["CacheInfo", "cache_info", "compile_progress", "fallback_dir", "kernels", "njit", "njit_parallel",
            "pool_threads"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -91,15 +91,6 @@ def njit_parallel(fn: F) -> F:
     around the call; a ``numba.set_num_threads`` inside compiled code would make it uncacheable).
     """
     return _jit(fn, {**_OPTIONS, "parallel": True})
-
-
-def njit_uncached(fn: F) -> F:
-    """:func:`njit` without the on-disk cache, for the few functions that call C functions through
-    ``ctypes`` (their addresses belong to the process, so numba cannot cache them): compiled on
-    their first call in each process. Not among :func:`kernels` (nothing of them is cached).
-    """
-    compiled: F = numba.njit(cache=False, **_OPTIONS)(fn)
-    return compiled
 
 
 def _jit(fn: F, options: dict[str, Any]) -> F:

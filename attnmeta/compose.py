@@ -65,7 +65,6 @@ from attnmeta.common import CommonPasses, CommonWriter, _stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata
 from attnmeta.spec import BatchSpec, StepShape, scan_counts, shapes_of
 from attnmeta.staging import STAGEABLE_DTYPES, Staged, Stager, Step, StepLayout, bucket_rows
-from attnmeta.worker import HostWorker
 
 __all__ = ["PARALLEL_MIN_ROWS", "Array", "ComposeStats", "ComposedStep", "Group", "StepBuilder", "table_columns"]
 
@@ -312,11 +311,6 @@ class StepBuilder:
         and the page indices (a step's two big copies) on this many of numba's threads; the bytes are the
         same. The cost is cores: OpenMP's default wait policy keeps the ``threads - 1`` helpers spinning
         between steps (docs/benchmarks.md). 1 never starts numba's threading layer.
-    worker : HostWorker, optional
-        Run every :meth:`build` and :meth:`build_counts` on this :class:`attnmeta.worker.HostWorker`'s
-        thread (the caller waits for it): in a serving loop, whose own work between two steps evicts the
-        composer's working set from its core's caches, the step then runs on a core that kept it
-        (docs/serving.md). The same results and errors; the cost is the worker's core.
 
     Notes
     -----
@@ -343,8 +337,7 @@ class StepBuilder:
     ([11, 12], ComposeStats(steps=4, replayed=1))
     """
 
-    def __init__(self, stager: Stager, *groups: Group, arrays: Sequence[Array] = (), threads: int = 1,
-                 worker: HostWorker | None = None) -> None:
+    def __init__(self, stager: Stager, *groups: Group, arrays: Sequence[Array] = (), threads: int = 1) -> None:
         if not isinstance(stager, Stager):
             raise TypeError(f"stager: expected a Stager, got {type(stager).__name__}")
         if not groups:
@@ -380,9 +373,6 @@ class StepBuilder:
         prof = stager.profile  # (graph mode: the capacities a step's lengths must fit, read every step)
         self._caps = (0, 0) if prof is None else (prof.max_num_pages, prof.max_blocks_per_req)
         self._threads = threads
-        if worker is not None and not isinstance(worker, HostWorker):
-            raise TypeError(f"worker: expected an attnmeta.worker.HostWorker, got {type(worker).__name__}")
-        self._worker = worker
         self._token = object()  # this composer's key in each slot's extras
         self._no_inputs = self._inputs({})  # every builder's empty inputs (the usual step's)
         self._keys: dict[tuple[StepShape, ...], tuple[Hashable, ...] | None] = {}  # by shapes, without inputs
@@ -429,13 +419,6 @@ class StepBuilder:
             as :func:`attnmeta.stage_common` and the builders' ``stage``. The step is then abandoned
             (nothing copied) and the stager is ready for the next one.
         """
-        if self._worker is not None:
-            return self._worker.call(self._build, specs, inputs, arrays)
-        return self._build(specs, inputs, arrays)
-
-    def _build(self, specs: BatchSpec | Sequence[BatchSpec], inputs: Mapping[str, Any] | None,
-               arrays: Mapping[str, np.ndarray] | None) -> ComposedStep:
-        """:meth:`build` on the calling thread."""
         self.stats.steps += 1
         sp = (specs,) if type(specs) is BatchSpec or isinstance(specs, BatchSpec) else tuple(specs)
         if len(sp) != len(self._groups):
@@ -502,26 +485,12 @@ class StepBuilder:
         anything else (lists, other dtypes, context parallelism: use :meth:`build`) is converted or
         refused by the specs' constructor, as :meth:`build` would.
         """
-        if self._worker is not None:
-            return self._worker.call(self._build_counts, num_computed_tokens, num_scheduled_tokens, tables,
-                                     num_prompt_tokens, num_draft_tokens, seq_lens_upper_bound, num_reqs_padded,
-                                     num_tokens_padded, inputs, arrays)
-        return self._build_counts(num_computed_tokens, num_scheduled_tokens, tables, num_prompt_tokens,
-                                  num_draft_tokens, seq_lens_upper_bound, num_reqs_padded, num_tokens_padded, inputs,
-                                  arrays)
-
-    def _build_counts(self, num_computed_tokens: npt.ArrayLike, num_scheduled_tokens: npt.ArrayLike,
-                      tables: Sequence[tuple[npt.ArrayLike, int]], num_prompt_tokens: npt.ArrayLike | None,
-                      num_draft_tokens: npt.ArrayLike | None, seq_lens_upper_bound: npt.ArrayLike | None,
-                      num_reqs_padded: int | None, num_tokens_padded: int | None, inputs: Mapping[str, Any] | None,
-                      arrays: Mapping[str, np.ndarray] | None) -> ComposedStep:
-        """:meth:`build_counts` on the calling thread."""
         c, q, prompt, drafts, ub = (num_computed_tokens, num_scheduled_tokens, num_prompt_tokens, num_draft_tokens,
                                     seq_lens_upper_bound)
         rp, tp = num_reqs_padded, num_tokens_padded
         scan = scan_counts(c, q, tables, prompt, drafts, ub, rp, tp, self._scratch)
         if scan is None:  # (not arrays a spec keeps as they are, or a broken rule: the specs say which)
-            return self._build(_make_specs(c, q, tables, prompt, drafts, ub, rp, tp), inputs, arrays)
+            return self.build(_make_specs(c, q, tables, prompt, drafts, ub, rp, tp), inputs, arrays)
         self.stats.steps += 1
         inp = self._no_inputs if not inputs else self._inputs(inputs)
         arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
@@ -872,8 +841,6 @@ class StepBuilder:
         groups = ", ".join(f"{g.prefix}: {[n for n, _b, _o in g.builders]}"
                            + (f" (table_column_step={g.column_step})" if g.column_step != 8 else "") for g in self._groups)
         threads = f", threads={self._threads}" if self._threads != 1 else ""
-        if self._worker is not None:
-            threads += f", worker={self._worker!r}"
         return (f"StepBuilder({groups}, arrays={[n for n, *_r in self._arrays]}{threads}, steps={self.stats.steps}, "
                 f"replayed={self.stats.replayed})")
 

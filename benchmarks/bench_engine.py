@@ -98,24 +98,8 @@ MODES = {"graphs": ("flashinfer", True, "one-copy", "attnmeta"), "eager": ("flas
          "varlen": ("torch-varlen", False, "one-copy", "attnmeta"), "vllm-varlen": ("torch-varlen", False, "one-copy", "vllm"),
          "paged": ("torch-paged", False, "one-copy", "attnmeta"), "vllm-paged": ("torch-paged", False, "one-copy", "vllm")}
 """Mode name: (kernel, CUDA graphs, uploads, who builds the metadata)."""
-PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"), ("varlen", "vllm-varlen"), ("paged", "vllm-paged"),
-         ("graphs+worker", "vllm-graphs"), ("eager+worker", "vllm-eager"), ("varlen+worker", "vllm-varlen"),
-         ("paged+worker", "vllm-paged"))
+PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"), ("varlen", "vllm-varlen"), ("paged", "vllm-paged"))
 """The headline's pairs: attnmeta's mode and vLLM's, the same loop otherwise."""
-WORKER = "+worker"
-"""A mode's suffix: an attnmeta mode (one copy) with the step composer's calls on a
-:class:`attnmeta.worker.HostWorker` thread (``EngineConfig.metadata_worker``)."""
-
-
-def mode_of(mode: str) -> tuple[str, bool, str, str, bool] | None:
-    """``(kernel, CUDA graphs, uploads, who builds the metadata, on a worker thread)`` of ``mode``, or None for
-    an unknown mode (a suffix ``+worker`` on an attnmeta one-copy mode adds the worker)."""
-    base = mode.removesuffix(WORKER)
-    spec = MODES.get(base)
-    worker = base != mode
-    if spec is None or (worker and spec[2:] != ("one-copy", "attnmeta")):
-        return None
-    return (*spec, worker)
 
 
 def _requests(n: int, prompt: int, new: int, vocab: int, seed: int, request: Any = Request) -> list[Any]:
@@ -141,16 +125,12 @@ def _engine(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
     ``make_kernel`` where given (``ab_engine.py``: another commit's ``examples/engine``)."""
     engine_cls, config_cls, kernel_of = (Engine, EngineConfig, make_kernel) if pkg is None else (
         pkg.Engine, pkg.EngineConfig, pkg.make_kernel)
-    found = mode_of(mode)
-    if found is None:
-        raise ValueError(f"bench_engine: unknown mode {mode!r}")
-    kernel, graphs, uploads, metadata, worker = found
+    kernel, graphs, uploads, metadata = MODES[mode]
     sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s <= max(n, 1))
     blocks_per_req = -(-(_prompt_range(prompt)[1] + new) // 16)
     cfg = config_cls(block_size=16, num_blocks=n * blocks_per_req + 64, max_num_tokens=max(8192, n),
                      max_num_seqs=max(n, 1), max_model_len=blocks_per_req * 16, decode_sizes=sizes,
-                     cuda_graphs=graphs, uploads=uploads, mamba_kernels="vllm", metadata=metadata,
-                     **({"metadata_worker": True} if worker else {}))
+                     cuda_graphs=graphs, uploads=uploads, mamba_kernels="vllm", metadata=metadata)
     engine: Engine = engine_cls(model, kernel_of(kernel, model, device, cascade=False), cfg)
     return engine
 
@@ -288,7 +268,7 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
     syncs = [e for e in found if e.kind == "sync"]
     unsafe = [e for e in found if e.kind != "sync"]
     h2d = _h2d_per_step(engine, _requests(n, prompt, new, vocab, 3)) if engine.device.type == "cuda" else float("nan")
-    if cold_us is not None and MODES[mode.removesuffix(WORKER)][2:] == ("one-copy", "attnmeta"):
+    if cold_us is not None and MODES[mode][2:] == ("one-copy", "attnmeta"):
         extra.update(cold_replica(engine, _requests(n, prompt, new, vocab, 1), cold_us))
         extra["loop_over_cold"] = extra["own_ms"] / extra["cold_event_ms" if "cold_event_ms" in extra else "cold_sleep_ms"]
         extra["loop_over_thrash"] = extra["own_ms"] / extra["cold_thrash_ms"]
@@ -352,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the replica's GPU work before the event wait, and its sleep (default 2000)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
-    if device.type != "cuda" and any((mode_of(m) or ("",))[0] != "torch-paged" for m in a.modes.split(",")):
+    if device.type != "cuda" and any(MODES.get(m, ("",))[0] != "torch-paged" for m in a.modes.split(",")):
         print("bench_engine: needs CUDA (FlashInfer and varlen kernels, CUDA graphs); on the CPU only the "
               "paged and vllm-paged modes run (torch's paged kernel)", file=sys.stderr)
         return 2
@@ -365,17 +345,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{device_name}; prompts of {'-'.join(map(str, _prompt_range(a.prompt)))} tokens, {a.new} new tokens per "
           f"request, new requests every run", flush=True)
     modes = "eager" if hybrid and a.modes == p.get_default("modes") else a.modes
-    unknown = [m for m in modes.split(",") if mode_of(m) is None]
+    unknown = [m for m in modes.split(",") if m not in MODES]
     if unknown:
-        print(f"bench_engine: unknown modes {unknown}: {', '.join(MODES)} (an attnmeta one-copy mode may add "
-              f"{WORKER})", file=sys.stderr)
+        print(f"bench_engine: unknown modes {unknown}: {', '.join(MODES)}", file=sys.stderr)
         return 2
-    if hybrid and any(mode_of(m)[1] or mode_of(m)[2] != "one-copy" for m in modes.split(",")):  # type: ignore[index]
+    if hybrid and any(MODES[m][1] or MODES[m][2] != "one-copy" for m in modes.split(",")):
         print("bench_engine: a hybrid model runs eager steps with one copy only (--modes eager,vllm-eager,varlen,"
               "vllm-varlen)", file=sys.stderr)
         return 2
     rows = []
-    print(f"{'mode':>13} {'reqs':>5} {'step ms':>8} {'steps/s':>8} {'tok/s':>8} {'metadata ms':>11} {'share':>6} "
+    print(f"{'mode':>11} {'reqs':>5} {'step ms':>8} {'steps/s':>8} {'tok/s':>8} {'metadata ms':>11} {'share':>6} "
           f"{'fence ms':>8} {'own ms':>7} {'own %':>6} {'replay':>6} {'plan ms':>8} {'copies':>6} {'H2D':>5} "
           f"{'syncs':>5} {'waits':>5}", flush=True)
     colds = []
@@ -384,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                              a.rounds):
             mode = r["mode"]
             rows.append(r)
-            print(f"{mode:>13} {n:>5} {r['step_ms']:8.3f} {r['steps_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
+            print(f"{mode:>11} {n:>5} {r['step_ms']:8.3f} {r['steps_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
                   f"{r['metadata_ms']:11.4f} {r['share']:6.1%} {r['fence_ms']:8.4f} {r['own_ms']:7.4f} "
                   f"{r['own_share']:6.1%} {r['replayed']:6.0%} {r['plan_ms']:8.3f} {r['copies_per_step']:6.2f} "
                   f"{r['h2d_per_step']:5.1f} {r['syncs_per_step']:5.2f} {r['waits_per_step']:5.2f}"
@@ -392,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"  other audit findings/step {r['other_findings_per_step']:.2f}: {r['other_findings']}"
                      if r["other_findings"] else ""), flush=True)
             if hybrid and r.get("prefill_steps"):
-                print(f"{'prefill':>13} {n:>5} {r['prefill_step_ms']:8.3f} {'':>8} {'':>8} {r['prefill_metadata_ms']:11.4f} "
+                print(f"{'prefill':>11} {n:>5} {r['prefill_step_ms']:8.3f} {'':>8} {'':>8} {r['prefill_metadata_ms']:11.4f} "
                       f"{r['prefill_share']:6.1%}  ({r['prefill_steps']} steps)", flush=True)
             if "cold_tight_ms" in r:
                 colds.append(r)
@@ -415,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nattnmeta against vLLM 0.33.0's own metadata code, the same engine, model and kernels (ratios of "
               "medians; paired: the median over the rounds of each round's ratio, the two modes' runs of a round "
               "back to back; metadata: host ms per decode step without plan())", flush=True)
-        print(f"{'pair':>27} {'reqs':>5} {'tok/s':>9} {'vLLM tok/s':>10} {'tok/s x':>8} {'paired':>7} {'metadata ms':>11} "
+        print(f"{'pair':>20} {'reqs':>5} {'tok/s':>9} {'vLLM tok/s':>10} {'tok/s x':>8} {'paired':>7} {'metadata ms':>11} "
               f"{'vLLM ms':>8} {'faster':>7} {'paired':>7} {'plan ms':>7} {'vLLM plan':>9} {'host x':>7} {'syncs':>5} "
               f"{'vLLM syncs':>10} {'H2D':>5} {'vLLM H2D':>8} {'tokens differ':>13}", flush=True)
         by = {(r["mode"], r["concurrency"]): r for r in rows}
@@ -426,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                 differ = sum(t != u for t, u in zip(r["tokens"], v["tokens"], strict=True))
                 tok_paired = paired(r["step_ms_rounds"], v["step_ms_rounds"])  # (tok/s is n / step time)
                 meta_paired = paired(r["metadata_ms_rounds"], v["metadata_ms_rounds"])
-                print(f"{x + ' / ' + y:>27} {n:>5} {r['tokens_per_s']:9.0f} {v['tokens_per_s']:10.0f} "
+                print(f"{x + ' / ' + y:>20} {n:>5} {r['tokens_per_s']:9.0f} {v['tokens_per_s']:10.0f} "
                       f"{r['tokens_per_s'] / v['tokens_per_s']:7.2f}x {tok_paired:6.2f}x {r['metadata_ms']:11.4f} "
                       f"{v['metadata_ms']:8.4f} {v['metadata_ms'] / r['metadata_ms']:6.1f}x {meta_paired:6.1f}x "
                       f"{r['plan_ms']:7.3f} {v['plan_ms']:9.3f} "
@@ -434,23 +413,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"{v['h2d_per_step']:8.1f} {differ:>6} of {n:<5}", flush=True)
                 r.setdefault("requests_with_other_tokens_than", {})[y] = differ
                 r.setdefault("paired_against", {})[y] = {"tokens_per_s_x": tok_paired, "metadata_faster_x": meta_paired}
-    threaded = [(m, m.removesuffix(WORKER)) for m in modes.split(",") if m.endswith(WORKER)
-                and m.removesuffix(WORKER) in modes.split(",")]
-    if threaded:
-        print("\nthe step composer on a worker thread against the engine's own thread (metadata ms: the engine's "
-              "wait for the composer's call; paired: the median over the rounds of each round's ratio)", flush=True)
-        print(f"{'modes':>27} {'reqs':>5} {'worker ms':>9} {'own ms':>8} {'worker/own':>10} {'paired':>7} "
-              f"{'tok/s x':>8} {'tokens differ':>13}", flush=True)
-        by = {(r["mode"], r["concurrency"]): r for r in rows}
-        for x, y in threaded:
-            for n in [int(c) for c in a.concurrency.split(",")]:
-                r, v = by[(x, n)], by[(y, n)]
-                differ = sum(t != u for t, u in zip(r["tokens"], v["tokens"], strict=True))
-                print(f"{x + ' / ' + y:>27} {n:>5} {r['metadata_ms']:9.4f} {v['metadata_ms']:8.4f} "
-                      f"{r['metadata_ms'] / v['metadata_ms']:9.2f}x "
-                      f"{paired(v['metadata_ms_rounds'], r['metadata_ms_rounds']):6.2f}x "
-                      f"{r['tokens_per_s'] / v['tokens_per_s']:7.2f}x {differ:>6} of {n:<5}", flush=True)
-                r["worker_over_own"] = paired(v["metadata_ms_rounds"], r["metadata_ms_rounds"])
     for r in rows:
         del r["tokens"]  # compared above; not written to the JSON
     if a.json:

@@ -220,23 +220,3 @@ def test_bench_engine_timed_runs_make_steps_no_earlier_run_made() -> None:
             assert len(shapes & seen) <= len(shapes) // 4, (seed, sorted(shapes & seen))  # (a few meet by chance)
         seen |= shapes
     engine.trace = None
-
-
-def test_bench_engine_worker_modes_pair_with_their_own_thread_twins(tmp_path: Path) -> None:
-    """A ``+worker`` mode (the step composer on an attnmeta.worker.HostWorker) runs beside its twin on the
-    engine's own thread: the summary pairs them, both generate the same tokens; a suffix on a mode that is
-    not attnmeta's one-copy mode is refused."""
-    import json
-
-    out = tmp_path / "bench.json"
-    text = run_script("bench_engine.py", "--device", "cpu", "--model", "tiny", "--modes", "paged,paged+worker",
-                      "--concurrency", "3", "--prompt", "8", "--new", "12", "--rounds", "1", "--no-cold",
-                      "--json", str(out))
-    assert "paged+worker / paged" in text, text
-    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows["paged+worker"]["worker_over_own"] > 0
-    assert rows["paged+worker"]["syncs_per_step"] == 0 and rows["paged+worker"]["copies_per_step"] == 1
-    assert " 0 of 3" in text.split("paged+worker / paged")[1].splitlines()[0]
-    mod = load_benchmark("bench_engine.py", "bench_engine_modes")
-    assert mod.mode_of("eager+worker") == ("flashinfer", False, "one-copy", "attnmeta", True)
-    assert mod.mode_of("vllm-eager+worker") is None and mod.mode_of("per-tensor+worker") is None

@@ -103,7 +103,6 @@ from __future__ import annotations
 
 from attnmeta.sync._context import (
     allow_device_sync,
-    carry_audit,
     current_audit,
     make_audit,
     no_device_sync,
@@ -132,7 +131,6 @@ __all__ = [
     "ViolationKind",
     "allow_device_sync",
     "audit_targets",
-    "carry_audit",
     "current_audit",
     "format_audit_table",
     "make_audit",

@@ -24,7 +24,6 @@ from attnmeta.sync._state import ACTIVE, THREAD, CudaMode, SyncAudit
 
 __all__ = [
     "allow_device_sync",
-    "carry_audit",
     "current_audit",
     "make_audit",
     "no_device_sync",
@@ -225,37 +224,6 @@ def _armed(audit: SyncAudit) -> Iterator[SyncAudit]:
     finally:
         _pop_thread_modes()
         ACTIVE.reset(token)
-
-
-@contextlib.contextmanager
-def carry_audit(audit: SyncAudit | None) -> Iterator[None]:
-    """Arm ``audit``, another thread's :func:`current_audit`, on this thread for the block (None:
-    nothing is armed).
-
-    Work that one thread runs on another's behalf (a worker thread that builds a serving loop's
-    metadata, :class:`attnmeta.worker.HostWorker`) stays under the audit of the thread that asked
-    for it: the same settings, and for a :func:`record_device_syncs` block the same list of findings.
-
-    Examples
-    --------
-    >>> import threading, torch
-    >>> from attnmeta.sync import carry_audit, current_audit, record_device_syncs
-    >>> x = torch.arange(3)
-    >>> with record_device_syncs(devices={"cpu"}) as found:
-    ...     audit = current_audit()
-    ...     def work() -> None:
-    ...         with carry_audit(audit):
-    ...             x.sum().item()  # a host read of "device" data, in another thread
-    ...     t = threading.Thread(target=work)
-    ...     t.start(); t.join()
-    >>> [e.op for e in found]
-    ['aten._local_scalar_dense.default']
-    """
-    if audit is None:
-        yield
-        return
-    with _armed(audit):
-        yield
 
 
 @contextlib.contextmanager

@@ -45,7 +45,6 @@ from attnmeta.compose import Array, ComposedStep, Group, StepBuilder
 from attnmeta.metadata import CommonAttentionMetadata
 from attnmeta.staging import STAGEABLE_DTYPES
 from attnmeta.sync import allow_device_sync
-from attnmeta.worker import HostWorker
 
 from .hybrid import PagedBamba
 from .kernels import AttentionKernel, FlashInferKernel, TorchPagedKernel
@@ -84,10 +83,6 @@ class EngineConfig:
     mamba_kernels: Literal["torch", "vllm"] = "torch"
     """A hybrid model's Mamba2 layers: the torch reference mixer, or vLLM 0.33.0's Triton kernels (GPU;
     the files ``tests/kernels/fetch_kernels.py`` puts into ``.kernels/``)."""
-    metadata_worker: bool = False
-    """Build each step's metadata on a thread of its own (:class:`attnmeta.worker.HostWorker`, given to
-    the step composer): the step runs on a core whose caches the loop's own work did not flush; the
-    cost is that core (attnmeta mode only)."""
 
     @property
     def max_blocks_per_req(self) -> int:
@@ -216,12 +211,9 @@ class Engine:
         groups = [Group(kernel.builders())]
         if self.hybrid:  # one state block (none mode: the state slot) a request, its own table
             groups.append(Group({"mamba": (MAMBA2, self.mamba_options)}, prefix="mamba_common", table_column_step=1))
-        if cfg.metadata_worker and cfg.metadata != "attnmeta":
-            raise ValueError("Engine: metadata_worker is for the attnmeta metadata mode")
-        self.worker = HostWorker() if cfg.metadata_worker else None
         self.composer = StepBuilder(self.stager, *groups, arrays=[Array("engine.input_ids", np.int32, capacity=cap),
                                                                    Array("engine.prev_rows", np.int32, capacity=cap,
-                                                                         fill=-1)], worker=self.worker)
+                                                                         fill=-1)])
         self.table = np.zeros((cfg.max_num_seqs, cfg.max_blocks_per_req), np.int32)
         self.sampled = torch.zeros(cfg.max_num_seqs, dtype=torch.int64, device=self.device)
         host = torch.zeros((2, cfg.max_num_seqs), dtype=torch.int64, pin_memory=cuda)
