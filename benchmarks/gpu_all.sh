@@ -11,6 +11,9 @@
 #           AB_STEPS (default 12, 300) set its rounds, AB_BATCHES and AB_PATHS its batches and rows (default
 #           1,64,256,1024 and every row), AB_ARGS adds flags (e.g. "--engine-steps --cold": the engine rows on
 #           the reference engine's own decode steps, each after a cache thrash);
+#   twin    benchmarks/bench_loop_twin.py on cuda: the ~1.2B Llama's graph-mode loop, its composer call timed alone
+#           and right after a twin engine's composer call with the same arguments (what goes cold in the loop;
+#           TWIN_CONCURRENCY, default 64,256) -> loop_twin.txt; needs FlashInfer as enginebench;
 #   abengine  benchmarks/ab_engine.py on cuda: the reference engine's loop (1.24B Llama, graphs; ABENGINE_MODEL,
 #           ABENGINE_MODE, ABENGINE_CONCURRENCY, ABENGINE_ROUNDS) with this checkout's attnmeta against the base's,
 #           exported into .ab_base (git archive BASE attnmeta examples/engine | tar -x -C .ab_base; carry .ab_base, or
@@ -105,12 +108,13 @@
 #   600 s, so a full run takes nine calls: PARTS="gpu decode bench", "mamba audit", "suites", "kernels",
 #   "engine", "enginebench", then "mamba-kernels", "hybrid" and "hybridbench" (each with carry
 #   [".kernels"]; the last two also ".whl");
-#   on the nvidia-h200-x2 machine PARTS="multi" is one more; "ab", "abengine" and "before-after" (carry .ab_base;
+#   on the nvidia-h200-x2 machine PARTS="multi" is one more; "twin" (carry .vllm or .whl for FlashInfer), "ab",
+#   "abengine" and "before-after" (carry .ab_base;
 #   before-after also .whl, for fla's kernels), "vllm" and "vllmbench" (carry .vllm .whl .kernels, or .vllm .kernels when .vllm holds FlashInfer) are asked
 #   for by name.
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, abengine, before-after, vllm, vllmbench: by name
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, abengine, twin, before-after, vllm, vllmbench: by name
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -188,6 +192,17 @@ if [[ -f .ab_base/attnmeta/__init__.py ]]; then
 else
   echo "no .ab_base/attnmeta: export the base (git archive BASE attnmeta | tar -x -C .ab_base) and carry .ab_base" \
     | tee -a "$OUT_DIR/ab.txt"; status=1
+fi
+fi
+if want twin; then
+echo "== twin: the engine's composer call alone and right after a twin engine's (benchmarks/bench_loop_twin.py)" \
+  | tee "$OUT_DIR/loop_twin.txt"
+if flashinfer_site >> "$OUT_DIR/loop_twin.txt" 2>&1; then  # (no pipe: its PYTHONPATH must stay)
+  timeout 540 $PY benchmarks/bench_loop_twin.py --device cuda --model 1b --concurrency "${TWIN_CONCURRENCY:-64,256}" \
+    2>&1 | grep -v "flashinfer.jit\|artifactory" | tee -a "$OUT_DIR/loop_twin.txt"
+  rc=${PIPESTATUS[0]}; [[ $rc -eq 0 ]] || failed "twin" "$rc"
+else
+  failed twin 1
 fi
 fi
 if want abengine; then

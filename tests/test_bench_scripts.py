@@ -80,3 +80,12 @@ def test_bench_decode_cold_times_every_way_after_its_wait() -> None:
                 "--cold-us", "100", "--paths", "fused")
     assert [(int(r[0]), r[1]) for r in rows] == [(b, f"fused@{w}") for b in BATCHES for w in ("tight", "sleep", "thrash")]
     assert all(float(x) > 0 for r in rows for x in r[2:5]), rows
+
+
+def test_bench_loop_twin_times_the_call_alone_and_after_its_twin() -> None:
+    out = run_script("bench_loop_twin.py", "--concurrency", "3", "--rounds", "1", "--prompt", "8", "--new", "12")
+    lines = out.splitlines()
+    head = lines.index(next(line for line in lines if line.split()[:3] == ["reqs", "alone", "twin"]))
+    row = lines[head + 1].split()
+    assert row[0] == "3" and float(row[1]) > 0 and float(row[2]) > 0 and row[3].endswith("x"), row
+    assert int(row[4]) > 0, row  # full-batch decode steps timed in each variant
