@@ -42,22 +42,22 @@ from examples.engine.workload import config_1b, make_model, tiny_config
 
 def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device, rounds: int
             ) -> dict[str, list[float]]:
-    """Each variant's step times (s) of the first engine's composer call on full-batch decode steps."""
+    """Each variant's times (s) of the first engine's composer call on the full-batch decode steps
+    (:func:`bench_engine.full_batch`: the steps whose ``metadata ms`` bench_engine.py reports)."""
     vocab = model.config.vocab_size
     engine = bench_engine.warm_engine(model, mode, n, prompt, new, device)
     twin = bench_engine.warm_engine(model, mode, n, prompt, new, device)
     own, other = engine.composer.build_counts, twin.composer.build_counts
     times: dict[str, list[float]] = {"alone": [], "twin": []}
-    variant = ["alone"]
+    calls: list[float] = []  # the run's calls, one a step
+    with_twin = [False]
 
     def timed(c: np.ndarray, q: np.ndarray, tables: Any, **kw: Any) -> Any:
-        if variant[0] == "twin":
+        if with_twin[0]:
             other(c, q, tables, **kw)
         t0 = time.perf_counter()
         out = own(c, q, tables, **kw)
-        dt = time.perf_counter() - t0
-        if len(c) == n and bool((q == 1).all()):  # (a full-batch decode step)
-            times[variant[0]].append(dt)
+        calls.append(time.perf_counter() - t0)
         return out
 
     engine.composer.build_counts = timed  # type: ignore[method-assign]
@@ -66,8 +66,12 @@ def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
     try:
         for r in range(rounds):
             for v in ("alone", "twin"):
-                variant[0] = v
+                with_twin[0], k0 = v == "twin", len(engine.stats.step_kinds)
+                calls.clear()
                 engine.run(bench_engine._requests(n, prompt, new, vocab, 1000 + r))
+                kinds = engine.stats.step_kinds[k0:]
+                assert len(kinds) == len(calls), "one composer call a step"
+                times[v] += [calls[i] for i in bench_engine.full_batch(kinds)]
     finally:
         gc.enable()
     return times
