@@ -23,7 +23,7 @@ The other commit's package comes from ``ab_commit.base_package``; its engine fro
 the checkout's history, export both first and pass the folder:
 ``git archive BASE attnmeta examples/engine | tar -x -C FOLDER``.
 
-Usage: python benchmarks/ab_engine.py BASE [--device cuda] [--model 1b|hybrid-1b|tiny]
+Usage: python benchmarks/ab_engine.py BASE [--device cuda] [--model 1b|hybrid-1b|tiny|tiny-hybrid]
 [--mode graphs|eager|paged] [--concurrency 64,256] [--rounds 8] [--prompt 64] [--new 96] [--warm 3]
 """
 
@@ -48,7 +48,7 @@ from ab_commit import EXPORTS, base_package, import_exported  # noqa: E402  (ben
 from bench_engine import _engine, _prompt_range, _requests, full_batch, timed_run  # noqa: E402
 
 import examples.engine as engine_this  # noqa: E402
-from examples.engine.workload import config_1b, config_hybrid_1b, make_model, tiny_config  # noqa: E402
+from examples.engine.workload import config_1b, config_hybrid_1b, make_model, tiny_config, tiny_hybrid_config  # noqa: E402
 
 
 def base_engine(commit: str, exports: Path = EXPORTS) -> Any:
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("base", help="the commit to compare with, or a folder holding its exported attnmeta and "
                                 "examples/engine (git archive BASE attnmeta examples/engine | tar -x -C FOLDER)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--model", choices=["1b", "hybrid-1b", "tiny"], default="1b")
+    p.add_argument("--model", choices=["1b", "hybrid-1b", "tiny", "tiny-hybrid"], default="1b")
     p.add_argument("--mode", choices=["graphs", "eager", "paged"], default="graphs",
                    help="the engine's mode (bench_engine.py's modes of attnmeta; on a CPU: paged)")
     p.add_argument("--concurrency", default="64,256")
@@ -117,13 +117,14 @@ def main(argv: list[str] | None = None) -> int:
                                                                  "ab_commit.py's too)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
-    if device.type != "cuda" and (a.mode != "paged" or a.model != "tiny"):
-        print("ab_engine: on a CPU only --model tiny --mode paged runs (torch's paged kernel)", file=sys.stderr)
+    if device.type != "cuda" and (a.mode != "paged" or a.model not in ("tiny", "tiny-hybrid")):
+        print("ab_engine: on a CPU only --model tiny or tiny-hybrid --mode paged runs (torch's paged kernel)", file=sys.stderr)
         return 2
     if a.model == "hybrid-1b" and a.mode == "graphs":
         print("ab_engine: a hybrid model runs eager steps (--mode eager or paged)", file=sys.stderr)
         return 2
-    config = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config}[a.model]()
+    config = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config,
+              "tiny-hybrid": tiny_hybrid_config}[a.model]()
     model = make_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     base_package(a.base, a.exports)
     sides = {"base": base_engine(a.base, a.exports), "this": engine_this}

@@ -61,11 +61,13 @@ second line per concurrency, ``prefill``, with the medians over the steps that c
 (where the Mamba2 chunk metadata is built).
 
 On a CPU only ``paged`` and ``vllm-paged`` run (torch's paged kernel, eager): the comparison's smoke
-test, ``--model tiny``. Each pair's summary line also gives the plan times, the host time of metadata
+test, ``--model tiny``; ``--model tiny-hybrid`` is a small Bamba with the same two KV-cache groups as
+``hybrid-1b`` (its Mamba2 layers through the engine's torch kernels), the hybrid step's composition in a
+loop the CPU can run (``ab_engine.py`` and ``bench_loop_twin.py`` take it too). Each pair's summary line also gives the plan times, the host time of metadata
 and plan together (``host x``), and ``tokens differ``: the requests whose greedy tokens differ between
 the two modes (the same kernels read either metadata).
 
-Usage: python benchmarks/bench_engine.py --device cuda [--model 1b|hybrid-1b|tiny] [--concurrency 1,64,256]
+Usage: python benchmarks/bench_engine.py --device cuda [--model 1b|hybrid-1b|tiny|tiny-hybrid] [--concurrency 1,64,256]
 [--modes graphs,eager,per-tensor] [--rounds 3] [--no-cold] [--cold-us US] [--json FILE]
 """
 
@@ -90,7 +92,7 @@ from _cold import jitter, timed_after, waits  # benchmarks/_cold.py
 from attnmeta import BatchSpec
 from attnmeta.sync import record_device_syncs
 from examples.engine import Engine, EngineConfig, Request, make_kernel
-from examples.engine.workload import config_1b, config_hybrid_1b, make_model, tiny_config
+from examples.engine.workload import config_1b, config_hybrid_1b, make_model, tiny_config, tiny_hybrid_config
 
 MODES = {"graphs": ("flashinfer", True, "one-copy", "attnmeta"), "eager": ("flashinfer", False, "one-copy", "attnmeta"),
          "per-tensor": ("flashinfer", False, "per-tensor", "attnmeta"),
@@ -130,7 +132,8 @@ def _engine(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
     blocks_per_req = -(-(_prompt_range(prompt)[1] + new) // 16)
     cfg = config_cls(block_size=16, num_blocks=n * blocks_per_req + 64, max_num_tokens=max(8192, n),
                      max_num_seqs=max(n, 1), max_model_len=blocks_per_req * 16, decode_sizes=sizes,
-                     cuda_graphs=graphs, uploads=uploads, mamba_kernels="vllm", metadata=metadata)
+                     cuda_graphs=graphs, uploads=uploads, mamba_kernels="vllm" if device.type == "cuda" else "torch",
+                     metadata=metadata)
     engine: Engine = engine_cls(model, kernel_of(kernel, model, device, cascade=False), cfg)
     return engine
 
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=64,
                    help="prompt length, give or take a quarter (default 64: prompts of 48 to 80 tokens)")
     p.add_argument("--new", type=int, default=96)
-    p.add_argument("--model", choices=["1b", "hybrid-1b", "tiny"], default="1b")
+    p.add_argument("--model", choices=["1b", "hybrid-1b", "tiny", "tiny-hybrid"], default="1b")
     p.add_argument("--json", default=None)
     p.add_argument("--rounds", type=int, default=3,
                    help="timed runs per mode, alternating between the modes (default 3; rows are their medians)")
@@ -337,11 +340,13 @@ def main(argv: list[str] | None = None) -> int:
               "paged and vllm-paged modes run (torch's paged kernel)", file=sys.stderr)
         return 2
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    hybrid = a.model == "hybrid-1b"
-    config = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config}[a.model]()
+    hybrid = a.model in ("hybrid-1b", "tiny-hybrid")
+    config = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config,
+              "tiny-hybrid": tiny_hybrid_config}[a.model]()
     model = make_model(config, device, torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: {'Bamba (Mamba2 layers: vLLM kernels)' if hybrid else 'Llama'} {params / 1e9:.2f}B params, bf16, "
+    kernels = "vLLM kernels" if device.type == "cuda" else "torch"
+    print(f"model: {f'Bamba (Mamba2 layers: {kernels})' if hybrid else 'Llama'} {params / 1e9:.2f}B params, bf16, "
           f"{device_name}; prompts of {'-'.join(map(str, _prompt_range(a.prompt)))} tokens, {a.new} new tokens per "
           f"request, new requests every run", flush=True)
     modes = "eager" if hybrid and a.modes == p.get_default("modes") else a.modes

@@ -13,7 +13,8 @@
 #           the reference engine's own decode steps, each after a cache thrash);
 #   twin    benchmarks/bench_loop_twin.py on cuda: the ~1.2B Llama's graph-mode loop, its composer call timed alone
 #           and right after a twin engine's composer call with the same arguments (what goes cold in the loop;
-#           TWIN_CONCURRENCY, default 64,256) -> loop_twin.txt; needs FlashInfer as enginebench;
+#           TWIN_CONCURRENCY, default 64,256; TWIN_MODELS, default 1b, "1b hybrid-1b" adds the hybrid's eager
+#           loop, which needs .kernels carried as hybridbench) -> loop_twin.txt; needs FlashInfer as enginebench;
 #   abengine  benchmarks/ab_engine.py on cuda: the reference engine's loop (1.24B Llama, graphs; ABENGINE_MODEL,
 #           ABENGINE_MODE, ABENGINE_CONCURRENCY, ABENGINE_ROUNDS) with this checkout's attnmeta against the base's,
 #           exported into .ab_base (git archive BASE attnmeta examples/engine | tar -x -C .ab_base; carry .ab_base, or
@@ -198,9 +199,11 @@ if want twin; then
 echo "== twin: the engine's composer call alone and right after a twin engine's (benchmarks/bench_loop_twin.py)" \
   | tee "$OUT_DIR/loop_twin.txt"
 if flashinfer_site >> "$OUT_DIR/loop_twin.txt" 2>&1; then  # (no pipe: its PYTHONPATH must stay)
-  timeout 540 $PY benchmarks/bench_loop_twin.py --device cuda --model 1b --concurrency "${TWIN_CONCURRENCY:-64,256}" \
-    2>&1 | grep -v "flashinfer.jit\|artifactory" | tee -a "$OUT_DIR/loop_twin.txt"
-  rc=${PIPESTATUS[0]}; [[ $rc -eq 0 ]] || failed "twin" "$rc"
+  for m in ${TWIN_MODELS:-1b}; do
+    timeout 540 $PY benchmarks/bench_loop_twin.py --device cuda --model "$m" --concurrency "${TWIN_CONCURRENCY:-64,256}" \
+      2>&1 | grep -v "flashinfer.jit\|artifactory" | tee -a "$OUT_DIR/loop_twin.txt"
+    rc=${PIPESTATUS[0]}; [[ $rc -eq 0 ]] || failed "twin $m" "$rc"
+  done
 else
   failed twin 1
 fi

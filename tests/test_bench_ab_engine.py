@@ -177,6 +177,20 @@ def test_bench_engine_cold_replica_reports_every_way(tmp_path: Path) -> None:
     assert "cold_event_ms" not in row  # (CUDA only)
 
 
+def test_bench_engine_runs_the_hybrid_composition_on_the_cpu() -> None:
+    """``--model tiny-hybrid``: the hybrid step's two KV-cache groups (attention and the Mamba2 state group)
+    in the engine's loop on the CPU (its Mamba2 layers through the engine's torch kernels), with the
+    decode row, every step replayed once warm, and the prefill row the hybrid model adds."""
+    text = run_script("bench_engine.py", "--device", "cpu", "--model", "tiny-hybrid", "--modes", "paged",
+                      "--concurrency", "3", "--prompt", "8", "--new", "12", "--rounds", "1", "--no-cold")
+    assert "Mamba2 layers: torch" in text, text
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()[:2] in (["paged", "3"],
+                                                                                                ["prefill", "3"])}
+    assert set(rows) == {"paged", "prefill"}, text
+    assert float(rows["paged"][5]) > 0 and rows["paged"][10] == "100%", rows["paged"]  # metadata ms; replay
+    assert float(rows["prefill"][3]) > 0, rows["prefill"]
+
+
 def test_bench_engine_pairs_the_rounds() -> None:
     """The headline summary's ``paired`` ratio: the median of the rounds' own ratios (its docstring's
     example, a drifting host's rounds, runs here too), which a drift between rounds does not move."""

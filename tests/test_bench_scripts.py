@@ -89,3 +89,12 @@ def test_bench_loop_twin_times_the_call_alone_and_after_its_twin() -> None:
     row = lines[head + 1].split()
     assert row[0] == "3" and float(row[1]) > 0 and float(row[2]) > 0 and row[3].endswith("x"), row
     assert int(row[4]) > 0, row  # full-batch decode steps timed in each variant
+
+
+def test_bench_loop_twin_runs_the_hybrid_composition() -> None:
+    """The twin diagnostic on the hybrid model's two KV-cache groups (``--model tiny-hybrid`` on the CPU)."""
+    out = run_script("bench_loop_twin.py", "--model", "tiny-hybrid", "--concurrency", "3", "--rounds", "1",
+                     "--prompt", "8", "--new", "12")
+    assert "model tiny-hybrid" in out, out
+    row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["3"])
+    assert float(row[1]) > 0 and float(row[2]) > 0 and int(row[4]) > 0, row
