@@ -45,10 +45,10 @@ if str(ROOT) not in sys.path:
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ab_commit import EXPORTS, base_package, import_exported  # noqa: E402  (benchmarks/ab_commit.py)
-from bench_engine import _engine, _prompt_range, _requests, full_batch, timed_run  # noqa: E402
+from bench_engine import MODELS, _engine, _prompt_range, _requests, full_batch, timed_run  # noqa: E402
 
 import examples.engine as engine_this  # noqa: E402
-from examples.engine.workload import config_1b, config_hybrid_1b, make_model, tiny_config, tiny_hybrid_config  # noqa: E402
+from examples.engine.workload import make_model  # noqa: E402
 
 
 def base_engine(commit: str, exports: Path = EXPORTS) -> Any:
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("base", help="the commit to compare with, or a folder holding its exported attnmeta and "
                                 "examples/engine (git archive BASE attnmeta examples/engine | tar -x -C FOLDER)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--model", choices=["1b", "hybrid-1b", "tiny", "tiny-hybrid"], default="1b")
+    p.add_argument("--model", choices=list(MODELS), default="1b")
     p.add_argument("--mode", choices=["graphs", "eager", "paged"], default="graphs",
                    help="the engine's mode (bench_engine.py's modes of attnmeta; on a CPU: paged)")
     p.add_argument("--concurrency", default="64,256")
@@ -118,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type != "cuda" and (a.mode != "paged" or a.model not in ("tiny", "tiny-hybrid")):
-        print("ab_engine: on a CPU only --model tiny or tiny-hybrid --mode paged runs (torch's paged kernel)", file=sys.stderr)
+        print("ab_engine: on a CPU only --model tiny or tiny-hybrid --mode paged runs (torch's paged kernel)",
+              file=sys.stderr)
         return 2
     if a.model == "hybrid-1b" and a.mode == "graphs":
         print("ab_engine: a hybrid model runs eager steps (--mode eager or paged)", file=sys.stderr)
         return 2
-    config = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config,
-              "tiny-hybrid": tiny_hybrid_config}[a.model]()
+    config = MODELS[a.model]()
     model = make_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     base_package(a.base, a.exports)
     sides = {"base": base_engine(a.base, a.exports), "this": engine_this}

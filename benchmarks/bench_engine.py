@@ -63,8 +63,8 @@ second line per concurrency, ``prefill``, with the medians over the steps that c
 On a CPU only ``paged`` and ``vllm-paged`` run (torch's paged kernel, eager): the comparison's smoke
 test, ``--model tiny``; ``--model tiny-hybrid`` is a small Bamba with the same two KV-cache groups as
 ``hybrid-1b`` (its Mamba2 layers through the engine's torch kernels), the hybrid step's composition in a
-loop the CPU can run (``ab_engine.py`` and ``bench_loop_twin.py`` take it too). Each pair's summary line also gives the plan times, the host time of metadata
-and plan together (``host x``), and ``tokens differ``: the requests whose greedy tokens differ between
+loop the CPU can run (``ab_engine.py`` and ``bench_loop_twin.py`` take it too). Each pair's summary line
+also gives the plan times, the host time of metadata and plan together (``host x``), and ``tokens differ``: the requests whose greedy tokens differ between
 the two modes (the same kernels read either metadata).
 
 Usage: python benchmarks/bench_engine.py --device cuda [--model 1b|hybrid-1b|tiny|tiny-hybrid] [--concurrency 1,64,256]
@@ -100,6 +100,8 @@ MODES = {"graphs": ("flashinfer", True, "one-copy", "attnmeta"), "eager": ("flas
          "varlen": ("torch-varlen", False, "one-copy", "attnmeta"), "vllm-varlen": ("torch-varlen", False, "one-copy", "vllm"),
          "paged": ("torch-paged", False, "one-copy", "attnmeta"), "vllm-paged": ("torch-paged", False, "one-copy", "vllm")}
 """Mode name: (kernel, CUDA graphs, uploads, who builds the metadata)."""
+MODELS = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config, "tiny-hybrid": tiny_hybrid_config}
+"""``--model`` name: its config (``hybrid-1b`` and ``tiny-hybrid``: Bamba, Mamba2 and attention layers)."""
 PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"), ("varlen", "vllm-varlen"), ("paged", "vllm-paged"))
 """The headline's pairs: attnmeta's mode and vLLM's, the same loop otherwise."""
 
@@ -326,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=64,
                    help="prompt length, give or take a quarter (default 64: prompts of 48 to 80 tokens)")
     p.add_argument("--new", type=int, default=96)
-    p.add_argument("--model", choices=["1b", "hybrid-1b", "tiny", "tiny-hybrid"], default="1b")
+    p.add_argument("--model", choices=list(MODELS), default="1b")
     p.add_argument("--json", default=None)
     p.add_argument("--rounds", type=int, default=3,
                    help="timed runs per mode, alternating between the modes (default 3; rows are their medians)")
@@ -340,9 +342,8 @@ def main(argv: list[str] | None = None) -> int:
               "paged and vllm-paged modes run (torch's paged kernel)", file=sys.stderr)
         return 2
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    hybrid = a.model in ("hybrid-1b", "tiny-hybrid")
-    config = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config,
-              "tiny-hybrid": tiny_hybrid_config}[a.model]()
+    config = MODELS[a.model]()
+    hybrid = config.model_type == "bamba"
     model = make_model(config, device, torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     kernels = "vLLM kernels" if device.type == "cuda" else "torch"

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_engine  # benchmarks/bench_engine.py: its engines and workload
 
-from examples.engine.workload import config_1b, config_hybrid_1b, make_model, tiny_config, tiny_hybrid_config
+from examples.engine.workload import make_model
 
 
 def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device, rounds: int
@@ -81,17 +81,16 @@ def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--model", choices=["tiny", "1b", "tiny-hybrid", "hybrid-1b"], default="tiny")
+    p.add_argument("--model", choices=list(bench_engine.MODELS), default="tiny")
     p.add_argument("--concurrency", default="8,64")
     p.add_argument("--rounds", type=int, default=4, help="rounds of each variant, alternating (default 4)")
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=96)
     a = p.parse_args(argv)
     device = torch.device(a.device)
-    hybrid = a.model in ("tiny-hybrid", "hybrid-1b")  # (no graph mode for a hybrid model)
+    config = bench_engine.MODELS[a.model]()
+    hybrid = config.model_type == "bamba"  # (no graph mode for a hybrid model)
     mode = "paged" if device.type != "cuda" else "eager" if hybrid else "graphs"
-    config = {"tiny": tiny_config, "1b": config_1b, "tiny-hybrid": tiny_hybrid_config,
-              "hybrid-1b": config_hybrid_1b}[a.model]()
     model = make_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     print(f"# {device.type}, mode {mode}, model {a.model}; the first engine's composer call on full-batch decode "
           f"steps, us (medians): alone, and right after the twin engine's composer call with the same arguments",
