@@ -37,8 +37,9 @@ afresh: a median leaves those steps out, ``--mean`` counts them as a loop's aver
 recorded first on the CPU (:func:`engine_steps`: ``bench_engine.py``'s workload, served as many times,
 with new requests each time, as the timed walk has steps; about 30 s for 6 rounds of 200 steps at
 64 requests on the 2-core CPU machine): their page counts are a serving loop's, a new one nearly
-every step, recurring over the runs. No step is timed twice, so a cache by page count fills as it does in a loop that serves one run
-after another: empty at the first run, finding more of each run's counts the more runs it has served.
+every step, recurring over the runs. No step is timed twice, so a cache by page count fills as it
+does in a loop that serves one run after another: empty at the first run, finding more of each
+run's counts the more runs it has served.
 (Cycling through a few runs instead would find every count after the first cycle: a
 loop that has served for hours, and only while its page counts stay in a narrow range.)
 

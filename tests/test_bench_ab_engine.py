@@ -191,6 +191,15 @@ def test_bench_engine_runs_the_hybrid_composition_on_the_cpu() -> None:
     assert float(rows["prefill"][3]) > 0, rows["prefill"]
 
 
+def test_ab_engine_refuses_graphs_for_any_hybrid_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """A hybrid model (the tiny one too) runs eager steps only: ``--mode graphs`` is refused before any
+    engine is made, rather than timed as eager steps under the graphs label."""
+    mod = load_benchmark("ab_engine.py", "ab_engine_hybrid_graphs")
+    for model in ("hybrid-1b", "tiny-hybrid"):
+        assert mod.main(["HEAD", "--device", "cuda", "--model", model, "--mode", "graphs"]) == 2
+        assert "a hybrid model runs eager steps" in capsys.readouterr().err
+
+
 def test_bench_engine_pairs_the_rounds() -> None:
     """The headline summary's ``paired`` ratio: the median of the rounds' own ratios (its docstring's
     example, a drifting host's rounds, runs here too), which a drift between rounds does not move."""
