@@ -547,3 +547,86 @@ def test_build_and_build_counts_find_each_other_s_layouts(device: torch.device, 
             assert composer.stats.replayed == before + 1, f"step {k} was composed, not replayed"
         assert_same(got.commons, want.commons, f"step {k} commons")
         assert_same(got.metadata, want.metadata, f"step {k} metadata")
+
+
+@pytest.mark.parametrize("profile", [None, dataclasses.replace(_PROFILE, chunk_size=16)], ids=["eager", "graph"])
+def test_the_counts_entry_skips_only_the_key_it_would_find(profile: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of the counts entry whose scan matches the key the composer expects (the last key it
+    found twice in a row) skips finding its key: on a decode walk whose longest sequence crosses the
+    block table's width steps (eager) and whose page count crosses its buckets, with steps of other
+    classes between them (a mixed step, padded rows, upper bounds, other array rows), every step gets
+    the key and the shapes the ordinary way finds, and most decode steps skip that way."""
+    import attnmeta.compose as compose_module
+    from attnmeta.spec import scan_counts, shapes_of
+
+    cap = _PROFILE.max_num_tokens
+    composer = StepBuilder(Stager("cpu", profile=profile), *_hybrid_groups(),
+                           arrays=[Array("engine.input_ids", np.int32, capacity=cap)])
+    seen: list[tuple[Any, Any]] = []
+    run = composer._run
+
+    def spy_run(shapes: Any, key: Any, *a: Any) -> Any:
+        seen.append((shapes, key))
+        return run(shapes, key, *a)
+
+    ordinary = [0]
+    scan_tuple = compose_module.scan_tuple
+
+    def spy_tuple(*a: Any) -> Any:
+        ordinary[0] += 1
+        return scan_tuple(*a)
+
+    monkeypatch.setattr(composer, "_run", spy_run)
+    monkeypatch.setattr(compose_module, "scan_tuple", spy_tuple)
+    walk = _walk(6, 260, seed=5)
+    assert walk[-1].max_exact_seq_len - walk[0].max_exact_seq_len > 2 * 8 * 16  # (crosses the width's steps)
+    decodes = skipped = 0
+    for k, spec in enumerate(walk):
+        kw: dict[str, Any] = {}
+        c, q = spec.num_computed_tokens.copy(), spec.num_scheduled_tokens.copy()
+        if k % 37 == 5:  # (a chunk of 7 new tokens in the last row: a mixed step)
+            q[-1] = 7
+        elif k % 23 == 7 or 160 <= k < 180:  # (now and then, and a run of them)
+            kw["num_reqs_padded"] = kw["num_tokens_padded"] = 8
+        elif k % 29 == 11 or 100 <= k < 130:
+            kw["seq_lens_upper_bound"] = (spec.num_computed_tokens + spec.num_scheduled_tokens + 3).astype(np.int32)
+        states = (1 + np.arange(spec.num_reqs, dtype=np.int32))[:, None]  # (the engine's: one state block a request,
+        # its block size past any sequence; graph mode's profile has one block size)
+        tables = [(spec.block_table, spec.block_size),
+                  (states, 1 << 16) if profile is None else (np.repeat(states, 40, 1), 16)]
+        ids = np.arange(int(q.sum()) + (k % 41 == 13), dtype=np.int32)  # (now and then other rows)
+        before = ordinary[0]
+        composer.build_counts(c, q, tables, arrays={"engine.input_ids": ids}, **kw)
+        shapes, key = seen[-1]
+        scan = scan_counts(c, q, tables, None, None, kw.get("seq_lens_upper_bound"),
+                           kw.get("num_reqs_padded"), kw.get("num_tokens_padded"), np.zeros((1, 3), np.int64))
+        assert scan is not None
+        want_shapes = shapes_of(scan)
+        want = composer._lengths_key(want_shapes, composer._no_inputs, [ids], scan)
+        assert shapes == want_shapes and all(type(a) is type(b) for s, w in zip(shapes, want_shapes) for a, b in zip(s, w))
+        assert key == want, f"step {k}"
+        if k % 37 != 5 and (not kw or 100 < k < 130 or 161 < k < 180):  # (a decode step of a run)
+            decodes += 1
+            skipped += ordinary[0] == before
+    assert skipped > 0.8 * decodes, (skipped, decodes)
+
+
+def test_run_of_finds_the_widest_run_of_a_monotonic_function() -> None:
+    """The interval the expected key's check takes (``_run_of``): around any point, the widest run of
+    equal values of a monotonic function, for the page bucket and the eager table width."""
+    from attnmeta.compose import _LONGEST, _exact_width, _run_of
+    from attnmeta.staging import bucket_rows
+
+    rng = np.random.default_rng(0)
+    fns: list[Callable[[int], Any]] = [bucket_rows, lambda x: x // 7, lambda x: x > 1000, lambda x: 5]
+    for _ in range(20):
+        bs, table, columns, step = (int(rng.integers(1, 40)), int(rng.integers(1, 200)), int(rng.integers(0, 50)),
+                                    int(rng.integers(1, 16)))
+        fns.append(lambda x, a=bs, b=table, c=columns, d=step: _exact_width(x, a, b, c, d))
+    for f in fns:
+        for x in [0, 1, 63, 64, 65, _LONGEST, *rng.integers(0, 1 << 20, 10).tolist()]:
+            lo, hi = _run_of(f, x)
+            assert 0 <= lo <= x <= hi <= _LONGEST
+            assert f(lo) == f(x) == f(hi)
+            assert lo == 0 or f(lo - 1) != f(x)
+            assert hi == _LONGEST or f(hi + 1) != f(x)
