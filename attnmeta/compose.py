@@ -34,10 +34,7 @@ staged the ordinary way: replay only ever saves time.
 The key is found without asking the builders again on most steps: the steps of a decode loop differ in
 their lengths only (the longest sequence, the page count), and for builders that do not read those
 (:meth:`~attnmeta.builder.Builder.reads_lengths`) the composer asks once per class of shapes without
-them and adds the width and the page bucket itself. The counts entry (:meth:`StepBuilder.build_counts`)
-goes further for the key it expects, the last one it found twice in a row: its compiled scan
-compares the step with that key's scalars and with the ranges of lengths that keep its width and
-page bucket (:class:`_Expected`), and a step that matches takes the key without any of that work.
+them and adds the width and the page bucket itself.
 
 Why one module
 --------------
