@@ -51,7 +51,6 @@ As in :mod:`attnmeta.metadata`; an array's rows are the length of the array give
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NoReturn
@@ -64,16 +63,7 @@ import torch
 from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchError
 from attnmeta.common import CommonPasses, CommonWriter, _stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata
-from attnmeta.spec import (
-    CHECK_GROUP,
-    CHECK_HEAD,
-    SCAN_OUT,
-    BatchSpec,
-    StepShape,
-    scan_match,
-    scan_tuple,
-    shapes_of,
-)
+from attnmeta.spec import BatchSpec, StepShape, scan_counts, shapes_of
 from attnmeta.staging import STAGEABLE_DTYPES, Staged, Stager, Step, StepLayout, bucket_rows
 
 __all__ = ["PARALLEL_MIN_ROWS", "Array", "ComposeStats", "ComposedStep", "Group", "StepBuilder", "table_columns"]
@@ -87,9 +77,6 @@ _MAX_RECORDS = 512  # per ring slot; dropped (and re-recorded on demand) when a 
 _MAX_KEYS = 4096  # layout keys kept by step shape; dropped (and computed again) when outgrown
 _MISS = object()
 _NO_ARRAYS: list[np.ndarray] = []
-_NO_CHECK = np.zeros(0, np.int64)
-_new_tuple = tuple.__new__
-_LONGEST = (1 << 31) - 1  # beyond any int32 sequence length or page count a step can have
 
 
 def table_columns(spec: BatchSpec, column_step: int = 8) -> int:
@@ -116,14 +103,8 @@ def table_columns(spec: BatchSpec, column_step: int = 8) -> int:
 def _shape_width(shape: StepShape, columns: int, step: int) -> int:
     """:func:`_width` of a step of ``shape`` without context parallelism whose builders need ``columns``
     (what the composer stages: ``table_columns`` of the step, at least ``columns`` before rounding)."""
-    return _exact_width(shape.max_exact_seq_len, shape.block_size, shape.table_columns, columns, step)
-
-
-def _exact_width(exact: int, block_size: int, table: int, columns: int, step: int) -> int:
-    """:func:`_shape_width` of a step whose longest sequence is ``exact`` tokens, of ``block_size``
-    blocks and a ``table`` of that many columns."""
-    need = -(-exact // block_size) or 1
-    return _width(columns if columns > need else need, step, table)
+    need = -(-shape.max_exact_seq_len // shape.block_size) or 1
+    return _width(columns if columns > need else need, step, shape.table_columns)
 
 
 def _scan_class_getter(groups: int) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
@@ -136,42 +117,7 @@ def _scan_class_getter(groups: int) -> Callable[[tuple[Any, ...]], tuple[Any, ..
 def _lengths_fit(shape: StepShape, caps: tuple[int, int]) -> bool:
     """Graph mode: ``shape``'s pages and longest request within the profile's capacities ``caps``,
     ``(max_num_pages, max_blocks_per_req)``."""
-    return _pages_fit(shape.num_pages, caps) and _exact_fits(shape.max_exact_seq_len, shape.block_size, caps)
-
-
-def _pages_fit(pages: int, caps: tuple[int, int]) -> bool:
-    """Graph mode: ``pages`` within the profile's ``max_num_pages``."""
-    return pages <= caps[0]
-
-
-def _exact_fits(exact: int, block_size: int, caps: tuple[int, int]) -> bool:
-    """Graph mode: a request of ``exact`` tokens within the profile's ``max_blocks_per_req``."""
-    return -(-exact // block_size) <= caps[1]
-
-
-def _run_of(f: Callable[[int], Hashable], x: int) -> tuple[int, int]:
-    """The widest ``[lo, hi]`` within ``[0, _LONGEST]`` around ``x`` where ``f``, monotonic, equals
-    ``f(x)``: a galloping search out from ``x`` each way, then bisection (a few dozen calls of ``f``)."""
-    v = f(x)
-    bounds = []
-    for sign, end in ((-1, 0), (1, _LONGEST)):
-        same, gap = x, 1  # (f(same) == v; f beyond the bound found differs, or the bound is the end)
-        while same != end:
-            probe = x + sign * gap
-            if (probe <= end) if sign < 0 else (probe >= end):
-                probe = end
-            if f(probe) != v:
-                other = probe
-                while abs(other - same) > 1:
-                    mid = (same + other) // 2
-                    if f(mid) == v:
-                        same = mid
-                    else:
-                        other = mid
-                break
-            same, gap = probe, gap * 2
-        bounds.append(same)
-    return bounds[0], bounds[1]
+    return shape.num_pages <= caps[0] and -(-shape.max_exact_seq_len // shape.block_size) <= caps[1]
 
 
 def _width(need: int, step: int, table: int) -> int:
@@ -348,30 +294,6 @@ class _Record:
         self.indices = indices  # graph mode, per group: the page indices' field name ("" without a page table)
 
 
-class _Expected:
-    """A layout key the composer expects of the next steps from the scheduler's arrays (the last one it
-    found twice in a row without a builder's inputs), and what tells, in the compiled scan itself,
-    that a step has it (:func:`~attnmeta.spec.scan_match`): every scalar of the scan but its lengths,
-    and the range of the longest sequence and of each group's page count over which the key's width
-    and page bucket (graph mode: the profile's capacities) stay what they are. A step that matches
-    skips the key's work; its shapes are the template's with its lengths."""
-
-    __slots__ = ("check", "key", "templates")
-
-    def __init__(self, key: tuple[Hashable, ...], check: np.ndarray, templates: list[list[Any]]) -> None:
-        self.key, self.check, self.templates = key, check, templates
-
-    def shapes(self, out: list[int], upper: bool) -> tuple[StepShape, ...]:
-        """The shapes of a matching step, from its scan's ``out`` (:func:`~attnmeta.spec.scan_match`)."""
-        exact = out[2]
-        top = out[3] if upper else exact
-        made = []
-        for g, t in enumerate(self.templates):
-            t[6], t[7], t[8] = top, exact, out[SCAN_OUT + g]
-            made.append(_new_tuple(StepShape, t))
-        return tuple(made)
-
-
 class StepBuilder:
     """Builds a serving loop's step, every group and builder of it and the engine's arrays, in one call
     and one copy; steady-state steps replay their slot's recorded layout (see the module docstring).
@@ -459,10 +381,7 @@ class StepBuilder:
         self._scan_class = _scan_class_getter(len(self._groups))
         self._numbers: dict[tuple[Hashable, ...], int] = {}  # a class's number, by its key without lengths
         self._made = 0  # class numbers given (never reused)
-        self._scratch = np.zeros((len(self._groups) - 1, 3), np.int64)  # scan_match's per-group scalars
-        self._out = np.zeros(SCAN_OUT + len(self._groups), np.int64)  # ... and its results
-        self._expected: _Expected | None = None  # the key the next steps of the counts entry likely have
-        self._seen: tuple[Hashable, ...] | None = None  # the last key that entry computed
+        self._scratch = np.zeros((len(self._groups) - 1, 3), np.int64)  # scan_counts's per-group scalars
         self.stats = ComposeStats()
 
     @property
@@ -569,63 +488,15 @@ class StepBuilder:
         c, q, prompt, drafts, ub = (num_computed_tokens, num_scheduled_tokens, num_prompt_tokens, num_draft_tokens,
                                     seq_lens_upper_bound)
         rp, tp = num_reqs_padded, num_tokens_padded
-        expected = None if inputs else self._expected
-        out = self._out
-        found = scan_match(c, q, tables, prompt, drafts, ub, rp, tp, self._scratch,
-                           _NO_CHECK if expected is None else expected.check, out)
-        if found < 0:  # (not arrays a spec keeps as they are, or a broken rule: the specs say which)
+        scan = scan_counts(c, q, tables, prompt, drafts, ub, rp, tp, self._scratch)
+        if scan is None:  # (not arrays a spec keeps as they are, or a broken rule: the specs say which)
             return self.build(_make_specs(c, q, tables, prompt, drafts, ub, rp, tp), inputs, arrays)
         self.stats.steps += 1
         inp = self._no_inputs if not inputs else self._inputs(inputs)
         arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
-        values = out.tolist()
-        key: tuple[Hashable, ...] | None
-        if expected is not None and found == 0:  # (the expected key: no key to find)
-            shapes = expected.shapes(values, ub is not None)
-            key = self._with_rows(expected.key, arr)
-        else:
-            scan = scan_tuple(c, tables, prompt, drafts, ub, rp, tp, values)
-            shapes = shapes_of(scan)
-            if inp is not self._no_inputs:
-                key = self._key(shapes, inp, arr)
-            else:
-                key = self._lengths_key(shapes, inp, _NO_ARRAYS, scan)
-                if key is not None:
-                    if key == self._seen and (self._expected is None or self._expected.key != key):
-                        self._expected = self._expect(key, scan, shapes)
-                    self._seen = key
-                    key = self._with_rows(key, arr)
+        shapes = shapes_of(scan)
+        key = self._lengths_key(shapes, inp, arr, scan) if inp is self._no_inputs else self._key(shapes, inp, arr)
         return self._run(shapes, key, inp, arr, None, (c, q, tables, prompt, drafts, ub, rp, tp))
-
-    def _expect(self, key: tuple[Hashable, ...], scan: tuple[Any, ...], shapes: tuple[StepShape, ...]
-                ) -> _Expected | None:
-        """The :class:`_Expected` of ``key``, the layout key (without the arrays' rows) of a step of the
-        counts entry without inputs whose scan is ``scan``; None when a builder reads the lengths."""
-        entry = self._scan_classes.get(self._scan_class(scan))
-        if not isinstance(entry, tuple):
-            return None
-        caps = self._caps
-        n, total, rp, tp, max_q, first, _top, exact, pre, has_p, has_d, has_u = scan[:12]
-        lo, hi = 0, _LONGEST
-        rows: list[int] = []
-        for e, shape in zip(entry[1], shapes, strict=True):
-            if e is None:
-                return None
-            bs, table = shape.block_size, shape.table_columns
-            if e[0]:
-                _eager, columns, step, paged = e
-                a, b = _run_of(functools.partial(_exact_width, block_size=bs, table=table, columns=columns, step=step),
-                               exact)
-                pages = _run_of(bucket_rows, shape.num_pages) if paged else (0, _LONGEST)
-            else:
-                a, b = _run_of(functools.partial(_exact_fits, block_size=bs, caps=caps), exact)
-                pages = _run_of(functools.partial(_pages_fit, caps=caps), shape.num_pages)
-            lo, hi = max(lo, a), min(hi, b)
-            rows += (bs, table, *pages)
-        head = [n, total, -1 if rp is None else rp, -1 if tp is None else tp, max_q, first, int(pre),
-                int(has_p) | 2 * int(has_d) | 4 * int(has_u), lo, hi]
-        assert len(head) == CHECK_HEAD and len(rows) == CHECK_GROUP * len(shapes)
-        return _Expected(key, np.array(head + rows, np.int64), [list(s) for s in shapes])
 
     def _run(self, shapes: tuple[StepShape, ...], key: tuple[Hashable, ...] | None, inputs: list[list[Any]],
              arrays: list[np.ndarray], specs: tuple[BatchSpec, ...] | None, counts: tuple[Any, ...] | None

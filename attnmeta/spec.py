@@ -709,112 +709,39 @@ def scan_counts(
     has_prompt, has_drafts, has_upper_bound)`` and per group ``(num_pages, block_size, table_columns)``.
     Reads the arrays and keeps none (:meth:`attnmeta.compose.StepBuilder.build_counts`).
     """
-    out = np.empty(SCAN_OUT + len(tables) if type(tables) in (list, tuple) else SCAN_OUT, np.int64)
-    if scan_match(c, q, tables, prompt, drafts, ub, rp, tp, groups, _NO_CHECK, out) < 0:
-        return None
-    return scan_tuple(c, tables, prompt, drafts, ub, rp, tp, out.tolist())
-
-
-SCAN_OUT = 7
-"""Length of :func:`scan_match`'s ``out`` before its per-group page counts: ``(num_tokens,
-max_query_len, max_exact_seq_len, max of the upper bounds, first_query_len, any_prefilling, 0)``."""
-CHECK_HEAD = 10
-"""Length of a :func:`scan_match` check before its per-group rows: ``(num_reqs, num_tokens,
-num_reqs_padded or -1, num_tokens_padded or -1, max_query_len, first_query_len, any_prefilling,
-the optional arrays given (prompt 1, drafts 2, upper bounds 4), lowest and highest
-max_exact_seq_len)``; then per group ``CHECK_GROUP`` entries: ``(block_size, table_columns, lowest
-and highest num_pages)``."""
-CHECK_GROUP = 4
-_NO_CHECK = np.zeros(0, np.int64)
-
-
-def scan_match(c: Any, q: Any, tables: Any, prompt: Any, drafts: Any, ub: Any, rp: Any, tp: Any,
-               groups: np.ndarray, check: np.ndarray, out: np.ndarray) -> int:
-    """:func:`scan_counts`'s scan, and whether the step is of a class of steps the caller expects.
-
-    ``check`` is empty (no expectation) or an int64 vector of ``CHECK_HEAD + CHECK_GROUP * len(tables)``
-    entries (:data:`CHECK_HEAD`): the step matches when every scalar of the scan without its lengths
-    equals the check's, its longest sequence (``max_exact_seq_len``) lies within the check's range,
-    and each group's page count within that group's. ``out`` is an int64 scratch of ``SCAN_OUT +
-    len(tables)`` entries, written with the scan's scalars (:data:`SCAN_OUT`, then each group's page
-    count) whenever the scan is valid.
-
-    Returns -1 when an argument is not what a spec keeps as given or a rule is broken (as
-    :func:`scan_counts`'s None), 0 when the step matches ``check``, 1 when it does not (or ``check``
-    is empty): :func:`scan_tuple` of ``out`` is then :func:`scan_counts`'s result.
-    """
     if type(c) is not np.ndarray or c.ndim != 1:
-        return -1
+        return None
     n = c.shape[0]
     if not _counted(c, n) or not _counted(q, n):
-        return -1
+        return None
     if (prompt is not None and not _counted(prompt, n)) or (drafts is not None and not _counted(drafts, n)) or (
             ub is not None and not _counted(ub, n)):
-        return -1
+        return None
     if (rp is not None and (type(rp) is not int or not n <= rp <= MAX_PADDED_REQS)) or (
             tp is not None and type(tp) is not int):
-        return -1
+        return None
     if type(tables) not in (list, tuple) or len(tables) != groups.shape[0] + 1:
-        return -1
+        return None
     for g, t in enumerate(tables):
         if not _table(t, n):
-            return -1
+            return None
         if g:
             groups[g - 1, 0] = t[1]
             groups[g - 1, 1] = t[0].shape[1]
     bt0, bs0 = tables[0]
-    flags = (0 if prompt is None else 1) | (0 if drafts is None else 2) | (0 if ub is None else 4)
-    st = _scan_match_nb(c, q, bt0, bs0, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
-                        _EMPTY if ub is None else ub, groups, _NO_COPY, -1 if rp is None else rp,
-                        -1 if tp is None else tp, flags, check, out)
-    if st < 0 or (tp is not None and not out[0] <= tp <= MAX_PADDED_TOKENS):
-        return -1
-    return st
-
-
-def scan_tuple(c: Any, tables: Any, prompt: Any, drafts: Any, ub: Any, rp: Any, tp: Any,
-               out: list[int]) -> tuple[Any, ...]:
-    """:func:`scan_counts`'s result from the arguments and ``out`` (as a list) of a valid
-    :func:`scan_match`."""
-    total, max_q, max_seq, max_ub, _pages0, first, pre = out[:SCAN_OUT]
-    bt0, bs0 = tables[0]
-    head = (c.shape[0], total, rp, tp, max_q, first, max_seq if ub is None else max_ub, max_seq, bool(pre),
-            prompt is not None, drafts is not None, ub is not None, out[SCAN_OUT], bs0, bt0.shape[1])
-    if len(tables) == 1:
+    st, total, max_q, max_seq, max_ub, pages0, first, pre = _scan_nb(
+        c, q, bt0, bs0, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
+        _EMPTY if ub is None else ub, groups, _NO_COPY)
+    if st or (tp is not None and not total <= tp <= MAX_PADDED_TOKENS):
+        return None
+    head = (n, total, rp, tp, max_q, first, max_seq if ub is None else max_ub, max_seq, pre, prompt is not None,
+            drafts is not None, ub is not None, pages0, bs0, bt0.shape[1])
+    if not groups.shape[0]:
         return head
     rest: list[int] = []
-    for g in range(1, len(tables)):
-        t = tables[g]
-        rest += (out[SCAN_OUT + g], t[1], t[0].shape[1])
+    for bs, width, pages in groups.tolist():  # (a host array: the scan's scratch)
+        rest += (pages, bs, width)
     return head + tuple(rest)
-
-
-@njit
-def _scan_match_nb(c: np.ndarray, q: np.ndarray, bt: np.ndarray, bs: int, prompt: np.ndarray, drafts: np.ndarray,
-                   ub: np.ndarray, groups: np.ndarray, none: np.ndarray, rp: int, tp: int, flags: int,
-                   check: np.ndarray, out: np.ndarray) -> int:
-    """:func:`_scan_nb`, its scalars written to ``out`` (:func:`scan_match`), then the step against
-    ``check``: -1 (a rule is broken), 0 (it matches) or 1 (it does not, or ``check`` is empty)."""
-    st, total, max_q, max_seq, max_ub, pages0, first, pre = _scan_nb(c, q, bt, bs, prompt, drafts, ub, groups, none)
-    if st:
-        return -1
-    out[0], out[1], out[2], out[3], out[4], out[5], out[6] = total, max_q, max_seq, max_ub, pages0, first, np.int64(pre)
-    out[SCAN_OUT] = pages0
-    for g in range(groups.shape[0]):
-        out[SCAN_OUT + 1 + g] = groups[g, 2]
-    if check.shape[0] == 0:
-        return 1
-    if (c.shape[0] != check[0] or total != check[1] or rp != check[2] or tp != check[3] or max_q != check[4]
-            or first != check[5] or np.int64(pre) != check[6] or flags != check[7]
-            or not check[8] <= max_seq <= check[9]):
-        return 1
-    for g in range(groups.shape[0] + 1):
-        at = CHECK_HEAD + CHECK_GROUP * g
-        width = bt.shape[1] if g == 0 else groups[g - 1, 1]
-        block = bs if g == 0 else groups[g - 1, 0]
-        if block != check[at] or width != check[at + 1] or not check[at + 2] <= out[SCAN_OUT + g] <= check[at + 3]:
-            return 1
-    return 0
 
 
 _new_tuple = tuple.__new__
