@@ -62,6 +62,12 @@ def base_engine(commit: str, exports: Path = EXPORTS) -> Any:
     if not composer.__module__.startswith("attnmeta_base."):  # (else the A/B would time this checkout twice)
         raise RuntimeError(f"ab_engine: the base engine's step composer comes from {composer.__module__}, "
                            "not attnmeta_base")
+    try:  # the hybrid model's Mamba kernels: the base looks beside its own copy, which has none
+        mamba = importlib.import_module("engine_base.vllm_mamba")
+    except ModuleNotFoundError:  # (a base from before the engine ran vLLM's Mamba kernels)
+        return engine
+    if hasattr(mamba, "KERNELS"):
+        mamba.KERNELS = ROOT / ".kernels"
     return engine
 
 

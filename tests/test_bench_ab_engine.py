@@ -243,3 +243,17 @@ def test_bench_engine_timed_runs_make_steps_no_earlier_run_made() -> None:
             assert len(shapes & seen) <= len(shapes) // 4, (seed, sorted(shapes & seen))  # (a few meet by chance)
         seen |= shapes
     engine.trace = None
+
+
+def test_ab_engine_s_base_engine_finds_this_checkout_s_mamba_kernels(tmp_path: Path) -> None:
+    """The base engine (an exported copy under the exports folder) loads vLLM's Mamba kernels for the
+    hybrid model from this checkout's ``.kernels``, where ``tests/kernels/fetch_kernels.py`` puts them and
+    a GPU machine's call carries them, not from beside its own copy, which has none."""
+    mod = load_benchmark("ab_engine.py", "ab_engine_kernels")
+    mod.base_package("HEAD", tmp_path)
+    engine = mod.base_engine("HEAD", tmp_path)
+    import importlib
+
+    mamba = importlib.import_module(engine.__name__ + ".vllm_mamba")
+    assert mamba.KERNELS == mod.ROOT / ".kernels"
+    assert str(tmp_path) in mamba.__file__  # (the base's own copy, imported from the exports folder)
