@@ -20,7 +20,8 @@
 #           exported into .ab_base (git archive BASE attnmeta examples/engine | tar -x -C .ab_base; carry .ab_base, or
 #           carry a tarball of it beside .vllm and .kernels and unpack it first) -> ab_engine.txt; needs FlashInfer
 #           as enginebench (ABENGINE_MODEL=hybrid-1b also .kernels, which both engines load: .vllm with .kernels
-#           and .ab_base is over the call's 64 MiB, so carry .whl for FlashInfer there); the base's engine times its own window (84c4997 made it the composer's call):
+#           and .ab_base is over the call's 64 MiB, so carry .whl for FlashInfer there); the base's engine times
+#           its own window (84c4997 made it the composer's call):
 #           to compare only attnmeta across that commit, export the base's attnmeta with this checkout's
 #           examples/engine;
 #   before-after  a kernel test on this tree and on a copy of it with the files under $BEFORE (default

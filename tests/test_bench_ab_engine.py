@@ -4,6 +4,7 @@ test_bench_scripts.py, timings are never asserted."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -252,8 +253,6 @@ def test_ab_engine_s_base_engine_finds_this_checkout_s_mamba_kernels(tmp_path: P
     mod = load_benchmark("ab_engine.py", "ab_engine_kernels")
     mod.base_package("HEAD", tmp_path)
     engine = mod.base_engine("HEAD", tmp_path)
-    import importlib
-
     mamba = importlib.import_module(engine.__name__ + ".vllm_mamba")
     assert mamba.KERNELS == mod.ROOT / ".kernels"
     assert str(tmp_path) in mamba.__file__  # (the base's own copy, imported from the exports folder)
