@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ab_commit import EXPORTS, base_package, import_exported  # noqa: E402  (benchmarks/ab_commit.py)
-from bench_engine import MODELS, _engine, _prompt_range, _requests, full_batch, timed_run  # noqa: E402
+from bench_engine import MODELS, _engine, _prompt_range, _requests, full_batch, is_hybrid, timed_run  # noqa: E402
 
 import examples.engine as engine_this  # noqa: E402
 from examples.engine.workload import make_model  # noqa: E402
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     config = MODELS[a.model]()
-    if config.model_type == "bamba" and a.mode == "graphs":  # (the engine captures no graphs for a hybrid model)
+    if is_hybrid(config) and a.mode == "graphs":
         print("ab_engine: a hybrid model runs eager steps (--mode eager or paged)", file=sys.stderr)
         return 2
     model = make_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)

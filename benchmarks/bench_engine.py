@@ -64,8 +64,9 @@ On a CPU only ``paged`` and ``vllm-paged`` run (torch's paged kernel, eager): th
 test, ``--model tiny``; ``--model tiny-hybrid`` is a small Bamba with the same two KV-cache groups as
 ``hybrid-1b`` (its Mamba2 layers through the engine's torch kernels), the hybrid step's composition in a
 loop the CPU can run (``ab_engine.py`` and ``bench_loop_twin.py`` take it too). Each pair's summary line
-also gives the plan times, the host time of metadata and plan together (``host x``), and ``tokens differ``: the requests whose greedy tokens differ between
-the two modes (the same kernels read either metadata).
+also gives the plan times, the host time of metadata and plan together (``host x``), and ``tokens
+differ``: the requests whose greedy tokens differ between the two modes (the same kernels read either
+metadata).
 
 Usage: python benchmarks/bench_engine.py --device cuda [--model 1b|hybrid-1b|tiny|tiny-hybrid] [--concurrency 1,64,256]
 [--modes graphs,eager,per-tensor] [--rounds 3] [--no-cold] [--cold-us US] [--json FILE]
@@ -102,6 +103,12 @@ MODES = {"graphs": ("flashinfer", True, "one-copy", "attnmeta"), "eager": ("flas
 """Mode name: (kernel, CUDA graphs, uploads, who builds the metadata)."""
 MODELS = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config, "tiny-hybrid": tiny_hybrid_config}
 """``--model`` name: its config (``hybrid-1b`` and ``tiny-hybrid``: Bamba, Mamba2 and attention layers)."""
+
+
+def is_hybrid(config: Any) -> bool:
+    """Whether a :data:`MODELS` config is a hybrid model (Bamba: Mamba2 and attention layers, two KV-cache
+    groups), which the engine runs in eager steps only (it captures no CUDA graphs for it)."""
+    return bool(config.model_type == "bamba")
 PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"), ("varlen", "vllm-varlen"), ("paged", "vllm-paged"))
 """The headline's pairs: attnmeta's mode and vLLM's, the same loop otherwise."""
 
@@ -343,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     config = MODELS[a.model]()
-    hybrid = config.model_type == "bamba"
+    hybrid = is_hybrid(config)
     model = make_model(config, device, torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     kernels = "vLLM kernels" if device.type == "cuda" else "torch"

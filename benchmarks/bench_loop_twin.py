@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     device = torch.device(a.device)
     config = bench_engine.MODELS[a.model]()
-    hybrid = config.model_type == "bamba"  # (no graph mode for a hybrid model)
+    hybrid = bench_engine.is_hybrid(config)  # (no graph mode for a hybrid model)
     mode = "paged" if device.type != "cuda" else "eager" if hybrid else "graphs"
     model = make_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     print(f"# {device.type}, mode {mode}, model {a.model}; the first engine's composer call on full-batch decode "
