@@ -15,6 +15,10 @@
 #           and right after a twin engine's composer call with the same arguments (what goes cold in the loop;
 #           TWIN_CONCURRENCY, default 64,256; TWIN_MODELS, default 1b, "1b hybrid-1b" adds the hybrid's eager
 #           loop, which needs .kernels carried as hybridbench) -> loop_twin.txt; needs FlashInfer as enginebench;
+#   phases  benchmarks/bench_loop_phases.py on cuda: the engine loop's composer call split into phases, timing marks
+#           put in at import (PHASES_MODELS, default "1b hybrid-1b": the Llama's graph-mode loop and the hybrid's
+#           eager one, which needs .kernels; PHASES_CONCURRENCY, default 64,256) -> loop_phases.txt; needs FlashInfer
+#           as enginebench (carry .whl and .kernels);
 #   abengine  benchmarks/ab_engine.py on cuda: the reference engine's loop (1.24B Llama, graphs; ABENGINE_MODEL,
 #           ABENGINE_MODE, ABENGINE_CONCURRENCY, ABENGINE_ROUNDS) with this checkout's attnmeta against the base's,
 #           exported into .ab_base (git archive BASE attnmeta examples/engine | tar -x -C .ab_base; carry .ab_base, or
@@ -111,13 +115,14 @@
 #   600 s, so a full run takes nine calls: PARTS="gpu decode bench", "mamba audit", "suites", "kernels",
 #   "engine", "enginebench", then "mamba-kernels", "hybrid" and "hybridbench" (each with carry
 #   [".kernels"]; the last two also ".whl");
-#   on the nvidia-h200-x2 machine PARTS="multi" is one more; "twin" (carry .vllm or .whl for FlashInfer), "ab",
+#   on the nvidia-h200-x2 machine PARTS="multi" is one more; "twin" (carry .vllm or .whl for FlashInfer), "phases"
+#   (carry .whl .kernels), "ab",
 #   "abengine" and "before-after" (carry .ab_base;
 #   before-after also .whl, for fla's kernels), "vllm" and "vllmbench" (carry .vllm .whl .kernels, or .vllm .kernels when .vllm holds FlashInfer) are asked
 #   for by name.
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, abengine, twin, before-after, vllm, vllmbench: by name
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, abengine, twin, phases, before-after, vllm, vllmbench: by name
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -208,6 +213,19 @@ if flashinfer_site >> "$OUT_DIR/loop_twin.txt" 2>&1; then  # (no pipe: its PYTHO
   done
 else
   failed twin 1
+fi
+fi
+if want phases; then
+echo "== phases: the engine's composer call split into phases (benchmarks/bench_loop_phases.py)" \
+  | tee "$OUT_DIR/loop_phases.txt"
+if flashinfer_site >> "$OUT_DIR/loop_phases.txt" 2>&1; then  # (no pipe: its PYTHONPATH must stay)
+  for m in ${PHASES_MODELS:-1b hybrid-1b}; do
+    timeout 280 $PY benchmarks/bench_loop_phases.py --device cuda --model "$m" --concurrency "${PHASES_CONCURRENCY:-64,256}" \
+      2>&1 | grep -v "flashinfer.jit\|artifactory\|Mamba SSU config" | tee -a "$OUT_DIR/loop_phases.txt"
+    rc=${PIPESTATUS[0]}; [[ $rc -eq 0 ]] || failed "phases $m" "$rc"
+  done
+else
+  failed phases 1
 fi
 fi
 if want abengine; then

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench_script_helpers import BATCHES, run_script, table_rows
+import pytest
+from bench_script_helpers import BATCHES, load_benchmark, run_script, table_rows
 
 from attnmeta.__main__ import main
 
@@ -98,3 +99,55 @@ def test_bench_loop_twin_runs_the_hybrid_composition() -> None:
     assert "model tiny-hybrid" in out, out
     row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["3"])
     assert float(row[1]) > 0 and float(row[2]) > 0 and int(row[4]) > 0, row
+
+
+def test_bench_loop_phases_splits_the_replayed_call_at_every_mark_of_its_path() -> None:
+    """The loop's composer call split into phases (the marks put in at import): every phase of the CPU's
+    replay path is there, and every timed step replayed."""
+    out = run_script("bench_loop_phases.py", "--model", "tiny-hybrid", "--concurrency", "3", "--rounds", "1",
+                     "--prompt", "8", "--new", "12")
+    head = next(line for line in out.splitlines() if line.startswith("## 3 requests"))
+    kept, timed = (int(x) for x in head.split("(")[1].split(" steps")[0].split(" of "))
+    assert kept == timed > 0, head
+    rows = [(line.rsplit(maxsplit=2)[0], float(line.rsplit(maxsplit=2)[1]))
+            for line in out.splitlines()[out.splitlines().index(head) + 2:] if line.strip()]
+    driver = {"commit: sentinels (graph mode), the copy's size", "commit: torch's modes, device and stream checked",
+              "commit: the copy's driver call"}  # (CUDA only)
+    # (a group with a page table: FlashInfer's; the CPU's torch kernel stages none)
+    paged = {"page-indices views (a group's)", "paged-KV metadata object (a group's)"}
+    phases = load_benchmark("bench_loop_phases.py", "bench_loop_phases_rows")
+    expected = []
+    for _m, _s, label, _a in phases.MARKS:
+        if not label.startswith("(") and label not in driver | paged:
+            expected += [label] * (2 if label == "common metadata object (a group's)" else 1)  # (two groups)
+    assert [label for label, _us in rows] == [*expected, phases._END], out
+    assert all(us > 0 for _label, us in rows), rows
+
+
+def test_bench_loop_phases_finds_each_mark_once_in_the_package_source() -> None:
+    """Each mark's line is in the package's source where :data:`MARKS` says (a refactor that moves one
+    fails here, not on the GPU machine), and a missing line is an error, not a silently absent phase."""
+    phases = load_benchmark("bench_loop_phases.py", "bench_loop_phases_source")
+    root = Path(__file__).resolve().parents[1]
+    for module in sorted({m for m, *_r in phases.MARKS}):
+        source = (root / (module.replace(".", "/") + ".py")).read_text()
+        marked = phases.instrument(source, module)
+        added = marked.count("_bench_phase_mark(")
+        assert added == sum(m == module for m, *_r in phases.MARKS), module
+        if module == "attnmeta.spec":  # (its compiled kernels' cache keys hold their line numbers)
+            assert marked.count("\n") == source.count("\n")
+    source = (root / "attnmeta/compose.py").read_text()
+    with pytest.raises(LookupError, match="update MARKS"):
+        phases.instrument(source.replace("shapes = shapes_of(scan)", "shapes = tuple(shapes_of(scan))"),
+                          "attnmeta.compose")
+
+
+def test_bench_loop_phases_medians_the_phases_of_the_most_common_path() -> None:
+    phases = load_benchmark("bench_loop_phases.py", "bench_loop_phases_medians")
+    replay = [[("(call)", 0), ("(x)", 1000), ("a", 3000), ("end", 4000)],
+              [("(call)", 0), ("(x)", 2000), ("a", 4000), ("end", 7000)],
+              [("(call)", 0), ("(x)", 1000), ("a", 2000), ("end", 3000)]]
+    composed = [[("(call)", 0), ("b", 9000), ("end", 10000)]]
+    rows, kept = phases.phases(replay + composed)
+    assert kept == 3
+    assert rows == [("a", 3.0), ("end", 1.0)]  # ((x)'s median, 1 us, joins a's, 2 us; the end's: 1 us)
