@@ -104,13 +104,14 @@ MODES = {"graphs": ("flashinfer", True, "one-copy", "attnmeta"), "eager": ("flas
 MODELS = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config, "tiny-hybrid": tiny_hybrid_config}
 """``--model`` name: its config (``hybrid-1b`` and ``tiny-hybrid``: Bamba, Mamba2 and attention layers)."""
 
+PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"), ("varlen", "vllm-varlen"), ("paged", "vllm-paged"))
+"""The headline's pairs: attnmeta's mode and vLLM's, the same loop otherwise."""
+
 
 def is_hybrid(config: Any) -> bool:
     """Whether a :data:`MODELS` config is a hybrid model (Bamba: Mamba2 and attention layers, two KV-cache
     groups), which the engine runs in eager steps only (it captures no CUDA graphs for it)."""
     return bool(config.model_type == "bamba")
-PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"), ("varlen", "vllm-varlen"), ("paged", "vllm-paged"))
-"""The headline's pairs: attnmeta's mode and vLLM's, the same loop otherwise."""
 
 
 def _requests(n: int, prompt: int, new: int, vocab: int, seed: int, request: Any = Request) -> list[Any]:
