@@ -187,12 +187,11 @@ def phases(calls: list[list[tuple[str, int]]]) -> tuple[list[tuple[str, float]],
     return out, len(kept)
 
 
-def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: Any, rounds: int
+def measure(bench_engine: ModuleType, model: Any, mode: str, n: int, prompt: int, new: int, device: Any, rounds: int
             ) -> tuple[list[list[tuple[str, int]]], list[float]]:
     """The marks of the composer's call on each full-batch decode step of ``rounds`` runs (new requests
-    each), and each call's time (us)."""
-    import bench_engine  # (after install(): it imports attnmeta)
-
+    each), and each call's time (us); ``bench_engine``: that script's module, imported after
+    :func:`install` (it imports attnmeta)."""
     engine = bench_engine.warm_engine(model, mode, n, prompt, new, device)
     own = engine.composer.build_counts
     calls: list[list[tuple[str, int]]] = []
@@ -252,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {a.model}, mode {mode}, {name}: the step composer's call on full-batch decode steps, split at the marks "
           f"(us, medians over steps)", flush=True)
     for n in [int(x) for x in a.concurrency.split(",")]:
-        kept, totals = measure(model, mode, n, a.prompt, a.new, device, a.rounds)
+        kept, totals = measure(bench_engine, model, mode, n, a.prompt, a.new, device, a.rounds)
         rows, on_path = phases(kept)
         whole = statistics.median(totals)
         print(f"\n## {n} requests: the call {whole:.1f} us ({on_path} of {len(kept)} steps on the replay path)")

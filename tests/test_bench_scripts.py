@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from bench_script_helpers import BATCHES, load_benchmark, run_script, table_rows
+from bench_script_helpers import BATCHES, ROOT, load_benchmark, run_script, table_rows
 
 from attnmeta.__main__ import main
 
@@ -128,15 +128,14 @@ def test_bench_loop_phases_finds_each_mark_once_in_the_package_source() -> None:
     """Each mark's line is in the package's source where :data:`MARKS` says (a refactor that moves one
     fails here, not on the GPU machine), and a missing line is an error, not a silently absent phase."""
     phases = load_benchmark("bench_loop_phases.py", "bench_loop_phases_source")
-    root = Path(__file__).resolve().parents[1]
     for module in sorted({m for m, *_r in phases.MARKS}):
-        source = (root / (module.replace(".", "/") + ".py")).read_text()
+        source = (ROOT / (module.replace(".", "/") + ".py")).read_text()
         marked = phases.instrument(source, module)
         added = marked.count("_bench_phase_mark(")
         assert added == sum(m == module for m, *_r in phases.MARKS), module
         if module == "attnmeta.spec":  # (its compiled kernels' cache keys hold their line numbers)
             assert marked.count("\n") == source.count("\n")
-    source = (root / "attnmeta/compose.py").read_text()
+    source = (ROOT / "attnmeta/compose.py").read_text()
     with pytest.raises(LookupError, match="update MARKS"):
         phases.instrument(source.replace("shapes = shapes_of(scan)", "shapes = tuple(shapes_of(scan))"),
                           "attnmeta.compose")
