@@ -61,14 +61,13 @@ T = TypeVar("T")
 class MetadataBase:
     """Mixin giving metadata dataclasses their generic, sync-free methods.
 
-    Its slot ``_lease`` holds the :class:`attnmeta.staging.Step` that owns the object once a builder
-    hands it out (:meth:`attnmeta.staging.Step.own`): when that step expires, the object becomes an
-    expired twin whose every field read raises :class:`attnmeta.staging.StepExpiredError`. The step
-    holds the object weakly (its ``__weakref__`` slot), so the object lives as long as its holders
-    keep it, not until its step expires.
+    Its one slot, ``_lease``, holds the :class:`attnmeta.staging.Step` that owns the object once a
+    builder hands it out (:meth:`attnmeta.staging.Step.own`): when that step expires, the object
+    becomes an expired twin whose every field read raises
+    :class:`attnmeta.staging.StepExpiredError`.
     """
 
-    __slots__ = ("__weakref__", "_lease")
+    __slots__ = ("_lease",)
 
     _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = ()
     _HOST_FIELDS: ClassVar[tuple[str, ...]] = ()

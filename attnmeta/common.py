@@ -20,7 +20,6 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -194,9 +193,8 @@ class CommonWriter:
         self._dev: tuple[Any, ...] = (None, -1, None)  # (group device views, token count, the metadata's)
         self._paged_host: tuple[Any, ...] = (-1, None)  # (page count, PagedKV)
         self._idx_host: tuple[Any, ...] = (-1, None)  # (page count, host indices view)
-        # (the step, page count, its PagedKVMetadata, device views, the object's field values); the step and
-        # the object held weakly, so that neither outlives its holders (nor expires only at the next step)
-        self._paged_meta: tuple[Any, ...] = (_gone, -1, _gone, None, None)
+        # (step, page count, its PagedKVMetadata, device views, the object's field values)
+        self._paged_meta: tuple[Any, ...] = (None, -1, None, None, None)
         self._paged_template: tuple[Any, ...] = (None, None, None)  # (device views, full indices, field values)
         self._qsl_rows: dict[Any, Any] = {}
 
@@ -347,13 +345,12 @@ class CommonWriter:
         """
         dev = self.group.device(step)
         c = self._paged_meta
-        if c[0]() is step and c[1] == num_pages:
-            meta: PagedKVMetadata | None = c[2]()
-            if meta is not None:
-                return meta
+        if c[0] is step and c[1] == num_pages:
+            meta: PagedKVMetadata = c[2]
+            return meta
         if c[3] is dev and c[1] == num_pages:  # a new object of the same views (the last step's values)
             meta = _make_paged_positional(*c[4])
-            self._paged_meta = (weakref.ref(step), num_pages, weakref.ref(meta), dev, c[4])
+            self._paged_meta = (step, num_pages, meta, dev, c[4])
             return meta
         t = self._paged_template
         if t[0] is not dev:  # the fields that do not depend on the page count, for this step's views
@@ -367,7 +364,7 @@ class CommonWriter:
         v[_PK_INDICES], v[_PK_INDICES_CPU], v[_PK_NUM_PAGES] = (
             t[1].as_strided((num_pages,), (1,)), self._indices_cpu(num_pages), num_pages)
         meta = _make_paged_positional(*v)
-        self._paged_meta = (weakref.ref(step), num_pages, weakref.ref(meta), dev, v)
+        self._paged_meta = (step, num_pages, meta, dev, v)
         return meta
 
 
@@ -469,11 +466,6 @@ class CommonPasses:
                 if f.writeable is not w or f.aligned is not a:
                     return False
         return not common_passes_nb(c, q, *optional_arrays(prompt, drafts, upper), tables, self._bufs, self._plan)
-
-
-def _gone() -> None:
-    """A dead weak reference's call: the writer has no last step yet."""
-    return None
 
 
 def _place(a: np.ndarray, bufs: tuple[np.ndarray, ...], starts: list[int]) -> tuple[int, int] | None:

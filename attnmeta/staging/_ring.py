@@ -441,28 +441,6 @@ class Ring(Arenas):
                 f"steps={self.stats.steps}, waits={self.stats.waits})")
 
 
-class _Held:
-    """A strong reference with a weak reference's call: how a step holds an owned object whose class
-    takes no weak references (a slotted class without ``__weakref__``), until the step expires."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __call__(self) -> Any:
-        return self.obj
-
-
-def _hold(obj: Any) -> Callable[[], Any]:
-    """A weak reference to ``obj`` (an owned metadata object), or a :class:`_Held` one where its class
-    takes none."""
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        return _Held(obj)
-
-
 class StepCore:
     """A step's state and lifetime: the part of :class:`~attnmeta.staging.Step` the ring reads when it
     commits, abandons or expires a step (the step API is :class:`~attnmeta.staging.Step`)."""
@@ -520,10 +498,8 @@ class StepCore:
         self._thread = threading.get_ident()
         self._expired = False
         self._expired_by = 0  # the step whose beginning (or, graph mode, commit) expired this one
-        # Objects whose fields view this step's memory (own()), and those whose parts are owned too
-        # (own_all()), held weakly: an object its holders drop dies then, not when the step expires.
-        self._owned: list[Callable[[], Any]] = []
-        self._flat: list[Callable[[], Any]] = []
+        self._owned: list[Any] = []  # objects whose fields view this step's memory (own())
+        self._flat: list[Any] = []  # ... whose parts are owned too (own_all())
         self._lifetimes = stager._lifetimes
 
     # ------------------------------------------------------------------ lifetime
@@ -560,11 +536,8 @@ class StepCore:
         <attnmeta.staging.Staged.result>` does it for theirs). ``obj``'s class must accept a
         ``__class__`` change to a subclass without slots of its own (any ordinary class does, slotted
         dataclasses included) and have a ``_lease`` slot or a ``__dict__``
-        (:class:`attnmeta._fields.MetadataBase` has the slot). The step holds ``obj`` weakly where its
-        class takes weak references (``MetadataBase`` does, and any class with a ``__dict__``): ``obj``
-        lives as long as its holders keep it, and expires only if it is still held then; an object of
-        a class without them is held until the step expires. With ``Stager(check_lifetimes=False)`` it
-        only returns ``obj``.
+        (:class:`attnmeta._fields.MetadataBase` has the slot). With ``Stager(check_lifetimes=False)``
+        it only returns ``obj``.
 
         Raises
         ------
@@ -575,7 +548,7 @@ class StepCore:
             raise StepExpiredError(f"own(): {self.expiry()}")
         if self._lifetimes:
             object.__setattr__(obj, "_lease", self)
-            self._owned.append(_hold(obj))
+            self._owned.append(obj)
         return obj
 
     def own_all(self, objs: list[Any]) -> None:
@@ -592,13 +565,9 @@ class StepCore:
         if self._expired:
             raise StepExpiredError(f"own(): {self.expiry()}")
         if self._lifetimes:
-            flat, ref = self._flat, weakref.ref
             for obj in objs:
                 object.__setattr__(obj, "_lease", self)
-                try:
-                    flat.append(ref(obj))
-                except TypeError:  # (a class without weak references: held until the step expires)
-                    flat.append(_Held(obj))
+            self._flat.extend(objs)
 
     def _expire(self, by: int) -> None:
         """Mark the step expired by step ``by`` (negative: a graph-mode commit) and poison what it owns."""
@@ -606,20 +575,14 @@ class StepCore:
         self._expired_by = by
         owned, self._owned = self._owned, []
         known, swap = POISON_INFO, object.__setattr__
-        for held in owned:  # (each one's _lease is this step: own() set it)
-            obj = held()
-            if obj is None:  # (dropped by every holder: nothing left to expire)
-                continue
+        for obj in owned:  # (each one's _lease is this step: own() set it)
             info = known.get(type(obj))
             if info is not None and not info[1]:  # the usual object: no metadata parts, one class swap
                 swap(obj, "__class__", info[0])
             else:
                 poison(obj, self)
         flat, self._flat = self._flat, []
-        for held in flat:  # (own_all: their parts are among them)
-            obj = held()
-            if obj is None:
-                continue
+        for obj in flat:  # (own_all: their parts are among them)
             info = known.get(type(obj))
             if info is None:
                 info = poison_info(type(obj))

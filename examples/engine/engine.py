@@ -340,7 +340,8 @@ class Engine:
         built = self.composer.build_counts(computed, scheduled, tables, num_reqs_padded=padded,
                                            num_tokens_padded=padded, inputs=inputs, arrays=arrays)
         cm, step = built.common, built.step
-        mamba = built["mamba"] if self.hybrid else None
+        if self.hybrid:
+            self._mamba = built["mamba"]
         if cfg.uploads == "per-tensor":
             cm, dev_ids, dev_prev = self._per_tensor(cm, ids, prev_rows)
         else:
@@ -352,8 +353,6 @@ class Engine:
         else:
             self.kernel.prepare(cm, built.metadata)
         t_run = time.perf_counter()
-        if self.hybrid:  # (the last step's Mamba2 metadata let go after the timed parts, as in _step_vllm)
-            self._mamba = mamba
         if cfg.uploads != "per-tensor":  # (the step's statistics: bookkeeping, after the timed parts, as in _step_vllm)
             st.metadata_copies += step.stats.copies
         st.metadata_s += t_plan - t_md

@@ -466,38 +466,6 @@ def test_stage_common_names_wrong_arguments() -> None:
             stage_common(_spec([1], [1], TABLE[:1]), Stager("cpu"))  # type: ignore[arg-type]
 
 
-def test_a_dropped_metadata_object_is_freed_at_once() -> None:
-    """A step holds its objects weakly (they hold the step): an object the caller drops is freed then,
-    by reference counting alone, not kept until its ring slot's next step (or, graph mode, the next
-    commit) in a cycle with its step; through a builder and through the step composer, replays
-    included. Objects the caller keeps still expire (the tests above)."""
-    import gc
-    import weakref
-
-    from attnmeta.backends.flashinfer import FLASHINFER
-    from attnmeta.compose import Group, StepBuilder
-
-    table = np.zeros((2, 24), np.int32)
-    spec = BatchSpec(num_computed_tokens=[5, 7], num_scheduled_tokens=[1, 1], block_table=table, block_size=16)
-    for graph in (False, True):
-        stager = Stager("cpu", num_slots=3, profile=_PROFILE if graph else None)
-        composer = StepBuilder(stager, Group({"flashinfer": FLASHINFER}))
-        gc.disable()
-        try:
-            for i in range(9):  # (the composer's first step on each slot composes, its later ones replay)
-                if i < 6:
-                    fi = composer.build_counts(np.array([5 + i, 7 + i], np.int32), np.ones(2, np.int32),
-                                               [(table, 16)])["flashinfer"]
-                else:
-                    fi = attnmeta.build(spec, stager, "flashinfer")
-                refs = [weakref.ref(o) for o in (fi, fi.common, fi.paged)]
-                del fi
-                assert [r() for r in refs] == [None, None, None], (graph, i)
-        finally:
-            gc.enable()
-        assert composer.stats.replayed >= 2, graph
-
-
 def test_a_dropped_stager_is_freed() -> None:
     """The ring slots know their last step only weakly: a stager nobody holds is collected (its
     finalizer holds the slots, so a strong slot -> step -> stager path would make it immortal)."""
