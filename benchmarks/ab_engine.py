@@ -23,8 +23,16 @@ The other commit's package comes from ``ab_commit.base_package``; its engine fro
 the checkout's history, export both first and pass the folder:
 ``git archive BASE attnmeta examples/engine | tar -x -C FOLDER``.
 
+Two sides of the same code do not take the same time in one process: how and when a side's code was
+loaded moves its time by several percent (docs/benchmarks.md, "Its resolution"). ``--symmetric`` takes
+that out: this checkout's package and engine are exported too (``attnmeta_new``, ``engine_new``), and the
+A/B runs twice, each in a process of its own, the base's copy imported first in one and this checkout's
+in the other (``--order``); it prints both runs' rows and, per concurrency, the geometric means of their
+two ratios.
+
 Usage: python benchmarks/ab_engine.py BASE [--device cuda] [--model 1b|hybrid-1b|tiny|tiny-hybrid]
 [--mode graphs|eager|paged] [--concurrency 64,256] [--rounds 8] [--prompt 64] [--new 96] [--warm 3]
+[--symmetric | --order base,this|this,base] [--json FILE]
 """
 
 from __future__ import annotations
@@ -32,8 +40,12 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import json
+import math
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -51,24 +63,63 @@ import examples.engine as engine_this  # noqa: E402
 from examples.engine.workload import make_model  # noqa: E402
 
 
-def base_engine(commit: str, exports: Path = EXPORTS) -> Any:
-    """``commit``'s ``examples/engine``, imported as the package ``engine_base`` (from a copy kept under
-    ``exports``: :func:`ab_commit.import_exported`) with its attnmeta imports renamed to ``attnmeta_base``
-    (:func:`ab_commit.base_package` imports that package). ``commit`` is a commit of this checkout, or a
-    folder holding ``examples/engine`` exported from one."""
-    engine = import_exported(commit, "examples/engine", "engine_base",
-                             {"attnmeta": "attnmeta_base", "examples.engine": "engine_base"}, exports)
-    composer = importlib.import_module("engine_base.engine").StepBuilder
-    if not composer.__module__.startswith("attnmeta_base."):  # (else the A/B would time this checkout twice)
-        raise RuntimeError(f"ab_engine: the base engine's step composer comes from {composer.__module__}, "
-                           "not attnmeta_base")
-    try:  # the hybrid model's Mamba kernels: the base looks beside its own copy, which has none
-        mamba = importlib.import_module("engine_base.vllm_mamba")
+def base_engine(commit: str, exports: Path = EXPORTS, side: str = "base") -> Any:
+    """``commit``'s ``examples/engine``, imported as the package ``engine_<side>`` (from a copy kept under
+    ``exports``: :func:`ab_commit.import_exported`) with its attnmeta imports renamed to ``attnmeta_<side>``
+    (:func:`side_package` imports that package). ``commit`` is a commit of this checkout, or a folder
+    holding ``examples/engine`` exported from one (this checkout's root: its working tree)."""
+    pkg, name = f"attnmeta_{side}", f"engine_{side}"
+    engine = import_exported(commit, "examples/engine", name, {"attnmeta": pkg, "examples.engine": name}, exports)
+    composer = importlib.import_module(f"{name}.engine").StepBuilder
+    if not composer.__module__.startswith(f"{pkg}."):  # (else the A/B would time one package twice)
+        raise RuntimeError(f"ab_engine: the {side} engine's step composer comes from {composer.__module__}, "
+                           f"not {pkg}")
+    try:  # the hybrid model's Mamba kernels: the copy looks beside itself, which has none
+        mamba = importlib.import_module(f"{name}.vllm_mamba")
     except ModuleNotFoundError:  # (a base from before the engine ran vLLM's Mamba kernels)
         return engine
     if hasattr(mamba, "KERNELS"):
         mamba.KERNELS = ROOT / ".kernels"
     return engine
+
+
+def side_package(commit: str, exports: Path = EXPORTS, side: str = "base") -> Any:
+    """``commit``'s ``attnmeta``, imported as ``attnmeta_<side>`` (:func:`ab_commit.base_package` for
+    ``base``)."""
+    if side == "base":
+        return base_package(commit, exports)
+    return import_exported(commit, "attnmeta", f"attnmeta_{side}", {"attnmeta": f"attnmeta_{side}"}, exports)
+
+
+def load_sides(base: str, order: str | None, exports: Path = EXPORTS) -> dict[str, Any]:
+    """The two sides' engine packages, ``{"base": ..., "this": ...}``. Without ``order``, the base's copy
+    against this checkout's own ``examples.engine``; with it (``"base,this"`` or ``"this,base"``), this
+    checkout's working tree exported as well (``attnmeta_new``, ``engine_new``), the two imported in that
+    order, and the dict in that order (:func:`ab` makes the engines in the dict's order)."""
+    if order is None:
+        side_package(base, exports)
+        return {"base": base_engine(base, exports), "this": engine_this}
+    sides = {}  # (in import order, which is also the order :func:`ab` makes the engines in)
+    for side in order.split(","):
+        commit, name = (base, "base") if side == "base" else (str(ROOT), "new")
+        side_package(commit, exports, name)
+        sides[side] = base_engine(commit, exports, name)
+    return sides
+
+
+def geometric_means(runs: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
+    """Per concurrency, the geometric means over ``runs`` (each :func:`main`'s ``--json`` of one order) of
+    the ratio of medians and of the paired ratio (this / base).
+
+    >>> geometric_means([{"64": {"ratio": 2.0, "paired": 4.0}}, {"64": {"ratio": 0.5, "paired": 1.0}}])
+    {64: (1.0, 2.0)}
+    """
+    out = {}
+    for n in runs[0]:
+        ratios = [r[n]["ratio"] for r in runs]
+        paired = [r[n]["paired"] for r in runs]
+        out[int(n)] = (math.prod(ratios) ** (1 / len(ratios)), math.prod(paired) ** (1 / len(paired)))
+    return out
 
 
 def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device,
@@ -117,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--warm", type=int, default=3, help="untimed runs of each engine before the rounds")
+    p.add_argument("--order", choices=["base,this", "this,base"], default=None,
+                   help="export this checkout's working tree too and import the two sides' copies in this order "
+                        "(by default the base's copy runs against this checkout's own packages)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="run the A/B twice, each in a process of its own, with --order base,this and this,base, "
+                        "and print the geometric means of their ratios (see the module docstring)")
+    p.add_argument("--json", type=Path, default=None, help="also write each concurrency's medians and ratios here")
     p.add_argument("--exports", type=Path, default=EXPORTS, help="where the base's renamed copies are kept and "
                                                                  "reused, their compiled kernels with them "
                                                                  "(default: .ab_exports in the checkout; "
@@ -131,23 +189,52 @@ def main(argv: list[str] | None = None) -> int:
     if is_hybrid(config) and a.mode == "graphs":
         print("ab_engine: a hybrid model runs eager steps (--mode eager or paged)", file=sys.stderr)
         return 2
+    if a.symmetric:
+        return _symmetric(argv if argv is not None else sys.argv[1:])
     model = make_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    base_package(a.base, a.exports)
-    sides = {"base": base_engine(a.base, a.exports), "this": engine_this}
+    sides = load_sides(a.base, a.order, a.exports)
+    order = "" if a.order is None else f", both sides exported, imported in the order {a.order}"
     print(f"# {device.type}, torch {torch.__version__}, base {a.base}, model {a.model}, mode {a.mode}, "
           f"{a.rounds} rounds of new requests (prompts {'-'.join(map(str, _prompt_range(a.prompt)))}, "
-          f"{a.new} new tokens); medians over rounds of each run's median over its full-batch decode steps (ms)",
-          flush=True)
+          f"{a.new} new tokens){order}; medians over rounds of each run's median over its full-batch decode "
+          f"steps (ms)", flush=True)
     print(f"{'reqs':>5} {'base ms':>8} {'this ms':>8} {'this/base':>9} {'paired':>7} {'base step':>9} "
           f"{'this step':>9} {'tokens differ':>13}", flush=True)
+    results = {}
     for n in [int(x) for x in a.concurrency.split(",")]:
         r = ab(sides, model, a.mode, n, a.prompt, a.new, device, a.rounds, a.warm)
         mb, mt = r["metadata_ms"]["base"], r["metadata_ms"]["this"]
         paired = statistics.median(t / b for b, t in zip(mb, mt, strict=True))
-        print(f"{n:>5} {statistics.median(mb):8.4f} {statistics.median(mt):8.4f} "
-              f"{statistics.median(mt) / statistics.median(mb):9.3f} {paired:7.3f} "
+        ratio = statistics.median(mt) / statistics.median(mb)
+        print(f"{n:>5} {statistics.median(mb):8.4f} {statistics.median(mt):8.4f} {ratio:9.3f} {paired:7.3f} "
               f"{statistics.median(r['step_ms']['base']):9.3f} {statistics.median(r['step_ms']['this']):9.3f} "
               f"{r['tokens_differ']:>13}", flush=True)
+        results[str(n)] = {"ratio": ratio, "paired": paired, **r}
+    if a.json is not None:
+        a.json.write_text(json.dumps(results))
+    return 0
+
+
+def _symmetric(argv: list[str]) -> int:
+    """``--symmetric``: this script with ``argv`` (less ``--symmetric``) once per import order, each run in
+    a process of its own, then the geometric means of the two runs' ratios."""
+    rest = [x for x in argv if x != "--symmetric"]
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for order in ("base,this", "this,base"):
+            out = Path(tmp) / f"{order.replace(',', '-')}.json"
+            rc = subprocess.run([sys.executable, __file__, *rest, "--order", order, "--json", str(out)]).returncode
+            if rc:
+                return rc
+            runs.append(json.loads(out.read_text()))
+    means = geometric_means(runs)
+    print("# both orders: geometric means of the two runs' ratios (this / base)", flush=True)
+    print(f"{'reqs':>5} {'this/base':>9} {'paired':>7}", flush=True)
+    for n, (ratio, paired) in means.items():
+        print(f"{n:>5} {ratio:9.3f} {paired:7.3f}", flush=True)
+    if "--json" in rest:  # (the caller's file: both runs and the means)
+        Path(rest[rest.index("--json") + 1]).write_text(json.dumps(
+            {"runs": runs, "geometric_means": {str(n): {"ratio": r, "paired": p} for n, (r, p) in means.items()}}))
     return 0
 
 

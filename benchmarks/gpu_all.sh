@@ -20,7 +20,8 @@
 #           eager one, which needs .kernels; PHASES_CONCURRENCY, default 64,256) -> loop_phases.txt; needs FlashInfer
 #           as enginebench (carry .whl and .kernels);
 #   abengine  benchmarks/ab_engine.py on cuda: the reference engine's loop (1.24B Llama, graphs; ABENGINE_MODEL,
-#           ABENGINE_MODE, ABENGINE_CONCURRENCY, ABENGINE_ROUNDS) with this checkout's attnmeta against the base's,
+#           ABENGINE_MODE, ABENGINE_CONCURRENCY, ABENGINE_ROUNDS; ABENGINE_ARGS adds flags, e.g. --symmetric: both
+#           import orders, each in a process of its own, twice the time) with this checkout's attnmeta against the base's,
 #           exported into .ab_base (git archive BASE attnmeta examples/engine | tar -x -C .ab_base; carry .ab_base, or
 #           carry a tarball of it beside .vllm and .kernels and unpack it first) -> ab_engine.txt; needs FlashInfer
 #           as enginebench (ABENGINE_MODEL=hybrid-1b also .kernels, which both engines load: .vllm with .kernels
@@ -233,7 +234,7 @@ echo "== abengine: this checkout's engine loop against .ab_base's (benchmarks/ab
 if [[ -f .ab_base/attnmeta/__init__.py && -f .ab_base/examples/engine/__init__.py ]] && flashinfer_site >> "$OUT_DIR/ab_engine.txt" 2>&1; then
   timeout 540 $PY benchmarks/ab_engine.py .ab_base --device cuda --model "${ABENGINE_MODEL:-1b}" \
     --mode "${ABENGINE_MODE:-graphs}" --concurrency "${ABENGINE_CONCURRENCY:-64,256}" --rounds "${ABENGINE_ROUNDS:-8}" \
-    2>&1 | grep -v "flashinfer.jit\|artifactory" | tee -a "$OUT_DIR/ab_engine.txt"
+    ${ABENGINE_ARGS:-} 2>&1 | grep -v "flashinfer.jit\|artifactory" | tee -a "$OUT_DIR/ab_engine.txt"
   rc=${PIPESTATUS[0]}; [[ $rc -eq 0 ]] || failed "abengine" "$rc"
 else
   echo "abengine needs .ab_base/attnmeta and .ab_base/examples/engine (git archive BASE attnmeta examples/engine |" \

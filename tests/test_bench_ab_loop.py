@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from bench_script_helpers import table_rows
+import json
+import math
+from pathlib import Path
+
+from bench_script_helpers import run_script, table_rows
 
 
 def test_ab_engine_serves_the_same_requests_on_both_sides() -> None:
@@ -17,3 +21,22 @@ def test_ab_engine_serves_the_same_requests_on_both_sides() -> None:
     assert abs(float(ratio) - float(this_ms) / float(base_ms)) < 0.01
     assert float(paired) > 0
     assert differ == "0"
+
+
+def test_ab_engine_symmetric_runs_both_import_orders(tmp_path: Path) -> None:
+    # --symmetric: both sides exported copies (this checkout's working tree as attnmeta_new / engine_new), the
+    # A/B once per import order, each in a process of its own, then per concurrency the geometric means of
+    # the two runs' ratios, which --json keeps with both runs.
+    out = tmp_path / "ab.json"
+    text = run_script("ab_engine.py", "HEAD", "--device", "cpu", "--model", "tiny", "--mode", "paged",
+                      "--concurrency", "2", "--rounds", "2", "--new", "16", "--prompt", "8", "--warm", "1",
+                      "--symmetric", "--json", str(out))
+    heads = [line for line in text.splitlines() if line.startswith("# cpu")]
+    assert [h.split("imported in the order ")[1].split(";")[0] for h in heads] == ["base,this", "this,base"], text
+    rows = [line.split() for line in text.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [len(r) for r in rows] == [8, 8, 3], text  # (each order's row, then the means)
+    assert rows[0][7] == rows[1][7] == "0"  # (the same tokens on both sides, in both orders)
+    got = json.loads(out.read_text())
+    ratios = [run["2"]["ratio"] for run in got["runs"]]
+    assert len(ratios) == 2 and math.isclose(got["geometric_means"]["2"]["ratio"], math.sqrt(ratios[0] * ratios[1]))
+    assert abs(float(rows[2][1]) - math.sqrt(ratios[0] * ratios[1])) < 0.001
