@@ -63,7 +63,7 @@ import examples.engine as engine_this  # noqa: E402
 from examples.engine.workload import make_model  # noqa: E402
 
 
-def base_engine(commit: str, exports: Path = EXPORTS, side: str = "base") -> Any:
+def side_engine(commit: str, exports: Path = EXPORTS, side: str = "base") -> Any:
     """``commit``'s ``examples/engine``, imported as the package ``engine_<side>`` (from a copy kept under
     ``exports``: :func:`ab_commit.import_exported`) with its attnmeta imports renamed to ``attnmeta_<side>``
     (:func:`side_package` imports that package). ``commit`` is a commit of this checkout, or a folder
@@ -98,12 +98,12 @@ def load_sides(base: str, order: str | None, exports: Path = EXPORTS) -> dict[st
     order, and the dict in that order (:func:`ab` makes the engines in the dict's order)."""
     if order is None:
         side_package(base, exports)
-        return {"base": base_engine(base, exports), "this": engine_this}
+        return {"base": side_engine(base, exports), "this": engine_this}
     sides = {}  # (in import order, which is also the order :func:`ab` makes the engines in)
     for side in order.split(","):
         commit, name = (base, "base") if side == "base" else (str(ROOT), "new")
         side_package(commit, exports, name)
-        sides[side] = base_engine(commit, exports, name)
+        sides[side] = side_engine(commit, exports, name)
     return sides
 
 
@@ -168,12 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--warm", type=int, default=3, help="untimed runs of each engine before the rounds")
-    p.add_argument("--order", choices=["base,this", "this,base"], default=None,
-                   help="export this checkout's working tree too and import the two sides' copies in this order "
-                        "(by default the base's copy runs against this checkout's own packages)")
-    p.add_argument("--symmetric", action="store_true",
-                   help="run the A/B twice, each in a process of its own, with --order base,this and this,base, "
-                        "and print the geometric means of their ratios (see the module docstring)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--order", choices=["base,this", "this,base"], default=None,
+                     help="export this checkout's working tree too and import the two sides' copies in this order "
+                          "(by default the base's copy runs against this checkout's own packages)")
+    how.add_argument("--symmetric", action="store_true",
+                     help="run the A/B twice, each in a process of its own, with --order base,this and this,base, "
+                          "and print the geometric means of their ratios (see the module docstring)")
     p.add_argument("--json", type=Path, default=None, help="also write each concurrency's medians and ratios here")
     p.add_argument("--exports", type=Path, default=EXPORTS, help="where the base's renamed copies are kept and "
                                                                  "reused, their compiled kernels with them "
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print("ab_engine: a hybrid model runs eager steps (--mode eager or paged)", file=sys.stderr)
         return 2
     if a.symmetric:
-        return _symmetric(argv if argv is not None else sys.argv[1:])
+        return _symmetric([x for x in (argv if argv is not None else sys.argv[1:]) if x != "--symmetric"], a.json)
     model = make_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     sides = load_sides(a.base, a.order, a.exports)
     order = "" if a.order is None else f", both sides exported, imported in the order {a.order}"
@@ -215,10 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _symmetric(argv: list[str]) -> int:
-    """``--symmetric``: this script with ``argv`` (less ``--symmetric``) once per import order, each run in
-    a process of its own, then the geometric means of the two runs' ratios."""
-    rest = [x for x in argv if x != "--symmetric"]
+def _symmetric(rest: list[str], out_json: Path | None) -> int:
+    """``--symmetric``: this script with the arguments ``rest`` once per import order, each run in a process
+    of its own, then the geometric means of the two runs' ratios (with both runs written to ``out_json``)."""
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for order in ("base,this", "this,base"):
@@ -232,8 +232,8 @@ def _symmetric(argv: list[str]) -> int:
     print(f"{'reqs':>5} {'this/base':>9} {'paired':>7}", flush=True)
     for n, (ratio, paired) in means.items():
         print(f"{n:>5} {ratio:9.3f} {paired:7.3f}", flush=True)
-    if "--json" in rest:  # (the caller's file: both runs and the means)
-        Path(rest[rest.index("--json") + 1]).write_text(json.dumps(
+    if out_json is not None:
+        out_json.write_text(json.dumps(
             {"runs": runs, "geometric_means": {str(n): {"ratio": r, "paired": p} for n, (r, p) in means.items()}}))
     return 0
 

@@ -252,7 +252,7 @@ def test_ab_engine_s_base_engine_finds_this_checkout_s_mamba_kernels(tmp_path: P
     a GPU machine's call carries them, not from beside its own copy, which has none."""
     mod = load_benchmark("ab_engine.py", "ab_engine_kernels")
     mod.base_package("HEAD", tmp_path)
-    engine = mod.base_engine("HEAD", tmp_path)
+    engine = mod.side_engine("HEAD", tmp_path)
     mamba = importlib.import_module(engine.__name__ + ".vllm_mamba")
     assert mamba.KERNELS == mod.ROOT / ".kernels"
     assert str(tmp_path) in mamba.__file__  # (the base's own copy, imported from the exports folder)
