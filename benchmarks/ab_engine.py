@@ -17,7 +17,7 @@ median over the rounds of each round's ratio (a drift of the machine between rou
 also the step time of each side, and the requests whose tokens differ between the sides (0: the same
 kernels and model read either side's metadata).
 
-The other commit's package comes from ``ab_commit.base_package``; its engine from the same commit's
+The other commit's package comes from :func:`side_package` (``ab_commit.base_package``'s copy); its engine from the same commit's
 ``examples/engine`` (imported as ``engine_base``, every attnmeta import renamed), both kept in
 ``.ab_exports`` for later runs as ``ab_commit.py`` keeps them. On a machine without
 the checkout's history, export both first and pass the folder:
@@ -56,7 +56,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from ab_commit import EXPORTS, base_package, import_exported  # noqa: E402  (benchmarks/ab_commit.py)
+from ab_commit import EXPORTS, import_exported  # noqa: E402  (benchmarks/ab_commit.py)
 from bench_engine import MODELS, _engine, _prompt_range, _requests, full_batch, is_hybrid, timed_run  # noqa: E402
 
 import examples.engine as engine_this  # noqa: E402
@@ -84,10 +84,8 @@ def side_engine(commit: str, exports: Path = EXPORTS, side: str = "base") -> Any
 
 
 def side_package(commit: str, exports: Path = EXPORTS, side: str = "base") -> Any:
-    """``commit``'s ``attnmeta``, imported as ``attnmeta_<side>`` (:func:`ab_commit.base_package` for
-    ``base``)."""
-    if side == "base":
-        return base_package(commit, exports)
+    """``commit``'s ``attnmeta``, imported as ``attnmeta_<side>`` from a copy kept under ``exports``
+    (:func:`ab_commit.import_exported`; ``ab_commit.base_package`` for ``base``)."""
     return import_exported(commit, "attnmeta", f"attnmeta_{side}", {"attnmeta": f"attnmeta_{side}"}, exports)
 
 

@@ -203,31 +203,27 @@ else
     | tee -a "$OUT_DIR/ab.txt"; status=1
 fi
 fi
+per_model() {  # PART SCRIPT OUT MODELS CONCURRENCY SECONDS: benchmarks/SCRIPT on cuda once per model, into OUT
+  local part=$1 script=$2 out=$3 models=$4 concurrency=$5 seconds=$6 m rc
+  if ! flashinfer_site >> "$out" 2>&1; then  # (no pipe: its PYTHONPATH must stay)
+    failed "$part" 1; return
+  fi
+  for m in $models; do
+    timeout "$seconds" $PY "benchmarks/$script" --device cuda --model "$m" --concurrency "$concurrency" \
+      2>&1 | grep -v "flashinfer.jit\|artifactory\|Mamba SSU config" | tee -a "$out"
+    rc=${PIPESTATUS[0]}; [[ $rc -eq 0 ]] || failed "$part $m" "$rc"
+  done
+}
 if want twin; then
 echo "== twin: the engine's composer call alone and right after a twin engine's (benchmarks/bench_loop_twin.py)" \
   | tee "$OUT_DIR/loop_twin.txt"
-if flashinfer_site >> "$OUT_DIR/loop_twin.txt" 2>&1; then  # (no pipe: its PYTHONPATH must stay)
-  for m in ${TWIN_MODELS:-1b}; do
-    timeout 540 $PY benchmarks/bench_loop_twin.py --device cuda --model "$m" --concurrency "${TWIN_CONCURRENCY:-64,256}" \
-      2>&1 | grep -v "flashinfer.jit\|artifactory" | tee -a "$OUT_DIR/loop_twin.txt"
-    rc=${PIPESTATUS[0]}; [[ $rc -eq 0 ]] || failed "twin $m" "$rc"
-  done
-else
-  failed twin 1
-fi
+per_model twin bench_loop_twin.py "$OUT_DIR/loop_twin.txt" "${TWIN_MODELS:-1b}" "${TWIN_CONCURRENCY:-64,256}" 540
 fi
 if want phases; then
 echo "== phases: the engine's composer call split into phases (benchmarks/bench_loop_phases.py)" \
   | tee "$OUT_DIR/loop_phases.txt"
-if flashinfer_site >> "$OUT_DIR/loop_phases.txt" 2>&1; then  # (no pipe: its PYTHONPATH must stay)
-  for m in ${PHASES_MODELS:-1b hybrid-1b}; do
-    timeout 280 $PY benchmarks/bench_loop_phases.py --device cuda --model "$m" --concurrency "${PHASES_CONCURRENCY:-64,256}" \
-      2>&1 | grep -v "flashinfer.jit\|artifactory\|Mamba SSU config" | tee -a "$OUT_DIR/loop_phases.txt"
-    rc=${PIPESTATUS[0]}; [[ $rc -eq 0 ]] || failed "phases $m" "$rc"
-  done
-else
-  failed phases 1
-fi
+per_model phases bench_loop_phases.py "$OUT_DIR/loop_phases.txt" "${PHASES_MODELS:-1b hybrid-1b}" \
+  "${PHASES_CONCURRENCY:-64,256}" 280
 fi
 if want abengine; then
 echo "== abengine: this checkout's engine loop against .ab_base's (benchmarks/ab_engine.py)" | tee "$OUT_DIR/ab_engine.txt"
