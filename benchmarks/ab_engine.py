@@ -17,9 +17,9 @@ median over the rounds of each round's ratio (a drift of the machine between rou
 also the step time of each side, and the requests whose tokens differ between the sides (0: the same
 kernels and model read either side's metadata).
 
-The other commit's package comes from :func:`side_package` (``ab_commit.base_package``'s copy); its engine from the same commit's
-``examples/engine`` (imported as ``engine_base``, every attnmeta import renamed), both kept in
-``.ab_exports`` for later runs as ``ab_commit.py`` keeps them. On a machine without
+The other commit's package comes from :func:`side_package` (``ab_commit.base_package``'s copy); its
+engine from the same commit's ``examples/engine`` (imported as ``engine_base``, every attnmeta import
+renamed), both kept in ``.ab_exports`` for later runs as ``ab_commit.py`` keeps them. On a machine without
 the checkout's history, export both first and pass the folder:
 ``git archive BASE attnmeta examples/engine | tar -x -C FOLDER``.
 
