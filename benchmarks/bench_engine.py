@@ -38,6 +38,13 @@ and metadata host time, as the ratio of the two medians and as ``paired``, the m
 each round's ratio (a round runs the two modes back to back, so a drift of the machine between rounds,
 which an eager step's host-bound time shows, cancels in it).
 
+``--processes N`` runs the whole measurement N times, each time in a fresh process, one after another,
+and ends with each pair's ratios in each process and their median over the processes
+(:func:`across_processes`). One process's ratio carries a spread of its own: two engines of the same
+code in one process differ by up to about 15% in this host-bound time (docs/benchmarks.md, the A/A of
+``ab_engine.py``), because where the code, the objects and the caches land differs from process to
+process; the median over processes does not rest on one such layout.
+
 More columns split attnmeta's time: ``fence ms``, the part spent blocked on a ring slot's fence (the
 host ran ``num_slots - 1`` steps ahead of the GPU; reported apart), ``own ms``, attnmeta's time less
 that wait, and ``replay``, the fraction of the timed decode steps the step composer replayed (the
@@ -69,7 +76,7 @@ differ``: the requests whose greedy tokens differ between the two modes (the sam
 metadata).
 
 Usage: python benchmarks/bench_engine.py --device cuda [--model 1b|hybrid-1b|tiny|tiny-hybrid] [--concurrency 1,64,256]
-[--modes graphs,eager,per-tensor] [--rounds 3] [--no-cold] [--cold-us US] [--json FILE]
+[--modes graphs,eager,per-tensor] [--rounds 3] [--no-cold] [--cold-us US] [--processes N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -78,7 +85,9 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -328,6 +337,88 @@ def measure_all(model: Any, modes: list[str], n: int, prompt: int, new: int, dev
     return rows
 
 
+def _child_args(a: argparse.Namespace, json_path: Path) -> list[str]:
+    """The command line of one process of a ``--processes`` run: ``a``'s measurement, its JSON to ``json_path``."""
+    args = [sys.executable, str(Path(__file__).resolve()), "--device", a.device, "--concurrency", a.concurrency,
+            "--modes", a.modes, "--prompt", str(a.prompt), "--new", str(a.new), "--model", a.model,
+            "--rounds", str(a.rounds), "--cold-us", str(a.cold_us), "--json", str(json_path)]
+    return args + (["--no-cold"] if a.no_cold else [])
+
+
+def across_processes(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each pair's ratios in each process of a ``--processes`` run, and their medians over the processes.
+
+    ``runs`` holds each process's rows (its JSON's ``rows``, the pairs' ``paired_against`` entries
+    included). One entry per pair and concurrency that every process measured: ``metadata_x`` (vLLM's
+    metadata ms over attnmeta's, the ratio of the process's medians), ``metadata_paired_x`` (its ratio
+    paired by round), ``tokens_x`` and ``tokens_paired_x`` (attnmeta's tokens/s over vLLM's), each a
+    list in process order, and ``median_<name>`` for each.
+
+    >>> row = lambda mode, ms, tok, **kw: {"mode": mode, "concurrency": 64, "metadata_ms": ms, "tokens_per_s": tok, **kw}
+    >>> runs = [[row("graphs", 0.2, 101.0, paired_against={"vllm-graphs": {"metadata_faster_x": 4.9,
+    ...                                                                   "tokens_per_s_x": 1.01}}),
+    ...          row("vllm-graphs", 1.0, 100.0)],
+    ...         [row("graphs", 0.25, 100.0, paired_against={"vllm-graphs": {"metadata_faster_x": 4.1,
+    ...                                                                    "tokens_per_s_x": 1.0}}),
+    ...          row("vllm-graphs", 1.0, 100.0)]]
+    >>> s = across_processes(runs)[0]
+    >>> s["pair"], s["concurrency"], s["metadata_x"], s["median_metadata_x"], s["median_metadata_paired_x"]
+    ('graphs / vllm-graphs', 64, [5.0, 4.0], 4.5, 4.5)
+    """
+    out = []
+    for x, y in PAIRS:
+        counts = [sorted({r["concurrency"] for r in rows if r["mode"] == x}
+                         & {r["concurrency"] for r in rows if r["mode"] == y}) for rows in runs]
+        for n in sorted(set.intersection(*(set(c) for c in counts))) if counts else []:
+            entry: dict[str, Any] = {"pair": f"{x} / {y}", "concurrency": n, "metadata_x": [], "metadata_paired_x": [],
+                                     "tokens_x": [], "tokens_paired_x": []}
+            for rows in runs:
+                by = {r["mode"]: r for r in rows if r["concurrency"] == n}
+                ours, theirs = by[x], by[y]
+                against = ours["paired_against"][y]
+                entry["metadata_x"].append(theirs["metadata_ms"] / ours["metadata_ms"])
+                entry["metadata_paired_x"].append(against["metadata_faster_x"])
+                entry["tokens_x"].append(ours["tokens_per_s"] / theirs["tokens_per_s"])
+                entry["tokens_paired_x"].append(against["tokens_per_s_x"])
+            for key in ("metadata_x", "metadata_paired_x", "tokens_x", "tokens_paired_x"):
+                entry["median_" + key] = statistics.median(entry[key])
+            out.append(entry)
+    return out
+
+
+def _processes(a: argparse.Namespace) -> int:
+    """``--processes N``: the measurement in N fresh processes, each printing its own tables, then each
+    pair's ratios per process and their medians (:func:`across_processes`); ``--json`` gets every
+    process's rows and the summary."""
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(a.processes):
+            print(f"== process {i + 1} of {a.processes}", flush=True)
+            path = Path(tmp) / f"process{i}.json"
+            rc = subprocess.run(_child_args(a, path), check=False).returncode
+            if rc != 0:
+                print(f"bench_engine: process {i + 1} of {a.processes} failed (exit {rc})", file=sys.stderr)
+                return rc
+            runs.append(json.loads(path.read_text()))
+    summary = across_processes([r["rows"] for r in runs])
+    if summary:
+        print(f"\nattnmeta against vLLM's code over {a.processes} processes (each process's ratio of medians, "
+              "then paired by round; the median over the processes)", flush=True)
+        print(f"{'pair':>20} {'reqs':>5} {'metadata faster, per process':>34} {'median':>7} {'paired, per process':>26} "
+              f"{'median':>7} {'tok/s x, per process':>26} {'median':>7}", flush=True)
+        def each(e: dict[str, Any], key: str) -> str:
+            return " ".join(f"{v:.2f}" for v in e[key])
+
+        for e in summary:
+            print(f"{e['pair']:>20} {e['concurrency']:>5} {each(e, 'metadata_x'):>34} {e['median_metadata_x']:6.2f}x "
+                  f"{each(e, 'metadata_paired_x'):>26} {e['median_metadata_paired_x']:6.2f}x {each(e, 'tokens_x'):>26} "
+                  f"{e['median_tokens_x']:6.2f}x", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"device": runs[0]["device"], "params": runs[0]["params"],
+                                            "processes": runs, "across_processes": summary}, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -343,7 +434,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cold", action="store_true", help="skip the cold-step replica (module docstring)")
     p.add_argument("--cold-us", type=float, default=2000.0, metavar="US",
                    help="the replica's GPU work before the event wait, and its sleep (default 2000)")
+    p.add_argument("--processes", type=int, default=1, metavar="N",
+                   help="run the whole measurement in N fresh processes, one after another, and summarize each "
+                        "pair's ratios over them (default 1; module docstring)")
     a = p.parse_args(argv)
+    if a.processes < 1:
+        p.error("--processes: at least 1")
+    if a.processes > 1:
+        return _processes(a)
     device = torch.device(a.device)
     if device.type != "cuda" and any(MODES.get(m, ("",))[0] != "torch-paged" for m in a.modes.split(",")):
         print("bench_engine: needs CUDA (FlashInfer and varlen kernels, CUDA graphs); on the CPU only the "

@@ -104,7 +104,8 @@
 #           warm: run the parts in back-to-back calls, one model or concurrency a call
 #           (carry .vllm, .whl, .kernels; VLLMBENCH_MODELS, default "1b hybrid-1b", picks the models,
 #           VLLMBENCH_MODES the modes, VLLMBENCH_CONCURRENCY the requests, default 1,64,256, VLLMBENCH_ROUNDS
-#           the alternating rounds, default 3; one model's three rows of two modes take about one call). The
+#           the alternating rounds, default 3, VLLMBENCH_PROCESSES the fresh processes, one after another,
+#           default 1 (bench_engine.py --processes: the pairs' ratios per process and their median); one model's three rows of two modes take about one call). The
 #           FlashInfer pairs (graphs,vllm-graphs and
 #           eager,vllm-eager) need vLLM's FlashInfer backend, which imports only with the FlashInfer vLLM pins:
 #           make .vllm with `fetch_vllm.py --flashinfer` (.vllm is then 58 MB and needs nothing of .whl: carry
@@ -372,13 +373,13 @@ if vllm_site; then
     if [[ $m == 1b ]]; then
       timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --modes "${VLLMBENCH_MODES:-$llama_modes}" --no-cold \
         --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" --rounds "${VLLMBENCH_ROUNDS:-3}" \
-        --json "$OUT_DIR/vllm_bench.json" 2>&1 | tee -a "$OUT_DIR/vllm_bench.txt"
+        --processes "${VLLMBENCH_PROCESSES:-1}" --json "$OUT_DIR/vllm_bench.json" 2>&1 | tee -a "$OUT_DIR/vllm_bench.txt"
       rc=${PIPESTATUS[0]}  # (read before any other command: [[ ]] has a PIPESTATUS of its own)
       [[ $rc -eq 0 ]] || failed "vllmbench (1b)" "$rc"
     else
       timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --modes "${VLLMBENCH_MODES:-$hybrid_modes}" \
         --no-cold --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" --rounds "${VLLMBENCH_ROUNDS:-3}" \
-        --json "$OUT_DIR/vllm_hybrid_bench.json" 2>&1 | tee "$OUT_DIR/vllm_hybrid_bench.txt"
+        --processes "${VLLMBENCH_PROCESSES:-1}" --json "$OUT_DIR/vllm_hybrid_bench.json" 2>&1 | tee "$OUT_DIR/vllm_hybrid_bench.txt"
       rc=${PIPESTATUS[0]}
       [[ $rc -eq 0 ]] || failed "vllmbench (hybrid-1b)" "$rc"
     fi

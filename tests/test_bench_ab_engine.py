@@ -216,6 +216,52 @@ def test_bench_engine_pairs_the_rounds() -> None:
     assert mod.paired([1.0, 2.0], [2.0, 3.0]) == 1.75  # (an even count: the mean of the middle two)
 
 
+def test_bench_engine_summarizes_each_pair_over_processes() -> None:
+    """``--processes``' summary: per pair and concurrency, each process's ratios (vLLM's metadata time over
+    attnmeta's, and attnmeta's tokens/s over vLLM's), in process order, and their medians; a concurrency
+    one process lacks, or a pair none measured, gives no entry. Its docstring's example runs too."""
+    import doctest
+
+    mod = load_benchmark("bench_engine.py", "bench_engine_processes")
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(mod.across_processes, "across_processes",
+                                             globs={"across_processes": mod.across_processes}):
+        runner.run(test)
+    assert runner.summarize(verbose=False) == (0, 4)
+
+    def rows(n: int, ours: float, theirs: float, paired: float) -> list[dict[str, Any]]:
+        return [{"mode": "eager", "concurrency": n, "metadata_ms": ours, "tokens_per_s": 110.0,
+                 "paired_against": {"vllm-eager": {"metadata_faster_x": paired, "tokens_per_s_x": 1.1}}},
+                {"mode": "vllm-eager", "concurrency": n, "metadata_ms": theirs, "tokens_per_s": 100.0}]
+
+    runs = [rows(64, 0.2, 1.0, 5.0) + rows(256, 0.2, 0.8, 4.0), rows(64, 0.25, 1.0, 4.0),
+            rows(64, 0.2, 0.9, 4.4) + rows(256, 0.25, 1.0, 4.0)]
+    (entry,) = mod.across_processes(runs)  # (256: the second process has none)
+    assert entry["pair"] == "eager / vllm-eager" and entry["concurrency"] == 64
+    assert entry["metadata_x"] == pytest.approx([5.0, 4.0, 4.5]) and entry["median_metadata_x"] == pytest.approx(4.5)
+    assert entry["metadata_paired_x"] == [5.0, 4.0, 4.4] and entry["median_metadata_paired_x"] == 4.4
+    assert entry["median_tokens_x"] == pytest.approx(1.1) and entry["median_tokens_paired_x"] == 1.1
+    assert mod.across_processes([[r for r in rows(64, 0.2, 1.0, 5.0) if r["mode"] == "eager"]]) == []
+
+
+def test_bench_engine_runs_fresh_processes(tmp_path: Path) -> None:
+    """``--processes 2``: the measurement twice, each in a process of its own (each prints its table), and a
+    JSON holding both processes' rows; fewer than one process is refused."""
+    import json
+
+    out = tmp_path / "bench.json"
+    text = run_script("bench_engine.py", "--device", "cpu", "--model", "tiny", "--modes", "paged", "--concurrency", "3",
+                      "--prompt", "8", "--new", "12", "--rounds", "1", "--no-cold", "--processes", "2", "--json", str(out))
+    assert "== process 1 of 2" in text and "== process 2 of 2" in text, text
+    assert sum(line.split()[:2] == ["paged", "3"] for line in text.splitlines()) == 2, text
+    got = json.loads(out.read_text())
+    assert [[(r["mode"], r["concurrency"]) for r in p["rows"]] for p in got["processes"]] == [[("paged", 3)]] * 2
+    assert got["across_processes"] == []  # (no vLLM pair among the modes)
+    mod = load_benchmark("bench_engine.py", "bench_engine_processes_refused")
+    with pytest.raises(SystemExit):
+        mod.main(["--device", "cpu", "--processes", "0"])
+
+
 def test_bench_engine_timed_runs_make_steps_no_earlier_run_made() -> None:
     """Each timed round of bench_engine.py serves new requests (the same for every mode of the round), so
     its decode steps are, but for a few met by chance, not steps an earlier run made: a run that repeated
