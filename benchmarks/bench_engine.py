@@ -45,6 +45,12 @@ code in one process differ by up to about 15% in this host-bound time (docs/benc
 ``ab_engine.py``), because where the code, the objects and the caches land differs from process to
 process; the median over processes does not rest on one such layout.
 
+A mode named with a suffix, ``MODE#2``, is a second engine of ``MODE`` made and timed beside the first
+in the same process (``--modes eager,eager#2``): an A/A of the loop, whose summary gives the twin's
+whole step and metadata time over the first's, and the requests whose tokens differ between the two
+(none expected: the same code). It tells what one process does to two identical engines from what a
+change does.
+
 More columns split attnmeta's time: ``fence ms``, the part spent blocked on a ring slot's fence (the
 host ran ``num_slots - 1`` steps ahead of the GPU; reported apart), ``own ms``, attnmeta's time less
 that wait, and ``replay``, the fraction of the timed decode steps the step composer replayed (the
@@ -113,6 +119,16 @@ MODES = {"graphs": ("flashinfer", True, "one-copy", "attnmeta"), "eager": ("flas
 MODELS = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config, "tiny-hybrid": tiny_hybrid_config}
 """``--model`` name: its config (``hybrid-1b`` and ``tiny-hybrid``: Bamba, Mamba2 and attention layers)."""
 
+def base_mode(mode: str) -> str:
+    """``mode`` without a twin's suffix: ``eager#2``, a second engine of ``eager`` in the same process (an
+    A/A of the loop), is ``eager``.
+
+    >>> base_mode("eager#2"), base_mode("vllm-graphs")
+    ('eager', 'vllm-graphs')
+    """
+    return mode.partition("#")[0]
+
+
 PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"), ("varlen", "vllm-varlen"), ("paged", "vllm-paged"))
 """The headline's pairs: attnmeta's mode and vLLM's, the same loop otherwise."""
 
@@ -146,7 +162,7 @@ def _engine(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
     ``make_kernel`` where given (``ab_engine.py``: another commit's ``examples/engine``)."""
     engine_cls, config_cls, kernel_of = (Engine, EngineConfig, make_kernel) if pkg is None else (
         pkg.Engine, pkg.EngineConfig, pkg.make_kernel)
-    kernel, graphs, uploads, metadata = MODES[mode]
+    kernel, graphs, uploads, metadata = MODES[base_mode(mode)]
     sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s <= max(n, 1))
     blocks_per_req = -(-(_prompt_range(prompt)[1] + new) // 16)
     cfg = config_cls(block_size=16, num_blocks=n * blocks_per_req + 64, max_num_tokens=max(8192, n),
@@ -290,7 +306,7 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
     syncs = [e for e in found if e.kind == "sync"]
     unsafe = [e for e in found if e.kind != "sync"]
     h2d = _h2d_per_step(engine, _requests(n, prompt, new, vocab, 3)) if engine.device.type == "cuda" else float("nan")
-    if cold_us is not None and MODES[mode][2:] == ("one-copy", "attnmeta"):
+    if cold_us is not None and MODES[base_mode(mode)][2:] == ("one-copy", "attnmeta"):
         extra.update(cold_replica(engine, _requests(n, prompt, new, vocab, 1), cold_us))
         extra["loop_over_cold"] = extra["own_ms"] / extra["cold_event_ms" if "cold_event_ms" in extra else "cold_sleep_ms"]
         extra["loop_over_thrash"] = extra["own_ms"] / extra["cold_thrash_ms"]
@@ -386,6 +402,35 @@ def across_processes(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
+def twins_across_processes(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each A/A twin's ratios (``MODE#k`` over ``MODE``, its rows' ``twin_of`` entries) in each process of
+    a ``--processes`` run: one entry per twin and concurrency that every process measured, with
+    ``step_x`` and ``metadata_x`` (the twin's median over the first engine's) and ``*_paired_x``, each a
+    list in process order, and ``median_<name>`` for each.
+
+    >>> twin = lambda step, meta: {"mode": "eager#2", "concurrency": 8, "twin_of": {"eager": {
+    ...     "step_x": step, "step_paired_x": step, "metadata_x": meta, "metadata_paired_x": meta}}}
+    >>> s = twins_across_processes([[twin(1.2, 1.0)], [twin(0.9, 1.1)], [twin(1.0, 0.8)]])[0]
+    >>> s["engines"], s["step_x"], s["median_step_x"], s["median_metadata_x"]
+    ('eager / eager#2', [1.2, 0.9, 1.0], 1.0, 1.0)
+    """
+    keys = ("step_x", "step_paired_x", "metadata_x", "metadata_paired_x")
+    found: dict[tuple[str, str, int], list[dict[str, float]]] = {}
+    for rows in runs:
+        for r in rows:
+            for first, t in r.get("twin_of", {}).items():
+                found.setdefault((first, r["mode"], r["concurrency"]), []).append(t)
+    out = []
+    for (first, twin, n), ts in found.items():
+        if len(ts) == len(runs):
+            entry: dict[str, Any] = {"engines": f"{first} / {twin}", "concurrency": n}
+            for key in keys:
+                entry[key] = [t[key] for t in ts]
+                entry["median_" + key] = statistics.median(entry[key])
+            out.append(entry)
+    return out
+
+
 def _processes(a: argparse.Namespace) -> int:
     """``--processes N``: the measurement in N fresh processes, each printing its own tables, then each
     pair's ratios per process and their medians (:func:`across_processes`); ``--json`` gets every
@@ -413,9 +458,21 @@ def _processes(a: argparse.Namespace) -> int:
             print(f"{e['pair']:>20} {e['concurrency']:>5} {each(e, 'metadata_x'):>34} {e['median_metadata_x']:6.2f}x "
                   f"{each(e, 'metadata_paired_x'):>26} {e['median_metadata_paired_x']:6.2f}x {each(e, 'tokens_x'):>26} "
                   f"{e['median_tokens_x']:6.2f}x", flush=True)
+    twins = twins_across_processes([r["rows"] for r in runs])
+    if twins:
+        print(f"\nA/A over {a.processes} processes (the twin engine's time over the first's, per process; the median "
+              "over the processes)", flush=True)
+        print(f"{'engines':>20} {'reqs':>5} {'whole step, per process':>30} {'median':>7} {'metadata, per process':>30} "
+              f"{'median':>7}", flush=True)
+        for e in twins:
+            steps = " ".join(f"{v:.3f}" for v in e["step_x"])
+            metas = " ".join(f"{v:.3f}" for v in e["metadata_x"])
+            print(f"{e['engines']:>20} {e['concurrency']:>5} {steps:>30} {e['median_step_x']:6.3f}x {metas:>30} "
+                  f"{e['median_metadata_x']:6.3f}x", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"device": runs[0]["device"], "params": runs[0]["params"],
-                                            "processes": runs, "across_processes": summary}, indent=1))
+                                            "processes": runs, "across_processes": summary,
+                                            "twins_across_processes": twins}, indent=1))
     return 0
 
 
@@ -443,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.processes > 1:
         return _processes(a)
     device = torch.device(a.device)
-    if device.type != "cuda" and any(MODES.get(m, ("",))[0] != "torch-paged" for m in a.modes.split(",")):
+    if device.type != "cuda" and any(MODES.get(base_mode(m), ("",))[0] != "torch-paged" for m in a.modes.split(",")):
         print("bench_engine: needs CUDA (FlashInfer and varlen kernels, CUDA graphs); on the CPU only the "
               "paged and vllm-paged modes run (torch's paged kernel)", file=sys.stderr)
         return 2
@@ -457,11 +514,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{device_name}; prompts of {'-'.join(map(str, _prompt_range(a.prompt)))} tokens, {a.new} new tokens per "
           f"request, new requests every run", flush=True)
     modes = "eager" if hybrid and a.modes == p.get_default("modes") else a.modes
-    unknown = [m for m in modes.split(",") if m not in MODES]
+    unknown = [m for m in modes.split(",") if base_mode(m) not in MODES]
+    if len(set(modes.split(","))) != len(modes.split(",")):
+        print(f"bench_engine: a mode named twice in {modes!r}: name a second engine of a mode as MODE#2", file=sys.stderr)
+        return 2
     if unknown:
         print(f"bench_engine: unknown modes {unknown}: {', '.join(MODES)}", file=sys.stderr)
         return 2
-    if hybrid and any(MODES[m][1] or MODES[m][2] != "one-copy" for m in modes.split(",")):
+    if hybrid and any(MODES[base_mode(m)][1] or MODES[base_mode(m)][2] != "one-copy" for m in modes.split(",")):
         print("bench_engine: a hybrid model runs eager steps with one copy only (--modes eager,vllm-eager,varlen,"
               "vllm-varlen)", file=sys.stderr)
         return 2
@@ -525,6 +585,25 @@ def main(argv: list[str] | None = None) -> int:
                       f"{v['h2d_per_step']:8.1f} {differ:>6} of {n:<5}", flush=True)
                 r.setdefault("requests_with_other_tokens_than", {})[y] = differ
                 r.setdefault("paired_against", {})[y] = {"tokens_per_s_x": tok_paired, "metadata_faster_x": meta_paired}
+    twins = [(base_mode(m), m) for m in modes.split(",") if base_mode(m) != m and base_mode(m) in modes.split(",")]
+    if twins:
+        print("\nA/A: a second engine of the same mode in this process against the first (the twin's time over the "
+              "first's: the whole step and the metadata; paired: by round)", flush=True)
+        print(f"{'engines':>20} {'reqs':>5} {'step ms':>8} {'twin':>8} {'ratio':>7} {'paired':>7} {'metadata ms':>11} "
+              f"{'twin':>8} {'ratio':>7} {'paired':>7} {'tokens differ':>13}", flush=True)
+        by = {(r["mode"], r["concurrency"]): r for r in rows}
+        for x, y in twins:
+            for n in [int(c) for c in a.concurrency.split(",")]:
+                r, v = by[(x, n)], by[(y, n)]
+                differ = sum(t != u for t, u in zip(r["tokens"], v["tokens"], strict=True))
+                twin = {"step_x": v["step_ms"] / r["step_ms"], "step_paired_x": paired(r["step_ms_rounds"], v["step_ms_rounds"]),
+                        "metadata_x": v["metadata_ms"] / r["metadata_ms"],
+                        "metadata_paired_x": paired(r["metadata_ms_rounds"], v["metadata_ms_rounds"]),
+                        "requests_with_other_tokens": differ}
+                print(f"{x + ' / ' + y:>20} {n:>5} {r['step_ms']:8.3f} {v['step_ms']:8.3f} {twin['step_x']:6.3f}x "
+                      f"{twin['step_paired_x']:6.3f}x {r['metadata_ms']:11.4f} {v['metadata_ms']:8.4f} "
+                      f"{twin['metadata_x']:6.3f}x {twin['metadata_paired_x']:6.3f}x {differ:>6} of {n:<5}", flush=True)
+                v["twin_of"] = {x: twin}
     for r in rows:
         del r["tokens"]  # compared above; not written to the JSON
     if a.json:

@@ -244,22 +244,48 @@ def test_bench_engine_summarizes_each_pair_over_processes() -> None:
     assert mod.across_processes([[r for r in rows(64, 0.2, 1.0, 5.0) if r["mode"] == "eager"]]) == []
 
 
-def test_bench_engine_runs_fresh_processes(tmp_path: Path) -> None:
-    """``--processes 2``: the measurement twice, each in a process of its own (each prints its table), and a
-    JSON holding both processes' rows; fewer than one process is refused."""
+def test_bench_engine_runs_fresh_processes_with_an_a_a_twin(tmp_path: Path) -> None:
+    """``--processes 2`` with ``--modes paged,paged#2``: the measurement twice, each in a process of its own
+    (each prints its table and its A/A line: the twin engine, the same code, gives the same tokens), then
+    the twin's ratios per process and their median; the JSON holds both processes' rows and that summary.
+    A mode named twice, and fewer than one process, are refused."""
     import json
 
     out = tmp_path / "bench.json"
-    text = run_script("bench_engine.py", "--device", "cpu", "--model", "tiny", "--modes", "paged", "--concurrency", "3",
-                      "--prompt", "8", "--new", "12", "--rounds", "1", "--no-cold", "--processes", "2", "--json", str(out))
+    text = run_script("bench_engine.py", "--device", "cpu", "--model", "tiny", "--modes", "paged,paged#2",
+                      "--concurrency", "3", "--prompt", "8", "--new", "12", "--rounds", "1", "--no-cold",
+                      "--processes", "2", "--json", str(out))
     assert "== process 1 of 2" in text and "== process 2 of 2" in text, text
     assert sum(line.split()[:2] == ["paged", "3"] for line in text.splitlines()) == 2, text
+    a_a = [line.split() for line in text.splitlines() if line.split()[:4] == ["paged", "/", "paged#2", "3"]]
+    assert len(a_a) == 3 and all(row[-3:] == ["0", "of", "3"] for row in a_a[:2]), text  # (2 processes, the summary)
     got = json.loads(out.read_text())
-    assert [[(r["mode"], r["concurrency"]) for r in p["rows"]] for p in got["processes"]] == [[("paged", 3)]] * 2
+    assert [[(r["mode"], r["concurrency"]) for r in p["rows"]] for p in got["processes"]] == [
+        [("paged", 3), ("paged#2", 3)]] * 2
     assert got["across_processes"] == []  # (no vLLM pair among the modes)
+    (twin,) = got["twins_across_processes"]
+    assert twin["engines"] == "paged / paged#2" and len(twin["step_x"]) == 2 and twin["median_metadata_x"] > 0
     mod = load_benchmark("bench_engine.py", "bench_engine_processes_refused")
     with pytest.raises(SystemExit):
         mod.main(["--device", "cpu", "--processes", "0"])
+    assert mod.main(["--device", "cpu", "--model", "tiny", "--modes", "paged,paged"]) == 2
+
+
+def test_bench_engine_a_a_helpers() -> None:
+    """A twin's mode name (``MODE#k``) and the A/A summary over processes: their docstrings' examples, and
+    a twin one process lacks gives no entry."""
+    import doctest
+
+    mod = load_benchmark("bench_engine.py", "bench_engine_twins")
+    runner = doctest.DocTestRunner()
+    for f in (mod.base_mode, mod.twins_across_processes):
+        for test in doctest.DocTestFinder().find(f, f.__name__, globs={f.__name__: f}):
+            runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
+    assert runner.summarize(verbose=False).attempted >= 4
+    row = {"mode": "eager#2", "concurrency": 8, "twin_of": {"eager": {
+        "step_x": 1.0, "step_paired_x": 1.0, "metadata_x": 1.0, "metadata_paired_x": 1.0}}}
+    assert mod.twins_across_processes([[row], []]) == []
 
 
 def test_bench_engine_timed_runs_make_steps_no_earlier_run_made() -> None:
