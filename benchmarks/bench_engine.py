@@ -361,80 +361,58 @@ def _child_args(a: argparse.Namespace, json_path: Path) -> list[str]:
     return args + (["--no-cold"] if a.no_cold else [])
 
 
-def across_processes(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def across_processes(runs: list[list[dict[str, Any]]], key: str = "paired_against") -> list[dict[str, Any]]:
     """Each pair's ratios in each process of a ``--processes`` run, and their medians over the processes.
 
-    ``runs`` holds each process's rows (its JSON's ``rows``, the pairs' ``paired_against`` entries
-    included). One entry per pair and concurrency that every process measured: ``metadata_x`` (vLLM's
-    metadata ms over attnmeta's, the ratio of the process's medians), ``metadata_paired_x`` (its ratio
-    paired by round), ``tokens_x`` and ``tokens_paired_x`` (attnmeta's tokens/s over vLLM's), each a
-    list in process order, and ``median_<name>`` for each.
+    ``runs`` holds each process's rows (its JSON's ``rows``). ``key`` names the ratios a row keeps for
+    each other mode it was compared with: ``paired_against`` (on attnmeta's row of a vLLM pair:
+    ``metadata_x``, vLLM's metadata ms over attnmeta's; ``metadata_faster_x``, the same paired by round;
+    ``tokens_x`` and ``tokens_per_s_x``, attnmeta's tokens/s over vLLM's, as a ratio of medians and
+    paired) or ``twins`` (on the first engine's row of an A/A: ``step_x``, ``metadata_x`` and their
+    ``*_paired_x``, the twin's time over the first's). One entry per pair and concurrency that every
+    process measured: ``pair`` (``"row's mode / other mode"``), ``concurrency``, each ratio as a list in
+    process order, and ``median_<name>`` for each.
 
-    >>> row = lambda mode, ms, tok, **kw: {"mode": mode, "concurrency": 64, "metadata_ms": ms, "tokens_per_s": tok, **kw}
-    >>> runs = [[row("graphs", 0.2, 101.0, paired_against={"vllm-graphs": {"metadata_faster_x": 4.9,
-    ...                                                                   "tokens_per_s_x": 1.01}}),
-    ...          row("vllm-graphs", 1.0, 100.0)],
-    ...         [row("graphs", 0.25, 100.0, paired_against={"vllm-graphs": {"metadata_faster_x": 4.1,
-    ...                                                                    "tokens_per_s_x": 1.0}}),
-    ...          row("vllm-graphs", 1.0, 100.0)]]
+    >>> row = lambda mode, **kw: {"mode": mode, "concurrency": 64, **kw}
+    >>> runs = [[row("graphs", paired_against={"vllm-graphs": {"metadata_x": 5.0, "metadata_faster_x": 4.9}}),
+    ...          row("vllm-graphs")],
+    ...         [row("graphs", paired_against={"vllm-graphs": {"metadata_x": 4.0, "metadata_faster_x": 4.1}}),
+    ...          row("vllm-graphs")]]
     >>> s = across_processes(runs)[0]
-    >>> s["pair"], s["concurrency"], s["metadata_x"], s["median_metadata_x"], s["median_metadata_paired_x"]
+    >>> s["pair"], s["concurrency"], s["metadata_x"], s["median_metadata_x"], s["median_metadata_faster_x"]
     ('graphs / vllm-graphs', 64, [5.0, 4.0], 4.5, 4.5)
     """
-    out = []
-    for x, y in PAIRS:
-        counts = [sorted({r["concurrency"] for r in rows if r["mode"] == x}
-                         & {r["concurrency"] for r in rows if r["mode"] == y}) for rows in runs]
-        for n in sorted(set.intersection(*(set(c) for c in counts))) if counts else []:
-            entry: dict[str, Any] = {"pair": f"{x} / {y}", "concurrency": n, "metadata_x": [], "metadata_paired_x": [],
-                                     "tokens_x": [], "tokens_paired_x": []}
-            for rows in runs:
-                by = {r["mode"]: r for r in rows if r["concurrency"] == n}
-                ours, theirs = by[x], by[y]
-                against = ours["paired_against"][y]
-                entry["metadata_x"].append(theirs["metadata_ms"] / ours["metadata_ms"])
-                entry["metadata_paired_x"].append(against["metadata_faster_x"])
-                entry["tokens_x"].append(ours["tokens_per_s"] / theirs["tokens_per_s"])
-                entry["tokens_paired_x"].append(against["tokens_per_s_x"])
-            for key in ("metadata_x", "metadata_paired_x", "tokens_x", "tokens_paired_x"):
-                entry["median_" + key] = statistics.median(entry[key])
-            out.append(entry)
-    return out
-
-
-def twins_across_processes(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Each A/A twin's ratios (``MODE#k`` over ``MODE``, its rows' ``twin_of`` entries) in each process of
-    a ``--processes`` run: one entry per twin and concurrency that every process measured, with
-    ``step_x`` and ``metadata_x`` (the twin's median over the first engine's) and ``*_paired_x``, each a
-    list in process order, and ``median_<name>`` for each.
-
-    >>> twin = lambda step, meta: {"mode": "eager#2", "concurrency": 8, "twin_of": {"eager": {
-    ...     "step_x": step, "step_paired_x": step, "metadata_x": meta, "metadata_paired_x": meta}}}
-    >>> s = twins_across_processes([[twin(1.2, 1.0)], [twin(0.9, 1.1)], [twin(1.0, 0.8)]])[0]
-    >>> s["engines"], s["step_x"], s["median_step_x"], s["median_metadata_x"]
-    ('eager / eager#2', [1.2, 0.9, 1.0], 1.0, 1.0)
-    """
-    keys = ("step_x", "step_paired_x", "metadata_x", "metadata_paired_x")
     found: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     for rows in runs:
         for r in rows:
-            for first, t in r.get("twin_of", {}).items():
-                found.setdefault((first, r["mode"], r["concurrency"]), []).append(t)
+            for other, ratios in r.get(key, {}).items():
+                found.setdefault((r["mode"], other, r["concurrency"]), []).append(ratios)
     out = []
-    for (first, twin, n), ts in found.items():
-        if len(ts) == len(runs):
-            entry: dict[str, Any] = {"engines": f"{first} / {twin}", "concurrency": n}
-            for key in keys:
-                entry[key] = [t[key] for t in ts]
-                entry["median_" + key] = statistics.median(entry[key])
+    for (mode, other, n), per in found.items():
+        if len(per) == len(runs):
+            entry: dict[str, Any] = {"pair": f"{mode} / {other}", "concurrency": n}
+            for name in per[0]:
+                entry[name] = [p[name] for p in per]
+                entry["median_" + name] = statistics.median(entry[name])
             out.append(entry)
     return out
+
+
+def _print_across(title: str, entries: list[dict[str, Any]], columns: list[tuple[str, str]]) -> None:
+    """``entries`` of :func:`across_processes` under ``title``: per column (its label, its ratio's name)
+    the values per process, then their median."""
+    print(f"\n{title}", flush=True)
+    print(f"{'pair':>20} {'reqs':>5} " + " ".join(f"{label + ', per process':>30} {'median':>7}" for label, _ in columns),
+          flush=True)
+    for e in entries:
+        cells = [f"{' '.join(f'{v:.3f}' for v in e[name]):>30} {e['median_' + name]:6.3f}x" for _, name in columns]
+        print(f"{e['pair']:>20} {e['concurrency']:>5} " + " ".join(cells), flush=True)
 
 
 def _processes(a: argparse.Namespace) -> int:
     """``--processes N``: the measurement in N fresh processes, each printing its own tables, then each
-    pair's ratios per process and their medians (:func:`across_processes`); ``--json`` gets every
-    process's rows and the summary."""
+    pair's and each A/A twin's ratios per process and their medians (:func:`across_processes`);
+    ``--json`` gets every process's rows and those summaries."""
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.processes):
@@ -445,33 +423,18 @@ def _processes(a: argparse.Namespace) -> int:
                 print(f"bench_engine: process {i + 1} of {a.processes} failed (exit {rc})", file=sys.stderr)
                 return rc
             runs.append(json.loads(path.read_text()))
-    summary = across_processes([r["rows"] for r in runs])
-    if summary:
-        print(f"\nattnmeta against vLLM's code over {a.processes} processes (each process's ratio of medians, "
-              "then paired by round; the median over the processes)", flush=True)
-        print(f"{'pair':>20} {'reqs':>5} {'metadata faster, per process':>34} {'median':>7} {'paired, per process':>26} "
-              f"{'median':>7} {'tok/s x, per process':>26} {'median':>7}", flush=True)
-        def each(e: dict[str, Any], key: str) -> str:
-            return " ".join(f"{v:.2f}" for v in e[key])
-
-        for e in summary:
-            print(f"{e['pair']:>20} {e['concurrency']:>5} {each(e, 'metadata_x'):>34} {e['median_metadata_x']:6.2f}x "
-                  f"{each(e, 'metadata_paired_x'):>26} {e['median_metadata_paired_x']:6.2f}x {each(e, 'tokens_x'):>26} "
-                  f"{e['median_tokens_x']:6.2f}x", flush=True)
-    twins = twins_across_processes([r["rows"] for r in runs])
+    pairs = across_processes([r["rows"] for r in runs])
+    if pairs:
+        _print_across(f"attnmeta against vLLM's code over {a.processes} processes (each process's ratio, then the "
+                      "median over the processes)", pairs,
+                      [("metadata faster", "metadata_x"), ("paired", "metadata_faster_x"), ("tok/s x", "tokens_x")])
+    twins = across_processes([r["rows"] for r in runs], "twins")
     if twins:
-        print(f"\nA/A over {a.processes} processes (the twin engine's time over the first's, per process; the median "
-              "over the processes)", flush=True)
-        print(f"{'engines':>20} {'reqs':>5} {'whole step, per process':>30} {'median':>7} {'metadata, per process':>30} "
-              f"{'median':>7}", flush=True)
-        for e in twins:
-            steps = " ".join(f"{v:.3f}" for v in e["step_x"])
-            metas = " ".join(f"{v:.3f}" for v in e["metadata_x"])
-            print(f"{e['engines']:>20} {e['concurrency']:>5} {steps:>30} {e['median_step_x']:6.3f}x {metas:>30} "
-                  f"{e['median_metadata_x']:6.3f}x", flush=True)
+        _print_across(f"A/A over {a.processes} processes (the twin engine's time over the first's, each process's, "
+                      "then the median over the processes)", twins, [("whole step", "step_x"), ("metadata", "metadata_x")])
     if a.json:
         Path(a.json).write_text(json.dumps({"device": runs[0]["device"], "params": runs[0]["params"],
-                                            "processes": runs, "across_processes": summary,
+                                            "processes": runs, "across_processes": pairs,
                                             "twins_across_processes": twins}, indent=1))
     return 0
 
@@ -584,7 +547,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{host:6.1f}x {r['syncs_per_step']:5.2f} {v['syncs_per_step']:10.2f} {r['h2d_per_step']:5.1f} "
                       f"{v['h2d_per_step']:8.1f} {differ:>6} of {n:<5}", flush=True)
                 r.setdefault("requests_with_other_tokens_than", {})[y] = differ
-                r.setdefault("paired_against", {})[y] = {"tokens_per_s_x": tok_paired, "metadata_faster_x": meta_paired}
+                r.setdefault("paired_against", {})[y] = {
+                    "metadata_x": v["metadata_ms"] / r["metadata_ms"], "metadata_faster_x": meta_paired,
+                    "tokens_x": r["tokens_per_s"] / v["tokens_per_s"], "tokens_per_s_x": tok_paired}
     twins = [(base_mode(m), m) for m in modes.split(",") if base_mode(m) != m and base_mode(m) in modes.split(",")]
     if twins:
         print("\nA/A: a second engine of the same mode in this process against the first (the twin's time over the "
@@ -598,12 +563,12 @@ def main(argv: list[str] | None = None) -> int:
                 differ = sum(t != u for t, u in zip(r["tokens"], v["tokens"], strict=True))
                 twin = {"step_x": v["step_ms"] / r["step_ms"], "step_paired_x": paired(r["step_ms_rounds"], v["step_ms_rounds"]),
                         "metadata_x": v["metadata_ms"] / r["metadata_ms"],
-                        "metadata_paired_x": paired(r["metadata_ms_rounds"], v["metadata_ms_rounds"]),
-                        "requests_with_other_tokens": differ}
+                        "metadata_paired_x": paired(r["metadata_ms_rounds"], v["metadata_ms_rounds"])}
                 print(f"{x + ' / ' + y:>20} {n:>5} {r['step_ms']:8.3f} {v['step_ms']:8.3f} {twin['step_x']:6.3f}x "
                       f"{twin['step_paired_x']:6.3f}x {r['metadata_ms']:11.4f} {v['metadata_ms']:8.4f} "
                       f"{twin['metadata_x']:6.3f}x {twin['metadata_paired_x']:6.3f}x {differ:>6} of {n:<5}", flush=True)
-                v["twin_of"] = {x: twin}
+                r.setdefault("requests_with_other_tokens_than", {})[y] = differ
+                r.setdefault("twins", {})[y] = twin
     for r in rows:
         del r["tokens"]  # compared above; not written to the JSON
     if a.json:

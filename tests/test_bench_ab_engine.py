@@ -217,31 +217,35 @@ def test_bench_engine_pairs_the_rounds() -> None:
 
 
 def test_bench_engine_summarizes_each_pair_over_processes() -> None:
-    """``--processes``' summary: per pair and concurrency, each process's ratios (vLLM's metadata time over
-    attnmeta's, and attnmeta's tokens/s over vLLM's), in process order, and their medians; a concurrency
-    one process lacks, or a pair none measured, gives no entry. Its docstring's example runs too."""
+    """``--processes``' summary: per pair and concurrency, each process's ratios (as its rows keep them:
+    vLLM pairs on attnmeta's row, A/A twins on the first engine's row), in process order, and their
+    medians; a concurrency one process lacks gives no entry. Its docstring's example runs too."""
     import doctest
 
     mod = load_benchmark("bench_engine.py", "bench_engine_processes")
     runner = doctest.DocTestRunner()
-    for test in doctest.DocTestFinder().find(mod.across_processes, "across_processes",
-                                             globs={"across_processes": mod.across_processes}):
-        runner.run(test)
-    assert runner.summarize(verbose=False) == (0, 4)
+    for f in (mod.across_processes, mod.base_mode):
+        for test in doctest.DocTestFinder().find(f, f.__name__, globs={f.__name__: f}):
+            runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0 and runner.summarize(verbose=False).attempted >= 4
 
     def rows(n: int, ours: float, theirs: float, paired: float) -> list[dict[str, Any]]:
-        return [{"mode": "eager", "concurrency": n, "metadata_ms": ours, "tokens_per_s": 110.0,
-                 "paired_against": {"vllm-eager": {"metadata_faster_x": paired, "tokens_per_s_x": 1.1}}},
-                {"mode": "vllm-eager", "concurrency": n, "metadata_ms": theirs, "tokens_per_s": 100.0}]
+        return [{"mode": "eager", "concurrency": n, "metadata_ms": ours,
+                 "paired_against": {"vllm-eager": {"metadata_x": theirs / ours, "metadata_faster_x": paired,
+                                                   "tokens_x": 1.1, "tokens_per_s_x": 1.1}},
+                 "twins": {"eager#2": {"step_x": paired / 4, "metadata_x": 1.0}}},
+                {"mode": "vllm-eager", "concurrency": n, "metadata_ms": theirs}]
 
     runs = [rows(64, 0.2, 1.0, 5.0) + rows(256, 0.2, 0.8, 4.0), rows(64, 0.25, 1.0, 4.0),
             rows(64, 0.2, 0.9, 4.4) + rows(256, 0.25, 1.0, 4.0)]
     (entry,) = mod.across_processes(runs)  # (256: the second process has none)
     assert entry["pair"] == "eager / vllm-eager" and entry["concurrency"] == 64
     assert entry["metadata_x"] == pytest.approx([5.0, 4.0, 4.5]) and entry["median_metadata_x"] == pytest.approx(4.5)
-    assert entry["metadata_paired_x"] == [5.0, 4.0, 4.4] and entry["median_metadata_paired_x"] == 4.4
-    assert entry["median_tokens_x"] == pytest.approx(1.1) and entry["median_tokens_paired_x"] == 1.1
-    assert mod.across_processes([[r for r in rows(64, 0.2, 1.0, 5.0) if r["mode"] == "eager"]]) == []
+    assert entry["metadata_faster_x"] == [5.0, 4.0, 4.4] and entry["median_metadata_faster_x"] == 4.4
+    assert entry["median_tokens_x"] == pytest.approx(1.1) and entry["median_tokens_per_s_x"] == 1.1
+    (twin,) = mod.across_processes(runs, "twins")
+    assert twin["pair"] == "eager / eager#2" and twin["step_x"] == [1.25, 1.0, 1.1] and twin["median_step_x"] == 1.1
+    assert mod.across_processes([[r for r in rows(64, 0.2, 1.0, 5.0) if r["mode"] == "vllm-eager"]]) == []
 
 
 def test_bench_engine_runs_fresh_processes_with_an_a_a_twin(tmp_path: Path) -> None:
@@ -264,28 +268,12 @@ def test_bench_engine_runs_fresh_processes_with_an_a_a_twin(tmp_path: Path) -> N
         [("paged", 3), ("paged#2", 3)]] * 2
     assert got["across_processes"] == []  # (no vLLM pair among the modes)
     (twin,) = got["twins_across_processes"]
-    assert twin["engines"] == "paged / paged#2" and len(twin["step_x"]) == 2 and twin["median_metadata_x"] > 0
+    assert twin["pair"] == "paged / paged#2" and len(twin["step_x"]) == 2 and twin["median_metadata_x"] > 0
+    assert [p["rows"][0]["requests_with_other_tokens_than"] for p in got["processes"]] == [{"paged#2": 0}] * 2
     mod = load_benchmark("bench_engine.py", "bench_engine_processes_refused")
     with pytest.raises(SystemExit):
         mod.main(["--device", "cpu", "--processes", "0"])
     assert mod.main(["--device", "cpu", "--model", "tiny", "--modes", "paged,paged"]) == 2
-
-
-def test_bench_engine_a_a_helpers() -> None:
-    """A twin's mode name (``MODE#k``) and the A/A summary over processes: their docstrings' examples, and
-    a twin one process lacks gives no entry."""
-    import doctest
-
-    mod = load_benchmark("bench_engine.py", "bench_engine_twins")
-    runner = doctest.DocTestRunner()
-    for f in (mod.base_mode, mod.twins_across_processes):
-        for test in doctest.DocTestFinder().find(f, f.__name__, globs={f.__name__: f}):
-            runner.run(test)
-    assert runner.summarize(verbose=False).failed == 0
-    assert runner.summarize(verbose=False).attempted >= 4
-    row = {"mode": "eager#2", "concurrency": 8, "twin_of": {"eager": {
-        "step_x": 1.0, "step_paired_x": 1.0, "metadata_x": 1.0, "metadata_paired_x": 1.0}}}
-    assert mod.twins_across_processes([[row], []]) == []
 
 
 def test_bench_engine_timed_runs_make_steps_no_earlier_run_made() -> None:
