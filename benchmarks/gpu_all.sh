@@ -104,11 +104,12 @@
 #           warm: run the parts in back-to-back calls, one model or concurrency a call
 #           (carry .vllm, .whl, .kernels; VLLMBENCH_MODELS, default "1b hybrid-1b", picks the models,
 #           VLLMBENCH_MODES the modes, VLLMBENCH_CONCURRENCY the requests, default 1,64,256, VLLMBENCH_ROUNDS
-#           the alternating rounds, default 3, VLLMBENCH_PROCESSES the fresh processes, one after another,
-#           default 1 (bench_engine.py --processes: the pairs' ratios per process and their median; a process
-#           repeats the whole measurement: three Llama processes at 64,256 took one call of 342 s, while one
-#           hybrid process at 64,256 takes about half a call, so give the hybrid one concurrency a call and
-#           VLLMBENCH_TIMEOUT the call's time less about 40 s of set-up); one model's three rows of two modes take about one call). The
+#           the alternating rounds, default 3; one model's three rows of two modes take about one call;
+#           VLLMBENCH_PROCESSES the fresh processes, one after another, default 1: bench_engine.py --processes,
+#           the pairs' ratios per process and their median. A process repeats the whole measurement: three
+#           Llama processes at 64,256 took one call of 342 s, one hybrid process at 64,256 about half a call,
+#           so give the hybrid one concurrency a call, and VLLMBENCH_TIMEOUT the call's time less about 40 s
+#           of set-up; a mode MODE#2 in VLLMBENCH_MODES is a twin engine of MODE, an A/A). The
 #           FlashInfer pairs (graphs,vllm-graphs and
 #           eager,vllm-eager) need vLLM's FlashInfer backend, which imports only with the FlashInfer vLLM pins:
 #           make .vllm with `fetch_vllm.py --flashinfer` (.vllm is then 58 MB and needs nothing of .whl: carry
