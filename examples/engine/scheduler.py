@@ -136,7 +136,6 @@ class Scheduler:
         self.max_blocks_per_req = max_blocks_per_req
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.finished: list[Request] = []
         self._to_free: list[Request] = []
         self.step_index = 0
         self.preemptions = 0
@@ -280,7 +279,6 @@ class Scheduler:
                 req.num_generated += 1
                 if req.done_sampling:
                     self.running.remove(req)
-                    self.finished.append(req)
                     self._to_free.append(req)
         rows.sort(key=lambda r: r.num_new != 1)  # decodes first (stable): the backends' split wants it
         for i, row in enumerate(rows):

@@ -134,6 +134,14 @@ def test_scheduler_respects_budget_and_frees_everything() -> None:
     sched.schedule()  # frees the last finished requests' blocks
     assert all(r.output == [7] * r.max_new_tokens for r in reqs)
     assert pool.num_free == 19 and sum(pool.refs) == 0
+    # a finished request is the caller's: the scheduler keeps none (a serving loop's memory stays bounded)
+    import gc
+    import weakref
+
+    gone = [weakref.ref(r) for r in reqs]
+    del reqs, r, out
+    gc.collect()
+    assert [w() for w in gone] == [None] * 8
 
 
 def test_per_tensor_baseline_uploads_every_device_field(model: Any) -> None:
