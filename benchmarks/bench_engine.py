@@ -119,6 +119,7 @@ MODES = {"graphs": ("flashinfer", True, "one-copy", "attnmeta"), "eager": ("flas
 MODELS = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config, "tiny-hybrid": tiny_hybrid_config}
 """``--model`` name: its config (``hybrid-1b`` and ``tiny-hybrid``: Bamba, Mamba2 and attention layers)."""
 
+
 def base_mode(mode: str) -> str:
     """``mode`` without a twin's suffix: ``eager#2``, a second engine of ``eager`` in the same process (an
     A/A of the loop), is ``eager``.
