@@ -12,7 +12,9 @@
 #           1,64,256,1024 and every row), AB_ARGS adds flags (e.g. "--engine-steps --cold": the engine rows on
 #           the reference engine's own decode steps, each after a cache thrash);
 #   twin    benchmarks/bench_loop_twin.py on cuda: the ~1.2B Llama's graph-mode loop, its composer call timed alone
-#           and right after a twin engine's composer call with the same arguments (what goes cold in the loop;
+#           and right after a twin engine's composer call with the same arguments, and after three primers that
+#           split what the twin warms: the interpreter, the libraries' entry points, attnmeta's compiled calls
+#           (what goes cold in the loop; five variants a round, so about twice the time of the first two alone;
 #           TWIN_CONCURRENCY, default 64,256; TWIN_MODELS, default 1b, "1b hybrid-1b" adds the hybrid's eager
 #           loop, which needs .kernels carried as hybridbench) -> loop_twin.txt; needs FlashInfer as enginebench;
 #   phases  benchmarks/bench_loop_phases.py on cuda: the engine loop's composer call split into phases, timing marks

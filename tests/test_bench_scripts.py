@@ -90,6 +90,9 @@ def test_bench_loop_twin_times_the_call_alone_and_after_its_twin() -> None:
     row = lines[head + 1].split()
     assert row[0] == "3" and float(row[1]) > 0 and float(row[2]) > 0 and row[3].endswith("x"), row
     assert int(row[4]) > 0, row  # full-batch decode steps timed in each variant
+    # the primers: the interpreter's loop, the libraries' entry points, attnmeta's compiled calls
+    assert lines[head].split()[5:] == ["interp", "interp/alone", "libs", "libs/alone", "kernels", "kernels/alone"]
+    assert all(float(row[k]) > 0 and row[k + 1].endswith("x") for k in (5, 7, 9)), row
 
 
 def test_bench_loop_twin_runs_the_hybrid_composition() -> None:
