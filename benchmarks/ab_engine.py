@@ -43,9 +43,7 @@ import importlib
 import json
 import math
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +55,16 @@ if str(ROOT) not in sys.path:
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ab_commit import EXPORTS, import_exported  # noqa: E402  (benchmarks/ab_commit.py)
-from bench_engine import MODELS, _engine, _prompt_range, _requests, full_batch, is_hybrid, timed_run  # noqa: E402
+from bench_engine import (  # noqa: E402
+    MODELS,
+    _engine,
+    _prompt_range,
+    _requests,
+    full_batch,
+    is_hybrid,
+    json_runs,
+    timed_run,
+)
 
 import examples.engine as engine_this  # noqa: E402
 from examples.engine.workload import make_model  # noqa: E402
@@ -217,14 +224,9 @@ def main(argv: list[str] | None = None) -> int:
 def _symmetric(rest: list[str], out_json: Path | None) -> int:
     """``--symmetric``: this script with the arguments ``rest`` once per import order, each run in a process
     of its own, then the geometric means of the two runs' ratios (with both runs written to ``out_json``)."""
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for order in ("base,this", "this,base"):
-            out = Path(tmp) / f"{order.replace(',', '-')}.json"
-            rc = subprocess.run([sys.executable, __file__, *rest, "--order", order, "--json", str(out)]).returncode
-            if rc:
-                return rc
-            runs.append(json.loads(out.read_text()))
+    runs = json_runs(__file__, [[*rest, "--order", order] for order in ("base,this", "this,base")])
+    if isinstance(runs, int):
+        return runs
     means = geometric_means(runs)
     print("# both orders: geometric means of the two runs' ratios (this / base)", flush=True)
     print(f"{'reqs':>5} {'this/base':>9} {'paired':>7}", flush=True)

@@ -354,11 +354,29 @@ def measure_all(model: Any, modes: list[str], n: int, prompt: int, new: int, dev
     return rows
 
 
-def _child_args(a: argparse.Namespace, json_path: Path) -> list[str]:
-    """The command line of one process of a ``--processes`` run: ``a``'s measurement, its JSON to ``json_path``."""
-    args = [sys.executable, str(Path(__file__).resolve()), "--device", a.device, "--concurrency", a.concurrency,
-            "--modes", a.modes, "--prompt", str(a.prompt), "--new", str(a.new), "--model", a.model,
-            "--rounds", str(a.rounds), "--cold-us", str(a.cold_us), "--json", str(json_path)]
+def json_runs(script: str, argvs: list[list[str]], labels: list[str] | None = None) -> list[Any] | int:
+    """``script`` (a path) run once per argument list of ``argvs``, one after another, each in a fresh
+    Python process that writes its results with ``--json FILE``: the parsed files in order, or the exit
+    status of the first run that failed (each run's output goes to this process's). ``labels``, one per
+    run, are printed before each run."""
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, argv in enumerate(argvs):
+            if labels is not None:
+                print(labels[i], flush=True)
+            path = Path(tmp) / f"run{i}.json"
+            rc = subprocess.run([sys.executable, script, *argv, "--json", str(path)], check=False).returncode
+            if rc != 0:
+                return rc
+            out.append(json.loads(path.read_text()))
+    return out
+
+
+def _child_args(a: argparse.Namespace) -> list[str]:
+    """The arguments of one process of a ``--processes`` run: ``a``'s measurement (its ``--json`` is
+    :func:`json_runs`')."""
+    args = ["--device", a.device, "--concurrency", a.concurrency, "--modes", a.modes, "--prompt", str(a.prompt),
+            "--new", str(a.new), "--model", a.model, "--rounds", str(a.rounds), "--cold-us", str(a.cold_us)]
     return args + (["--no-cold"] if a.no_cold else [])
 
 
@@ -414,16 +432,11 @@ def _processes(a: argparse.Namespace) -> int:
     """``--processes N``: the measurement in N fresh processes, each printing its own tables, then each
     pair's and each A/A twin's ratios per process and their medians (:func:`across_processes`);
     ``--json`` gets every process's rows and those summaries."""
-    runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(a.processes):
-            print(f"== process {i + 1} of {a.processes}", flush=True)
-            path = Path(tmp) / f"process{i}.json"
-            rc = subprocess.run(_child_args(a, path), check=False).returncode
-            if rc != 0:
-                print(f"bench_engine: process {i + 1} of {a.processes} failed (exit {rc})", file=sys.stderr)
-                return rc
-            runs.append(json.loads(path.read_text()))
+    runs = json_runs(str(Path(__file__).resolve()), [_child_args(a)] * a.processes,
+                     [f"== process {i + 1} of {a.processes}" for i in range(a.processes)])
+    if isinstance(runs, int):
+        print(f"bench_engine: a process of the {a.processes} failed (exit {runs})", file=sys.stderr)
+        return runs
     pairs = across_processes([r["rows"] for r in runs])
     if pairs:
         _print_across(f"attnmeta against vLLM's code over {a.processes} processes (each process's ratio, then the "

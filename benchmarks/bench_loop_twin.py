@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import math
 import statistics
 import sys
 import time
@@ -103,13 +104,13 @@ def _libs_primer(device: torch.device) -> Any:
 
 class _KernelsPrimer:
     """Replays the twin's two compiled calls (:data:`KERNELS`) with the arguments of one of its steps,
-    captured once: the same machine code the composer's step runs, on the twin's own buffers, and none of
-    attnmeta's Python. ``capture(call)`` runs ``call`` (a twin composer call) with the two names wrapped
+    captured once: the same machine code the composer's step runs, on the twin's own buffers (whose bytes
+    nothing reads: the twin engine only composes), and none of attnmeta's Python. ``capture(call)`` runs ``call`` (a twin composer call) with the two names wrapped
     to record their arguments; then each call of the primer replays them."""
 
     def __init__(self) -> None:
         self.args: dict[tuple[str, str], tuple[Any, ...]] = {}
-        self.originals = {}
+        self.originals: dict[tuple[str, str], Any] = {}
         for module, name in KERNELS:
             mod = importlib.import_module(module)
             if not hasattr(mod, name):
@@ -131,7 +132,7 @@ class _KernelsPrimer:
         finally:
             for key, mod in mods.items():
                 setattr(mod, key[1], self.originals[key])
-        missing = [name for key in self.originals if key not in self.args for name in key[1:]]
+        missing = [name for (module, name) in self.originals if (module, name) not in self.args]
         if missing:
             raise LookupError(f"bench_loop_twin: the step made no call of {missing}: the code moved; update KERNELS")
 
@@ -184,7 +185,7 @@ def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
                 engine.run(bench_engine._requests(n, prompt, new, vocab, 1000 + r))
                 kinds = engine.stats.step_kinds[k0:]
                 assert len(kinds) == len(calls), "one composer call a step"
-                times[v] += [calls[i] for i in bench_engine.full_batch(kinds) if calls[i] == calls[i]]  # (not NaN)
+                times[v] += [calls[i] for i in bench_engine.full_batch(kinds) if not math.isnan(calls[i])]
     finally:
         gc.enable()
     return times
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = "paged" if device.type != "cuda" else "eager" if hybrid else "graphs"
     model = make_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     print(f"# {device.type}, mode {mode}, model {a.model}; the first engine's composer call on full-batch decode "
-          f"steps, us (medians): alone, and right after the twin engine's composer call with the same arguments",
+          f"steps, us (medians): alone, right after the twin engine's composer call with the same arguments, and "
+          f"right after each primer (module docstring)",
           flush=True)
     print(f"{'reqs':>5} {'alone':>8} {'twin':>8} {'twin/alone':>10} {'steps':>6} {'interp':>8} {'interp/alone':>12} "
           f"{'libs':>8} {'libs/alone':>10} {'kernels':>8} {'kernels/alone':>13}", flush=True)
