@@ -19,7 +19,12 @@ medians over the rounds of each timed run's medians over its full-batch decode s
 - ``copies/step``: the engine's metadata copies (attnmeta's stager, or the baseline's uploads);
   ``H2D/step`` every host-to-device memcpy in the profiler trace (FlashInfer's plan copies included);
 - ``syncs/step``: syncs the audit records over the whole audited run (the loop's one deliberate wait,
-  for the previous step's sampled tokens, is counted apart as ``waits/step``).
+  for the previous step's sampled tokens, is counted apart as ``waits/step``);
+- ``launch ms``: host time from the end of the kernel's preparation to the step's last launch (the
+  model's forward, or its graph's replay, and the sampled tokens' copy); ``wait ms``: time the loop's
+  iteration spent blocked on that wait. A step that waits is bound by the GPU; an eager step that does
+  not is bound by the host, most of it its launches, so when two engines' tokens/s differ these two
+  columns say whether the GPU's work or the host's launches made the difference.
 
 Modes: ``graphs`` (graph-mode stager, decode steps replayed as CUDA graphs, FlashInfer), ``eager``
 (FlashInfer, no graphs), ``per-tensor`` (eager, the same host derivation with every field uploaded
@@ -36,7 +41,7 @@ does not raise): vLLM's code may sync. The summary at the end gives attnmeta ove
 (graphs and vllm-graphs, eager and vllm-eager, varlen and vllm-varlen, paged and vllm-paged): tokens/s
 and metadata host time, as the ratio of the two medians and as ``paired``, the median over the rounds of
 each round's ratio (a round runs the two modes back to back, so a drift of the machine between rounds,
-which an eager step's host-bound time shows, cancels in it).
+which an eager step's host-bound time shows, cancels in it); ``launch x`` is attnmeta's launch ms over vLLM's.
 
 ``--processes N`` runs the whole measurement N times, each time in a fresh process, one after another,
 and ends with each pair's ratios in each process and their median over the processes
@@ -47,7 +52,7 @@ process; the median over processes does not rest on one such layout.
 
 A mode named with a suffix, ``MODE#2``, is a second engine of ``MODE`` made and timed beside the first
 in the same process (``--modes eager,eager#2``): an A/A of the loop, whose summary gives the twin's
-whole step and metadata time over the first's, and the requests whose tokens differ between the two
+whole step, metadata and launch time over the first's, and the requests whose tokens differ between the two
 (none expected: the same code). It tells what one process does to two identical engines from what a
 change does.
 
@@ -245,8 +250,8 @@ def warm_engine(model: Any, mode: str, n: int, prompt: int, new: int, device: to
 def timed_run(engine: Engine, n: int, prompt: int, new: int, vocab: int, seed: int,
               request: Any = Request) -> dict[str, Any]:
     """One timed run of the workload (requests of ``seed``, of class ``request``, GC off): each step's
-    kind, time, metadata time, fence wait and replay flag, the run's copies, plan time and waits, and the
-    generated tokens."""
+    kind, time, metadata time, fence wait, replay flag, launch time and time blocked on the GPU, the run's
+    copies, plan time and waits, and the generated tokens."""
     reqs = _requests(n, prompt, new, vocab, seed, request)
     st = engine.stats
     gc.collect()
@@ -260,7 +265,10 @@ def timed_run(engine: Engine, n: int, prompt: int, new: int, vocab: int, seed: i
     finally:
         gc.enable()
     return {"kinds": st.step_kinds[s0:], "times": st.step_times[st0:], "metadata": st.step_metadata[s0:],
-            "fence": st.step_fence[s0:], "replayed": st.step_replayed[s0:], "steps": st.steps - n0,
+            "fence": st.step_fence[s0:], "replayed": st.step_replayed[s0:],
+            # (an engine of an older commit, ab_engine.py's base, may time neither)
+            "launch": getattr(st, "step_launch", [])[s0:], "wait": getattr(st, "step_wait", [])[st0:],
+            "steps": st.steps - n0,
             "copies": st.metadata_copies - c0, "plan_s": st.plan_s - plan0, "waits": st.token_waits - w0,
             "wall": wall, "tokens": [r.tokens[len(r.prompt):] for r in reqs]}
 
@@ -277,7 +285,9 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
         out = {"step": statistics.median(times[i] for i in idx), "meta": statistics.median(md[i] for i in idx),
                "own": statistics.median(md[i] - fence[i] for i in idx),
                "fence": statistics.median(fence[i] for i in idx), "fenced": sum(fence[i] > 0 for i in idx),
-               "replayed": sum(run["replayed"][i] for i in idx) / max(len(idx), 1), "decode_steps": len(idx)}
+               "replayed": sum(run["replayed"][i] for i in idx) / max(len(idx), 1), "decode_steps": len(idx),
+               "launch": statistics.median(run["launch"][i] for i in idx),
+               "wait": statistics.median(run["wait"][i] for i in idx)}
         pre = [i for i, k in enumerate(kinds) if k == "mixed"]
         if engine.hybrid and pre:  # the steps that carry prompt tokens
             out.update(pstep=statistics.median(times[i] for i in pre), pmeta=statistics.median(md[i] for i in pre),
@@ -294,7 +304,9 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
     extra: dict[str, Any] = {"fence_ms": med("fence") * 1e3, "fenced_steps": sum(r["fenced"] for r in rs),
                              "own_ms": own * 1e3, "own_share": own / step, "replayed": med("replayed"),
                              "rounds": len(runs), "step_ms_rounds": [r["step"] * 1e3 for r in rs],
-                             "metadata_ms_rounds": [r["meta"] * 1e3 for r in rs]}
+                             "metadata_ms_rounds": [r["meta"] * 1e3 for r in rs],
+                             "launch_ms": med("launch") * 1e3, "wait_ms": med("wait") * 1e3,
+                             "launch_ms_rounds": [r["launch"] * 1e3 for r in rs]}
     if all("pstep" in r for r in rs):
         extra.update(prefill_steps=rs[0]["prefill_steps"], prefill_step_ms=med("pstep") * 1e3,
                      prefill_metadata_ms=med("pmeta") * 1e3, prefill_share=med("pmeta") / med("pstep"))
@@ -387,8 +399,9 @@ def across_processes(runs: list[list[dict[str, Any]]], key: str = "paired_agains
     each other mode it was compared with: ``paired_against`` (on attnmeta's row of a vLLM pair:
     ``metadata_x``, vLLM's metadata ms over attnmeta's; ``metadata_faster_x``, the same paired by round;
     ``tokens_x`` and ``tokens_per_s_x``, attnmeta's tokens/s over vLLM's, as a ratio of medians and
-    paired) or ``twins`` (on the first engine's row of an A/A: ``step_x``, ``metadata_x`` and their
-    ``*_paired_x``, the twin's time over the first's). One entry per pair and concurrency that every
+    paired; ``launch_x`` and ``launch_paired_x``, attnmeta's launch ms over vLLM's) or ``twins`` (on the
+    first engine's row of an A/A: ``step_x``, ``metadata_x``, ``launch_x`` and their ``*_paired_x``,
+    the twin's time over the first's). One entry per pair and concurrency that every
     process measured: ``pair`` (``"row's mode / other mode"``), ``concurrency``, each ratio as a list in
     process order, and ``median_<name>`` for each.
 
@@ -441,11 +454,13 @@ def _processes(a: argparse.Namespace) -> int:
     if pairs:
         _print_across(f"attnmeta against vLLM's code over {a.processes} processes (each process's ratio, then the "
                       "median over the processes)", pairs,
-                      [("metadata faster", "metadata_x"), ("paired", "metadata_faster_x"), ("tok/s x", "tokens_x")])
+                      [("metadata faster", "metadata_x"), ("paired", "metadata_faster_x"), ("tok/s x", "tokens_x"),
+                       ("launch, attnmeta/vLLM", "launch_x")])
     twins = across_processes([r["rows"] for r in runs], "twins")
     if twins:
         _print_across(f"A/A over {a.processes} processes (the twin engine's time over the first's, each process's, "
-                      "then the median over the processes)", twins, [("whole step", "step_x"), ("metadata", "metadata_x")])
+                      "then the median over the processes)", twins, [("whole step", "step_x"), ("metadata", "metadata_x"),
+                                                              ("launch", "launch_x")])
     if a.json:
         Path(a.json).write_text(json.dumps({"device": runs[0]["device"], "params": runs[0]["params"],
                                             "processes": runs, "across_processes": pairs,
@@ -505,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{'mode':>11} {'reqs':>5} {'step ms':>8} {'steps/s':>8} {'tok/s':>8} {'metadata ms':>11} {'share':>6} "
           f"{'fence ms':>8} {'own ms':>7} {'own %':>6} {'replay':>6} {'plan ms':>8} {'copies':>6} {'H2D':>5} "
-          f"{'syncs':>5} {'waits':>5}", flush=True)
+          f"{'syncs':>5} {'waits':>5} {'launch ms':>9} {'wait ms':>7}", flush=True)
     colds = []
     for n in [int(x) for x in a.concurrency.split(",")]:
         for r in measure_all(model, modes.split(","), n, a.prompt, a.new, device, None if a.no_cold else a.cold_us,
@@ -515,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode:>11} {n:>5} {r['step_ms']:8.3f} {r['steps_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
                   f"{r['metadata_ms']:11.4f} {r['share']:6.1%} {r['fence_ms']:8.4f} {r['own_ms']:7.4f} "
                   f"{r['own_share']:6.1%} {r['replayed']:6.0%} {r['plan_ms']:8.3f} {r['copies_per_step']:6.2f} "
-                  f"{r['h2d_per_step']:5.1f} {r['syncs_per_step']:5.2f} {r['waits_per_step']:5.2f}"
+                  f"{r['h2d_per_step']:5.1f} {r['syncs_per_step']:5.2f} {r['waits_per_step']:5.2f} "
+                  f"{r['launch_ms']:9.3f} {r['wait_ms']:7.3f}"
                   + (f"  sync ops: {r['sync_ops']}" if r["sync_ops"] else "")
                   + (f"  other audit findings/step {r['other_findings_per_step']:.2f}: {r['other_findings']}"
                      if r["other_findings"] else ""), flush=True)
@@ -545,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
               "back to back; metadata: host ms per decode step without plan())", flush=True)
         print(f"{'pair':>20} {'reqs':>5} {'tok/s':>9} {'vLLM tok/s':>10} {'tok/s x':>8} {'paired':>7} {'metadata ms':>11} "
               f"{'vLLM ms':>8} {'faster':>7} {'paired':>7} {'plan ms':>7} {'vLLM plan':>9} {'host x':>7} {'syncs':>5} "
-              f"{'vLLM syncs':>10} {'H2D':>5} {'vLLM H2D':>8} {'tokens differ':>13}", flush=True)
+              f"{'vLLM syncs':>10} {'H2D':>5} {'vLLM H2D':>8} {'tokens differ':>13} {'launch x':>8}", flush=True)
         by = {(r["mode"], r["concurrency"]): r for r in rows}
         for x, y in pairs:
             for n in [int(c) for c in a.concurrency.split(",")]:
@@ -559,17 +575,21 @@ def main(argv: list[str] | None = None) -> int:
                       f"{v['metadata_ms']:8.4f} {v['metadata_ms'] / r['metadata_ms']:6.1f}x {meta_paired:6.1f}x "
                       f"{r['plan_ms']:7.3f} {v['plan_ms']:9.3f} "
                       f"{host:6.1f}x {r['syncs_per_step']:5.2f} {v['syncs_per_step']:10.2f} {r['h2d_per_step']:5.1f} "
-                      f"{v['h2d_per_step']:8.1f} {differ:>6} of {n:<5}", flush=True)
+                      f"{v['h2d_per_step']:8.1f} {differ:>6} of {n:<5} {r['launch_ms'] / v['launch_ms']:7.3f}x",
+                      flush=True)
                 r.setdefault("requests_with_other_tokens_than", {})[y] = differ
                 r.setdefault("paired_against", {})[y] = {
                     "metadata_x": v["metadata_ms"] / r["metadata_ms"], "metadata_faster_x": meta_paired,
-                    "tokens_x": r["tokens_per_s"] / v["tokens_per_s"], "tokens_per_s_x": tok_paired}
+                    "tokens_x": r["tokens_per_s"] / v["tokens_per_s"], "tokens_per_s_x": tok_paired,
+                    "launch_x": r["launch_ms"] / v["launch_ms"],
+                    "launch_paired_x": paired(v["launch_ms_rounds"], r["launch_ms_rounds"])}
     twins = [(base_mode(m), m) for m in modes.split(",") if base_mode(m) != m and base_mode(m) in modes.split(",")]
     if twins:
         print("\nA/A: a second engine of the same mode in this process against the first (the twin's time over the "
-              "first's: the whole step and the metadata; paired: by round)", flush=True)
+              "first's: the whole step, the metadata and the launches; paired: by round)", flush=True)
         print(f"{'engines':>20} {'reqs':>5} {'step ms':>8} {'twin':>8} {'ratio':>7} {'paired':>7} {'metadata ms':>11} "
-              f"{'twin':>8} {'ratio':>7} {'paired':>7} {'tokens differ':>13}", flush=True)
+              f"{'twin':>8} {'ratio':>7} {'paired':>7} {'tokens differ':>13} {'launch ms':>9} {'twin':>7} {'ratio':>7}",
+              flush=True)
         by = {(r["mode"], r["concurrency"]): r for r in rows}
         for x, y in twins:
             for n in [int(c) for c in a.concurrency.split(",")]:
@@ -577,10 +597,13 @@ def main(argv: list[str] | None = None) -> int:
                 differ = sum(t != u for t, u in zip(r["tokens"], v["tokens"], strict=True))
                 twin = {"step_x": v["step_ms"] / r["step_ms"], "step_paired_x": paired(r["step_ms_rounds"], v["step_ms_rounds"]),
                         "metadata_x": v["metadata_ms"] / r["metadata_ms"],
-                        "metadata_paired_x": paired(r["metadata_ms_rounds"], v["metadata_ms_rounds"])}
+                        "metadata_paired_x": paired(r["metadata_ms_rounds"], v["metadata_ms_rounds"]),
+                        "launch_x": v["launch_ms"] / r["launch_ms"],
+                        "launch_paired_x": paired(r["launch_ms_rounds"], v["launch_ms_rounds"])}
                 print(f"{x + ' / ' + y:>20} {n:>5} {r['step_ms']:8.3f} {v['step_ms']:8.3f} {twin['step_x']:6.3f}x "
                       f"{twin['step_paired_x']:6.3f}x {r['metadata_ms']:11.4f} {v['metadata_ms']:8.4f} "
-                      f"{twin['metadata_x']:6.3f}x {twin['metadata_paired_x']:6.3f}x {differ:>6} of {n:<5}", flush=True)
+                      f"{twin['metadata_x']:6.3f}x {twin['metadata_paired_x']:6.3f}x {differ:>6} of {n:<5} "
+                      f"{r['launch_ms']:9.3f} {v['launch_ms']:7.3f} {twin['launch_x']:6.3f}x", flush=True)
                 r.setdefault("requests_with_other_tokens_than", {})[y] = differ
                 r.setdefault("twins", {})[y] = twin
     for r in rows:

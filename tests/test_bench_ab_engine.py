@@ -262,13 +262,15 @@ def test_bench_engine_runs_fresh_processes_with_an_a_a_twin(tmp_path: Path) -> N
     assert "== process 1 of 2" in text and "== process 2 of 2" in text, text
     assert sum(line.split()[:2] == ["paged", "3"] for line in text.splitlines()) == 2, text
     a_a = [line.split() for line in text.splitlines() if line.split()[:4] == ["paged", "/", "paged#2", "3"]]
-    assert len(a_a) == 3 and all(row[-3:] == ["0", "of", "3"] for row in a_a[:2]), text  # (2 processes, the summary)
+    # (2 processes, then the summary; tokens differ: 0 of 3, then the two engines' launch ms and their ratio)
+    assert len(a_a) == 3 and all(row[-6:-3] == ["0", "of", "3"] for row in a_a[:2]), text
     got = json.loads(out.read_text())
     assert [[(r["mode"], r["concurrency"]) for r in p["rows"]] for p in got["processes"]] == [
         [("paged", 3), ("paged#2", 3)]] * 2
     assert got["across_processes"] == []  # (no vLLM pair among the modes)
     (twin,) = got["twins_across_processes"]
     assert twin["pair"] == "paged / paged#2" and len(twin["step_x"]) == 2 and twin["median_metadata_x"] > 0
+    assert len(twin["launch_x"]) == 2 and twin["median_launch_x"] > 0
     assert [p["rows"][0]["requests_with_other_tokens_than"] for p in got["processes"]] == [{"paged#2": 0}] * 2
     mod = load_benchmark("bench_engine.py", "bench_engine_processes_refused")
     with pytest.raises(SystemExit):

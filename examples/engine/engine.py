@@ -138,6 +138,13 @@ class EngineStats:
     step_fence: list[float] = dataclasses.field(default_factory=list)
     """Per step: the part of ``step_metadata`` the stager spent waiting for its ring slot's last copy
     (0 unless the host runs ``num_slots - 1`` steps ahead of the GPU)."""
+    step_launch: list[float] = dataclasses.field(default_factory=list)
+    """Per step: host time from the end of the kernel's preparation to the step's last launch (the
+    step's bookkeeping, the model's forward or its graph's replay, and the sampled tokens' copy): where
+    an eager step is bound by the host's kernel launches."""
+    step_wait: list[float] = dataclasses.field(default_factory=list)
+    """Per step (as ``step_times``): time the loop's iteration spent blocked on the GPU, waiting for a
+    step's sampled tokens. An iteration that waits is bound by the GPU; one that does not, by the host."""
 
 
 class Engine:
@@ -221,6 +228,7 @@ class Engine:
         self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]  # type: ignore[no-untyped-call]
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._captured = False
+        self._waited = 0.0  # (the loop's current iteration: seconds blocked on the GPU for sampled tokens)
         self.stats = EngineStats()
         self.trace: list[tuple[tuple[BatchSpec, ...], dict[str, Any], dict[str, np.ndarray]]] | None = None
         """None, or a list to which every step appends what it gave the composer (its specs, with their
@@ -265,6 +273,7 @@ class Engine:
         prev: SchedulerOutput | None = None
         while self.scheduler.has_work or prev is not None:
             t0 = time.perf_counter()
+            self._waited = 0.0
             out = self.scheduler.schedule() if self.scheduler.has_work else None
             ran = out is not None and bool(out.rows)
             if out is not None and out.rows:
@@ -279,6 +288,7 @@ class Engine:
             prev = out
             if ran:  # one entry per step, as step_kinds and step_metadata
                 self.stats.step_times.append(time.perf_counter() - t0)
+                self.stats.step_wait.append(self._waited)
         st = self.stats
         st.preemptions, st.prefix_cache_hits = self.scheduler.preemptions, self.pool.hits
         st.mamba_cache_hits = self.mamba_pool.hits if self.mamba_pool is not None else 0
@@ -290,8 +300,10 @@ class Engine:
         ev = self._events[slot]
         if ev is not None and not ev.query():  # type: ignore[no-untyped-call]
             self.stats.token_waits += 1
+            t0 = time.perf_counter()
             with allow_device_sync():
                 ev.synchronize()
+            self._waited += time.perf_counter() - t0
         self.scheduler.receive(out, self._host_tokens_np[slot])
 
     # ------------------------------------------------------------------ one step
@@ -383,6 +395,7 @@ class Engine:
         else:
             self._forward(dev_ids, dev_prev, cm.positions, cm.slot_mapping, cm.query_start_loc[1 : rows_total + 1])
         self._send_tokens(out.step, rows_total)
+        st.step_launch.append(time.perf_counter() - t_run)
 
     def _send_tokens(self, step: int, rows: int) -> None:
         """Copy the step's sampled tokens into the pinned host ring (non-blocking) and record its event."""
@@ -432,6 +445,7 @@ class Engine:
             self._forward(vs.input_ids[:total], vs.prev_rows[:total], vs.positions[:total],
                           vs.slot_mapping[:total], vs.query_start_loc[1 : rows_total + 1])
         self._send_tokens(out.step, rows_total)
+        st.step_launch.append(time.perf_counter() - t_run)
 
     @staticmethod
     def _vllm_graph_args(vs: VllmStep, size: int) -> tuple[torch.Tensor, ...]:

@@ -191,6 +191,43 @@ def test_attnmeta_s_time_is_the_composer_s_call(model: Any, monkeypatch: pytest.
     assert st.steps > 5 and st.step_metadata == [1.0] * st.steps and st.metadata_s == st.steps
 
 
+def test_launch_and_wait_times_split_the_loop(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``step_launch`` times the step's launches (the forward: 10 s on a clock only it and the token
+    wait advance) and ``step_wait`` the loop's iteration blocked on the sampled tokens' event (5 s a
+    wait, events standing in for CUDA's that are never done when asked): one entry per step each, and
+    the waits' seconds are the waits counted."""
+    import examples.engine.engine as engine_module
+
+    clock = [0.0]
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: clock[0])
+
+    class Pending:
+        def query(self) -> bool:
+            return False
+
+        def synchronize(self) -> None:
+            clock[0] += 5.0
+
+        def record(self) -> None:
+            pass
+
+    cfg = EngineConfig(num_blocks=40, max_num_tokens=64, max_num_seqs=16, max_model_len=256)
+    engine = Engine(model, make_kernel("torch-paged", model, torch.device("cpu")), cfg)
+    engine._events = [Pending(), Pending()]  # type: ignore[list-item]
+    forward = engine._forward
+
+    def slow_forward(*a: Any) -> None:
+        clock[0] += 10.0
+        forward(*a)
+
+    monkeypatch.setattr(engine, "_forward", slow_forward)
+    st = engine.run(make_requests(6, model.config.vocab_size, seed=2))
+    assert st.steps > 5 and st.step_launch == [10.0] * st.steps
+    assert len(st.step_wait) == len(st.step_times) == st.steps
+    assert set(st.step_wait) <= {0.0, 5.0} and st.step_wait[0] == 0.0  # (the first step has no tokens to wait for)
+    assert sum(st.step_wait) == 5.0 * (st.token_waits - 1)  # (the loop's last wait ends no step)
+
+
 # ---------------------------------------------------------------------------------------------------
 # a hybrid model: Mamba2 layers read attnmeta's mamba2 metadata of the step's second KV-cache group
 # ---------------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def test_bench_engine_compares_the_pair_on_the_cpu(capsys: pytest.CaptureFixture
                               "--json", str(out)]) == 0
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("paged / ")]
     assert [int(f[3]) for f in lines] == [1, 3]
-    assert all(f[-3:-1] == ["0", "of"] for f in lines), lines  # tokens differ: 0 of n
+    assert all(f[-4:-2] == ["0", "of"] for f in lines), lines  # tokens differ: 0 of n (then launch x)
     rows = json.loads(out.read_text())["rows"]
     assert [(r["mode"], r["concurrency"], r["rounds"]) for r in rows] == [
         ("paged", 1, 2), ("vllm-paged", 1, 2), ("paged", 3, 2), ("vllm-paged", 3, 2)]
@@ -98,3 +98,5 @@ def test_bench_engine_compares_the_pair_on_the_cpu(capsys: pytest.CaptureFixture
         want = [statistics.median(b / a for a, b in zip(r[k], v[k], strict=True))
                 for k in ("step_ms_rounds", "metadata_ms_rounds")]
         assert [got["tokens_per_s_x"], got["metadata_faster_x"]] == pytest.approx(want)
+        assert got["launch_x"] == pytest.approx(r["launch_ms"] / v["launch_ms"])
+        assert r["wait_ms"] == v["wait_ms"] == 0  # (the CPU's steps have no event to wait on)
