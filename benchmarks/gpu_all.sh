@@ -117,6 +117,11 @@
 #           make .vllm with `fetch_vllm.py --flashinfer` (.vllm is then 58 MB and needs nothing of .whl: carry
 #           [".vllm", ".kernels"] only, the call's 64 MiB limit); vllm_site puts that FlashInfer first on
 #           PYTHONPATH.
+#   launchprof  benchmarks/bench_launch_profile.py: engines of LAUNCHPROF_MODES (default eager,eager#2,vllm-eager)
+#           on LAUNCHPROF_MODEL (default hybrid-1b) at LAUNCHPROF_CONCURRENCY requests (default 256), their launch
+#           times unprofiled, then one run each under cProfile: the functions whose own time differs most
+#           between the engines -> launch_profile.txt (carry .vllm .kernels, as vllmbench); LAUNCHPROF_ARGS more
+#           flags (e.g. "--callers find_spec": who calls the functions that match);
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
 #   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit kernels engine
 #   enginebench mamba-kernels hybrid hybridbench multi ab before-after", default all but the last three). One device call allows
@@ -126,11 +131,11 @@
 #   on the nvidia-h200-x2 machine PARTS="multi" is one more; "twin" (carry .vllm or .whl for FlashInfer), "phases"
 #   (carry .whl .kernels), "ab",
 #   "abengine" and "before-after" (carry .ab_base;
-#   before-after also .whl, for fla's kernels), "vllm" and "vllmbench" (carry .vllm .whl .kernels, or .vllm .kernels when .vllm holds FlashInfer) are asked
-#   for by name.
+#   before-after also .whl, for fla's kernels), "vllm", "vllmbench" and "launchprof" (carry .vllm .whl .kernels, or
+#   .vllm .kernels when .vllm holds FlashInfer) are asked for by name.
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, abengine, twin, phases, before-after, vllm, vllmbench: by name
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, abengine, twin, phases, before-after, vllm, vllmbench, launchprof: by name
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -392,6 +397,20 @@ if vllm_site; then
   done
 else
   failed "vllmbench (no .vllm)" 1
+fi
+fi
+if want launchprof; then
+echo "== launchprof: the engines' launches under the profiler, side by side (benchmarks/bench_launch_profile.py)" \
+  | tee "$OUT_DIR/launch_profile.txt"
+if vllm_site >> "$OUT_DIR/launch_profile.txt" 2>&1; then
+  # shellcheck disable=SC2086  # (LAUNCHPROF_ARGS: flags, word-split on purpose)
+  timeout "${LAUNCHPROF_TIMEOUT:-540}" $PY benchmarks/bench_launch_profile.py --device cuda --model "${LAUNCHPROF_MODEL:-hybrid-1b}" \
+    --modes "${LAUNCHPROF_MODES:-eager,eager#2,vllm-eager}" --concurrency "${LAUNCHPROF_CONCURRENCY:-256}" \
+    --rounds "${LAUNCHPROF_ROUNDS:-2}" ${LAUNCHPROF_ARGS:-} 2>&1 | grep -v "flashinfer.jit\|artifactory\|Mamba SSU config" \
+    | tee -a "$OUT_DIR/launch_profile.txt"
+  rc=${PIPESTATUS[0]}; [[ $rc -eq 0 ]] || failed "launchprof" "$rc"
+else
+  failed "launchprof (no .vllm)" 1
 fi
 fi
 if want multi; then

@@ -153,3 +153,42 @@ def test_bench_loop_phases_medians_the_phases_of_the_most_common_path() -> None:
     rows, kept = phases.phases(replay + composed)
     assert kept == 3
     assert rows == [("a", 3.0), ("end", 1.0)]  # ((x)'s median, 1 us, joins a's, 2 us; the end's: 1 us)
+
+
+def test_bench_launch_profile_sets_the_engines_launches_side_by_side() -> None:
+    """``bench_launch_profile.py`` on the CPU (the tiny hybrid, an engine and its twin): each engine's
+    unprofiled step and launch times, the callers ``--callers`` asks for, and the functions whose own
+    time differs most, one column pair per engine."""
+    out = run_script("bench_launch_profile.py", "--device", "cpu", "--model", "tiny-hybrid", "--modes", "paged,paged#2",
+                     "--concurrency", "3", "--rounds", "1", "--prompt", "8", "--new", "12", "--top", "5",
+                     "--callers", "vllm_mamba2_mixer|mamba2_mixer")
+    lines = out.splitlines()
+    for mode in ("paged", "paged#2"):
+        row = next(line.split() for line in lines if line.split()[:2] == [mode, "step"])
+        assert row[5] == "launch" and float(row[4]) > float(row[8]) > 0, row  # (a step outlasts its launches)
+        assert any(line.startswith(f"{mode}: callers of") for line in lines), out
+    assert any("hybrid.py" in line and "forward" in line for line in lines), out  # (the mixer's caller)
+    head = lines.index(next(line for line in lines if line.startswith("function")))
+    table = [line.split() for line in lines[head + 1 : head + 6]]
+    assert len(table) == 5 and all(len(r) >= 5 and float(r[-1]) >= 0 for r in table), table
+
+
+def test_bench_launch_profile_ranks_by_the_largest_difference() -> None:
+    """The functions listed are those whose own time per step differs most from the first engine's, in
+    either direction, a function one engine never called counting as 0 there (its docstring's example
+    runs too); fewer than two distinct modes are refused."""
+    import doctest
+
+    mod = load_benchmark("bench_launch_profile.py", "bench_launch_profile_rank")
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(mod.differences, "differences", globs={"differences": mod.differences}):
+        runner.run(test)
+    assert runner.summarize(verbose=False) == (0, 3)
+    first = {("a", 1, "f"): (1.0, 10.0), ("a", 2, "g"): (1.0, 3.0)}
+    others = {"B": {("a", 1, "f"): (1.0, 11.0)}, "C": {("a", 1, "f"): (1.0, 2.0), ("a", 3, "h"): (2.0, 5.0)}}
+    got = mod.differences({"A": first, **others}, 3)
+    assert got == [(("a", 1, "f"), -8.0), (("a", 3, "h"), 5.0), (("a", 2, "g"), -3.0)]
+    assert mod.name_of(("~", 0, "<built-in method posix.stat>")) == "<built-in method posix.stat>"
+    assert mod.name_of(("/x/y/engine/hybrid.py", 12, "forward")) == "engine/hybrid.py:12(forward)"
+    assert mod.main(["--device", "cpu", "--modes", "paged"]) == 2
+    assert mod.main(["--device", "cpu", "--modes", "paged,paged"]) == 2

@@ -78,7 +78,11 @@ FLASHINFER_DEPENDENCIES = ("apache-tvm-ffi==0.1.15.post2", "nvidia-ml-py==13.615
 """What importing FlashInfer 0.7.2.post1's attention wrappers needs beyond the image and :data:`DEPENDENCIES`
 (TVM-FFI, its kernels' binding; ``pynvml`` and ``tabulate``, imported by its ``utils`` and ``autotuner`` at
 import time; its other requirements, CuTe DSL, cuda-python, NCCL, serve kernels the attention backend
-does not call). With them ``.vllm`` needs nothing of ``.whl``."""
+does not call). With them ``.vllm`` needs nothing of ``.whl``. One requirement left out is consulted:
+``nvidia-cudnn-frontend`` (an 11.6 MB wheel, past the device call's 64 MiB carry with the rest), whose
+version an eager decode ``plan()`` with ``backend="auto"`` checks to route a plan to cuDNN. Without it
+that check is a failed ``import cudnn`` (twice a plan, in vLLM's plan time), and on Hopper the routing is
+the same either way (cuDNN takes plans only on SM100/SM103); docs/engine.md, "The vllm metadata mode"."""
 
 
 STANDINS = {
