@@ -22,9 +22,12 @@ medians over the rounds of each timed run's medians over its full-batch decode s
   for the previous step's sampled tokens, is counted apart as ``waits/step``);
 - ``launch ms``: host time from the end of the kernel's preparation to the step's last launch (the
   model's forward, or its graph's replay, and the sampled tokens' copy); ``wait ms``: time the loop's
-  iteration spent blocked on that wait. A step that waits is bound by the GPU; an eager step that does
-  not is bound by the host, most of it its launches, so when two engines' tokens/s differ these two
-  columns say whether the GPU's work or the host's launches made the difference.
+  iteration spent blocked on that wait; ``behind``: the share of the steps whose launches began with
+  the GPU still running the previous step. A loop bound by the host finds the GPU done (``behind``
+  near 0%): its ``launch ms`` is the host's own. A loop bound by the GPU finds it behind (near 100%):
+  its host blocks inside the launches once CUDA's launch queue is full, not in ``wait ms``, so its
+  ``launch ms`` holds the GPU's time. When two engines' tokens/s differ, these columns say which of
+  the two made the difference.
 
 Modes: ``graphs`` (graph-mode stager, decode steps replayed as CUDA graphs, FlashInfer), ``eager``
 (FlashInfer, no graphs), ``per-tensor`` (eager, the same host derivation with every field uploaded
@@ -268,6 +271,7 @@ def timed_run(engine: Engine, n: int, prompt: int, new: int, vocab: int, seed: i
             "fence": st.step_fence[s0:], "replayed": st.step_replayed[s0:],
             # (an engine of an older commit, ab_engine.py's base, may time neither)
             "launch": getattr(st, "step_launch", [])[s0:], "wait": getattr(st, "step_wait", [])[st0:],
+            "behind": getattr(st, "step_gpu_behind", [])[s0:],
             "steps": st.steps - n0,
             "copies": st.metadata_copies - c0, "plan_s": st.plan_s - plan0, "waits": st.token_waits - w0,
             "wall": wall, "tokens": [r.tokens[len(r.prompt):] for r in reqs]}
@@ -287,7 +291,8 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
                "fence": statistics.median(fence[i] for i in idx), "fenced": sum(fence[i] > 0 for i in idx),
                "replayed": sum(run["replayed"][i] for i in idx) / max(len(idx), 1), "decode_steps": len(idx),
                "launch": statistics.median(run["launch"][i] for i in idx),
-               "wait": statistics.median(run["wait"][i] for i in idx)}
+               "wait": statistics.median(run["wait"][i] for i in idx),
+               "behind": sum(run["behind"][i] for i in idx) / max(len(idx), 1)}
         pre = [i for i, k in enumerate(kinds) if k == "mixed"]
         if engine.hybrid and pre:  # the steps that carry prompt tokens
             out.update(pstep=statistics.median(times[i] for i in pre), pmeta=statistics.median(md[i] for i in pre),
@@ -306,6 +311,7 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
                              "rounds": len(runs), "step_ms_rounds": [r["step"] * 1e3 for r in rs],
                              "metadata_ms_rounds": [r["meta"] * 1e3 for r in rs],
                              "launch_ms": med("launch") * 1e3, "wait_ms": med("wait") * 1e3,
+                             "gpu_behind": med("behind"),
                              "launch_ms_rounds": [r["launch"] * 1e3 for r in rs]}
     if all("pstep" in r for r in rs):
         extra.update(prefill_steps=rs[0]["prefill_steps"], prefill_step_ms=med("pstep") * 1e3,
@@ -520,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{'mode':>11} {'reqs':>5} {'step ms':>8} {'steps/s':>8} {'tok/s':>8} {'metadata ms':>11} {'share':>6} "
           f"{'fence ms':>8} {'own ms':>7} {'own %':>6} {'replay':>6} {'plan ms':>8} {'copies':>6} {'H2D':>5} "
-          f"{'syncs':>5} {'waits':>5} {'launch ms':>9} {'wait ms':>7}", flush=True)
+          f"{'syncs':>5} {'waits':>5} {'launch ms':>9} {'wait ms':>7} {'behind':>6}", flush=True)
     colds = []
     for n in [int(x) for x in a.concurrency.split(",")]:
         for r in measure_all(model, modes.split(","), n, a.prompt, a.new, device, None if a.no_cold else a.cold_us,
@@ -531,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['metadata_ms']:11.4f} {r['share']:6.1%} {r['fence_ms']:8.4f} {r['own_ms']:7.4f} "
                   f"{r['own_share']:6.1%} {r['replayed']:6.0%} {r['plan_ms']:8.3f} {r['copies_per_step']:6.2f} "
                   f"{r['h2d_per_step']:5.1f} {r['syncs_per_step']:5.2f} {r['waits_per_step']:5.2f} "
-                  f"{r['launch_ms']:9.3f} {r['wait_ms']:7.3f}"
+                  f"{r['launch_ms']:9.3f} {r['wait_ms']:7.3f} {r['gpu_behind']:6.0%}"
                   + (f"  sync ops: {r['sync_ops']}" if r["sync_ops"] else "")
                   + (f"  other audit findings/step {r['other_findings_per_step']:.2f}: {r['other_findings']}"
                      if r["other_findings"] else ""), flush=True)

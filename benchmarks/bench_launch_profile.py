@@ -2,13 +2,16 @@
 
 ``bench_engine.py`` times the host's launches of each step (``launch ms``: the model's forward, or its
 graph's replay, and the sampled tokens' copy). Two engines of the same code in one process can differ
-there by far more than their metadata (docs/benchmarks.md). This script finds where: it warms one engine
-per ``--modes`` entry (``MODE#2`` a twin, as in ``bench_engine.py``), times ``--rounds`` rounds of runs
-alternating between them (each engine's median launch time over its full-batch decode steps, unprofiled),
-then serves one more run per engine under ``cProfile`` and prints, per engine and per step, the
-functions whose own time (``tottime``: without the functions they call) differs most from the first
-engine's, with their calls (``--callers REGEX``: and who calls the functions that match). A function that takes longer in one engine with as many calls points at what
-that engine pays more for in each call; one with more calls, at a path only that engine takes.
+there by far more than their metadata (docs/benchmarks.md). This script finds where. It warms one
+engine per ``--modes`` entry (``MODE#2`` a twin, as in ``bench_engine.py``) and times ``--rounds``
+rounds of runs alternating between them, unprofiled. For each engine it prints the median step and
+launch times over its full-batch decode steps, and the share of those steps whose launches began with
+the GPU still on the previous step: near 100%, the loop is bound by the GPU and its launch time holds
+the GPU's. Then it serves one more run per engine under ``cProfile``. Per engine and per step, it
+prints the functions whose own time (``tottime``: without the functions they call) differs most from
+the first engine's, with their calls (``--callers REGEX``: and who calls the functions that match). A
+function that takes longer in one engine with as many calls points at what that engine pays more for
+in each call; one with more calls, at a path only that engine takes.
 
 Run: ``python benchmarks/bench_launch_profile.py [--device cuda] [--model hybrid-1b] [--modes
 eager,eager#2,vllm-eager] [--concurrency 256] [--rounds 2] [--top 30]`` (``bash benchmarks/gpu_all.sh OUT
@@ -118,16 +121,20 @@ def main(argv: list[str] | None = None) -> int:
     engines = {m: bench_engine.warm_engine(model, m, n, a.prompt, a.new, device) for m in modes}
     launch: dict[str, list[float]] = {m: [] for m in modes}
     step: dict[str, list[float]] = {m: [] for m in modes}
+    behind: dict[str, list[float]] = {m: [] for m in modes}
     for k in range(a.rounds):
         for m in modes:
             run = bench_engine.timed_run(engines[m], n, a.prompt, a.new, vocab, 1000 + k)
             idx = bench_engine.full_batch(run["kinds"])
             launch[m].append(statistics.median(run["launch"][i] for i in idx) * 1e3)
             step[m].append(statistics.median(run["times"][i] for i in idx) * 1e3)
-    print(f"\nunprofiled, {a.rounds} rounds (medians over each run's full-batch decode steps, ms; then their median)")
+            behind[m].append(sum(run["behind"][i] for i in idx) / max(len(idx), 1))
+    print(f"\nunprofiled, {a.rounds} rounds (medians over each run's full-batch decode steps, ms; then their median; "
+          "behind: the steps whose launches began with the GPU still on the previous step)")
     for m in modes:
         print(f"{m:>12}  step {' '.join(f'{x:7.3f}' for x in step[m])} -> {statistics.median(step[m]):7.3f}   "
-              f"launch {' '.join(f'{x:7.3f}' for x in launch[m])} -> {statistics.median(launch[m]):7.3f}", flush=True)
+              f"launch {' '.join(f'{x:7.3f}' for x in launch[m])} -> {statistics.median(launch[m]):7.3f}   "
+              f"behind {' '.join(f'{x:4.0%}' for x in behind[m])}", flush=True)
     per_mode: dict[str, dict[Key, tuple[float, float]]] = {}
     totals: dict[str, float] = {}
     for m in modes:

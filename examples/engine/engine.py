@@ -144,7 +144,12 @@ class EngineStats:
     an eager step is bound by the host's kernel launches."""
     step_wait: list[float] = dataclasses.field(default_factory=list)
     """Per step (as ``step_times``): time the loop's iteration spent blocked on the GPU, waiting for a
-    step's sampled tokens. An iteration that waits is bound by the GPU; one that does not, by the host."""
+    step's sampled tokens."""
+    step_gpu_behind: list[bool] = dataclasses.field(default_factory=list)
+    """Per step: whether the GPU was still running the previous step when this step's launches began
+    (a non-blocking query of its event). A loop bound by the host finds the GPU done each time; one bound
+    by the GPU finds it behind, and its host then blocks inside the launches (CUDA's launch queue is
+    full), not in ``step_wait``: ``step_launch`` holds the GPU's time too."""
 
 
 class Engine:
@@ -365,6 +370,7 @@ class Engine:
         else:
             self.kernel.prepare(cm, built.metadata)
         t_run = time.perf_counter()
+        st.step_gpu_behind.append(self._gpu_behind(out.step))
         if cfg.uploads != "per-tensor":  # (the step's statistics: bookkeeping, after the timed parts, as in _step_vllm)
             st.metadata_copies += step.stats.copies
         st.metadata_s += t_plan - t_md
@@ -397,6 +403,12 @@ class Engine:
         self._send_tokens(out.step, rows_total)
         st.step_launch.append(time.perf_counter() - t_run)
 
+    def _gpu_behind(self, step: int) -> bool:
+        """Whether the GPU is still running step ``step - 1`` (its sampled tokens' event not yet done: a
+        non-blocking query) as step ``step``'s launches begin."""
+        ev = self._events[(step - 1) % 2]
+        return step > 0 and ev is not None and not ev.query()  # type: ignore[no-untyped-call]
+
     def _send_tokens(self, step: int, rows: int) -> None:
         """Copy the step's sampled tokens into the pinned host ring (non-blocking) and record its event."""
         slot = step % 2
@@ -418,6 +430,7 @@ class Engine:
         t_plan = time.perf_counter()  # the kernel's own preparation is plan time, as in the attnmeta mode
         self.kernel.prepare_vllm(vs, n, cfg.block_size)
         t_run = time.perf_counter()
+        st.step_gpu_behind.append(self._gpu_behind(out.step))
         st.metadata_s += t_plan - t_md - vs.plan_seconds
         st.plan_s += vs.plan_seconds + t_run - t_plan
         st.metadata_copies += vs.copies

@@ -195,7 +195,8 @@ def test_launch_and_wait_times_split_the_loop(model: Any, monkeypatch: pytest.Mo
     """``step_launch`` times the step's launches (the forward: 10 s on a clock only it and the token
     wait advance) and ``step_wait`` the loop's iteration blocked on the sampled tokens' event (5 s a
     wait, events standing in for CUDA's that are never done when asked): one entry per step each, and
-    the waits' seconds are the waits counted."""
+    the waits' seconds are the waits counted; ``step_gpu_behind`` finds the GPU still on the previous
+    step as each step's launches begin."""
     import examples.engine.engine as engine_module
 
     clock = [0.0]
@@ -226,6 +227,8 @@ def test_launch_and_wait_times_split_the_loop(model: Any, monkeypatch: pytest.Mo
     assert len(st.step_wait) == len(st.step_times) == st.steps
     assert set(st.step_wait) <= {0.0, 5.0} and st.step_wait[0] == 0.0  # (the first step has no tokens to wait for)
     assert sum(st.step_wait) == 5.0 * (st.token_waits - 1)  # (the loop's last wait ends no step)
+    # (each step's launches began with the GPU behind, the events never done; the first had no step before it)
+    assert st.step_gpu_behind == [False] + [True] * (st.steps - 1)
 
 
 # ---------------------------------------------------------------------------------------------------

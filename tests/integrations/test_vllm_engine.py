@@ -99,4 +99,4 @@ def test_bench_engine_compares_the_pair_on_the_cpu(capsys: pytest.CaptureFixture
                 for k in ("step_ms_rounds", "metadata_ms_rounds")]
         assert [got["tokens_per_s_x"], got["metadata_faster_x"]] == pytest.approx(want)
         assert got["launch_x"] == pytest.approx(r["launch_ms"] / v["launch_ms"])
-        assert r["wait_ms"] == v["wait_ms"] == 0  # (the CPU's steps have no event to wait on)
+        assert r["wait_ms"] == v["wait_ms"] == 0 == r["gpu_behind"] == v["gpu_behind"]  # (the CPU: no events)
