@@ -51,11 +51,16 @@ and ends with each pair's ratios in each process and their median over the proce
 (:func:`across_processes`). One process's ratio carries a spread of its own: two engines of the same
 code in one process differ by up to about 15% in this host-bound time (docs/benchmarks.md, the A/A of
 ``ab_engine.py``), because where the code, the objects and the caches land differs from process to
-process; the median over processes does not rest on one such layout.
+process; the median over processes does not rest on one such layout. Every other process makes its
+engines, and runs each round, in the reverse of ``--modes``' order (``--reverse`` in that process;
+``--same-order`` keeps one order): in the hybrid's eager steps the engine made first in a process was
+sometimes much slower than a twin of the same code made after it (docs/benchmarks.md), and alternating
+the order keeps that from always landing on the same mode.
 
 A mode named with a suffix, ``MODE#2``, is a second engine of ``MODE`` made and timed beside the first
 in the same process (``--modes eager,eager#2``): an A/A of the loop, whose summary gives the twin's
-whole step, metadata and launch time over the first's, and the requests whose tokens differ between the two
+whole step, metadata and launch time over ``MODE``'s (the engine made second over the one made first,
+or the other way round in a reversed process), and the requests whose tokens differ between the two
 (none expected: the same code). It tells what one process does to two identical engines from what a
 change does.
 
@@ -354,15 +359,17 @@ def paired(ours: list[float], theirs: list[float]) -> float:
 
 
 def measure_all(model: Any, modes: list[str], n: int, prompt: int, new: int, device: torch.device,
-                cold_us: float | None, rounds: int) -> list[dict[str, Any]]:
+                cold_us: float | None, rounds: int, reverse: bool = False) -> list[dict[str, Any]]:
     """Every mode at ``n`` requests in one process: a warmed engine per mode, then ``rounds`` timed runs
     alternating between the modes (A B A B ...: drift on the machine lands on every mode alike), then
-    each mode's audited and profiled runs."""
+    each mode's audited and profiled runs; rows in ``modes``' order. With ``reverse`` the engines are
+    made, and each round's runs made, in the reverse of that order."""
     vocab = model.config.vocab_size
-    engines = {mode: warm_engine(model, mode, n, prompt, new, device) for mode in modes}
+    order = modes[::-1] if reverse else modes
+    engines = {mode: warm_engine(model, mode, n, prompt, new, device) for mode in order}
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for k in range(rounds):  # (each round its own requests, the same for every mode)
-        for mode in modes:
+        for mode in order:
             runs[mode].append(timed_run(engines[mode], n, prompt, new, vocab, 1000 + k))
     rows = [summarize(engines[m], m, runs[m], n, prompt, new, vocab, cold_us) for m in modes]
     del engines
@@ -390,12 +397,14 @@ def json_runs(script: str, argvs: list[list[str]], labels: list[str] | None = No
     return out
 
 
-def _child_args(a: argparse.Namespace) -> list[str]:
-    """The arguments of one process of a ``--processes`` run: ``a``'s measurement (its ``--json`` is
-    :func:`json_runs`')."""
+def _child_args(a: argparse.Namespace, index: int = 0) -> list[str]:
+    """The arguments of process ``index`` (from 0) of a ``--processes`` run: ``a``'s measurement (its
+    ``--json`` is :func:`json_runs`'), the engines' order reversed in every other process unless
+    ``--same-order`` (``a.reverse`` flips which)."""
     args = ["--device", a.device, "--concurrency", a.concurrency, "--modes", a.modes, "--prompt", str(a.prompt),
             "--new", str(a.new), "--model", a.model, "--rounds", str(a.rounds), "--cold-us", str(a.cold_us)]
-    return args + (["--no-cold"] if a.no_cold else [])
+    reverse = a.reverse != (index % 2 == 1 and not a.same_order)
+    return args + (["--no-cold"] if a.no_cold else []) + (["--reverse"] if reverse else [])
 
 
 def across_processes(runs: list[list[dict[str, Any]]], key: str = "paired_against") -> list[dict[str, Any]]:
@@ -451,8 +460,11 @@ def _processes(a: argparse.Namespace) -> int:
     """``--processes N``: the measurement in N fresh processes, each printing its own tables, then each
     pair's and each A/A twin's ratios per process and their medians (:func:`across_processes`);
     ``--json`` gets every process's rows and those summaries."""
-    runs = json_runs(str(Path(__file__).resolve()), [_child_args(a)] * a.processes,
-                     [f"== process {i + 1} of {a.processes}" for i in range(a.processes)])
+    argvs = [_child_args(a, i) for i in range(a.processes)]
+    runs = json_runs(str(Path(__file__).resolve()), argvs,
+                     [f"== process {i + 1} of {a.processes}" + (" (engines made and timed in reverse order)"
+                                                                 if "--reverse" in argv else "")
+                      for i, argv in enumerate(argvs)])
     if isinstance(runs, int):
         print(f"bench_engine: a process of the {a.processes} failed (exit {runs})", file=sys.stderr)
         return runs
@@ -492,6 +504,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=1, metavar="N",
                    help="run the whole measurement in N fresh processes, one after another, and summarize each "
                         "pair's ratios over them (default 1; module docstring)")
+    p.add_argument("--reverse", action="store_true",
+                   help="make the engines, and run each round, in the reverse of --modes' order (rows keep it)")
+    p.add_argument("--same-order", action="store_true",
+                   help="with --processes: every process in one order (default: every other process reversed)")
     a = p.parse_args(argv)
     if a.processes < 1:
         p.error("--processes: at least 1")
@@ -519,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"bench_engine: unknown modes {unknown}: {', '.join(MODES)}", file=sys.stderr)
         return 2
+    order = modes.split(",")[::-1] if a.reverse else modes.split(",")
+    print(f"engines made, and each round run, in the order {','.join(order)}", flush=True)
     if hybrid and any(MODES[base_mode(m)][1] or MODES[base_mode(m)][2] != "one-copy" for m in modes.split(",")):
         print("bench_engine: a hybrid model runs eager steps with one copy only (--modes eager,vllm-eager,varlen,"
               "vllm-varlen)", file=sys.stderr)
@@ -530,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     colds = []
     for n in [int(x) for x in a.concurrency.split(",")]:
         for r in measure_all(model, modes.split(","), n, a.prompt, a.new, device, None if a.no_cold else a.cold_us,
-                             a.rounds):
+                             a.rounds, a.reverse):
             mode = r["mode"]
             rows.append(r)
             print(f"{mode:>11} {n:>5} {r['step_ms']:8.3f} {r['steps_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
@@ -615,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         del r["tokens"]  # compared above; not written to the JSON
     if a.json:
-        Path(a.json).write_text(json.dumps({"device": device_name, "params": params,
+        Path(a.json).write_text(json.dumps({"device": device_name, "params": params, "order": order,
                                             "rows": rows}, indent=1))
     return 0
 

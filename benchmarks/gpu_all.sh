@@ -108,7 +108,8 @@
 #           VLLMBENCH_MODES the modes, VLLMBENCH_CONCURRENCY the requests, default 1,64,256, VLLMBENCH_ROUNDS
 #           the alternating rounds, default 3; one model's three rows of two modes take about one call;
 #           VLLMBENCH_PROCESSES the fresh processes, one after another, default 1: bench_engine.py --processes,
-#           the pairs' ratios per process and their median. A process repeats the whole measurement: three
+#           the pairs' ratios per process and their median, every other process in the reverse order of
+#           the modes. A process repeats the whole measurement: three
 #           Llama processes at 64,256 took one call of 342 s, one hybrid process at 64,256 about half a call,
 #           so give the hybrid one concurrency a call, and VLLMBENCH_TIMEOUT the call's time less about 40 s
 #           of set-up; a mode MODE#2 in VLLMBENCH_MODES is a twin engine of MODE, an A/A). The

@@ -4,6 +4,7 @@ test_bench_scripts.py, timings are never asserted."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 from pathlib import Path
 from typing import Any
@@ -249,17 +250,21 @@ def test_bench_engine_summarizes_each_pair_over_processes() -> None:
 
 
 def test_bench_engine_runs_fresh_processes_with_an_a_a_twin(tmp_path: Path) -> None:
-    """``--processes 2`` with ``--modes paged,paged#2``: the measurement twice, each in a process of its own
-    (each prints its table and its A/A line: the twin engine, the same code, gives the same tokens), then
-    the twin's ratios per process and their median; the JSON holds both processes' rows and that summary.
-    A mode named twice, and fewer than one process, are refused."""
+    """``--processes 2`` with ``--modes paged,paged#2``: the measurement twice, each in a process of its own,
+    the second making and timing its engines in the reverse order (each prints its table and its A/A line:
+    the twin engine, the same code, gives the same tokens), then the twin's ratios per process and their
+    median; the JSON holds both processes' rows, in --modes' order, and that summary. A mode named twice,
+    and fewer than one process, are refused; ``_child_args`` alternates the order unless ``--same-order``."""
     import json
 
     out = tmp_path / "bench.json"
     text = run_script("bench_engine.py", "--device", "cpu", "--model", "tiny", "--modes", "paged,paged#2",
                       "--concurrency", "3", "--prompt", "8", "--new", "12", "--rounds", "1", "--no-cold",
                       "--processes", "2", "--json", str(out))
-    assert "== process 1 of 2" in text and "== process 2 of 2" in text, text
+    assert "== process 1 of 2\n" in text and "== process 2 of 2 (engines made and timed in reverse order)" in text, text
+    assert [line for line in text.splitlines() if line.startswith("engines made")] == [
+        "engines made, and each round run, in the order paged,paged#2",
+        "engines made, and each round run, in the order paged#2,paged"], text
     assert sum(line.split()[:2] == ["paged", "3"] for line in text.splitlines()) == 2, text
     a_a = [line.split() for line in text.splitlines() if line.split()[:4] == ["paged", "/", "paged#2", "3"]]
     # (2 processes, then the summary; tokens differ: 0 of 3, then the two engines' launch ms and their ratio)
@@ -267,12 +272,20 @@ def test_bench_engine_runs_fresh_processes_with_an_a_a_twin(tmp_path: Path) -> N
     got = json.loads(out.read_text())
     assert [[(r["mode"], r["concurrency"]) for r in p["rows"]] for p in got["processes"]] == [
         [("paged", 3), ("paged#2", 3)]] * 2
+    assert [p["order"] for p in got["processes"]] == [["paged", "paged#2"], ["paged#2", "paged"]]  # (rows: --modes')
     assert got["across_processes"] == []  # (no vLLM pair among the modes)
     (twin,) = got["twins_across_processes"]
     assert twin["pair"] == "paged / paged#2" and len(twin["step_x"]) == 2 and twin["median_metadata_x"] > 0
     assert len(twin["launch_x"]) == 2 and twin["median_launch_x"] > 0
     assert [p["rows"][0]["requests_with_other_tokens_than"] for p in got["processes"]] == [{"paged#2": 0}] * 2
     mod = load_benchmark("bench_engine.py", "bench_engine_processes_refused")
+    def reversed_in(flags: str) -> list[bool]:  # (per process of three: is its order reversed?)
+        a = argparse.Namespace(device="cpu", concurrency="3", modes="paged", prompt=8, new=12, model="tiny", rounds=1,
+                               cold_us=1.0, no_cold=True, reverse="r" in flags, same_order="s" in flags)
+        return ["--reverse" in mod._child_args(a, i) for i in range(3)]
+
+    orders = {flags: reversed_in(flags) for flags in ("", "r", "s", "rs")}
+    assert orders == {"": [False, True, False], "r": [True, False, True], "s": [False] * 3, "rs": [True] * 3}
     with pytest.raises(SystemExit):
         mod.main(["--device", "cpu", "--processes", "0"])
     assert mod.main(["--device", "cpu", "--model", "tiny", "--modes", "paged,paged"]) == 2
