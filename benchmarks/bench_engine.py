@@ -535,12 +535,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"bench_engine: unknown modes {unknown}: {', '.join(MODES)}", file=sys.stderr)
         return 2
-    order = modes.split(",")[::-1] if a.reverse else modes.split(",")
-    print(f"engines made, and each round run, in the order {','.join(order)}", flush=True)
     if hybrid and any(MODES[base_mode(m)][1] or MODES[base_mode(m)][2] != "one-copy" for m in modes.split(",")):
         print("bench_engine: a hybrid model runs eager steps with one copy only (--modes eager,vllm-eager,varlen,"
               "vllm-varlen)", file=sys.stderr)
         return 2
+    order = modes.split(",")[::-1] if a.reverse else modes.split(",")
+    print(f"engines made, and each round run, in the order {','.join(order)}", flush=True)
     rows = []
     print(f"{'mode':>11} {'reqs':>5} {'step ms':>8} {'steps/s':>8} {'tok/s':>8} {'metadata ms':>11} {'share':>6} "
           f"{'fence ms':>8} {'own ms':>7} {'own %':>6} {'replay':>6} {'plan ms':>8} {'copies':>6} {'H2D':>5} "

@@ -140,8 +140,8 @@ class EngineStats:
     (0 unless the host runs ``num_slots - 1`` steps ahead of the GPU)."""
     step_launch: list[float] = dataclasses.field(default_factory=list)
     """Per step: host time from the end of the kernel's preparation to the step's last launch (the
-    step's bookkeeping, the model's forward or its graph's replay, and the sampled tokens' copy): where
-    an eager step is bound by the host's kernel launches."""
+    step's bookkeeping, the model's forward or its graph's replay, and the sampled tokens' copy): the
+    host's launch work, or, when the GPU bounds the loop, the GPU's time too (``step_gpu_behind``)."""
     step_wait: list[float] = dataclasses.field(default_factory=list)
     """Per step (as ``step_times``): time the loop's iteration spent blocked on the GPU, waiting for a
     step's sampled tokens."""
