@@ -147,6 +147,31 @@ PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"), ("varlen", "vllm-va
 """The headline's pairs: attnmeta's mode and vLLM's, the same loop otherwise."""
 
 
+def modes_error(modes: list[str], hybrid: bool) -> str | None:
+    """Why ``modes`` cannot run on a model (``hybrid``: Bamba's Mamba2 and attention layers), or None:
+    an unknown mode, or for a hybrid model a mode with CUDA graphs or per-tensor uploads.
+
+    >>> modes_error(["eager", "eager#2", "vllm-eager"], hybrid=True) is None
+    True
+    >>> modes_error(["graphs"], hybrid=True)
+    'a hybrid model runs eager steps with one copy only (--modes eager,vllm-eager,varlen,vllm-varlen)'
+    """
+    unknown = [m for m in modes if base_mode(m) not in MODES]
+    if unknown:
+        return f"unknown modes {unknown}: {', '.join(MODES)}"
+    if hybrid and any(MODES[base_mode(m)][1] or MODES[base_mode(m)][2] != "one-copy" for m in modes):
+        return "a hybrid model runs eager steps with one copy only (--modes eager,vllm-eager,varlen,vllm-varlen)"
+    return None
+
+
+def cpu_error(modes: list[str]) -> str | None:
+    """Why ``modes`` cannot run without CUDA, or None: only torch's paged kernel runs on the CPU."""
+    if any(MODES.get(base_mode(m), ("",))[0] != "torch-paged" for m in modes):
+        return ("needs CUDA (FlashInfer and varlen kernels, CUDA graphs); on the CPU only the paged and vllm-paged "
+                "modes run (torch's paged kernel)")
+    return None
+
+
 def is_hybrid(config: Any) -> bool:
     """Whether a :data:`MODELS` config is a hybrid model (Bamba: Mamba2 and attention layers, two KV-cache
     groups), which the engine runs in eager steps only (it captures no CUDA graphs for it)."""
@@ -514,9 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.processes > 1:
         return _processes(a)
     device = torch.device(a.device)
-    if device.type != "cuda" and any(MODES.get(base_mode(m), ("",))[0] != "torch-paged" for m in a.modes.split(",")):
-        print("bench_engine: needs CUDA (FlashInfer and varlen kernels, CUDA graphs); on the CPU only the "
-              "paged and vllm-paged modes run (torch's paged kernel)", file=sys.stderr)
+    no_cuda = cpu_error(a.modes.split(",")) if device.type != "cuda" else None
+    if no_cuda:
+        print(f"bench_engine: {no_cuda}", file=sys.stderr)
         return 2
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     config = MODELS[a.model]()
@@ -528,16 +553,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{device_name}; prompts of {'-'.join(map(str, _prompt_range(a.prompt)))} tokens, {a.new} new tokens per "
           f"request, new requests every run", flush=True)
     modes = "eager" if hybrid and a.modes == p.get_default("modes") else a.modes
-    unknown = [m for m in modes.split(",") if base_mode(m) not in MODES]
     if len(set(modes.split(","))) != len(modes.split(",")):
         print(f"bench_engine: a mode named twice in {modes!r}: name a second engine of a mode as MODE#2", file=sys.stderr)
         return 2
-    if unknown:
-        print(f"bench_engine: unknown modes {unknown}: {', '.join(MODES)}", file=sys.stderr)
-        return 2
-    if hybrid and any(MODES[base_mode(m)][1] or MODES[base_mode(m)][2] != "one-copy" for m in modes.split(",")):
-        print("bench_engine: a hybrid model runs eager steps with one copy only (--modes eager,vllm-eager,varlen,"
-              "vllm-varlen)", file=sys.stderr)
+    error = modes_error(modes.split(","), hybrid)
+    if error:
+        print(f"bench_engine: {error}", file=sys.stderr)
         return 2
     order = modes.split(",")[::-1] if a.reverse else modes.split(",")
     print(f"engines made, and each round run, in the order {','.join(order)}", flush=True)

@@ -108,13 +108,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="also print, per engine, the callers of the functions whose names match REGEX (pstats's)")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
-    unknown = [m for m in modes if bench_engine.base_mode(m) not in bench_engine.MODES]
-    if unknown or len(set(modes)) != len(modes) or len(modes) < 2:
-        print(f"bench_launch_profile: --modes needs two or more distinct modes of {', '.join(bench_engine.MODES)} "
-              f"(MODE#2 a twin), got {a.modes!r}", file=sys.stderr)
-        return 2
     device = torch.device(a.device)
-    model = make_model(bench_engine.MODELS[a.model](), device, torch.bfloat16)
+    config = bench_engine.MODELS[a.model]()
+    error = (bench_engine.modes_error(modes, bench_engine.is_hybrid(config))
+             or (bench_engine.cpu_error(modes) if device.type != "cuda" else None))
+    if len(set(modes)) != len(modes) or len(modes) < 2:
+        error = f"--modes needs two or more distinct modes (MODE#2 a twin), got {a.modes!r}"
+    if error:
+        print(f"bench_launch_profile: {error}", file=sys.stderr)
+        return 2
+    model = make_model(config, device, torch.bfloat16)
     vocab, n = model.config.vocab_size, a.concurrency
     print(f"model {a.model}, {n} requests, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}; "
           f"engines {modes}", flush=True)

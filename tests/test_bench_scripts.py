@@ -173,10 +173,11 @@ def test_bench_launch_profile_sets_the_engines_launches_side_by_side() -> None:
     assert len(table) == 5 and all(len(r) >= 5 and float(r[-1]) >= 0 for r in table), table
 
 
-def test_bench_launch_profile_ranks_by_the_largest_difference() -> None:
+def test_bench_launch_profile_ranks_by_the_largest_difference(capsys: pytest.CaptureFixture[str]) -> None:
     """The functions listed are those whose own time per step differs most from the first engine's, in
     either direction, a function one engine never called counting as 0 there (its docstring's example
-    runs too); fewer than two distinct modes are refused."""
+    runs too); fewer than two distinct modes, an unknown mode, one that needs CUDA on the CPU, and one a
+    hybrid model cannot run are refused, each saying why."""
     import doctest
 
     mod = load_benchmark("bench_launch_profile.py", "bench_launch_profile_rank")
@@ -192,3 +193,7 @@ def test_bench_launch_profile_ranks_by_the_largest_difference() -> None:
     assert mod.name_of(("/x/y/engine/hybrid.py", 12, "forward")) == "engine/hybrid.py:12(forward)"
     assert mod.main(["--device", "cpu", "--modes", "paged"]) == 2
     assert mod.main(["--device", "cpu", "--modes", "paged,paged"]) == 2
+    refused = {"paged,nope": "unknown modes", "eager,vllm-eager": "needs CUDA", "paged,per-tensor": "one copy only"}
+    for modes, why in refused.items():
+        assert mod.main(["--device", "cpu", "--model", "tiny-hybrid", "--modes", modes]) == 2
+        assert why in capsys.readouterr().err, modes
