@@ -485,3 +485,41 @@ def test_flashinfer_kernel_runs_each_wrapper_over_the_rows_its_indptr_covers(mon
     kernel.prepare(built.common, built.metadata)
     out = kernel.attend(0, torch.zeros(5, 4, 8), torch.zeros(1), torch.zeros(1))
     assert ran == [2, 3] and bool((out == 1).all())
+
+
+def test_vllm_mode_marks_flashinfer_s_missing_optional_packages_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mark_absent`` (the vllm mode, before vLLM's FlashInfer backend is imported): a package no finder
+    can import becomes ``None`` in ``sys.modules``, so importing it fails at once, as FlashInfer's checks
+    expect, instead of searching the whole path at every plan; an importable one is left alone. Its
+    docstring's example runs too."""
+    import doctest
+    import importlib
+    import sys
+
+    from examples.engine import vllm_metadata
+
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(vllm_metadata.mark_absent, "mark_absent",
+                                             globs={"mark_absent": vllm_metadata.mark_absent}):
+        runner.run(test)
+    assert runner.summarize(verbose=False) == (0, 3)
+    name = "attnmeta_test_missing_package"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    assert vllm_metadata.mark_absent((name, "json")) == [name] and sys.modules[name] is None
+    searched: list[str] = []
+    monkeypatch.setattr(sys, "meta_path", [_Recorder(searched), *sys.meta_path])
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(name)
+    assert searched == []  # (no finder was asked)
+    assert vllm_metadata.mark_absent((name,)) == []  # (already marked: left as it is)
+    assert vllm_metadata.FLASHINFER_OPTIONAL == ("cudnn",)
+
+
+class _Recorder:
+    """A meta-path finder that records the names it is asked for and finds nothing."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        self.names.append(name)

@@ -80,9 +80,10 @@ FLASHINFER_DEPENDENCIES = ("apache-tvm-ffi==0.1.15.post2", "nvidia-ml-py==13.615
 import time; its other requirements, CuTe DSL, cuda-python, NCCL, serve kernels the attention backend
 does not call). With them ``.vllm`` needs nothing of ``.whl``. One requirement left out is consulted:
 ``nvidia-cudnn-frontend`` (an 11.6 MB wheel, past the device call's 64 MiB carry with the rest), whose
-version an eager decode ``plan()`` with ``backend="auto"`` checks to route a plan to cuDNN. Without it
-that check is a failed ``import cudnn`` (twice a plan, in vLLM's plan time), and on Hopper the routing is
-the same either way (cuDNN takes plans only on SM100/SM103); docs/engine.md, "The vllm metadata mode"."""
+version an eager decode ``plan()`` with ``backend="auto"`` checks to route a plan to cuDNN. The engine's
+vllm mode marks it absent (``examples/engine/vllm_metadata.py``: ``mark_absent``), so the check fails at
+once instead of searching ``sys.path`` twice a plan; on Hopper the routing is the same either way (cuDNN
+takes plans only on SM100/SM103); docs/engine.md, "The vllm metadata mode"."""
 
 
 STANDINS = {
