@@ -109,7 +109,8 @@
 #           the alternating rounds, default 3; one model's three rows of two modes take about one call;
 #           VLLMBENCH_PROCESSES the fresh processes, one after another, default 1: bench_engine.py --processes,
 #           the pairs' ratios per process and their median, every other process in the reverse order of
-#           the modes. A process repeats the whole measurement: three
+#           the modes; VLLMBENCH_REVERSE=1 reverses the order, for the other half of a run split over calls.
+#           A process repeats the whole measurement: three
 #           Llama processes at 64,256 took one call of 342 s, one hybrid process at 64,256 about half a call,
 #           so give the hybrid one concurrency a call, and VLLMBENCH_TIMEOUT the call's time less about 40 s
 #           of set-up; a mode MODE#2 in VLLMBENCH_MODES is a twin engine of MODE, an A/A). The
@@ -385,13 +386,15 @@ if vllm_site; then
     if [[ $m == 1b ]]; then
       timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --modes "${VLLMBENCH_MODES:-$llama_modes}" --no-cold \
         --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" --rounds "${VLLMBENCH_ROUNDS:-3}" \
-        --processes "${VLLMBENCH_PROCESSES:-1}" --json "$OUT_DIR/vllm_bench.json" 2>&1 | tee -a "$OUT_DIR/vllm_bench.txt"
+        --processes "${VLLMBENCH_PROCESSES:-1}" ${VLLMBENCH_REVERSE:+--reverse} --json "$OUT_DIR/vllm_bench.json" 2>&1 \
+        | tee -a "$OUT_DIR/vllm_bench.txt"
       rc=${PIPESTATUS[0]}  # (read before any other command: [[ ]] has a PIPESTATUS of its own)
       [[ $rc -eq 0 ]] || failed "vllmbench (1b)" "$rc"
     else
       timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --modes "${VLLMBENCH_MODES:-$hybrid_modes}" \
         --no-cold --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" --rounds "${VLLMBENCH_ROUNDS:-3}" \
-        --processes "${VLLMBENCH_PROCESSES:-1}" --json "$OUT_DIR/vllm_hybrid_bench.json" 2>&1 | tee "$OUT_DIR/vllm_hybrid_bench.txt"
+        --processes "${VLLMBENCH_PROCESSES:-1}" ${VLLMBENCH_REVERSE:+--reverse} --json "$OUT_DIR/vllm_hybrid_bench.json" \
+        2>&1 | tee "$OUT_DIR/vllm_hybrid_bench.txt"
       rc=${PIPESTATUS[0]}
       [[ $rc -eq 0 ]] || failed "vllmbench (hybrid-1b)" "$rc"
     fi
