@@ -8,7 +8,8 @@ ignored folder ``.kernels/`` of the checkout. Nothing written here is ever commi
   script, for the few vLLM modules those files import (:data:`STANDINS`: ``vllm.triton_utils``,
   ``vllm.platforms``, ``vllm.envs``, ``vllm.logger``, ``vllm._custom_ops``,
   ``vllm.utils.platform_utils``, two constants of ``vllm.v1.attention.backends.utils`` and the
-  checkpoint metadata type of ``vllm.model_executor.layers.mamba.checkpoint``). The test imports
+  checkpoint metadata type of ``vllm.model_executor.layers.mamba.checkpoint``), and the tuned launch
+  configs of ``selective_state_update`` (:data:`VLLM_CONFIGS`). The test imports
   them under their own names and removes them from ``sys.modules`` afterwards, so they never shadow
   a real vLLM.
 - ``.kernels/site/``: upstream ``mamba_ssm`` (:data:`MAMBA_SSM`), built as a pure-Python wheel from
@@ -41,7 +42,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-__all__ = ["MAMBA_SSM", "OPS", "STANDINS", "VLLM_FILES", "VLLM_VERSION", "main"]
+__all__ = ["MAMBA_SSM", "OPS", "STANDINS", "VLLM_CONFIGS", "VLLM_FILES", "VLLM_VERSION", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]
 DEST = ROOT / ".kernels"
@@ -55,6 +56,11 @@ VLLM_FILES = (
 )
 """The kernel files taken from vLLM: the varlen SSD scan, causal conv1d (prefill and update), the
 decode state update ``selective_state_update`` (``mamba_ssm.py``) and the prefill-checkpoint store."""
+VLLM_CONFIGS = "configs/selective_state_update"
+"""The folder (under :data:`OPS`) of vLLM's tuned launch configs for ``selective_state_update``, one JSON
+file per head size, state size, device and state dtype (H100's and H200's among them). ``mamba_ssm.py``
+reads the one for its device beside itself, and without it launches with a fallback it warns is
+sub-optimal; all its files are taken (about 140 KB), so the kernel launches as vLLM's does on any GPU."""
 
 _HEADER = '"""Stand-in written by attnmeta\'s tests/kernels/fetch_kernels.py (not vLLM code): {what}."""\n'
 STANDINS: dict[str, str] = {
@@ -123,7 +129,8 @@ def _pip(*args: str, env: dict[str, str] | None = None) -> None:
 
 
 def _vllm_sources(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, bytes], str]:
-    """The kernel files' bytes by name, and a description of where they came from.
+    """The kernel files' bytes by name (and :data:`VLLM_CONFIGS`' files, by their path under :data:`OPS`),
+    and a description of where they came from.
 
     Raises
     ------
@@ -146,6 +153,8 @@ def _vllm_sources(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, bytes]
             if missing:
                 raise SystemExit(f"{wheel}: no {', '.join(missing)} under {OPS}")
             files = {f: z.read(f"{OPS}/{f}") for f in VLLM_FILES}
+            configs = sorted(n for n in names if n.startswith(f"{OPS}/{VLLM_CONFIGS}/") and n.endswith(".json"))
+            files.update({n.removeprefix(f"{OPS}/"): z.read(n) for n in configs})
         where = f"wheel {wheel.name}"
     else:
         pkg = Path(args.vllm_dir).resolve()
@@ -156,6 +165,7 @@ def _vllm_sources(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, bytes]
         if missing:
             raise SystemExit(f"{ops}: no {', '.join(missing)} (is {pkg} a vllm package folder?)")
         files = {f: (ops / f).read_bytes() for f in VLLM_FILES}
+        files.update({f"{VLLM_CONFIGS}/{c.name}": c.read_bytes() for c in sorted((ops / VLLM_CONFIGS).glob("*.json"))})
         where = f"installed package {pkg} ({infos[0].name if infos else 'no dist-info'})"
     if version != VLLM_VERSION and not args.any_version:
         raise SystemExit(f"{where} is vLLM {version}, the test is written for {VLLM_VERSION} "
@@ -174,6 +184,7 @@ def write_vllm(args: argparse.Namespace, tmp: Path, manifest: list[str]) -> None
         p.write_text(text)
         manifest.append(f"standin  {rel}  {_sha256(text.encode())}")
     for name, data in files.items():
+        (out / OPS / name).parent.mkdir(parents=True, exist_ok=True)
         (out / OPS / name).write_bytes(data)
         manifest.append(f"vllm     {OPS}/{name}  {_sha256(data)}  from {where}")
     print(f"vLLM {VLLM_VERSION} kernels from {where} -> {out}")

@@ -73,10 +73,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import json
 import math
 import sys
 import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -641,6 +643,20 @@ def count_cases(batch: Batch) -> None:
                  else "vLLM rows: continued prefill, context not a multiple of the chunk size (a realigning chunk)")
     if spec.padded_num_reqs > spec.num_reqs:
         note("vLLM batches with CUDA-graph padding rows")
+
+
+def test_vllm_kernels_find_their_tuned_launch_configs_on_the_gpu_machine(vllm_ops: types.SimpleNamespace) -> None:
+    """``selective_state_update`` launches with vLLM's tuned configs on the GPU machine's cards, as in an
+    install: fetch_kernels.py carries them beside ``mamba_ssm.py`` (``VLLM_CONFIGS``), and the file the
+    kernel looks up for the engine's ~1.44B hybrid (head size 64, state size 128, float32 states) is
+    there for the H100 and the H200; without it the kernel warns and launches with a fallback."""
+    ssm = vllm_ops.modules["mamba_ssm"]
+    for card in ("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"):
+        name = ssm.get_ssm_config_file_name(64, 128, "float32", card)
+        path = Path(ssm._CONFIGS_DIR) / name
+        assert path.is_file(), f"{path}: run {FETCH}"
+        tuned = json.loads(path.read_text())
+        assert all(set(tuned[k]) == {"BLOCK_SIZE_M", "num_warps"} for k in tuned if k.isdigit()), name
 
 
 @pytest.mark.parametrize("seed", SEEDS)
