@@ -178,10 +178,11 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
-def base_package(commit: str, exports: Path = EXPORTS) -> Any:
-    """``commit``'s ``attnmeta`` package, imported as ``attnmeta_base`` from a copy kept under ``exports``
-    (:func:`import_exported`; ``commit``: a commit, or a folder exported from one, :func:`export`)."""
-    return import_exported(commit, "attnmeta", "attnmeta_base", {"attnmeta": "attnmeta_base"}, exports)
+def base_package(commit: str, exports: Path = EXPORTS, side: str = "base") -> Any:
+    """``commit``'s ``attnmeta`` package, imported as ``attnmeta_<side>`` (``attnmeta_base`` by default)
+    from a copy kept under ``exports`` (:func:`import_exported`; ``commit``: a commit, or a folder
+    exported from one, :func:`export`)."""
+    return import_exported(commit, "attnmeta", f"attnmeta_{side}", {"attnmeta": f"attnmeta_{side}"}, exports)
 
 
 def paths(mod: Any, batch: int, device: torch.device, walk: int = 0, engine: list[dict[str, Any]] | None = None,

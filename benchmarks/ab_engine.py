@@ -17,7 +17,7 @@ median over the rounds of each round's ratio (a drift of the machine between rou
 also the step time of each side, and the requests whose tokens differ between the sides (0: the same
 kernels and model read either side's metadata).
 
-The other commit's package comes from :func:`side_package` (``ab_commit.base_package``'s copy); its
+The other commit's package comes from ``ab_commit.base_package`` (a renamed copy); its
 engine from the same commit's ``examples/engine`` (imported as ``engine_base``, every attnmeta import
 renamed), both kept in ``.ab_exports`` for later runs as ``ab_commit.py`` keeps them. On a machine without
 the checkout's history, export both first and pass the folder:
@@ -54,7 +54,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from ab_commit import EXPORTS, import_exported  # noqa: E402  (benchmarks/ab_commit.py)
+from ab_commit import EXPORTS, base_package, import_exported  # noqa: E402  (benchmarks/ab_commit.py)
 from bench_engine import (  # noqa: E402
     MODELS,
     _engine,
@@ -73,7 +73,7 @@ from examples.engine.workload import make_model  # noqa: E402
 def side_engine(commit: str, exports: Path = EXPORTS, side: str = "base") -> Any:
     """``commit``'s ``examples/engine``, imported as the package ``engine_<side>`` (from a copy kept under
     ``exports``: :func:`ab_commit.import_exported`) with its attnmeta imports renamed to ``attnmeta_<side>``
-    (:func:`side_package` imports that package). ``commit`` is a commit of this checkout, or a folder
+    (``ab_commit.base_package`` imports that package). ``commit`` is a commit of this checkout, or a folder
     holding ``examples/engine`` exported from one (this checkout's root: its working tree)."""
     pkg, name = f"attnmeta_{side}", f"engine_{side}"
     engine = import_exported(commit, "examples/engine", name, {"attnmeta": pkg, "examples.engine": name}, exports)
@@ -90,24 +90,18 @@ def side_engine(commit: str, exports: Path = EXPORTS, side: str = "base") -> Any
     return engine
 
 
-def side_package(commit: str, exports: Path = EXPORTS, side: str = "base") -> Any:
-    """``commit``'s ``attnmeta``, imported as ``attnmeta_<side>`` from a copy kept under ``exports``
-    (:func:`ab_commit.import_exported`; ``ab_commit.base_package`` for ``base``)."""
-    return import_exported(commit, "attnmeta", f"attnmeta_{side}", {"attnmeta": f"attnmeta_{side}"}, exports)
-
-
 def load_sides(base: str, order: str | None, exports: Path = EXPORTS) -> dict[str, Any]:
     """The two sides' engine packages, ``{"base": ..., "this": ...}``. Without ``order``, the base's copy
     against this checkout's own ``examples.engine``; with it (``"base,this"`` or ``"this,base"``), this
     checkout's working tree exported as well (``attnmeta_new``, ``engine_new``), the two imported in that
     order, and the dict in that order (:func:`ab` makes the engines in the dict's order)."""
     if order is None:
-        side_package(base, exports)
+        base_package(base, exports)
         return {"base": side_engine(base, exports), "this": engine_this}
     sides = {}  # (in import order, which is also the order :func:`ab` makes the engines in)
     for side in order.split(","):
         commit, name = (base, "base") if side == "base" else (str(ROOT), "new")
-        side_package(commit, exports, name)
+        base_package(commit, exports, name)
         sides[side] = side_engine(commit, exports, name)
     return sides
 

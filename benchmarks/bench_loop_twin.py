@@ -105,8 +105,9 @@ def _libs_primer(device: torch.device) -> Any:
 class _KernelsPrimer:
     """Replays the twin's two compiled calls (:data:`KERNELS`) with the arguments of one of its steps,
     captured once: the same machine code the composer's step runs, on the twin's own buffers (whose bytes
-    nothing reads: the twin engine only composes), and none of attnmeta's Python. ``capture(call)`` runs ``call`` (a twin composer call) with the two names wrapped
-    to record their arguments; then each call of the primer replays them."""
+    nothing reads: the twin engine only composes), and none of attnmeta's Python. ``capture(call)`` runs
+    ``call`` (a twin composer call) with the two names wrapped to record their arguments; then each call
+    of the primer replays them."""
 
     def __init__(self) -> None:
         self.args: dict[tuple[str, str], tuple[Any, ...]] = {}

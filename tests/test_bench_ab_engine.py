@@ -326,7 +326,7 @@ def test_ab_engine_s_base_engine_finds_this_checkout_s_mamba_kernels(tmp_path: P
     hybrid model from this checkout's ``.kernels``, where ``tests/kernels/fetch_kernels.py`` puts them and
     a GPU machine's call carries them, not from beside its own copy, which has none."""
     mod = load_benchmark("ab_engine.py", "ab_engine_kernels")
-    mod.side_package("HEAD", tmp_path)
+    mod.base_package("HEAD", tmp_path)
     engine = mod.side_engine("HEAD", tmp_path)
     mamba = importlib.import_module(engine.__name__ + ".vllm_mamba")
     assert mamba.KERNELS == mod.ROOT / ".kernels"
