@@ -11,6 +11,9 @@
 #           AB_STEPS (default 12, 300) set its rounds, AB_BATCHES and AB_PATHS its batches and rows (default
 #           1,64,256,1024 and every row), AB_ARGS adds flags (e.g. "--engine-steps --cold": the engine rows on
 #           the reference engine's own decode steps, each after a cache thrash);
+#   floor   benchmarks/bench_replay_floor.py on cuda against .ab_base, as ab (carry .ab_base) -> floor.txt: the
+#           fused step and hand-written replays of its layouts doing only what the contract requires, each
+#           against the base's fused step; FLOOR_ROUNDS, FLOOR_STEPS, FLOOR_BATCHES (default 8, 300, 1,64,256,1024);
 #   twin    benchmarks/bench_loop_twin.py on cuda: the ~1.2B Llama's graph-mode loop, its composer call timed alone
 #           and right after a twin engine's composer call with the same arguments, and after three primers that
 #           split what the twin warms: the interpreter, the libraries' entry points, attnmeta's compiled calls
@@ -137,7 +140,7 @@
 #   .vllm .kernels when .vllm holds FlashInfer) are asked for by name.
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, abengine, twin, phases, before-after, vllm, vllmbench, launchprof: by name
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, floor, abengine, twin, phases, before-after, vllm, vllmbench, launchprof: by name
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -215,6 +218,17 @@ if [[ -f .ab_base/attnmeta/__init__.py ]]; then
 else
   echo "no .ab_base/attnmeta: export the base (git archive BASE attnmeta | tar -x -C .ab_base) and carry .ab_base" \
     | tee -a "$OUT_DIR/ab.txt"; status=1
+fi
+fi
+if want floor; then
+echo "== floor: the fused step and the contract's floor against .ab_base (benchmarks/bench_replay_floor.py)" \
+  | tee "$OUT_DIR/floor.txt"
+if [[ -f .ab_base/attnmeta/__init__.py ]]; then
+  timeout 480 $PY benchmarks/bench_replay_floor.py .ab_base --device cuda --rounds "${FLOOR_ROUNDS:-8}" \
+    --steps "${FLOOR_STEPS:-300}" --batches "${FLOOR_BATCHES:-1,64,256,1024}" 2>&1 | tee -a "$OUT_DIR/floor.txt" || status=1
+else
+  echo "no .ab_base/attnmeta: export the base (git archive 3786481 attnmeta | tar -x -C .ab_base) and carry .ab_base" \
+    | tee -a "$OUT_DIR/floor.txt"; status=1
 fi
 fi
 per_model() {  # PART SCRIPT OUT MODELS CONCURRENCY SECONDS: benchmarks/SCRIPT on cuda once per model, into OUT

@@ -31,6 +31,45 @@ def test_ab_commit_compares_a_commit_with_this_checkout() -> None:
     assert all(float(r[-1]) > 0 for r in rows), rows
 
 
+def test_bench_replay_floor_times_the_fused_step_and_each_floor_against_the_base() -> None:
+    """``bench_replay_floor.py`` against HEAD (the same exported copy as the A/B above): the fused step and
+    the four hand-written replays, in order, each against the base's fused step, at every batch asked."""
+    out = run_script("bench_replay_floor.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "3",
+                     "--batches", "1,64")
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0] in ("1", "64")]
+    floors = ["shared", "+ objects", "+ lifetimes", "+ layout key"]
+    assert [(r[0], " ".join(r[1:-3])) for r in rows] == [(b, p) for b in ("1", "64") for p in ["fused", *floors]], out
+    assert all(float(r[-3]) > 0 and float(r[-2]) > 0 for r in rows), rows
+
+
+def test_bench_replay_floor_refuses_a_replay_that_differs_from_the_fused_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hand-written replay is checked against the fused step's objects field for field before any
+    timing: one wrong scalar (the longest sequence off by one) is found and named; ``differs`` compares
+    nested objects, tensors and arrays."""
+    import numpy as np
+    import torch
+
+    import attnmeta
+
+    mod = load_benchmark("bench_replay_floor.py", "bench_replay_floor_check")
+    assert set(mod.floor_paths(1, torch.device("cpu"))) == set(mod.FLOORS)
+    real = mod.Floor._objects
+
+    def off_by_one(self: Any, step: Any, rec: Any, shape: Any) -> tuple[Any, ...]:
+        return real(self, step, rec, shape._replace(max_seq_len=shape.max_seq_len + 1))
+
+    monkeypatch.setattr(mod.Floor, "_objects", off_by_one)
+    with pytest.raises(AssertionError, match=r"common\.max_seq_len"):
+        mod.floor_paths(1, torch.device("cpu"))
+    spec = attnmeta.BatchSpec(num_computed_tokens=[5], num_scheduled_tokens=[1], block_table=[[1, 2]], block_size=4)
+    a = attnmeta.build_common(spec, attnmeta.Stager("cpu"))
+    b = attnmeta.build_common(spec, attnmeta.Stager("cpu"))
+    assert mod.differs(a, b) == ""
+    assert mod.differs(torch.tensor([1, 2]), torch.tensor([1, 3])) == " (tensor)"
+    assert mod.differs(np.array([1], np.int32), np.array([1], np.int64)) == " (array)"
+    assert mod.differs(a, attnmeta.build_common(spec, attnmeta.Stager("cpu"), causal=False)).startswith("causal")
+
+
 def test_ab_commit_engine_steps_are_the_reference_engine_s_decode_steps(monkeypatch: pytest.MonkeyPatch,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """``--engine-steps``: the engine rows walk the reference engine's own full-batch decode steps, recorded
