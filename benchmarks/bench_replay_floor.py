@@ -72,9 +72,11 @@ class Floor:
         self.templates: dict[tuple[int, int], tuple[Callable[..., Any], ...]] = {}
 
     def _record(self, step: Any, key: Any) -> Any:
-        rec = step.slot_extras[self.composer._token][key]
-        if not step.restage(rec.layout, None):
-            raise RuntimeError("bench_replay_floor: the recorded layout cannot be restaged (build every step first)")
+        rec = step.slot_extras.get(self.composer._token, {}).get(key)
+        if rec is None or not step.restage(rec.layout, None):
+            step.abandon()
+            raise RuntimeError("bench_replay_floor: this ring slot has not recorded the step's layout (build every "
+                               "step on every slot first)")
         return rec
 
     def _objects(self, step: Any, rec: Any, shape: Any) -> tuple[Any, ...]:
@@ -120,16 +122,17 @@ class Floor:
 
 
 def floor_paths(batch: int, device: torch.device) -> dict[str, Callable[[], Any]]:
-    """This package's ``fused`` path of ``ab_commit.paths`` and the :data:`FLOORS` replays of the same
-    walk, on a builder of their own."""
+    """The :data:`FLOORS` replays of ``ab_commit.paths``' decode walk of ``batch`` requests, by name, on a
+    fused step builder of their own that has recorded every step's layout on every ring slot."""
     specs = [attnmeta.BatchSpec(num_computed_tokens=s.num_computed_tokens.copy(),
                                 num_scheduled_tokens=s.num_scheduled_tokens.copy(), block_table=s.block_table,
                                 block_size=s.block_size)
              for s in advance(decode_spec(batch, np.random.default_rng(batch)), 64)]
     builder = FusedStepBuilder(attnmeta.Stager(device))
-    for _ in range(2 * builder.stager.num_slots):  # every step's layout recorded on every slot
+    for _ in range(2):  # every step's layout recorded on every ring slot (twice: a slot's first step may grow it)
         for s in specs:
-            builder.build(s)
+            for _ in range(builder.stager.num_slots):
+                builder.build(s)
     floor = Floor(builder, specs)
     check(builder, floor, specs)
     out: dict[str, Callable[[], Any]] = {}

@@ -44,8 +44,9 @@ def test_bench_replay_floor_times_the_fused_step_and_each_floor_against_the_base
 
 def test_bench_replay_floor_refuses_a_replay_that_differs_from_the_fused_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """The hand-written replay is checked against the fused step's objects field for field before any
-    timing: one wrong scalar (the longest sequence off by one) is found and named; ``differs`` compares
-    nested objects, tensors and arrays."""
+    timing: one wrong scalar (the longest sequence off by one) is found and named; a slot without the
+    step's recorded layout is refused (the step abandoned); ``differs`` compares nested objects, tensors
+    and arrays."""
     import numpy as np
     import torch
 
@@ -62,6 +63,10 @@ def test_bench_replay_floor_refuses_a_replay_that_differs_from_the_fused_step(mo
     with pytest.raises(AssertionError, match=r"common\.max_seq_len"):
         mod.floor_paths(1, torch.device("cpu"))
     spec = attnmeta.BatchSpec(num_computed_tokens=[5], num_scheduled_tokens=[1], block_table=[[1, 2]], block_size=4)
+    builder = mod.FusedStepBuilder(attnmeta.Stager("cpu"))  # (it has recorded nothing yet)
+    with pytest.raises(RuntimeError, match="has not recorded the step's layout"):
+        mod.Floor(builder, [spec]).step(spec, "shared")
+    assert builder.build(spec).common.max_seq_len == 6  # (the step was abandoned: the stager goes on)
     a = attnmeta.build_common(spec, attnmeta.Stager("cpu"))
     b = attnmeta.build_common(spec, attnmeta.Stager("cpu"))
     assert mod.differs(a, b) == ""
