@@ -185,6 +185,16 @@ def base_package(commit: str, exports: Path = EXPORTS, side: str = "base") -> An
     return import_exported(commit, "attnmeta", f"attnmeta_{side}", {"attnmeta": f"attnmeta_{side}"}, exports)
 
 
+def decode_walk(batch: int) -> list[dict[str, Any]]:
+    """The decode walk of ``batch`` requests that every row times: 64 steps, contexts growing one token a
+    step, page size 16, as ``BatchSpec`` keyword arguments (host arrays of their own; any package's
+    ``BatchSpec(**step)`` makes the step)."""
+    return [dict(num_computed_tokens=s.num_computed_tokens.copy(), num_scheduled_tokens=s.num_scheduled_tokens.copy(),
+                 num_prompt_tokens=None if s.num_prompt_tokens is None else s.num_prompt_tokens.copy(),
+                 block_table=s.block_table, block_size=s.block_size)
+            for s in advance(decode_spec(batch, np.random.default_rng(batch)), 64)]
+
+
 def paths(mod: Any, batch: int, device: torch.device, walk: int = 0, engine: list[dict[str, Any]] | None = None,
           **stager_kw: Any) -> dict[str, Callable[[], Any]]:
     """The step paths of package ``mod`` on the decode walk of ``batch`` requests (the engine rows walk
@@ -193,10 +203,7 @@ def paths(mod: Any, batch: int, device: torch.device, walk: int = 0, engine: lis
     fa = importlib.import_module(mod.__name__ + ".backends.flash_attn")
     fi = importlib.import_module(mod.__name__ + ".backends.flashinfer")
     fused = importlib.import_module(mod.__name__ + ".backends.fused")
-    raws = [dict(num_computed_tokens=s.num_computed_tokens.copy(), num_scheduled_tokens=s.num_scheduled_tokens.copy(),
-                 num_prompt_tokens=None if s.num_prompt_tokens is None else s.num_prompt_tokens.copy(),
-                 block_table=s.block_table, block_size=s.block_size)
-            for s in advance(decode_spec(batch, np.random.default_rng(batch)), 64)]
+    raws = decode_walk(batch)
     specs = [mod.BatchSpec(**r) for r in raws]
     builder = fused.FusedStepBuilder(mod.Stager(device, **stager_kw))
     builder_spec = fused.FusedStepBuilder(mod.Stager(device))

@@ -44,20 +44,19 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from ab_commit import EXPORTS, ab, base_package, paths  # noqa: E402
+from ab_commit import EXPORTS, ab, base_package, decode_walk, paths  # noqa: E402
 
 import attnmeta  # noqa: E402
 from attnmeta import compose  # noqa: E402
 from attnmeta._fields import template  # noqa: E402
 from attnmeta.backends import flash_attn  # noqa: E402
 from attnmeta.backends.fused import FusedStepBuilder  # noqa: E402
-from attnmeta.testing.workloads import advance, decode_spec  # noqa: E402
+from attnmeta.common import _COMMON_PER_STEP  # noqa: E402
 
 FLOORS = ("shared", "+ objects", "+ lifetimes", "+ layout key")
 """The hand-written replays, each doing what the one before does and one more part of a replayed step."""
 
-_COMMON_PER_STEP = ("num_actual_tokens", "max_query_len", "max_seq_len", "causal", "num_real_reqs", "num_real_tokens")
-_PAGED_PER_STEP = ("paged_kv_indices", "paged_kv_indices_cpu", "num_pages")
+_PAGED_PER_STEP = ("paged_kv_indices", "paged_kv_indices_cpu", "num_pages")  # (the fields a page count sets)
 _FI_PER_STEP = ("common", "paged", "max_decode_query_len", "max_kv_len")  # (a decode step's: every row decodes)
 
 
@@ -68,7 +67,8 @@ class Floor:
     def __init__(self, builder: FusedStepBuilder, specs: list[attnmeta.BatchSpec]) -> None:
         self.composer = c = builder._composer
         self.stager = c.stager
-        self.keys = {id(s): (s.shape, c._key((s.shape,), c._no_inputs, compose._NO_ARRAYS)) for s in specs}
+        shapes = {id(s): s.shape for s in specs}
+        self.keys = {i: (sh, c._key((sh,), c._no_inputs, compose._NO_ARRAYS)) for i, sh in shapes.items()}
         self.templates: dict[tuple[int, int], tuple[Callable[..., Any], ...]] = {}
 
     def _record(self, step: Any, key: Any) -> Any:
@@ -122,12 +122,9 @@ class Floor:
 
 
 def floor_paths(batch: int, device: torch.device) -> dict[str, Callable[[], Any]]:
-    """The :data:`FLOORS` replays of ``ab_commit.paths``' decode walk of ``batch`` requests, by name, on a
+    """The :data:`FLOORS` replays of ``ab_commit.decode_walk`` of ``batch`` requests, by name, on a
     fused step builder of their own that has recorded every step's layout on every ring slot."""
-    specs = [attnmeta.BatchSpec(num_computed_tokens=s.num_computed_tokens.copy(),
-                                num_scheduled_tokens=s.num_scheduled_tokens.copy(), block_table=s.block_table,
-                                block_size=s.block_size)
-             for s in advance(decode_spec(batch, np.random.default_rng(batch)), 64)]
+    specs = [attnmeta.BatchSpec(**step) for step in decode_walk(batch)]
     builder = FusedStepBuilder(attnmeta.Stager(device))
     for _ in range(2):  # every step's layout recorded on every ring slot (twice: a slot's first step may grow it)
         for s in specs:
