@@ -369,7 +369,8 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
             "waits_per_step": audited_waits / audited_steps, "wall_s": statistics.median(r["wall"] for r in runs),
             "steps_timed": steps, "decode_steps_timed": sum(r["decode_steps"] for r in rs),
             "waits_timed": sum(r["waits"] for r in runs), "graph_steps": st.graph_steps,
-            "plan_waits": getattr(engine.kernel, "plan_waits", 0), "tokens": runs[0]["tokens"], **extra}
+            "plan_waits": getattr(engine.kernel, "plan_waits", 0), "plans": getattr(engine.kernel, "plans", None),
+            "tokens": runs[0]["tokens"], **extra}
 
 
 def paired(ours: list[float], theirs: list[float]) -> float:
@@ -604,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\nattnmeta against vLLM 0.33.0's own metadata code, the same engine, model and kernels (ratios of "
               "medians; paired: the median over the rounds of each round's ratio, the two modes' runs of a round "
               "back to back; metadata: host ms per decode step without plan())", flush=True)
+        plans = sorted({str(r["plans"]) for r in rows if r.get("plans")})
+        if plans:  # (vllm: attnmeta's FlashInfer kernel plans the wrappers vLLM's builder plans: the same kernels)
+            print(f"attnmeta's FlashInfer kernel plans: {', '.join(plans)} (examples/engine/kernels.py, PLANS)", flush=True)
         print(f"{'pair':>20} {'reqs':>5} {'tok/s':>9} {'vLLM tok/s':>10} {'tok/s x':>8} {'paired':>7} {'metadata ms':>11} "
               f"{'vLLM ms':>8} {'faster':>7} {'paired':>7} {'plan ms':>7} {'vLLM plan':>9} {'host x':>7} {'syncs':>5} "
               f"{'vLLM syncs':>10} {'H2D':>5} {'vLLM H2D':>8} {'tokens differ':>13} {'launch x':>8}", flush=True)

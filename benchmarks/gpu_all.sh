@@ -98,7 +98,7 @@
 #           vllm mode's sync count) -> vllm.log; then the harness on vLLM's own builders on cuda,
 #           tests/integrations/test_vllm_builders.py -m vllm (its "HARNESS ..." lines: cases, disagreements and
 #           syncs per build of each builder) -> vllm_harness.log, vllm_harness_summary.txt; VLLM_ENGINE_TESTS, a
-#           pytest -k expression, picks the engine tests to run (default: all);
+#           pytest -k expression, picks the engine tests to run (default: all), VLLM_HARNESS=0 skips the harness;
 #   vllmbench  the headline: benchmarks/bench_engine.py on the ~1.2B Llama at 1/64/256 requests, the modes
 #           alternating in rounds: --modes graphs,vllm-graphs (FlashInfer in CUDA graphs, fed by attnmeta or by
 #           vLLM's FlashInfer builder) where .vllm holds vLLM's pinned FlashInfer, else varlen,vllm-varlen
@@ -380,11 +380,13 @@ if vllm_site; then
   timeout 300 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu/test_engine_vllm_cuda.py -q -s -rs \
     -p no:cacheprovider ${VLLM_ENGINE_TESTS:+-k "$VLLM_ENGINE_TESTS"} 2>&1 | tee -a "$OUT_DIR/vllm.log"
   rc=${PIPESTATUS[0]}; [[ $rc -eq 0 ]] || failed "vllm (engine)" "$rc"
+  if [[ ${VLLM_HARNESS:-1} != 0 ]]; then
   echo "== vllm: the harness on vLLM's own builders, on cuda" | tee "$OUT_DIR/vllm_harness.log"
   timeout 240 $PY -m pytest -m vllm tests/integrations/test_vllm_builders.py -q -s -rs -p no:cacheprovider 2>&1 \
     | tee -a "$OUT_DIR/vllm_harness.log"
   rc=${PIPESTATUS[0]}; [[ $rc -eq 0 ]] || failed "vllm (harness)" "$rc"
   grep "^HARNESS " "$OUT_DIR/vllm_harness.log" | tee "$OUT_DIR/vllm_harness_summary.txt"
+  fi
 else
   failed "vllm (no .vllm)" 1
 fi

@@ -607,9 +607,11 @@ class Engine:
         return move(cm), up(ids), up(prev_rows)
 
 
-def make_kernel(name: str, model: Any, device: torch.device, *, cascade: bool = True) -> AttentionKernel:
+def make_kernel(name: str, model: Any, device: torch.device, *, cascade: bool = True,
+                plans: str = "auto") -> AttentionKernel:
     """A kernel by name: ``torch-paged``, ``torch-varlen`` or ``flashinfer``, with cascade attention
-    where the kernel has it and ``cascade`` is set."""
+    where the kernel has it and ``cascade`` is set; ``plans``: the FlashInfer kernel's
+    (:data:`~examples.engine.kernels.PLANS`)."""
     from attnmeta.backends.cascade import CascadeOptions
 
     from .kernels import VarlenKernel
@@ -624,6 +626,6 @@ def make_kernel(name: str, model: Any, device: torch.device, *, cascade: bool = 
     if name == "torch-varlen":
         return VarlenKernel(h, hk, d)
     if name == "flashinfer":
-        return FlashInferKernel(h, hk, d, next(model.parameters()).dtype, device, copts)
+        return FlashInferKernel(h, hk, d, next(model.parameters()).dtype, device, copts, plans=plans)
     raise ValueError(f"unknown kernel {name!r}: torch-paged, torch-varlen or flashinfer")
 

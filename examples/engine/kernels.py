@@ -20,7 +20,10 @@ No kernel reads device data on the host: the host facts come from the metadata's
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import re
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -202,27 +205,127 @@ class VarlenKernel:
 
 
 class _PlanSet:
-    """Two FlashInfer prefill wrappers (the split's decode and prefill parts, or a cascade's shared and
-    per-request levels), the CUDA-graph decode wrappers, and the event fencing their plans."""
+    """The wrappers of one ring turn: two FlashInfer prefill wrappers (``fa2``: the split's decode and
+    prefill parts under the ``fa2`` plans, a cascade's shared and per-request levels), under the
+    ``vllm`` plans the decode wrapper and the ``auto`` prefill wrapper of the split, the CUDA-graph decode
+    wrappers, and the event fencing their plans."""
 
-    def __init__(self, lib: Any, ws: torch.Tensor) -> None:
+    def __init__(self, lib: Any, ws: torch.Tensor, plans: str) -> None:
         # fa2: FlashInfer 0.5.3's fa3 plan() derives a cumsum of the KV lengths in pageable memory and
         # copies it with non_blocking=True (a staged copy); fa2's plan copies only what it is given
         self.a = lib.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
         self.b = lib.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+        self.decode, self.prefill = self.a, self.b
+        if plans == "vllm":  # vLLM 0.33.0's FlashInferMetadataBuilder on Hopper (_get_decode_wrapper, _get_prefill_wrapper)
+            self.decode = lib.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True, backend="auto")
+            self.prefill = lib.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="auto")
         self.graph: dict[int, Any] = {}
         self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.planned = False
 
 
+FLASHINFER_OPTIONAL = ("cudnn",)
+"""Packages FlashInfer 0.7.2.post1 requires that may be missing where vLLM's Python files were packed
+rather than installed (``tests/kernels/fetch_vllm.py`` leaves ``nvidia-cudnn-frontend``, the ``cudnn``
+package, out of the GPU machine's carry). FlashInfer's decode ``plan()`` with ``backend="auto"``, which
+vLLM's builder asks for, imports ``cudnn`` at every plan to read its version."""
+
+
+def mark_absent(names: tuple[str, ...]) -> list[str]:
+    """Mark each of ``names`` that no finder on ``sys.path`` can import as absent (``None`` in
+    ``sys.modules``), so that importing it raises ``ModuleNotFoundError`` at once; the names marked.
+
+    A failed import is not remembered: each one searches every ``sys.path`` entry again (about 55 us a
+    search on the CPU machine), and FlashInfer's eager decode ``plan()`` imports ``cudnn`` twice a plan.
+    An install has the package, whose import is a dictionary lookup; on Hopper its answer routes no plan
+    to cuDNN (cuDNN takes decode plans on SM100/SM103 only), so marking it absent changes what vLLM's
+    builder plans in no way, only what a missing package costs its plan time.
+
+    >>> import sys
+    >>> mark_absent(("json", "attnmeta_example_no_such_module"))
+    ['attnmeta_example_no_such_module']
+    >>> sys.modules.pop("attnmeta_example_no_such_module") is None
+    True
+    """
+    marked = []
+    for name in names:
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            sys.modules[name] = None  # type: ignore[assignment]
+            marked.append(name)
+    return marked
+
+
+PLANS = ("fa2", "vllm", "auto")
+""":class:`FlashInferKernel`'s plan choices: ``fa2`` (FlashInfer's prefill wrapper, backend ``fa2``, for
+both parts of an eager step), ``vllm`` (the wrappers and plan arguments of vLLM 0.33.0's
+``FlashInferMetadataBuilder`` on Hopper, so that the ``vllm`` metadata mode and this one run the same
+kernels), ``auto`` (``vllm`` with the FlashInfer vLLM 0.33.0 pins, 0.7 or later; ``fa2`` before it)."""
+
+VLLM_PLANS_SINCE = (0, 7)
+"""The first FlashInfer release whose plans take the ``vllm`` choice without a copy from pageable memory
+(0.5.3's ``fa3`` prefill plan derives the KV lengths' cumsum in pageable memory and copies it
+``non_blocking``; vLLM 0.33.0 pins 0.7.2.post1)."""
+
+
+def resolve_plans(plans: str, version: str) -> str:
+    """The plan choice :class:`FlashInferKernel` makes of ``plans`` (:data:`PLANS`) with FlashInfer
+    ``version``.
+
+    >>> resolve_plans("auto", "0.7.2.post1"), resolve_plans("auto", "0.5.3"), resolve_plans("fa2", "0.7.2")
+    ('vllm', 'fa2', 'fa2')
+    """
+    if plans not in PLANS:
+        raise ValueError(f"plans: one of {', '.join(PLANS)}, not {plans!r}")
+    numbers = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    recent = numbers >= VLLM_PLANS_SINCE
+    if plans == "vllm" and not recent:
+        raise ValueError(f"plans='vllm' needs FlashInfer {'.'.join(map(str, VLLM_PLANS_SINCE))} or later (this is "
+                         f"{version}: its fa3 prefill plan copies from pageable memory); use 'fa2' or 'auto'")
+    if plans == "auto":
+        return "vllm" if recent else "fa2"
+    return plans
+
+
+def pin_range(utils: Any, length: int) -> bool:
+    """Make FlashInfer's cached host ``arange`` of ``length`` entries pinned memory; whether it is.
+
+    FlashInfer's decode ``plan()`` outside graph mode copies its query offsets (``0, 1, ..., batch``) to
+    the device ``non_blocking`` from a host ``arange`` it caches per power of two (``flashinfer.utils``'
+    ``_get_range_buf``), made in pageable memory: such a copy is staged and may block the host. vLLM's
+    builder pins the cache entry before each such plan; so does :class:`FlashInferKernel` under the
+    ``vllm`` plans. ``utils``: the ``flashinfer.utils`` module (False, nothing done, where it lacks the
+    cache)."""
+    get, cache = getattr(utils, "_get_range_buf", None), getattr(utils, "_cache_buf", None)
+    if get is None or cache is None:
+        return False
+    get(length, "cpu")  # (the entry for the power of two at or above length)
+    key = (f"range_{1 << (length - 1).bit_length()}", "cpu")
+    buf = cache.get(key)
+    if buf is None:
+        return False
+    if not buf.is_pinned():
+        cache[key] = buf = buf.pin_memory()
+    return bool(buf.is_pinned())
+
+
 class FlashInferKernel:
     """FlashInfer's paged wrappers (CUDA), planned from attnmeta's pinned host arrays.
 
-    Eager steps run FlashInfer's batch prefill wrapper twice, over the decode rows and over the other
-    rows of attnmeta's split (its kernel takes decode rows as one-token queries), or, when the step
-    cascades, over the shared prefix (non-causal, every query) and each request's suffix (causal),
-    merged with FlashInfer's ``merge_state``. Replayed decode steps (CUDA graphs) run the decode wrapper
-    in graph mode, one per padded size.
+    Eager steps run two wrappers over attnmeta's split, one over the decode rows and one over the other
+    rows, which ``plans`` chooses (:data:`PLANS`; ``auto``, the default, takes ``vllm`` with FlashInfer
+    0.7 or later):
+
+    - ``vllm``: the wrappers and plan arguments of vLLM 0.33.0's ``FlashInferMetadataBuilder`` on Hopper:
+      the decode rows through the decode wrapper with tensor cores (backend ``auto``), the others through
+      the prefill wrapper (backend ``auto``: FlashAttention 3 on Hopper), with the model's scale
+      ``head_dim ** -0.5``; the ``vllm`` metadata mode's kernel (``VllmFlashInferKernel``) runs vLLM's own
+      wrappers of the same plans, so the two modes differ in their metadata only;
+    - ``fa2``: FlashInfer's prefill wrapper (backend ``fa2``) for both parts, the decode rows as one-token
+      queries (FlashInfer 0.5.3, whose ``fa3`` prefill plan copies from pageable memory).
+
+    When the step cascades, two ``fa2`` prefill wrappers run over the shared prefix (non-causal, every
+    query) and each request's suffix (causal), merged with FlashInfer's ``merge_state``. Replayed decode
+    steps (CUDA graphs) run the decode wrapper in graph mode (tensor cores), one per padded size.
 
     What ``plan()`` gets: the query and page indptrs, last-page lengths and KV lengths as pinned host
     views of the step (:func:`attnmeta.backends.flashinfer.host_tensor`), so its host reads are free
@@ -241,17 +344,25 @@ class FlashInferKernel:
     name = "flashinfer"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, cascade_options: CascadeOptions | None = None, ring: int = 3) -> None:
+                 device: torch.device, cascade_options: CascadeOptions | None = None, ring: int = 3,
+                 plans: str = "auto") -> None:
         import flashinfer as fi_lib
 
         self._lib = fi_lib
+        self.plans = resolve_plans(plans, str(getattr(fi_lib, "__version__", "0")))
+        """The plans the kernel makes, resolved (``vllm`` or ``fa2``)."""
+        self._utils: Any = None
+        self._pinned: set[int] = set()  # (the lengths whose FlashInfer range buffer is pinned: pin_range)
+        if self.plans == "vllm":
+            self._utils = importlib.import_module("flashinfer.utils")
+            mark_absent(FLASHINFER_OPTIONAL)  # (as the vllm mode does: a missing package fails its import at once)
         self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = num_heads, num_kv_heads, head_dim, dtype
         self.device = device
         self.cascade_options = cascade_options
         self.transform: Callable[[Any], Any] = _same
         self._ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
         self.ring = ring
-        self._sets = [_PlanSet(fi_lib, self._ws) for _ in range(ring)]
+        self._sets = [_PlanSet(fi_lib, self._ws, self.plans) for _ in range(ring)]
         self._turn = 0
         self.ring_index = 0
         """The wrapper set of the current step (a graph is captured per padded size and set)."""
@@ -263,7 +374,10 @@ class FlashInferKernel:
         """Capacity of the graph wrappers' page indices (the engine sets the profile's)."""
 
     def _kw(self) -> dict[str, Any]:
-        return {"q_data_type": self.dtype, "kv_data_type": self.dtype}
+        kw: dict[str, Any] = {"q_data_type": self.dtype, "kv_data_type": self.dtype}
+        if self.plans == "vllm":  # (vLLM's builder passes its layers' scale: the engine's model uses head_dim ** -0.5)
+            kw["sm_scale"] = self.head_dim ** -0.5
+        return kw
 
     def builders(self) -> dict[str, Any]:
         out: dict[str, Any] = {"flashinfer": FLASHINFER}
@@ -324,14 +438,20 @@ class FlashInferKernel:
             # unspecified (AttentionKernel.attend). (The indptrs are the step's pinned host views: no device read.)
             self._split = (int(fi.qo_indptr_decode_cpu[-1]) if nd else 0, fi.num_decode_tokens,
                            int(fi.qo_indptr_prefill_cpu[-1]) if fi.num_prefills else 0)
-            if nd:
-                ps.a.plan(host_tensor(fi.qo_indptr_decode_cpu), host_tensor(fi.paged_kv_indptr_cpu[: nd + 1]),
-                          fi.paged_kv_indices, host_tensor(fi.paged_kv_last_page_len_cpu[:nd]), h, hk, d, bs,
-                          causal=True, seq_lens=host_tensor(fi.kv_lens_cpu[:nd]), **kw)
+            if nd and self.plans == "vllm":  # the decode wrapper: one query token a row, its offsets its own
+                if nd + 1 not in self._pinned and pin_range(self._utils, nd + 1):
+                    self._pinned.add(nd + 1)
+                ps.decode.plan(host_tensor(fi.paged_kv_indptr_cpu[: nd + 1]), fi.paged_kv_indices,
+                               host_tensor(fi.paged_kv_last_page_len_cpu[:nd]), h, hk, d, bs, pos_encoding_mode="NONE",
+                               seq_lens=host_tensor(fi.kv_lens_cpu[:nd]), **kw)
+            elif nd:
+                ps.decode.plan(host_tensor(fi.qo_indptr_decode_cpu), host_tensor(fi.paged_kv_indptr_cpu[: nd + 1]),
+                               fi.paged_kv_indices, host_tensor(fi.paged_kv_last_page_len_cpu[:nd]), h, hk, d, bs,
+                               causal=True, seq_lens=host_tensor(fi.kv_lens_cpu[:nd]), **kw)
             if fi.num_prefills:
-                ps.b.plan(host_tensor(fi.qo_indptr_prefill_cpu), host_tensor(fi.paged_kv_indptr_cpu[nd:]),
-                          fi.paged_kv_indices, host_tensor(fi.paged_kv_last_page_len_cpu[nd:]), h, hk, d, bs,
-                          causal=True, seq_lens=host_tensor(fi.kv_lens_cpu[nd:]), **kw)
+                ps.prefill.plan(host_tensor(fi.qo_indptr_prefill_cpu), host_tensor(fi.paged_kv_indptr_cpu[nd:]),
+                                fi.paged_kv_indices, host_tensor(fi.paged_kv_last_page_len_cpu[nd:]), h, hk, d, bs,
+                                causal=True, seq_lens=host_tensor(fi.kv_lens_cpu[nd:]), **kw)
         ps.event.record()
         ps.planned = True
 
@@ -346,11 +466,11 @@ class FlashInferKernel:
             return self._lib.merge_state(o_s, l_s, o_p, l_p)[0]  # type: ignore[no-any-return]
         d_rows, p_start, p_rows = self._split
         if d_rows == q.shape[0]:  # decode rows only, none of them padding: the wrapper's output is the step's
-            return ps.a.run(q, kv)  # type: ignore[no-any-return]
+            return ps.decode.run(q, kv)  # type: ignore[no-any-return]
         out = torch.empty_like(q)  # each wrapper writes its rows in place (no copy kernel a layer)
         if d_rows:
-            ps.a.run(q[:d_rows], kv, out=out[:d_rows])
+            ps.decode.run(q[:d_rows], kv, out=out[:d_rows])
         if p_rows:
             p = slice(p_start, p_start + p_rows)
-            ps.b.run(q[p], kv, out=out[p])
+            ps.prefill.run(q[p], kv, out=out[p])
         return out

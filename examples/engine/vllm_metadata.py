@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .kernels import TorchPagedKernel, VarlenKernel
+from .kernels import FLASHINFER_OPTIONAL, TorchPagedKernel, VarlenKernel, mark_absent
 
 __all__ = ["INSTALL", "KERNELS", "VLLM_VERSION", "VllmFlashInferKernel", "VllmMetadata", "VllmPagedKernel", "VllmStep",
            "VllmVarlenKernel", "no_pinning", "set_kv_cache_layout"]
@@ -152,37 +152,6 @@ def _time_plans(module: Any, builder: Any) -> None:
         return wrapper
 
     builder._get_prefill_wrapper = timed_prefill_wrapper
-
-
-FLASHINFER_OPTIONAL = ("cudnn",)
-"""Packages FlashInfer 0.7.2.post1 requires that may be missing where vLLM's Python files were packed
-rather than installed (``tests/kernels/fetch_vllm.py`` leaves ``nvidia-cudnn-frontend``, the ``cudnn``
-package, out of the GPU machine's carry). FlashInfer's decode ``plan()`` with ``backend="auto"``, which
-vLLM's builder asks for, imports ``cudnn`` at every plan to read its version."""
-
-
-def mark_absent(names: tuple[str, ...]) -> list[str]:
-    """Mark each of ``names`` that no finder on ``sys.path`` can import as absent (``None`` in
-    ``sys.modules``), so that importing it raises ``ModuleNotFoundError`` at once; the names marked.
-
-    A failed import is not remembered: each one searches every ``sys.path`` entry again (about 55 us a
-    search on the CPU machine), and FlashInfer's eager decode ``plan()`` imports ``cudnn`` twice a plan.
-    An install has the package, whose import is a dictionary lookup; on Hopper its answer routes no plan
-    to cuDNN (cuDNN takes decode plans on SM100/SM103 only), so marking it absent changes what vLLM's
-    builder plans in no way, only what a missing package costs its plan time.
-
-    >>> import sys
-    >>> mark_absent(("json", "attnmeta_example_no_such_module"))
-    ['attnmeta_example_no_such_module']
-    >>> sys.modules.pop("attnmeta_example_no_such_module") is None
-    True
-    """
-    marked = []
-    for name in names:
-        if name not in sys.modules and importlib.util.find_spec(name) is None:
-            sys.modules[name] = None  # type: ignore[assignment]
-            marked.append(name)
-    return marked
 
 
 def set_kv_cache_layout(config: Any, backend: Any, spec: Any) -> None:

@@ -487,6 +487,105 @@ def test_flashinfer_kernel_runs_each_wrapper_over_the_rows_its_indptr_covers(mon
     assert ran == [2, 3] and bool((out == 1).all())
 
 
+def test_flashinfer_kernel_plans_as_vllm_s_builder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plans="vllm"`` (the default with FlashInfer 0.7 or later): the wrappers and plan arguments of vLLM
+    0.33.0's ``FlashInferMetadataBuilder`` on Hopper (``_get_decode_wrapper``, ``_get_prefill_wrapper``, its
+    ``build``): an eager step's decode rows through the decode wrapper with tensor cores and backend
+    ``auto``, planned over the decode rows' page table with their KV lengths and the model's scale, after
+    FlashInfer's host ``arange`` of the rows is pinned (its plan copies it ``non_blocking``); the other rows
+    through the prefill wrapper with backend ``auto``, causal. A stand-in FlashInfer records what the
+    kernel asks of it; the token test on the GPU machine (tests/gpu/test_engine_vllm_cuda.py) checks that
+    the two metadata modes then produce the same tokens."""
+    import sys
+    import types
+
+    from attnmeta import BatchSpec, Stager
+    from attnmeta.compose import Group, StepBuilder
+    from examples.engine import kernels as km
+
+    made: list[tuple[str, dict[str, Any]]] = []
+    plans: list[tuple[str, list[Any], dict[str, Any]]] = []
+
+    class Wrapper:
+        kind = ""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append((self.kind, kwargs))
+            self.backend = kwargs.get("backend")
+
+        def plan(self, *args: Any, **kwargs: Any) -> None:
+            plans.append((f"{self.kind} {self.backend}", [a.tolist() if isinstance(a, torch.Tensor) else a
+                                                          for a in args], kwargs))
+
+        def run(self, q: torch.Tensor, kv: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+            return torch.ones_like(q) if out is None else out.fill_(1.0)
+
+    class Decode(Wrapper):
+        kind = "decode"
+
+    class Prefill(Wrapper):
+        kind = "prefill"
+
+    class Buffer:  # a cached host arange: pinning it is recorded
+        def __init__(self, pinned: bool = False) -> None:
+            self.pinned = pinned
+
+        def is_pinned(self) -> bool:
+            return self.pinned
+
+        def pin_memory(self) -> Buffer:
+            return Buffer(True)
+
+    cache: dict[tuple[str, str], Buffer] = {}
+
+    def get_range_buf(n: int, device: str) -> None:
+        cache.setdefault((f"range_{1 << (n - 1).bit_length()}", device), Buffer())
+
+    class Event:
+        def record(self) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+    utils = types.SimpleNamespace(_get_range_buf=get_range_buf, _cache_buf=cache)
+    lib = types.SimpleNamespace(__version__="0.7.2.post1", BatchDecodeWithPagedKVCacheWrapper=Decode,
+                                BatchPrefillWithPagedKVCacheWrapper=Prefill, utils=utils)
+    monkeypatch.setitem(sys.modules, "flashinfer", lib)
+    monkeypatch.setitem(sys.modules, "flashinfer.utils", utils)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    marked: list[tuple[str, ...]] = []
+    monkeypatch.setattr(km, "mark_absent", lambda names: marked.append(names) or [])
+    kernel = km.FlashInferKernel(4, 2, 8, torch.float32, torch.device("meta"), ring=1)
+    assert kernel.plans == "vllm" and marked == [km.FLASHINFER_OPTIONAL]
+    assert ("decode", {"use_tensor_cores": True, "backend": "auto"}) in made
+    assert ("prefill", {"backend": "auto"}) in made
+    composer = StepBuilder(Stager("cpu"), Group(kernel.builders()))
+    table = np.arange(1, 13, dtype=np.int32).reshape(4, 3)
+    # two decode rows (contexts 6 and 9: 2 and 3 pages of 4), then a prompt of 3 tokens after 2 cached ones
+    spec = BatchSpec(num_computed_tokens=np.array([6, 9, 2], np.int32), num_scheduled_tokens=np.array([1, 1, 3], np.int32),
+                     block_table=table[:3], block_size=4)
+    built = composer.build(spec)
+    kernel.prepare(built.common, built.metadata)
+    scale = {"q_data_type": torch.float32, "kv_data_type": torch.float32, "sm_scale": 8 ** -0.5}
+    decode, prefill = plans
+    assert decode[0] == "decode auto"
+    assert decode[1] == [[0, 2, 5], [1, 2, 4, 5, 6, 7, 8], [3, 2], 4, 2, 8, 4]  # (indptr, indices, last lengths, ...)
+    assert decode[2].pop("seq_lens").tolist() == [7, 10]
+    assert decode[2] == {"pos_encoding_mode": "NONE", **scale}
+    assert prefill[0] == "prefill auto"
+    assert prefill[1][0] == [0, 3] and prefill[1][1] == [5, 7] and prefill[1][3] == [1]
+    assert prefill[2]["causal"] is True and prefill[2]["seq_lens"].tolist() == [5]
+    assert {k: prefill[2][k] for k in scale} == scale
+    assert cache[("range_4", "cpu")].is_pinned()  # the decode plan's 3 query offsets: the entry of 4, pinned
+    out = kernel.attend(0, torch.zeros(5, 4, 8), torch.zeros(1), torch.zeros(1))
+    assert bool((out == 1).all())
+    with pytest.raises(ValueError, match="needs FlashInfer 0.7"):
+        km.resolve_plans("vllm", "0.5.3")
+    with pytest.raises(ValueError, match="plans: one of"):
+        km.resolve_plans("fa3", "0.7.2")
+
+
 def test_vllm_mode_marks_flashinfer_s_missing_optional_packages_absent(monkeypatch: pytest.MonkeyPatch) -> None:
     """``mark_absent`` (the vllm mode, before vLLM's FlashInfer backend is imported): a package no finder
     can import becomes ``None`` in ``sys.modules``, so importing it fails at once, as FlashInfer's checks

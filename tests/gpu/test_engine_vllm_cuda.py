@@ -27,7 +27,7 @@ pytest.importorskip("vllm.v1.attention.backends.utils", reason=INSTALL)
 
 from attnmeta.sync import record_device_syncs  # noqa: E402
 from examples.engine import Engine, EngineConfig, make_kernel  # noqa: E402
-from examples.engine.__main__ import run_workload  # noqa: E402
+from examples.engine.__main__ import WORKLOADS, run_workload  # noqa: E402
 from examples.engine.workload import Reference, make_requests  # noqa: E402
 
 TOLERANCE = 0.5
@@ -114,3 +114,40 @@ def test_vllm_mode_hybrid_tokens(hybrid_model: Any, kernel: str, mamba: str) -> 
     assert cmp.mismatches == 0, cmp
     assert forced.mismatches == 0 and forced.tokens == cmp.generated == st.sampled, forced
     assert st.partial_prefills > 0 and st.preemptions > 0 and st.padded_steps > 0
+
+
+@pytest.mark.parametrize("case", ["flashinfer", "flashinfer+graphs", "hybrid"])
+def test_attnmeta_and_vllm_modes_same_tokens(model: Any, hybrid_model: Any, case: str) -> None:
+    """The same kernels fed by either side's metadata give the same tokens, bit for bit: with vLLM's
+    FlashInfer (0.7.2.post1) the FlashInfer kernel plans as vLLM's builder does (``plans`` ``auto``
+    resolves to ``vllm``: the decode wrapper with tensor cores for the decode rows, the ``auto`` prefill
+    wrapper for the others, the model's scale), so the ``attnmeta`` and ``vllm`` metadata modes run the
+    same wrappers over the same model, and every request's greedy tokens must be equal, request by
+    request, over mixed steps (prefills beside decodes, a shared prefix found in the prefix cache),
+    CUDA-graph decode steps, and the hybrid's Mamba2 layers through vLLM's kernels fed by each side's
+    Mamba2 metadata. No cascade: the vllm mode has none."""
+    _have_vllm_flashinfer()
+    hybrid = case == "hybrid"
+    if hybrid:
+        from examples.engine.vllm_mamba import FETCH, KERNELS, OPS
+
+        if not (KERNELS / "vllm" / OPS.replace(".", "/") / "ssd_combined.py").is_file():
+            pytest.skip(f"vLLM's Mamba kernel files are not in .kernels/vllm: run {FETCH} and carry .kernels")
+    m = hybrid_model if hybrid else model
+    req_kw, cfg_kw = WORKLOADS["hybrid" if hybrid else "mixed"]
+    tokens: dict[str, list[list[int]]] = {}
+    for metadata in ("attnmeta", "vllm"):
+        cfg = EngineConfig(cuda_graphs=case.endswith("+graphs"), metadata=metadata,  # type: ignore[arg-type]
+                           mamba_kernels="vllm", **cfg_kw)  # type: ignore[arg-type]
+        engine = Engine(m, make_kernel("flashinfer", m, torch.device("cuda"), cascade=False), cfg)
+        if metadata == "attnmeta":
+            assert engine.kernel.plans == "vllm"  # type: ignore[attr-defined]
+        reqs = make_requests(vocab=m.config.vocab_size, **req_kw)
+        st = engine.run(reqs)
+        tokens[metadata] = [r.tokens for r in sorted(reqs, key=lambda r: r.rid)]
+        print(f"\nSAME-TOKENS {case} {metadata}: steps {st.steps} graph steps {st.graph_steps} "
+              f"partial prefills {st.partial_prefills} tokens {sum(len(t) for t in tokens[metadata])}")
+        if case.endswith("+graphs"):
+            assert st.graph_steps > 0
+    differ = [i for i, (a, b) in enumerate(zip(tokens["attnmeta"], tokens["vllm"], strict=True)) if a != b]
+    assert not differ, f"requests whose tokens differ between the two metadata modes: {differ}"
