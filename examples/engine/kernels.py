@@ -439,6 +439,12 @@ class FlashInferKernel:
             self._split = (int(fi.qo_indptr_decode_cpu[-1]) if nd else 0, fi.num_decode_tokens,
                            int(fi.qo_indptr_prefill_cpu[-1]) if fi.num_prefills else 0)
             if nd and self.plans == "vllm":  # the decode wrapper: one query token a row, its offsets its own
+                # As vLLM's builder: the wrapper takes every decode row, padding rows (no KV) included, and
+                # runs over all of them (its batch is its page table's rows).
+                if fi.num_decode_tokens != nd:
+                    raise ValueError(f"FlashInferKernel(plans='vllm'): {fi.num_decode_tokens} decode tokens in {nd} "
+                                     "decode rows; the decode wrapper takes one token a row")
+                self._split = (nd, *self._split[1:])
                 if nd + 1 not in self._pinned and pin_range(self._utils, nd + 1):
                     self._pinned.add(nd + 1)
                 ps.decode.plan(host_tensor(fi.paged_kv_indptr_cpu[: nd + 1]), fi.paged_kv_indices,

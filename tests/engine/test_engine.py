@@ -522,6 +522,16 @@ def test_flashinfer_kernel_plans_as_vllm_s_builder(monkeypatch: pytest.MonkeyPat
 
     class Decode(Wrapper):
         kind = "decode"
+        rows = -1
+
+        def plan(self, *args: Any, **kwargs: Any) -> None:
+            super().plan(*args, **kwargs)
+            self.rows = len(args[2])  # (its batch: the rows of its last page lengths)
+
+        def run(self, q: torch.Tensor, kv: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+            if q.shape[0] != self.rows:  # FlashInfer 0.7.2: one query token a planned row, no fewer
+                raise ValueError(f"q implies q_len_per_req={q.shape[0] // self.rows} but plan() used 1")
+            return super().run(q, kv, out)
 
     class Prefill(Wrapper):
         kind = "prefill"
@@ -580,7 +590,18 @@ def test_flashinfer_kernel_plans_as_vllm_s_builder(monkeypatch: pytest.MonkeyPat
     assert cache[("range_4", "cpu")].is_pinned()  # the decode plan's 3 query offsets: the entry of 4, pinned
     out = kernel.attend(0, torch.zeros(5, 4, 8), torch.zeros(1), torch.zeros(1))
     assert bool((out == 1).all())
-    with pytest.raises(ValueError, match="needs FlashInfer 0.7"):
+    # a padded eager decode step (3 requests in 4 rows): as vLLM's builder, the decode wrapper takes all 4 rows,
+    # the padding row's (no pages, no KV) included, and runs over all of them
+    plans.clear()
+    spec = BatchSpec(num_computed_tokens=np.full(3, 6, np.int32), num_scheduled_tokens=np.ones(3, np.int32),
+                     block_table=table[:3], block_size=4, num_reqs_padded=4, num_tokens_padded=4)
+    built = composer.build(spec)
+    kernel.prepare(built.common, built.metadata)
+    assert [p[0] for p in plans] == ["decode auto"] and plans[0][1][0] == [0, 2, 4, 6, 6]
+    assert plans[0][2]["seq_lens"].tolist() == [7, 7, 7, 0] and cache[("range_8", "cpu")].is_pinned()
+    out = kernel.attend(0, torch.zeros(4, 4, 8), torch.zeros(1), torch.zeros(1))
+    assert bool((out == 1).all())
+    with pytest.raises(ValueError, match=r"needs FlashInfer 0\.7"):
         km.resolve_plans("vllm", "0.5.3")
     with pytest.raises(ValueError, match="plans: one of"):
         km.resolve_plans("fa3", "0.7.2")
