@@ -601,6 +601,12 @@ def test_flashinfer_kernel_plans_as_vllm_s_builder(monkeypatch: pytest.MonkeyPat
     assert plans[0][2]["seq_lens"].tolist() == [7, 7, 7, 0] and cache[("range_8", "cpu")].is_pinned()
     out = kernel.attend(0, torch.zeros(4, 4, 8), torch.zeros(1), torch.zeros(1))
     assert bool((out == 1).all())
+    import doctest
+
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(km.resolve_plans, "resolve_plans", globs={"resolve_plans": km.resolve_plans}):
+        runner.run(test)
+    assert runner.summarize(verbose=False) == (0, 1)
     with pytest.raises(ValueError, match=r"needs FlashInfer 0\.7"):
         km.resolve_plans("vllm", "0.5.3")
     with pytest.raises(ValueError, match="plans: one of"):
