@@ -320,6 +320,12 @@ def host_tensor(array: np.ndarray) -> torch.Tensor:
     ``non_blocking=True`` copy from it is real DMA. Do not write into it; it is valid as long as the
     array (until the stager reuses the step's slot).
 
+    Torch warns about a read-only array once a process. The first call of a process keeps that warning
+    away (and checks that torch does not warn again); every later call is ``torch.from_numpy`` alone,
+    which leaves the process's warning filters untouched. (A change of the filters makes Python forget
+    which warnings it has shown: changed at every call, a warning of the caller's shown "once per
+    place" would show again after each call; the first call's change makes it forget once.)
+
     Parameters
     ----------
     array : numpy.ndarray
@@ -339,9 +345,35 @@ def host_tensor(array: np.ndarray) -> torch.Tensor:
     >>> host_tensor(fi.paged_kv_indptr_cpu[fi.num_decodes :])
     tensor([4, 5], dtype=torch.int32)
     """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    if _QUIET or array.flags.writeable:
         return torch.from_numpy(array)
+    return _first_read_only(array)
+
+
+_QUIET: list[bool] = []
+"""Non-empty once torch is known not to warn about a read-only array again in this process."""
+_LOUD: list[bool] = []
+"""Non-empty once torch is known to warn about every read-only array (then every call keeps it away)."""
+_READ_ONLY_TEXT = "The given NumPy array is not writable"
+
+
+def _first_read_only(array: np.ndarray) -> torch.Tensor:
+    """:func:`host_tensor` of a read-only array while torch may still warn about one: its warning kept
+    away, the process's own filters restored after; torch's warning is once a process, which a second
+    call here checks once (a torch that warned every time keeps this path)."""
+    check = not _LOUD
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = torch.from_numpy(array)
+        first = len(seen)
+        if check:
+            torch.from_numpy(array)
+    for w in seen:  # (anything but torch's read-only warning is the caller's to see)
+        if _READ_ONLY_TEXT not in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if check:
+        (_LOUD if len(seen) > first else _QUIET).append(True)
+    return out
 
 
 def _max_query(qsl: np.ndarray, start: int, stop: int) -> int:

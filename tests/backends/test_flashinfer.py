@@ -124,6 +124,52 @@ def test_host_views_are_the_staged_read_only_arrays() -> None:
     assert "paged_kv_indptr=(5,) int32 cpu" in repr(fi)  # repr shows shapes, never values
 
 
+def test_host_tensor_leaves_the_callers_warnings_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``host_tensor`` of a read-only host array shares its memory and shows no warning, and a loop that
+    calls it every step still sees its own "once per place" warning once: each call used to change the
+    process's warning filters, which made Python forget the warnings it had shown (the caller's warning
+    printed every step). Torch's own read-only warning is once a process, so only a process's first call
+    needs to keep it away; a torch that warned at every call would keep that path for every call."""
+    import warnings
+
+    from attnmeta.backends import flashinfer as fi_module
+
+    a = np.arange(6, dtype=np.int32)
+    a.flags.writeable = False
+    t = flashinfer.host_tensor(a)
+    assert t.tolist() == a.tolist() and t.data_ptr() == a.ctypes.data  # (the same memory, no copy)
+    shown: list[str] = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *args, **kw: shown.append(str(message)))
+
+    def step() -> None:
+        warnings.warn("the caller's warning", UserWarning, stacklevel=1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # (once per place: pytest's own capture sets "always")
+        for _ in range(5):
+            step()
+            flashinfer.host_tensor(a[1:])
+    assert shown == ["the caller's warning"]
+    # a torch that warns at every call: each call keeps the warning away, and says nothing of its own
+    monkeypatch.setattr(fi_module, "_QUIET", [])
+    monkeypatch.setattr(fi_module, "_LOUD", [])
+    calls: list[int] = []
+
+    def loud(array: np.ndarray) -> torch.Tensor:
+        calls.append(1)
+        warnings.warn(fi_module._READ_ONLY_TEXT + " (stand-in)", UserWarning, stacklevel=1)
+        return torch.zeros(array.shape, dtype=torch.int32)
+
+    monkeypatch.setattr(torch, "from_numpy", loud)
+    shown.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        flashinfer.host_tensor(a)
+        flashinfer.host_tensor(a)
+    assert shown == [] and fi_module._QUIET == [] and fi_module._LOUD == [True]
+    assert len(calls) == 3  # (the first call checks whether torch warns again; the next only keeps it away)
+
+
 def test_bad_options_fail_fast() -> None:
     with pytest.raises(ValueError, match="indices: must be 'host' or 'device'"):
         flashinfer.build(MIXED, Stager("cpu"), FlashInferOptions(indices="gpu"))  # type: ignore[arg-type]
