@@ -92,7 +92,8 @@ test, ``--model tiny``; ``--model tiny-hybrid`` is a small Bamba with the same t
 loop the CPU can run (``ab_engine.py`` and ``bench_loop_twin.py`` take it too). Each pair's summary line
 also gives the plan times, the host time of metadata and plan together (``host x``), and ``tokens
 differ``: the requests whose greedy tokens differ between the two modes (the same kernels read either
-metadata).
+metadata: 0 expected; with FlashInfer, the FlashInfer kernel's plans are printed above the pairs, and
+only its ``vllm`` plans are vLLM's kernels: examples/engine/kernels.py, ``PLANS``).
 
 Usage: python benchmarks/bench_engine.py --device cuda [--model 1b|hybrid-1b|tiny|tiny-hybrid] [--concurrency 1,64,256]
 [--modes graphs,eager,per-tensor] [--rounds 3] [--no-cold] [--cold-us US] [--processes N] [--json FILE]
