@@ -436,15 +436,16 @@ class FlashInferKernel:
             # (zero-length requests) are counted in num_decode_tokens but not in the indptr, and FlashInfer
             # (0.7) refuses a query longer than the indptr's last entry; the padding rows' outputs are
             # unspecified (AttentionKernel.attend). (The indptrs are the step's pinned host views: no device read.)
-            self._split = (int(fi.qo_indptr_decode_cpu[-1]) if nd else 0, fi.num_decode_tokens,
-                           int(fi.qo_indptr_prefill_cpu[-1]) if fi.num_prefills else 0)
-            if nd and self.plans == "vllm":  # the decode wrapper: one query token a row, its offsets its own
-                # As vLLM's builder: the wrapper takes every decode row, padding rows (no KV) included, and
-                # runs over all of them (its batch is its page table's rows).
-                if fi.num_decode_tokens != nd:
-                    raise ValueError(f"FlashInferKernel(plans='vllm'): {fi.num_decode_tokens} decode tokens in {nd} "
-                                     "decode rows; the decode wrapper takes one token a row")
-                self._split = (nd, *self._split[1:])
+            # The vllm plans' decode wrapper (one query token a row, its offsets its own) takes every decode
+            # row instead, as vLLM's builder: padding rows (no KV) included, all of them run (its batch is
+            # its page table's rows).
+            decode_wrapper = bool(nd) and self.plans == "vllm"
+            if decode_wrapper and fi.num_decode_tokens != nd:
+                raise ValueError(f"FlashInferKernel(plans='vllm'): {fi.num_decode_tokens} decode tokens in {nd} "
+                                 "decode rows; the decode wrapper takes one token a row")
+            d_rows = nd if decode_wrapper else int(fi.qo_indptr_decode_cpu[-1]) if nd else 0
+            self._split = (d_rows, fi.num_decode_tokens, int(fi.qo_indptr_prefill_cpu[-1]) if fi.num_prefills else 0)
+            if decode_wrapper:
                 if nd + 1 not in self._pinned and pin_range(self._utils, nd + 1):
                     self._pinned.add(nd + 1)
                 ps.decode.plan(host_tensor(fi.paged_kv_indptr_cpu[: nd + 1]), fi.paged_kv_indices,
