@@ -99,7 +99,7 @@ def stage_kernel_block_table(
     >>> cm = k16.result()
     >>> cm.block_size, cm.block_table_cpu.shape, cm.block_table_cpu[1].tolist()  # (host twins: no device read)
     (16, (3, 12), [20, 21, 22, 23, 8, 9, 10, 11, 0, 1, 2, 3])
-    >>> cm.block_table_cpu[2, :4].tolist(), cm.slot_mapping_cpu.tolist()
+    >>> cm.block_table_cpu[2, :4].tolist(), cm.slot_mapping_cpu.tolist()  # (host twins)
     ([0, 1, 2, 3], [578, 579, 580, 581, 582, 380, 381, 382])
     """
     if not isinstance(common, StagedCommon) or common.step is not step:

@@ -350,10 +350,10 @@ def host_tensor(array: np.ndarray) -> torch.Tensor:
     return _first_read_only(array)
 
 
-_QUIET: list[bool] = []
-"""Non-empty once torch is known not to warn about a read-only array again in this process."""
-_LOUD: list[bool] = []
-"""Non-empty once torch is known to warn about every read-only array (then every call keeps it away)."""
+_QUIET = False
+"""Whether torch is known not to warn about a read-only array again in this process."""
+_LOUD = False
+"""Whether torch is known to warn about every read-only array (then every call keeps it away)."""
 _READ_ONLY_TEXT = "The given NumPy array is not writable"
 
 
@@ -361,6 +361,7 @@ def _first_read_only(array: np.ndarray) -> torch.Tensor:
     """:func:`host_tensor` of a read-only array while torch may still warn about one: its warning kept
     away, the process's own filters restored after; torch's warning is once a process, which a second
     call here checks once (a torch that warned every time keeps this path)."""
+    global _QUIET, _LOUD
     check = not _LOUD
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -372,7 +373,8 @@ def _first_read_only(array: np.ndarray) -> torch.Tensor:
         if _READ_ONLY_TEXT not in str(w.message):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if check:
-        (_LOUD if len(seen) > first else _QUIET).append(True)
+        _LOUD = len(seen) > first
+        _QUIET = not _LOUD
     return out
 
 

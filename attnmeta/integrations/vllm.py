@@ -338,7 +338,7 @@ def spec_from_vllm(
     >>> table = np.array([[10, 11], [20, 21], [30, 31], [0, 0]], np.int32)
     >>> spec = spec_from_vllm(cm, block_table=table, block_size=4)
     >>> # (numpy arrays: host data)
-    >>> spec.num_computed_tokens.tolist(), spec.num_scheduled_tokens.tolist(), spec.num_prompt_tokens.tolist()
+    >>> spec.num_computed_tokens.tolist(), spec.num_scheduled_tokens.tolist(), spec.num_prompt_tokens.tolist()  # (host arrays)
     ([5, 7, 0], [1, 1, 4], [5, 7, 1])
     >>> spec.num_reqs, spec.num_reqs_padded, spec.num_tokens, spec.num_tokens_padded
     (3, 4, 6, 8)

@@ -443,7 +443,7 @@ class FlashInferKernel:
             if decode_wrapper and fi.num_decode_tokens != nd:
                 raise ValueError(f"FlashInferKernel(plans='vllm'): {fi.num_decode_tokens} decode tokens in {nd} "
                                  "decode rows; the decode wrapper takes one token a row")
-            d_rows = nd if decode_wrapper else int(fi.qo_indptr_decode_cpu[-1]) if nd else 0
+            d_rows = nd if decode_wrapper else (int(fi.qo_indptr_decode_cpu[-1]) if nd else 0)
             self._split = (d_rows, fi.num_decode_tokens, int(fi.qo_indptr_prefill_cpu[-1]) if fi.num_prefills else 0)
             if decode_wrapper:
                 if nd + 1 not in self._pinned and pin_range(self._utils, nd + 1):

@@ -151,8 +151,8 @@ def test_host_tensor_leaves_the_callers_warnings_alone(monkeypatch: pytest.Monke
             flashinfer.host_tensor(a[1:])
     assert shown == ["the caller's warning"]
     # a torch that warns at every call: each call keeps the warning away, and says nothing of its own
-    monkeypatch.setattr(fi_module, "_QUIET", [])
-    monkeypatch.setattr(fi_module, "_LOUD", [])
+    monkeypatch.setattr(fi_module, "_QUIET", False)
+    monkeypatch.setattr(fi_module, "_LOUD", False)
     calls: list[int] = []
 
     def loud(array: np.ndarray) -> torch.Tensor:
@@ -166,7 +166,7 @@ def test_host_tensor_leaves_the_callers_warnings_alone(monkeypatch: pytest.Monke
         warnings.simplefilter("always")
         flashinfer.host_tensor(a)
         flashinfer.host_tensor(a)
-    assert shown == [] and fi_module._QUIET == [] and fi_module._LOUD == [True]
+    assert shown == [] and fi_module._QUIET is False and fi_module._LOUD is True
     assert len(calls) == 3  # (the first call checks whether torch warns again; the next only keeps it away)
 
 
