@@ -531,6 +531,11 @@ class Engine:
             return
         built = dummy([2], None)  # a prefill step first: it lays out every field before freeze()
         self.kernel.prepare(built.common, built.metadata)
+        # the graph wrappers read the page table where the step's one copy puts it (fixed addresses), so
+        # their plans copy none of it
+        assert isinstance(self.kernel, FlashInferKernel)
+        self.kernel.use_graph_buffers(*(built.step.device_full(f"common.{n}") for n in
+                                        ("paged_kv_indptr", "paged_kv_last_page_len", "paged_kv_indices")))
         for size in (s for s in cfg.decode_sizes if s <= cfg.max_num_seqs):
             for _ in range(self.kernel.ring):
                 built = dummy([1], size)

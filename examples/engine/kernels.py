@@ -325,7 +325,10 @@ class FlashInferKernel:
 
     When the step cascades, two ``fa2`` prefill wrappers run over the shared prefix (non-causal, every
     query) and each request's suffix (causal), merged with FlashInfer's ``merge_state``. Replayed decode
-    steps (CUDA graphs) run the decode wrapper in graph mode (tensor cores), one per padded size.
+    steps (CUDA graphs) run the decode wrapper in graph mode (tensor cores), one per padded size; made
+    over the graph-mode stager's own fields (:meth:`use_graph_buffers`, as the engine does), their plans
+    copy nothing of the page table, and under the ``vllm`` plans they are FlashInfer's
+    ``fast_decode_plan``, as vLLM's builder plans its graph wrappers.
 
     What ``plan()`` gets: the query and page indptrs, last-page lengths and KV lengths as pinned host
     views of the step (:func:`attnmeta.backends.flashinfer.host_tensor`), so its host reads are free
@@ -372,6 +375,10 @@ class FlashInferKernel:
         self.plan_waits = 0
         self.max_pages = 0
         """Capacity of the graph wrappers' page indices (the engine sets the profile's)."""
+        self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._fast: Callable[..., None] | None = None  # (FlashInfer's fast_decode_plan, under the vllm plans)
+        self.fast_plans = 0
+        """Graph steps planned with FlashInfer's ``fast_decode_plan`` (:meth:`use_graph_buffers`)."""
 
     def _kw(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"q_data_type": self.dtype, "kv_data_type": self.dtype}
@@ -390,18 +397,70 @@ class FlashInferKernel:
             return {}
         return {"cascade": CascadeInputs(num_common_prefix_blocks=num_common_prefix_blocks)}
 
+    def use_graph_buffers(self, indptr: torch.Tensor, last_page_len: torch.Tensor, indices: torch.Tensor) -> None:
+        """Make the CUDA-graph decode wrappers over these device tensors instead of buffers of their own.
+
+        ``indptr`` ``(max_reqs + 1,)``, ``last_page_len`` ``(max_reqs,)`` and ``indices``
+        ``(max_pages,)``, int32 on the device: the full-capacity, fixed-address fields of a graph-mode
+        stager (:meth:`attnmeta.staging.Step.device_full`) that the graph steps' FlashInfer metadata views
+        (``paged_kv_indptr``, ``paged_kv_last_page_len``, ``paged_kv_indices``). The step's one copy then
+        fills what the captured kernels read, and a graph step's plan copies none of them: under the
+        ``vllm`` plans it is FlashInfer's ``fast_decode_plan`` after each wrapper's first ``plan()``, as
+        vLLM's builder plans its graph wrappers (made over its own persistent buffers). Every graph step
+        checks that its metadata views these tensors (a ``ValueError`` otherwise). Call it before the
+        first graph wrapper is made."""
+        if any(ps.graph for ps in self._sets):
+            raise RuntimeError("use_graph_buffers(): graph wrappers exist already (call it before capturing)")
+        for name, t, rows in (("indptr", indptr, None), ("last_page_len", last_page_len, None),
+                              ("indices", indices, self.max_pages)):
+            if t.dtype != torch.int32 or t.dim() != 1 or t.device != self.device or (rows is not None and len(t) < rows):
+                raise ValueError(f"use_graph_buffers(): {name} must be a 1-D int32 tensor on {self.device}"
+                                 + (f" of at least {rows} rows" if rows is not None else "") + f", got {t.dtype} "
+                                 f"{tuple(t.shape)} on {t.device}")
+        self._graph_buffers = (indptr, last_page_len, indices)
+        if self.plans == "vllm":
+            self._fast = importlib.import_module("flashinfer.decode").fast_decode_plan
+
     def graph_wrapper(self, batch: int) -> Any:
-        """The current set's CUDA-graph decode wrapper of ``batch`` rows (fixed buffers), made on first use."""
+        """The current set's CUDA-graph decode wrapper of ``batch`` rows (fixed buffers: its own, or the
+        first rows of :meth:`use_graph_buffers`' tensors), made on first use."""
         ps = self._sets[self.ring_index]
         w = ps.graph.get(batch)
         if w is None:
+            if self._graph_buffers is not None:
+                indptr, last, indices = self._graph_buffers
+                indptr, last = indptr[: batch + 1], last[:batch]
+            else:
+                indptr = torch.zeros(batch + 1, dtype=torch.int32, device=self.device)
+                last = torch.zeros(batch, dtype=torch.int32, device=self.device)
+                indices = torch.zeros(self.max_pages, dtype=torch.int32, device=self.device)
             w = self._lib.BatchDecodeWithPagedKVCacheWrapper(
-                self._ws, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-                paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=self.device),
-                paged_kv_indices_buffer=torch.zeros(self.max_pages, dtype=torch.int32, device=self.device),
-                paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=self.device))
+                self._ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+                paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
             ps.graph[batch] = w
         return w
+
+    def _plan_graph(self, fi: Any, batch: int, bs: int, kw: dict[str, Any]) -> None:
+        """Plan the current set's graph wrapper of ``batch`` rows for the step of ``fi`` (its FlashInfer
+        metadata): ``plan()``, which copies the page table into the wrapper's buffers where they are its
+        own; over :meth:`use_graph_buffers`' tensors, which the step's copy has filled already, FlashInfer's
+        ``fast_decode_plan`` under the ``vllm`` plans once the wrapper has been planned (it copies nothing
+        into them)."""
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        w = self._graph = self.graph_wrapper(batch)
+        indptr, last = host_tensor(fi.paged_kv_indptr_cpu[: batch + 1]), host_tensor(fi.paged_kv_last_page_len_cpu[:batch])
+        bufs = self._graph_buffers
+        if bufs is not None and (fi.paged_kv_indptr.data_ptr() != bufs[0].data_ptr()
+                                 or fi.paged_kv_last_page_len.data_ptr() != bufs[1].data_ptr()
+                                 or fi.paged_kv_indices.data_ptr() != bufs[2].data_ptr()):
+            raise ValueError("FlashInferKernel: the graph step's page table is not in the tensors of "
+                             "use_graph_buffers() (another stager, or its graph layout moved)")
+        if self._fast is not None and getattr(w, "_attnmeta_planned", False):
+            self._fast(w, indptr, fi.paged_kv_indices, last, h, hk, d, bs, pos_encoding_mode="NONE", **kw)
+            self.fast_plans += 1
+            return
+        w.plan(indptr, fi.paged_kv_indices, last, h, hk, d, bs, **kw)
+        w._attnmeta_planned = True
 
     def prepare(self, cm: CommonAttentionMetadata, metadata: dict[str, Any], graph_batch: int | None = None) -> None:
         fi = self.transform(metadata["flashinfer"])
@@ -417,9 +476,7 @@ class FlashInferKernel:
         self._set = ps
         if graph_batch is not None:  # a replayed decode step: plan the graph's own wrapper
             self._mode = "graph"
-            self._graph = self.graph_wrapper(graph_batch)
-            self._graph.plan(host_tensor(fi.paged_kv_indptr_cpu[: graph_batch + 1]), fi.paged_kv_indices,
-                             host_tensor(fi.paged_kv_last_page_len_cpu[:graph_batch]), h, hk, d, bs, **kw)
+            self._plan_graph(fi, graph_batch, bs, kw)
         elif ca is not None and ca.use_cascade:
             self._mode = "cascade"
             self.cascade_steps += 1

@@ -613,6 +613,99 @@ def test_flashinfer_kernel_plans_as_vllm_s_builder(monkeypatch: pytest.MonkeyPat
         km.resolve_plans("fa3", "0.7.2")
 
 
+@pytest.mark.parametrize("plans", ["vllm", "fa2"])
+def test_flashinfer_graph_wrappers_read_the_stager_s_fields(monkeypatch: pytest.MonkeyPatch, plans: str) -> None:
+    """``use_graph_buffers`` (the engine calls it before capturing): the CUDA-graph decode wrappers are made
+    over the graph-mode stager's fixed-address fields of the page table, the first rows of each (so the
+    captured kernels read what the step's one copy wrote). Under the ``vllm`` plans a wrapper's first plan
+    is FlashInfer's ``plan()`` and every later one ``fast_decode_plan`` (which copies nothing into the
+    buffers), as vLLM's builder plans its graph wrappers; under ``fa2`` every plan is ``plan()``. A step
+    whose page table is elsewhere is refused, and so is binding the buffers once wrappers exist. A
+    stand-in FlashInfer records what the kernel asks of it."""
+    import sys
+    import types
+
+    from attnmeta import BatchSpec, StaticProfile, Stager
+    from attnmeta.compose import Group, StepBuilder
+    from examples.engine import kernels as km
+
+    calls: list[tuple[str, Any, list[Any], dict[str, Any]]] = []
+
+    class Decode:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.buffers = {k: v for k, v in kwargs.items() if k.endswith("_buffer")}
+
+        def plan(self, *args: Any, **kwargs: Any) -> None:
+            calls.append(("plan", self, [a.tolist() if isinstance(a, torch.Tensor) else a for a in args], kwargs))
+
+    def fast_decode_plan(w: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(("fast", w, [a.tolist() if isinstance(a, torch.Tensor) else a for a in args], kwargs))
+
+    class Event:
+        def record(self) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+    decode_mod = types.SimpleNamespace(fast_decode_plan=fast_decode_plan)
+    utils = types.SimpleNamespace(_get_range_buf=lambda n, d: None, _cache_buf={})
+    lib = types.SimpleNamespace(__version__="0.7.2.post1" if plans == "vllm" else "0.5.3",
+                                BatchDecodeWithPagedKVCacheWrapper=Decode, BatchPrefillWithPagedKVCacheWrapper=Decode,
+                                utils=utils, decode=decode_mod)
+    monkeypatch.setitem(sys.modules, "flashinfer", lib)
+    monkeypatch.setitem(sys.modules, "flashinfer.utils", utils)
+    monkeypatch.setitem(sys.modules, "flashinfer.decode", decode_mod)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(km, "mark_absent", lambda names: [])
+    kernel = km.FlashInferKernel(4, 2, 8, torch.float32, torch.device("cpu"), ring=1)
+    assert kernel.plans == plans
+    profile = StaticProfile(max_num_reqs=8, max_num_tokens=64, max_blocks_per_req=4, block_size=4)
+    kernel.max_pages = profile.max_num_pages
+
+    def composer() -> StepBuilder:
+        return StepBuilder(Stager("cpu", profile=profile), Group(kernel.builders()))
+
+    table = np.arange(1, 17, dtype=np.int32).reshape(4, 4)
+
+    def decode_step(c: StepBuilder, computed: int) -> Any:  # 3 requests padded to 4 rows
+        return c.build(BatchSpec(num_computed_tokens=np.array([computed, 9, 2], np.int32),
+                                 num_scheduled_tokens=np.ones(3, np.int32), block_table=table[:3], block_size=4,
+                                 num_reqs_padded=4, num_tokens_padded=4))
+
+    comp = composer()
+    first = decode_step(comp, 6)
+    names = ("paged_kv_indptr", "paged_kv_last_page_len", "paged_kv_indices")
+    full = [first.step.device_full(f"common.{n}") for n in names]
+    kernel.use_graph_buffers(*full)
+    for computed in (6, 7):
+        built = decode_step(comp, computed)
+        kernel.prepare(built.common, built.metadata, graph_batch=4)
+    w = kernel.graph_wrapper(4)
+    bufs = w.buffers
+    assert bufs["paged_kv_indptr_buffer"].data_ptr() == full[0].data_ptr() and len(bufs["paged_kv_indptr_buffer"]) == 5
+    assert bufs["paged_kv_last_page_len_buffer"].data_ptr() == full[1].data_ptr()
+    assert len(bufs["paged_kv_last_page_len_buffer"]) == 4
+    assert bufs["paged_kv_indices_buffer"] is full[2]
+    assert [(kind, who is w) for kind, who, _a, _k in calls] == [("plan", True), ("fast" if plans == "vllm" else "plan", True)]
+    _k, _w, args, kwargs = calls[1]
+    # the second step: contexts 8, 10, 3 (2, 3 and 1 pages of 4; the padding row none), the indices' device view
+    assert args[:3] == [[0, 2, 5, 6, 6], [1, 2, 5, 6, 7, 9], [4, 2, 3, 0]] and args[3:] == [4, 2, 8, 4]
+    assert kernel.fast_plans == (1 if plans == "vllm" else 0)
+    if plans == "vllm":
+        assert kwargs == {"pos_encoding_mode": "NONE", "q_data_type": torch.float32, "kv_data_type": torch.float32,
+                          "sm_scale": 8 ** -0.5}
+    other = decode_step(composer(), 6)  # another stager's step: its page table is not in the wrappers' buffers
+    with pytest.raises(ValueError, match="not in the tensors of use_graph_buffers"):
+        kernel.prepare(other.common, other.metadata, graph_batch=4)
+    with pytest.raises(RuntimeError, match="before capturing"):
+        kernel.use_graph_buffers(*full)
+    fresh = km.FlashInferKernel(4, 2, 8, torch.float32, torch.device("cpu"), ring=1)
+    fresh.max_pages = profile.max_num_pages
+    with pytest.raises(ValueError, match=r"indices must be a 1-D int32 tensor on cpu of at least \d+ rows"):
+        fresh.use_graph_buffers(full[0], full[1], full[2][:3])
+
+
 def test_vllm_mode_marks_flashinfer_s_missing_optional_packages_absent(monkeypatch: pytest.MonkeyPatch) -> None:
     """``mark_absent`` (the vllm mode, before vLLM's FlashInfer backend is imported): a package no finder
     can import becomes ``None`` in ``sys.modules``, so importing it fails at once, as FlashInfer's checks
