@@ -625,7 +625,7 @@ def test_flashinfer_graph_wrappers_read_the_stager_s_fields(monkeypatch: pytest.
     import sys
     import types
 
-    from attnmeta import BatchSpec, StaticProfile, Stager
+    from attnmeta import BatchSpec, Stager, StaticProfile
     from attnmeta.compose import Group, StepBuilder
     from examples.engine import kernels as km
 
