@@ -429,6 +429,9 @@ class FlashInferKernel:
         if w is None:
             if self._graph_buffers is not None:
                 indptr, last, indices = self._graph_buffers
+                if len(indptr) <= batch or len(last) < batch:
+                    raise ValueError(f"FlashInferKernel: a graph of {batch} rows needs {batch + 1} rows of indptr and "
+                                     f"{batch} of last_page_len in use_graph_buffers(), got {len(indptr)} and {len(last)}")
                 indptr, last = indptr[: batch + 1], last[:batch]
             else:
                 indptr = torch.zeros(batch + 1, dtype=torch.int32, device=self.device)

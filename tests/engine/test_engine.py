@@ -704,6 +704,9 @@ def test_flashinfer_graph_wrappers_read_the_stager_s_fields(monkeypatch: pytest.
     fresh.max_pages = profile.max_num_pages
     with pytest.raises(ValueError, match=r"indices must be a 1-D int32 tensor on cpu of at least \d+ rows"):
         fresh.use_graph_buffers(full[0], full[1], full[2][:3])
+    fresh.use_graph_buffers(full[0][:4], full[1], full[2])  # (a graph of 4 rows needs 5 offsets)
+    with pytest.raises(ValueError, match="a graph of 4 rows needs 5 rows of indptr"):
+        fresh.graph_wrapper(4)
 
 
 def test_vllm_mode_marks_flashinfer_s_missing_optional_packages_absent(monkeypatch: pytest.MonkeyPatch) -> None:
