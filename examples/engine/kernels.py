@@ -204,6 +204,15 @@ class VarlenKernel:
         return out[0] if isinstance(out, tuple) else out
 
 
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t`` lives on ``device`` (``cuda`` names the current CUDA device: ``cuda:0`` is on it).
+
+    >>> _on(torch.empty(0, device="meta"), torch.device("meta")), _on(torch.empty(0), torch.device("meta"))
+    (True, False)
+    """
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
 class _PlanSet:
     """The wrappers of one ring turn: two FlashInfer prefill wrappers (``fa2``: the split's decode and
     prefill parts under the ``fa2`` plans, a cascade's shared and per-request levels), under the
@@ -413,7 +422,7 @@ class FlashInferKernel:
             raise RuntimeError("use_graph_buffers(): graph wrappers exist already (call it before capturing)")
         for name, t, rows in (("indptr", indptr, None), ("last_page_len", last_page_len, None),
                               ("indices", indices, self.max_pages)):
-            if t.dtype != torch.int32 or t.dim() != 1 or t.device != self.device or (rows is not None and len(t) < rows):
+            if t.dtype != torch.int32 or t.dim() != 1 or not _on(t, self.device) or (rows is not None and len(t) < rows):
                 raise ValueError(f"use_graph_buffers(): {name} must be a 1-D int32 tensor on {self.device}"
                                  + (f" of at least {rows} rows" if rows is not None else "") + f", got {t.dtype} "
                                  f"{tuple(t.shape)} on {t.device}")

@@ -709,6 +709,26 @@ def test_flashinfer_graph_wrappers_read_the_stager_s_fields(monkeypatch: pytest.
         fresh.graph_wrapper(4)
 
 
+def test_flashinfer_kernel_takes_the_current_cuda_device_s_tensors() -> None:
+    """A kernel made for ``cuda`` takes graph buffers on ``cuda:0`` (the stager's fields carry the index;
+    found on the GPU machine, where ``use_graph_buffers`` refused them), and refuses another device's;
+    ``_on``'s doctest runs too."""
+    import doctest
+    import types
+
+    from examples.engine import kernels as km
+
+    def on(name: str) -> Any:  # (a tensor's device without CUDA: all the rule reads)
+        return types.SimpleNamespace(device=torch.device(name))
+
+    assert km._on(on("cuda:0"), torch.device("cuda")) and km._on(on("cuda:1"), torch.device("cuda:1"))
+    assert not km._on(on("cuda:1"), torch.device("cuda:0")) and not km._on(on("cpu"), torch.device("cuda"))
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(km._on, "_on", globs={"_on": km._on, "torch": torch}):
+        runner.run(test)
+    assert runner.summarize(verbose=False) == (0, 1)
+
+
 def test_vllm_mode_marks_flashinfer_s_missing_optional_packages_absent(monkeypatch: pytest.MonkeyPatch) -> None:
     """``mark_absent`` (the vllm mode, before vLLM's FlashInfer backend is imported): a package no finder
     can import becomes ``None`` in ``sys.modules``, so importing it fails at once, as FlashInfer's checks
