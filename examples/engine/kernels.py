@@ -229,6 +229,7 @@ class _PlanSet:
             self.decode = lib.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True, backend="auto")
             self.prefill = lib.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="auto")
         self.graph: dict[int, Any] = {}
+        self.graph_planned: set[int] = set()  # (the graph wrappers' sizes planned once with plan())
         self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.planned = False
 
@@ -453,11 +454,10 @@ class FlashInferKernel:
         return w
 
     def _plan_graph(self, fi: Any, batch: int, bs: int, kw: dict[str, Any]) -> None:
-        """Plan the current set's graph wrapper of ``batch`` rows for the step of ``fi`` (its FlashInfer
-        metadata): ``plan()``, which copies the page table into the wrapper's buffers where they are its
-        own; over :meth:`use_graph_buffers`' tensors, which the step's copy has filled already, FlashInfer's
-        ``fast_decode_plan`` under the ``vllm`` plans once the wrapper has been planned (it copies nothing
-        into them)."""
+        """Plan the current set's graph wrapper of ``batch`` rows for the step whose FlashInfer metadata is
+        ``fi``: with ``plan()``, or, once the wrapper has been planned, under the ``vllm`` plans and over
+        :meth:`use_graph_buffers`' tensors, with FlashInfer's ``fast_decode_plan`` (it copies nothing into
+        the buffers, which the step's copy has filled)."""
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         w = self._graph = self.graph_wrapper(batch)
         indptr, last = host_tensor(fi.paged_kv_indptr_cpu[: batch + 1]), host_tensor(fi.paged_kv_last_page_len_cpu[:batch])
@@ -467,12 +467,13 @@ class FlashInferKernel:
                                  or fi.paged_kv_indices.data_ptr() != bufs[2].data_ptr()):
             raise ValueError("FlashInferKernel: the graph step's page table is not in the tensors of "
                              "use_graph_buffers() (another stager, or its graph layout moved)")
-        if self._fast is not None and getattr(w, "_attnmeta_planned", False):
+        planned = self._sets[self.ring_index].graph_planned
+        if self._fast is not None and batch in planned:
             self._fast(w, indptr, fi.paged_kv_indices, last, h, hk, d, bs, pos_encoding_mode="NONE", **kw)
             self.fast_plans += 1
             return
         w.plan(indptr, fi.paged_kv_indices, last, h, hk, d, bs, **kw)
-        w._attnmeta_planned = True
+        planned.add(batch)
 
     def prepare(self, cm: CommonAttentionMetadata, metadata: dict[str, Any], graph_batch: int | None = None) -> None:
         fi = self.transform(metadata["flashinfer"])
