@@ -14,8 +14,10 @@ For each concurrency the table gives, per side, the median over the rounds of ea
 attnmeta time over its full-batch decode steps (the engine's ``metadata`` time, as
 ``bench_engine.py``'s ``metadata ms``), the ratio of the two medians (this / base) and ``paired``: the
 median over the rounds of each round's ratio (a drift of the machine between rounds cancels in it);
-also the step time of each side, and the requests whose tokens differ between the sides (0: the same
-kernels and model read either side's metadata).
+also the step time of each side, the kernel's preparation of a step (``plan``: the mean over each run's
+steps of the time the kernel takes to plan them, as ``bench_engine.py``'s ``plan ms``; the median over
+the rounds), and the requests whose tokens differ between the sides (0: the same kernels and model read
+either side's metadata).
 
 The other commit's package comes from ``ab_commit.base_package`` (a renamed copy); its
 engine from the same commit's ``examples/engine`` (imported as ``engine_base``, every attnmeta import
@@ -125,8 +127,8 @@ def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: i
        rounds: int, warm: int = 3) -> dict[str, Any]:
     """Both sides' engines at ``n`` requests (``bench_engine.py``'s, each of its side's package), warmed by
     ``warm`` runs, then ``rounds`` rounds, each serving new requests on both (order alternating). Returns
-    each side's per-round medians over the full-batch decode steps (ms) and the requests whose tokens
-    differed in any round."""
+    each side's per-round medians over the full-batch decode steps (ms), its per-round mean plan time a
+    step (ms) and the requests whose tokens differed in any round."""
     vocab = model.config.vocab_size
     engines = {name: _engine(model, mode, n, prompt, new, device, pkg) for name, pkg in sides.items()}
     for name, eng in engines.items():
@@ -134,6 +136,7 @@ def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: i
             eng.run(_requests(n, prompt, new, vocab, seed, sides[name].Request))
     meta: dict[str, list[float]] = {name: [] for name in sides}
     step: dict[str, list[float]] = {name: [] for name in sides}
+    plan: dict[str, list[float]] = {name: [] for name in sides}
     differ = 0
     names = list(sides)
     for k in range(rounds):
@@ -145,13 +148,14 @@ def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: i
                 raise RuntimeError("ab_engine: the run had no full-batch decode steps (raise --new)")
             meta[name].append(statistics.median(run["metadata"][i] for i in idx) * 1e3)
             step[name].append(statistics.median(run["times"][i] for i in idx) * 1e3)
+            plan[name].append(run["plan_s"] / run["steps"] * 1e3)
             tokens[name] = run["tokens"]
         differ += sum(a != b for a, b in zip(tokens[names[0]], tokens[names[1]], strict=True))
     del engines
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"metadata_ms": meta, "step_ms": step, "tokens_differ": differ}
+    return {"metadata_ms": meta, "step_ms": step, "plan_ms": plan, "tokens_differ": differ}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,16 +203,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.new} new tokens){order}; medians over rounds of each run's median over its full-batch decode "
           f"steps (ms)", flush=True)
     print(f"{'reqs':>5} {'base ms':>8} {'this ms':>8} {'this/base':>9} {'paired':>7} {'base step':>9} "
-          f"{'this step':>9} {'tokens differ':>13}", flush=True)
+          f"{'this step':>9} {'base plan':>9} {'this plan':>9} {'plan x':>7} {'tokens differ':>13}", flush=True)
     results = {}
     for n in [int(x) for x in a.concurrency.split(",")]:
         r = ab(sides, model, a.mode, n, a.prompt, a.new, device, a.rounds, a.warm)
         mb, mt = r["metadata_ms"]["base"], r["metadata_ms"]["this"]
         paired = statistics.median(t / b for b, t in zip(mb, mt, strict=True))
         ratio = statistics.median(mt) / statistics.median(mb)
+        pb, pt = statistics.median(r["plan_ms"]["base"]), statistics.median(r["plan_ms"]["this"])
         print(f"{n:>5} {statistics.median(mb):8.4f} {statistics.median(mt):8.4f} {ratio:9.3f} {paired:7.3f} "
               f"{statistics.median(r['step_ms']['base']):9.3f} {statistics.median(r['step_ms']['this']):9.3f} "
-              f"{r['tokens_differ']:>13}", flush=True)
+              f"{pb:9.4f} {pt:9.4f} {pt / pb if pb else float('nan'):7.3f} {r['tokens_differ']:>13}", flush=True)
         results[str(n)] = {"ratio": ratio, "paired": paired, **r}
     if a.json is not None:
         a.json.write_text(json.dumps(results))
