@@ -12,14 +12,16 @@ from bench_script_helpers import run_script, table_rows
 def test_ab_engine_serves_the_same_requests_on_both_sides() -> None:
     # HEAD's engine and attnmeta (imported as engine_base / attnmeta_base, the script checks that the
     # base engine's composer is the base package's) against this checkout's: one table row per
-    # concurrency, each side's metadata and step times, and the same greedy tokens on both sides.
+    # concurrency, each side's metadata, step and plan times, and the same greedy tokens on both sides.
     rows = table_rows("ab_engine.py", "HEAD", "--device", "cpu", "--model", "tiny", "--mode", "paged",
                       "--concurrency", "2", "--rounds", "2", "--new", "16", "--prompt", "8", "--warm", "1")
     assert [r[0] for r in rows] == ["2"]
-    _reqs, base_ms, this_ms, ratio, paired, base_step, this_step, differ = rows[0]
+    _reqs, base_ms, this_ms, ratio, paired, base_step, this_step, base_plan, this_plan, plan_x, differ = rows[0]
     assert float(base_ms) > 0 and float(this_ms) > 0 and float(base_step) > 0 and float(this_step) > 0
     assert abs(float(ratio) - float(this_ms) / float(base_ms)) < 0.01
     assert float(paired) > 0
+    assert float(base_plan) > 0 and float(this_plan) > 0  # (torch's paged kernel prepares each step on the host)
+    assert abs(float(plan_x) - float(this_plan) / float(base_plan)) < 0.01
     assert differ == "0"
 
 
@@ -34,8 +36,8 @@ def test_ab_engine_symmetric_runs_both_import_orders(tmp_path: Path) -> None:
     heads = [line for line in text.splitlines() if line.startswith("# cpu")]
     assert [h.split("imported in the order ")[1].split(";")[0] for h in heads] == ["base,this", "this,base"], text
     rows = [line.split() for line in text.splitlines() if line.split() and line.split()[0].isdigit()]
-    assert [len(r) for r in rows] == [8, 8, 3], text  # (each order's row, then the means)
-    assert rows[0][7] == rows[1][7] == "0"  # (the same tokens on both sides, in both orders)
+    assert [len(r) for r in rows] == [11, 11, 3], text  # (each order's row, then the means)
+    assert rows[0][10] == rows[1][10] == "0"  # (the same tokens on both sides, in both orders)
     got = json.loads(out.read_text())
     ratios = [run["2"]["ratio"] for run in got["runs"]]
     assert len(ratios) == 2 and math.isclose(got["geometric_means"]["2"]["ratio"], math.sqrt(ratios[0] * ratios[1]))
