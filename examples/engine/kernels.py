@@ -467,7 +467,7 @@ class FlashInferKernel:
                                  or fi.paged_kv_indices.data_ptr() != bufs[2].data_ptr()):
             raise ValueError("FlashInferKernel: the graph step's page table is not in the tensors of "
                              "use_graph_buffers() (another stager, or its graph layout moved)")
-        planned = self._sets[self.ring_index].graph_planned
+        planned = self._set.graph_planned  # (prepare() made the current set self._set)
         if self._fast is not None and batch in planned:
             self._fast(w, indptr, fi.paged_kv_indices, last, h, hk, d, bs, pos_encoding_mode="NONE", **kw)
             self.fast_plans += 1

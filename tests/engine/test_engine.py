@@ -34,6 +34,28 @@ def reference() -> Reference:
     return {}
 
 
+class _DoneEvent:
+    """``torch.cuda.Event`` on a machine without CUDA: recorded at once, always done."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _stand_in_flashinfer(monkeypatch: pytest.MonkeyPatch, lib: Any, **submodules: Any) -> None:
+    """Make ``lib`` the ``flashinfer`` package (each of ``submodules`` its ``flashinfer.<name>``) and
+    ``torch.cuda.Event`` a :class:`_DoneEvent`, for the test's duration: the FlashInfer kernel's tests on a
+    machine without CUDA or FlashInfer."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flashinfer", lib)
+    for name, module in submodules.items():
+        monkeypatch.setitem(sys.modules, f"flashinfer.{name}", module)
+    monkeypatch.setattr(torch.cuda, "Event", _DoneEvent)
+
+
 def test_mixed_workload_equals_generate(model: Any, reference: Reference) -> None:
     st, cmp, forced = run_workload(model, "torch-paged", "mixed", cache=reference)
     assert forced.mismatches == forced.near_ties == 0 and forced.tokens == cmp.tokens
@@ -433,7 +455,6 @@ def test_flashinfer_kernel_runs_each_wrapper_over_the_rows_its_indptr_covers(mon
     indptr, and FlashInfer 0.7.2's prefill wrapper refuses a query longer than the indptr's last entry
     (0.5.3 read past it; found on the H200 by tests/gpu/test_engine_cuda.py). A stand-in FlashInfer that
     keeps that rule: the kernel's split mode hands each wrapper exactly its indptr's rows."""
-    import sys
     import types
 
     from attnmeta import BatchSpec, Stager
@@ -458,15 +479,7 @@ def test_flashinfer_kernel_runs_each_wrapper_over_the_rows_its_indptr_covers(mon
             assert out.shape == q.shape
             return out.fill_(1.0)
 
-    class Event:  # torch.cuda.Event on a machine without CUDA: always done
-        def record(self) -> None:
-            pass
-
-        def query(self) -> bool:
-            return True
-
-    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=Wrapper))
-    monkeypatch.setattr(torch.cuda, "Event", Event)
+    _stand_in_flashinfer(monkeypatch, types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=Wrapper))
     kernel = FlashInferKernel(4, 2, 8, torch.float32, torch.device("meta"), cascade_options=None)
     composer = StepBuilder(Stager("cpu"), Group(kernel.builders()))
     table = np.arange(1, 13, dtype=np.int32).reshape(4, 3)
@@ -496,7 +509,6 @@ def test_flashinfer_kernel_plans_as_vllm_s_builder(monkeypatch: pytest.MonkeyPat
     through the prefill wrapper with backend ``auto``, causal. A stand-in FlashInfer records what the
     kernel asks of it; the token test on the GPU machine (tests/gpu/test_engine_vllm_cuda.py) checks that
     the two metadata modes then produce the same tokens."""
-    import sys
     import types
 
     from attnmeta import BatchSpec, Stager
@@ -551,19 +563,10 @@ def test_flashinfer_kernel_plans_as_vllm_s_builder(monkeypatch: pytest.MonkeyPat
     def get_range_buf(n: int, device: str) -> None:
         cache.setdefault((f"range_{1 << (n - 1).bit_length()}", device), Buffer())
 
-    class Event:
-        def record(self) -> None:
-            pass
-
-        def query(self) -> bool:
-            return True
-
     utils = types.SimpleNamespace(_get_range_buf=get_range_buf, _cache_buf=cache)
     lib = types.SimpleNamespace(__version__="0.7.2.post1", BatchDecodeWithPagedKVCacheWrapper=Decode,
                                 BatchPrefillWithPagedKVCacheWrapper=Prefill, utils=utils)
-    monkeypatch.setitem(sys.modules, "flashinfer", lib)
-    monkeypatch.setitem(sys.modules, "flashinfer.utils", utils)
-    monkeypatch.setattr(torch.cuda, "Event", Event)
+    _stand_in_flashinfer(monkeypatch, lib, utils=utils)
     marked: list[tuple[str, ...]] = []
     monkeypatch.setattr(km, "mark_absent", lambda names: marked.append(names) or [])
     kernel = km.FlashInferKernel(4, 2, 8, torch.float32, torch.device("meta"), ring=1)
@@ -622,7 +625,6 @@ def test_flashinfer_graph_wrappers_read_the_stager_s_fields(monkeypatch: pytest.
     buffers), as vLLM's builder plans its graph wrappers; under ``fa2`` every plan is ``plan()``. A step
     whose page table is elsewhere is refused, and so is binding the buffers once wrappers exist. A
     stand-in FlashInfer records what the kernel asks of it."""
-    import sys
     import types
 
     from attnmeta import BatchSpec, Stager, StaticProfile
@@ -641,22 +643,12 @@ def test_flashinfer_graph_wrappers_read_the_stager_s_fields(monkeypatch: pytest.
     def fast_decode_plan(w: Any, *args: Any, **kwargs: Any) -> None:
         calls.append(("fast", w, [a.tolist() if isinstance(a, torch.Tensor) else a for a in args], kwargs))
 
-    class Event:
-        def record(self) -> None:
-            pass
-
-        def query(self) -> bool:
-            return True
-
     decode_mod = types.SimpleNamespace(fast_decode_plan=fast_decode_plan)
     utils = types.SimpleNamespace(_get_range_buf=lambda n, d: None, _cache_buf={})
     lib = types.SimpleNamespace(__version__="0.7.2.post1" if plans == "vllm" else "0.5.3",
                                 BatchDecodeWithPagedKVCacheWrapper=Decode, BatchPrefillWithPagedKVCacheWrapper=Decode,
                                 utils=utils, decode=decode_mod)
-    monkeypatch.setitem(sys.modules, "flashinfer", lib)
-    monkeypatch.setitem(sys.modules, "flashinfer.utils", utils)
-    monkeypatch.setitem(sys.modules, "flashinfer.decode", decode_mod)
-    monkeypatch.setattr(torch.cuda, "Event", Event)
+    _stand_in_flashinfer(monkeypatch, lib, utils=utils, decode=decode_mod)
     monkeypatch.setattr(km, "mark_absent", lambda names: [])
     kernel = km.FlashInferKernel(4, 2, 8, torch.float32, torch.device("cpu"), ring=1)
     assert kernel.plans == plans
