@@ -25,6 +25,7 @@ from attnmeta.staging._layout import (
     Slot,
     StagerStats,
     align,
+    plain_tensors,
 )
 
 __all__ = ["Arenas"]
@@ -58,15 +59,17 @@ class Arenas:
     def _alloc_host(self, nbytes: int) -> tuple[torch.Tensor, np.ndarray]:
         # Pinned memory is resident from the start; pageable memory is touched now (zeros), so a step
         # that first reaches into a page does not pay the page fault (several us each in a VM).
-        t = (torch.empty if self._pin else torch.zeros)(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        with plain_tensors():
+            t = (torch.empty if self._pin else torch.zeros)(nbytes, dtype=torch.uint8, pin_memory=self._pin)
         return t, t.numpy()
 
     def _alloc_arena(self, nbytes: int) -> torch.Tensor:
         """Device bytes; on the CPU touched now (zeros: no page faults in later steps), elsewhere
-        uninitialised (CUDA memory is resident; meta has none)."""
-        if self.device.type == "cpu":
-            return torch.zeros(nbytes, dtype=torch.uint8)
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        uninitialised (CUDA memory is resident; meta has none). Plain tensors (:func:`plain_tensors`)."""
+        with plain_tensors():
+            if self.device.type == "cpu":
+                return torch.zeros(nbytes, dtype=torch.uint8)
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _alloc_slot(self, slot: Slot, nbytes: int) -> None:
         slot.host, slot.host_np = self._alloc_host(nbytes)
@@ -178,7 +181,8 @@ class Arenas:
         if t is None:
             tdt = NP_TO_TORCH[dtype]
             usable = arena.shape[0] // dtype.itemsize * dtype.itemsize
-            t = arena[:usable].view(tdt)
+            with plain_tensors():  # (a dtype view made inside inference mode would be an inference tensor)
+                t = arena[:usable].view(tdt)
             cache[dtype] = t
         return t
 

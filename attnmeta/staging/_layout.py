@@ -36,6 +36,7 @@ __all__ = [
     "StepViews",
     "align",
     "bucket_rows",
+    "plain_tensors",
     "resolve_device",
 ]
 
@@ -78,6 +79,18 @@ class CapacityError(ValueError):
 def align(n: int) -> int:
     """``n`` rounded up to a multiple of :data:`ALIGN`."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plain_tensors() -> torch.inference_mode:
+    """The context in which staging makes every tensor it keeps (pinned slots, device arenas, their
+    typed views, cached index tensors): ``torch.inference_mode(False)``, so that they are plain tensors
+    whether or not the caller runs inside ``torch.inference_mode()``.
+
+    vLLM's runner builds each step inside inference mode; a tensor made there is an inference tensor,
+    which torch refuses to write in place outside it, so a slot grown inside inference mode would fail
+    its next commit outside it. Plain tensors serve both modes (views made of them inside inference mode
+    are plain too)."""
+    return torch.inference_mode(False)
 
 
 def resolve_device(device: Any) -> torch.device:

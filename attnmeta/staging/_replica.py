@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from attnmeta._fields import MetadataBase, positional_factory
-from attnmeta.staging._layout import StepExpiredError, StepNotCommittedError
+from attnmeta.staging._layout import StepExpiredError, StepNotCommittedError, plain_tensors
 from attnmeta.staging._ring import (
     Ring,
     StepCore,
@@ -304,7 +304,8 @@ def arena_view(at: TensorAt, arena: torch.Tensor | None, typed: dict[tuple[int, 
     t = typed.get(key)
     if t is None:
         size = torch.empty((), dtype=at.dtype).element_size()
-        t = typed[key] = arena[: arena.shape[0] // size * size].view(at.dtype)
+        with plain_tensors():  # (a dtype view made inside inference mode would be an inference tensor)
+            t = typed[key] = arena[: arena.shape[0] // size * size].view(at.dtype)
     v = t.as_strided(at.shape, at.stride, at.offset)
     if len(views) >= 4096:
         views.clear()

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnmeta.staging._layout import plain_tensors
+
 __all__ = ["DeviceIndexCache", "pad_out"]
 
 
@@ -51,10 +53,11 @@ class DeviceIndexCache:
             if host.ndim != 1:
                 raise ValueError(f"DeviceIndexCache[{key!r}]: index must be 1-D, got shape {host.shape}")
             pin = self.device.type == "cuda"
-            staged = torch.empty(host.shape[0], dtype=torch.int64, pin_memory=pin)
-            staged.numpy()[:] = host
-            t = torch.empty(host.shape[0], dtype=torch.int64, device=self.device)
-            t.copy_(staged, non_blocking=True)
+            with plain_tensors():  # (kept across steps: usable inside and outside inference mode)
+                staged = torch.empty(host.shape[0], dtype=torch.int64, pin_memory=pin)
+                staged.numpy()[:] = host
+                t = torch.empty(host.shape[0], dtype=torch.int64, device=self.device)
+                t.copy_(staged, non_blocking=True)
             self._pinned.append(staged)
             self._tensors[key] = t
             self.uploads += 1

@@ -102,6 +102,7 @@ from attnmeta.staging._layout import (
     Slot,
     StepExpiredError,
     align,
+    plain_tensors,
     resolve_device,
 )
 from attnmeta.staging._lifetime import poison
@@ -216,7 +217,8 @@ class SharedRing:
         """Per slot: its meta region (uint8)."""
         self.data = [u8[head + i * stride + self.meta_bytes: head + (i + 1) * stride] for i in range(S)]
         """Per slot: its data region (uint8), the slot's pinned bytes."""
-        self._tensor = torch.from_numpy(u8)
+        with plain_tensors():
+            self._tensor = torch.from_numpy(u8)
         self.slot_tensors = [self._tensor[head + i * stride + self.meta_bytes: head + (i + 1) * stride]
                              for i in range(S)]
         """Per slot: the data region as a uint8 torch tensor (the source of every copy)."""
@@ -793,9 +795,10 @@ class RingReader:
         self._live: collections.deque[RingStep] = collections.deque()
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return torch.zeros(nbytes, dtype=torch.uint8)
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        with plain_tensors():
+            if self.device.type == "cpu":
+                return torch.zeros(nbytes, dtype=torch.uint8)
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def receive(self, timeout: float | None = -1.0) -> RingStep | None:
         """Wait for the writer's next step, commit this rank's one copy of it, and return it.
