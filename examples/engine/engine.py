@@ -269,8 +269,12 @@ class Engine:
         return meta, VllmPagedKernel(kernel.num_heads, kernel.num_kv_heads, kernel.head_dim)
 
     # ------------------------------------------------------------------ the loop
+    @torch.inference_mode()
     def run(self, requests: Iterable[Request]) -> EngineStats:
-        """Serve ``requests`` to completion (each is admitted at or after its ``arrival`` step)."""
+        """Serve ``requests`` to completion (each is admitted at or after its ``arrival`` step).
+
+        Inside ``torch.inference_mode()``, as vLLM's ``GPUModelRunner.execute_model`` builds and runs its
+        steps: both metadata modes' torch work skips autograd's bookkeeping."""
         if self.graphs and not self._captured:
             self.capture_graphs()
         for r in requests:
@@ -505,9 +509,11 @@ class Engine:
             logits = self.model.forward(input_ids, positions, slot_mapping, logits_index, self.kernel)
         self.sampled[: logits.shape[0]] = logits.argmax(-1)
 
+    @torch.inference_mode()
     def capture_graphs(self) -> None:
         """Capture every decode size's graph, once per FlashInfer wrapper set, on dummy steps (null-block
-        rows), as an engine does at start-up: no capture (and its device synchronisation) in the loop."""
+        rows), as an engine does at start-up: no capture (and its device synchronisation) in the loop.
+        Inside ``torch.inference_mode()``, as :meth:`run` (and vLLM's capture runs)."""
         assert self.kernel.name == "flashinfer"
         self._captured = True
         cfg = self.cfg

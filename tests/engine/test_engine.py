@@ -213,6 +213,26 @@ def test_attnmeta_s_time_is_the_composer_s_call(model: Any, monkeypatch: pytest.
     assert st.steps > 5 and st.step_metadata == [1.0] * st.steps and st.metadata_s == st.steps
 
 
+def test_each_step_is_built_inside_inference_mode(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop builds every step's metadata inside ``torch.inference_mode()``, as vLLM's runner builds its
+    steps (``GPUModelRunner.execute_model``); the composer's memory stays plain tensors (the stager makes
+    them so), and the tokens are ``generate``'s (test_mixed_workload_equals_generate)."""
+    cfg = EngineConfig(num_blocks=40, max_num_tokens=64, max_num_seqs=16, max_model_len=256)
+    engine = Engine(model, make_kernel("torch-paged", model, torch.device("cpu")), cfg)
+    build_counts, modes, inference_tensors = engine.composer.build_counts, [], []
+
+    def recording(*a: Any, **kw: Any) -> Any:
+        modes.append(torch.is_inference_mode_enabled())
+        built = build_counts(*a, **kw)
+        inference_tensors.append(built.common.seq_lens.is_inference())
+        return built
+
+    monkeypatch.setattr(engine.composer, "build_counts", recording)
+    st = engine.run(make_requests(6, model.config.vocab_size, seed=3))
+    assert st.steps > 5 and modes == [True] * st.steps
+    assert inference_tensors == [False] * st.steps, "views of the stager's plain memory"
+
+
 def test_launch_and_wait_times_split_the_loop(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """``step_launch`` times the step's launches (the forward: 10 s on a clock only it and the token
     wait advance) and ``step_wait`` the loop's iteration blocked on the sampled tokens' event (5 s a

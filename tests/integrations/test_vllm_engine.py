@@ -36,6 +36,25 @@ def test_vllm_mode_hybrid_tokens_equal_generate() -> None:
     assert st.metadata_copies == 9 * st.steps  # and the Mamba group's block table
 
 
+def test_vllm_mode_builds_each_step_inside_inference_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's runner prepares its inputs and runs its builders inside ``torch.inference_mode()``
+    (``GPUModelRunner.execute_model``): so does the engine's vllm mode, or its torch work would pay
+    autograd's bookkeeping that vLLM's does not."""
+    import torch
+
+    from examples.engine.vllm_metadata import VllmMetadata
+
+    build, modes = VllmMetadata.build, []
+
+    def recording(self: Any, *a: Any, **kw: Any) -> Any:
+        modes.append(torch.is_inference_mode_enabled())
+        return build(self, *a, **kw)
+
+    monkeypatch.setattr(VllmMetadata, "build", recording)
+    st, cmp, _forced = run_workload(make_model(tiny_config()), "torch-paged", "mixed", metadata="vllm")
+    assert cmp.mismatches == 0 and st.steps > 5 and modes == [True] * st.steps
+
+
 def test_vllm_mode_sizes_vllms_builders_to_the_engine() -> None:
     """vLLM's builders size their persistent buffers from the scheduler config (FlashInfer's page-table
     arrays failed at 256 requests against vLLM's default of 128 rows): the mode's config carries the
