@@ -64,6 +64,12 @@ or the other way round in a reversed process), and the requests whose tokens dif
 (none expected: the same code). It tells what one process does to two identical engines from what a
 change does.
 
+Every engine runs its loop inside ``torch.inference_mode()``, as vLLM's runner runs its steps
+(``EngineConfig.inference_mode``). A mode named ``MODE+grad`` is ``MODE`` with its loop outside it, with
+autograd's dispatch on every torch call (``--modes graphs,vllm-graphs,graphs+grad,vllm-graphs+grad``): a
+summary gives each ``+grad`` engine's times over ``MODE``'s, what inference mode is worth to each side,
+and ``+grad`` pairs get their own line in the pairs' summary.
+
 More columns split attnmeta's time: ``fence ms``, the part spent blocked on a ring slot's fence (the
 host ran ``num_slots - 1`` steps ahead of the GPU; reported apart), ``own ms``, attnmeta's time less
 that wait, and ``replay``, the fraction of the timed decode steps the step composer replayed (the
@@ -134,14 +140,30 @@ MODELS = {"1b": config_1b, "hybrid-1b": config_hybrid_1b, "tiny": tiny_config, "
 """``--model`` name: its config (``hybrid-1b`` and ``tiny-hybrid``: Bamba, Mamba2 and attention layers)."""
 
 
-def base_mode(mode: str) -> str:
-    """``mode`` without a twin's suffix: ``eager#2``, a second engine of ``eager`` in the same process (an
-    A/A of the loop), is ``eager``.
+GRAD = "+grad"
+"""The suffix of a mode whose engine runs its loop outside ``torch.inference_mode()``
+(``EngineConfig(inference_mode=False)``): ``graphs+grad``."""
 
-    >>> base_mode("eager#2"), base_mode("vllm-graphs")
-    ('eager', 'vllm-graphs')
+
+def base_mode(mode: str) -> str:
+    """``mode`` without a twin's suffix (``eager#2``, a second engine of ``eager`` in the same process: an
+    A/A of the loop) and without :data:`GRAD` (``eager+grad``: ``eager`` with its loop outside inference
+    mode).
+
+    >>> base_mode("eager#2"), base_mode("vllm-graphs"), base_mode("vllm-graphs+grad"), base_mode("eager+grad#2")
+    ('eager', 'vllm-graphs', 'vllm-graphs', 'eager')
     """
-    return mode.partition("#")[0]
+    return mode.partition("#")[0].removesuffix(GRAD)
+
+
+def inference_mode(mode: str) -> bool:
+    """Whether ``mode``'s engine runs its loop inside ``torch.inference_mode()`` (every mode but a
+    :data:`GRAD` one).
+
+    >>> inference_mode("graphs"), inference_mode("graphs+grad#2")
+    (True, False)
+    """
+    return not mode.partition("#")[0].endswith(GRAD)
 
 
 PAIRS = (("graphs", "vllm-graphs"), ("eager", "vllm-eager"), ("varlen", "vllm-varlen"), ("paged", "vllm-paged"))
@@ -205,10 +227,11 @@ def _engine(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
     kernel, graphs, uploads, metadata = MODES[base_mode(mode)]
     sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s <= max(n, 1))
     blocks_per_req = -(-(_prompt_range(prompt)[1] + new) // 16)
+    grad = {} if inference_mode(mode) else {"inference_mode": False}  # (an older commit's config has no such field)
     cfg = config_cls(block_size=16, num_blocks=n * blocks_per_req + 64, max_num_tokens=max(8192, n),
                      max_num_seqs=max(n, 1), max_model_len=blocks_per_req * 16, decode_sizes=sizes,
                      cuda_graphs=graphs, uploads=uploads, mamba_kernels="vllm" if device.type == "cuda" else "torch",
-                     metadata=metadata)
+                     metadata=metadata, **grad)
     engine: Engine = engine_cls(model, kernel_of(kernel, model, device, cascade=False), cfg)
     return engine
 
@@ -601,7 +624,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['control_tight_ms']:9.4f} {r.get('control_event_ms', float('nan')):9.4f} "
                   f"{r['control_sleep_ms']:9.4f} {r['control_thrash_ms']:10.4f} "
                   f"{r.get('control_event_ms', r['control_sleep_ms']) / r['control_tight_ms']:11.2f}x", flush=True)
-    pairs = [(x, y) for x, y in PAIRS if x in modes.split(",") and y in modes.split(",")]
+    listed = modes.split(",")
+    pairs = [(x + g, y + g) for x, y in PAIRS for g in ("", GRAD) if x + g in listed and y + g in listed]
     if pairs:
         print("\nattnmeta against vLLM 0.33.0's own metadata code, the same engine, model and kernels (ratios of "
               "medians; paired: the median over the rounds of each round's ratio, the two modes' runs of a round "
@@ -633,15 +657,20 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens_x": r["tokens_per_s"] / v["tokens_per_s"], "tokens_per_s_x": tok_paired,
                     "launch_x": r["launch_ms"] / v["launch_ms"],
                     "launch_paired_x": paired(v["launch_ms_rounds"], r["launch_ms_rounds"])}
-    twins = [(base_mode(m), m) for m in modes.split(",") if base_mode(m) != m and base_mode(m) in modes.split(",")]
-    if twins:
-        print("\nA/A: a second engine of the same mode in this process against the first (the twin's time over the "
-              "first's: the whole step, the metadata and the launches; paired: by round)", flush=True)
-        print(f"{'engines':>20} {'reqs':>5} {'step ms':>8} {'twin':>8} {'ratio':>7} {'paired':>7} {'metadata ms':>11} "
-              f"{'twin':>8} {'ratio':>7} {'paired':>7} {'tokens differ':>13} {'launch ms':>9} {'twin':>7} {'ratio':>7}",
+    for kind, title, variants in (
+            ("twins", "A/A: a second engine of the same mode in this process against the first (the twin's time over "
+             "the first's", [(m.partition("#")[0], m) for m in listed if "#" in m and m.partition("#")[0] in listed]),
+            ("grad", f"Inference mode: each {GRAD} engine, its loop outside torch.inference_mode(), against the same "
+             "mode inside it (the " + GRAD + " engine's time over the other's",
+             [(m.removesuffix(GRAD), m) for m in listed if m.endswith(GRAD) and m.removesuffix(GRAD) in listed])):
+        if not variants:
+            continue
+        print(f"\n{title}: the whole step, the metadata and the launches; paired: by round)", flush=True)
+        print(f"{'engines':>20} {'reqs':>5} {'step ms':>8} {'other':>8} {'ratio':>7} {'paired':>7} {'metadata ms':>11} "
+              f"{'other':>8} {'ratio':>7} {'paired':>7} {'tokens differ':>13} {'launch ms':>9} {'other':>7} {'ratio':>7}",
               flush=True)
         by = {(r["mode"], r["concurrency"]): r for r in rows}
-        for x, y in twins:
+        for x, y in variants:
             for n in [int(c) for c in a.concurrency.split(",")]:
                 r, v = by[(x, n)], by[(y, n)]
                 differ = sum(t != u for t, u in zip(r["tokens"], v["tokens"], strict=True))
@@ -655,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{twin['metadata_x']:6.3f}x {twin['metadata_paired_x']:6.3f}x {differ:>6} of {n:<5} "
                       f"{r['launch_ms']:9.3f} {v['launch_ms']:7.3f} {twin['launch_x']:6.3f}x", flush=True)
                 r.setdefault("requests_with_other_tokens_than", {})[y] = differ
-                r.setdefault("twins", {})[y] = twin
+                r.setdefault(kind, {})[y] = twin
     for r in rows:
         del r["tokens"]  # compared above; not written to the JSON
     if a.json:

@@ -223,6 +223,30 @@ def test_bench_engine_cold_replica_reports_every_way(tmp_path: Path) -> None:
     assert "cold_event_ms" not in row  # (CUDA only)
 
 
+def test_bench_engine_grad_mode_runs_the_loop_outside_inference_mode(tmp_path: Path) -> None:
+    """``MODE+grad``: the same mode with its loop outside ``torch.inference_mode()`` (the engine's config
+    says so), summarised against ``MODE`` (what inference mode is worth), the same tokens."""
+    import json
+
+    out = tmp_path / "bench.json"
+    text = run_script("bench_engine.py", "--device", "cpu", "--model", "tiny", "--modes", "paged,paged+grad",
+                      "--concurrency", "3", "--prompt", "8", "--new", "12", "--rounds", "1", "--no-cold", "--json", str(out))
+    assert "Inference mode: each +grad engine" in text, text
+    line = next(ln for ln in text.splitlines() if ln.split()[:3] == ["paged", "/", "paged+grad"])
+    assert "0 of 3" in line, line  # the same greedy tokens
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"paged", "paged+grad"} and rows["paged"]["grad"]["paged+grad"]["metadata_x"] > 0
+    bench = load_benchmark("bench_engine.py", "bench_engine_grad")
+    import torch
+
+    from examples.engine.workload import make_model
+
+    model = make_model(bench.MODELS["tiny"]())
+    cpu = torch.device("cpu")
+    assert bench._engine(model, "paged", 3, 8, 12, cpu).cfg.inference_mode
+    assert not bench._engine(model, "paged+grad", 3, 8, 12, cpu).cfg.inference_mode
+
+
 def test_bench_engine_runs_the_hybrid_composition_on_the_cpu() -> None:
     """``--model tiny-hybrid``: the hybrid step's two KV-cache groups (attention and the Mamba2 state group)
     in the engine's loop on the CPU (its Mamba2 layers through the engine's torch kernels), with the

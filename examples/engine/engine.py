@@ -83,6 +83,10 @@ class EngineConfig:
     mamba_kernels: Literal["torch", "vllm"] = "torch"
     """A hybrid model's Mamba2 layers: the torch reference mixer, or vLLM 0.33.0's Triton kernels (GPU;
     the files ``tests/kernels/fetch_kernels.py`` puts into ``.kernels/``)."""
+    inference_mode: bool = True
+    """Run the loop (:meth:`Engine.run`, :meth:`Engine.capture_graphs`) inside ``torch.inference_mode()``, as
+    vLLM's ``GPUModelRunner.execute_model`` and its graph capture run; False runs it with autograd's
+    dispatch (``bench_engine.py``'s ``+grad`` modes: what that costs each metadata mode)."""
 
     @property
     def max_blocks_per_req(self) -> int:
@@ -269,12 +273,16 @@ class Engine:
         return meta, VllmPagedKernel(kernel.num_heads, kernel.num_kv_heads, kernel.head_dim)
 
     # ------------------------------------------------------------------ the loop
-    @torch.inference_mode()
     def run(self, requests: Iterable[Request]) -> EngineStats:
         """Serve ``requests`` to completion (each is admitted at or after its ``arrival`` step).
 
-        Inside ``torch.inference_mode()``, as vLLM's ``GPUModelRunner.execute_model`` builds and runs its
-        steps: both metadata modes' torch work skips autograd's bookkeeping."""
+        Inside ``torch.inference_mode()`` (:attr:`EngineConfig.inference_mode`), as vLLM's
+        ``GPUModelRunner.execute_model`` builds and runs its steps: both metadata modes' torch work skips
+        autograd's bookkeeping."""
+        with torch.inference_mode(self.cfg.inference_mode):
+            return self._run(requests)
+
+    def _run(self, requests: Iterable[Request]) -> EngineStats:
         if self.graphs and not self._captured:
             self.capture_graphs()
         for r in requests:
@@ -509,11 +517,14 @@ class Engine:
             logits = self.model.forward(input_ids, positions, slot_mapping, logits_index, self.kernel)
         self.sampled[: logits.shape[0]] = logits.argmax(-1)
 
-    @torch.inference_mode()
     def capture_graphs(self) -> None:
         """Capture every decode size's graph, once per FlashInfer wrapper set, on dummy steps (null-block
         rows), as an engine does at start-up: no capture (and its device synchronisation) in the loop.
-        Inside ``torch.inference_mode()``, as :meth:`run` (and vLLM's capture runs)."""
+        Inside ``torch.inference_mode()`` where :meth:`run` is (and vLLM's capture runs there)."""
+        with torch.inference_mode(self.cfg.inference_mode):
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
         assert self.kernel.name == "flashinfer"
         self._captured = True
         cfg = self.cfg
