@@ -25,6 +25,7 @@ from attnmeta.staging._layout import (
     Slot,
     StagerStats,
     align,
+    device_bytes,
     plain_tensors,
 )
 
@@ -64,12 +65,8 @@ class Arenas:
         return t, t.numpy()
 
     def _alloc_arena(self, nbytes: int) -> torch.Tensor:
-        """Device bytes; on the CPU touched now (zeros: no page faults in later steps), elsewhere
-        uninitialised (CUDA memory is resident; meta has none). Plain tensors (:func:`plain_tensors`)."""
-        with plain_tensors():
-            if self.device.type == "cpu":
-                return torch.zeros(nbytes, dtype=torch.uint8)
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        """Device bytes (:func:`~attnmeta.staging._layout.device_bytes`)."""
+        return device_bytes(self.device, nbytes)
 
     def _alloc_slot(self, slot: Slot, nbytes: int) -> None:
         slot.host, slot.host_np = self._alloc_host(nbytes)

@@ -36,6 +36,7 @@ __all__ = [
     "StepViews",
     "align",
     "bucket_rows",
+    "device_bytes",
     "plain_tensors",
     "resolve_device",
 ]
@@ -91,6 +92,16 @@ def plain_tensors() -> torch.inference_mode:
     its next commit outside it. Plain tensors serve both modes (views made of them inside inference mode
     are plain too)."""
     return torch.inference_mode(False)
+
+
+def device_bytes(device: torch.device, nbytes: int) -> torch.Tensor:
+    """``nbytes`` uint8 device bytes for a stager's arena, a plain tensor (:func:`plain_tensors`): on the
+    CPU zeroed now (later steps take no page faults), elsewhere uninitialised (CUDA memory is resident;
+    meta has none)."""
+    with plain_tensors():
+        if device.type == "cpu":
+            return torch.zeros(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def resolve_device(device: Any) -> torch.device:

@@ -61,7 +61,7 @@ import torch
 
 from attnmeta._fields import MetadataBase
 from attnmeta.profile import StaticProfile
-from attnmeta.staging._layout import Slot, StepExpiredError, plain_tensors, resolve_device
+from attnmeta.staging._layout import Slot, StepExpiredError, device_bytes, resolve_device
 from attnmeta.staging._replica import (
     NotReplicableError,
     PlacementCache,
@@ -133,12 +133,8 @@ class _Mirror:
         self.stream_obj: Any = None
 
     def alloc(self, nbytes: int) -> torch.Tensor:
-        """Device bytes (on the CPU zeroed now, so later steps take no page faults); a plain tensor
-        (:func:`~attnmeta.staging._layout.plain_tensors`)."""
-        with plain_tensors():
-            if self.device.type == "cpu":
-                return torch.zeros(nbytes, dtype=torch.uint8)
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        """Device bytes (:func:`~attnmeta.staging._layout.device_bytes`)."""
+        return device_bytes(self.device, nbytes)
 
     def stream(self) -> Any:
         """This device's current stream (the ``Stream`` object rebuilt only when it changes)."""

@@ -102,6 +102,7 @@ from attnmeta.staging._layout import (
     Slot,
     StepExpiredError,
     align,
+    device_bytes,
     plain_tensors,
     resolve_device,
 )
@@ -795,10 +796,7 @@ class RingReader:
         self._live: collections.deque[RingStep] = collections.deque()
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
-        with plain_tensors():
-            if self.device.type == "cpu":
-                return torch.zeros(nbytes, dtype=torch.uint8)
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return device_bytes(self.device, nbytes)
 
     def receive(self, timeout: float | None = -1.0) -> RingStep | None:
         """Wait for the writer's next step, commit this rank's one copy of it, and return it.
