@@ -674,17 +674,17 @@ def main(argv: list[str] | None = None) -> int:
             for n in [int(c) for c in a.concurrency.split(",")]:
                 r, v = by[(x, n)], by[(y, n)]
                 differ = sum(t != u for t, u in zip(r["tokens"], v["tokens"], strict=True))
-                twin = {"step_x": v["step_ms"] / r["step_ms"], "step_paired_x": paired(r["step_ms_rounds"], v["step_ms_rounds"]),
+                rel = {"step_x": v["step_ms"] / r["step_ms"], "step_paired_x": paired(r["step_ms_rounds"], v["step_ms_rounds"]),
                         "metadata_x": v["metadata_ms"] / r["metadata_ms"],
                         "metadata_paired_x": paired(r["metadata_ms_rounds"], v["metadata_ms_rounds"]),
                         "launch_x": v["launch_ms"] / r["launch_ms"],
                         "launch_paired_x": paired(r["launch_ms_rounds"], v["launch_ms_rounds"])}
-                print(f"{x + ' / ' + y:>20} {n:>5} {r['step_ms']:8.3f} {v['step_ms']:8.3f} {twin['step_x']:6.3f}x "
-                      f"{twin['step_paired_x']:6.3f}x {r['metadata_ms']:11.4f} {v['metadata_ms']:8.4f} "
-                      f"{twin['metadata_x']:6.3f}x {twin['metadata_paired_x']:6.3f}x {differ:>6} of {n:<5} "
-                      f"{r['launch_ms']:9.3f} {v['launch_ms']:7.3f} {twin['launch_x']:6.3f}x", flush=True)
+                print(f"{x + ' / ' + y:>20} {n:>5} {r['step_ms']:8.3f} {v['step_ms']:8.3f} {rel['step_x']:6.3f}x "
+                      f"{rel['step_paired_x']:6.3f}x {r['metadata_ms']:11.4f} {v['metadata_ms']:8.4f} "
+                      f"{rel['metadata_x']:6.3f}x {rel['metadata_paired_x']:6.3f}x {differ:>6} of {n:<5} "
+                      f"{r['launch_ms']:9.3f} {v['launch_ms']:7.3f} {rel['launch_x']:6.3f}x", flush=True)
                 r.setdefault("requests_with_other_tokens_than", {})[y] = differ
-                r.setdefault(kind, {})[y] = twin
+                r.setdefault(kind, {})[y] = rel
     for r in rows:
         del r["tokens"]  # compared above; not written to the JSON
     if a.json:
