@@ -293,10 +293,10 @@ def test_bench_engine_summarizes_each_pair_over_processes() -> None:
 
     mod = load_benchmark("bench_engine.py", "bench_engine_processes")
     runner = doctest.DocTestRunner()
-    for f in (mod.across_processes, mod.base_mode, mod.modes_error):
+    for f in (mod.across_processes, mod.base_mode, mod.inference_mode, mod.modes_error):
         for test in doctest.DocTestFinder().find(f, f.__name__, globs={f.__name__: f}):
             runner.run(test)
-    assert runner.summarize(verbose=False).failed == 0 and runner.summarize(verbose=False).attempted >= 4
+    assert runner.summarize(verbose=False).failed == 0 and runner.summarize(verbose=False).attempted >= 5
 
     def rows(n: int, ours: float, theirs: float, paired: float) -> list[dict[str, Any]]:
         return [{"mode": "eager", "concurrency": n, "metadata_ms": ours,
