@@ -70,7 +70,8 @@ MARKS: tuple[tuple[str, str, str, str], ...] = (
     ("attnmeta.common", "self._paged_meta = (step, num_pages, meta, dev, v)", "paged-KV metadata object (a group's)",
      ""),
     ("attnmeta.compose", "meta = {}", "the groups' loop", ""),
-    ("attnmeta.compose", "step.own_all(owned)", "builders' metadata objects", ""),
+    ("attnmeta.compose", "owned.append(m)", "a builder's metadata object", "meta[n] = m = rep.result("),
+    ("attnmeta.compose", "step.own_all(owned)", "builders' loop", ""),
     ("attnmeta.compose", "return ComposedStep(step, tuple(cms),", "lifetimes registered, arrays' device views", ""),
 )
 """Where the marks go. A mark's phase runs from the mark passed before it (in any module) to it, so a phase
