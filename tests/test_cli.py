@@ -13,6 +13,7 @@ Timings are never asserted (performance lives in benchmarks, not tests).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 import sys
@@ -59,6 +60,24 @@ def test_demo_renders_a_none_field_one_way(capsys: pytest.CaptureFixture[str]) -
     nones = [line.split() for line in out.splitlines() if line.rstrip().endswith(" None") and "(" not in line]
     assert len(nones) > 10
     assert all(cells[1:] == ["-", "-", "-", "None"] for cells in nones), [c for c in nones if c[1:] != ["-"] * 3 + ["None"]]
+
+
+def test_demo_tables_line_up_under_their_headers(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every table's columns start where its header's do, also in a table whose values are all narrower
+    than a header word (a builder with only scalars and None fields: the columns once started at the
+    values' width and the header ran past them)."""
+    assert main(["demo", "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("field ") and line.rstrip().endswith("values")]
+    assert len(heads) == len(attnmeta.registry()) + 1, len(heads)  # (the common metadata's and each builder's)
+    for i in heads:
+        head = lines[i]
+        starts = [head.index(word) for word in ("where", "dtype", "shape", "values")]
+        rows = list(itertools.takewhile(lambda line: line.strip() and not line.startswith("options: "), lines[i + 1:]))
+        assert rows, head
+        for row in rows:
+            for at in starts:  # (each column: two spaces of padding before it, its cell starting there)
+                assert row[at - 2 : at] == "  " and row[at] != " ", (head, row)
 
 
 def test_demo_on_meta_device(capsys: pytest.CaptureFixture[str]) -> None:

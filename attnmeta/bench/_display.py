@@ -62,10 +62,10 @@ def format_metadata(meta: MetadataBase, *, limit: int = 12, title: str | None = 
             rows.append((n, where, _dtype(v), _shape(v), shown))
         else:
             rows.append((n, "host", _dtype(v), _shape(v), _values(v, limit)))
-    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    hdr = ("field", "where", "dtype", "shape", "values")
+    w = [max(len(hdr[i]), *(len(r[i]) for r in rows)) for i in range(4)]  # (a column as wide as its header too)
     head = title or type(meta).__name__
     out = [head, "=" * len(head)]
-    hdr = ("field", "where", "dtype", "shape", "values")
     out.append(f"{hdr[0]:<{w[0]}}  {hdr[1]:<{w[1]}}  {hdr[2]:<{w[2]}}  {hdr[3]:<{w[3]}}  {hdr[4]}")
     for r in rows:
         out.append(f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]:<{w[3]}}  {r[4]}")
