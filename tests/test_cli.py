@@ -13,6 +13,7 @@ Timings are never asserted (performance lives in benchmarks, not tests).
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import json
 import re
@@ -146,6 +147,37 @@ def test_bench_runs_under_pytest_in_a_fresh_process() -> None:
                        env=dict(os.environ, ATTNMETA_HYPOTHESIS_PROFILE="dev"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "1 passed" in r.stdout
+
+
+class _Stream(io.StringIO):
+    """stderr as a terminal (``tty=True``) or as a log file or a pipe."""
+
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_bench_progress_is_a_line_per_case_in_a_log_and_one_line_on_a_terminal(
+        tty: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A terminal's progress line is rewritten in place and cleared at the end; a log (stderr not a
+    terminal) gets one plain line per case, with no carriage returns (they once ran into one long line)."""
+    from attnmeta.bench import harness
+
+    cases = builder_cases(attnmeta.registry()["flash_attn"], torch.device("cpu"), quick=True)[:2]
+    err = _Stream(tty)
+    monkeypatch.setattr(sys, "stderr", err)
+    harness.measure(cases, torch.device("cpu"), reps=1, warmup=0, count_steps=1, progress=True)
+    text = err.getvalue()
+    names = [f"[{i + 1}/2] {c.scenario} batch={c.batch}" for i, c in enumerate(cases)]
+    if tty:
+        assert "\n" not in text and text.count("\r") >= 3 and text.endswith("\r"), repr(text)
+        assert all(n in text for n in names), repr(text)
+    else:
+        assert "\r" not in text and text.splitlines() == names, repr(text)
 
 
 def test_bench_quick_runs_and_json_parses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

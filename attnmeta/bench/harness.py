@@ -338,8 +338,13 @@ def count_path(case: Case, path: str, device: torch.device, steps: int) -> Count
 
 
 def _progress(msg: str, enabled: bool) -> None:
-    if enabled:
+    """``msg`` on stderr: over the last one on a terminal, else (a log, a pipe) on a line of its own."""
+    if not enabled:
+        return
+    if sys.stderr.isatty():
         print(f"\r{msg:<78}", end="", file=sys.stderr, flush=True)
+    elif msg:
+        print(msg, file=sys.stderr, flush=True)
 
 
 def measure(cases: list[Case], device: torch.device, *, reps: int, warmup: int, count_steps: int,
@@ -376,7 +381,7 @@ def measure(cases: list[Case], device: torch.device, *, reps: int, warmup: int, 
             counts = count_path(case, path, device, count_steps)
             rows.append(BenchRow(case.scenario, case.batch, path, float(np.median(t)), float(np.percentile(t, 99)),
                                  counts.syncs, counts.h2d, counts.bytes, waits.get(path, 0), reps))
-    if progress:
+    if progress and sys.stderr.isatty():  # (clear the terminal's progress line)
         _progress("", progress)
         print("\r", end="", file=sys.stderr)
     return rows
