@@ -67,6 +67,27 @@ def test_mixed_workload_equals_generate(model: Any, reference: Reference) -> Non
     assert st.metadata_copies == st.steps  # one copy per step
 
 
+def test_the_generate_reference_runs_without_a_transformers_warning(model: Any) -> None:
+    """The reference run passes every setting in its one generation config: transformers warns (on its
+    own logger) about a config passed beside loose generation arguments, and the engine's first run
+    printed that warning."""
+    import io
+    import logging
+
+    from examples.engine.workload import generate_reference
+
+    seen = io.StringIO()
+    handler = logging.StreamHandler(seen)
+    log = logging.getLogger("transformers")
+    log.addHandler(handler)
+    try:
+        tokens, margins = generate_reference(model, [5, 17, 3, 9], 4)
+    finally:
+        log.removeHandler(handler)
+    assert len(tokens) == len(margins) == 4
+    assert "generation_config" not in seen.getvalue(), seen.getvalue()
+
+
 def test_cascade_workload_equals_generate(model: Any, reference: Reference) -> None:
     st, cmp, _ = run_workload(model, "torch-paged", "cascade", cache=reference)
     assert st.cascade_steps > 0 and st.prefix_cache_hits > 0
