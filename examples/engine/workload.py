@@ -110,17 +110,15 @@ Reference = dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]]
 @torch.inference_mode()
 def generate_reference(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """``model.generate``'s greedy tokens for ``prompt`` alone, and the top-2 margin of each step's logits."""
-    import copy
-
     dev = next(model.parameters()).device
     ids = torch.tensor([prompt], device=dev)
-    # no end-of-sequence token: the engine's requests run to their length, and generate's
-    # min_new_tokens would instead mask the EOS logit (a different argmax where EOS wins)
-    # (every setting in the one config: transformers deprecates a config passed beside loose arguments)
-    gc = copy.deepcopy(model.generation_config)
-    gc.update(eos_token_id=None, pad_token_id=0, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
-              return_dict_in_generate=True)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+    # No end-of-sequence token: the engine's requests run to their length, and generate's
+    # min_new_tokens would instead mask the EOS logit (a different argmax where EOS wins). Every
+    # setting as an argument, no generation config: transformers deprecates a config passed beside
+    # arguments, and fills a config's eos_token_id=None back in from the model's.
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=None, pad_token_id=0,
+                         max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True)
     top2 = torch.stack([torch.topk(s[0].float(), 2).values for s in out.scores])
     return out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).tolist()
 

@@ -88,6 +88,22 @@ def test_the_generate_reference_runs_without_a_transformers_warning(model: Any) 
     assert "generation_config" not in seen.getvalue(), seen.getvalue()
 
 
+def test_the_generate_reference_runs_to_its_length_past_the_models_eos(model: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's requests run to their length, so ``generate``'s reference must not stop at the model's
+    end-of-sequence token: with the EOS made the very token greedy decoding emits third, it still makes
+    every token. (A generation config with ``eos_token_id=None`` gets the model's EOS filled back in by
+    transformers, and its reference once stopped short: the hybrid workload failed on it.)"""
+    from examples.engine.workload import generate_reference
+
+    prompt = [5, 17, 3, 9]
+    tokens, _m = generate_reference(model, prompt, 6)
+    monkeypatch.setattr(model.generation_config, "eos_token_id", tokens[2])
+    monkeypatch.setattr(model.config, "eos_token_id", tokens[2])
+    again, _m = generate_reference(model, prompt, 6)
+    assert again == tokens and len(again) == 6
+
+
 def test_cascade_workload_equals_generate(model: Any, reference: Reference) -> None:
     st, cmp, _ = run_workload(model, "torch-paged", "cascade", cache=reference)
     assert st.cascade_steps > 0 and st.prefix_cache_hits > 0
