@@ -14,7 +14,7 @@ Builders construct a metadata object every step. :func:`keyword_factory` gives t
 constructor of a frozen dataclass without the frozen ``__init__``'s ``object.__setattr__`` call per
 field, :func:`positional_factory` a positional one, and :func:`template` a constructor of objects
 that share all but a few fields with a recorded one (a replayed step's): one construction trick,
-kept here (docs/benchmarks.md has its A/B).
+kept here (docs/speed-tricks.md has its A/B).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def keyword_factory(cls: type[T]) -> Callable[..., T]:
     ``object.__setattr__`` call per field: the stores go to an instance of a subclass of ``Cls`` that
     adds no slots and restores plain attribute setting, whose ``__init__`` (that of a non-frozen
     dataclass of the same fields) ends by switching the instance's class to ``Cls``. For a metadata
-    type of 20 fields or more that is a third of the cost of ``Cls(...)`` (docs/benchmarks.md), which
+    type of 20 fields or more that is a third of the cost of ``Cls(...)`` (docs/speed-tricks.md), which
     matters to a builder that builds one per step. Any frozen dataclass works, frozen bases included.
 
     Examples
@@ -194,7 +194,7 @@ def template(obj: T, names: tuple[str, ...]) -> Callable[..., T]:
     For a builder that makes one object per step of a layout whose other fields do not change (a
     replay, :class:`attnmeta.builder.Replayer`): a direct positional call of the class's
     :func:`positional_factory` with the shared values bound once, so a step pays for its own values
-    only (binding every field by keyword costs more than the stores themselves; docs/benchmarks.md).
+    only (binding every field by keyword costs more than the stores themselves; docs/speed-tricks.md).
     The function's body is compiled once per class and ``names``; each call binds new values to it.
 
     Examples

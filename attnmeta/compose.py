@@ -71,7 +71,7 @@ __all__ = ["PARALLEL_MIN_ROWS", "Array", "ComposeStats", "ComposedStep", "Group"
 PARALLEL_MIN_ROWS = 512
 """Padded request rows from which a composer made with ``threads > 1`` replays a group's common pass
 with the block-table rows and page indices copied on numba's thread pool (fewer rows stay on one thread:
-the pool's hand-off costs more than it saves there; docs/benchmarks.md)."""
+the pool's hand-off costs more than it saves there; docs/speed-tricks.md)."""
 
 _MAX_RECORDS = 512  # per ring slot; dropped (and re-recorded on demand) when a slot outgrows this
 _MAX_KEYS = 4096  # layout keys kept by step shape; dropped (and computed again) when outgrown
@@ -310,7 +310,7 @@ class StepBuilder:
         Replays of groups with at least :data:`PARALLEL_MIN_ROWS` padded rows copy the block-table rows
         and the page indices (a step's two big copies) on this many of numba's threads; the bytes are the
         same. The cost is cores: OpenMP's default wait policy keeps the ``threads - 1`` helpers spinning
-        between steps (docs/benchmarks.md). 1 never starts numba's threading layer.
+        between steps (docs/speed-tricks.md). 1 never starts numba's threading layer.
 
     Notes
     -----

@@ -26,7 +26,7 @@ the checkout's history, export both first and pass the folder:
 ``git archive BASE attnmeta examples/engine | tar -x -C FOLDER``.
 
 Two sides of the same code do not take the same time in one process: how and when a side's code was
-loaded moves its time by several percent (docs/benchmarks.md, "Its resolution"). ``--symmetric`` takes
+loaded moves its time by several percent (docs/speed-tricks.md, "Their resolution"). ``--symmetric`` takes
 that out: this checkout's package and engine are exported too (``attnmeta_new``, ``engine_new``), and the
 A/B runs twice, each in a process of its own, the base's copy imported first in one and this checkout's
 in the other (``--order``); it prints both runs' rows and, per concurrency, the geometric means of their

@@ -49,7 +49,7 @@ which an eager step's host-bound time shows, cancels in it); ``launch x`` is att
 ``--processes N`` runs the whole measurement N times, each time in a fresh process, one after another,
 and ends with each pair's ratios in each process and their median over the processes
 (:func:`across_processes`). One process's ratio carries a spread of its own: two engines of the same
-code in one process differ by up to about 15% in this host-bound time (docs/benchmarks.md, the A/A of
+code in one process differ by up to about 15% in this host-bound time (docs/speed-tricks.md, the A/A of
 ``ab_engine.py``), because where the code, the objects and the caches land differs from process to
 process; the median over processes does not rest on one such layout. Every other process makes its
 engines, and runs each round, in the reverse of ``--modes``' order (``--reverse`` in that process;

@@ -4,7 +4,7 @@ A step's one H2D copy is a ``cuMemcpyHtoDAsync`` from the pinned slot to the slo
 the commit stream, followed by ``cuEventRecord`` of the slot's fence event: exactly what
 ``Tensor.copy_(non_blocking=True)`` and ``Event.record`` enqueue, minus torch's argument parsing,
 dispatch and host-allocator bookkeeping, which are a large part of a small step's commit
-(docs/benchmarks.md has the A/B, and how to repeat it with ``ATTNMETA_DRIVER_COPY=0``).
+(docs/speed-tricks.md has the A/B, and how to repeat it with ``ATTNMETA_DRIVER_COPY=0``).
 
 The fast path is an optimisation only, never a requirement:
 
