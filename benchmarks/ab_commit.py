@@ -43,8 +43,12 @@ run's counts the more runs it has served.
 (Cycling through a few runs instead would find every count after the first cycle: a
 loop that has served for hours, and only while its page counts stay in a narrow range.)
 
+``--split`` times the ``composable`` row's step in parts instead (:data:`SPLIT`: beginning the step, each
+builder's staging, the commit, each result), both sides back to back in alternating rounds, and prints each
+part's medians and their difference: where a difference in the composable row lies.
+
 Run: ``python benchmarks/ab_commit.py BASE_COMMIT [--device cuda] [--rounds 12] [--steps 300] [--cold] [--walk |
---engine-steps] [--mean]``; on a
+--engine-steps] [--mean] [--split]``; on a
 machine without the checkout's history, export the base first (``git archive BASE_COMMIT attnmeta | tar -x -C
 .ab_base``) and pass the folder instead of the commit (benchmarks/gpu_all.sh's part ``ab`` does).
 """
@@ -443,6 +447,76 @@ def ab(a: Callable[[], Any], b: Callable[[], Any], rounds: int, steps: int, devi
     return float(np.median(med[0])), float(np.median(med[1]))
 
 
+SPLIT = ("begin", "stage_common", "flash_attn stage", "flashinfer stage", "commit", "common result",
+         "flash_attn result", "flashinfer result")
+"""The parts of the composable step that ``--split`` times apart, in the order a step passes them."""
+
+
+def composable_parts(mod: Any, batch: int, device: torch.device) -> Callable[[], list[int]]:
+    """One composable step of package ``mod`` on the decode walk of ``batch`` requests (the
+    ``composable`` row's step), each call the next step of the walk, returning the nanoseconds of each
+    part of :data:`SPLIT`: beginning the step (the claim of its ring slot and the expiry of that slot's
+    last step), each builder's staging, the commit, and each result."""
+    fa = importlib.import_module(mod.__name__ + ".backends.flash_attn")
+    fi = importlib.import_module(mod.__name__ + ".backends.flashinfer")
+    fused = importlib.import_module(mod.__name__ + ".backends.fused")
+    specs = [mod.BatchSpec(**r) for r in decode_walk(batch)]
+    stager = mod.Stager(device)
+    at = [0]
+    clock = time.perf_counter_ns
+
+    def step() -> list[int]:
+        i = at[0] = at[0] + 1
+        s = specs[i % 64]
+        t0 = clock()
+        cm = stager.step()
+        st = cm.__enter__()
+        t1 = clock()
+        c = mod.stage_common(s, st, paged_kv=True, block_table_columns=fused.table_columns(s))
+        t2 = clock()
+        a = fa.stage(c, st)
+        t3 = clock()
+        b = fi.stage(c, st)
+        t4 = clock()
+        cm.__exit__(None, None, None)
+        t5 = clock()
+        c.result()
+        t6 = clock()
+        a.result()
+        t7 = clock()
+        b.result()
+        t8 = clock()
+        return [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6, t8 - t7]
+
+    return step
+
+
+def split(base: Any, batch: int, device: torch.device, rounds: int, steps: int) -> list[tuple[str, float, float]]:
+    """``(part, base us, this us)`` for each part of :data:`SPLIT`: medians over alternating rounds of
+    each round's median (back to back)."""
+    sides = (composable_parts(base, batch, device), composable_parts(attnmeta, batch, device))
+    first, each = _warm_ups(steps)
+    for fn in sides:
+        for _ in range(first):
+            fn()
+    med: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+    gc.disable()
+    try:
+        for r in range(rounds):
+            for k in ((0, 1) if r % 2 == 0 else (1, 0)):
+                fn = sides[k]
+                for _ in range(each):
+                    fn()
+                ts = np.array([fn() for _ in range(steps)], dtype=np.float64)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                med[k].append(np.median(ts, axis=0) / 1e3)
+    finally:
+        gc.enable()
+    old, new = np.median(np.stack(med[0]), axis=0), np.median(np.stack(med[1]), axis=0)
+    return [(name, float(o), float(n)) for name, o, n in zip(SPLIT, old, new, strict=True)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("base", help="the commit to compare with (e.g. 407a805), or a folder holding its exported "
@@ -464,6 +538,9 @@ def main() -> None:
                                                          "do in a loop's average")
     ap.add_argument("--paths", default="", help="comma-separated rows to run (default: every row; e.g. "
                                                 "'engine graphs,lifetimes on/off')")
+    ap.add_argument("--split", action="store_true", help="the composable step's parts timed apart on both sides "
+                                                          "(SPLIT: the claim, each staging, the commit, each result), "
+                                                          "back to back, instead of the rows")
     ap.add_argument("--exports", type=Path, default=EXPORTS, help="where the base's renamed copy is kept and "
                                                                   "reused, its compiled kernels with it "
                                                                   "(default: .ab_exports in the checkout)")
@@ -473,6 +550,17 @@ def main() -> None:
     if args.walk and args.engine_steps:
         ap.error("--walk and --engine-steps: the engine rows take one of them")
     base = base_package(args.base, args.exports)
+    if args.split:
+        print(f"# {args.device}, torch {torch.__version__}, base {args.base}, {args.rounds} rounds x {args.steps} "
+              f"steps: the composable step's parts, back to back; medians over rounds of per-round medians (us)")
+        print(f"{'batch':>6} {'part':<20} {'base':>8} {'this':>8} {'this-base':>10}")
+        for batch in [int(x) for x in args.batches.split(",")]:
+            parts = split(base, batch, dev, args.rounds, args.steps)
+            for name, o, n in parts:
+                print(f"{batch:>6} {name:<20} {o:>8.2f} {n:>8.2f} {n - o:>+10.2f}")
+            o, n = sum(p[1] for p in parts), sum(p[2] for p in parts)
+            print(f"{batch:>6} {'(sum)':<20} {o:>8.2f} {n:>8.2f} {n - o:>+10.2f}", flush=True)
+        return
     rows_from = ("; engine rows: one walk, no step repeated" if args.walk else
                  "; engine rows: the reference engine's decode steps" if args.engine_steps else "")
     print(f"# {args.device}, torch {torch.__version__}, base {args.base}, {args.rounds} rounds x {args.steps} "

@@ -31,6 +31,22 @@ def test_ab_commit_compares_a_commit_with_this_checkout() -> None:
     assert all(float(r[-1]) > 0 for r in rows), rows
 
 
+def test_ab_commit_split_times_each_part_of_the_composable_step_on_both_sides() -> None:
+    """``--split``: the composable step's parts (the claim, each staging, the commit, each result), in the
+    order a step passes them, with both sides' medians, their difference, and a sum of the parts."""
+    mod = load_benchmark("ab_commit.py", "ab_commit_split")
+    out = run_script("ab_commit.py", "HEAD", "--device", "cpu", "--rounds", "2", "--steps", "3", "--batches", "1,64",
+                     "--split")
+    assert "the composable step's parts" in out.splitlines()[0], out
+    for batch in ("1", "64"):
+        rows = [line.split() for line in out.splitlines() if line.split()[:1] == [batch]]
+        names = [" ".join(r[1:-3]) for r in rows]
+        assert names == [*mod.SPLIT, "(sum)"], rows
+        base, this = [float(r[-3]) for r in rows], [float(r[-2]) for r in rows]
+        assert all(t > 0 for t in base + this), rows
+        assert abs(sum(base[:-1]) - base[-1]) < 0.05 * len(mod.SPLIT) and abs(sum(this[:-1]) - this[-1]) < 0.05 * len(mod.SPLIT)
+
+
 def test_bench_replay_floor_times_the_fused_step_and_each_floor_against_the_base() -> None:
     """``bench_replay_floor.py`` against HEAD (the same exported copy as the A/B above): the fused step and
     the four hand-written replays, in order, each against the base's fused step, at every batch asked."""
