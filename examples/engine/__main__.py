@@ -74,6 +74,20 @@ def run_workload(model: Any, kernel: str, workload: str, *, cuda_graphs: bool = 
     return stats, compare_with_generate(model, reqs, tolerance=tolerance, cache=cache), compare_teacher_forced(model, reqs)
 
 
+def report(label: str, workload: str, seconds: float, st: EngineStats, cmp: Comparison,
+           forced: ForcedComparison) -> str:
+    """One run's lines: the verdict first, then the two comparisons, then the engine's nonzero counters."""
+    ok = cmp.mismatches == 0 and forced.mismatches == 0
+    counts = [f"{k.replace('_', ' ')} {v}" for k, v in dataclasses.asdict(st).items() if isinstance(v, int) and v]
+    return (f"{label:18} {workload:12} {'OK  ' if ok else 'FAIL'} {seconds:6.1f}s  {cmp.requests} requests, "
+            f"{cmp.generated} tokens\n"
+            f"    against generate: {cmp.tokens} tokens compared, {cmp.mismatches} mismatches, {cmp.near_ties} near "
+            f"ties (top-2 margin at most the tolerance), smallest margin {cmp.min_margin:.3g}\n"
+            f"    teacher-forced:   {forced.tokens} tokens, {forced.mismatches} mismatches, {forced.near_ties} near "
+            f"ties (tolerance {forced.tolerance:.3g}: twice the logit noise against float32)\n"
+            f"    engine: {', '.join(counts)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     for kernel, workload, metadata in runs:
         label = kernel if metadata == "attnmeta" else f"{kernel}/{metadata}"
         if metadata == "vllm" and (workload == "hybrid-align" or kernel.startswith("torch-varlen")):
-            print(f"{label:18} {workload:8} not run: the vllm mode runs kernels torch-paged and flashinfer, and "
+            print(f"{label:18} {workload:12} not run: the vllm mode runs kernels torch-paged and flashinfer, and "
                   "the 'none' Mamba cache mode", flush=True)
             continue
         t0 = time.perf_counter()
@@ -126,12 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                                        cuda_graphs=kernel.endswith("+graphs"), tolerance=tol, mamba_kernels=mamba_kernels,
                                        cache=cache, metadata=metadata)
         bad += cmp.mismatches + forced.mismatches
-        counts = {k: v for k, v in dataclasses.asdict(st).items() if isinstance(v, int)}
-        print(f"{label:18} {workload:8} {time.perf_counter() - t0:6.1f}s  requests {cmp.requests}  tokens "
-              f"{cmp.tokens}  mismatches {cmp.mismatches}  near ties {cmp.near_ties}  min margin "
-              f"{cmp.min_margin:.3g} | teacher-forced: tokens {forced.tokens} mismatches {forced.mismatches} "
-              f"near ties {forced.near_ties} (tolerance {forced.tolerance:.3g}: twice the logit noise against float32) "
-              f"| {counts}", flush=True)
+        print(report(label, workload, time.perf_counter() - t0, st, cmp, forced), flush=True)
     print("OK: every token equal" if bad == 0 else f"FAIL: {bad} mismatches", flush=True)
     return 0 if bad == 0 else 1
 

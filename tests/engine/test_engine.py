@@ -9,6 +9,7 @@ and async scheduling (input tokens taken from the previous step's sampled tokens
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -102,6 +103,24 @@ def test_the_generate_reference_runs_to_its_length_past_the_models_eos(model: An
     monkeypatch.setattr(model.config, "eos_token_id", tokens[2])
     again, _m = generate_reference(model, prompt, 6)
     assert again == tokens and len(again) == 6
+
+
+def test_the_cli_reports_each_run_verdict_first_and_only_nonzero_counters(model: Any, reference: Reference) -> None:
+    """``python -m examples.engine``'s report of a run: its verdict and size on the first line, the two
+    comparisons and the engine's counters that are not 0 on indented lines (it was one line of several
+    hundred characters ending in a dict of every counter)."""
+    from examples.engine.__main__ import report
+
+    st, cmp, forced = run_workload(model, "torch-paged", "cascade", cache=reference)
+    lines = report("torch-paged", "cascade", 1.25, st, cmp, forced).splitlines()
+    assert lines[0].split()[:3] == ["torch-paged", "cascade", "OK"] and f"{cmp.requests} requests" in lines[0]
+    assert lines[1].strip().startswith("against generate:") and lines[2].strip().startswith("teacher-forced:")
+    assert all(line.startswith("    ") and len(line) < 200 for line in lines[1:]), lines
+    engine = lines[3].split("engine: ")[1].split(", ")
+    assert f"steps {st.steps}" in engine and f"cascade steps {st.cascade_steps}" in engine and st.cascade_steps > 0
+    assert not any(item.endswith(" 0") for item in engine), engine  # (graph steps, preemptions ...: 0 here)
+    bad = dataclasses.replace(cmp, mismatches=1)
+    assert report("torch-paged", "cascade", 1.25, st, bad, forced).split()[2] == "FAIL"
 
 
 def test_cascade_workload_equals_generate(model: Any, reference: Reference) -> None:
