@@ -55,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     -------
     int
         The exit status. Bad arguments exit with status 2 and an argparse-style message (a
-        ``SystemExit``), before anything runs.
+        ``SystemExit``), before anything runs; no arguments at all print the help, with every command, on
+        standard error and return 2.
     """
     parser = argparse.ArgumentParser(prog="python -m attnmeta", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="warm only this registered builder (repeatable; default: every one; BatchSpec and "
                              "the fused step builder are always warmed)")
     p_warm.add_argument("--quiet", action="store_true", help="print only the summary line")
+    if not (sys.argv[1:] if argv is None else argv):  # (no command: the commands, not only an error)
+        parser.print_help(sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.cmd == "demo":
         err = _device_error(args.device, ("cuda", "cpu", "meta"))

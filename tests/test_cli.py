@@ -40,6 +40,14 @@ def _exit_code(argv: list[str]) -> int:
     return int(e.value.code or 0)
 
 
+def test_no_command_prints_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m attnmeta`` alone lists the commands (it once printed only argparse's "required" error)
+    and fails with status 2, as a missing argument does."""
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert all(cmd in err for cmd in ("demo", "bench", "audit", "warmup")) and "COMMAND --help" in err, err
+
+
 # ------------------------------------------------------------------------------------------- demo
 def test_demo_prints_every_field(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--device", "cpu"]) == 0
