@@ -88,6 +88,29 @@ def report(label: str, workload: str, seconds: float, st: EngineStats, cmp: Comp
             f"    engine: {', '.join(counts)}")
 
 
+KERNELS = ("torch-paged", "torch-varlen", "flashinfer", "flashinfer+graphs")
+"""The kernels ``--kernels`` names (``make_kernel``'s, and FlashInfer with CUDA graphs)."""
+
+
+def _checked_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> torch.device:
+    """``--device`` as a device of this machine, and every name in ``--kernels``, ``--workloads`` and
+    ``--metadata`` known, before a model is made; else the parser's error (status 2) says which."""
+    try:
+        device = torch.device(a.device)
+    except RuntimeError:
+        p.error(f"--device {a.device!r}: expected cpu or cuda")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {a.device!r}: expected cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: no CUDA device is available here (torch {torch.__version__}); use --device cpu")
+    for flag, given, known in (("--kernels", a.kernels, KERNELS), ("--workloads", a.workloads, tuple(WORKLOADS)),
+                               ("--metadata", a.metadata, ("attnmeta", "vllm"))):
+        unknown = [n for n in (given or "").split(",") if given and n not in known]
+        if unknown:
+            p.error(f"{flag}: unknown {', '.join(map(repr, unknown))}; expected a comma-separated list of {', '.join(known)}")
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -110,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="generate comparison: top-2 logit margin below which a differing token is a near tie "
                         "(default 0 in float32, 0.5 in bfloat16); the teacher-forced comparison measures its own")
     a = p.parse_args(argv)
-    device = torch.device(a.device)
+    device = _checked_args(p, a)
     size = a.model or ("1b" if device.type == "cuda" else "tiny")
     dtype = torch.bfloat16 if size.endswith("1b") else torch.float32
     mamba_kernels = a.mamba_kernels or ("vllm" if device.type == "cuda" else "torch")

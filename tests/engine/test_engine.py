@@ -123,6 +123,27 @@ def test_the_cli_reports_each_run_verdict_first_and_only_nonzero_counters(model:
     assert report("torch-paged", "cascade", 1.25, st, bad, forced).split()[2] == "FAIL"
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["--kernels", "torch-paged,nope"], "--kernels: unknown 'nope'"),
+    (["--workloads", "mixd"], "--workloads: unknown 'mixd'"),
+    (["--metadata", "vlm"], "--metadata: unknown 'vlm'"),
+    (["--device", "xpu"], "--device 'xpu': expected cpu or cuda"),
+    (["--device", "cuda"], "no CUDA device is available here"),
+])
+def test_the_cli_rejects_unknown_names_before_making_a_model(args: list[str], says: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A misspelt kernel, workload or metadata mode, or a device this machine lacks, is a usage error
+    (status 2) naming the flag and what it accepts, before a model is made (they were tracebacks from
+    deep inside a run)."""
+    from examples.engine.__main__ import main
+
+    if args == ["--device", "cuda"] and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_cascade_workload_equals_generate(model: Any, reference: Reference) -> None:
     st, cmp, _ = run_workload(model, "torch-paged", "cascade", cache=reference)
     assert st.cascade_steps > 0 and st.prefix_cache_hits > 0
