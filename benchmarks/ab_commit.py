@@ -83,6 +83,7 @@ import attnmeta  # noqa: E402
 from attnmeta.testing.workloads import advance, decode_spec  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from _args import device_arg  # noqa: E402  (benchmarks/_args.py)
 from _cold import thrash  # noqa: E402  (benchmarks/_cold.py)
 
 EXPORTS = ROOT / ".ab_exports"
@@ -521,7 +522,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("base", help="the commit to compare with (e.g. 407a805), or a folder holding its exported "
                                  "attnmeta package (git archive COMMIT attnmeta | tar -x -C FOLDER)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batches", default="1,64,256,1024")

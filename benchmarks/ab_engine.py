@@ -56,6 +56,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _args import device_arg  # noqa: E402  (benchmarks/_args.py)
 from ab_commit import EXPORTS, base_package, import_exported  # noqa: E402  (benchmarks/ab_commit.py)
 from bench_engine import (  # noqa: E402
     MODELS,
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("base", help="the commit to compare with, or a folder holding its exported attnmeta and "
                                 "examples/engine (git archive BASE attnmeta examples/engine | tar -x -C FOLDER)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", choices=list(MODELS), default="1b")
     p.add_argument("--mode", choices=["graphs", "eager", "paged"], default="graphs",
                    help="the engine's mode (bench_engine.py's modes of attnmeta; on a CPU: paged)")

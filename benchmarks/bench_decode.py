@@ -91,6 +91,7 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _args import device_arg
 from _cold import gpu_waiter, jitter, median_us, spin
 from _cold import waits as cold_ways
 
@@ -102,7 +103,7 @@ TARGETS = {1: 25.0, 64: None, 256: 50.0, 1024: 150.0}
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rounds", type=int, default=10, help="rounds per path and batch size")
     ap.add_argument("--steps", type=int, default=400, help="consecutive steps per round")
     ap.add_argument("--warm", type=int, default=200, help="untimed steps of a path before each of its rounds")

@@ -123,6 +123,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _args import device_arg  # benchmarks/_args.py
 from _cold import jitter, timed_after, waits  # benchmarks/_cold.py
 
 from attnmeta import BatchSpec
@@ -538,7 +539,7 @@ def _processes(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", type=device_arg, default="cuda")
     p.add_argument("--concurrency", default="1,64,256")
     p.add_argument("--modes", default="graphs,eager,per-tensor")
     p.add_argument("--prompt", type=int, default=64,

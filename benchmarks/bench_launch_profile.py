@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_engine  # benchmarks/bench_engine.py: its engines, workload and timed runs
+from _args import device_arg  # benchmarks/_args.py
 
 from examples.engine.workload import make_model
 
@@ -96,7 +97,7 @@ def differences(per_mode: dict[str, dict[Key, tuple[float, float]]], top: int) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", type=device_arg, default="cuda")
     p.add_argument("--model", choices=list(bench_engine.MODELS), default="hybrid-1b")
     p.add_argument("--modes", default="eager,eager#2,vllm-eager")
     p.add_argument("--concurrency", type=int, default=256)

@@ -36,6 +36,8 @@ from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any
 
+from _args import device_arg  # benchmarks/_args.py (torch only: nothing of attnmeta before the marks)
+
 MARKS: tuple[tuple[str, str, str, str], ...] = (
     # (module, the start of a statement's first line (stripped), the phase that ends there, a line it comes
     # after where the start is not unique in the module ("" where it is)), in the order a replayed step
@@ -228,7 +230,7 @@ def measure(bench_engine: ModuleType, model: Any, mode: str, n: int, prompt: int
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=device_arg, default="cpu")
     p.add_argument("--model", default="tiny", help="1b, hybrid-1b, tiny or tiny-hybrid (bench_engine.py's)")
     p.add_argument("--concurrency", default="64,256")
     p.add_argument("--rounds", type=int, default=3, help="runs of the workload timed (default 3)")

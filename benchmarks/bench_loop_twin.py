@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _cold  # benchmarks/_cold.py
 import bench_engine  # benchmarks/bench_engine.py: its engines and workload
+from _args import device_arg  # benchmarks/_args.py
 
 from examples.engine.workload import make_model
 
@@ -194,7 +195,7 @@ def measure(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=device_arg, default="cpu")
     p.add_argument("--model", choices=list(bench_engine.MODELS), default="tiny")
     p.add_argument("--concurrency", default="8,64")
     p.add_argument("--rounds", type=int, default=4, help="rounds of each variant, alternating (default 4)")

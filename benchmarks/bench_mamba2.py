@@ -50,6 +50,8 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _args import device_arg  # benchmarks/_args.py
+
 from attnmeta import BatchSpec, Stager, stage_common
 from attnmeta.backends.mamba import block_table_columns, mamba2
 from attnmeta.bench import count_path
@@ -209,7 +211,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=None,
                         help=f"numbers of prefills to run (of {SIZES}; default all, --quick the first three)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="builder modes (default all)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--device", type=device_arg, default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds per size (default 10)")
     parser.add_argument("--floor", action="store_true",
                         help="the vLLM format's memory floor per step at each size (see floor())")

@@ -52,6 +52,8 @@ import torch
 if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _args import device_arg  # benchmarks/_args.py
+
 from attnmeta import BatchSpec, Stager, stage_common
 from attnmeta.backends import flash_attn, flashinfer
 from attnmeta.backends.fused import FusedStepBuilder
@@ -164,7 +166,7 @@ class _Paths:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cpu", help="cpu (simulated devices) or cuda (cuda:0 .. cuda:N-1)")
+    ap.add_argument("--device", type=device_arg, default="cpu", help="cpu (simulated devices) or cuda (cuda:0 .. cuda:N-1)")
     ap.add_argument("--ranks", default="2,4,8", help="comma-separated rank counts")
     ap.add_argument("--batches", default="1,64,256,1024", help="decode batch sizes (decode scenario)")
     ap.add_argument("--scenario", choices=("decode", "mixed"), default="decode")

@@ -44,6 +44,7 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from _args import device_arg  # noqa: E402  (benchmarks/_args.py)
 from ab_commit import EXPORTS, ab, base_package, decode_walk, paths  # noqa: E402
 
 import attnmeta  # noqa: E402
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("base", help="the commit before the builder contract (3786481), or a folder holding its exported "
                                  "attnmeta package (git archive COMMIT attnmeta | tar -x -C FOLDER)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batches", default="1,64,256,1024")

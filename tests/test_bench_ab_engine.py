@@ -277,9 +277,14 @@ def test_bench_engine_runs_the_hybrid_composition_on_the_cpu() -> None:
     assert float(rows["prefill"][3]) > 0, rows["prefill"]
 
 
-def test_ab_engine_refuses_graphs_for_any_hybrid_model(capsys: pytest.CaptureFixture[str]) -> None:
+def test_ab_engine_refuses_graphs_for_any_hybrid_model(capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A hybrid model (the tiny one too) runs eager steps only: ``--mode graphs`` is refused before any
-    engine is made, rather than timed as eager steps under the graphs label."""
+    engine is made, rather than timed as eager steps under the graphs label. (``--device cuda`` passes the
+    device check here as on a GPU machine: the refusal comes before anything touches the device.)"""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     mod = load_benchmark("ab_engine.py", "ab_engine_hybrid_graphs")
     for model in ("hybrid-1b", "tiny-hybrid"):
         assert mod.main(["HEAD", "--device", "cuda", "--model", model, "--mode", "graphs"]) == 2

@@ -9,9 +9,13 @@ bench_engine.py have their file, test_bench_ab_engine.py (two files: the test wo
 
 from __future__ import annotations
 
+import argparse
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from bench_script_helpers import BATCHES, ROOT, load_benchmark, run_script, table_rows
 
 from attnmeta.__main__ import main
@@ -197,3 +201,27 @@ def test_bench_launch_profile_ranks_by_the_largest_difference(capsys: pytest.Cap
     for modes, why in refused.items():
         assert mod.main(["--device", "cpu", "--model", "tiny-hybrid", "--modes", modes]) == 2
         assert why in capsys.readouterr().err, modes
+
+
+def test_every_scripts_device_is_checked_when_parsed() -> None:
+    """Every script in benchmarks/ that takes ``--device`` parses it with ``_args.device_arg``: a device
+    this machine lacks is a usage error that says so (it was a traceback from torch, often after a model
+    was made)."""
+    scripts = sorted((ROOT / "benchmarks").glob("*.py"))
+    takes = [p for p in scripts if 'add_argument("--device"' in p.read_text()]
+    assert len(takes) >= 9, [p.name for p in takes]
+    unchecked = [p.name for p in takes if 'add_argument("--device", type=device_arg' not in p.read_text()]
+    assert not unchecked, unchecked
+    args = load_benchmark("_args.py", "bench_args")
+    assert args.device_arg("cpu") == "cpu" and args.device_arg("meta") == "meta"
+    for bad, says in (("xpu", "expected cpu, cuda or meta"), ("nonsense", "expected cpu, cuda or meta")):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            args.device_arg(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_bench_engine_on_a_machine_without_cuda_says_so_before_anything_runs() -> None:
+    """``bench_engine.py``'s default device is cuda: without one, status 2 and a message naming the flag."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py")], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 2 and "--device: cuda: no CUDA device is available here" in done.stderr, done.stderr[-2000:]
