@@ -108,6 +108,13 @@ def _checked_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> torch.de
         unknown = [n for n in (given or "").split(",") if given and n not in known]
         if unknown:
             p.error(f"{flag}: unknown {', '.join(map(repr, unknown))}; expected a comma-separated list of {', '.join(known)}")
+    if "vllm" in a.metadata.split(","):  # (vLLM's package, before a model is made: how to get it, not a traceback)
+        from .vllm_metadata import _import_vllm
+
+        try:
+            _import_vllm()
+        except ImportError as e:
+            p.error(f"--metadata vllm: {e}")
     return device
 
 

@@ -10,6 +10,7 @@ and async scheduling (input tokens taken from the previous step's sampled tokens
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -129,16 +130,19 @@ def test_the_cli_reports_each_run_verdict_first_and_only_nonzero_counters(model:
     (["--metadata", "vlm"], "--metadata: unknown 'vlm'"),
     (["--device", "xpu"], "--device 'xpu': expected cpu or cuda"),
     (["--device", "cuda"], "no CUDA device is available here"),
+    (["--metadata", "vllm"], "--metadata vllm: the engine's vllm metadata mode needs vLLM"),
 ])
 def test_the_cli_rejects_unknown_names_before_making_a_model(args: list[str], says: str,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    """A misspelt kernel, workload or metadata mode, or a device this machine lacks, is a usage error
-    (status 2) naming the flag and what it accepts, before a model is made (they were tracebacks from
-    deep inside a run)."""
+    """A misspelt kernel, workload or metadata mode, a device this machine lacks, or the vllm mode without
+    vLLM's package, is a usage error (status 2) naming the flag and what it needs, before a model is made
+    (they were tracebacks from deep inside a run)."""
     from examples.engine.__main__ import main
 
     if args == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
+    if args == ["--metadata", "vllm"] and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is importable here")
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2 and says in capsys.readouterr().err
