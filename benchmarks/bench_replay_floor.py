@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     dev = torch.device(args.device)
+    warnings.filterwarnings("ignore", category=attnmeta.staging.UncheckedBlockIdsWarning)  # (as ab_commit.py's)
     base = base_package(args.base, args.exports)
     print(f"# {args.device}, torch {torch.__version__}, base {args.base}, {args.rounds} rounds x {args.steps} steps; "
           "medians over rounds of per-round medians (us), each row against the base's fused step in its own rounds")
