@@ -149,6 +149,26 @@ class UnknownBuilderError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
+def require_token_arrays(builder: AnyBuilder, common: StagedCommon, options: Any) -> None:
+    """Raise where ``builder`` reads the per-token arrays (:meth:`Builder.needs`) and ``common``, staged
+    by :func:`attnmeta.stage_common` with ``token_arrays=False``, has none: its metadata would hold an
+    empty ``slot_mapping``, through which a kernel writes no KV. (A common metadata derived by another
+    builder, which knows no spec, is not checked.)
+
+    Raises
+    ------
+    ValueError
+        As above.
+    """
+    spec = common.spec
+    if spec is not None and builder.needs(spec.shape, options).token_arrays:
+        raise ValueError(
+            f"{builder.name}: reads the per-token arrays (slot_mapping, positions), but the common metadata was "
+            f"staged without them (stage_common(..., token_arrays=False)); stage it with token_arrays=True, or "
+            f"with what the builder's needs() asks for (attnmeta.build and the step composer do)"
+        )
+
+
 def require_same_step(common: Any, step: Step) -> None:
     """Raise unless ``common`` is a :class:`~attnmeta.StagedCommon` staged into ``step``.
 
@@ -318,11 +338,20 @@ class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
         TypeError
             ``common`` is not a :class:`~attnmeta.StagedCommon`, or options or inputs of another type.
         ValueError
-            ``common`` was staged into another step; as the builder's :meth:`derive`.
+            ``common`` was staged into another step, or without the per-token arrays this builder reads
+            (:meth:`needs`); as the builder's :meth:`derive`.
+        RuntimeError
+            ``step`` is not open (it has committed, or was abandoned).
         """
         if type(common) is not StagedCommon or common.step is not step:
             require_same_step(common, step)  # raises (a subclass of the right step passes)
-        return self.derive(common, step, self.options(options), self.inputs(inputs))
+        if step.state != "open":
+            step.require_open(f"{self.name}: stage()")
+        opts = self.options(options)
+        h = common.host
+        if h.slot_mapping_cpu.shape[0] < h.num_actual_tokens:  # a common staged without token arrays
+            require_token_arrays(self, common, opts)
+        return self.derive(common, step, opts, self.inputs(inputs))
 
     def derive(self, common: StagedCommon, step: Step, options: OptionsT, inputs: InputsT) -> Staged[HostT, MetadataT]:
         """The builder's derivation (called by :meth:`stage`, after the preamble): write this step's

@@ -659,7 +659,7 @@ def _stage_common(spec: BatchSpec, step: Step, prefix: str, causal: bool, block_
         total = spec.num_pages
         paged_part = Staged(step, w.paged_host(total), lambda: w.paged_metadata(step, total))
     staged = StagedCommon(step, host, lambda: w.metadata(step, spec, causal), paged=paged_part,
-                          rows=lambda n: w.query_start_loc_rows(step, n), prefix=prefix)
+                          rows=lambda n: w.query_start_loc_rows(step, n), prefix=prefix, spec=spec)
     return staged, w
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -49,6 +49,9 @@ from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta.host.paged import PagedKV
 from attnmeta.host.split import SplitCounts, split_counts_nb
 from attnmeta.staging import Staged, Step
+
+if TYPE_CHECKING:
+    from attnmeta.spec import BatchSpec
 
 __all__ = ["CommonAttentionMetadata", "CommonHost", "PagedKVMetadata", "StagedCommon"]
 
@@ -464,17 +467,21 @@ class StagedCommon(Staged[CommonHost, CommonAttentionMetadata]):
         The namespace of the common fields staged in the step (``<prefix>.seq_lens``, ...); None for
         a common metadata derived from another (a backend's transformed batch: fast prefill, local
         attention, a micro-batch), whose fields are views of another's.
+    spec : BatchSpec or None
+        The spec :func:`stage_common` derived it from (None for a derived common metadata, as ``prefix``).
     """
 
-    __slots__ = ("_rows", "paged", "prefix")
+    __slots__ = ("_rows", "paged", "prefix", "spec")
 
     def __init__(self, step: Step, host: CommonHost, make: Callable[[], CommonAttentionMetadata], *,
                  paged: Staged[PagedKV, PagedKVMetadata] | None = None,
-                 rows: Callable[[int], tuple[torch.Tensor, np.ndarray]] | None = None, prefix: str | None = None) -> None:
+                 rows: Callable[[int], tuple[torch.Tensor, np.ndarray]] | None = None, prefix: str | None = None,
+                 spec: BatchSpec | None = None) -> None:
         self.step, self.host, self._make, self._result = step, step.own(host), make, None  # (Staged.__init__, inlined)
         self.paged = paged
         self._rows = rows
         self.prefix = prefix
+        self.spec = spec
 
     def query_start_loc_rows(self, rows: int) -> tuple[torch.Tensor, np.ndarray]:
         """The device and host views of ``query_start_loc``'s first ``rows`` entries, after the commit

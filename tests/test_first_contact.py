@@ -23,10 +23,11 @@ import attnmeta
 from attnmeta import BatchSpec, Stager, StaticProfile, build_common, stage_common
 from attnmeta._announce import announce
 from attnmeta._numba import COMPILE_NOTE, compile_progress
-from attnmeta.backends import mm_prefix
+from attnmeta.backends import flash_attn, mm_prefix
+from attnmeta.backends.mamba import mamba2
 from attnmeta.compose import Group, StepBuilder
 from attnmeta.spec import MAX_PADDED_REQS, MAX_PADDED_TOKENS
-from attnmeta.staging import CapacityError, StepExpiredError, UncheckedBlockIdsWarning
+from attnmeta.staging import CapacityError, MultiStager, StepExpiredError, StepNotCommittedError, UncheckedBlockIdsWarning
 from attnmeta.staging._ring import ring_slots
 from attnmeta.sync import AuditRow, AuditTable, format_audit_table
 
@@ -188,6 +189,62 @@ def test_a_step_dropped_while_open_is_abandoned_by_the_next_with_a_warning() -> 
     with pytest.warns(RuntimeWarning, match="dropped without a commit; it is abandoned"):
         common = build_common(_spec(), stager)
     assert common.query_start_loc_cpu.tolist() == [0, 1, 5] and stager.stats.copies == 1
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["Stager", "MultiStager"])
+def test_a_step_dropped_after_staging_metadata_is_abandoned_with_the_collector_off(multi: bool) -> None:
+    """The metadata a step owns names the step (its lease): a reference cycle, which only the cycle
+    collector frees. A loop that keeps the collector off, as docs/serving.md advises, still gets the
+    dropped step abandoned by the next one, not an error asking it to commit a step it no longer holds."""
+    stager = MultiStager(["cpu", "cpu"]) if multi else Stager("cpu")
+
+    def begin_and_drop() -> None:
+        stage_common(_spec(), stager.step())  # begun outside `with`, metadata staged, never committed
+
+    gc.collect()
+    gc.disable()
+    try:
+        begin_and_drop()
+        with pytest.warns(RuntimeWarning, match="dropped without a commit; it is abandoned"):
+            common = build_common(_spec(), stager)
+    finally:
+        gc.enable()
+    assert common.seq_lens_cpu.tolist() == [4, 4] and stager.stats.copies == 1
+
+
+def test_a_step_after_an_exception_says_it_was_abandoned() -> None:
+    """Every use of a step an exception abandoned says so (it once said 'not committed' for the
+    metadata and 'already committed' for the commit, and its repr said 'open')."""
+    stager = Stager("cpu")
+    with pytest.raises(KeyError), stager.step() as step:
+        common = stage_common(_spec(), step)
+        raise KeyError("the engine's own error")
+    assert step.state == "abandoned" and "abandoned" in repr(step) and "abandoned" in repr(common)
+    with pytest.raises(StepNotCommittedError, match="was abandoned"):
+        common.result()
+    with pytest.raises(RuntimeError, match="was abandoned"):
+        step.commit()
+    with pytest.raises(RuntimeError, match=r"flash_attn: stage\(\): step 1 was abandoned"):
+        flash_attn.stage(common, step)
+    with pytest.raises(RuntimeError, match="was abandoned"):
+        step.alloc("x", 1, np.int32)
+    with pytest.raises(RuntimeError, match="was abandoned"), step:
+        pass
+    with stager.step() as done:
+        common = stage_common(_spec(), done)
+    assert done.state == "committed"
+    with pytest.raises(RuntimeError, match=r"flash_attn: stage\(\): step 2 has already committed"):
+        flash_attn.stage(common, done)  # (it stages no field of its own without inputs: refused up front)
+
+
+def test_a_builder_that_reads_token_arrays_refuses_a_common_without_them() -> None:
+    """FlashAttention's metadata holds the slot mapping its kernel writes KV through: staged on a common
+    metadata without the per-token arrays it held an empty one, silently."""
+    with Stager("cpu").step() as step:
+        common = stage_common(_spec(), step, token_arrays=False)
+        with pytest.raises(ValueError, match="flash_attn: reads the per-token arrays"):
+            flash_attn.stage(common, step)
+        mamba2.stage(common, step)  # (the Mamba family reads none)
 
 
 def test_a_step_still_held_blocks_the_next_until_reset() -> None:

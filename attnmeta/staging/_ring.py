@@ -17,6 +17,7 @@ of :class:`~attnmeta.staging._arena.Arenas`; they read no private attribute of a
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import warnings
@@ -239,15 +240,30 @@ class Ring(Arenas):
             raise RuntimeError(self._busy(None))
         try:
             self._claimer = threading.get_ident()
-            ref = self._open
-            if ref is not None:
-                open_step = ref()
+            if self._open is not None:
+                open_step = self._live_open_step()
                 if open_step is not None:
                     raise RuntimeError(self._busy(open_step))
                 self._abandon_lost(warn=True)
             return self._claim_slot(make)
         finally:
             claim.release()
+
+    def _live_open_step(self) -> StepCore | None:
+        """The step begun and neither committed nor abandoned, if it is still referenced; None if there
+        is none or it was dropped (then :meth:`_abandon_lost` abandons it).
+
+        A step dropped after it staged metadata stays alive in a reference cycle (the objects it owns
+        name it in their leases) until the cycle collector runs, whenever that is (never, in a loop that
+        turns the collector off). So where the step is alive, this collects once and looks again: it
+        runs only where a step is open when the next begins, which is an error but for a dropped one."""
+        ref = self._open
+        step = None if ref is None else ref()
+        if step is not None:
+            del step
+            gc.collect()
+            step = ref() if ref is not None else None
+        return step
 
     def _abandon_lost(self, *, warn: bool) -> None:
         """The open step's object is gone (it was begun outside ``with`` and dropped before it
@@ -612,6 +628,37 @@ class StepCore:
         """Whether the step has committed (:meth:`Step.commit <attnmeta.staging.Step.commit>`; not when abandoned)."""
         return self._committed and self._generation >= 0
 
+    @property
+    def state(self) -> str:
+        """``"open"`` (builders stage into it), ``"committed"`` (its copy is issued; its metadata is
+        readable), ``"expired"`` (a newer step reuses its memory) or ``"abandoned"`` (an exception left
+        its ``with`` block, or :meth:`abandon` or :meth:`Stager.reset <attnmeta.staging.Stager.reset>`
+        was called: nothing of it was copied)."""
+        if not self._committed:
+            return "open"
+        if self._generation < 0:
+            return "abandoned"
+        return "expired" if self._expired else "committed"
+
+    def require_open(self, what: str) -> None:
+        """Raise unless the step is open: ``what`` (e.g. ``"mybuilder: stage()"``) needs to stage into it.
+
+        Raises
+        ------
+        RuntimeError
+            The step has committed (or expired), or was abandoned; the message says which and what to do.
+        """
+        if self._committed:
+            raise RuntimeError(self._closed(what))
+
+    def _closed(self, what: str) -> str:
+        """The message for ``what`` (an operation of an open step) on this step, which is not open."""
+        if self._generation < 0:
+            return (f"{what}: step {self._number} was abandoned (an exception left its `with stager.step()` block, "
+                    f"or abandon() or stager.reset() was called) and nothing of it was copied; stage it again in a "
+                    f"new step")
+        return f"{what}: step {self._number} has already committed; stage into a new step (`with stager.step() as step:`)"
+
     def abandon(self) -> None:
         """Drop the step without copying (its slot is free for the next step)."""
         if not self._committed:
@@ -680,8 +727,7 @@ def next_slot(stager: Ring) -> int:
 def has_open_step(stager: Ring) -> bool:
     """Whether a step of ``stager`` has begun, has neither committed nor been abandoned, and is still
     referenced (a step dropped while open is abandoned when the next one begins)."""
-    ref = stager._open
-    return ref is not None and ref() is not None
+    return stager._open is not None and stager._live_open_step() is not None
 
 
 def fencing(stager: Ring) -> bool:

@@ -67,12 +67,14 @@ class Staged(Generic[H, M]):
         Raises
         ------
         StepNotCommittedError
-            The step has not committed yet.
+            The step has not committed yet, or was abandoned.
         """
         r = self._result
         if r is not None:
             return r
         if not self.step.committed:
+            if self.step.state == "abandoned":
+                raise StepNotCommittedError(self.step._closed("result()"))
             raise StepNotCommittedError(
                 "result(): the step has not committed; leave the `with stager.step()` block (or call "
                 "step.commit()) before reading device metadata"
@@ -83,5 +85,5 @@ class Staged(Generic[H, M]):
         return r
 
     def __repr__(self) -> str:
-        state = "ready" if self._result is not None else ("committed" if self.step.committed else "open")
+        state = "ready" if self._result is not None else self.step.state
         return f"Staged({type(self.host).__name__}, {state})"

@@ -86,7 +86,7 @@ class Step(StepCore):
             Graph mode: ``rows > capacity``, or a new field after :meth:`Stager.freeze`.
         """
         if self._committed:
-            raise RuntimeError(f"{name}: alloc() after the step committed")
+            raise RuntimeError(self._closed(f"{name}: alloc()"))
         if self._shared:
             self._fields, self._shared = dict(self._fields), False
         if name in self._fields:
@@ -178,7 +178,7 @@ class Step(StepCore):
             As :meth:`alloc`.
         """
         if self._committed:
-            raise RuntimeError("alloc_fields() after the step committed")
+            raise RuntimeError(self._closed("alloc_fields()"))
         slot = self._slot
         ck = (self._used, specs if key is None else key)
         hit = slot.groups.get(ck)
@@ -253,7 +253,7 @@ class Step(StepCore):
         What it cost is in :attr:`stats` afterwards.
         """
         if self._committed:
-            raise RuntimeError("Step.commit(): already committed")
+            raise RuntimeError(self._closed("Step.commit()"))
         self._stager._commit(self)
         self._committed = True
 
@@ -307,7 +307,7 @@ class Step(StepCore):
             ``rows`` in eager mode, or naming a field the layout does not have.
         """
         if self._committed:
-            raise RuntimeError("restage() after the step committed")
+            raise RuntimeError(self._closed("restage()"))
         slot = self._slot
         if layout.slot is not slot or layout.version != slot.version or self._fields:
             return False
@@ -379,6 +379,8 @@ class Step(StepCore):
             return self._view(f, f.rows)
         if self._expired:
             raise StepExpiredError(f"{name}: {self.expiry()}")
+        if self._committed:  # (abandoned)
+            raise StepNotCommittedError(self._closed(f"{name}: device view"))
         raise StepNotCommittedError(
             f"{name}: device view requested before the step committed; stage everything, commit "
             f"(or leave the `with stager.step()` block), then read device fields"
@@ -391,6 +393,8 @@ class Step(StepCore):
         if not st.graph_mode:
             raise RuntimeError("device_full(): only graph mode has fixed capacities")
         if not self.committed:
+            if self._committed:  # (abandoned)
+                raise StepNotCommittedError(self._closed(f"{name}: device view"))
             raise StepNotCommittedError(f"{name}: device view requested before the step committed")
         f = st._layout[name]
         return self._view(f, f.capacity)
@@ -405,6 +409,8 @@ class Step(StepCore):
         return st._host_view(self._slot, f, f.capacity)
 
     def __enter__(self) -> Step:
+        if self._committed:
+            raise RuntimeError(self._closed("with step"))
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -416,5 +422,4 @@ class Step(StepCore):
             self.abandon()
 
     def __repr__(self) -> str:
-        state = "committed" if self.committed else "open"
-        return f"Step(slot={self._slot.index}, {state}, fields={list(self._fields)})"
+        return f"Step(slot={self._slot.index}, {self.state}, fields={list(self._fields)})"

@@ -75,7 +75,7 @@ def test_device_before_commit_is_an_error() -> None:
     assert step.device("a").tolist() == [1, 1]
     with pytest.raises(RuntimeError, match="already committed"):
         step.commit()
-    with pytest.raises(RuntimeError, match="after the step committed"):
+    with pytest.raises(RuntimeError, match=r"alloc\(\): step 1 has already committed"):
         step.alloc("b", 1, np.int32)
 
 
