@@ -102,10 +102,11 @@ def as_host_array(
             info = np.iinfo(target)
             lo, hi = int(arr.min()), int(arr.max())
             if lo < info.min or hi > info.max:
-                bad = int(np.argmax((arr < info.min) | (arr > info.max)))
-                flat = arr.reshape(-1)
+                flat_at = int(np.argmax(((arr < info.min) | (arr > info.max)).reshape(-1)))
+                at = np.unravel_index(flat_at, arr.shape)
+                where = ", ".join(str(int(i)) for i in at)
                 raise ValueError(
-                    f"{name}[{bad}]={int(flat[bad])} does not fit {target} "
+                    f"{name}[{where}]={int(arr[at])} does not fit {target} "
                     f"(range [{info.min}, {info.max}])"
                 )
     if arr.ndim != ndim:

@@ -149,6 +149,20 @@ class UnknownBuilderError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
+def checked_needs(builder: AnyBuilder, shape: StepShape, options: Any) -> CommonNeeds:
+    """``builder.needs(shape, options)``, checked to be a :class:`CommonNeeds`.
+
+    Raises
+    ------
+    TypeError
+        ``needs`` returned something else (a builder author's mistake, named as such).
+    """
+    needs = builder.needs(shape, options)
+    if type(needs) is not CommonNeeds:
+        raise TypeError(f"{builder.name}: needs() must return an attnmeta.builder.CommonNeeds, got {_described(needs)}")
+    return needs
+
+
 def require_token_arrays(builder: AnyBuilder, common: StagedCommon, options: Any) -> None:
     """Raise where ``builder`` reads the per-token arrays (:meth:`Builder.needs`) and ``common``, staged
     by :func:`attnmeta.stage_common` with ``token_arrays=False``, has none: its metadata would hold an
@@ -161,11 +175,12 @@ def require_token_arrays(builder: AnyBuilder, common: StagedCommon, options: Any
         As above.
     """
     spec = common.spec
-    if spec is not None and builder.needs(spec.shape, options).token_arrays:
+    if spec is not None and checked_needs(builder, spec.shape, options).token_arrays:
         raise ValueError(
             f"{builder.name}: reads the per-token arrays (slot_mapping, positions), but the common metadata was "
             f"staged without them (stage_common(..., token_arrays=False)); stage it with token_arrays=True, or "
-            f"with what the builder's needs() asks for (attnmeta.build and the step composer do)"
+            f"with what the builder's needs() asks for (attnmeta.build does; in a step composer, leave "
+            f"Group.token_arrays at None)"
         )
 
 
@@ -246,12 +261,15 @@ class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
             missing.append("derive")
         if missing:
             raise TypeError(f"{cls.__name__}: a Builder must define {', '.join(missing)}")
+        for attr in ("options_type", "inputs_type"):
+            t = vars(cls).get(attr)
+            params = getattr(t, "__dataclass_params__", None)  # (a dataclass's; its frozen flag)
+            if t is not None and not (isinstance(t, type) and params is not None and params.frozen):
+                raise TypeError(f"{cls.__name__}.{attr}: expected a frozen dataclass (@dataclasses.dataclass(frozen=True)): "
+                                f"{'options are' if attr == 'options_type' else 'inputs are'} immutable, so a step "
+                                f"composer may key its layouts on them; got {t!r}")
         if "stage" in vars(cls):
             raise TypeError(f"{cls.__name__}: Builder.stage is the shared preamble; implement derive() instead")
-        it = vars(cls).get("inputs_type")
-        if it is not None and not dataclasses.is_dataclass(it):
-            raise TypeError(f"{cls.__name__}.inputs_type: expected a dataclass of per-step inputs (or None), "
-                            f"got {it!r}")
 
     name: ClassVar[str]
     """Registry name (also the default ``prefix`` of its options)."""
@@ -351,7 +369,11 @@ class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
         h = common.host
         if h.slot_mapping_cpu.shape[0] < h.num_actual_tokens:  # a common staged without token arrays
             require_token_arrays(self, common, opts)
-        return self.derive(common, step, opts, self.inputs(inputs))
+        staged = self.derive(common, step, opts, self.inputs(inputs))
+        if not isinstance(staged, Staged):
+            raise TypeError(f"{self.name}: derive() must return an attnmeta.staging.Staged (the host part now, the "
+                            f"metadata after the commit), got {_described(staged)}")
+        return staged
 
     def derive(self, common: StagedCommon, step: Step, options: OptionsT, inputs: InputsT) -> Staged[HostT, MetadataT]:
         """The builder's derivation (called by :meth:`stage`, after the preamble): write this step's
@@ -425,11 +447,14 @@ def register(builder: Builder[OptionsT, InputsT, HostT, MetadataT], *,
     TypeError
         ``builder`` is not a :class:`Builder`.
     ValueError
-        The name is taken (pass ``replace=True`` to replace it).
+        The name is taken (pass ``replace=True`` to replace it), or is not a non-empty str without ``.``.
     """
     if not isinstance(builder, Builder):
         raise TypeError(f"register(): expected a Builder, got {type(builder).__name__}")
     name = builder.name
+    if type(name) is not str or not name or "." in name:
+        raise ValueError(f"register(): a builder's name must be a non-empty str without '.' (it is also the default "
+                         f"prefix of its staged fields, '<name>.<field>'), got {_described(name)}")
     if not replace and name in _REGISTRY and _REGISTRY[name] is not builder:
         raise ValueError(f"register(): a builder named {name!r} is registered already (replace=True replaces it)")
     _REGISTRY[name] = builder
@@ -525,7 +550,7 @@ def build(spec: BatchSpec, stager: Stager, builder: Builder[Any, Any, Any, Metad
     reasons = b.unsupported_reasons(spec, opts, inp)
     if reasons:
         raise UnsupportedBatchError(b.name, reasons)
-    needs = b.needs(spec.shape, opts)
+    needs = checked_needs(b, spec.shape, opts)
     with stager.step() as step:
         common = stage_common(spec, step, token_arrays=needs.token_arrays, paged_kv=needs.paged_kv,
                               block_table_columns=None if stager.graph_mode else needs.block_table_columns)

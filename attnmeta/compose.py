@@ -60,7 +60,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchError
+from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchError, checked_needs
 from attnmeta.common import CommonPasses, CommonWriter, _stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata
 from attnmeta.spec import BatchSpec, StepShape, scan_counts, shapes_of
@@ -262,7 +262,7 @@ class _Group:
         tokens = paged = False
         columns = 0
         for _n, b, o in self.builders:
-            needs = b.needs(shape, o)
+            needs = checked_needs(b, shape, o)
             tokens |= needs.token_arrays
             paged |= needs.paged_kv
             c = needs.block_table_columns
@@ -420,12 +420,20 @@ class StepBuilder:
             (nothing copied) and the stager is ready for the next one.
         """
         self.stats.steps += 1
-        sp = (specs,) if type(specs) is BatchSpec or isinstance(specs, BatchSpec) else tuple(specs)
-        if len(sp) != len(self._groups):
-            raise ValueError(f"specs: expected one BatchSpec per group ({len(self._groups)}), got {len(sp)}")
+        if type(specs) is BatchSpec or isinstance(specs, BatchSpec):
+            sp: tuple[Any, ...] = (specs,)
+        elif isinstance(specs, list | tuple):
+            sp = tuple(specs)
+        else:
+            raise TypeError(f"specs: expected a BatchSpec, or a list or tuple of one BatchSpec per group "
+                            f"({len(self._groups)}), got {type(specs).__name__} {specs!r:.80}")
         for s in sp:
             if type(s) is not BatchSpec and not isinstance(s, BatchSpec):
-                raise TypeError(f"spec: expected a BatchSpec, got {type(s).__name__} {s!r:.80}")
+                raise TypeError(f"specs: expected a BatchSpec, or a list or tuple of one BatchSpec per group "
+                                f"({len(self._groups)}), got a {type(specs).__name__} holding {type(s).__name__} "
+                                f"{s!r:.80}")
+        if len(sp) != len(self._groups):
+            raise ValueError(f"specs: expected one BatchSpec per group ({len(self._groups)}), got {len(sp)}")
         inp = self._no_inputs if not inputs else self._inputs(inputs)  # (an engine's usual {}: none)
         arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
         shapes = tuple(s.shape for s in sp)
@@ -560,8 +568,9 @@ class StepBuilder:
         for name, dt, cap, _fill in self._arrays:
             a = got[name]
             if type(a) is not np.ndarray or a.dtype != dt or a.ndim != 1:
-                raise TypeError(f"arrays[{name!r}]: expected a 1-D numpy array of {dt}, got "
-                                f"{type(a).__name__} {getattr(a, 'dtype', '')} {getattr(a, 'shape', '')}")
+                text = (f"numpy array of {a.dtype} and shape {a.shape}" if isinstance(a, np.ndarray)
+                        else f"{type(a).__name__} {a!r:.60}")
+                raise TypeError(f"arrays[{name!r}]: expected a 1-D numpy array of {dt}, got {text}")
             if cap is not None and a.shape[0] > cap:
                 raise ValueError(f"arrays[{name!r}]: {a.shape[0]} rows exceed the capacity {cap}")
         raise AssertionError("_array_error: every array is as declared")  # pragma: no cover

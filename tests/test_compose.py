@@ -168,8 +168,8 @@ def test_inputs_and_arrays_are_checked() -> None:
         composer.build(spec, arrays={"ids": np.zeros(2, ">i4")})
     with pytest.raises(TypeError, match="1-D numpy array of int32"):
         composer.build(spec, arrays={"ids": np.zeros((2, 1), np.int32)})
-    with pytest.raises(TypeError, match="1-D numpy array of int32"):
-        composer.build(spec, arrays={"ids": [1, 2]})
+    with pytest.raises(TypeError, match=r"arrays\['ids'\]: expected a 1-D numpy array of int32, got list \[1, 2\]$"):
+        composer.build(spec, arrays={"ids": [1, 2]})  # (it ended in two blanks)
     graph = StepBuilder(Stager("cpu", profile=_PROFILE), Group({"fa": FLASH_ATTN}),
                         arrays=[Array("ids", np.int32, capacity=4)])
     with pytest.raises(ValueError, match="arrays\\['ids'\\]: 5 rows exceed the capacity 4"):
@@ -180,6 +180,16 @@ def test_inputs_and_arrays_are_checked() -> None:
         composer.build(spec, {"fa": {"causal": None}}, {"ids": np.zeros(2, np.int32)})
     with pytest.raises(ValueError, match="one BatchSpec per group"):
         composer.build([spec, spec], arrays={"ids": np.zeros(2, np.int32)})
+    # (these were "'NoneType' object is not iterable", "spec: expected a BatchSpec, got str 'x'" and
+    # "expected one BatchSpec per group (1), got 2")
+    ids = {"ids": np.zeros(2, np.int32)}
+    expected = r"specs: expected a BatchSpec, or a list or tuple of one BatchSpec per group \(1\), got "
+    with pytest.raises(TypeError, match=expected + "NoneType"):
+        composer.build(None, arrays=ids)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=expected + "dict"):
+        composer.build({"x": spec}, arrays=ids)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=expected + "a list holding int"):
+        composer.build([1, 2], arrays=ids)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="names must be unique across groups"):
         StepBuilder(Stager("cpu"), Group({"fa": FLASH_ATTN}), Group({"fa": FLASH_ATTN}, prefix="other"))
     with pytest.raises(ValueError, match="a graph-mode stager needs its capacity"):

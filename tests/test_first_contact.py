@@ -27,7 +27,13 @@ from attnmeta.backends import flash_attn, mm_prefix
 from attnmeta.backends.mamba import mamba2
 from attnmeta.compose import Group, StepBuilder
 from attnmeta.spec import MAX_PADDED_REQS, MAX_PADDED_TOKENS
-from attnmeta.staging import CapacityError, MultiStager, StepExpiredError, StepNotCommittedError, UncheckedBlockIdsWarning
+from attnmeta.staging import (
+    CapacityError,
+    MultiStager,
+    StepExpiredError,
+    StepNotCommittedError,
+    UncheckedBlockIdsWarning,
+)
 from attnmeta.staging._ring import ring_slots
 from attnmeta.sync import AuditRow, AuditTable, format_audit_table
 
@@ -167,6 +173,14 @@ def test_stager_sizes_have_bounds() -> None:
         Stager("cpu", initial_bytes=2**40)
     with pytest.raises(ValueError, match="max_step_bytes: expected an int >= 64"):
         Stager("cpu", max_step_bytes=0)
+    # a wrong type is a TypeError, as for every other argument (these were ValueErrors)
+    with pytest.raises(TypeError, match=r"num_kv_blocks: expected an int >= 1 \(the KV cache's blocks\) or None, "
+                                        r"got float 8.0"):
+        Stager("cpu", num_kv_blocks=8.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="max_step_bytes: expected an int >= 64, got str '1024'"):
+        Stager("cpu", max_step_bytes="1024")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="initial_bytes: expected an int >= 0, got bool True"):
+        Stager("cpu", initial_bytes=True)
 
 
 def test_an_unchecked_cuda_stager_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:

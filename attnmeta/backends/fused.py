@@ -41,6 +41,10 @@ class FusedStep(NamedTuple):
 class FusedStepBuilder:
     """Builds a step's common + FlashAttention + FlashInfer metadata in one call and one copy.
 
+    A thin wrapper of :class:`attnmeta.compose.StepBuilder` with one group of these two builders,
+    for ready-made specs: it takes no inputs or engine arrays and has no ``build_counts`` (an engine
+    that needs those uses ``StepBuilder`` itself).
+
     Parameters
     ----------
     stager : Stager

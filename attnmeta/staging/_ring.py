@@ -129,17 +129,13 @@ class Ring(Arenas):
                              f"own; a deeper ring holds no more work in flight), got {num_slots}")
         if profile is not None and not isinstance(profile, StaticProfile):
             raise TypeError(f"profile: expected a StaticProfile or None, got {type(profile).__name__}")
-        if (isinstance(max_step_bytes, bool) or not isinstance(max_step_bytes, int | np.integer)
-                or max_step_bytes < ALIGN):
-            raise ValueError(f"max_step_bytes: expected an int >= {ALIGN}, got {max_step_bytes!r}")
-        if isinstance(initial_bytes, bool) or not isinstance(initial_bytes, int | np.integer) or initial_bytes < 0:
-            raise ValueError(f"initial_bytes: expected an int >= 0, got {initial_bytes!r}")
+        _require_int("max_step_bytes", max_step_bytes, ALIGN, "")
+        _require_int("initial_bytes", initial_bytes, 0, "")
         if initial_bytes > max_step_bytes:
             raise ValueError(f"initial_bytes: {initial_bytes} is more than max_step_bytes={max_step_bytes} (a slot holds "
                              f"one step; raise max_step_bytes for larger steps)")
-        if num_kv_blocks is not None and (isinstance(num_kv_blocks, bool)
-                                          or not isinstance(num_kv_blocks, int | np.integer) or num_kv_blocks < 1):
-            raise ValueError(f"num_kv_blocks: expected an int >= 1 (the KV cache's blocks) or None, got {num_kv_blocks!r}")
+        if num_kv_blocks is not None:
+            _require_int("num_kv_blocks", num_kv_blocks, 1, " (the KV cache's blocks) or None")
         self.device = resolve_device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -455,6 +451,15 @@ class Ring(Arenas):
         mode = "graph" if self.graph_mode else "eager"
         return (f"Stager(device={self.device}, mode={mode}, num_slots={self.num_slots}, "
                 f"steps={self.stats.steps}, waits={self.stats.waits})")
+
+
+def _require_int(name: str, value: Any, lo: int, what: str) -> None:
+    """Raise unless ``value`` is an int (not a bool) of at least ``lo``: a ``TypeError`` for another
+    type, a ``ValueError`` for a smaller int; ``what`` describes the argument after ``an int >= lo``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name}: expected an int >= {lo}{what}, got {type(value).__name__} {value!r:.40}")
+    if value < lo:
+        raise ValueError(f"{name}: expected an int >= {lo}{what}, got {value}")
 
 
 class StepCore:

@@ -132,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default=None,
                    help="comma-separated: torch-paged, torch-varlen, flashinfer, flashinfer+graphs "
                         "(default: torch-paged on cpu, all on cuda)")
-    p.add_argument("--workloads", default="mixed,cascade")
+    p.add_argument("--workloads", default="mixed,cascade",
+                   help="comma-separated: mixed (24 requests arriving over 6 steps, a shared prompt prefix, chunked "
+                        "prefill), cascade (10 requests behind a 270-token shared prefix), and for a hybrid --model "
+                        "hybrid (16 requests) and hybrid-align (vLLM's align Mamba cache mode: prefix caching of "
+                        "Mamba states) (default: mixed,cascade; a hybrid model's: hybrid,hybrid-align)")
     p.add_argument("--metadata", default="attnmeta",
                    help="comma-separated: attnmeta, vllm (vLLM 0.33.0's runner buffers and builders; needs vLLM's "
                         "Python package; kernels torch-paged and flashinfer, not the hybrid-align workload)")

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import attnmeta
 from attnmeta import BatchSpec, ContextParallel, Stager, StaticProfile
 from attnmeta.builder import Builder, CommonNeeds, UnsupportedBatchError
+from attnmeta.compose import Group, StepBuilder
 from attnmeta.testing.builders import audit_builder, check_builder, check_reads_lengths
 from attnmeta.testing.lab import lab
 from attnmeta.testing.strategies import batch_specs
@@ -166,8 +167,39 @@ def test_a_builder_class_without_the_protocol_is_refused() -> None:
     fa = type(attnmeta.get_builder("flash_attn"))
     with pytest.raises(TypeError, match=r"Builder\.stage is the shared preamble; implement derive"):
         type("OwnStage", (fa,), {"stage": lambda self, *a: None})
-    with pytest.raises(TypeError, match="inputs_type: expected a dataclass of per-step inputs"):
+    with pytest.raises(TypeError, match="inputs_type: expected a frozen dataclass"):
         type("BadInputs", (fa,), {"inputs_type": dict})
+
+    @dataclasses.dataclass
+    class Mutable:
+        size: int = 0
+
+    with pytest.raises(TypeError, match="options_type: expected a frozen dataclass"):
+        type("MutableOptions", (fa,), {"options_type": Mutable})
+    with pytest.raises(TypeError, match="inputs_type: expected a frozen dataclass"):
+        type("MutableInputs", (fa,), {"inputs_type": Mutable})
+
+
+def test_a_builder_author_s_mistakes_are_named() -> None:
+    """A name that is no prefix, a derive() or needs() that returns the wrong thing: each is an error
+    naming the builder and the rule (they were AttributeErrors deep in the stager or the composer,
+    and a builder registered without a name broke every later 'unknown name' message)."""
+    fa = type(attnmeta.get_builder("flash_attn"))
+    for bad in (None, "", "my.builder", 3):
+        with pytest.raises(ValueError, match=r"a builder's name must be a non-empty str without '\.'"):
+            attnmeta.register(type("Unnamed", (fa,), {"name": bad})())
+    assert all(type(n) is str for n in attnmeta.registry())
+    spec = BatchSpec(num_computed_tokens=[3, 0], num_scheduled_tokens=[1, 4], block_table=[[1, 2], [3, 4]],
+                     block_size=4)
+    wrong_derive = type("WrongDerive", (fa,), {"name": "wrong_derive", "derive": lambda self, *a: {"x": 1}})()
+    with pytest.raises(TypeError, match=r"wrong_derive: derive\(\) must return an attnmeta.staging.Staged .*, got dict"):
+        attnmeta.build(spec, Stager("cpu"), wrong_derive)
+    wrong_needs = type("WrongNeeds", (fa,), {"name": "wrong_needs", "needs": lambda self, shape, options: None})()
+    with pytest.raises(TypeError, match=r"wrong_needs: needs\(\) must return an attnmeta.builder.CommonNeeds"):
+        attnmeta.build(spec, Stager("cpu"), wrong_needs)
+    composer = StepBuilder(Stager("cpu"), Group({"x": wrong_needs}))
+    with pytest.raises(TypeError, match=r"wrong_needs: needs\(\) must return"):
+        composer.build(spec)
 
 
 @pytest.mark.parametrize("name", BUILDERS)

@@ -858,3 +858,24 @@ class _Recorder:
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
         self.names.append(name)
+
+
+def test_every_cli_option_says_what_it_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` describes every option (``--workloads`` had no help text)."""
+    from examples.engine.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    options = out[out.index("options:"):].split("\n")[1:]
+    described: dict[str, str] = {}
+    flag = ""
+    for line in options:
+        if line.startswith("  -"):
+            flag = line.split()[0].rstrip(",")
+            described[flag] = line.strip()[len(line.split()[0]):]
+        elif flag:
+            described[flag] += line.strip()
+    undocumented = [f for f, text in described.items() if text.strip().strip(f.upper().lstrip("-")).strip() == ""]
+    assert described and not undocumented, undocumented

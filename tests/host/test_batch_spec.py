@@ -106,6 +106,10 @@ def test_int32_overflow() -> None:
         _spec(num_computed_tokens=[big, 0, 7])
     with pytest.raises(ValueError, match=r"num_computed_tokens\[1\]=2147483648 does not fit int32"):
         _spec(num_computed_tokens=np.array([5, 2**31, 7], dtype=np.int64))
+    table = np.zeros((3, 4), np.int64)
+    table[2, 1] = 2**40
+    with pytest.raises(ValueError, match=r"block_table\[2, 1\]=1099511627776 does not fit int32"):  # (was [9])
+        _spec(block_table=table)
     with pytest.raises(ValueError, match=r"num_scheduled_tokens: total .* overflows int32"):
         _spec(
             num_computed_tokens=np.zeros(2, np.int32),
@@ -183,6 +187,22 @@ def test_strategy_rejects_impossible_settings(kwargs: dict[str, Any]) -> None:
         raise AssertionError("unreachable")
 
     with pytest.raises(InvalidArgument):
+        draw()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"kinds": "decode"}, r"kinds: expected a collection of request kinds \(e.g. \['decode'\]\), got the str"),
+    ({"with_padding": True}, r"with_padding: expected a hypothesis strategy of bool \(e.g. st.just\(True\)"),
+    ({"block_sizes": 16}, r"block_sizes: expected a hypothesis strategy of int \(e.g. st.just\(16\)"),
+])
+def test_strategy_names_a_value_where_it_takes_a_strategy_or_a_list(kwargs: dict[str, Any], message: str) -> None:
+    """What a newcomer passes first: a plain value for a strategy knob, a str for the kinds (these were
+    an AttributeError on 'validate' and 'unknown request kinds ['c', 'd', 'e', 'o']')."""
+    @given(batch_specs(**kwargs))
+    def draw(spec: BatchSpec) -> None:
+        raise AssertionError("unreachable")
+
+    with pytest.raises(InvalidArgument, match=message):
         draw()
 
 

@@ -191,6 +191,16 @@ def batch_specs(
     """
 
     def build() -> SearchStrategy[BatchSpec]:
+        _check(not isinstance(kinds, str),
+               f"kinds: expected a collection of request kinds (e.g. [{kinds!r}]), got the str {kinds!r}")
+        for name, value, of in (("block_sizes", block_sizes, "int"), ("with_prompts", with_prompts, "bool"),
+                                ("with_upper_bound", with_upper_bound, "bool"), ("with_padding", with_padding, "bool"),
+                                ("extra_block_columns", extra_block_columns, "int"),
+                                ("with_context_parallel", with_context_parallel, "bool"),
+                                ("cp_world_sizes", cp_world_sizes, "int")):
+            _check(isinstance(value, SearchStrategy),
+                   f"{name}: expected a hypothesis strategy of {of} (e.g. st.just({value!r:.40}) for that value "
+                   f"every time), got {type(value).__name__} {value!r:.40}")
         allowed = set(kinds)
         if long_prefills:
             allowed.add("long_prefill")
