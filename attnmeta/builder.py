@@ -322,7 +322,9 @@ class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
     def needs(self, shape: StepShape, options: OptionsT) -> CommonNeeds:
         """The common fields this builder reads for a step of ``shape`` (:attr:`BatchSpec.shape
         <attnmeta.BatchSpec.shape>`, the step's scalars) with ``options`` (default: every field, no
-        paged-KV layout, the default block-table width).
+        paged-KV layout, the default block-table width). ``options`` is of the builder's options type,
+        never None (:meth:`options` of None gives the defaults), as for :meth:`unsupported_reasons` and
+        :meth:`replay_key`.
 
         A function of its arguments only: the step composer computes it once per shape."""
         return _ALL_TOKENS

@@ -187,7 +187,10 @@ class ComposedStep:
 
     Device tensors are views into the step's device arena (one copy), valid for kernels enqueued on the
     commit stream after the build; host arrays are read-only views into the step's pinned slot, valid
-    until the stager reuses the slot (``num_slots`` steps later), as for every builder.
+    until the stager reuses the slot (``num_slots`` steps later), as for every builder. It expires with
+    its step, as the metadata objects do: once a newer step reuses the memory, reading any of its
+    attributes (``arrays`` included) raises :class:`~attnmeta.staging.StepExpiredError`. A tensor taken
+    out of it before (``ids = out.arrays["engine.input_ids"]``) is a plain view and is not checked.
 
     Attributes
     ----------
@@ -201,7 +204,7 @@ class ComposedStep:
         Each :class:`Array`'s device view, by name: ``(rows,)`` of its dtype, device.
     """
 
-    __slots__ = ("arrays", "commons", "metadata", "step")
+    __slots__ = ("_lease", "arrays", "commons", "metadata", "step")
 
     def __init__(self, step: Step, commons: tuple[CommonAttentionMetadata, ...], metadata: dict[str, Any],
                  arrays: dict[str, torch.Tensor]) -> None:
@@ -756,10 +759,10 @@ class StepBuilder:
         cms = tuple(c.result() for c in commons)
         meta = {n: s.result() for g, ss in zip(self._groups, staged, strict=True)
                 for (n, _b, _o), s in zip(g.builders, ss, strict=True)}
-        out = ComposedStep(step, cms, meta, {n: step.device(n) for n, *_r in self._arrays})
+        devices = {n: step.device(n) for n, *_r in self._arrays}
         if key is not None and not step.stats.grew:
-            self._record(step, key, specs, inputs, commons, writers, paged_flags, staged, views, dict(out.arrays))
-        return out
+            self._record(step, key, specs, inputs, commons, writers, paged_flags, staged, views, dict(devices))
+        return step.own(ComposedStep(step, cms, meta, devices))
 
     def _record(self, step: Step, key: tuple[Hashable, ...], specs: tuple[BatchSpec, ...], inputs: list[list[Any]],
                 commons: list[Any], writers: list[CommonWriter], paged: list[bool], staged: list[list[Staged[Any, Any]]],
@@ -835,7 +838,6 @@ class StepBuilder:
         for n, gi, pi, rep in rec.replayers:
             meta[n] = m = rep.result(step, cms[gi], hosts[gi], pks[gi], inputs[gi][pi])
             owned.append(m)
-        step.own_all(owned)
         devices = rec.devices
         if devices is None:  # (graph mode: the arrays' views of the one arena, the same for the same rows)
             rows = tuple([len(a) for a in arrays])
@@ -844,7 +846,10 @@ class StepBuilder:
                 if len(rec.graph_devices) >= _MAX_KEYS:
                     rec.graph_devices.clear()
                 devices = rec.graph_devices[rows] = {n: step.device(n) for n, _v in rec.arrays}
-        return ComposedStep(step, tuple(cms), meta, devices.copy())
+        out = ComposedStep(step, tuple(cms), meta, devices.copy())
+        owned.append(out)  # (it holds the others: one class change each at expiry, no walk)
+        step.own_all(owned)
+        return out
 
     def __repr__(self) -> str:
         groups = ", ".join(f"{g.prefix}: {[n for n, _b, _o in g.builders]}"

@@ -6,7 +6,7 @@ this script's own (never the checkout's ``__pycache__``):
 1. **cold**: an empty cache directory. The process imports attnmeta, constructs the demo batch's
    ``BatchSpec`` (``attnmeta.bench.demo.demo_spec``: decodes, a chunked prefill, a fresh prefill, prompts,
    CUDA-graph padding), then builds every registered builder once with its lab defaults, each
-   through ``Builder.build`` on one eager CPU stager, in registry order, then the fused step builder
+   through ``Builder.build`` on one eager CPU stager, in alphabetical order of their names, then the fused step builder
    (4 builds: compose, then a replay); each first build is timed. A builder's time is what it
    compiles that the builders before it did not (the common pass is compiled by the first one).
 2. **warmup**: ``python -m attnmeta warmup`` on a second, empty cache directory (timed as a process).

@@ -287,6 +287,25 @@ def test_a_replayed_steps_objects_expire_with_their_slot() -> None:
     assert outs[-1]["fa"].seq_lens_cpu.tolist() == (last.num_computed_tokens + last.num_scheduled_tokens).tolist()
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_a_composed_step_expires_with_its_slot_arrays_included(graph: bool) -> None:
+    """The engine's own arrays in a ComposedStep once read a newer step's values silently after the slot
+    was reused (the builders' objects raised); the ComposedStep now expires with them, fresh or replayed."""
+    stager = Stager("cpu", num_slots=2, profile=_PROFILE if graph else None)
+    composer = StepBuilder(stager, Group({"fa": FLASH_ATTN}), arrays=[Array("engine.ids", np.int32, capacity=72)])
+    walk = _walk(2, 6)
+    outs = [composer.build(s, arrays={"engine.ids": np.full(2, k, np.int32)}) for k, s in enumerate(walk)]
+    assert composer.stats.replayed >= 2
+    expired = outs[:-1] if graph else outs[:-2]  # (graph mode: every step before the last commit)
+    for out in expired:
+        with pytest.raises(StepExpiredError, match=r"ComposedStep\.arrays"):
+            _ = out.arrays
+        with pytest.raises(StepExpiredError):
+            _ = out["fa"]
+    assert is_expired(outs[0]) and not is_expired(outs[-1])
+    assert outs[-1].arrays["engine.ids"].tolist() == [5, 5]
+
+
 def test_flashinfer_and_mamba2_groups(device: torch.device) -> None:
     """An attention group and a Mamba group (its own spec: one state block a request) in one step."""
     def groups() -> list[Group]:

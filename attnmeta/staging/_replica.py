@@ -54,7 +54,53 @@ __all__ = ["ArenaIndex", "ArrayAt", "Decoder", "DescriptionError", "Encoder", "N
 class NotReplicableError(ValueError):
     """A device tensor of a step's metadata is not a view of bytes the step copied (a builder computed
     it on the device when ``result()`` ran, e.g. FlashInfer's ``indices="device"`` gather), so another
-    device's copy of the step does not hold it."""
+    device's copy of the step does not hold it. The message begins with the field that holds it
+    (``FlashInferMetadata.paged_kv_indices: ...``) where the tensor was found in an object.
+
+    Attributes
+    ----------
+    tensor : torch.Tensor or None
+        The tensor (device), where known.
+    """
+
+    def __init__(self, message: str, tensor: torch.Tensor | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+    def named_in(self, root: Any, name: str | None = None) -> NotReplicableError:
+        """This error with the path of :attr:`tensor` inside ``root`` (a metadata object, a container
+        of them; called ``name``, by default its class's name) in front of its message; itself where the
+        tensor is not found there."""
+        path = _path_to(root, self.tensor, type(root).__name__ if name is None else name, set())
+        if path is None:
+            return self
+        return NotReplicableError(f"{path}: {self}", self.tensor)
+
+
+def _path_to(obj: Any, target: Any, path: str, seen: set[int]) -> str | None:
+    """The path (``Class.field[2].field``) from ``obj`` to the object ``target``, or None (the error
+    path of :meth:`NotReplicableError.named_in`: a walk over dataclass fields, named tuples, tuples,
+    lists and dicts)."""
+    if obj is target:
+        return path
+    if id(obj) in seen or isinstance(obj, torch.Tensor | np.ndarray | str | bytes | int | float) or obj is None:
+        return None
+    seen.add(id(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [(f".{f.name}", object.__getattribute__(obj, f.name)) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        items = [(f".{n}", v) for n, v in zip(obj._fields, obj, strict=True)]
+    elif isinstance(obj, list | tuple):
+        items = [(f"[{i}]", v) for i, v in enumerate(obj)]
+    elif isinstance(obj, dict):
+        items = [(f"[{k!r}]", v) for k, v in obj.items()]
+    else:
+        return None
+    for step, value in items:
+        found = _path_to(value, target, path + step, seen)
+        if found is not None:
+            return found
+    return None
 
 
 class TensorAt(NamedTuple):
@@ -257,7 +303,7 @@ def placement(stager: Ring, t: torch.Tensor, index: ArenaIndex | None = None) ->
         raise NotReplicableError(
             f"a {tuple(t.shape)} {t.dtype} tensor on {t.device} is not a view of the step's copy: a builder "
             f"computed it on the device when result() ran, so no other device's copy holds it (stage such "
-            f"fields on the host, e.g. FlashInfer indices='host', local attention block_table='host')")
+            f"fields on the host, e.g. FlashInfer indices='host', local attention block_table='host')", t)
     step = owner(stager, at)
     size = t.element_size()
     off = int(t.storage_offset())
@@ -268,7 +314,7 @@ def placement(stager: Ring, t: torch.Tensor, index: ArenaIndex | None = None) ->
         if at >= 0:
             if hi > used_bytes(step):
                 raise NotReplicableError(f"a {tuple(t.shape)} {t.dtype} view reaches byte {hi} of the step's "
-                                         f"arena, past the {used_bytes(step)} bytes the step copied")
+                                         f"arena, past the {used_bytes(step)} bytes the step copied", t)
         else:
             if index.fields is None or len(index.fields[1]) != len(graph_layout(stager)):
                 index.fields = None
@@ -285,7 +331,7 @@ def placement(stager: Ring, t: torch.Tensor, index: ArenaIndex | None = None) ->
                         f"{f.name}: a {tuple(t.shape)} {t.dtype} view of a field the step staged "
                         f"{0 if staged is None else staged.rows} rows of: a buffer a builder filled on "
                         f"the device when result() ran, which no other device's copy holds (stage the "
-                        f"field on the host)")
+                        f"field on the host)", t)
     return TensorAt(at, off, t.dtype, tuple(t.shape), tuple(t.stride()))
 
 

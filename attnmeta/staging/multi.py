@@ -407,7 +407,10 @@ class MultiStager(Stager):
         rt = self._retargets[k - 1]
         rt.own = step.own if checks_lifetimes(self) else None
         rt.slot = slot_of(step).index
-        out: T = rt(obj)
+        try:
+            out: T = rt(obj)
+        except NotReplicableError as e:
+            raise e.named_in(obj) from None
         return out
 
     def result(self, staged: Staged[Any, M], device: int | torch.device | str) -> M:

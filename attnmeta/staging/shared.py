@@ -112,6 +112,7 @@ from attnmeta.staging._replica import (
     Decoder,
     DescriptionError,
     Encoder,
+    NotReplicableError,
     PlacementCache,
     Resolver,
     TensorAt,
@@ -603,8 +604,11 @@ class RingWriter(Stager):
             enc.memo.clear()
             try:
                 skel = {str(name): enc(obj) for name, obj in results.items()}
-            except BaseException:
+            except NotReplicableError as e:
                 enc.forget()  # its states moved on for objects that will not be sent: start whole again
+                raise e.named_in(dict(results), "results") from None
+            except BaseException:
+                enc.forget()
                 raise
         fields = staged_fields(step)
         i = slot_of(step).index

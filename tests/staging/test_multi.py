@@ -133,8 +133,10 @@ def test_device_computed_fields_are_refused() -> None:
     multi = MultiStager(["cpu", "cpu"])
     spec = _spec(np.random.default_rng(5))
     meta = attnmeta.build(spec, multi, "flashinfer", flashinfer.FlashInferOptions(indices="device"))
-    with pytest.raises(NotReplicableError, match="computed it on the device"):
-        multi.view(meta, 1)
+    with pytest.raises(NotReplicableError, match=r"^FlashInferMetadata\.paged\.paged_kv_indices: .*computed it on the device"):
+        multi.view(meta, 1)  # (the field named: the message gave only the tensor's shape and dtype)
+    with pytest.raises(NotReplicableError, match=r"^list\[1\]\.paged\.paged_kv_indices: "):
+        multi.view([meta.common, meta], 1)
     gmulti = MultiStager(["cpu", "cpu"], profile=PROFILE)
     gmeta = attnmeta.build(spec, gmulti, "flashinfer", flashinfer.FlashInferOptions(indices="device"))
     with pytest.raises(NotReplicableError, match="paged_kv_indices"):

@@ -183,7 +183,7 @@ def test_publish_is_required_and_checked(ring: SharedRing) -> None:
     meta = attnmeta.build(spec, writer, "flashinfer", flashinfer.FlashInferOptions(indices="device"))
     with pytest.raises(RuntimeError, match="was not published"):
         writer.step()
-    with pytest.raises(NotReplicableError):
+    with pytest.raises(NotReplicableError, match=r"^results\['fi'\]\.paged\.paged_kv_indices: .*computed it on the device"):
         writer.publish({"fi": meta})
     writer.publish()  # the step goes without it
     with pytest.raises(RuntimeError, match="not published"):
