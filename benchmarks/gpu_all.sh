@@ -127,6 +127,11 @@
 #           times unprofiled, then one run each under cProfile: the functions whose own time differs most
 #           between the engines -> launch_profile.txt (carry .vllm .kernels, as vllmbench); LAUNCHPROF_ARGS more
 #           flags (e.g. "--callers find_spec": who calls the functions that match);
+#   regress the checks a change to staging or the builders must pass on the GPU, in one call (about 5 min):
+#           tests/gpu as part gpu, then every test of tests/gpu/test_engine_cuda.py (the small Llama through
+#           every kernel and the small Bamba, tokens against generate, the loops under the audit), with
+#           FlashInfer -> regress.log; the 1.2B models' checks of parts engine and hybrid are left out
+#           (carry .vllm .kernels, or .whl .kernels);
 # Usage: bash benchmarks/gpu_all.sh [OUTDIR] [PARTS]   (logs, bench.json, bench_table.md and bench.png go
 #   into OUTDIR, default ./out; PARTS is any of "gpu decode bench mamba suites audit kernels engine
 #   enginebench mamba-kernels hybrid hybridbench multi ab before-after", default all but the last three). One device call allows
@@ -140,7 +145,7 @@
 #   .vllm .kernels when .vllm holds FlashInfer) are asked for by name.
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, floor, abengine, twin, phases, before-after, vllm, vllmbench, launchprof: by name
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, floor, abengine, twin, phases, before-after, vllm, vllmbench, launchprof, regress: by name
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -201,6 +206,20 @@ timeout 120 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu -q -rs -p 
   --ignore=tests/gpu/test_mla_kernels_cuda.py --ignore=tests/gpu/test_gdn_kernels_cuda.py \
   --ignore=tests/gpu/test_engine_cuda.py --ignore=tests/gpu/test_multi_cuda.py \
   --ignore=tests/gpu/test_engine_vllm_cuda.py 2>&1 | tee -a "$OUT_DIR/gpu_tests.log" || status=1
+fi
+if want regress; then
+echo "== regress: tests/gpu, then the engine's GPU tests with FlashInfer" | tee "$OUT_DIR/regress.log"
+timeout 150 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu -q -rs -p no:cacheprovider \
+  --ignore=tests/gpu/test_mla_kernels_cuda.py --ignore=tests/gpu/test_gdn_kernels_cuda.py \
+  --ignore=tests/gpu/test_engine_cuda.py --ignore=tests/gpu/test_multi_cuda.py \
+  --ignore=tests/gpu/test_engine_vllm_cuda.py 2>&1 | tee -a "$OUT_DIR/regress.log" || status=1
+if flashinfer_site >> "$OUT_DIR/regress.log" 2>&1; then  # (no pipe: its PYTHONPATH must stay)
+  export TRITON_CACHE_AUTOTUNING=1
+  timeout 380 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu/test_engine_cuda.py -q -rs \
+    -p no:cacheprovider 2>&1 | tee -a "$OUT_DIR/regress.log" || status=1
+else
+  status=1
+fi
 fi
 if want decode; then
 echo "== decode: steady-state decode step" | tee "$OUT_DIR/bench_decode.txt"
