@@ -200,19 +200,19 @@ flashinfer_site() {  # FlashInfer importable for the engine's benchmarks: .site'
   echo "no FlashInfer: carry .whl (from gpu-wheels.sh) or .vllm made by tests/kernels/fetch_vllm.py --flashinfer" >&2
   return 1
 }
+gpu_tests() {  # tests/gpu but the kernel suites and engines other parts run, appended to log $1
+  timeout 150 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu -q -rs -p no:cacheprovider \
+    --ignore=tests/gpu/test_mla_kernels_cuda.py --ignore=tests/gpu/test_gdn_kernels_cuda.py \
+    --ignore=tests/gpu/test_engine_cuda.py --ignore=tests/gpu/test_multi_cuda.py \
+    --ignore=tests/gpu/test_engine_vllm_cuda.py 2>&1 | tee -a "$1" || status=1
+}
 if want gpu; then
 echo "== gpu: tests/gpu" | tee "$OUT_DIR/gpu_tests.log"
-timeout 120 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu -q -rs -p no:cacheprovider \
-  --ignore=tests/gpu/test_mla_kernels_cuda.py --ignore=tests/gpu/test_gdn_kernels_cuda.py \
-  --ignore=tests/gpu/test_engine_cuda.py --ignore=tests/gpu/test_multi_cuda.py \
-  --ignore=tests/gpu/test_engine_vllm_cuda.py 2>&1 | tee -a "$OUT_DIR/gpu_tests.log" || status=1
+gpu_tests "$OUT_DIR/gpu_tests.log"
 fi
 if want regress; then
 echo "== regress: tests/gpu, then the engine's GPU tests with FlashInfer" | tee "$OUT_DIR/regress.log"
-timeout 150 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu -q -rs -p no:cacheprovider \
-  --ignore=tests/gpu/test_mla_kernels_cuda.py --ignore=tests/gpu/test_gdn_kernels_cuda.py \
-  --ignore=tests/gpu/test_engine_cuda.py --ignore=tests/gpu/test_multi_cuda.py \
-  --ignore=tests/gpu/test_engine_vllm_cuda.py 2>&1 | tee -a "$OUT_DIR/regress.log" || status=1
+gpu_tests "$OUT_DIR/regress.log"
 if flashinfer_site >> "$OUT_DIR/regress.log" 2>&1; then  # (no pipe: its PYTHONPATH must stay)
   export TRITON_CACHE_AUTOTUNING=1
   timeout 380 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu/test_engine_cuda.py -q -rs \
