@@ -73,8 +73,9 @@ MARKS: tuple[tuple[str, str, str, str], ...] = (
      ""),
     ("attnmeta.compose", "meta = {}", "the groups' loop", ""),
     ("attnmeta.compose", "owned.append(m)", "a builder's metadata object", "meta[n] = m = rep.result("),
-    ("attnmeta.compose", "step.own_all(owned)", "builders' loop", ""),
-    ("attnmeta.compose", "return ComposedStep(step, tuple(cms),", "lifetimes registered, arrays' device views", ""),
+    ("attnmeta.compose", "devices = rec.devices", "builders' loop", ""),
+    ("attnmeta.compose", "step.own_all(owned)", "arrays' device views, the composed step", ""),
+    ("attnmeta.compose", "return out", "lifetimes registered", "step.own_all(owned)"),
 )
 """Where the marks go. A mark's phase runs from the mark passed before it (in any module) to it, so a phase
 is named by what the code between the two does on the replay path. A name in brackets joins the next
