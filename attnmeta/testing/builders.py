@@ -205,21 +205,27 @@ def _compare(obj: Any, expected: dict[str, Any], path: str, dev: torch.device) -
     """Every field ``expected`` names against ``obj`` (a metadata object or one of its parts; a dict
     value is the expected fields of the part of that name)."""
     host_fields = set(getattr(obj, "_HOST_FIELDS", ()))
+    device_fields = set(getattr(obj, "_DEVICE_FIELDS", ()))
+    twin_of = getattr(obj, "host_twin", None)
     for name, want in expected.items():
-        got = getattr(obj, name)
         where = f"{path}.{name}"
+        assert hasattr(obj, name), f"{where}: the reference names it, but {type(obj).__name__} has no such field"
+        got = getattr(obj, name)
         if isinstance(want, dict):
             assert got is not None, f"{where}: None, expected fields {sorted(want)}"
             _compare(got, want, where, dev)
-        elif isinstance(want, torch.Tensor) and isinstance(got, np.ndarray):  # a host field's device reference
-            assert_matches_device(got, want, where)
+        elif isinstance(want, torch.Tensor) and isinstance(got, np.ndarray) and name not in device_fields:
+            assert_matches_device(got, want, where)  # a host field whose reference the oracle computed on the device
         elif isinstance(want, torch.Tensor):
-            assert isinstance(got, torch.Tensor), f"{where}: expected a device tensor, got {type(got).__name__}"
+            assert isinstance(got, torch.Tensor), (
+                f"{where}: expected a device tensor, got {type(got).__name__}"
+                + (" (a device field holding a host array: it was never uploaded)" if isinstance(got, np.ndarray) else ""))
             assert got.device.type == dev.type, f"{where}: on {got.device}, expected {dev}"
             assert_matches_device(got.cpu().numpy(), want, where)  # test-only read-back
-            twin = name + "_cpu"
-            if twin in host_fields and getattr(obj, twin) is not None:
-                assert_matches_device(getattr(obj, twin), want, f"{path}.{twin}")
+            twins = {name + "_cpu", twin_of(name) if twin_of is not None else None}  # (by name, and as declared)
+            for twin in sorted(t for t in twins if t in host_fields and t not in expected):
+                if getattr(obj, twin) is not None:
+                    assert_matches_device(getattr(obj, twin), want, f"{path}.{twin}")
         elif isinstance(want, np.ndarray):
             assert_host_equal(got, want, where)
         elif isinstance(want, bool | np.bool_) or isinstance(got, bool | np.bool_):

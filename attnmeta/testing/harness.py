@@ -55,7 +55,8 @@ class Comparison:
     compared: tuple[str, ...]
     """The fields compared (the reference's, present on the object)."""
     missing: tuple[str, ...]
-    """The reference's fields the object does not have (not compared)."""
+    """The reference's fields the object does not have (not compared); ``a.b`` for a field of a nested
+    object."""
 
     @property
     def ok(self) -> bool:
@@ -75,14 +76,16 @@ def _dtype(value: Any) -> Any:
     return value.dtype if isinstance(value, torch.Tensor | np.ndarray) else None
 
 
-def _compare(name: str, got: Any, want: Any, out: list[Disagreement]) -> None:
+def _compare(name: str, got: Any, want: Any, out: list[Disagreement], missing: list[str]) -> None:
     if isinstance(want, Mapping):  # a nested object's fields
         if got is None:
             out.append(Disagreement(name, "None, the reference has a value"))
             return
         for key, sub in want.items():
             if hasattr(got, key):
-                _compare(f"{name}.{key}", getattr(got, key), sub, out)
+                _compare(f"{name}.{key}", getattr(got, key), sub, out, missing)
+            else:
+                missing.append(f"{name}.{key}")
         return
     if want is None or got is None:
         if (want is None) != (got is None):
@@ -90,6 +93,9 @@ def _compare(name: str, got: Any, want: Any, out: list[Disagreement]) -> None:
                                           f"{'None' if want is None else 'a value'}"))
         return
     if isinstance(want, torch.Tensor | np.ndarray) or isinstance(got, torch.Tensor | np.ndarray):
+        if not isinstance(got, torch.Tensor | np.ndarray):
+            out.append(Disagreement(name, f"a {type(got).__name__}, the reference an array ({type(want).__name__})"))
+            return
         a, b = _host(got), _host(want)
         if a.shape != b.shape:
             out.append(Disagreement(name, f"shape {a.shape}, the reference {b.shape}"))
@@ -102,8 +108,22 @@ def _compare(name: str, got: Any, want: Any, out: list[Disagreement]) -> None:
         if da is not None and db is not None and str(da).split(".")[-1] != str(db).split(".")[-1]:
             out.append(Disagreement(name, f"dtype {da}, the reference {db}"))
         return
-    if got != want:
+    if _kind(got) != _kind(want):  # (True for 1, or 2.0 for 2, is a different value to a kernel's argument)
+        out.append(Disagreement(name, f"{got!r} ({type(got).__name__}), the reference {want!r} ({type(want).__name__})"))
+    elif got != want:
         out.append(Disagreement(name, f"{got!r} != {want!r}"))
+
+
+def _kind(value: Any) -> str:
+    """A scalar's kind for :func:`compare_with_reference`: bool, int or float (numpy's scalars as
+    Python's), else its type's name."""
+    if isinstance(value, bool | np.bool_):
+        return "bool"
+    if isinstance(value, int | np.integer):
+        return "int"
+    if isinstance(value, float | np.floating):
+        return "float"
+    return type(value).__name__
 
 
 def compare_with_reference(metadata: Any, reference: Mapping[str, Any], *,
@@ -135,5 +155,5 @@ def compare_with_reference(metadata: Any, reference: Mapping[str, Any], *,
             missing.append(name)
             continue
         compared.append(name)
-        _compare(name, getattr(metadata, name), want, out)
+        _compare(name, getattr(metadata, name), want, out, missing)
     return Comparison(tuple(out), tuple(compared), tuple(missing))
