@@ -222,7 +222,8 @@ def _compare(obj: Any, expected: dict[str, Any], path: str, dev: torch.device) -
                 + (" (a device field holding a host array: it was never uploaded)" if isinstance(got, np.ndarray) else ""))
             assert got.device.type == dev.type, f"{where}: on {got.device}, expected {dev}"
             assert_matches_device(got.cpu().numpy(), want, where)  # test-only read-back
-            twins = {name + "_cpu", twin_of(name) if twin_of is not None else None}  # (by name, and as declared)
+            declared = twin_of(name) if twin_of is not None else None
+            twins = {name + "_cpu"} | ({declared} if isinstance(declared, str) else set())  # (by name, as declared)
             for twin in sorted(t for t in twins if t in host_fields and t not in expected):
                 if getattr(obj, twin) is not None:
                     assert_matches_device(getattr(obj, twin), want, f"{path}.{twin}")
