@@ -6,7 +6,9 @@ Each of these once passed silently (found by a review that planted the bugs in a
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -15,8 +17,13 @@ import torch
 import attnmeta
 from attnmeta import BatchSpec, Stager
 from attnmeta.backends.flash_attn import FlashAttentionInputs
-from attnmeta.testing import check_metadata
+from attnmeta.builder import Builder, CommonNeeds, MetadataBase
+from attnmeta.metadata import StagedCommon
+from attnmeta.spec import StepShape
+from attnmeta.staging import Staged, Step
+from attnmeta.testing import check_builder, check_metadata
 from attnmeta.testing.harness import compare_with_reference
+from attnmeta.testing.lab import register_lab, unregister_lab
 
 SPEC = BatchSpec(num_computed_tokens=[3, 0], num_scheduled_tokens=[1, 4], block_table=[[1, 2], [3, 4]], block_size=4)
 INPUTS = FlashAttentionInputs(causal=[True, False])
@@ -64,3 +71,69 @@ def test_compare_with_reference_reports_a_nested_part_s_missing_fields_and_other
     same = SimpleNamespace(seq_lens=t32.clone(), paged=SimpleNamespace(indptr=ref["paged"]["indptr"], num_pages=np.int64(2)),
                            causal=np.bool_(True), n=np.int32(2), lens=t32.numpy())
     assert compare_with_reference(same, ref).ok  # (numpy's scalars and a host array of the same values agree)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _LensOptions:
+    prefix: str = "unwritten_pad"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
+class _LensMetadata(MetadataBase):
+    _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = ("lens",)
+    _HOST_FIELDS: ClassVar[tuple[str, ...]] = ()
+    _SCALAR_FIELDS: ClassVar[tuple[str, ...]] = ()
+    _TWINS: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    lens: torch.Tensor
+    """(num_reqs,) int32, device: each row's query length, padding rows 0."""
+
+
+class _UnwrittenPadding(Builder[_LensOptions, None, None, _LensMetadata]):
+    """The bug: the padding rows are never written, so they hold whatever the slot held."""
+
+    name = "unwritten_pad"
+    options_type = _LensOptions
+    metadata_type = _LensMetadata
+
+    def needs(self, shape: StepShape, options: _LensOptions) -> CommonNeeds:
+        return CommonNeeds(token_arrays=False)
+
+    def derive(self, common: StagedCommon, step: Step, options: _LensOptions, inputs: None) -> Staged[None, Any]:
+        h, name = common.host, options.prefix + ".lens"
+        lens = step.alloc(name, h.num_reqs, np.int32)
+        qsl = h.query_start_loc_cpu
+        lens[: h.num_real_reqs] = qsl[1 : h.num_real_reqs + 1] - qsl[: h.num_real_reqs]  # (rows past: unwritten)
+        return Staged(step, None, lambda: _LensMetadata(lens=step.device(name)))
+
+
+def _lens_reference(spec: BatchSpec, options: _LensOptions, device: torch.device, inputs: None) -> dict[str, Any]:
+    lens = np.zeros(spec.padded_num_reqs, np.int32)
+    lens[: spec.num_reqs] = spec.num_scheduled_tokens
+    return {"lens": torch.from_numpy(lens).to(device)}
+
+
+def test_check_builder_s_own_stager_shows_a_byte_the_builder_never_wrote() -> None:
+    """A fresh CPU stager's memory was zeros, the very padding value the reference expects: a builder
+    that never writes its padding rows passed. check_builder's own stagers now start as 0xA5 bytes."""
+    b = attnmeta.register(_UnwrittenPadding())
+    register_lab(b.name, reference=_lens_reference)
+    try:
+        padded = BatchSpec(num_computed_tokens=[3, 0], num_scheduled_tokens=[1, 4], block_table=[[1, 2], [3, 4]],
+                           block_size=4, num_reqs_padded=4)
+        assert attnmeta.build(padded, Stager("cpu"), b).lens.tolist() == [1, 4, 0, 0]  # (zeros by chance)
+        with pytest.raises(AssertionError, match=r"unwritten_pad\.lens: first difference at \(2,\)"):
+            check_builder(b, padded)
+        check_builder(b, SPEC)  # (no padding rows: every byte written)
+    finally:
+        unregister_lab(b.name)
+        attnmeta.unregister(b.name)
+
+
+def test_debug_fill_fills_every_new_byte_and_is_checked() -> None:
+    with Stager("cpu", debug_fill=0xA5).step() as step:
+        assert (step.alloc("x", 3, np.int32) == np.int32(-0x5A5A5A5B)).all()  # 0xA5A5A5A5 as int32
+    with pytest.raises(ValueError, match="debug_fill: a byte value, at most 255, got 256"):
+        Stager("cpu", debug_fill=256)
+    with pytest.raises(TypeError, match="debug_fill: expected an int >= 0"):
+        Stager("cpu", debug_fill=0.5)  # type: ignore[arg-type]

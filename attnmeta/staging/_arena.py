@@ -52,6 +52,7 @@ class Arenas:
     _graph_typed: dict[np.dtype, torch.Tensor]
     _graph_views: dict[tuple[Any, ...], torch.Tensor]
     _full_copy_pending: bool
+    _debug_fill: int | None
 
     def _wait_slot(self, slot: Slot) -> tuple[int, float]:
         """Wait until ``slot``'s last copy has completed (the ring's fence: Ring._wait_slot)."""
@@ -62,11 +63,18 @@ class Arenas:
         # that first reaches into a page does not pay the page fault (several us each in a VM).
         with plain_tensors():
             t = (torch.empty if self._pin else torch.zeros)(nbytes, dtype=torch.uint8, pin_memory=self._pin)
-        return t, t.numpy()
+        a = t.numpy()
+        if self._debug_fill is not None:  # (Stager(debug_fill=...): a byte no step wrote shows)
+            a.fill(self._debug_fill)
+        return t, a
 
     def _alloc_arena(self, nbytes: int) -> torch.Tensor:
         """Device bytes (:func:`~attnmeta.staging._layout.device_bytes`)."""
-        return device_bytes(self.device, nbytes)
+        t = device_bytes(self.device, nbytes)
+        if self._debug_fill is not None and self.device.type != "meta":
+            with plain_tensors():
+                t.fill_(self._debug_fill)  # (a device op: no sync)
+        return t
 
     def _alloc_slot(self, slot: Slot, nbytes: int) -> None:
         slot.host, slot.host_np = self._alloc_host(nbytes)

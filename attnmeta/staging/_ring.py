@@ -119,6 +119,7 @@ class Ring(Arenas):
         num_kv_blocks: int | None = None,
         check_lifetimes: bool = True,
         max_step_bytes: int = DEFAULT_MAX_STEP_BYTES,
+        debug_fill: int | None = None,
         _unsafe_disable_fencing: bool = False,
     ) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int | np.integer):
@@ -136,6 +137,11 @@ class Ring(Arenas):
                              f"one step; raise max_step_bytes for larger steps)")
         if num_kv_blocks is not None:
             _require_int("num_kv_blocks", num_kv_blocks, 1, " (the KV cache's blocks) or None")
+        if debug_fill is not None:
+            _require_int("debug_fill", debug_fill, 0, " (a byte value, at most 255) or None")
+            if debug_fill > 255:
+                raise ValueError(f"debug_fill: a byte value, at most 255, got {debug_fill}")
+        self._debug_fill = None if debug_fill is None else int(debug_fill)
         self.device = resolve_device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())

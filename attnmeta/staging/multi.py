@@ -253,6 +253,7 @@ class MultiStager(Stager):
         initial_bytes: int = 1 << 20,
         num_kv_blocks: int | None = None,
         check_lifetimes: bool = True,
+        debug_fill: int | None = None,
         _unsafe_disable_fencing: bool = False,
     ) -> None:
         if isinstance(devices, str | torch.device) or not isinstance(devices, Sequence):
@@ -262,7 +263,7 @@ class MultiStager(Stager):
         if not devs:
             raise ValueError("devices: at least one device")
         super().__init__(devs[0], num_slots=num_slots, profile=profile, initial_bytes=initial_bytes,
-                         num_kv_blocks=num_kv_blocks, check_lifetimes=check_lifetimes,
+                         num_kv_blocks=num_kv_blocks, check_lifetimes=check_lifetimes, debug_fill=debug_fill,
                          _unsafe_disable_fencing=_unsafe_disable_fencing)
         devs[0] = self.device
         if len({d.type for d in devs}) > 1:

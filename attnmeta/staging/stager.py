@@ -119,6 +119,12 @@ class Stager(Ring):
         reading any of their fields then raises :class:`StepExpiredError`. ``False`` skips the
         bookkeeping (a loop that proves its own lifetimes); expired objects then read whatever the
         newer step wrote. :meth:`Step.device` checks either way.
+    debug_fill : int, optional
+        For tests: a byte value (0-255) written over every pinned and device byte the stager allocates,
+        instead of leaving it uninitialised (pinned, CUDA) or zeroed (the CPU). A builder that hands out
+        a byte its step did not write (a padding row it never fills, say) then shows this pattern, not
+        a zero that a reference may expect by chance. :func:`attnmeta.testing.check_builder` makes its
+        own stagers with ``0xA5``.
 
     Lifetimes
     ---------

@@ -61,7 +61,11 @@ def check_builder(
     inputs : the builder's inputs, optional
         The builder's per-step inputs (its ``<Family>Inputs``).
     stager : Stager, optional
-        Stage through this stager (e.g. a graph-mode one); default a new eager one on ``device``.
+        Stage through this stager (e.g. a graph-mode one); default a new eager one on ``device`` whose
+        memory starts as the byte :data:`DEBUG_FILL` (``Stager(debug_fill=...)``), so a byte the builder
+        hands out without writing it shows, not a zero that the reference may expect by chance. Pass
+        one stager to many calls, too: a builder that reads what an earlier step left in its slot is
+        caught only where the slot held another step.
 
     Returns
     -------
@@ -87,7 +91,7 @@ def check_builder(
     opts, inp = b.options(options), b.inputs(inputs)
     dev = torch.device(device)
     expected = _reference(b, spec, opts, dev, inp)
-    meta = build(spec, stager if stager is not None else Stager(dev), b, opts, inp)
+    meta = build(spec, stager if stager is not None else Stager(dev, debug_fill=DEBUG_FILL), b, opts, inp)
     _compare(meta, expected, b.name, dev)
     check_reads_lengths(b, spec.shape, opts, inp)
     return meta
@@ -236,6 +240,9 @@ def _compare(obj: Any, expected: dict[str, Any], path: str, dev: torch.device) -
         else:
             assert got == want, f"{where}: {got!r} != {want!r}"
 
+
+DEBUG_FILL = 0xA5
+"""The byte :func:`check_builder`'s own stagers fill their new memory with (``Stager(debug_fill=...)``)."""
 
 _STAGERS: dict[str, Stager] = {}
 
