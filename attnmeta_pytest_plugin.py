@@ -58,6 +58,20 @@ _FALSE = frozenset({"", "0", "false", "no", "off"})
 _OPTIONS = frozenset({"devices", "check_copies", "cuda_mode", "allow_async_d2h"})
 
 
+ENTRY_POINT = "attnmeta_sync"
+"""The plugin's ``pytest11`` entry-point name (pyproject.toml)."""
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    """Loaded by module name (``-p attnmeta_pytest_plugin``) where attnmeta is installed, the entry
+    point would load this module a second time, under its own name, and pytest would refuse: block
+    it, so that either way of loading works alone or together."""
+    import sys
+
+    if pluginmanager.get_name(sys.modules[__name__]) not in (None, ENTRY_POINT):
+        pluginmanager.set_blocked(ENTRY_POINT)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("attnmeta", "attnmeta sync audit")
     group.addoption(

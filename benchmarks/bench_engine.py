@@ -239,8 +239,17 @@ def _engine(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.
 
 def full_batch(kinds: list[str]) -> list[int]:
     """The indices of a run's full-batch decode steps (given each step's kind): its decode steps but the
-    first and the last three (requests still arriving, or already finishing)."""
-    return [i for i, k in enumerate(kinds) if k == "decode"][3:-3]
+    first and the last three (requests still arriving, or already finishing).
+
+    Raises
+    ------
+    SystemExit
+        The run has none (too few new tokens a request): a usage error that says what to raise."""
+    decodes = [i for i, k in enumerate(kinds) if k == "decode"]
+    if len(decodes) <= 6:
+        raise SystemExit(f"the run had {len(decodes)} decode steps, and the timed ones leave out the first and the "
+                         f"last three: raise --new (each request's new tokens) to 16 or more")
+    return decodes[3:-3]
 
 
 def _h2d_per_step(engine: Engine, reqs: list[Request]) -> float:

@@ -225,3 +225,11 @@ def test_bench_engine_on_a_machine_without_cuda_says_so_before_anything_runs() -
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py")], capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 2 and "--device: cuda: no CUDA device is available here" in done.stderr, done.stderr[-2000:]
+
+
+def test_bench_engine_says_to_raise_new_when_a_run_has_no_full_batch_decode_steps() -> None:
+    """``--new 4`` ended in a StatisticsError traceback (the median of no steps)."""
+    bench = load_benchmark("bench_engine.py", "bench_engine_full_batch")
+    assert bench.full_batch(["mixed"] + ["decode"] * 8) == [4, 5]
+    with pytest.raises(SystemExit, match=r"the run had 3 decode steps.*raise --new"):
+        bench.full_batch(["mixed", "decode", "decode", "decode"])

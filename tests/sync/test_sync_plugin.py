@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # `attnmeta_sync` would load it a second time under that name).
 PLUGIN = ("-p", "no:attnmeta_sync", "-p", "attnmeta_pytest_plugin")
 ALIAS = ("-p", "no:attnmeta_sync", "-p", "attnmeta.testing.pytest_plugin")
+# ... and without the entry point blocked by hand: loaded by module name, the plugin blocks it itself
+# (where attnmeta is installed, as in CI, both once failed: an option added twice, a plugin registered twice)
+BARE_PLUGIN = ("-p", "attnmeta_pytest_plugin")
+BARE_ALIAS = ("-p", "attnmeta.testing.pytest_plugin")
 
 TESTS = """
 import pytest
@@ -80,7 +84,8 @@ def _outcomes(result: pytest.RunResult) -> dict[str, str]:
     return outcomes
 
 
-@pytest.mark.parametrize("plugin", [PLUGIN, ALIAS], ids=["attnmeta_pytest_plugin", "attnmeta.testing.pytest_plugin"])
+@pytest.mark.parametrize("plugin", [PLUGIN, ALIAS, BARE_PLUGIN, BARE_ALIAS],
+                         ids=["attnmeta_pytest_plugin", "attnmeta.testing.pytest_plugin", "bare name", "bare alias"])
 def test_fixture_and_marker(pytester: pytest.Pytester, plugin: tuple[str, ...]) -> None:
     result = _run(pytester, "--attnmeta-sync-devices=cpu", plugin=plugin)
     assert _outcomes(result) == {
