@@ -43,6 +43,24 @@ def _device_error(device: str | None, allowed: tuple[str, ...]) -> str | None:
     return None
 
 
+def _import_modules(names: Sequence[str]) -> str | None:
+    """Import each module of ``--import`` (the current directory is on the path under ``python -m``);
+    the error message of the first that fails, else None."""
+    import importlib
+    import traceback
+
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # (any error of the user's module: a usage error naming it, with its cause)
+            if isinstance(e, ModuleNotFoundError) and e.name == name.split(".")[0]:
+                return (f"--import {name}: no module named {e.name!r} here; pass a module or package name "
+                        f"importable from this directory (not a path)")
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            return f"--import {name}: {type(e).__name__}: {e} (at {where.filename}:{where.lineno})"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m attnmeta``.
 
@@ -61,7 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m attnmeta", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    p_demo = sub.add_parser("demo", help="print the metadata of a built-in mixed batch",
+    imports = argparse.ArgumentParser(add_help=False)
+    imports.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                         help="import this module first (repeatable), e.g. the one that registers your own "
+                              "builder and its lab entry, so that the command finds them in the registry")
+    p_demo = sub.add_parser("demo", help="print the metadata of a built-in mixed batch", parents=[imports],
                             description="Build the common metadata and every registered builder's for a built-in "
                                         "mixed batch, in one step, and print every field: where it lives, its "
                                         "dtype, shape and values.")
@@ -71,9 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from attnmeta.bench.cli import add_arguments as bench_args
 
     p_bench = sub.add_parser("bench", help="side-by-side host timings of attnmeta vs the ways engines do it",
-                             description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+                             description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+                             parents=[imports])
     bench_args(p_bench)
-    p_audit = sub.add_parser("audit", help="run every registered builder under the sync audit",
+    p_audit = sub.add_parser("audit", help="run every registered builder under the sync audit", parents=[imports],
                              description="Build every registered builder's metadata for generated batches under "
                                          "the sync audit and print, per builder, the syncs, pageable copies and "
                                          "device-to-host races found (all zero when clean).")
@@ -82,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="generated batches of each kind per builder (default 50)")
     p_warm = sub.add_parser(
         "warmup", help="compile (or load from numba's cache) every kernel an engine will hit",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter, parents=[imports],
         description="Build every registered builder, the fused step builder and BatchSpec over specs that cover\n"
                     "their kernels' variants (prompts, drafts, upper bounds, padding, context parallelism; eager\n"
                     "and graph-mode stagers), so that every kernel is compiled and in numba's on-disk cache: a\n"
@@ -100,6 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    command = {"demo": p_demo, "bench": p_bench, "audit": p_audit, "warmup": p_warm}[args.cmd]
+    err = _import_modules(args.imports)
+    if err:
+        command.error(err)
     if args.cmd == "demo":
         err = _device_error(args.device, ("cuda", "cpu", "meta"))
         if err:

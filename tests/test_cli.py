@@ -396,3 +396,27 @@ def test_a_builder_whose_defaults_it_cannot_serve_is_named() -> None:
 
     with pytest.raises(ValueError, match=r"builder:picky: the builder's defaults\(\) cannot serve .*no prefills"):
         builder_cases(Picky(), torch.device("cpu"), quick=True)
+
+
+def test_import_loads_a_user_module_so_its_builder_is_registered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A new process knows only the built-in builders: ``--import MODULE`` imports the user's module
+    first (the commands had no way to find a builder of one's own)."""
+    (tmp_path / "my_cli_builders.py").write_text(
+        "import attnmeta\n"
+        "from attnmeta.backends.flash_attn import FLASH_ATTN\n"
+        "class Mine(type(FLASH_ATTN)):\n"
+        "    name = 'mine_via_import'\n"
+        "attnmeta.register(Mine())\n")
+    (tmp_path / "broken_builders.py").write_text("raise RuntimeError('my module is broken')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert main(["audit", "--import", "my_cli_builders", "--batches", "1", "--device", "meta"]) == 0
+        assert re.search(r"^mine_via_import\s+meta\s+1\s+0\s+0\s+0\s+0\s+clean$", capsys.readouterr().out, re.M)
+    finally:
+        if "mine_via_import" in attnmeta.registry():
+            attnmeta.unregister("mine_via_import")
+    assert _exit_code(["audit", "--import", "no_such_module_here"]) == 2
+    assert "--import no_such_module_here: no module named 'no_such_module_here' here" in capsys.readouterr().err
+    assert _exit_code(["demo", "--import", "broken_builders"]) == 2
+    assert "--import broken_builders: RuntimeError: my module is broken (at " in capsys.readouterr().err
