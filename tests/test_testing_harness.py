@@ -22,6 +22,7 @@ from attnmeta.metadata import StagedCommon
 from attnmeta.spec import StepShape
 from attnmeta.staging import Staged, Step
 from attnmeta.testing import check_builder, check_metadata
+from attnmeta.testing.builders import unchecked_fields
 from attnmeta.testing.harness import compare_with_reference
 from attnmeta.testing.lab import register_lab, unregister_lab
 
@@ -137,3 +138,12 @@ def test_debug_fill_fills_every_new_byte_and_is_checked() -> None:
         Stager("cpu", debug_fill=256)
     with pytest.raises(TypeError, match="debug_fill: expected an int >= 0"):
         Stager("cpu", debug_fill=0.5)  # type: ignore[arg-type]
+
+
+def test_strict_lists_the_declared_fields_the_reference_leaves_out() -> None:
+    """Fields a reference does not name were skipped without a word; ``strict=True`` names them."""
+    check_builder("gdn", SPEC, strict=True)  # (its reference names every field that holds a value)
+    meta = check_builder("flash_attn", SPEC)
+    assert "num_actual_tokens" in unchecked_fields(meta, {"slot_mapping": None})
+    with pytest.raises(AssertionError, match=r"flash_attn: the reference names no value for \[.*'num_actual_tokens'"):
+        check_builder("flash_attn", SPEC, strict=True)

@@ -44,6 +44,7 @@ def check_builder(
     inputs: Any = None,
     *,
     stager: Stager | None = None,
+    strict: bool = False,
 ) -> Any:
     """Build ``builder``'s metadata of ``spec`` and assert every field its lab reference names equals it.
 
@@ -66,6 +67,11 @@ def check_builder(
         hands out without writing it shows, not a zero that the reference may expect by chance. Pass
         one stager to many calls, too: a builder that reads what an earlier step left in its slot is
         caught only where the slot held another step.
+    strict : bool, default False
+        Also assert that the reference names every declared field of the metadata that holds a value
+        (its device, host and scalar fields; a host twin counts as named with its device field): the
+        fields it leaves out are otherwise not compared, without a word (:func:`unchecked_fields`
+        lists them).
 
     Returns
     -------
@@ -93,6 +99,9 @@ def check_builder(
     expected = _reference(b, spec, opts, dev, inp)
     meta = build(spec, stager if stager is not None else Stager(dev, debug_fill=DEBUG_FILL), b, opts, inp)
     _compare(meta, expected, b.name, dev)
+    if strict:
+        left = unchecked_fields(meta, expected)
+        assert not left, f"{b.name}: the reference names no value for {left} (strict=True)"
     check_reads_lengths(b, spec.shape, opts, inp)
     return meta
 
@@ -239,6 +248,22 @@ def _compare(obj: Any, expected: dict[str, Any], path: str, dev: torch.device) -
             assert isinstance(got, int | np.integer) and int(got) == int(want), f"{where}: {got!r} != {want!r}"
         else:
             assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def unchecked_fields(metadata: Any, expected: dict[str, Any]) -> list[str]:
+    """The declared fields of ``metadata`` (``_DEVICE_FIELDS``, ``_HOST_FIELDS``, ``_SCALAR_FIELDS``)
+    that hold a value (not None) and that ``expected`` (a lab reference's fields) names neither directly
+    nor through a device field's host twin: what :func:`check_builder` does not compare."""
+    named = set(expected)
+    twin_of = getattr(metadata, "host_twin", None)
+    for name in list(named):
+        named.add(name + "_cpu")
+        twin = twin_of(name) if twin_of is not None else None
+        if isinstance(twin, str):
+            named.add(twin)
+    declared = [*getattr(metadata, "_DEVICE_FIELDS", ()), *getattr(metadata, "_HOST_FIELDS", ()),
+                *getattr(metadata, "_SCALAR_FIELDS", ())]
+    return [f for f in declared if f not in named and getattr(metadata, f) is not None]
 
 
 DEBUG_FILL = 0xA5
