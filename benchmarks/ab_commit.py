@@ -520,7 +520,7 @@ def split(base: Any, batch: int, device: torch.device, rounds: int, steps: int) 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("base", help="the commit to compare with (e.g. 407a805), or a folder holding its exported "
                                  "attnmeta package (git archive COMMIT attnmeta | tar -x -C FOLDER)")
     ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")

@@ -160,7 +160,7 @@ def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("base", help="the commit to compare with, or a folder holding its exported attnmeta and "
                                 "examples/engine (git archive BASE attnmeta examples/engine | tar -x -C FOLDER)")
     p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--warm", type=int, default=3, help="untimed runs of each engine before the rounds")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--order", choices=["base,this", "this,base"], default=None,
+    how.add_argument("--order", choices=["base,this", "this,base"], default=None, metavar="base,this|this,base",
                      help="export this checkout's working tree too and import the two sides' copies in this order "
                           "(by default the base's copy runs against this checkout's own packages)")
     how.add_argument("--symmetric", action="store_true",

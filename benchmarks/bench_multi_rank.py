@@ -165,7 +165,7 @@ class _Paths:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", type=device_arg, default="cpu", help="cpu (simulated devices) or cuda (cuda:0 .. cuda:N-1)")
     ap.add_argument("--ranks", default="2,4,8", help="comma-separated rank counts")
     ap.add_argument("--batches", default="1,64,256,1024", help="decode batch sizes (decode scenario)")

@@ -183,7 +183,7 @@ def differs(a: Any, b: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("base", help="the commit before the builder contract (3786481), or a folder holding its exported "
                                  "attnmeta package (git archive COMMIT attnmeta | tar -x -C FOLDER)")
     ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")

@@ -36,7 +36,7 @@ from attnmeta.spec import spec_arguments
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--kind", choices=("ready", "int64"), default="ready")

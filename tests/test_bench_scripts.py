@@ -233,3 +233,21 @@ def test_bench_engine_says_to_raise_new_when_a_run_has_no_full_batch_decode_step
     assert bench.full_batch(["mixed"] + ["decode"] * 8) == [4, 5]
     with pytest.raises(SystemExit, match=r"the run had 3 decode steps.*raise --new"):
         bench.full_batch(["mixed", "decode", "decode", "decode"])
+
+
+def test_every_script_s_help_describes_it_in_whole_sentences() -> None:
+    """``--help`` shows the module docstring's first paragraph (several scripts cut it at its first line,
+    mid-sentence: "... another commit's, in the")."""
+    import ast
+
+    cut = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        text = path.read_text()
+        if "argparse.ArgumentParser(" not in text:
+            continue
+        assert '__doc__.split("\\n")[0]' not in text, path.name
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        first = doc.split("\n\n")[0].rstrip()
+        if not first.endswith((".", ":", ")")):
+            cut.append((path.name, first[-40:]))
+    assert not cut, cut
