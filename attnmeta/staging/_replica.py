@@ -55,7 +55,7 @@ class NotReplicableError(ValueError):
     """A device tensor of a step's metadata is not a view of bytes the step copied (a builder computed
     it on the device when ``result()`` ran, e.g. FlashInfer's ``indices="device"`` gather), so another
     device's copy of the step does not hold it. The message begins with the field that holds it
-    (``FlashInferMetadata.paged_kv_indices: ...``) where the tensor was found in an object.
+    (``FlashInferMetadata.paged.paged_kv_indices: ...``) where the tensor was found in an object.
 
     Attributes
     ----------
