@@ -260,12 +260,10 @@ class Ring(Arenas):
         turns the collector off). So where the step is alive, this collects once and looks again: it
         runs only where a step is open when the next begins, which is an error but for a dropped one."""
         ref = self._open
-        step = None if ref is None else ref()
-        if step is not None:
-            del step
-            gc.collect()
-            step = ref() if ref is not None else None
-        return step
+        if ref is None or ref() is None:
+            return None
+        gc.collect()
+        return ref()
 
     def _abandon_lost(self, *, warn: bool) -> None:
         """The open step's object is gone (it was begun outside ``with`` and dropped before it

@@ -604,11 +604,10 @@ class RingWriter(Stager):
             enc.memo.clear()
             try:
                 skel = {str(name): enc(obj) for name, obj in results.items()}
-            except NotReplicableError as e:
+            except BaseException as e:
                 enc.forget()  # its states moved on for objects that will not be sent: start whole again
-                raise e.named_in(dict(results), "results") from None
-            except BaseException:
-                enc.forget()
+                if isinstance(e, NotReplicableError):
+                    raise e.named_in(dict(results), "results") from None
                 raise
         fields = staged_fields(step)
         i = slot_of(step).index

@@ -219,7 +219,6 @@ def _compare(obj: Any, expected: dict[str, Any], path: str, dev: torch.device) -
     value is the expected fields of the part of that name)."""
     host_fields = set(getattr(obj, "_HOST_FIELDS", ()))
     device_fields = set(getattr(obj, "_DEVICE_FIELDS", ()))
-    twin_of = getattr(obj, "host_twin", None)
     for name, want in expected.items():
         where = f"{path}.{name}"
         assert hasattr(obj, name), f"{where}: the reference names it, but {type(obj).__name__} has no such field"
@@ -235,9 +234,7 @@ def _compare(obj: Any, expected: dict[str, Any], path: str, dev: torch.device) -
                 + (" (a device field holding a host array: it was never uploaded)" if isinstance(got, np.ndarray) else ""))
             assert got.device.type == dev.type, f"{where}: on {got.device}, expected {dev}"
             assert_matches_device(got.cpu().numpy(), want, where)  # test-only read-back
-            declared = twin_of(name) if twin_of is not None else None
-            twins = {name + "_cpu"} | ({declared} if isinstance(declared, str) else set())  # (by name, as declared)
-            for twin in sorted(t for t in twins if t in host_fields and t not in expected):
+            for twin in sorted(t for t in _host_twins(obj, name) if t in host_fields and t not in expected):
                 if getattr(obj, twin) is not None:
                     assert_matches_device(getattr(obj, twin), want, f"{path}.{twin}")
         elif isinstance(want, np.ndarray):
@@ -250,17 +247,19 @@ def _compare(obj: Any, expected: dict[str, Any], path: str, dev: torch.device) -
             assert got == want, f"{where}: {got!r} != {want!r}"
 
 
+def _host_twins(obj: Any, name: str) -> set[str]:
+    """The names a host twin of ``obj``'s field ``name`` may have: ``<name>_cpu``, and the twin the class
+    declares (:meth:`~attnmeta.builder.MetadataBase.host_twin`) where it declares one."""
+    twin_of = getattr(obj, "host_twin", None)
+    declared = twin_of(name) if twin_of is not None else None
+    return {name + "_cpu", declared} if isinstance(declared, str) else {name + "_cpu"}
+
+
 def unchecked_fields(metadata: Any, expected: dict[str, Any]) -> list[str]:
     """The declared fields of ``metadata`` (``_DEVICE_FIELDS``, ``_HOST_FIELDS``, ``_SCALAR_FIELDS``)
     that hold a value (not None) and that ``expected`` (a lab reference's fields) names neither directly
     nor through a device field's host twin: what :func:`check_builder` does not compare."""
-    named = set(expected)
-    twin_of = getattr(metadata, "host_twin", None)
-    for name in list(named):
-        named.add(name + "_cpu")
-        twin = twin_of(name) if twin_of is not None else None
-        if isinstance(twin, str):
-            named.add(twin)
+    named = set(expected).union(*(_host_twins(metadata, name) for name in expected))
     declared = [*getattr(metadata, "_DEVICE_FIELDS", ()), *getattr(metadata, "_HOST_FIELDS", ()),
                 *getattr(metadata, "_SCALAR_FIELDS", ())]
     return [f for f in declared if f not in named and getattr(metadata, f) is not None]
