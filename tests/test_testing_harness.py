@@ -15,16 +15,17 @@ import pytest
 import torch
 
 import attnmeta
-from attnmeta import BatchSpec, Stager
+from attnmeta import BatchSpec, Stager, StaticProfile
 from attnmeta.backends.flash_attn import FlashAttentionInputs
 from attnmeta.builder import Builder, CommonNeeds, MetadataBase
 from attnmeta.metadata import StagedCommon
 from attnmeta.spec import StepShape
 from attnmeta.staging import Staged, Step
 from attnmeta.testing import check_builder, check_metadata
-from attnmeta.testing.builders import unchecked_fields
+from attnmeta.testing.builders import _compare, unchecked_fields
 from attnmeta.testing.harness import compare_with_reference
-from attnmeta.testing.lab import register_lab, unregister_lab
+from attnmeta.testing.lab import LeadingColumns, register_lab, unregister_lab
+from attnmeta.testing.labs import BUILTIN
 
 SPEC = BatchSpec(num_computed_tokens=[3, 0], num_scheduled_tokens=[1, 4], block_table=[[1, 2], [3, 4]], block_size=4)
 INPUTS = FlashAttentionInputs(causal=[True, False])
@@ -141,9 +142,48 @@ def test_debug_fill_fills_every_new_byte_and_is_checked() -> None:
 
 
 def test_strict_lists_the_declared_fields_the_reference_leaves_out() -> None:
-    """Fields a reference does not name were skipped without a word; ``strict=True`` names them."""
-    check_builder("gdn", SPEC, strict=True)  # (its reference names every field that holds a value)
+    """Fields a reference does not name were skipped without a word; ``strict=True`` names them. (Every
+    built-in reference names every field: tests/backends/test_registry.py checks them with strict=True.)"""
+    check_builder("flash_attn", SPEC, strict=True)
     meta = check_builder("flash_attn", SPEC)
     assert "num_actual_tokens" in unchecked_fields(meta, {"slot_mapping": None})
-    with pytest.raises(AssertionError, match=r"flash_attn: the reference names no value for \[.*'num_actual_tokens'"):
-        check_builder("flash_attn", SPEC, strict=True)
+    builtin = BUILTIN["flash_attn"]
+    assert builtin.reference is not None
+
+    def partial(spec: BatchSpec, options: Any, device: torch.device, inputs: Any) -> dict[str, Any]:
+        ref = builtin.reference(spec, options, device, inputs)  # type: ignore[misc]
+        return {k: v for k, v in ref.items() if k != "num_actual_tokens"}
+
+    register_lab("flash_attn", reference=partial, sample=builtin.sample, replace=True)
+    try:
+        check_builder("flash_attn", SPEC)  # (not strict: the field left out goes unchecked)
+        with pytest.raises(AssertionError, match=r"flash_attn: the reference names no value for \['num_actual_tokens'\]"):
+            check_builder("flash_attn", SPEC, strict=True)
+    finally:
+        register_lab("flash_attn", reference=builtin.reference, sample=builtin.sample, defaults=builtin.defaults,
+                     replace=True)
+
+
+def test_a_block_table_is_compared_on_the_columns_kernels_read() -> None:
+    """A block table's width follows the staging (an eager step the longest request's blocks, a graph-mode
+    one its profile's): the reference names the read columns (``LeadingColumns``); wider staging passes,
+    a wrong entry in them or a missing row or column fails."""
+    wide = Stager("cpu", profile=StaticProfile(max_num_reqs=4, max_num_tokens=16, max_blocks_per_req=5, block_size=4))
+    meta = check_builder("flash_attn", SPEC, stager=wide, strict=True)
+    assert meta.block_table.shape == (2, 5)
+    meta = check_builder("mla", SPEC, stager=wide, strict=True)
+    assert meta.block_table.shape == (2, 5)
+    table = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+
+    def check_metadata_fields(obj: object, expected: dict[str, Any]) -> None:  # (the comparison check_builder makes)
+        _compare(obj, expected, "t", torch.device("cpu"))
+
+    fields = {"block_table": table[:, :1]}
+    check_metadata_fields(SimpleNamespace(**fields), {"block_table": LeadingColumns(table[:, :1])})
+    with pytest.raises(AssertionError, match=r"block_table: shape \(2, 1\), expected 2 rows of at least 2 columns"):
+        check_metadata_fields(SimpleNamespace(**fields), {"block_table": LeadingColumns(table)})
+    with pytest.raises(AssertionError, match=r"block_table: shape \(1, 2\), expected 2 rows"):
+        check_metadata_fields(SimpleNamespace(block_table=table[:1]), {"block_table": LeadingColumns(table)})
+    with pytest.raises(AssertionError, match=r"block_table: first difference at \(1, 0\)"):
+        check_metadata_fields(SimpleNamespace(block_table=table),
+                              {"block_table": LeadingColumns(torch.tensor([[1], [5]], dtype=torch.int32))})

@@ -30,7 +30,7 @@ from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import Stager
 from attnmeta.sync import AuditRow, register_audit_target, run_audit, unregister_audit_target
 from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
-from attnmeta.testing.lab import lab
+from attnmeta.testing.lab import LeadingColumns, lab
 from attnmeta.testing.workloads import KINDS, random_spec
 
 __all__ = ["audit_builder", "audit_stager", "builder_target", "check_builder", "check_metadata", "check_reads_lengths"]
@@ -226,17 +226,18 @@ def _compare(obj: Any, expected: dict[str, Any], path: str, dev: torch.device) -
         if isinstance(want, dict):
             assert got is not None, f"{where}: None, expected fields {sorted(want)}"
             _compare(got, want, where, dev)
-        elif isinstance(want, torch.Tensor) and isinstance(got, np.ndarray) and name not in device_fields:
-            assert_matches_device(got, want, where)  # a host field whose reference the oracle computed on the device
-        elif isinstance(want, torch.Tensor):
+        elif isinstance(want, torch.Tensor | LeadingColumns) and isinstance(got, np.ndarray) and (
+                name not in device_fields):
+            _match(got, want, where)  # a host field whose reference the oracle computed on the device
+        elif isinstance(want, torch.Tensor | LeadingColumns):
             assert isinstance(got, torch.Tensor), (
                 f"{where}: expected a device tensor, got {type(got).__name__}"
                 + (" (a device field holding a host array: it was never uploaded)" if isinstance(got, np.ndarray) else ""))
             assert got.device.type == dev.type, f"{where}: on {got.device}, expected {dev}"
-            assert_matches_device(got.cpu().numpy(), want, where)  # test-only read-back
+            _match(got.cpu().numpy(), want, where)  # test-only read-back
             for twin in sorted(t for t in _host_twins(obj, name) if t in host_fields and t not in expected):
                 if getattr(obj, twin) is not None:
-                    assert_matches_device(getattr(obj, twin), want, f"{path}.{twin}")
+                    _match(getattr(obj, twin), want, f"{path}.{twin}")
         elif isinstance(want, np.ndarray):
             assert_host_equal(got, want, where)
         elif isinstance(want, bool | np.bool_) or isinstance(got, bool | np.bool_):
@@ -245,6 +246,17 @@ def _compare(obj: Any, expected: dict[str, Any], path: str, dev: torch.device) -
             assert isinstance(got, int | np.integer) and int(got) == int(want), f"{where}: {got!r} != {want!r}"
         else:
             assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def _match(got: np.ndarray, want: torch.Tensor | LeadingColumns, where: str) -> None:
+    """A host array (a field's, or a device field's read back) against its reference: all of it, or
+    for a :class:`~attnmeta.testing.lab.LeadingColumns` reference its rows and leading columns."""
+    if isinstance(want, LeadingColumns):
+        ref = want.value
+        assert got.ndim == 2 and got.shape[0] == ref.shape[0] and got.shape[1] >= ref.shape[1], (
+            f"{where}: shape {tuple(got.shape)}, expected {ref.shape[0]} rows of at least {ref.shape[1]} columns")
+        got, want = got[:, : ref.shape[1]], ref
+    assert_matches_device(got, want, where)
 
 
 def _host_twins(obj: Any, name: str) -> set[str]:

@@ -7,7 +7,8 @@ entry** (:class:`Lab`) is what checks and shows it:
 - ``reference(spec, options, device, inputs) -> dict``: the device-side reference values of its fields
   for ``spec`` (the straightforward torch computations of :mod:`attnmeta.testing.reference`,
   synchronisations and all), by field name: tensors for device fields, host values for the rest;
-  a nested ``dict`` for a part (``{"paged": {...}}``). A reference derives every field itself: it
+  a nested ``dict`` for a part (``{"paged": {...}}``); a :class:`LeadingColumns` for a 2-D field
+  whose width follows the staging (a block table), of which it names the columns kernels read. A reference derives every field itself: it
   shares no helper with the builder it checks (an oracle that shares code with the code under test
   cannot catch that code's bugs).
 - ``sample(spec, rng) -> (options, inputs)``: random valid options and inputs for ``spec`` (the
@@ -44,9 +45,9 @@ import torch
 
 from attnmeta.builder import AnyBuilder, get_builder
 from attnmeta.spec import BatchSpec
-from attnmeta.testing.labs import BUILTIN, Defaults, LabEntry, Reference, Sample
+from attnmeta.testing.labs import BUILTIN, Defaults, LabEntry, LeadingColumns, Reference, Sample
 
-__all__ = ["Lab", "LabEntry", "lab", "register_lab", "unregister_lab"]
+__all__ = ["Lab", "LabEntry", "LeadingColumns", "lab", "register_lab", "unregister_lab"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -170,7 +170,7 @@ def test_lab_reference_caps_the_prefix_at_the_smallest_context() -> None:
     ref = lab("cascade").reference(_eight_decodes(), OPTIONS, "cpu", CascadeInputs(num_common_prefix_blocks=3))
     assert ref is not None and (ref["use_cascade"], ref["common_prefix_len"]) == (True, 256)
     ref = lab("cascade").reference(_eight_decodes(), OPTIONS, "cpu", CascadeInputs(num_common_prefix_blocks=1))
-    assert ref == {"use_cascade": False, "common_prefix_len": 0}
+    assert ref == {"use_cascade": False, "common_prefix_len": 0, "num_prefix_blocks": 0}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ def test_every_builder_equals_its_reference(device: torch.device, name: str, spe
         with pytest.raises(UnsupportedBatchError):
             attnmeta.build(spec, Stager("cpu"), b, options, inputs)
         return
-    check_builder(b, spec, device, options, inputs)
+    check_builder(b, spec, device, options, inputs, strict=True)
 
 
 @pytest.mark.parametrize("name", BUILDERS)

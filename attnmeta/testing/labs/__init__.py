@@ -6,13 +6,13 @@ sample and defaults functions of that family's module here. :mod:`attnmeta.testi
 
 from __future__ import annotations
 
-from attnmeta.testing.labs._entry import Defaults, LabEntry, Reference, Sample
+from attnmeta.testing.labs._entry import Defaults, LabEntry, LeadingColumns, Reference, Sample
 from attnmeta.testing.labs.attention import ENTRIES as _ATTENTION
 from attnmeta.testing.labs.mamba import ENTRIES as _MAMBA
 from attnmeta.testing.labs.mla import ENTRIES as _MLA
 from attnmeta.testing.labs.mm_prefix import ENTRIES as _MM_PREFIX
 
-__all__ = ["BUILTIN", "Defaults", "LabEntry", "Reference", "Sample"]
+__all__ = ["BUILTIN", "Defaults", "LabEntry", "LeadingColumns", "Reference", "Sample"]
 
 BUILTIN: dict[str, LabEntry] = {**_ATTENTION, **_MAMBA, **_MLA, **_MM_PREFIX}
 """Every built-in builder's lab entry, by registry name."""

@@ -10,7 +10,7 @@ import torch
 
 from attnmeta.spec import BatchSpec
 
-__all__ = ["Defaults", "LabEntry", "Reference", "Sample"]
+__all__ = ["Defaults", "LabEntry", "LeadingColumns", "Reference", "Sample"]
 
 Reference = Callable[[BatchSpec, Any, torch.device, Any], "dict[str, Any]"]
 """``reference(spec, options, device, inputs) -> {field: expected value}``."""
@@ -18,6 +18,26 @@ Sample = Callable[[BatchSpec, np.random.Generator], "tuple[Any, Any]"]
 """``sample(spec, rng) -> (options, inputs)``."""
 Defaults = Callable[[BatchSpec], "tuple[Any, Any]"]
 """``defaults(spec) -> (options, inputs)``."""
+
+
+class LeadingColumns(NamedTuple):
+    """A reference value for a 2-D device field whose width follows the staging, not the batch.
+
+    A block table's rows have as many columns as the stager gives them (an eager step the longest
+    request's blocks, a graph-mode one its profile's ``max_blocks_per_req``); kernels read each row's
+    first ``cdiv(seq_len, block_size)`` entries. A reference returns ``LeadingColumns(expected)`` for
+    such a field: :func:`attnmeta.testing.check_builder` asserts that the field (and its host twin) has
+    ``expected``'s rows, dtype and at least its columns, and that those leading columns equal it.
+
+    Examples
+    --------
+    >>> import torch
+    >>> LeadingColumns(torch.zeros(2, 3, dtype=torch.int32)).value.shape
+    torch.Size([2, 3])
+    """
+
+    value: torch.Tensor
+    """(rows, used_columns), the field's dtype, on the reference's device."""
 
 
 class LabEntry(NamedTuple):

@@ -14,7 +14,7 @@ from attnmeta.backends.flash_attn import FlashAttentionInputs, FlashAttentionOpt
 from attnmeta.backends.flashinfer import FlashInferOptions
 from attnmeta.backends.local_attn import LocalAttentionOptions
 from attnmeta.spec import BatchSpec
-from attnmeta.testing.labs._entry import LabEntry
+from attnmeta.testing.labs._entry import LabEntry, LeadingColumns
 from attnmeta.testing.reference.attention import (
     ref_cascade_arrays,
     ref_dcp_context_kv_lens,
@@ -28,6 +28,7 @@ from attnmeta.testing.reference.attention import (
     ref_use_cascade_attention,
 )
 from attnmeta.testing.reference.layout import (
+    ref_block_table,
     ref_common_fields,
     ref_split_decodes_and_prefills,
     ref_split_decodes_prefills_and_extends,
@@ -55,7 +56,9 @@ def flash_attn_reference(spec: BatchSpec, options: FlashAttentionOptions, device
     ``max_dcp_context_kv_len`` 0 when no row has context (the DCP lengths: the FlashAttention tests);
     and the causal flags: with per-request flags (``inputs.causal``) an int32 device array of them, 1 on
     padding rows, and the scalar ``causal`` true when every row is causal; without them no array and
-    the options' flag (a plain step's common metadata is causal)."""
+    the options' flag (a plain step's common metadata is causal); under DCP this rank's share of each
+    row's context (``seq_lens - query_lens``, vLLM's ``get_dcp_local_seq_lens``); the block table's
+    read columns, the padded token count and the options' ``max_num_splits``."""
     ref = ref_common_fields(spec, device)
     flags = None if inputs is None or inputs.causal is None else np.asarray(inputs.causal).astype(bool)
     causal_tensor = None
@@ -66,7 +69,10 @@ def flash_attn_reference(spec: BatchSpec, options: FlashAttentionOptions, device
     causal = bool(flags.all()) if flags is not None else (True if options.causal is None else options.causal)
     counts = (0, 0, 0, 0)
     max_dcp = 0
+    dcp_lens = None
     if options.dcp_world_size > 1:
+        dcp_lens = ref_dcp_context_kv_lens(ref["query_start_loc"], ref["seq_lens"], options.dcp_world_size,
+                                           options.dcp_rank, options.dcp_interleave)
         qsl = ref["query_start_loc"].cpu()  # (a reference: reads back freely)
         c = torch.tensor(spec.num_computed_tokens.astype(np.int32))
         q = torch.tensor(spec.num_scheduled_tokens.astype(np.int32))
@@ -85,7 +91,8 @@ def flash_attn_reference(spec: BatchSpec, options: FlashAttentionOptions, device
             "slot_mapping": ref["slot_mapping"], "num_decode_reqs": counts[0], "num_prefill_reqs": counts[1],
             "num_decode_tokens": counts[2], "num_prefill_tokens": counts[3], "max_dcp_context_kv_len": max_dcp,
             "max_query_len": spec.max_query_len, "max_seq_len": spec.max_seq_len, "causal_tensor": causal_tensor,
-            "causal": causal}
+            "causal": causal, "dcp_context_kv_lens": dcp_lens, "block_table": LeadingColumns(ref_block_table(spec, device)),
+            "num_actual_tokens": spec.padded_num_tokens, "max_num_splits": options.max_num_splits}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -106,7 +113,9 @@ def flashinfer_sample(spec: BatchSpec, rng: np.random.Generator) -> tuple[FlashI
 
 def flashinfer_reference(spec: BatchSpec, options: FlashInferOptions, device: torch.device,
                          inputs: None) -> dict[str, Any]:
-    """The split, the KV lengths and the page table, computed the reference way on ``device``."""
+    """The split, the KV lengths and the page table, computed the reference way on ``device``; the page
+    count, the longest decode and prefill query and KV length (0 where there is none), and the options
+    it passes on (page size, causal, where the indices are gathered)."""
     f = ref_common_fields(spec, device)
     qsl, sl = f["query_start_loc"], f["seq_lens"]
     rows, tokens = spec.padded_num_reqs, spec.padded_num_tokens
@@ -123,7 +132,12 @@ def flashinfer_reference(spec: BatchSpec, options: FlashInferOptions, device: to
     padded_table[: spec.num_reqs] = spec.block_table[: spec.num_reqs]  # padding rows: no pages
     table = torch.tensor(padded_table).to(device)
     page = spec.block_size
+    q = (qsl[1:] - qsl[:-1]).cpu().tolist()  # (a reference: reads back freely)
+    kv_host = kv.cpu().tolist()
     return {
+        "num_pages": sum(-(-s // page) for s in kv_host), "page_size": page,
+        "max_decode_query_len": max(q[:d], default=0), "max_prefill_query_len": max(q[d:], default=0),
+        "max_kv_len": max(kv_host, default=0), "causal": options.causal, "indices": options.indices,
         "num_decodes": split[0], "num_prefills": split[1], "num_decode_tokens": split[2],
         "num_prefill_tokens": split[3], "paged_kv_indptr": ref_paged_kv_indptr(kv, page),
         "paged_kv_indices": ref_paged_kv_indices(table, kv, page),
@@ -178,7 +192,7 @@ def cascade_reference(spec: BatchSpec, options: CascadeOptions, device: torch.de
         length, q, options.num_query_heads, options.num_kv_heads, options.use_alibi, options.use_sliding_window,
         options.use_local_attention, options.num_sms, options.dcp_world_size)
     if not use:
-        return {"use_cascade": False, "common_prefix_len": 0}
+        return {"use_cascade": False, "common_prefix_len": 0, "num_prefix_blocks": 0}
     arrays = ref_cascade_arrays(length, sl, spec.padded_num_tokens, spec.block_size,
                                 torch.tensor(spec.block_table).to(device))
     return {"use_cascade": True, "common_prefix_len": length, **{k: v for k, v in arrays.items() if v is not None}}
@@ -217,7 +231,7 @@ def fast_prefill_reference(spec: BatchSpec, options: FastPrefillOptions, device:
     qsl = ref_common_fields(spec, device)["query_start_loc"]
     li = inputs.logits_indices
     if li is None:
-        return {"applied": False, "num_logits_indices": None, "query_start_loc": qsl}
+        return {"applied": False, "num_logits_indices": None, "query_start_loc": qsl, "max_query_len": spec.max_query_len}
     li_t = torch.tensor(np.asarray(li, np.int32)).to(device)
     n_pad = li_t.shape[0] if inputs.num_logits_padded is None else inputs.num_logits_padded
     applied = spec.max_query_len != 1
@@ -247,7 +261,9 @@ def local_attn_sample(spec: BatchSpec, rng: np.random.Generator) -> tuple[LocalA
 def local_attn_reference(spec: BatchSpec, options: LocalAttentionOptions, device: torch.device,
                          inputs: None) -> dict[str, Any]:
     """The virtual batch by a literal tensor transcription of vLLM's formulas, over the block table
-    the common metadata stages by default (the longest request's blocks; padding rows 0)."""
+    the common metadata stages by default (the longest request's blocks; padding rows 0): its rows'
+    original requests and first block columns (device fields with ``block_table="device"``, host
+    arrays with ``"host"``), and the options it passes on."""
     f = ref_common_fields(spec, device)
     span = spec.block_size * (1 if spec.context_parallel is None else spec.context_parallel.world_size)
     width = max(1, -(-spec.max_exact_seq_len // span))
@@ -255,8 +271,13 @@ def local_attn_reference(spec: BatchSpec, options: LocalAttentionOptions, device
     table[: spec.num_reqs] = spec.block_table[: spec.num_reqs, :width]
     lb = ref_local_virtual_batches(f["query_start_loc"], f["seq_lens"], options.attn_chunk_size, spec.block_size,
                                    torch.tensor(table).to(device))
+    on_device = options.block_table == "device"
     return {"query_start_loc": lb.query_start_loc, "seq_lens": lb.seq_lens, "block_table": lb.block_table,
-            "num_virtual_reqs": lb.num_virtual_reqs}
+            "num_virtual_reqs": lb.num_virtual_reqs, "attn_chunk_size": options.attn_chunk_size,
+            "pages_per_local_block": options.attn_chunk_size // spec.block_size,
+            "block_table_mode": options.block_table,
+            "req_indices": lb.req_indices if on_device else None, "req_indices_cpu": lb.req_indices,
+            "block_starts": lb.block_starts if on_device else None, "block_starts_cpu": lb.block_starts}
 
 
 ENTRIES: dict[str, LabEntry] = {

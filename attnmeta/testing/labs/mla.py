@@ -12,7 +12,8 @@ import torch
 
 from attnmeta.backends.mla import MLAOptions
 from attnmeta.spec import BatchSpec
-from attnmeta.testing.labs._entry import LabEntry
+from attnmeta.testing.labs._entry import LabEntry, LeadingColumns
+from attnmeta.testing.reference.layout import ref_block_table
 from attnmeta.testing.reference.mla import ref_mla_fields
 
 __all__ = ["ENTRIES"]
@@ -45,8 +46,9 @@ def mla_sample(spec: BatchSpec, rng: np.random.Generator) -> tuple[MLAOptions, N
 
 
 def mla_reference(spec: BatchSpec, options: MLAOptions, device: torch.device, inputs: None) -> dict[str, Any]:
-    """vLLM's formulas on ``device`` (:func:`attnmeta.testing.reference.mla.ref_mla_fields`)."""
-    return ref_mla_fields(spec, options, device)
+    """vLLM's formulas on ``device`` (:func:`attnmeta.testing.reference.mla.ref_mla_fields`), and the
+    block table's read columns."""
+    return {**ref_mla_fields(spec, options, device), "block_table": LeadingColumns(ref_block_table(spec, device))}
 
 
 ENTRIES: dict[str, LabEntry] = {

@@ -96,6 +96,7 @@ def mm_prefix_reference(spec: BatchSpec, options: MMPrefixOptions, device: torch
         t = ref_mm_prefix_range_tensor(ranges, spec.padded_num_reqs, device)
         out["mm_prefix_range_tensor"] = t
         out["max_ranges"] = 0 if t is None else int(t.shape[1])
+        out["num_query_range_rows"] = 0  # (the other form's)
     else:
         ub_np = spec.seq_lens_upper_bound if spec.seq_lens_upper_bound is not None else \
             spec.num_computed_tokens + spec.num_scheduled_tokens
@@ -103,6 +104,7 @@ def mm_prefix_reference(spec: BatchSpec, options: MMPrefixOptions, device: torch
         qt = ref_mm_prefix_query_ranges(ranges, common["query_start_loc"], ub)
         out["mm_prefix_query_range_tensor"] = qt
         out["num_query_range_rows"] = 0 if qt is None else int(qt.shape[0])
+        out["max_ranges"] = 0  # (the other form's)
     return out
 
 

@@ -28,6 +28,7 @@ from torch import Tensor
 from attnmeta.spec import BatchSpec, ContextParallel
 
 __all__ = [
+    "ref_block_table",
     "ref_common_fields",
     "ref_dcp_local_seq_lens",
     "ref_is_prefilling",
@@ -662,9 +663,33 @@ def ref_reorder(
     return swaps_t, torch.tensor(perm, dtype=torch.int32, device=dev)
 
 
-from attnmeta.testing._oracle import mark_oracles as _mark_oracles  # noqa: E402
+def ref_block_table(spec: BatchSpec, device: torch.device | str) -> Tensor:
+    """The block-table entries a paged kernel reads for ``spec``: each real row's first
+    ``cdiv(num_computed_tokens + num_scheduled_tokens, block_size * world_size)`` columns, up to the
+    longest row's (``world_size``: the spec's context-parallel world, else 1).
 
-_mark_oracles(globals(), __all__)
+    Returns
+    -------
+    Tensor
+        ``(num_reqs_padded, max_columns)`` int32 on ``device``: the real rows' leading columns of
+        ``spec.block_table`` (a shorter row's entries past its own blocks included), padding rows 0.
+
+    Examples
+    --------
+    >>> spec = BatchSpec(num_computed_tokens=[5, 0], num_scheduled_tokens=[1, 2], block_table=[[1, 2, 9], [3, 4, 9]],
+    ...                  block_size=4, num_reqs_padded=3)
+    >>> ref_block_table(spec, "cpu").tolist()
+    [[1, 2], [3, 4], [0, 0]]
+    """
+    dev = torch.device(device)
+    n = spec.num_reqs
+    span = spec.block_size * (1 if spec.context_parallel is None else spec.context_parallel.world_size)
+    lens = torch.tensor(spec.num_computed_tokens, dtype=torch.int64) + torch.tensor(spec.num_scheduled_tokens,
+                                                                                    dtype=torch.int64)
+    cols = int(((lens + span - 1) // span).max()) if n else 0
+    table = torch.zeros((spec.padded_num_reqs, cols), dtype=torch.int32, device=dev)
+    table[:n] = torch.tensor(spec.block_table[:n, :cols], dtype=torch.int32).to(dev)
+    return table
 
 
 def ref_common_fields(spec: BatchSpec, device: torch.device | str) -> dict[str, Tensor]:
@@ -700,3 +725,8 @@ def ref_common_fields(spec: BatchSpec, device: torch.device | str) -> dict[str, 
     positions, slots = ref_token_layout(c, q, table, spec.block_size, Tp, spec.context_parallel)
     return {"query_start_loc": ref_query_start_loc(q, Bp), "seq_lens": ref_seq_lens(c, q, Bp),
             "positions": positions, "slot_mapping": slots}
+
+
+from attnmeta.testing._oracle import mark_oracles as _mark_oracles  # noqa: E402
+
+_mark_oracles(globals(), __all__)

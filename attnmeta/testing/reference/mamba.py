@@ -439,7 +439,7 @@ def ref_mamba_metadata(
         "seq_lens": seq_lens, "query_start_loc_d": None, "num_accepted_tokens": None,
         "has_initial_states_p": None, "query_start_loc_p": None, "batch_ptr": None, "token_chunk_offset_ptr": None,
         "conv1d_nums_cpu": None, "conv1d_mlist_cpu": None, "conv1d_offsetlist_cpu": None,
-        "conv1d_num_programs_total": 0, "conv1d_max_num_programs": 0,
+        "conv1d_num_programs_total": 0, "conv1d_max_num_programs": 0, "num_computed_tokens_p_cpu": None,
     }
     if C is not None:
         out.update(prep_initial_states=False, chunk_size=C, num_chunks=0, cu_chunk_seqlen_p=None, seq_idx_p=None,
@@ -459,6 +459,8 @@ def ref_mamba_metadata(
     # prefills
     nc = seq_lens - torch.diff(qsl)
     out["query_start_loc_p"] = qsl[-P - 1 :] - Dt
+    nc_p_cpu, qsl_p_cpu = ref_prefill_cpu_metadata(qsl_cpu, ub_cpu, B, P, Dt)
+    out["num_computed_tokens_p_cpu"] = nc_p_cpu
     out["has_initial_states_p"] = nc[B - P : B] > 0
     if options.needs_causal_conv1d_metadata:
         conv = ref_causal_conv1d_metadata(qsl_cpu[-P - 1 :] - Dt, device=device)
@@ -468,7 +470,6 @@ def ref_mamba_metadata(
                    conv1d_max_num_programs=conv["max_num_programs"])
     if C is None:
         return out
-    nc_p_cpu, qsl_p_cpu = ref_prefill_cpu_metadata(qsl_cpu, ub_cpu, B, P, Dt)
     out["prep_initial_states"] = bool(torch.any(nc_p_cpu > 0).item())
     offsets = None
     if ckpt_cfg is not None:

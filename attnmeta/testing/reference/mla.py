@@ -270,6 +270,7 @@ def ref_mla_fields(spec: Any, options: Any, device: torch.device | str) -> dict[
         rr = ref_mla_row_requests(qsl[: D + 1], Dt)
         out["decode_row_req"] = rr
         out["decode_flattened_seq_lens"] = dec_seq[rr]
+    out["num_kv_splits"] = 0
     if options.variant == "triton_mla":
         n = max(1, max_seq_len // 512)
         out["num_kv_splits"] = min(1 << (n - 1).bit_length(), 2 * options.num_sms)
@@ -285,7 +286,7 @@ def ref_mla_fields(spec: Any, options: Any, device: torch.device | str) -> dict[
         "decode_query_start_loc": qsl[: D + 1], "decode_seq_lens": dec_seq,
         "num_reqs": B, "num_actual_tokens": T, "max_query_len": spec.max_query_len, "max_seq_len": max_seq_len,
         "num_decodes": D, "num_prefills": P, "num_decode_tokens": Dt, "num_prefill_tokens": Pt,
-        "decode_threshold": thr, "decode_max_query_len": dec_mq,
+        "causal": causal, "decode_threshold": thr, "decode_max_query_len": dec_mq,
         "prefill_max_query_len": spec.max_query_len if P else 0,
         "prefill_query_start_loc": pqsl, "prefill_query_lens_cpu": q[D:], "context_lens": ctx,
         "chunk_starts": get("starts"), "chunk_seq_lens_cpu": get("seq_lens"), "chunk_cu_seq_lens": get("cu_seq_lens"),
