@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnmeta.testing.lab import LeadingColumns
+
 __all__ = ["Comparison", "Disagreement", "compare_with_reference"]
 
 
@@ -92,11 +94,16 @@ def _compare(name: str, got: Any, want: Any, out: list[Disagreement], missing: l
             out.append(Disagreement(name, f"{'None' if got is None else 'a value'}, the reference "
                                           f"{'None' if want is None else 'a value'}"))
         return
-    if isinstance(want, torch.Tensor | np.ndarray) or isinstance(got, torch.Tensor | np.ndarray):
+    leading = isinstance(want, LeadingColumns)
+    if leading or isinstance(want, torch.Tensor | np.ndarray) or isinstance(got, torch.Tensor | np.ndarray):
         if not isinstance(got, torch.Tensor | np.ndarray):
             out.append(Disagreement(name, f"a {type(got).__name__}, the reference an array ({type(want).__name__})"))
             return
+        if leading:
+            want = want.value
         a, b = _host(got), _host(want)
+        if leading and a.ndim == 2 and a.shape[0] == b.shape[0] and a.shape[1] >= b.shape[1]:
+            a = a[:, : b.shape[1]]  # (the columns kernels read; the rest follow the staging)
         if a.shape != b.shape:
             out.append(Disagreement(name, f"shape {a.shape}, the reference {b.shape}"))
             return
@@ -136,7 +143,9 @@ def compare_with_reference(metadata: Any, reference: Mapping[str, Any], *,
     metadata : object
         Read by attribute.
     reference : mapping of str to value
-        Tensors (any device), numpy arrays, ints, bools, None, or a mapping for a nested object.
+        Tensors (any device), numpy arrays, ints, bools, None, a mapping for a nested object, or a
+        :class:`~attnmeta.testing.lab.LeadingColumns` (the 2-D field's rows and at least its columns,
+        equal in them).
     skip : iterable of str
         Reference fields not to compare (documented deviations, say).
 

@@ -76,17 +76,18 @@ DCP), and the draft counts of a spec-decode step without drafts (vLLM's runner f
 of spec decode: a one-token row past its prompt is a spec row with zero drafts)."""
 
 
-TALLY: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
-"""Per builder (its test's name): cases run, disagreements (all of them listed in KNOWN), syncs."""
+TALLY: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+"""Per builder (its test's name): cases run, disagreements (all of them listed in KNOWN), syncs, and the
+most fields one case compared (those of the reference's that vLLM's metadata has)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report() -> Iterator[None]:
     """One ``HARNESS`` line per builder at the end of the module (gpu_all.sh collects them)."""
     yield
-    for name, (cases, known, syncs) in sorted(TALLY.items()):
+    for name, (cases, known, syncs, fields) in sorted(TALLY.items()):
         print(f"\nHARNESS {name} device {DEVICE.type}: cases {cases}, disagreements {known} (each a listed deviation), "
-              f"syncs/build {syncs / max(cases, 1):.2f}")
+              f"syncs/build {syncs / max(cases, 1):.2f}, fields compared up to {fields}")
 
 
 # ---------------------------------------------------------------------------------------- configs
@@ -198,6 +199,7 @@ def _check(name: str, vllm_builder: Any, spec: BatchSpec, options: Any, inputs: 
     row[0] += 1
     row[1] += len(result.disagreements) - len(unexpected)
     row[2] += sum(e.kind == "sync" for e in found)
+    row[3] = max(row[3], len(result.compared))
     assert not unexpected, f"{name}: {[str(d) for d in unexpected]} on {spec!r}"
     assert len(result.compared) >= 5, (name, result.compared)
 
