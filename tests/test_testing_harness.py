@@ -17,6 +17,7 @@ import torch
 import attnmeta
 from attnmeta import BatchSpec, Stager, StaticProfile
 from attnmeta.backends.flash_attn import FlashAttentionInputs
+from attnmeta.backends.local_attn import LocalAttentionOptions
 from attnmeta.builder import Builder, CommonNeeds, MetadataBase
 from attnmeta.metadata import StagedCommon
 from attnmeta.spec import StepShape
@@ -173,6 +174,11 @@ def test_a_block_table_is_compared_on_the_columns_kernels_read() -> None:
     assert meta.block_table.shape == (2, 5)
     meta = check_builder("mla", SPEC, stager=wide, strict=True)
     assert meta.block_table.shape == (2, 5)
+    local = BatchSpec(num_computed_tokens=[9, 0], num_scheduled_tokens=[1, 4], block_table=[[1, 2, 3], [4, 5, 6]],
+                      block_size=4)
+    options = LocalAttentionOptions(attn_chunk_size=8)  # (a virtual row's entries past its blocks follow the width)
+    assert not np.array_equal(check_builder("local_attn", local, options=options).block_table_cpu,
+                              check_builder("local_attn", local, options=options, stager=wide, strict=True).block_table_cpu)
     table = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
 
     def check_metadata_fields(obj: object, expected: dict[str, Any]) -> None:  # (the comparison check_builder makes)
@@ -184,6 +190,11 @@ def test_a_block_table_is_compared_on_the_columns_kernels_read() -> None:
         check_metadata_fields(SimpleNamespace(**fields), {"block_table": LeadingColumns(table)})
     with pytest.raises(AssertionError, match=r"block_table: shape \(1, 2\), expected 2 rows"):
         check_metadata_fields(SimpleNamespace(block_table=table[:1]), {"block_table": LeadingColumns(table)})
+    read = LeadingColumns(torch.tensor([[1, 2], [3, 0]], dtype=torch.int32), read=torch.tensor([2, 1]))
+    check_metadata_fields(SimpleNamespace(block_table=table), {"block_table": read})  # (row 1's second entry: unread)
+    with pytest.raises(AssertionError, match=r"block_table: first difference at \(0, 1\)"):
+        check_metadata_fields(SimpleNamespace(block_table=torch.tensor([[1, 9], [3, 4]], dtype=torch.int32)),
+                              {"block_table": read})
     with pytest.raises(AssertionError, match=r"block_table: first difference at \(1, 0\)"):
         check_metadata_fields(SimpleNamespace(block_table=table),
                               {"block_table": LeadingColumns(torch.tensor([[1], [5]], dtype=torch.int32))})

@@ -162,9 +162,9 @@ def check_metadata(builder: AnyBuilder | str, metadata: Any, spec: BatchSpec, op
     where : str, optional
         A prefix for the failure message (e.g. ``"step 7"``).
     skip : collection of str, optional
-        Fields of the reference not to compare (with their host twins): values the staging defines
-        differently on purpose, e.g. a local-attention block table's columns past what kernels read,
-        which follow the staged table's width (check the read part yourself).
+        Fields of the reference not to compare (with their host twins): values your staging defines
+        differently on purpose (the built-in references already leave the block-table entries kernels
+        do not read to the staging: :class:`~attnmeta.testing.lab.LeadingColumns`).
 
     Raises
     ------
@@ -253,9 +253,10 @@ def _match(got: np.ndarray, want: torch.Tensor | LeadingColumns, where: str) -> 
     for a :class:`~attnmeta.testing.lab.LeadingColumns` reference its rows and leading columns."""
     if isinstance(want, LeadingColumns):
         ref = want.value
-        assert got.ndim == 2 and got.shape[0] == ref.shape[0] and got.shape[1] >= ref.shape[1], (
+        cut = want.leading(got)
+        assert cut is not None, (
             f"{where}: shape {tuple(got.shape)}, expected {ref.shape[0]} rows of at least {ref.shape[1]} columns")
-        got, want = got[:, : ref.shape[1]], ref
+        got, want = cut[0], ref
     assert_matches_device(got, want, where)
 
 

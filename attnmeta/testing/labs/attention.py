@@ -261,9 +261,11 @@ def local_attn_sample(spec: BatchSpec, rng: np.random.Generator) -> tuple[LocalA
 def local_attn_reference(spec: BatchSpec, options: LocalAttentionOptions, device: torch.device,
                          inputs: None) -> dict[str, Any]:
     """The virtual batch by a literal tensor transcription of vLLM's formulas, over the block table
-    the common metadata stages by default (the longest request's blocks; padding rows 0): its rows'
-    original requests and first block columns (device fields with ``block_table="device"``, host
-    arrays with ``"host"``), and the options it passes on."""
+    the common metadata stages by default (the longest request's blocks; padding rows 0), its virtual
+    block table compared on each row's own blocks (the entries after them repeat the staged table's
+    last column, which follows the staging), its rows' original requests and first block columns
+    (device fields with ``block_table="device"``, host arrays with ``"host"``), and the options it
+    passes on."""
     f = ref_common_fields(spec, device)
     span = spec.block_size * (1 if spec.context_parallel is None else spec.context_parallel.world_size)
     width = max(1, -(-spec.max_exact_seq_len // span))
@@ -272,7 +274,9 @@ def local_attn_reference(spec: BatchSpec, options: LocalAttentionOptions, device
     lb = ref_local_virtual_batches(f["query_start_loc"], f["seq_lens"], options.attn_chunk_size, spec.block_size,
                                    torch.tensor(table).to(device))
     on_device = options.block_table == "device"
-    return {"query_start_loc": lb.query_start_loc, "seq_lens": lb.seq_lens, "block_table": lb.block_table,
+    read = -(-lb.seq_lens.long() // spec.block_size)  # (each virtual row's blocks: kstart is a block boundary)
+    return {"query_start_loc": lb.query_start_loc, "seq_lens": lb.seq_lens,
+            "block_table": LeadingColumns(lb.block_table, read),
             "num_virtual_reqs": lb.num_virtual_reqs, "attn_chunk_size": options.attn_chunk_size,
             "pages_per_local_block": options.attn_chunk_size // spec.block_size,
             "block_table_mode": options.block_table,
