@@ -74,6 +74,9 @@ class MetadataBase:
     _SCALAR_FIELDS: ClassVar[tuple[str, ...]] = ()
     _TWINS: ClassVar[tuple[tuple[str, str], ...]] = ()
     """(device field, host twin) pairs that must always change together."""
+    _PREFIX_TWINS: ClassVar[tuple[str, ...]] = ()
+    """Host twins that may hold only the leading entries of their device field (graph mode stages the
+    rest of a fixed buffer once; each such field's docstring says when)."""
 
     def __repr__(self) -> str:
         parts = [f"{n}={getattr(self, n)!r}" for n in self._SCALAR_FIELDS]

@@ -293,6 +293,7 @@ class MambaMetadata(MetadataBase):
         ("batch_ptr", "batch_ptr_cpu"),
         ("token_chunk_offset_ptr", "token_chunk_offset_ptr_cpu"),
     )
+    _PREFIX_TWINS: ClassVar[tuple[str, ...]] = ("batch_ptr_cpu", "token_chunk_offset_ptr_cpu")
 
     common: CommonAttentionMetadata
     """The step's common metadata (the same device views, not copies)."""
