@@ -25,7 +25,7 @@ from attnmeta.staging import Staged, Step
 from attnmeta.testing import check_builder, check_metadata
 from attnmeta.testing.builders import _compare, unchecked_fields
 from attnmeta.testing.harness import compare_with_reference
-from attnmeta.testing.lab import LeadingColumns, register_lab, unregister_lab
+from attnmeta.testing.lab import LeadingColumns, lab, register_lab, unregister_lab
 from attnmeta.testing.labs import BUILTIN
 
 SPEC = BatchSpec(num_computed_tokens=[3, 0], num_scheduled_tokens=[1, 4], block_table=[[1, 2], [3, 4]], block_size=4)
@@ -198,3 +198,20 @@ def test_a_block_table_is_compared_on_the_columns_kernels_read() -> None:
     with pytest.raises(AssertionError, match=r"block_table: first difference at \(1, 0\)"):
         check_metadata_fields(SimpleNamespace(block_table=table),
                               {"block_table": LeadingColumns(torch.tensor([[1], [5]], dtype=torch.int32))})
+
+
+def test_a_reference_gets_the_graph_mode_profile_its_shapes_follow() -> None:
+    """Graph mode fixes mm_prefix's ranges per row (``graph_max_ranges``, unused ranges ``(0, 0)``): the
+    reference takes the stager's profile (a ``profile`` keyword) and pads alike, so ``check_builder``
+    passes on a graph-mode stager; a reference without the keyword is called as before."""
+    spec = BatchSpec(num_computed_tokens=[0, 0], num_scheduled_tokens=[6, 4], block_table=[[1, 2], [3, 4]],
+                     block_size=4)
+    options, inputs = lab("mm_prefix").defaults(spec)
+    eager = check_builder("mm_prefix", spec, "cpu", options, inputs, strict=True)
+    prof = StaticProfile(max_num_reqs=4, max_num_tokens=16, max_blocks_per_req=4, block_size=4)
+    graph = check_builder("mm_prefix", spec, "cpu", options, inputs, stager=Stager("cpu", profile=prof), strict=True)
+    assert eager.mm_prefix_range_tensor.shape == (2, 1, 2)
+    assert graph.mm_prefix_range_tensor.shape == (2, options.graph_max_ranges, 2) and graph.max_ranges == 8
+    assert (graph.mm_prefix_range_tensor_cpu[:, 1:] == 0).all()
+    assert lab("flash_attn").reference(spec, None, "cpu", profile=prof) is not None  # (its reference takes none)
+

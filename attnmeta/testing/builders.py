@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from attnmeta.builder import AnyBuilder, build, get_builder
+from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import Stager
 from attnmeta.sync import AuditRow, register_audit_target, run_audit, unregister_audit_target
@@ -96,8 +97,9 @@ def check_builder(
     b = get_builder(builder) if isinstance(builder, str) else builder
     opts, inp = b.options(options), b.inputs(inputs)
     dev = torch.device(device)
-    expected = _reference(b, spec, opts, dev, inp)
-    meta = build(spec, stager if stager is not None else Stager(dev, debug_fill=DEBUG_FILL), b, opts, inp)
+    stager = stager if stager is not None else Stager(dev, debug_fill=DEBUG_FILL)
+    expected = _reference(b, spec, opts, dev, inp, stager.profile)
+    meta = build(spec, stager, b, opts, inp)
     _compare(meta, expected, b.name, dev)
     if strict:
         left = unchecked_fields(meta, expected)
@@ -141,7 +143,8 @@ def check_reads_lengths(builder: AnyBuilder | str, shape: StepShape, options: An
 
 
 def check_metadata(builder: AnyBuilder | str, metadata: Any, spec: BatchSpec, options: Any = None,
-                   inputs: Any = None, *, where: str = "", skip: Collection[str] = ()) -> None:
+                   inputs: Any = None, *, where: str = "", skip: Collection[str] = (),
+                   profile: StaticProfile | None = None) -> None:
     """Assert that ``metadata``, made by ``builder`` for ``spec`` however it was staged, equals the
     builder's lab reference field for field (the comparison of :func:`check_builder`).
 
@@ -165,6 +168,9 @@ def check_metadata(builder: AnyBuilder | str, metadata: Any, spec: BatchSpec, op
         Fields of the reference not to compare (with their host twins): values your staging defines
         differently on purpose (the built-in references already leave the block-table entries kernels
         do not read to the staging: :class:`~attnmeta.testing.lab.LeadingColumns`).
+    profile : StaticProfile, optional
+        The graph-mode profile ``metadata`` was staged under (its stager's ``profile``; None: eager):
+        graph mode fixes some shapes (e.g. ``mm_prefix``'s ranges per row).
 
     Raises
     ------
@@ -186,13 +192,15 @@ def check_metadata(builder: AnyBuilder | str, metadata: Any, spec: BatchSpec, op
     b = get_builder(builder) if isinstance(builder, str) else builder
     opts, inp = b.options(options), b.inputs(inputs)
     dev = _device_of(metadata)
-    expected = {k: v for k, v in _reference(b, spec, opts, dev, inp).items() if k not in skip}
+    expected = {k: v for k, v in _reference(b, spec, opts, dev, inp, profile).items() if k not in skip}
     _compare(metadata, expected, f"{where} {b.name}".strip(), dev)
 
 
-def _reference(b: AnyBuilder, spec: BatchSpec, options: Any, device: torch.device, inputs: Any) -> dict[str, Any]:
-    """``b``'s lab reference of ``spec``, or a ValueError when its lab entry has none."""
-    expected = lab(b).reference(spec, options, device, inputs)
+def _reference(b: AnyBuilder, spec: BatchSpec, options: Any, device: torch.device, inputs: Any,
+               profile: StaticProfile | None = None) -> dict[str, Any]:
+    """``b``'s lab reference of ``spec`` (staged under graph-mode ``profile``, or eagerly), or a ValueError
+    when its lab entry has none."""
+    expected = lab(b).reference(spec, options, device, inputs, profile=profile)
     if expected is None:
         raise ValueError(f"{b.name}: the builder's lab entry has no reference to check against "
                          f"(attnmeta.testing.lab.register_lab)")

@@ -6,9 +6,11 @@ entry** (:class:`Lab`) is what checks and shows it:
 
 - ``reference(spec, options, device, inputs) -> dict``: the device-side reference values of its fields
   for ``spec`` (the straightforward torch computations of :mod:`attnmeta.testing.reference`,
-  synchronisations and all), by field name: tensors for device fields, host values for the rest;
-  a nested ``dict`` for a part (``{"paged": {...}}``); a :class:`LeadingColumns` for a 2-D field
-  whose width follows the staging (a block table), of which it names the columns kernels read. A reference derives every field itself: it
+  synchronisations and all), by field name: tensors for device fields, host values for the rest; a
+  nested ``dict`` for a part (``{"paged": {...}}``); a :class:`LeadingColumns` for a 2-D field whose
+  width follows the staging (a block table), of which it names the entries kernels read. A reference
+  that also takes a ``profile`` keyword gets the graph-mode profile the metadata was staged under
+  (None: eager), for fields whose shape graph mode fixes. A reference derives every field itself: it
   shares no helper with the builder it checks (an oracle that shares code with the code under test
   cannot catch that code's bugs).
 - ``sample(spec, rng) -> (options, inputs)``: random valid options and inputs for ``spec`` (the
@@ -38,12 +40,15 @@ Examples
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from attnmeta.builder import AnyBuilder, get_builder
+from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec
 from attnmeta.testing.labs import BUILTIN, Defaults, LabEntry, LeadingColumns, Reference, Sample
 
@@ -70,15 +75,20 @@ class Lab:
         """Whether the entry has a reference (:func:`attnmeta.testing.check_builder` needs one)."""
         return self._reference is not None
 
-    def reference(self, spec: BatchSpec, options: Any, device: torch.device | str, inputs: Any = None,
-                  ) -> dict[str, Any] | None:
+    def reference(self, spec: BatchSpec, options: Any, device: torch.device | str, inputs: Any = None, *,
+                  profile: StaticProfile | None = None) -> dict[str, Any] | None:
         """Reference values of the builder's fields for ``spec`` on ``device`` (None: no reference).
 
-        ``options`` and ``inputs`` may be None (the builder's defaults)."""
+        ``options`` and ``inputs`` may be None (the builder's defaults). ``profile`` is the graph-mode
+        profile the metadata was staged under (None: eager), passed on to a reference function that
+        takes a ``profile`` keyword (for fields whose shape graph mode fixes)."""
         if self._reference is None:
             return None
         b = self.builder
-        return self._reference(spec, b.options(options), torch.device(device), b.inputs(inputs))
+        args = (spec, b.options(options), torch.device(device), b.inputs(inputs))
+        if _takes_profile(self._reference):
+            return self._reference(*args, profile=profile)  # type: ignore[call-arg]
+        return self._reference(*args)
 
     def sample(self, spec: BatchSpec, rng: np.random.Generator) -> tuple[Any, Any]:
         """Random valid ``(options, inputs)`` for ``spec`` (default: :meth:`defaults`)."""
@@ -92,6 +102,14 @@ class Lab:
         if self._defaults is None:
             return self.builder.options(None), None
         return self._defaults(spec)
+
+
+def _takes_profile(fn: Callable[..., Any]) -> bool:
+    """Whether a reference function takes the ``profile`` keyword."""
+    try:
+        return "profile" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # (a callable without a signature)
+        return False
 
 
 _LABS: dict[str, Lab] = {}

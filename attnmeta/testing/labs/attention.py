@@ -274,6 +274,7 @@ def local_attn_reference(spec: BatchSpec, options: LocalAttentionOptions, device
     lb = ref_local_virtual_batches(f["query_start_loc"], f["seq_lens"], options.attn_chunk_size, spec.block_size,
                                    torch.tensor(table).to(device))
     on_device = options.block_table == "device"
+    assert lb.block_table is not None  # (given a table)
     read = -(-lb.seq_lens.long() // spec.block_size)  # (each virtual row's blocks: kstart is a block boundary)
     return {"query_start_loc": lb.query_start_loc, "seq_lens": lb.seq_lens,
             "block_table": LeadingColumns(lb.block_table, read),

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from attnmeta.backends.mm_prefix import MMPrefixInputs, MMPrefixOptions
+from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec
 from attnmeta.testing.labs._entry import LabEntry
 from attnmeta.testing.reference.layout import ref_common_fields
@@ -72,9 +73,11 @@ def mm_prefix_sample(spec: BatchSpec, rng: np.random.Generator) -> tuple[MMPrefi
 
 
 def mm_prefix_reference(spec: BatchSpec, options: MMPrefixOptions, device: torch.device,
-                        inputs: MMPrefixInputs) -> dict[str, Any]:
+                        inputs: MMPrefixInputs, profile: StaticProfile | None = None) -> dict[str, Any]:
     """vLLM's three functions transcribed on device tensors
-    (:mod:`attnmeta.testing.reference.mm_prefix`), syncs and all."""
+    (:mod:`attnmeta.testing.reference.mm_prefix`), syncs and all; under a graph-mode ``profile`` the
+    Triton form's rows padded with ``(0, 0)`` ranges to ``graph_max_ranges`` (one row stride for a
+    captured kernel)."""
 
     def dev(value: Any, dtype: Any) -> torch.Tensor:
         return torch.tensor(np.array([] if value is None else value, dtype)).to(device)
@@ -94,6 +97,8 @@ def mm_prefix_reference(spec: BatchSpec, options: MMPrefixOptions, device: torch
     common = ref_common_fields(spec, device)
     if options.form == "triton":
         t = ref_mm_prefix_range_tensor(ranges, spec.padded_num_reqs, device)
+        if t is not None and profile is not None:
+            t = torch.nn.functional.pad(t, (0, 0, 0, options.graph_max_ranges - t.shape[1]))
         out["mm_prefix_range_tensor"] = t
         out["max_ranges"] = 0 if t is None else int(t.shape[1])
         out["num_query_range_rows"] = 0  # (the other form's)
