@@ -53,9 +53,14 @@ class Arenas:
     _graph_views: dict[tuple[Any, ...], torch.Tensor]
     _full_copy_pending: bool
     _debug_fill: int | None
+    _graph_retired: list[torch.Tensor]  # graph mode: arenas the layout grew out of since the last commit
 
     def _wait_slot(self, slot: Slot) -> tuple[int, float]:
         """Wait until ``slot``'s last copy has completed (the ring's fence: Ring._wait_slot)."""
+        raise NotImplementedError
+
+    def _stream_now(self) -> Any:
+        """The stream commits copy on (Ring._stream_now; None off CUDA)."""
         raise NotImplementedError
 
     def _alloc_host(self, nbytes: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -130,8 +135,13 @@ class Arenas:
         logger.info("attnmeta.staging: graph layout adds %s (%s x %s %s), %d bytes total",
                     name, capacity, row_shape, dtype, self._layout_bytes)
         self.stats.grows += 1
-        # Re-create arenas at the new size; existing content is sentinel-refilled below.
+        # Re-create the arena at the new size. The fields before the new one keep their offsets: the old
+        # arena's bytes are carried over, so a committed step that is still live (graph mode: until the
+        # next commit) reads its data from a view made now as from one made before.
+        old_arena = self._graph_arena
         self._graph_arena = self._alloc_arena(self._layout_bytes)
+        if old_arena is not None:
+            self._carry(old_arena, self._graph_arena)
         arena_ptr = self._graph_arena.data_ptr() if self._cuda else 0
         self._graph_typed = {}
         self._graph_views = {}
@@ -156,6 +166,29 @@ class Arenas:
                 slot.ptrs = (arena_ptr, slot.host.data_ptr())
         self._full_copy_pending = True
         return f
+
+    def _carry(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Graph mode: ``old``'s bytes into the start of ``new`` (a device copy ordered after the last
+        commit's copy and ``new``'s allocation); ``old`` is kept, and indexed for replicas, until the
+        next commit expires the step it holds."""
+        n = old.shape[0]
+        with plain_tensors():
+            if self._cuda:
+                stream = self._stream_now()
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    new[:n].copy_(old, non_blocking=True)
+                old.record_stream(stream)
+            elif self.device.type != "meta":
+                new[:n].copy_(old)
+        self._graph_retired.append(old)
+
+    @property
+    def graph_arenas(self) -> list[torch.Tensor]:
+        """Graph mode: the arena, then those the layout grew out of since the last commit (whose step,
+        the last committed one, may still hand out views of them); empty in eager mode or before the
+        first field."""
+        return [*([] if self._graph_arena is None else [self._graph_arena]), *self._graph_retired]
 
     @property
     def graph_fields(self) -> dict[str, FieldLayout]:

@@ -82,6 +82,32 @@ def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def exact_fill(name: str, dtype: np.dtype, fill: Any) -> Any:
+    """``fill``, a graph-mode field's sentinel, checked to be a value ``dtype`` holds exactly (-1 in a
+    uint8, 0.7 in an int32, 5 in a bool or 1e50 in a float32 would be stored as another value).
+
+    Raises
+    ------
+    ValueError
+        Naming the field, the fill and the dtype.
+    """
+    try:
+        given = np.asarray(fill)
+        with np.errstate(all="ignore"):  # (an overflowing cast is what this finds)
+            stored = given.astype(dtype)
+        exact = given.shape == () and (stored.astype(given.dtype) == given or (given != given and stored != stored))
+    except (TypeError, ValueError, OverflowError):
+        exact = False
+    if not exact:
+        raise ValueError(f"{name}: fill={fill!r} is not a {dtype} value (a sentinel must be stored exactly)")
+    return fill
+
+
+def same_fill(a: Any, b: Any) -> bool:
+    """Whether two sentinels are the same value (NaN the same as NaN)."""
+    return bool(a == b) or (a != a and b != b)
+
+
 def plain_tensors() -> torch.inference_mode:
     """The context in which staging makes every tensor it keeps (pinned slots, device arenas, their
     typed views, cached index tensors): ``torch.inference_mode(False)``, so that they are plain tensors

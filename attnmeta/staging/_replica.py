@@ -191,10 +191,10 @@ def _storage_key(t: torch.Tensor) -> int:
 
 def arena_keys(stager: Ring) -> dict[int, int]:
     """``{storage identity: arena}`` of ``stager``'s device arenas now (eager: the ring slots'; graph
-    mode: -1 for the one arena)."""
+    mode: -1 for the one arena, and for those the layout grew out of since the last commit, whose step
+    is the one the arena holds)."""
     if stager.graph_mode:
-        arena = stager.graph_arena
-        return {} if arena is None else {_storage_key(arena): -1}
+        return {_storage_key(arena): -1 for arena in stager.graph_arenas}
     return {_storage_key(s.device_arena): s.index for s in ring_slots(stager) if s.device_arena is not None}
 
 

@@ -178,6 +178,7 @@ class Ring(Arenas):
         self._graph_arena: torch.Tensor | None = None
         self._graph_typed: dict[np.dtype, torch.Tensor] = {}
         self._graph_views: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._graph_retired: list[torch.Tensor] = []
         self._copy_end = 0  # graph mode: bytes a commit must copy (high-water mark of non-sentinel data)
         self._full_copy_pending = True
         self._stream_handle = 0
@@ -387,6 +388,7 @@ class Ring(Arenas):
             if prev is not None and not prev._expired:
                 prev._expire(-step._number)
             self._graph_live = weakref.ref(step)
+            self._graph_retired.clear()  # (their step has expired)
         self._open = None
         step._raw_stats = (slot.index, copies, nbytes)  # StepStats is built on demand (Step.stats)
         s = self.stats

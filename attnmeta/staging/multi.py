@@ -57,11 +57,12 @@ import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from attnmeta._fields import MetadataBase
 from attnmeta.profile import StaticProfile
-from attnmeta.staging._layout import Slot, StepExpiredError, device_bytes, resolve_device
+from attnmeta.staging._layout import FieldLayout, Slot, StepExpiredError, device_bytes, resolve_device
 from attnmeta.staging._replica import (
     NotReplicableError,
     PlacementCache,
@@ -359,6 +360,14 @@ class MultiStager(Stager):
                     dst = m.arenas[slot.index] = m.alloc(cap)
                     self._forget()
                 m.copy(slot, size, dst, nbytes)
+
+    def _graph_reserve(self, name: str, dtype: np.dtype, row_shape: tuple[int, ...], capacity: int, fill: Any,
+                       current: Slot) -> FieldLayout:
+        """The primary's new arena (:meth:`Stager._graph_reserve`), and the placements that named the old
+        one dropped (the mirrors keep theirs, which hold the live step's bytes, until the next commit)."""
+        f = super()._graph_reserve(name, dtype, row_shape, capacity, fill, current)
+        self._placed.clear()
+        return f
 
     def _forget(self) -> None:
         """Drop every cached placement, view and replica (an arena moved)."""

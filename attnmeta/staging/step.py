@@ -29,6 +29,8 @@ from attnmeta.staging._layout import (
     StepLayout,
     StepNotCommittedError,
     StepStats,
+    exact_fill,
+    same_fill,
 )
 from attnmeta.staging._ring import StepCore
 
@@ -57,7 +59,7 @@ class Step(StepCore):
         dtype: npt.DTypeLike,
         *,
         capacity: int | None = None,
-        fill: Any = 0,
+        fill: Any = None,
     ) -> np.ndarray:
         """Reserve a field in this step and return its writable host view (uninitialised contents).
 
@@ -71,8 +73,9 @@ class Step(StepCore):
             bool, int8/16/32/64, uint8 or float32.
         capacity : int, optional
             Graph mode (required there): the most ``rows`` this field can ever have.
-        fill : scalar, default 0
-            Graph mode: sentinel written to rows ``[rows, capacity)``.
+        fill : scalar, optional
+            Graph mode: sentinel written to rows ``[rows, capacity)``, fixed when the field is first
+            staged (default 0); a later step may leave it out or give the same value.
 
         Returns
         -------
@@ -84,6 +87,9 @@ class Step(StepCore):
         ------
         CapacityError
             Graph mode: ``rows > capacity``, or a new field after :meth:`Stager.freeze`.
+        ValueError
+            A negative dimension; a field staged twice in one step. Graph mode: a ``fill`` the dtype
+            cannot hold exactly, or another ``fill`` than the field's layout holds.
         """
         if self._committed:
             raise RuntimeError(self._closed(f"{name}: alloc()"))
@@ -97,6 +103,10 @@ class Step(StepCore):
         else:
             shp = (shape,) if isinstance(shape, np.integer) else tuple(int(s) for s in shape)  # type: ignore[union-attr]
             rows, row_shape = int(shp[0]), shp[1:]
+            if row_shape and min(row_shape) < 0:
+                raise ValueError(f"{name}: negative dimension in shape {shp}")
+        if rows < 0:
+            raise ValueError(f"{name}: negative row count {rows}")
         dt = DTYPES.get(dtype)
         if dt is None:
             dt = np.dtype(dtype)
@@ -111,12 +121,16 @@ class Step(StepCore):
                     raise CapacityError(f"{name}: graph mode needs capacity= for every staged field")
                 if rows > capacity:
                     raise CapacityError(f"{name}: needs {rows} rows but its capacity is {capacity}")
-                f = st._graph_reserve(name, dt, row_shape, int(capacity), fill, slot)
+                f = st._graph_reserve(name, dt, row_shape, int(capacity), exact_fill(name, dt, 0 if fill is None else fill),
+                                      slot)
                 self._grew = True
             elif f.dtype != dt or f.row_shape != row_shape:
                 raise ValueError(
                     f"{name}: staged as {dt} rows of {row_shape} but the graph layout holds {f.dtype} rows of {f.row_shape}"
                 )
+            elif fill is not None and fill is not f.fill and not same_fill(fill, f.fill):
+                raise ValueError(f"{name}: staged with fill={fill!r} but the graph layout's sentinel is {f.fill!r} "
+                                 f"(a field's fill is fixed when it is first staged)")
             if rows > f.capacity:
                 raise CapacityError(
                     f"{name}: needs {rows} rows but its graph-mode capacity is {f.capacity} "
@@ -125,7 +139,7 @@ class Step(StepCore):
             staged = FieldLayout(name, f.offset, dt, row_shape, rows, f.capacity, f.fill)
         else:
             off = (self._used + ALIGN - 1) // ALIGN * ALIGN
-            staged = FieldLayout(name, off, dt, row_shape, rows, rows, fill)
+            staged = FieldLayout(name, off, dt, row_shape, rows, rows, 0 if fill is None else fill)
             end = off + staged.row_bytes * rows
             assert slot.host_np is not None
             if end > slot.host_np.shape[0]:

@@ -15,6 +15,7 @@ from attnmeta.profile import StaticProfile
 from attnmeta.staging import (
     CapacityError,
     DeviceIndexCache,
+    MultiStager,
     Stager,
     StepExpiredError,
     StepNotCommittedError,
@@ -559,3 +560,91 @@ def test_cpu_slot_memory_is_resident_from_allocation() -> None:
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert step.device("x")[-1].item() == 1
     assert faults < 1000, faults
+
+
+# ------------------------------------------------------------------------------------------------
+# found by an adversarial review: a live step across a layout growth, fills, negative rows
+
+
+@pytest.mark.parametrize("abandon", [False, True])
+def test_a_live_graph_step_keeps_its_data_when_a_later_step_grows_the_layout(abandon: bool) -> None:
+    """Graph mode before freeze(): step 2 adds a field (a new arena) while step 1 is still live (until a
+    later commit). Views of step 1 made after that read step 1's bytes (the old arena's are carried over),
+    not an arena no commit wrote; so does a MultiStager replica. The debug fill stands for CUDA's
+    uninitialised memory."""
+    from attnmeta import BatchSpec, stage_common
+    from attnmeta.backends import flash_attn
+
+    spec = BatchSpec(num_computed_tokens=[5, 9], num_scheduled_tokens=[1, 1], block_table=[[1, 2, 3], [4, 5, 6]],
+                     block_size=4)
+    for stager in (Stager("cpu", profile=PROFILE, debug_fill=0xA5),
+                   MultiStager(["cpu", "cpu"], profile=PROFILE, debug_fill=0xA5)):
+        with stager.step() as s1:
+            fa = flash_attn.stage(stage_common(spec, s1), s1)
+        before = fa.result()
+        try:
+            with stager.step() as s2:
+                stage_common(spec, s2)
+                s2.alloc("engine.new_field", 2, np.int32, capacity=4)
+                assert s1.state == "committed"
+                m = fa.result()
+                assert m.seq_lens.tolist() == [6, 10] and s1.device("common.seq_lens").tolist() == [6, 10]
+                assert s1.device_full("common.seq_lens").tolist()[:2] == [6, 10]
+                if isinstance(stager, MultiStager):
+                    assert stager.view(before, 1).seq_lens.tolist() == [6, 10]
+                    assert stager.view(m, 1).seq_lens.tolist() == [6, 10]
+                if abandon:
+                    raise KeyError("the engine's step failed")
+        except KeyError:
+            assert s2.state == "abandoned" and s1.state == "committed"
+            assert s1.device("common.seq_lens").tolist() == [6, 10]
+        else:
+            assert s1.state == "expired"
+        with stager.step() as s3:  # the next commit: the new arena holds the step's whole layout
+            stage_common(spec, s3)
+            s3.alloc("engine.new_field", 1, np.int32, capacity=4)[:] = 3
+        assert s3.device_full("engine.new_field").tolist() == [3, 0, 0, 0]
+        assert s3.device("common.seq_lens").tolist() == [6, 10]
+
+
+def test_a_graph_fill_is_checked_before_the_layout_changes() -> None:
+    """A sentinel its dtype cannot hold exactly raised from the middle of the reservation (the field laid
+    out, no slot filled); a later step's other fill was ignored. Both are ValueErrors before anything
+    changes, and the field's first fill stays the one its tail holds."""
+    stager = Stager("cpu", profile=PROFILE, num_slots=2, debug_fill=0xA5)
+    for dtype, fill in ((np.uint8, -1), (np.int32, 0.7), (np.bool_, 5), (np.float32, 1e50), (np.int32, "x")):
+        with pytest.raises(ValueError, match=r"engine.flags: fill=.* is not a .* value"):
+            with stager.step() as step:
+                step.alloc("engine.flags", 2, dtype, capacity=8, fill=fill)
+        assert step.state == "abandoned" and "engine.flags" not in stager.graph_fields
+    for rows in (4, 1, 8, 0):
+        with stager.step() as step:
+            step.alloc("engine.flags", rows, np.uint8, capacity=8, fill=255)[:] = 1
+        assert step.device_full("engine.flags").tolist() == [1] * rows + [255] * (8 - rows)
+    with pytest.raises(ValueError, match=r"engine.flags: staged with fill=0 but the graph layout's sentinel is 255"):
+        with stager.step() as step:
+            step.alloc("engine.flags", 2, np.uint8, capacity=8, fill=0)
+    with stager.step() as step:  # (leaving it out, or the same value, is the layout's)
+        step.alloc("engine.flags", 2, np.uint8)[:] = 1
+        step.alloc("engine.nan", 1, np.float32, capacity=2, fill=float("nan"))[:] = 0
+    with stager.step() as step:
+        step.alloc("engine.flags", 1, np.uint8, capacity=8, fill=255)[:] = 1
+        step.alloc("engine.nan", 1, np.float32, capacity=2, fill=float("nan"))[:] = 0
+    assert step.device_full("engine.flags").tolist() == [1] + [255] * 7
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_negative_dimension_is_refused_before_the_step_moves(graph: bool) -> None:
+    """Eager mode moved the step's write offset back before numpy refused a negative row count, so the next
+    field overlaid earlier ones when the caller went on staging."""
+    stager = Stager("cpu", profile=PROFILE if graph else None)
+    cap: dict[str, Any] = {"capacity": 8} if graph else {}
+    with stager.step() as step:
+        ids = step.alloc("engine.ids", 2, np.int32, **cap)
+        ids[:] = [11, 12]
+        with pytest.raises(ValueError, match="engine.extra: negative row count -40"):
+            step.alloc("engine.extra", -40, np.int32, **cap)
+        with pytest.raises(ValueError, match=r"engine.extra: negative dimension in shape \(2, -1\)"):
+            step.alloc("engine.extra", (2, -1), np.int32, **cap)
+        step.alloc("engine.more", 2, np.int32, **cap)[:] = [-7, -1]
+    assert step.device("engine.ids").tolist() == [11, 12]
