@@ -384,7 +384,7 @@ class StepBuilder:
         self._scan_class = _scan_class_getter(len(self._groups))
         self._numbers: dict[tuple[Hashable, ...], int] = {}  # a class's number, by its key without lengths
         self._made = 0  # class numbers given (never reused)
-        self._scratch = np.zeros((len(self._groups) - 1, 3), np.int64)  # scan_counts's per-group scalars
+        self._no_groups = np.zeros((0, 3), np.int64)  # scan_counts's scratch of a one-group step (never written)
         self.stats = ComposeStats()
 
     @property
@@ -499,7 +499,9 @@ class StepBuilder:
         c, q, prompt, drafts, ub = (num_computed_tokens, num_scheduled_tokens, num_prompt_tokens, num_draft_tokens,
                                     seq_lens_upper_bound)
         rp, tp = num_reqs_padded, num_tokens_padded
-        scan = scan_counts(c, q, tables, prompt, drafts, ub, rp, tp, self._scratch)
+        n = len(self._groups) - 1  # (a scratch of the call's own: the scan runs without the GIL, and the one
+        # thread the stager allows is not yet checked here)
+        scan = scan_counts(c, q, tables, prompt, drafts, ub, rp, tp, np.empty((n, 3), np.int64) if n else self._no_groups)
         if scan is None:  # (not arrays a spec keeps as they are, or a broken rule: the specs say which)
             return self.build(_make_specs(c, q, tables, prompt, drafts, ub, rp, tp), inputs, arrays)
         self.stats.steps += 1

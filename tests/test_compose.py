@@ -576,3 +576,41 @@ def test_build_and_build_counts_find_each_other_s_layouts(device: torch.device, 
             assert composer.stats.replayed == before + 1, f"step {k} was composed, not replayed"
         assert_same(got.commons, want.commons, f"step {k} commons")
         assert_same(got.metadata, want.metadata, f"step {k} metadata")
+
+
+def test_build_counts_from_another_thread_never_changes_a_steps_group_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled scan wrote each extra group's block size, width and page count into one scratch array
+    of the composer, before the stager's one-thread check: a second thread's scan between the first's
+    scan and its read of them gave the first thread's step the other's group shapes (found by an
+    adversarial review, 5 in about 300 steps of two threads): its step replayed the other's recorded
+    layout. Here thread A pauses right after its compiled scan while the main thread composes a whole
+    step of other shapes."""
+    import threading
+
+    import attnmeta.spec as spec_module
+
+    composer = StepBuilder(Stager("cpu", num_slots=3), Group({"fi": FLASHINFER}), Group({"fi2": FLASHINFER}, prefix="g2"))
+    c, q = np.full(6, 300, np.int32), np.ones(6, np.int32)
+    table = np.arange(6 * 40, dtype=np.int32).reshape(6, 40)
+    mine, other = [(table, 16), (table.copy(), 16)], [(table, 16), (table[:, :10].copy(), 64)]
+    real, scanned, done = spec_module._scan_nb, threading.Event(), threading.Event()
+
+    def paused_scan(*args: Any) -> Any:
+        out = real(*args)
+        if threading.current_thread().name == "A":  # (before it reads its groups' scalars back)
+            scanned.set()
+            assert done.wait(10)
+        return out
+
+    for _ in range(3):  # every ring slot records a layout of each (a step of the other's shapes replays it)
+        composer.build_counts(c, q, mine)
+        composer.build_counts(c, q, other)
+    monkeypatch.setattr(spec_module, "_scan_nb", paused_scan)
+    got: dict[str, Any] = {}
+    a = threading.Thread(target=lambda: got.update(a=composer.build_counts(c, q, mine)), name="A")
+    a.start()
+    assert scanned.wait(10)
+    assert composer.build_counts(c, q, other)["fi2"].page_size == 64  # (the main thread's whole step)
+    done.set()
+    a.join(10)
+    assert got["a"]["fi2"].page_size == 16 and got["a"]["fi2"].paged_kv_indptr_cpu[1] == 19  # cdiv(301, 16)

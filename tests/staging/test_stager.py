@@ -613,17 +613,16 @@ def test_a_graph_fill_is_checked_before_the_layout_changes() -> None:
     changes, and the field's first fill stays the one its tail holds."""
     stager = Stager("cpu", profile=PROFILE, num_slots=2, debug_fill=0xA5)
     for dtype, fill in ((np.uint8, -1), (np.int32, 0.7), (np.bool_, 5), (np.float32, 1e50), (np.int32, "x")):
-        with pytest.raises(ValueError, match=r"engine.flags: fill=.* is not a .* value"):
-            with stager.step() as step:
-                step.alloc("engine.flags", 2, dtype, capacity=8, fill=fill)
+        with pytest.raises(ValueError, match=r"engine.flags: fill=.* is not a .* value"), stager.step() as step:
+            step.alloc("engine.flags", 2, dtype, capacity=8, fill=fill)
         assert step.state == "abandoned" and "engine.flags" not in stager.graph_fields
     for rows in (4, 1, 8, 0):
         with stager.step() as step:
             step.alloc("engine.flags", rows, np.uint8, capacity=8, fill=255)[:] = 1
         assert step.device_full("engine.flags").tolist() == [1] * rows + [255] * (8 - rows)
-    with pytest.raises(ValueError, match=r"engine.flags: staged with fill=0 but the graph layout's sentinel is 255"):
-        with stager.step() as step:
-            step.alloc("engine.flags", 2, np.uint8, capacity=8, fill=0)
+    with pytest.raises(ValueError, match=r"engine.flags: staged with fill=0 but the graph layout's sentinel is 255"), \
+            stager.step() as step:
+        step.alloc("engine.flags", 2, np.uint8, capacity=8, fill=0)
     with stager.step() as step:  # (leaving it out, or the same value, is the layout's)
         step.alloc("engine.flags", 2, np.uint8)[:] = 1
         step.alloc("engine.nan", 1, np.float32, capacity=2, fill=float("nan"))[:] = 0
@@ -642,7 +641,7 @@ def test_a_negative_dimension_is_refused_before_the_step_moves(graph: bool) -> N
     with stager.step() as step:
         ids = step.alloc("engine.ids", 2, np.int32, **cap)
         ids[:] = [11, 12]
-        with pytest.raises(ValueError, match="engine.extra: negative row count -40"):
+        with pytest.raises(ValueError, match=r"engine.extra: negative row count -40"):
             step.alloc("engine.extra", -40, np.int32, **cap)
         with pytest.raises(ValueError, match=r"engine.extra: negative dimension in shape \(2, -1\)"):
             step.alloc("engine.extra", (2, -1), np.int32, **cap)
