@@ -143,9 +143,17 @@ def mla_decode_threshold(options: MLAOptions) -> int:
     return thr
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False)
-class MLAChunk:
-    """One context chunk (vLLM ``ContextChunk``): device views into the flat fields, host ints."""
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False, eq=False)
+class MLAChunk(MetadataBase):
+    """One context chunk (vLLM ``ContextChunk``): device views into the flat fields, host ints. It
+    expires with the step of the :class:`MLAMetadata` it came from (:meth:`MLAMetadata.chunk`)."""
+
+    _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = ("query_start_loc", "cu_seq_lens", "starts", "token_to_seq",
+                                                 "padded_local_cu_seq_lens", "padded_local_token_to_seq")
+    _HOST_FIELDS: ClassVar[tuple[str, ...]] = ("seq_lens", "padded_local_seq_lens", "local_context_lens_allranks")
+    _SCALAR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "index", "request_slice", "token_slice", "continuation_token_end", "is_continuation", "num_context_tokens",
+        "num_local_context_tokens", "max_query_len", "max_seq_len", "all_rows_active")
 
     index: int
     """Chunk number."""
@@ -322,7 +330,8 @@ class MLAMetadata(MetadataBase):
     """FlashMLA / FA3 schedules: computed on the device by the kernels (module docstring)."""
 
     def chunk(self, index: int) -> MLAChunk:
-        """Chunk ``index``'s fields as vLLM's ``ContextChunk``: views into the flat staged arrays.
+        """Chunk ``index``'s fields as vLLM's ``ContextChunk``: views into the flat staged arrays, an
+        object that expires with this metadata's step.
 
         Raises
         ------
@@ -343,7 +352,7 @@ class MLAMetadata(MetadataBase):
         r0, r1 = int(plan.request_start[index]), int(plan.request_end[index])
         plc = self.chunk_padded_local_cu_seq_lens
         plt = self.chunk_padded_local_token_to_seq
-        return MLAChunk(
+        return self._derived(MLAChunk(
             index=index, request_slice=slice(r0, r1),
             token_slice=slice(int(plan.token_start[index]), int(plan.token_end[index])),
             continuation_token_end=int(plan.continuation_token_end[index]),
@@ -358,7 +367,7 @@ class MLAMetadata(MetadataBase):
             padded_local_token_to_seq=plt[lt: lt + nl] if dcp and plt is not None else None,
             local_context_lens_allranks=(plan.local_context_lens_allranks[r0:r1]
                                          if plan.local_context_lens_allranks is not None else None),
-        )
+        ))
 
 
 _make = keyword_factory(MLAMetadata)
@@ -497,9 +506,10 @@ class MLABuilder(Builder[MLAOptions, None, None, MLAMetadata]):
             put("chunk_padded_local_token_to_seq",
                        plan.padded_local_token_to_seq if plan and plan.padded_local_token_to_seq is not None else e,
                        caps["ltok"])
-        for arr in (starts, cu, cuq, tok, pqsl, ctx_host):
-            arr.flags.writeable = False
         chunk_seq = plan.seq_lens if plan else e
+        for arr in (starts, cu, cuq, tok, pqsl, ctx_host, pql, dec_seq, *(plan or ())):  # (handed out: read-only)
+            if isinstance(arr, np.ndarray):
+                arr.flags.writeable = False
         n_chunks = plan.num_chunks if plan else 0
         names = {k: p + k for k in ("decode_seq_lens", "decode_row_req", "decode_flattened_seq_lens",
                                     "prefill_query_start_loc", "context_lens", "chunk_starts", "chunk_cu_seq_lens",

@@ -239,11 +239,19 @@ class Step(StepCore):
         ------
         StepExpiredError
             The step has expired.
+        StepNotCommittedError
+            The step was abandoned (its slot's bytes are the next step's).
         """
-        if self._expired:
-            raise StepExpiredError(f"{name}: {self.expiry()}")
+        self._check_host(name)
         f = self._fields[name]
         return self._stager._host_view(self._slot, f, f.rows)
+
+    def _check_host(self, name: str) -> None:
+        """Raise unless this step's slot still holds its bytes (open, or committed and not expired)."""
+        if self._expired:
+            raise StepExpiredError(f"{name}: {self.expiry()}")
+        if self._committed and self._generation < 0:
+            raise StepNotCommittedError(self._closed(f"{name}: host view"))
 
     def __contains__(self, name: str) -> bool:
         return name in self._fields
@@ -415,10 +423,17 @@ class Step(StepCore):
 
     def host_full(self, name: str) -> np.ndarray:
         """Graph mode: the full-capacity writable host view of ``name`` in this step's pinned slot
-        (the host twin of :meth:`device_full`; rows past this step's length hold the sentinel)."""
+        (the host twin of :meth:`device_full`; rows past this step's length hold the sentinel).
+
+        Raises
+        ------
+        StepExpiredError, StepNotCommittedError
+            As :meth:`host`: the slot's bytes are a newer step's.
+        """
         st = self._stager
         if not st.graph_mode:
             raise RuntimeError("host_full(): only graph mode has fixed capacities")
+        self._check_host(name)
         f = st._layout[name]
         return st._host_view(self._slot, f, f.capacity)
 

@@ -203,3 +203,25 @@ def test_lab_sample_matches_reference(spec: BatchSpec, seed: int) -> None:
     if MLA.unsupported_reasons(spec, options, None):
         return
     check_builder("mla", spec, "cpu", options)
+
+
+def test_a_chunk_expires_with_its_step() -> None:
+    """``chunk(i)`` handed out a plain object: after the slot was reused it read the newer step's chunk
+    starts silently while its metadata raised (found by an adversarial review)."""
+    from attnmeta.staging import StepExpiredError, is_expired
+
+    stager = Stager("cpu", num_slots=2)
+    opts = MLAOptions(variant="flashinfer_mla", workspace_size=256)
+
+    def step(ctx: int) -> BatchSpec:
+        return BatchSpec(num_computed_tokens=[49, 0, ctx], num_scheduled_tokens=[1, 4, 20],
+                         block_table=np.zeros((3, 20), np.int32), block_size=16)
+
+    m = build(step(300), stager, opts)
+    chunk = m.chunk(0)
+    assert chunk.seq_lens.tolist() == [256] and not is_expired(chunk)
+    build(step(120), stager, opts)
+    build(step(100), stager, opts)  # (reuses the first step's slot)
+    assert is_expired(chunk)
+    with pytest.raises(StepExpiredError, match=r"MLAChunk\.starts"):
+        chunk.starts  # noqa: B018

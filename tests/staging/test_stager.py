@@ -647,3 +647,23 @@ def test_a_negative_dimension_is_refused_before_the_step_moves(graph: bool) -> N
             step.alloc("engine.extra", (2, -1), np.int32, **cap)
         step.alloc("engine.more", 2, np.int32, **cap)[:] = [-7, -1]
     assert step.device("engine.ids").tolist() == [11, 12]
+
+
+def test_host_views_of_a_step_whose_slot_is_another_steps_raise() -> None:
+    """``host_full`` of an expired graph-mode step returned (writable) the newer step's bytes while ``host``
+    raised; both returned an abandoned step's half-written bytes (found by an adversarial review)."""
+    stager = Stager("cpu", profile=PROFILE, num_slots=2)
+    with stager.step() as first:
+        first.alloc("a", 2, np.int32, capacity=8)[:] = 1
+    for _ in range(2):
+        with stager.step() as step:
+            step.alloc("a", 2, np.int32)[:] = 2
+    for view in (first.host, first.host_full):
+        with pytest.raises(StepExpiredError):
+            view("a")
+    with pytest.raises(KeyError), stager.step() as dropped:
+        dropped.alloc("a", 2, np.int32)[:] = 3
+        raise KeyError("the engine's step failed")
+    for view in (dropped.host, dropped.host_full):
+        with pytest.raises(StepNotCommittedError, match=r"a: host view: step .* was abandoned"):
+            view("a")

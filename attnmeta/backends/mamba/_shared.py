@@ -373,7 +373,8 @@ class MambaMetadata(MetadataBase):
     nums_dict: dict[int, dict[str, Any]] | None
     """vLLM's ``nums_dict``: ``{8: {"nums", "tot", "mlist", "mlist_len", "offsetlist", "batch_ptr",
     "token_chunk_offset_ptr"}}`` with the host arrays above (numpy, where vLLM has CPU tensors) and
-    the two device tensors; None without causal-conv1d metadata."""
+    the two device tensors; None without causal-conv1d metadata. Reading it after the step expired
+    raises; a dict taken out before is plain (not checked), as a tensor taken out is."""
     write_pos_d: None = None
     """ReplaySSM only: not produced (always None)."""
     is_flush_d: None = None

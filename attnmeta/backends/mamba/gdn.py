@@ -273,7 +273,9 @@ class GDNMetadata(MetadataBase):
     """(tot,) int32, host only. Block of its row each program handles (``offsetlist``)."""
     nums_dict: dict[int, dict[str, Any]] | None
     """vLLM's ``nums_dict`` (``{8: {"nums", "tot", "mlist", "mlist_len", "offsetlist", "batch_ptr",
-    "token_chunk_offset_ptr"}}``, host numpy arrays and the two device tensors), or None."""
+    "token_chunk_offset_ptr"}}``, host numpy arrays and the two device tensors), or None. Reading it
+    after the step expired raises; a dict taken out before is plain (not checked), as a tensor taken
+    out is."""
 
 
 _make = keyword_factory(GDNMetadata)
@@ -510,6 +512,8 @@ class GDNBuilder(AlignReadsLengths, Builder[GDNOptions, GDNInputs, None, GDNMeta
             if o.needs_causal_conv1d_metadata:
                 cm1 = causal_conv1d_metadata(ns_qsl)
                 tot, nums, mlist, offl = cm1.num_programs_total, cm1.nums, cm1.mlist, cm1.offsetlist
+                for arr in (nums, mlist, offl):  # (host arrays handed out: read-only)
+                    arr.flags.writeable = False
                 maxp = cm1.max_num_programs if prof is None else conv1d_capacity(prof.max_num_tokens, prof.max_num_reqs)
                 for f, src in (("batch_ptr", cm1.batch_ptr), ("token_chunk_offset_ptr", cm1.token_chunk_offset_ptr)):
                     full = np.full(maxp, -1, np.int32)
