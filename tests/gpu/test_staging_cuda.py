@@ -380,3 +380,25 @@ def test_a_cuda_stager_without_num_kv_blocks_warns_once_per_process() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "['UncheckedBlockIdsWarning']"
+
+
+def test_a_live_graph_step_reads_its_data_after_a_later_step_grows_the_layout() -> None:
+    """Graph mode before freeze(): while step 1's copy is still queued behind a held GPU, step 2 adds a
+    field (a new arena). Step 1's views made after that must read step 1's bytes: the old arena's are
+    carried into the new one on the device, ordered after step 1's copy, with no sync."""
+    prof = StaticProfile(max_num_reqs=8, max_num_tokens=64, max_blocks_per_req=4, block_size=16)
+    stager = Stager(torch.device("cuda"), profile=prof, debug_fill=0xA5)
+    firsts, seconds = [], []
+    with sync_error_mode():
+        for k in range(3):  # (each round lays out one more field)
+            torch.cuda._sleep(5_000_000)  # the copies below queue behind a few ms of GPU work
+            with stager.step() as s1:
+                s1.alloc("a", 4, np.int32, capacity=8)[:] = [k, 2, 3, 4]
+            with stager.step() as s2:
+                s2.alloc("a", 2, np.int32)[:] = 9
+                s2.alloc(f"new{k}", 2, np.int32, capacity=4)[:] = 7
+                firsts.append(s1.device("a").clone())  # (step 1 is live until step 2 commits)
+            seconds.append(torch.cat([s2.device("a"), s2.device(f"new{k}")]).clone())
+    torch.cuda.synchronize()
+    assert [t.cpu().tolist() for t in firsts] == [[k, 2, 3, 4] for k in range(3)]
+    assert [t.cpu().tolist() for t in seconds] == [[9, 9, 7, 7]] * 3
