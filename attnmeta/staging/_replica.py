@@ -387,7 +387,7 @@ def owner(stager: Ring, arena: int) -> StepCore:
 #   (W_OBJ | W_NAMEDTUPLE, class, gen, values)             a dataclass / named tuple, every field
 #   (W_PATCH, class, gen, base, positions, values, tag)    the same, as the fields that changed since the
 #                                                          state ``base`` of (class, slot), tag W_OBJ/W_NAMEDTUPLE
-#   (W_TUPLE | W_LIST, values), (W_DICT, keys, values)
+#   (W_TUPLE | W_LIST, values), (W_DICT, keys, values)    keys encoded as values are (a numpy int key)
 # A value is "sticky" when the same Python object always means the same wire value: a plain value, a
 # device view (its place), a view of the shared slot (its place; the reader reads the slot itself). A
 # patch leaves out the sticky fields that hold the very object they held in the state it patches;
@@ -519,7 +519,7 @@ class Encoder:
                 out = (W_PATCH, _class_key(t), self.gen, base, tuple(pos), tuple(new), tag)
             self.lasts[key] = (self.gen, vals, encs, sticky)
         elif k == DICT:
-            out = (W_DICT, tuple(obj), tuple([self.encode(v)[0] for v in obj.values()]))
+            out = (W_DICT, tuple([self.encode(k)[0] for k in obj]), tuple([self.encode(v)[0] for v in obj.values()]))
         else:
             out = (W_LIST if k == LIST else W_TUPLE, tuple([self.encode(v)[0] for v in obj]))
         self.memo[id(obj)] = (obj, out)
@@ -574,7 +574,7 @@ class Resolver:
             self.states[key] = (w[2], vals)
             out = (_R_OBJ if w[6] == W_OBJ else _R_NAMEDTUPLE, w[1], tuple(vals))
         elif tag == W_DICT:
-            out = (W_DICT, w[1], tuple([self(v) for v in w[2]]))
+            out = (W_DICT, tuple([self(k) for k in w[1]]), tuple([self(v) for v in w[2]]))
         else:
             out = (tag, tuple([self(v) for v in w[1]]))
         self.memo[id(w)] = (w, out)
@@ -653,12 +653,21 @@ class Decoder:
                 if self.own is not None and isinstance(out, MetadataBase):
                     self.own(out)
         elif tag == W_DICT:
-            out = dict(zip(skel[1], [self(v) for v in skel[2]]))
+            out = dict(zip([self(k) for k in skel[1]], [self(v) for v in skel[2]]))
         else:
             new = [self(v) for v in skel[1]]
             out = new if tag == W_LIST else tuple(new)
         self.memo[id(skel)] = (skel, out)
         return out
+
+
+def _lease_of(obj: Any) -> Any:
+    """The step that owns metadata object ``obj`` (its lease), or None."""
+    try:
+        lease = object.__getattribute__(obj, "_lease")
+    except AttributeError:
+        return None
+    return lease if hasattr(lease, "own") else None
 
 
 class Retarget:
@@ -738,7 +747,8 @@ class Retarget:
             else:
                 out = FACTORIES[t](*new)
                 if self.own is not None and isinstance(out, MetadataBase):
-                    self.own(out)
+                    lease = _lease_of(v)  # (a container may mix steps: each replica is its primary's step's)
+                    (self.own if lease is None else lease.own)(out)
         elif k == DICT:
             vals = tuple(v.values())
             new = [self(x) for x in vals]

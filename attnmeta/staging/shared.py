@@ -615,7 +615,12 @@ class RingWriter(Stager):
         if cached[0] is not fields:  # (a restaged step shares its layout's table)
             table = {n: (f.offset, f.dtype.str, f.row_shape, f.rows, f.capacity) for n, f in fields.items()}
             cached = self._fields_blob[i] = (fields, marshal.dumps(table))
-        blob = marshal.dumps((cached[1], skel))
+        try:
+            blob = marshal.dumps((cached[1], skel))
+        except ValueError as e:  # (a value of a type marshal refuses slipped through: nothing is sent)
+            self._encoder.forget()
+            raise ValueError(f"publish(): the step's description holds a value marshal cannot write ({e}); the "
+                             f"step stays unpublished: publish it again without it") from None
         ring = self._ring
         if len(blob) > ring.meta_bytes:
             self._encoder.forget()
@@ -648,16 +653,21 @@ class RingWriter(Stager):
     def _array(self, a: np.ndarray) -> ArrayAt | None:
         hit = self._arrays.get(id(a))
         if hit is not None and hit[0] is a:
-            return hit[1]
-        at = None
-        ptr = int(a.__array_interface__["data"][0])
-        for i, (lo, hi) in enumerate(self._bounds):
-            if lo <= ptr < hi:
-                at = ArrayAt(i, ptr - lo, a.dtype.str, tuple(a.shape), tuple(a.strides))
-                break
-        if len(self._arrays) >= 4096:
-            self._arrays.clear()
-        self._arrays[id(a)] = (a, at)
+            at = hit[1]
+        else:
+            at = None
+            ptr = int(a.__array_interface__["data"][0])
+            for i, (lo, hi) in enumerate(self._bounds):
+                if lo <= ptr < hi:
+                    at = ArrayAt(i, ptr - lo, a.dtype.str, tuple(a.shape), tuple(a.strides))
+                    break
+            if len(self._arrays) >= 4096:
+                self._arrays.clear()
+            self._arrays[id(a)] = (a, at)
+        if at is not None and at.slot != self._publishing:
+            raise ValueError(f"publish(): a {a.shape} {a.dtype} host view of the step in slot {at.slot}, not of the "
+                             f"step being published (slot {self._publishing}): a reader would read it after that "
+                             f"slot is rewritten")
         return at
 
     def close(self) -> None:
@@ -1013,6 +1023,8 @@ class RingStep:
         f = self._table
         if f is None:
             f = self._table = marshal.loads(self._load()[0])
+        elif self.expired:  # (the table is cached; the slot's bytes are a newer step's)
+            raise StepExpiredError(self.expiry())
         return f
 
     @property

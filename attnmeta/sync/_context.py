@@ -11,6 +11,7 @@ acquires torch's CUDA sync debug mode. :func:`make_audit` validates the options 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
@@ -83,20 +84,51 @@ def make_audit(
     return SyncAudit(frozenset(types), bool(check_copies), mode, bool(allow_async_d2h))
 
 
-@contextlib.contextmanager
+class _Scope(contextlib.ContextDecorator):
+    """An audit scope (:func:`no_device_sync`, :func:`allow_device_sync`): a context manager, and a
+    decorator of plain functions. A generator or async function is refused: the decorator's block would
+    end when the call returns its generator or coroutine, before the body runs."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager[Any]], name: str) -> None:
+        self._make = make
+        self._name = name
+        self._cm: contextlib.AbstractContextManager[Any] | None = None
+
+    def _recreate_cm(self) -> _Scope:
+        return _Scope(self._make, self._name)
+
+    def __enter__(self) -> Any:
+        self._cm = self._make()
+        return self._cm.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        assert self._cm is not None
+        return self._cm.__exit__(*exc)
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:  # type: ignore[override]
+        if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+            raise TypeError(
+                f"@{self._name}(): {getattr(fn, '__qualname__', fn)!r} is a generator or async function, whose "
+                f"body runs after the decorated call returns; use `with {self._name}():` inside its body instead "
+                f"(in a generator, around code that does not yield)")
+        return super().__call__(fn)
+
+
 def no_device_sync(
     *,
     devices: Iterable[str | torch.device] | str | torch.device | None = None,
     check_copies: bool = True,
     cuda_mode: CudaMode = "error",
     allow_async_d2h: bool = False,
-) -> Iterator[SyncAudit]:
+) -> _Scope:
     """Fail on any host read of device data (and any unsafe copy) inside the block.
 
     Scoped to the current thread and asyncio task: other threads and tasks are not policed, and a
     task started inside the block inherits it. Nestable: an inner block replaces the settings of
     an outer one until it exits, and re-arms the audit inside :func:`allow_device_sync`. Usable
-    as a decorator.
+    as a decorator of a plain function (a generator or async function is a ``TypeError``). A
+    block begins and ends on one thread, and a generator must not yield inside it (its caller would
+    run under the generator's audit, or none).
 
     Parameters
     ----------
@@ -155,6 +187,13 @@ def no_device_sync(
     ...         print(e.op)
     aten.nonzero.default
     """
+    return _Scope(lambda: _audited(devices, check_copies, cuda_mode, allow_async_d2h), "no_device_sync")
+
+
+@contextlib.contextmanager
+def _audited(devices: Iterable[str | torch.device] | str | torch.device | None, check_copies: bool,
+             cuda_mode: CudaMode, allow_async_d2h: bool) -> Iterator[SyncAudit]:
+    """:func:`no_device_sync`'s block."""
     with _armed(make_audit(devices, check_copies, cuda_mode, allow_async_d2h)) as audit:
         yield audit
 
@@ -226,11 +265,12 @@ def _armed(audit: SyncAudit) -> Iterator[SyncAudit]:
         ACTIVE.reset(token)
 
 
-@contextlib.contextmanager
-def allow_device_sync() -> Iterator[None]:
+def allow_device_sync() -> _Scope:
     """Suspend the audit of the current thread/task for a deliberate host read.
 
-    An inner :func:`no_device_sync` re-arms it. Outside any audit this does nothing.
+    An inner :func:`no_device_sync` re-arms it. Outside any audit this does nothing. Usable as a
+    decorator of a plain function; a generator must not yield inside the block (its caller would run
+    unaudited until it resumes).
 
     Examples
     --------
@@ -243,6 +283,12 @@ def allow_device_sync() -> Iterator[None]:
     ...         print(y.tolist())        # an expected read, e.g. checking a result
     [0, 2, 4, 6]
     """
+    return _Scope(_suspended, "allow_device_sync")
+
+
+@contextlib.contextmanager
+def _suspended() -> Iterator[None]:
+    """:func:`allow_device_sync`'s block."""
     token = ACTIVE.set(None)
     try:
         yield

@@ -136,4 +136,5 @@ def report(audit: SyncAudit, op: str, found: tuple[ViolationKind, str]) -> None:
     if isinstance(audit, Recording):
         audit.found.append(error)
         return
+    audit.raised.append(error)
     raise error

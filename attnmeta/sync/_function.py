@@ -9,6 +9,8 @@ with a Python list or numpy array (a blocking upload of the index). While a Pyth
 
 from __future__ import annotations
 
+import array
+import collections.abc
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, TypeAlias
@@ -87,13 +89,16 @@ def _rule_new_tensor(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str,
 
 
 def _host_sequence_index(index: Any) -> bool:
-    """A Python list of numbers (not of tensors/slices) or a numpy array used as an index."""
-    if isinstance(index, np.ndarray):
+    """A host sequence of numbers used as an index, which torch uploads as an index tensor: a numpy array,
+    a ``range`` or ``array.array``, or a list (a ``deque``, any non-tuple sequence) of numbers or of such
+    lists (not of tensors or slices)."""
+    if isinstance(index, np.ndarray | range | array.array):
         return True
-    if isinstance(index, list):
+    if isinstance(index, collections.abc.Sequence | collections.deque) and not isinstance(
+            index, tuple | str | bytes | torch.Tensor):
         return all(
-            isinstance(e, (numbers.Number, list)) and not isinstance(e, torch.Tensor) for e in index
-        ) and all(_host_sequence_index(e) for e in index if isinstance(e, list))
+            isinstance(e, numbers.Number | list | collections.deque) and not isinstance(e, torch.Tensor) for e in index
+        ) and all(_host_sequence_index(e) for e in index if isinstance(e, list | collections.deque))
     return False
 
 

@@ -62,6 +62,9 @@ class SyncAudit:
     """What to do with torch's CUDA sync debug mode (see the :mod:`attnmeta.sync` docstring)."""
     allow_async_d2h: bool
     """Whether non-blocking device->host copies are allowed (by default a ``"race"``)."""
+    raised: list[Any] = dataclasses.field(default_factory=list, compare=False, repr=False)
+    """Every :class:`~attnmeta.sync.DeviceSyncError` raised in the block, in order: one the code caught
+    itself (``except RuntimeError:``) still shows here (:func:`~attnmeta.sync.run_audit` counts it)."""
 
     def is_device(self, device: torch.device) -> bool:
         """Whether tensors on ``device`` count as device data under this audit."""

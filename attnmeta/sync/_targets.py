@@ -184,7 +184,8 @@ def run_audit(
 
     Each batch ``i`` calls ``fn(device, seed + i)`` inside its own audit, with ``device.type``
     declared as device data; a :class:`DeviceSyncError` (or any other exception) is counted and
-    the next batch runs.
+    the next batch runs. A ``DeviceSyncError`` the target catches itself is counted too
+    (:attr:`SyncAudit.raised`): outside the audit that code would sync.
 
     Parameters
     ----------
@@ -248,8 +249,12 @@ def run_audit(
             for i in range(batches):
                 batch_seed = seed + i
                 try:
-                    with no_device_sync(devices={dev.type}, check_copies=check_copies, cuda_mode=cuda_mode):
+                    with no_device_sync(devices={dev.type}, check_copies=check_copies, cuda_mode=cuda_mode) as audit:
                         fn(dev, batch_seed)
+                    if audit.raised:  # raised in the target and caught there: its code syncs outside the audit
+                        e = audit.raised[0]
+                        counts[e.kind] += 1
+                        first = first or f"seed {batch_seed}: {e} (caught inside the target)"
                 except DeviceSyncError as e:
                     counts[e.kind] += 1
                     first = first or f"seed {batch_seed}: {e}"

@@ -256,3 +256,42 @@ def test_views_read_no_device_data() -> None:
     for r in reps:
         assert_replica(fs, r)
     assert [s.copies for s in multi.device_stats] == [4, 4, 4]
+
+
+# ------------------------------------------------------------------------------------------------
+# found by an adversarial review
+
+
+def test_view_refuses_a_step_composers_result_and_replicates_its_parts() -> None:
+    """``view(ComposedStep, d)`` returned the object itself: device 0's tensors as device 1's."""
+    from attnmeta.compose import Group, StepBuilder
+
+    multi = MultiStager(["cpu", "cpu"])
+    spec = BatchSpec(num_computed_tokens=[5, 9], num_scheduled_tokens=[1, 1], block_table=[[1, 2, 3], [4, 5, 6]],
+                     block_size=4)
+    out = StepBuilder(multi, Group({"fa": attnmeta.get_builder("flash_attn")})).build(spec)
+    with pytest.raises(TypeError, match=r"view\(\): a ComposedStep is neither"):
+        multi.view(out, 1)
+    twin = multi.view(out.metadata, 1)["fa"]
+    assert twin.seq_lens.tolist() == [6, 10]
+    assert twin.seq_lens.untyped_storage().data_ptr() != out["fa"].seq_lens.untyped_storage().data_ptr()
+
+
+def test_replicas_in_a_container_of_two_steps_expire_each_with_its_own() -> None:
+    """A container's replicas were all tied to its first object's step: the older step's replica outlived
+    its step and read the newer step's bytes of the reused slot."""
+    multi = MultiStager(["cpu", "cpu"], num_slots=3)
+
+    def step(n: int) -> Any:
+        spec = BatchSpec(num_computed_tokens=[n, n], num_scheduled_tokens=[1, 1], block_table=np.zeros((2, 40), np.int32),
+                         block_size=16)
+        return attnmeta.build(spec, multi, "flash_attn")
+
+    old, new = step(100), step(200)
+    twins = multi.view([new, old], 1)
+    assert [t.seq_lens.tolist() for t in twins] == [[201, 201], [101, 101]]
+    step(300)
+    step(400)  # (reuses the old step's slot)
+    assert is_expired(old) and is_expired(twins[1]) and not is_expired(twins[0])
+    with pytest.raises(StepExpiredError):
+        twins[1].seq_lens  # noqa: B018

@@ -9,6 +9,7 @@ tests/gpu/test_multi_cuda.py.
 
 from __future__ import annotations
 
+import enum
 import multiprocessing
 from collections.abc import Iterator
 from typing import Any
@@ -294,3 +295,69 @@ def test_race_test_detects_missing_fencing(pool: Any) -> None:
     _, results = _race(pool, 600, fencing=False, num_slots=2)
     torn = sum(r["torn_device"] + r["torn_host"] + r["overruns"] for r in results)
     assert torn > 0, results
+
+
+# ------------------------------------------------------------------------------------------------
+# found by an adversarial review
+
+
+class _Kind(enum.Enum):
+    """A dict key of a published object (pickled, as any value marshal does not write)."""
+
+    DECODE = 1
+
+
+def _ring_pair(**reader_kw: Any) -> tuple[SharedRing, RingWriter, RingReader]:
+    ring = SharedRing.create(num_readers=1, num_slots=3)
+    return ring, RingWriter(ring, "cpu", timeout=5), RingReader(SharedRing.attach(ring.name), 0, "cpu", **reader_kw)
+
+
+def test_a_ring_steps_field_views_raise_once_it_expired() -> None:
+    """``RingStep.device``/``host`` cached the step's field table and skipped the expiry check after it:
+    read once while live, they went on returning the newer steps' bytes of the reused slot."""
+    ring, writer, reader = _ring_pair()
+    try:
+        received = []
+        for n in range(1, 6):
+            with writer.step() as st:
+                st.alloc("x", 4, np.int32)[:] = n
+            writer.publish({})
+            received.append(reader.receive(timeout=5))
+            if n == 1:
+                assert received[0].device("x").tolist() == [1] * 4 and received[0].host("x").tolist() == [1] * 4
+        assert received[0].expired
+        with pytest.raises(StepExpiredError):
+            received[0].device("x")
+        with pytest.raises(StepExpiredError):
+            received[0].host("x")
+    finally:
+        reader.close()
+        writer.close()
+        ring.unlink()
+
+
+def test_published_dict_keys_arrive_as_sent_and_another_slots_host_view_is_refused() -> None:
+    """Dict keys went through marshal raw: a numpy integer key arrived as bytes, an enum key failed the
+    publish after the writer's description state had moved on. A host view of another slot's step was
+    published (the reader read it after that slot was rewritten); a device tensor of one was refused."""
+    import dataclasses
+
+    ring, writer, reader = _ring_pair(hold=1)
+    spec = attnmeta.BatchSpec(num_computed_tokens=[9, 40], num_scheduled_tokens=[1, 1],
+                              block_table=np.arange(16, dtype=np.int32).reshape(2, 8), block_size=16)
+    try:
+        sent = {"ids": {np.int64(7): 3, 8: 4}, "by_kind": {_Kind.DECODE: 1}}
+        meta = attnmeta.build(spec, writer, "flash_attn")
+        writer.publish({"fa": meta, "extra": sent})
+        got = reader.receive(timeout=5).result("extra")
+        assert got == sent and [type(k) for k in got["ids"]] == [np.int64, int]
+        old = meta
+        meta = attnmeta.build(spec, writer, "flash_attn")
+        with pytest.raises(ValueError, match=r"publish\(\): a \(2,\) int32 host view of the step in slot 0"):
+            writer.publish({"fa": dataclasses.replace(meta, seq_lens_cpu=old.seq_lens_cpu, seq_lens=meta.seq_lens)})
+        writer.publish({"fa": meta})  # (the step stays unpublished: publish it again without it)
+        assert reader.receive(timeout=5).result("fa").seq_lens.tolist() == [10, 41]
+    finally:
+        reader.close()
+        writer.close()
+        ring.unlink()

@@ -8,7 +8,7 @@ import pickle
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import torch
@@ -427,3 +427,70 @@ def test_real_cuda_debug_mode_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None
         t.join(30)
     assert results == {"value": 28, "warnings": []}
     assert torch.cuda.get_sync_debug_mode() == before
+
+
+# ------------------------------------------------------------------------------------------------
+# found by an adversarial review
+
+
+def test_the_decorators_refuse_generator_and_async_functions() -> None:
+    """``@no_device_sync()`` on a generator or an ``async def`` audited nothing: the block ended when the
+    call returned the generator or coroutine, before the body ran."""
+    from attnmeta.sync import allow_device_sync
+
+    def gen() -> Iterator[int]:
+        yield 1
+
+    async def coro() -> None:
+        return None
+
+    async def agen() -> AsyncIterator[int]:
+        yield 1
+
+    for scope in (no_device_sync(devices={"cpu"}), allow_device_sync()):
+        for fn in (gen, coro, agen):
+            with pytest.raises(TypeError, match=r"is a generator or async function"):
+                scope(fn)
+
+    @no_device_sync(devices={"cpu"})
+    def plain(t: torch.Tensor) -> int:
+        return int(t.sum())
+
+    with pytest.raises(DeviceSyncError):
+        plain(torch.arange(3))
+    assert current_audit() is None
+
+
+def test_an_index_from_any_host_sequence_is_an_upload() -> None:
+    """torch turns any non-tuple sequence used as an index into an index tensor (an upload): a list was
+    flagged, a range, deque or array.array was not."""
+    import array
+    import collections
+
+    dev = torch.arange(6, device="meta")
+    value = torch.zeros(2, dtype=dev.dtype, device="meta")
+    for index in (range(0, 3, 2), collections.deque([0, 2]), array.array("q", [0, 2]), (slice(None), range(2))):
+        with no_device_sync(), pytest.raises(DeviceSyncError):
+            dev[index]
+        with no_device_sync(), pytest.raises(DeviceSyncError):
+            dev[index] = value
+
+
+def test_a_sync_error_the_target_catches_itself_is_still_counted() -> None:
+    """``try: int(t.max()) except RuntimeError:`` swallowed the audit's error, so run_audit reported the
+    target clean; outside the audit the try branch syncs."""
+    from attnmeta.sync import register_audit_target, run_audit, unregister_audit_target
+
+    def swallowing(device: torch.device, seed: int) -> None:
+        t = torch.arange(seed + 2, device=device)
+        try:
+            int(t.max())
+        except RuntimeError:  # (the mistake: the audit's error swallowed with the rest)
+            return
+
+    register_audit_target("swallowing", swallowing)
+    try:
+        (row,) = run_audit(devices=["meta"], batches=2, targets=["swallowing"])
+    finally:
+        unregister_audit_target("swallowing")
+    assert (row.syncs, row.clean) == (2, False) and "caught inside the target" in (row.first_problem or "")
