@@ -69,6 +69,7 @@ from attnmeta.staging._replica import (
     Retarget,
     TensorAt,
     arena_view,
+    kind,
     owner,
     placement,
 )
@@ -413,10 +414,11 @@ class MultiStager(Stager):
             return obj
         step = self._step_of(obj)
         if step is None:
-            if not _a_tree(obj):
-                raise TypeError(f"view(): a {type(obj).__name__} is neither a metadata object, a dataclass, tuple, list, "
-                                f"dict nor a tensor (a step composer's ComposedStep: view its .metadata, .commons and "
-                                f".arrays)")
+            try:
+                kind(type(obj))  # (a tree view() walks; anything else would come back unchanged, its tensors the primary's)
+            except TypeError as e:
+                raise TypeError(f"view(): {e} (a step composer's ComposedStep: view its .metadata, .commons and "
+                                f".arrays)") from None
             return obj
         rt = self._retargets[k - 1]
         rt.own = step.own if checks_lifetimes(self) else None
@@ -487,13 +489,6 @@ class MultiStager(Stager):
                 f"num_slots={self.num_slots}, steps={self.stats.steps}, waits={self.stats.waits})")
 
 
-
-
-def _a_tree(obj: Any) -> bool:
-    """Whether :meth:`MultiStager.view` walks ``obj``: a dataclass, tuple, list, dict, tensor, array or
-    plain value (anything else would come back unchanged, its tensors the primary's)."""
-    return (obj is None or isinstance(obj, str | bytes | int | float | torch.Tensor | np.ndarray | tuple | list | dict)
-            or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)))
 
 
 def _first_tensor(obj: Any, seen: set[int]) -> torch.Tensor | None:
