@@ -303,7 +303,8 @@ def placement(stager: Ring, t: torch.Tensor, index: ArenaIndex | None = None) ->
         raise NotReplicableError(
             f"a {tuple(t.shape)} {t.dtype} tensor on {t.device} is not a view of the step's copy: a builder "
             f"computed it on the device when result() ran, so no other device's copy holds it (stage such "
-            f"fields on the host, e.g. FlashInfer indices='host', local attention block_table='host')", t)
+            f"fields on the host, e.g. FlashInfer indices='host', local attention block_table='host'), or it "
+            f"comes from another stager", t)
     step = owner(stager, at)
     size = t.element_size()
     off = int(t.storage_offset())

@@ -456,8 +456,8 @@ class MultiStager(Stager):
         it). A metadata object names its step (its lease); a tensor, or a tree of objects that do not
         (``check_lifetimes=False``), by where its first tensor lies."""
         lease = getattr(obj, "_lease", None) if isinstance(obj, MetadataBase) else None
-        if lease is None and isinstance(obj, tuple | list):
-            for part in obj:
+        if lease is None and isinstance(obj, tuple | list | dict):
+            for part in obj.values() if isinstance(obj, dict) else obj:
                 if isinstance(part, MetadataBase):
                     lease = getattr(part, "_lease", None)
                     if lease is not None:

@@ -295,3 +295,18 @@ def test_replicas_in_a_container_of_two_steps_expire_each_with_its_own() -> None
     assert is_expired(old) and is_expired(twins[1]) and not is_expired(twins[0])
     with pytest.raises(StepExpiredError):
         twins[1].seq_lens  # noqa: B018
+
+
+def test_another_stagers_metadata_in_a_dict_is_named_as_such() -> None:
+    """A dict of another stager's metadata got the message for a field a builder computed on the device."""
+    multi = MultiStager(["cpu", "cpu"])
+    spec = BatchSpec(num_computed_tokens=[9, 40], num_scheduled_tokens=[1, 1],
+                     block_table=np.arange(16, dtype=np.int32).reshape(2, 8), block_size=16)
+    attnmeta.build(spec, multi, "flash_attn")
+    meta = attnmeta.build(spec, Stager("cpu"), "flash_attn")
+    for obj in (meta, {"fa": meta}, [meta]):
+        with pytest.raises(ValueError, match=r"view\(\): the object comes from a step of another stager"):
+            multi.view(obj, 1)
+    unleased = attnmeta.build(spec, Stager("cpu", check_lifetimes=False), "flash_attn")
+    with pytest.raises(NotReplicableError, match=r"or it comes from another stager"):
+        multi.view({"fa": unleased}, 1)
