@@ -70,9 +70,21 @@ def _factory_violation(audit: SyncAudit, data: Any, device: torch.device | None)
         return None
     if isinstance(data, torch.Tensor) and data.device.type == device.type:
         return None  # no copy
-    if isinstance(data, torch.Tensor) and data.numel() == 0:
-        return None
+    if _empty_host_data(data):
+        return None  # (nothing is copied; as the copy checks ignore empty tensors)
     return "sync", R_FACTORY
+
+
+def _empty_host_data(data: Any) -> bool:
+    """Whether ``data`` (a factory's data or an index) holds no element: an empty tensor or array, or a
+    sequence whose every entry is empty (``[]``, ``[[]]``)."""
+    if isinstance(data, torch.Tensor):
+        return data.numel() == 0
+    if isinstance(data, np.ndarray):
+        return data.size == 0
+    if isinstance(data, list | tuple | range | collections.deque | array.array):
+        return all(_empty_host_data(e) for e in data)
+    return False
 
 
 def _rule_tensor_factory(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Found | None:
@@ -110,7 +122,7 @@ def _rule_getitem(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, An
     self, index = args[0], args[1]
     if not (isinstance(self, torch.Tensor) and audit.is_device(self.device)):
         return None
-    if _host_sequence_index(index) or any(_host_sequence_index(e) for e in _index_entries(index)):
+    if any(_host_sequence_index(e) and not _empty_host_data(e) for e in (index, *_index_entries(index))):
         return "sync", R_LIST_INDEX
     return None
 

@@ -10,6 +10,7 @@ import threading
 import warnings
 from collections.abc import AsyncIterator, Iterator
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -494,3 +495,19 @@ def test_a_sync_error_the_target_catches_itself_is_still_counted() -> None:
     finally:
         unregister_audit_target("swallowing")
     assert (row.syncs, row.clean) == (2, False) and "caught inside the target" in (row.first_problem or "")
+
+
+def test_an_empty_upload_is_not_a_sync() -> None:
+    """Empty uploads copy nothing (as the copy checks already held for empty tensors) but were flagged;
+    the same calls with data still are."""
+    m = torch.zeros(4, device="meta")
+    empty = (lambda: torch.tensor([], device="meta"), lambda: torch.as_tensor(np.empty(0), device="meta"),
+             lambda: m.new_tensor([]), lambda: m[[]], lambda: m[np.empty(0, np.int64)], lambda: m.view(2, 2)[(slice(None), [])])
+    full = (lambda: torch.tensor([1], device="meta"), lambda: torch.as_tensor(np.ones(1), device="meta"),
+            lambda: m.new_tensor([1.0]), lambda: m[[1]], lambda: m[np.ones(1, np.int64)], lambda: m.view(2, 2)[(slice(None), [1])])
+    for call in empty:
+        with no_device_sync():
+            call()
+    for call in full:
+        with no_device_sync(), pytest.raises(DeviceSyncError):
+            call()
