@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
@@ -252,6 +253,7 @@ def _armed(audit: SyncAudit) -> Iterator[SyncAudit]:
     token = ACTIVE.set(audit)
     _push_thread_modes()
     THREAD.last_op = None
+    began = threading.current_thread()  # (the object: a thread's ident is reused once it ends)
     try:
         if use_cuda:
             cuda_acquire()
@@ -261,6 +263,10 @@ def _armed(audit: SyncAudit) -> Iterator[SyncAudit]:
             if use_cuda:
                 cuda_release()
     finally:
+        if threading.current_thread() is not began:  # (a generator holding the block, closed on another thread)
+            raise RuntimeError(  # (this thread's state is not the block's: leave it whole)
+                "an audit block ended on another thread than the one it began on; that thread stays audited "
+                "(a block must begin and end on one thread: do not yield inside one)")
         _pop_thread_modes()
         ACTIVE.reset(token)
 

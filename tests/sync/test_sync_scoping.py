@@ -511,3 +511,35 @@ def test_an_empty_upload_is_not_a_sync() -> None:
     for call in full:
         with no_device_sync(), pytest.raises(DeviceSyncError):
             call()
+
+
+def test_a_block_closed_on_another_thread_raises_and_leaves_that_thread_whole() -> None:
+    """A generator holding a ``no_device_sync()`` block, closed on another thread, popped that thread's
+    audit state (its next block policed nothing) before failing to reset the block's context."""
+    started, results = threading.Event(), {}
+
+    def holder() -> Iterator[None]:
+        with no_device_sync(devices={"cpu"}):
+            yield
+
+    gen = holder()
+
+    def begin() -> None:  # thread A enters the block and keeps the generator suspended inside it
+        next(gen)
+        started.set()
+
+    def close() -> None:  # thread B closes it, then audits code of its own
+        with pytest.raises(RuntimeError, match="ended on another thread than the one it began on"):
+            gen.close()
+        with no_device_sync(devices={"cpu"}), pytest.raises(DeviceSyncError):
+            int(torch.arange(3).sum())
+        results["b"] = current_audit() is None
+
+    a = threading.Thread(target=begin)
+    a.start()
+    a.join(10)
+    assert started.is_set()
+    b = threading.Thread(target=close)
+    b.start()
+    b.join(10)
+    assert results == {"b": True}
