@@ -188,15 +188,7 @@ def no_device_sync(
     ...         print(e.op)
     aten.nonzero.default
     """
-    return _Scope(lambda: _audited(devices, check_copies, cuda_mode, allow_async_d2h), "no_device_sync")
-
-
-@contextlib.contextmanager
-def _audited(devices: Iterable[str | torch.device] | str | torch.device | None, check_copies: bool,
-             cuda_mode: CudaMode, allow_async_d2h: bool) -> Iterator[SyncAudit]:
-    """:func:`no_device_sync`'s block."""
-    with _armed(make_audit(devices, check_copies, cuda_mode, allow_async_d2h)) as audit:
-        yield audit
+    return _Scope(lambda: _armed(make_audit(devices, check_copies, cuda_mode, allow_async_d2h)), "no_device_sync")
 
 
 @contextlib.contextmanager
