@@ -267,11 +267,12 @@ def local_attn_reference(spec: BatchSpec, options: LocalAttentionOptions, device
     (device fields with ``block_table="device"``, host arrays with ``"host"``), and the options it
     passes on."""
     f = ref_common_fields(spec, device)
-    table = ref_block_table(spec, device)
-    if not table.shape[1]:  # (the gather clamps its columns at the last one: keep one, of zeros)
-        table = torch.zeros((table.shape[0], 1), dtype=table.dtype, device=table.device)
+    span = spec.block_size * (1 if spec.context_parallel is None else spec.context_parallel.world_size)
+    width = max(1, -(-spec.max_exact_seq_len // span))  # (at least one column: ref_block_table's may have none)
+    table = np.zeros((spec.padded_num_reqs, width), np.int32)
+    table[: spec.num_reqs] = spec.block_table[: spec.num_reqs, :width]
     lb = ref_local_virtual_batches(f["query_start_loc"], f["seq_lens"], options.attn_chunk_size, spec.block_size,
-                                   table)
+                                   torch.tensor(table).to(device))
     on_device = options.block_table == "device"
     assert lb.block_table is not None  # (given a table)
     read = -(-lb.seq_lens.long() // spec.block_size)  # (each virtual row's blocks: kstart is a block boundary)
