@@ -15,8 +15,10 @@ A header of 64-bit words, then per ring slot a **meta** region (the published de
 **data** region (the slot's pinned bytes, what builders write and copies read). The header holds,
 per slot, ``seq`` (the number of the step it holds, 0 for none), ``nbytes`` (bytes to copy; -1 for a
 step the writer abandoned), ``arena_bytes`` (graph mode: the device arena's size) and ``meta_len``;
-per reader, ``received`` (the last step it received); and per reader and slot, ``done`` (the last
-step of that slot it released).
+per reader, ``received`` (the last step it received); per reader and slot, ``done`` (the last
+step of that slot it released); and per reader, ``claim`` (the process id of the reader that holds the
+number, 0 for none: a second live reader under a number already held is refused, since each number's
+words must have one writer).
 
 The protocol
 ------------
@@ -87,14 +89,17 @@ import marshal
 import os
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from multiprocessing import shared_memory
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from attnmeta.profile import StaticProfile
+from attnmeta.staging._claim import ClaimError, claim, release
+from attnmeta.staging._copy import CopyEngine, DeviceCopyEngine
 from attnmeta.staging._layout import (
     STAGEABLE_DTYPES,
     CapacityError,
@@ -131,6 +136,7 @@ from attnmeta.staging._ring import (
 from attnmeta.staging.stager import Stager, Step
 
 __all__ = [
+    "ClaimError",
     "CopyEngine",
     "DescriptionError",
     "DeviceCopyEngine",
@@ -144,7 +150,7 @@ __all__ = [
 ]
 
 _MAGIC = 0x61746E6D72696E67  # "atnmring"
-_FORMAT = 1
+_FORMAT = 2
 _PAGE = 4096
 # header words
 _W_MAGIC, _W_FORMAT, _W_SLOTS, _W_SLOT_BYTES, _W_META_BYTES, _W_READERS, _W_MODE, _W_CLOSED, _W_PUBLISHED = range(9)
@@ -208,7 +214,8 @@ class SharedRing:
         S, R = self.num_slots, self.num_readers
         self._received0 = _W_SLOT0 + 4 * S
         self._done0 = self._received0 + R
-        words = self._done0 + R * S
+        self._claim0 = self._done0 + R * S
+        words = self._claim0 + R
         self.header = np.ndarray((words,), np.int64, buffer=buf)
         """The header's 64-bit words (see the module docstring)."""
         head = _round_page(8 * words)
@@ -225,6 +232,11 @@ class SharedRing:
                              for i in range(S)]
         """Per slot: the data region as a uint8 torch tensor (the source of every copy)."""
         self._pinned = False
+        path = "/dev/shm/" + name.lstrip("/")
+        self._lock_fd: int | None = os.open(path, os.O_RDWR) if os.path.exists(path) else None
+        """The segment's file, open while this object lives: reader claims ``flock`` it."""
+        if self._lock_fd is not None:
+            weakref.finalize(self, os.close, self._lock_fd)
 
     @staticmethod
     def size(*, num_readers: int, num_slots: int = 3, slot_bytes: int = 1 << 20, meta_bytes: int = 1 << 16) -> int:
@@ -245,7 +257,7 @@ class SharedRing:
         -------
         int
         """
-        words = _W_SLOT0 + 4 * num_slots + num_readers + num_readers * num_slots
+        words = _W_SLOT0 + 4 * num_slots + num_readers * (num_slots + 2)
         return _round_page(8 * words) + num_slots * (_round_page(meta_bytes) + _round_page(slot_bytes))
 
     @classmethod
@@ -283,7 +295,7 @@ class SharedRing:
         slot_bytes, meta_bytes = _round_page(slot_bytes), _round_page(meta_bytes)
         size = cls.size(num_readers=num_readers, num_slots=num_slots, slot_bytes=slot_bytes, meta_bytes=meta_bytes)
         shm = shared_memory.SharedMemory(name=name, create=True, size=size)
-        hdr = np.ndarray((_W_SLOT0 + 4 * num_slots + num_readers * (num_slots + 1),), np.int64, buffer=shm.buf)
+        hdr = np.ndarray((_W_SLOT0 + 4 * num_slots + num_readers * (num_slots + 2),), np.int64, buffer=shm.buf)
         hdr[:] = 0
         hdr[_W_FORMAT], hdr[_W_SLOTS], hdr[_W_SLOT_BYTES] = _FORMAT, num_slots, slot_bytes
         hdr[_W_META_BYTES], hdr[_W_READERS] = meta_bytes, num_readers
@@ -363,6 +375,21 @@ class SharedRing:
             self._owner.unlink()
         else:
             os.unlink("/dev/shm/" + self.name.lstrip("/"))
+
+    def claimed_by(self, reader: int) -> int:
+        """The process id of the :class:`RingReader` that holds number ``reader`` (0: none)."""
+        return int(self.header[self._claim0 + reader])
+
+    def release_reader(self, reader: int) -> None:
+        """Free reader number ``reader`` by hand, whoever holds it.
+
+        A reader frees its number itself (:meth:`RingReader.close`, or when it is collected), and a
+        number whose process has exited is taken over by the next reader. This is for what that check
+        cannot see: a recycled process id, or a reader in another PID namespace.
+        """
+        if not 0 <= reader < self.num_readers:
+            raise ValueError(f"reader: expected an int in [0, {self.num_readers}), got {reader!r}")
+        release(self.header, self._claim0 + reader, self._lock_fd, (self.name, reader), None)
 
     def slot_word(self, slot: int, word: int) -> int:
         """Header word ``word`` (0 seq, 1 nbytes, 2 arena_bytes, 3 meta_len) of ``slot``."""
@@ -683,49 +710,6 @@ class RingWriter(Stager):
 
 
 # ---------------------------------------------------------------------------------------------- readers
-class CopyEngine(Protocol):
-    """How a reader issues its one copy of a slot and learns that the copy has completed."""
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, slot: int) -> Any:
-        """Issue ``dst.copy_(src)`` (``src``: uint8 view of the shared slot ``slot``; ``dst``: the same
-        number of bytes in the reader's arena) and return a fence for :meth:`done`."""
-        ...
-
-    def done(self, fence: Any) -> bool:
-        """Whether the copy that returned ``fence`` has completed (never blocks)."""
-        ...
-
-
-class DeviceCopyEngine:
-    """The default :class:`CopyEngine`: on CUDA a non-blocking copy on the device's current stream
-    and an event per slot recorded after it; elsewhere a copy that is done when it returns.
-
-    Parameters
-    ----------
-    device : torch.device
-        The reader's device.
-    num_slots : int
-        The ring's slots (one event each).
-    """
-
-    def __init__(self, device: torch.device, num_slots: int) -> None:
-        self.device = device
-        self._events = [torch.cuda.Event() for _ in range(num_slots)] if device.type == "cuda" else None  # type: ignore[no-untyped-call]
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, slot: int) -> Any:
-        """See :meth:`CopyEngine.copy`."""
-        dst.copy_(src, non_blocking=True)
-        if self._events is None:
-            return None
-        ev = self._events[slot]
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
-
-    def done(self, fence: Any) -> bool:
-        """See :meth:`CopyEngine.done`."""
-        return fence is None or bool(fence.query())
-
-
 @dataclasses.dataclass(slots=True)
 class ReaderStats:
     """A :class:`RingReader`'s running totals."""
@@ -750,7 +734,9 @@ class RingReader:
     ring : SharedRing
         The ring (:meth:`SharedRing.attach` in this process).
     reader : int
-        This reader's number, ``0 <= reader < ring.num_readers``; one process each.
+        This reader's number, ``0 <= reader < ring.num_readers``; one live reader each, in the whole
+        machine: the number is claimed here and freed by :meth:`close` (or when this object is
+        collected, or its process exits).
     device : torch.device or str
         This rank's device (``cuda:n``, or ``cpu`` to run the protocol without a GPU).
     check_lifetimes : bool, default True
@@ -770,6 +756,9 @@ class RingReader:
     ------
     ValueError
         ``reader`` or ``hold`` out of range, or a device this machine does not have.
+    ClaimError
+        (a ValueError) Another live reader, in this process or another, holds number ``reader``
+        (:meth:`SharedRing.claimed_by` names its process; :meth:`SharedRing.release_reader` frees it).
     """
 
     def __init__(self, ring: SharedRing, reader: int, device: torch.device | str, *, check_lifetimes: bool = True,
@@ -807,6 +796,8 @@ class RingReader:
         self._decoding = 0  # the step whose objects the decoder's memo holds
         self._pending: collections.deque[tuple[int, int, Any]] = collections.deque()  # (step, slot, fence)
         self._live: collections.deque[RingStep] = collections.deque()
+        claim(ring.header, ring._claim0 + reader, ring._lock_fd, (ring.name, reader), self,
+              f"reader {reader} of ring {ring.name!r}")
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         return device_bytes(self.device, nbytes)
@@ -917,7 +908,8 @@ class RingReader:
 
     def close(self) -> None:
         """Stop reading: expire every step and release every slot this reader holds (waiting for
-        their copies), so the writer is never held back by a reader that has left."""
+        their copies), so the writer is never held back by a reader that has left, and free this
+        reader's number for another."""
         for st in self._live:
             st._expire(self._seq + 1)
         self._live.clear()
@@ -928,6 +920,8 @@ class RingReader:
             _fence()
             self.ring.header[base + i] = n
         self._pending.clear()
+        release(self.ring.header, self.ring._claim0 + self.reader, self.ring._lock_fd, (self.ring.name, self.reader),
+                self)
 
     # ---------------------------------------------------------------- views
     def _device_view(self, at: TensorAt) -> torch.Tensor:

@@ -10,7 +10,9 @@ tests/gpu/test_multi_cuda.py.
 from __future__ import annotations
 
 import enum
+import gc
 import multiprocessing
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +26,7 @@ from attnmeta.backends import flash_attn, flashinfer
 from attnmeta.backends.fused import FusedStepBuilder
 from attnmeta.staging import CapacityError, NotReplicableError, StepExpiredError
 from attnmeta.staging.shared import (
+    ClaimError,
     DescriptionError,
     RingOverrunError,
     RingReader,
@@ -361,3 +364,56 @@ def test_published_dict_keys_arrive_as_sent_and_another_slots_host_view_is_refus
         reader.close()
         writer.close()
         ring.unlink()
+
+
+def _hold_reader(name: str, reader: int, ready: Any, leave: Any) -> None:
+    """A reader process that takes its number and exits without closing (as a crashed rank does)."""
+    RingReader(SharedRing.attach(name), reader, "cpu")
+    ready.set()
+    leave.wait(60)
+    os._exit(0)
+
+
+def test_a_reader_number_has_one_live_reader(ring: SharedRing) -> None:
+    """Two readers under one number each released slots the other still read, so the writer rewrote a
+    slot under one of them with no error; the second reader is now refused, in this process and from
+    another, and the number is free again once its reader closes, is collected, or its process exits."""
+    first = RingReader(SharedRing.attach(ring.name), 0, "cpu")
+    assert ring.claimed_by(0) == os.getpid() and ring.claimed_by(1) == 0
+    with pytest.raises(ClaimError, match=r"reader 0 of ring .* already taken in this process"):
+        RingReader(SharedRing.attach(ring.name), 0, "cpu")
+    RingReader(SharedRing.attach(ring.name), 1, "cpu").close()  # another number: fine
+    first.close()
+    assert ring.claimed_by(0) == 0
+    second = RingReader(SharedRing.attach(ring.name), 0, "cpu")
+    del second
+    gc.collect()
+    RingReader(SharedRing.attach(ring.name), 0, "cpu").close()  # a collected reader's number is free
+
+    ctx = multiprocessing.get_context("spawn")
+    ready, leave = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_hold_reader, args=(ring.name, 1, ready, leave))
+    proc.start()
+    try:
+        assert ready.wait(120), "the reader process did not start"
+        assert ring.claimed_by(1) == proc.pid
+        with pytest.raises(ClaimError, match=f"reader 1 of ring .* already taken by process {proc.pid}"):
+            RingReader(SharedRing.attach(ring.name), 1, "cpu")
+    finally:
+        leave.set()
+        proc.join(60)
+    taken_over = RingReader(SharedRing.attach(ring.name), 1, "cpu")  # its process exited: the claim is stale
+    assert ring.claimed_by(1) == os.getpid()
+    taken_over.close()
+
+
+def test_release_reader_frees_a_number_by_hand(ring: SharedRing) -> None:
+    """What the liveness check cannot see (a recycled process id, another PID namespace): the launcher
+    frees the number itself."""
+    ring.header[ring._claim0 + 0] = os.getppid()  # a live process that is no reader of this ring
+    with pytest.raises(ClaimError, match=r"SharedRing.release_reader\(0\)"):
+        RingReader(SharedRing.attach(ring.name), 0, "cpu")
+    ring.release_reader(0)
+    RingReader(SharedRing.attach(ring.name), 0, "cpu").close()
+    with pytest.raises(ValueError, match="reader"):
+        ring.release_reader(2)
