@@ -24,7 +24,7 @@ Three layers, each installed only while an audit is armed:
    ``bool()``, ``int()``, ``float()``), ``aten.equal``/``allclose``, ops whose output shape
    depends on device data (``nonzero``, ``masked_select``, ``unique``, ``bincount``,
    ``repeat_interleave`` without ``output_size``, ``one_hot`` without ``num_classes``, ``histc``
-   without a range, boolean-mask indexing with a device mask), device->host copies, blocking
+   without a range, ``isin`` with many test elements (torch's sorting path calls ``unique``), boolean-mask indexing with a device mask), device->host copies, blocking
    host->device copies, host index tensors used on device data, and - the copy checker -
    non-blocking host->device copies whose host side is pageable (CUDA) or not contiguous.
 2. **A torch function mode** catches what never reaches an aten op as a host read:

@@ -27,6 +27,7 @@ from attnmeta.sync._rules import (
     R_HOST_INDEX,
     R_HOST_READ,
     R_HOST_VALUE,
+    R_ISIN,
     R_ONE_HOT,
     R_REPEAT,
     TORCH_SYNC_TEXT,
@@ -79,6 +80,19 @@ def _rule_histc(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]
     if lo == hi and any_device(audit, args[:1], {}):
         return "sync", R_HISTC
     return None
+
+
+def _rule_isin(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Found | None:
+    # isin.Tensor_Tensor / .Scalar_Tensor (elements, test_elements, *, assume_unique=False, invert=False).
+    # torch's heuristic (numpy's): with test_elements.numel() >= int(10 * elements.numel() ** 0.145) it
+    # sorts, and unless assume_unique it first calls _unique on both inputs, whose output size is read
+    # from the device. (Tensor_Scalar redispatches to eq/ne.)
+    elements = args[0] if args else kwargs["elements"]
+    test = args[1] if len(args) > 1 else kwargs["test_elements"]
+    n = elements.numel() if isinstance(elements, torch.Tensor) else 1
+    if kwargs.get("assume_unique", False) or n == 0 or not any_device(audit, (elements, test), {}):
+        return None
+    return ("sync", R_ISIN) if test.numel() >= int(10.0 * float(n) ** 0.145) else None
 
 
 def _index_violation(
@@ -183,6 +197,7 @@ def _explicit_rules() -> dict[Any, _DispatchRule]:
     add(("repeat_interleave.Tensor",), _rule_repeat_interleave)
     add(("one_hot",), _rule_one_hot)
     add(("histc", "histc.out"), _rule_histc)
+    add(("isin.Tensor_Tensor", "isin.Tensor_Tensor_out", "isin.Scalar_Tensor", "isin.Scalar_Tensor_out"), _rule_isin)
     add(("index.Tensor", "_unsafe_index.Tensor"), _rule_index)
     add(("index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"), _rule_index_put)
     add(("_to_copy",), _rule_to_copy)

@@ -31,6 +31,7 @@ __all__ = [
     "R_HOST_INDEX",
     "R_HOST_READ",
     "R_HOST_VALUE",
+    "R_ISIN",
     "R_LIST_INDEX",
     "R_NONCONTIG",
     "R_ONE_HOT",
@@ -78,6 +79,11 @@ R_REPEAT: Final = (
 R_ONE_HOT: Final = "one_hot without num_classes reads max() from the device; pass num_classes="
 R_HISTC: Final = (
     "histc without an explicit range (min == max) reads min/max from the device; pass min= and max="
+)
+R_ISIN: Final = (
+    "isin with test_elements.numel() >= int(10 * elements.numel() ** 0.145) takes torch's sorting path, "
+    "which calls unique on both inputs (its output size is read from the device) unless "
+    "assume_unique=True; pass assume_unique=True for inputs without repeats, or compare on the host"
 )
 R_BOOL_MASK: Final = (
     "boolean-mask indexing with a device mask calls nonzero (the output shape depends on device "
