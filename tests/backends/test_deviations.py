@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import attnmeta
 from attnmeta import BatchSpec, Stager, stage_common
 from attnmeta.backends import mla
 from attnmeta.backends.mamba import Mamba2Inputs, Mamba2Options, mamba2
@@ -50,3 +51,22 @@ def test_dcp_local_seq_lens_of_every_rank_is_a_matrix_even_for_one_rank() -> Non
     """vLLM 0.33.0's ``get_dcp_local_seq_lens(rank=None)`` returns ``(B, W)`` (no squeeze), as attnmeta."""
     out = dcp_local_seq_lens(np.array([5, 8], np.int32), 1)
     assert out.shape == (2, 1) and out[:, 0].tolist() == [5, 8]
+
+
+def test_mla_dcp_decode_lengths_are_the_ranks_share_of_the_exact_lengths() -> None:
+    """Async spec decode under DCP (2 ranks, interleave 1, k = 2): a decode row whose last drafts were
+    rejected has 150 computed tokens, the runner's optimistic count 152 (every draft counted as
+    accepted), q = 1. vLLM's runner fills ``dcp_local_seq_lens`` from its optimistic lengths and its MLA
+    build hands those to the decode kernel, beside ``dcp_tot_seq_lens`` from the exact device lengths:
+    rank 0's 77 of an optimistic 153, while the exact 151 puts 76 there. attnmeta takes the rank's share
+    of the exact length, so the two fields agree (the local lengths over every rank sum to the total)."""
+    cp = attnmeta.ContextParallel(world_size=2, rank=0, interleave=1)
+    spec = BatchSpec(num_computed_tokens=[150, 0], num_scheduled_tokens=[1, 9], num_prompt_tokens=[20, 9],
+                     seq_lens_upper_bound=[153, 9], block_table=np.arange(34, dtype=np.int32).reshape(2, 17),
+                     block_size=16, context_parallel=cp)
+    m = mla.build(spec, Stager("cpu"), mla.MLAOptions(variant="triton_mla", workspace_size=512,
+                                                      num_speculative_tokens=2, dcp_world_size=2))
+    assert m.num_decodes == 1 and m.decode_dcp_tot_seq_lens.tolist() == [151]
+    vllm = dcp_local_seq_lens(np.array(spec.seq_lens_upper_bound[:1]), 2, 0)  # type: ignore[index]
+    assert vllm.tolist() == [77] and m.decode_seq_lens_cpu.tolist() == [76]
+    assert int(dcp_local_seq_lens(np.array([151], np.int32), 2).sum()) == 151
