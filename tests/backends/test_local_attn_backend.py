@@ -153,6 +153,22 @@ def test_lab_defaults_and_sample_match_the_lab_reference(device: torch.device, s
     assert entry.defaults(spec)[0].attn_chunk_size == 4 * spec.block_size
 
 
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_the_lab_reference_of_a_zero_length_request_in_graph_mode(mode: str) -> None:
+    """vLLM's formulas give a zero-length request a virtual row of k = A (one whole chunk), whose table
+    entries past the request's own (none) follow the staged width: a graph-mode step's profile width
+    gathers padding there, an eager step's one column repeats. The reference compared them (found by a
+    400-example fuzz of the registry's graph-mode check); it now compares each virtual row within its
+    request's own columns."""
+    spec = BatchSpec(num_computed_tokens=[0, 0], num_scheduled_tokens=[0, 1], block_table=[[-1], [63696]],
+                     block_size=1)
+    opts = LocalAttentionOptions(attn_chunk_size=4, block_table=mode)  # type: ignore[arg-type]
+    prof = StaticProfile(max_num_reqs=16, max_num_tokens=512, max_blocks_per_req=512, block_size=1)
+    for stager in (Stager("cpu"), Stager("cpu", profile=prof, debug_fill=0xA5)):
+        m = check_builder("local_attn", spec, "cpu", opts, stager=stager, strict=True)
+        assert m.seq_lens.tolist() == [4, 1]
+
+
 # ------------------------------------------------------------------------------------------------
 # graph mode, meta device, one copy
 # ------------------------------------------------------------------------------------------------

@@ -275,7 +275,10 @@ def local_attn_reference(spec: BatchSpec, options: LocalAttentionOptions, device
                                    torch.tensor(table).to(device))
     on_device = options.block_table == "device"
     assert lb.block_table is not None  # (given a table)
-    read = -(-lb.seq_lens.long() // spec.block_size)  # (each virtual row's blocks: kstart is a block boundary)
+    # Each virtual row's blocks (kstart is a block boundary), within its request's own columns: past them
+    # the entries follow the staged width (a zero-length request's virtual row has k = A, vLLM's formula).
+    own = -(-f["seq_lens"].long()[lb.req_indices.long()] // span) - lb.block_starts.long()
+    read = torch.minimum(-(-lb.seq_lens.long() // spec.block_size), own).clamp(min=0)
     return {"query_start_loc": lb.query_start_loc, "seq_lens": lb.seq_lens,
             "block_table": LeadingColumns(lb.block_table, read),
             "num_virtual_reqs": lb.num_virtual_reqs, "attn_chunk_size": options.attn_chunk_size,
