@@ -83,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     imports.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                          help="import this module first (repeatable), e.g. the one that registers your own "
                               "builder and its lab entry, so that the command finds them in the registry")
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    # The modules first, so that what they register is in the parsers' help (bench's scenario list);
+    # a module that fails is reported below, by its command's parser, after the arguments are parsed.
+    _import_modules(imports.parse_known_args(args_in)[0].imports)
     p_demo = sub.add_parser("demo", help="print the metadata of a built-in mixed batch", parents=[imports],
                             description="Build the common metadata and every registered builder's for a built-in "
                                         "mixed batch, in one step, and print every field: where it lives, its "
@@ -119,10 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="warm only this registered builder (repeatable; default: every one; BatchSpec and "
                              "the fused step builder are always warmed)")
     p_warm.add_argument("--quiet", action="store_true", help="print only the summary line")
-    if not (sys.argv[1:] if argv is None else argv):  # (no command: the commands, not only an error)
+    if not args_in:  # (no command: the commands, not only an error)
         parser.print_help(sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_in)
     command = {"demo": p_demo, "bench": p_bench, "audit": p_audit, "warmup": p_warm}[args.cmd]
     err = _import_modules(args.imports)
     if err:
@@ -131,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         err = _device_error(args.device, ("cuda", "cpu", "meta"))
         if err:
             p_demo.error(err)
+        if args.limit < 1:
+            p_demo.error(f"--limit: expected an int >= 1 (values shown per array), got {args.limit}")
         from attnmeta._numba import compile_progress
         from attnmeta.bench.demo import demo_lines
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import textwrap
 
 import torch
@@ -49,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = "scenarios:\n" + textwrap.fill(", ".join(names), width=88, initial_indent="  ", subsequent_indent="  ",
                                               break_on_hyphens=False, break_long_words=False)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present, else cpu)")
-    p.add_argument("--scenario", action="append", default=None, choices=names, metavar="NAME",
+    p.add_argument("--scenario", action="append", default=None, metavar="NAME",
                    help="run only the scenario NAME (repeatable; default: all; the names are listed below)")
     p.add_argument("--quick", action="store_true", help="smoke run: few repetitions, small batches")
     p.add_argument("--reps", type=int, default=None, help="timed steps per path (default 200; with --quick 5)")
@@ -72,11 +73,20 @@ def argument_error(args: argparse.Namespace) -> str | None:
     Returns
     -------
     str or None
-        A message for ``parser.error``: ``--plot`` without matplotlib (with how to install it), a
-        ``--reps`` below 1.
+        A message for ``parser.error``: a ``--scenario`` no scenario is named (checked here, after
+        ``--import`` has registered the user's builders, not by the parser), ``--plot`` without matplotlib
+        (with how to install it), a ``--reps`` below 1, a ``--json`` file whose folder does not exist.
     """
+    unknown = [n for n in args.scenario or () if n not in scenario_names()]
+    if unknown:
+        return (f"--scenario: no scenario named {', '.join(map(repr, unknown))}; the scenarios: "
+                f"{', '.join(scenario_names())} (a builder of your own: pass its module with --import)")
     if args.reps is not None and args.reps < 1:
         return f"--reps: {args.reps} timed steps; give at least 1"
+    for flag, path in (("--json", args.json_path), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not os.path.isdir(folder):
+            return f"{flag} {path}: the folder {folder} does not exist"
     if args.plot:
         try:
             require_matplotlib()
