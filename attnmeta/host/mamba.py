@@ -624,6 +624,9 @@ FILL_E_CHECKPOINT = 7
 """A prefill row's checkpoint column falls outside the block table."""
 FILL_E_ACCEPTED = 8
 """A decode row's given accepted-token count is outside ``[1, threshold]`` (``threshold = 1 + k``)."""
+FILL_E_DRAFTS_K = 9
+"""A row verifying more drafts than ``threshold - 1`` (``q == drafts + 1 > threshold``): it would run as a
+prefill, its drafts taken into the state as accepted tokens."""
 
 
 @njit
@@ -718,6 +721,11 @@ def mamba_fill_nb(
         enc = -1 - num_moved
         return _fail(enc // 4, FILL_E_QSL if enc % 4 == 1 else FILL_E_DRAFTS)
     D, P, Dt, _Pt = split_counts_nb(query_start_loc, num_tokens, 0, threshold, False, False, moved)
+    if draft_tokens.shape[0] > 0:  # (spec decode: a decode row has at most threshold - 1 drafts)
+        for i in range(D, num_reqs):
+            d = int(draft_tokens[i])
+            if d >= threshold and int(query_start_loc[i + 1]) - int(query_start_loc[i]) == d + 1:
+                return _fail(i, FILL_E_DRAFTS_K)
     # 2. state indices and accepted counts
     bad = state_indices_nb(block_table[:D], seq_lens[:D], mamba_block_size, align, state_d[:D])
     if bad >= 0:

@@ -36,6 +36,7 @@ from attnmeta.backends.mamba import (
     mamba2,
 )
 from attnmeta.backends.mamba import _fill as mamba_fill
+from attnmeta.builder import UnsupportedBatchError
 from attnmeta.builder import build as generic_build
 from attnmeta.host.mamba import CheckpointConfig, classify_mamba_rows
 from attnmeta.host.split import split_decodes_and_prefills
@@ -319,6 +320,14 @@ def test_bad_options_fail_fast() -> None:
     with pytest.raises(ValueError, match="num_accepted_tokens"):
         mamba2.build(spec, Stager("cpu"), Mamba2Options(num_speculative_tokens=1),
                      Mamba2Inputs(num_accepted_tokens=np.array([1, 1, 1], I32)))
+    # a row verifying more drafts than k: refused (it ran as a prefill, its drafts taken as accepted)
+    drafted = BatchSpec(num_computed_tokens=[9, 9], num_scheduled_tokens=[2, 3], num_prompt_tokens=[4, 4],
+                        num_draft_tokens=[1, 2], block_table=[[1, 2, 3], [4, 5, 6]], block_size=4)
+    with pytest.raises(UnsupportedBatchError, match=r"num_draft_tokens\[1\]=2 > Mamba2Options.num_speculative_tokens=1"):
+        mamba2.build(drafted, Stager("cpu"), Mamba2Options(chunk_size=4, num_speculative_tokens=1))
+    with pytest.raises(ValueError, match=r"num_draft_tokens\[1\]=2 > .*at most k drafts"), Stager("cpu").step() as step:
+        mamba2.stage(stage_common(drafted, step), step, Mamba2Options(chunk_size=4, num_speculative_tokens=1))
+    assert mamba2.build(drafted, Stager("cpu"), Mamba2Options(chunk_size=4, num_speculative_tokens=2)).num_decodes == 2
     # the same checks in stage() itself (the generic build lists them as unsupported reasons first)
     with pytest.raises(ValueError, match="spec decode is off"), Stager("cpu").step() as step:
         mamba2.stage(stage_common(spec, step), step, Mamba2Options(), Mamba2Inputs(num_accepted_tokens=np.array([1], I32)))
@@ -386,10 +395,19 @@ def _draw_accepted(spec: BatchSpec, opts: Any, data: st.DataObject) -> np.ndarra
     return None
 
 
+def _covering_drafts(spec: BatchSpec, opts: Mamba2Options) -> Mamba2Options:
+    """``opts`` with spec decode's ``k`` raised to the batch's most drafts: vLLM's runner never schedules
+    a row with more drafts than k (attnmeta refuses one: test_bad_options_fail_fast)."""
+    d = spec.num_draft_tokens
+    if not opts.num_speculative_tokens or d is None or not d.size:
+        return opts
+    return dataclasses.replace(opts, num_speculative_tokens=max(opts.num_speculative_tokens, int(d.max())))
+
+
 @given(spec=batch_specs(max_reqs=10, max_query_len=40, max_context_len=300, long_prefills=True,
                         max_long_prefill_len=600), data=st.data())
 def test_random_batches_match_the_vllm_reference(device: torch.device, spec: BatchSpec, data: st.DataObject) -> None:
-    opts = data.draw(_options(spec.block_size))
+    opts = _covering_drafts(spec, data.draw(_options(spec.block_size)))
     _build(spec, opts, device, _draw_accepted(spec, opts, data))
 
 
@@ -500,7 +518,7 @@ def _eager_options(draw: st.DrawFn, block_size: int) -> Mamba2Options:
 @given(spec=batch_specs(max_reqs=12, max_query_len=40, max_context_len=300, long_prefills=True,
                         max_long_prefill_len=600), data=st.data())
 def test_eager_steps_and_their_host_part_match_the_vllm_reference(device: torch.device, spec: BatchSpec, data: st.DataObject) -> None:
-    opts = data.draw(_eager_options(spec.block_size))
+    opts = _covering_drafts(spec, data.draw(_eager_options(spec.block_size)))
     accepted = _draw_accepted(spec, opts, data)
     _build(spec, opts, device, accepted)
     # the host part for other builders of the step: the split and is_prefilling after the moves

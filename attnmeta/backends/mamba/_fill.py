@@ -77,6 +77,7 @@ from attnmeta.host.mamba import (
     FILL_E_CHECKPOINT,
     FILL_E_CONTEXT,
     FILL_E_DRAFTS,
+    FILL_E_DRAFTS_K,
     FILL_E_QSL,
     FILL_E_TABLE_D,
     FILL_E_TABLE_P,
@@ -811,6 +812,14 @@ def _raise_fill_error(status: int, h: CommonHost, k: int, bs_m: int, align: bool
     elif code == FILL_E_CHECKPOINT and checkpoint is not None:
         q = np.diff(qsl[row : row + 2]).astype(np.int32)
         prefill_checkpoints(ub[row : row + 1], q, h.block_table_cpu[row : row + 1], config=checkpoint)
+    elif code == FILL_E_DRAFTS_K:
+        drafts = runner_draft_counts(h, k)
+        assert drafts is not None  # (the kernel checks drafts only when it has them)
+        raise ValueError(
+            f"num_draft_tokens[{row}]={int(drafts[row])} > {owner}.num_speculative_tokens={k} "
+            f"(request {row}): a row verifies at most k drafts (past the decode threshold 1 + k it would run as a "
+            f"prefill, its drafts taken into the state as accepted tokens)"
+        )
     elif code == FILL_E_ACCEPTED:
         raise ValueError(
             f"num_accepted_tokens[{row}]={int(accepted[row])} is outside [1, {1 + k}] (row {row}, a decode row; "

@@ -422,11 +422,21 @@ class Mamba2Builder(AlignReadsLengths, Builder[Mamba2Options, Mamba2Inputs, Mamb
         return _Staged(step, f, lambda: _metadata(f, common.result(), C))
 
     def unsupported_reasons(self, spec: BatchSpec, options: Mamba2Options, inputs: Mamba2Inputs) -> list[str]:
-        """``num_accepted_tokens`` without spec decode, or not one count per real request or row."""
+        """``num_accepted_tokens`` without spec decode, or not one count per real request or row; with spec
+        decode on, a row that verifies more drafts than ``num_speculative_tokens`` (vLLM's runner never
+        schedules one: past the decode threshold ``1 + k`` it would run as a prefill, its drafts taken
+        into the state as accepted tokens)."""
+        k = options.num_speculative_tokens
+        d = spec.num_draft_tokens
+        if k and d is not None:
+            spec_rows = (spec.num_scheduled_tokens == d + 1) & (d > k)
+            if spec_rows.any():
+                r = int(np.argmax(spec_rows))
+                return [f"num_draft_tokens[{r}]={int(d[r])} > Mamba2Options.num_speculative_tokens={k} (request {r})"]
         acc = inputs.num_accepted_tokens
         if acc is None:
             return []
-        if not options.num_speculative_tokens:
+        if not k:
             return ["num_accepted_tokens: given, but spec decode is off (Mamba2Options.num_speculative_tokens == 0)"]
         n = np.shape(acc)
         if n != (spec.num_reqs,) and n != (spec.padded_num_reqs,):

@@ -44,10 +44,14 @@ __all__ = [
 
 
 def mamba2_sample(spec: BatchSpec, rng: np.random.Generator) -> tuple[Mamba2Options, Mamba2Inputs | None]:
-    """Random cache mode, spec tokens (0-3), checkpoints (align mode), chunk formats, conv1d on or
-    off, and accepted counts under spec decode (on most draws with spec tokens; else no inputs)."""
+    """Random cache mode, spec tokens (0-3; with spec decode on, at least the spec's drafts: vLLM's
+    runner never schedules more), checkpoints (align mode), chunk formats, conv1d on or off, and
+    accepted counts under spec decode (on most draws with spec tokens; else no inputs)."""
     align = rng.random() < 0.5
     k = int(rng.integers(0, 4))
+    d = spec.num_draft_tokens
+    if k and d is not None and d.size:
+        k = max(k, int(d.max()))
     bs = spec.block_size
     ckpt = CheckpointConfig(hash_block_size=int(rng.choice([1, bs])), cache_hit_alignment_tokens=bs,
                             mamba_block_size=bs, checkpoint_alignment=1) if align and rng.random() < 0.7 else None
