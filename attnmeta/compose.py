@@ -60,7 +60,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchError, checked_needs
+from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchError, checked_needs, get_builder
 from attnmeta.common import CommonPasses, CommonWriter, _stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata
 from attnmeta.spec import BatchSpec, StepShape, scan_counts, shapes_of
@@ -140,8 +140,9 @@ class Group:
     'common'
     """
 
-    builders: Mapping[str, AnyBuilder | tuple[AnyBuilder, Any]]
-    """Name -> a registered builder (its default options) or ``(builder, options)``. The name keys the
+    builders: Mapping[str, AnyBuilder | str | tuple[AnyBuilder | str, Any]]
+    """Name -> a builder (its default options) or ``(builder, options)``, a builder given as an object
+    or by its registry name (``"flashinfer"``, as :func:`attnmeta.build` takes it). The name keys the
     builder's metadata in the :class:`ComposedStep` and its inputs in :meth:`StepBuilder.build`; it is
     unique across the composer's groups."""
     prefix: str = "common"
@@ -241,18 +242,26 @@ class _Group:
 
     def __init__(self, g: Group) -> None:
         if not isinstance(g, Group):
-            raise TypeError(f"groups: expected attnmeta.compose.Group objects, got {type(g).__name__}")
+            raise TypeError(f"groups: expected attnmeta.compose.Group objects, got {type(g).__name__}"
+                            + (" (pass the groups as separate arguments: StepBuilder(stager, group, ...))"
+                               if isinstance(g, list | tuple) else ""))
         if isinstance(g.table_column_step, bool) or not isinstance(g.table_column_step, int) or g.table_column_step < 1:
             raise ValueError(f"Group.table_column_step: expected an int >= 1, got {g.table_column_step!r}")
         if not isinstance(g.prefix, str) or not g.prefix or "." in g.prefix:
             raise ValueError(f"Group.prefix: must be a non-empty name without '.', got {g.prefix!r}")
         self.prefix, self.causal, self.column_step = g.prefix, bool(g.causal), g.table_column_step
         self.builders: list[tuple[str, AnyBuilder, Any]] = []
+        if not isinstance(g.builders, Mapping):
+            raise TypeError(f"Group.builders: expected a dict of name -> builder or (builder, options), e.g. "
+                            f"Group({{'attn': FLASHINFER}}) or Group({{'attn': ('flashinfer', options)}}); got "
+                            f"{type(g.builders).__name__}")
         for name, entry in g.builders.items():
             b, o = entry if isinstance(entry, tuple) else (entry, None)
+            if isinstance(b, str):
+                b = get_builder(b)
             if not isinstance(b, Builder):
-                raise TypeError(f"Group.builders[{name!r}]: expected a Builder or (Builder, options), got "
-                                f"{type(b).__name__}")
+                raise TypeError(f"Group.builders[{name!r}]: expected a Builder, a registered builder's name or "
+                                f"(builder, options), got {type(b).__name__}")
             self.builders.append((name, b, b.options(o)))
         if g.token_arrays is not None and not isinstance(g.token_arrays, bool):
             raise TypeError(f"Group.token_arrays: expected a bool or None, got {g.token_arrays!r}")

@@ -41,6 +41,10 @@ class StaticProfile:
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"StaticProfile.{f}: must be a positive int, got {v!r}")
+        if self.max_num_tokens < self.max_num_reqs:  # (vLLM's SchedulerConfig refuses it alike)
+            raise ValueError(f"StaticProfile.max_num_tokens={self.max_num_tokens} < max_num_reqs={self.max_num_reqs}: "
+                             f"a decode step of every request has a token a request (vLLM's max_num_batched_tokens "
+                             f">= max_num_seqs)")
 
     @property
     def max_num_pages(self) -> int:

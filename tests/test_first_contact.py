@@ -374,3 +374,74 @@ def test_the_strategies_without_hypothesis_name_the_extra() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert "ImportError attnmeta.testing.strategies needs hypothesis" in r.stdout, (r.stdout, r.stderr)
     assert "pip install 'attnmeta[test]'" in r.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# found by a new user's review: errors that named nothing, or named the wrong thing
+
+
+def test_check_builder_on_meta_says_where_values_are_compared() -> None:
+    """It failed inside a reference with torch's ``repeat_interleave`` error about meta tensors."""
+    from attnmeta.testing import check_builder
+
+    spec = BatchSpec(num_computed_tokens=[5], num_scheduled_tokens=[1], block_table=[[1, 2]], block_size=4)
+    with pytest.raises(ValueError, match="meta tensors have none: pass device='cpu' or 'cuda'"):
+        check_builder("flash_attn", spec, "meta")
+    with pytest.raises(ValueError, match="audit_builder runs a builder on 'meta'"):
+        check_builder("flash_attn", spec, "cpu", stager=Stager("meta"))
+
+
+def test_a_value_the_builder_never_wrote_is_named_as_the_debug_fill() -> None:
+    """``host np.int32(-1515870811) vs expected 0`` did not say it was the stager's 0xA5 fill."""
+    from attnmeta.testing.assertions import DEBUG_FILL, assert_host_equal
+
+    fill = np.frombuffer(bytes([DEBUG_FILL] * 4), np.int32)
+    with pytest.raises(AssertionError, match=r"-1515870811\) \(0xa5 in every byte: the stager's debug fill"):
+        assert_host_equal(np.array([7, fill[0]], np.int32), np.array([7, 0], np.int32), "toy.padding")
+    with pytest.raises(AssertionError) as info:
+        assert_host_equal(np.array([7, 8], np.int32), np.array([7, 0], np.int32), "toy.padding")
+    assert "debug fill" not in str(info.value)
+
+
+def test_a_reference_of_the_wrong_type_is_a_type_error_naming_the_accepted_ones() -> None:
+    """A reference that gave a list for a device field failed with ``tensor([5, 7]) != [5, 7]``."""
+    from attnmeta.builder import MetadataBase
+    from attnmeta.testing.builders import _compare
+
+    class Toy(MetadataBase):
+        _DEVICE_FIELDS = ("x",)
+
+        def __init__(self) -> None:
+            object.__setattr__(self, "x", torch.tensor([5, 7], dtype=torch.int32))
+
+    with pytest.raises(TypeError, match=r"toy\.x: the reference gives a list for a field that holds a Tensor; "
+                                        r"a reference gives a torch\.Tensor for a device field"):
+        _compare(Toy(), {"x": [5, 7]}, "toy", torch.device("cpu"))
+
+
+def test_groups_take_builder_names_and_refuse_a_list_saying_how() -> None:
+    """``Group([FLASH_ATTN])`` raised ``AttributeError: 'list' object has no attribute 'items'``; a
+    builder's registry name (which ``attnmeta.build`` takes) was refused."""
+    with pytest.raises(TypeError, match=r"Group\.builders: expected a dict of name -> builder"):
+        StepBuilder(Stager("cpu"), Group([flash_attn.FLASH_ATTN]))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"pass the groups as separate arguments"):
+        StepBuilder(Stager("cpu"), [Group({"fa": flash_attn.FLASH_ATTN})])  # type: ignore[arg-type]
+    spec = BatchSpec(num_computed_tokens=[5], num_scheduled_tokens=[1], block_table=[[1, 2]], block_size=4)
+    sb = StepBuilder(Stager("cpu"), Group({"fa": "flash_attn", "fi": ("flashinfer", None)}))
+    step = sb.build(spec)
+    assert step["fa"].seq_lens_cpu.tolist() == [6] and step["fi"].num_decodes == 1
+    with pytest.raises(attnmeta.UnknownBuilderError, match="no builder named 'flash_atn'"):
+        StepBuilder(Stager("cpu"), Group({"fa": "flash_atn"}))
+
+
+def test_alloc_with_a_torch_dtype_names_the_field_and_numpys() -> None:
+    with Stager("cpu").step() as step, pytest.raises(TypeError, match=r"ids: dtype torch\.int32 is not a numpy "
+                                                                       r"dtype \(a torch dtype: pass numpy's"):
+        step.alloc("ids", 4, torch.int32)
+
+
+def test_a_profile_with_fewer_tokens_than_requests_is_refused() -> None:
+    """A full decode step of every request could never fit it (vLLM's SchedulerConfig refuses it too)."""
+    with pytest.raises(ValueError, match=r"max_num_tokens=4 < max_num_reqs=8"):
+        StaticProfile(max_num_reqs=8, max_num_tokens=4, max_blocks_per_req=4, block_size=16)
+    StaticProfile(max_num_reqs=8, max_num_tokens=8, max_blocks_per_req=4, block_size=16)

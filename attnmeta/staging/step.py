@@ -109,7 +109,11 @@ class Step(StepCore):
             raise ValueError(f"{name}: negative row count {rows}")
         dt = DTYPES.get(dtype)
         if dt is None:
-            dt = np.dtype(dtype)
+            try:
+                dt = np.dtype(dtype)
+            except TypeError:
+                hint = " (a torch dtype: pass numpy's, e.g. np.int32)" if isinstance(dtype, torch.dtype) else ""
+                raise TypeError(f"{name}: dtype {dtype!r} is not a numpy dtype{hint}") from None
             if dt not in NP_TO_TORCH:
                 raise TypeError(f"{name}: dtype {dt} cannot be staged")
         st = self._stager

@@ -14,7 +14,7 @@ import torch
 from attnmeta.staging import STAGEABLE_DTYPES
 from attnmeta.testing._oracle import oracle
 
-__all__ = ["assert_host_equal", "assert_matches_device", "numpy_dtype_of", "torch_dtype_of"]
+__all__ = ["DEBUG_FILL", "assert_host_equal", "assert_matches_device", "numpy_dtype_of", "torch_dtype_of"]
 
 # One dtype table for the project (the stager's), plus float64 for comparing float references.
 _NP_TO_TORCH: dict[np.dtype, torch.dtype] = {**STAGEABLE_DTYPES, np.dtype(np.float64): torch.float64}
@@ -31,12 +31,27 @@ def numpy_dtype_of(dtype: torch.dtype) -> np.dtype:
     return _TORCH_TO_NP[dtype]
 
 
+DEBUG_FILL = 0xA5
+"""The byte :func:`attnmeta.testing.check_builder`'s own stagers fill their new memory with
+(``Stager(debug_fill=...)``); a mismatch whose value is this byte repeated says so."""
+
+
+def _unwritten(a: np.ndarray, where: tuple[int, ...]) -> str:
+    """A note when ``a[where]`` is :data:`DEBUG_FILL` in every byte: memory the builder never wrote."""
+    if a.dtype.kind not in "iuf" or not a.size:
+        return ""
+    if np.frombuffer(np.ascontiguousarray(a[where]).tobytes(), np.uint8).tolist() != [DEBUG_FILL] * a.itemsize:
+        return ""
+    return f" ({DEBUG_FILL:#x} in every byte: the stager's debug fill, a value the builder never wrote)"
+
+
 def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
     idx = np.argwhere(a != b)
     if idx.size == 0:
         return ""
     where = tuple(int(v) for v in idx[0])
-    return f"first difference at {where}: host {a[where]!r} vs expected {b[where]!r}; {len(idx)} differ"
+    return (f"first difference at {where}: host {a[where]!r}{_unwritten(a, where)} vs expected {b[where]!r}; "
+            f"{len(idx)} differ")
 
 
 def assert_host_equal(actual: Any, expected: Any, name: str = "value") -> None:

@@ -30,7 +30,7 @@ from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import Stager
 from attnmeta.sync import AuditRow, register_audit_target, run_audit, unregister_audit_target
-from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
+from attnmeta.testing.assertions import DEBUG_FILL, assert_host_equal, assert_matches_device
 from attnmeta.testing.lab import LeadingColumns, lab
 from attnmeta.testing.workloads import KINDS, random_spec
 
@@ -84,7 +84,8 @@ def check_builder(
     AssertionError
         Naming the first field that differs, and where (the first differing index and both values).
     ValueError
-        The builder has no reference.
+        The builder has no reference, or ``device`` (or ``stager``'s device) is ``meta``: values are
+        compared, and meta tensors have none (:func:`audit_builder` runs a builder on ``meta``).
 
     Examples
     --------
@@ -97,6 +98,9 @@ def check_builder(
     b = get_builder(builder) if isinstance(builder, str) else builder
     opts, inp = b.options(options), b.inputs(inputs)
     dev = torch.device(device)
+    if dev.type == "meta" or (stager is not None and stager.device.type == "meta"):
+        raise ValueError("check_builder compares values, and meta tensors have none: pass device='cpu' or 'cuda' "
+                         "(audit_builder runs a builder on 'meta' under the sync audit)")
     stager = stager if stager is not None else Stager(dev, debug_fill=DEBUG_FILL)
     expected = _reference(b, spec, opts, dev, inp, stager.profile)
     meta = build(spec, stager, b, opts, inp)
@@ -254,6 +258,12 @@ def _compare(obj: Any, expected: dict[str, Any], path: str, dev: torch.device) -
                 _match(value, ref, f"{path}.{twin}")
         elif isinstance(want, np.ndarray):
             assert_host_equal(got, want, where)
+        elif isinstance(want, list | tuple) or isinstance(got, torch.Tensor | np.ndarray):
+            raise TypeError(
+                f"{where}: the reference gives a {type(want).__name__} for a field that holds a "
+                f"{type(got).__name__}; a reference gives a torch.Tensor for a device field (on the device "
+                f"it is given), a numpy array for a host array, LeadingColumns for a table compared on its "
+                f"leading columns, a dict for a part's fields, and a plain value for a scalar")
         elif isinstance(want, bool | np.bool_) or isinstance(got, bool | np.bool_):
             assert isinstance(got, bool | np.bool_) and bool(got) == bool(want), f"{where}: {got!r} != {want!r}"
         elif isinstance(want, int | np.integer):
@@ -292,8 +302,6 @@ def unchecked_fields(metadata: Any, expected: dict[str, Any]) -> list[str]:
     return [f for f in declared if f not in named and getattr(metadata, f) is not None]
 
 
-DEBUG_FILL = 0xA5
-"""The byte :func:`check_builder`'s own stagers fill their new memory with (``Stager(debug_fill=...)``)."""
 
 _STAGERS: dict[str, Stager] = {}
 
