@@ -256,7 +256,8 @@ def _fill_cases(draw: st.DrawFn) -> dict[str, Any]:
     q = np.array([r[1] for r in rows] + [0] * pad, np.int32)
     sl = c + q
     isp = np.array([r[2] for r in rows] + [False] * pad, np.bool_)
-    drafts = np.array([r[3] for r in rows] + [-1] * pad, np.int32) if k else np.zeros(0, np.int32)
+    # (a row verifies at most k drafts: more is the kernel's FILL_E_DRAFTS_K, the test below)
+    drafts = np.array([min(r[3], k) for r in rows] + [-1] * pad, np.int32) if k else np.zeros(0, np.int32)
     qsl = np.zeros(B + 1, np.int32)
     np.cumsum(q, out=qsl[1:])
     T = int(qsl[-1]) + draw(st.integers(0, 9))
@@ -427,6 +428,22 @@ def _pad(values: np.ndarray, rows: int) -> np.ndarray:
     full = np.full(rows, -1, np.int32)
     full[: values.shape[0]] = values[:rows]
     return full
+
+
+def test_fill_kernel_refuses_a_row_with_more_drafts_than_k() -> None:
+    """Row 1 verifies 2 drafts with k = 1 (q = 3 > 1 + k): it would run as a prefill, its drafts taken
+    into the state as accepted tokens; the kernel reports it (the builders' ValueError names it)."""
+    from attnmeta.host.mamba import FILL_E_DRAFTS_K, FILL_STATUS_STRIDE
+
+    qsl, sl = np.array([0, 2, 5], np.int32), np.array([11, 12], np.int32)
+    case = {"qsl": qsl, "ub": sl.copy(), "isp": np.zeros(2, np.bool_), "drafts": np.array([1, 2], np.int32),
+            "sl": sl, "bt": np.arange(8, dtype=np.int32).reshape(2, 4), "accepted": np.zeros(0, np.int32),
+            "given": False, "T": 5, "k": 1, "C": 8, "bsm": 4, "align": False, "ckpt": None, "conv": False,
+            "pad": False, "known": (0, 0, 0, 0)}
+    status = _fill(case, _outputs(case))[0]
+    assert status == -1 - (1 * FILL_STATUS_STRIDE + FILL_E_DRAFTS_K)
+    case["drafts"] = np.array([1, 1], np.int32)  # (q = 3 > 1 + k with one draft: a plain prefill row)
+    assert _fill(case, _outputs(case))[0] == 0
 
 
 def test_fill_kernel_outputs_are_its_parameters() -> None:
