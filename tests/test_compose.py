@@ -145,6 +145,22 @@ def test_own_fields_of_a_builder_are_rewritten_on_replay(device: torch.device) -
     assert composer.stats.replayed >= 8, composer.stats
 
 
+def test_a_replayed_mixed_step_rewrites_the_prefill_query_starts(device: torch.device) -> None:
+    """Graph mode, FlashInfer: mixed steps of one shape whose prefill rows trade query lengths replay one
+    layout; each replay must rewrite FlashInfer's own ``qo_indptr_prefill`` (a mutant that skipped it
+    handed out the previous step's, and only 1,000-example oracle runs drew the case)."""
+    prof = StaticProfile(max_num_reqs=8, max_num_tokens=64, max_blocks_per_req=8, block_size=4)
+    composer, reference, counts = _pair(device, lambda: [Group({"fi": FLASHINFER})], profile=prof)
+    bt = [[1, 2, 3, 4]] * 3
+    a = BatchSpec(num_computed_tokens=[5, 7, 0], num_scheduled_tokens=[1, 3, 5], block_table=bt, block_size=4,
+                  num_reqs_padded=4, num_tokens_padded=16)
+    b = BatchSpec(num_computed_tokens=[5, 5, 2], num_scheduled_tokens=[1, 5, 3], block_table=bt, block_size=4,
+                  num_reqs_padded=4, num_tokens_padded=16)
+    got = _check(composer, reference, counts, [(s, None, None) for s in (a, b, a, b, a)])
+    assert composer.stats.replayed >= 1, composer.stats
+    assert got[-1]["fi"].qo_indptr_prefill_cpu[:3].tolist() == [0, 3, 8]
+
+
 def test_mixed_and_prefill_steps_between_decodes(device: torch.device) -> None:
     composer, reference, counts = _pair(device, lambda: [Group({"fa": FLASH_ATTN})])
     rng = np.random.default_rng(3)

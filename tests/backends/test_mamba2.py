@@ -816,10 +816,16 @@ _SENTINEL = {"state_indices_tensor_d": 0, "num_accepted_tokens": 1, "state_indic
              "checkpoint_chunk_idx": 0}
 
 
+BIG = _spec([0] * 6, [20] * 6, [20] * 6, bs=4, width=16)
+"""More chunks, programs and prefill rows than PREFILL: run on every ring slot first, so that each later
+step's sentinel tails are written over a longer step's values (a kernel that left one entry past its
+rows stale kept BIG's value there)."""
+
+
 def test_graph_mode_fixed_addresses_sentinels_and_values() -> None:
     stager = Stager("cpu", profile=PROFILE)
     addresses: dict[str, int] | None = None
-    for spec in (PREFILL, DECODE, PREFILL, DECODE):
+    for spec in (BIG, BIG, BIG, PREFILL, DECODE, PREFILL, DECODE):
         with stager.step() as step:
             staged = mamba2.stage(stage_common(spec, step), step, GRAPH_OPTS)
         m = staged.result()

@@ -27,6 +27,9 @@ from attnmeta.testing.strategies import batch_specs
 
 BUILDERS = sorted(attnmeta.registry())
 SPECS = batch_specs(max_reqs=10, max_query_len=40, max_context_len=300)
+FEW = max(15, settings().max_examples // 7)
+"""Examples per builder of the generic checks: 15 under the dev and ci profiles (eleven builders and more
+make them the suite's longest), a seventh of the profile's under ``thorough`` (142)."""
 
 
 def test_the_builtin_builders_are_registered() -> None:
@@ -51,7 +54,7 @@ def test_every_builder_declares_the_protocol(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", BUILDERS)
-@settings(max_examples=15)
+@settings(max_examples=FEW)
 @given(spec=SPECS, seed=st.integers(0, 2**32 - 1))
 def test_every_builder_equals_its_reference(device: torch.device, name: str, spec: BatchSpec, seed: int) -> None:
     """The generic check: every field the builder's reference names, with options and inputs the
@@ -66,7 +69,7 @@ def test_every_builder_equals_its_reference(device: torch.device, name: str, spe
 
 
 @pytest.mark.parametrize("name", BUILDERS)
-@settings(max_examples=15)
+@settings(max_examples=FEW)
 @given(spec=SPECS, seed=st.integers(0, 2**32 - 1))
 def test_every_builder_equals_its_reference_in_graph_mode(name: str, spec: BatchSpec, seed: int) -> None:
     """The generic check on a graph-mode stager: fixed buffers, widths from the profile (block tables,
@@ -108,7 +111,7 @@ def _writable_host_arrays(obj: Any, path: str, seen: set[int]) -> list[str]:
 
 
 @pytest.mark.parametrize("name", BUILDERS)
-@settings(max_examples=15)
+@settings(max_examples=FEW)
 @given(spec=SPECS, seed=st.integers(0, 2**32 - 1))
 def test_every_host_array_a_builder_hands_out_is_read_only(name: str, spec: BatchSpec, seed: int) -> None:
     """An in-place edit of a host twin would make it disagree with its device field (found writable by an
@@ -122,7 +125,7 @@ def test_every_host_array_a_builder_hands_out_is_read_only(name: str, spec: Batc
 
 
 @pytest.mark.parametrize("name", BUILDERS)
-@settings(max_examples=25)
+@settings(max_examples=max(25, FEW))
 @given(spec=SPECS, seed=st.integers(0, 2**32 - 1))
 def test_a_builder_that_reads_no_lengths_answers_alike_without_them(name: str, spec: BatchSpec, seed: int) -> None:
     """Builder.reads_lengths's promise, on the builder's own options and inputs: where it says False,

@@ -132,6 +132,29 @@ def test_decision_matches_reference(
     assert host is ref
 
 
+def test_the_cost_vote_matches_the_reference_on_a_grid_with_ties() -> None:
+    """Flash decoding's branch (GQA, every query length 1), where the two costs tie on some inputs: the
+    vote is ``cascade < flash_decoding``, so a tie keeps flash decoding (a mutant voting ``<=`` survived
+    the generated batches, whose heads and SMs never tied)."""
+    ties = 0
+    for length in (256, 300, 384, 512, 640):
+        for reqs in (8, 10, 128, 129, 200):
+            for hq in (8, 32, 64):
+                for hkv in (1, 4, 8):
+                    for sms in (1, 4, 16, 132):
+                        g, tiles = hq // hkv, -(-length // 128)
+                        cascade = -(-(hq * -(-reqs // 128)) // sms) * tiles
+                        fd = -(-(reqs * hkv * -(-g // 128) * tiles) // sms)
+                        ties += g > 1 and cascade == fd
+                        q = np.ones(reqs, np.int32)
+                        args = dict(use_alibi=False, use_sliding_window=False, use_local_attention=False, num_sms=sms)
+                        host = use_cascade_attention(common_prefix_len=length, query_lens=q, num_query_heads=hq,
+                                                     num_kv_heads=hkv, **args)  # type: ignore[arg-type]
+                        ref = ref_use_cascade_attention(length, torch.from_numpy(q), hq, hkv, **args)  # type: ignore[arg-type]
+                        assert host is ref, (length, reqs, hq, hkv, sms)
+    assert ties > 0
+
+
 @given(batch=cascade_batches(), extra_tokens=st.integers(0, 5))
 def test_arrays_match_reference(device: torch.device, batch: CascadeBatch, extra_tokens: int) -> None:
     bs = batch.block_size

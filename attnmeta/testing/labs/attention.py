@@ -156,10 +156,12 @@ def cascade_defaults(spec: BatchSpec) -> tuple[CascadeOptions, CascadeInputs]:
 
 
 def cascade_sample(spec: BatchSpec, rng: np.random.Generator) -> tuple[CascadeOptions, CascadeInputs]:
-    """8 query heads, 1 or 8 KV heads, 132 SMs, and a block count the requests' rows bear out: up
-    to the leading columns every real row shares, or any of 0-63 when the smallest context caps
-    the prefix within them."""
-    opts = CascadeOptions(num_query_heads=8, num_kv_heads=int(rng.choice([1, 8])), num_sms=132)
+    """8, 32 or 64 query heads, 1, 4 or 8 KV heads, 1 to 132 SMs (so the cost vote's branches and its
+    ties are drawn, not only flash decoding's easy win), and a block count the requests' rows bear out:
+    up to the leading columns every real row shares, or any of 0-63 when the smallest context caps the
+    prefix within them."""
+    opts = CascadeOptions(num_query_heads=int(rng.choice([8, 32, 64])), num_kv_heads=int(rng.choice([1, 4, 8])),
+                          num_sms=int(rng.choice([1, 4, 16, 132])))
     n, bs = spec.num_reqs, spec.block_size
     cap = int(spec.num_computed_tokens.min()) // bs if n else 0  # prefix columns the cap allows
     head = spec.block_table[:n, :cap]
