@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import types
+import typing
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
 
-__all__ = ["MetadataBase", "describe_value", "keyword_factory", "positional_factory", "summarize_value", "template"]
+__all__ = ["MetadataBase", "describe_value", "keyword_factory", "metadata_parts", "positional_factory", "summarize_value",
+           "template"]
 
 
 def summarize_value(v: Any) -> str:
@@ -273,3 +275,36 @@ def _twin(cls: type[T], specs: list[Any], *, kw_only: bool) -> Callable[..., T]:
         "__slots__": (), "__init__": init, "__post_init__": become_frozen,
         "__setattr__": object.__setattr__, "__delattr__": object.__delattr__,
     })
+
+
+_PARTS: dict[type, tuple[str, ...]] = {}
+""":func:`metadata_parts` by class."""
+
+
+def metadata_parts(cls: type) -> tuple[str, ...]:
+    """The dataclass fields of ``cls`` annotated with a :class:`MetadataBase` type (optional or not): the
+    metadata objects an object of ``cls`` may hold, which expire with it (cached per class).
+
+    Examples
+    --------
+    >>> from attnmeta.backends.mamba.mamba2 import Mamba2Metadata
+    >>> metadata_parts(Mamba2Metadata)
+    ('common', 'checkpoint_meta')
+    """
+    found = _PARTS.get(cls)
+    if found is not None:
+        return found
+    names: list[str] = []
+    if dataclasses.is_dataclass(cls):
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # an annotation that does not resolve at run time: judge by its text
+            hints = {}
+        for f in dataclasses.fields(cls):
+            hint = hints.get(f.name)
+            kinds = typing.get_args(hint) or (hint,) if hint is not None else ()
+            if any(isinstance(k, type) and issubclass(k, MetadataBase) for k in kinds) or (
+                    hint is None and "Metadata" in str(f.type)):
+                names.append(f.name)
+    _PARTS[cls] = found = tuple(names)
+    return found

@@ -60,6 +60,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from attnmeta._fields import metadata_parts
 from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchError, checked_needs, get_builder
 from attnmeta.common import CommonPasses, CommonWriter, _stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata
@@ -548,7 +549,12 @@ class StepBuilder:
                 step.abandon()
                 raise
             return self._compose(step, sp, shapes, inputs, arrays, key)
-        return self._replay(step, rec, shapes, inputs, arrays, specs, counts)
+        try:
+            return self._replay(step, rec, shapes, inputs, arrays, specs, counts)
+        except ValueError as e:  # (the step was abandoned): the builders' reasons, as a composed step gives
+            if not isinstance(e, UnsupportedBatchError):
+                self._check(specs if specs is not None else _make_specs(*counts), inputs)  # type: ignore[misc]
+            raise
 
     # ------------------------------------------------------------------ the step's inputs and key
     def _inputs(self, inputs: Mapping[str, Any]) -> list[list[Any]]:
@@ -849,6 +855,10 @@ class StepBuilder:
         for n, gi, pi, rep in rec.replayers:
             meta[n] = m = rep.result(step, cms[gi], hosts[gi], pks[gi], inputs[gi][pi])
             owned.append(m)
+            for part_name in metadata_parts(type(m)):  # (own_all: every metadata object they hold is owned)
+                part = getattr(m, part_name)
+                if part is not None and part is not cms[gi] and part is not pks[gi]:
+                    owned.append(part)  # (Mamba2's checkpoint_meta of a prefill step)
         devices = rec.devices
         if devices is None:  # (graph mode: the arrays' views of the one arena, the same for the same rows)
             rows = tuple([len(a) for a in arrays])

@@ -17,7 +17,7 @@ from compose_helpers import counts_arguments
 from attnmeta import BatchSpec, Stager, StaticProfile, UnsupportedBatchError, stage_common
 from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionInputs, FlashAttentionOptions
 from attnmeta.backends.flashinfer import FLASHINFER, FlashInferOptions
-from attnmeta.backends.mamba import mamba2
+from attnmeta.backends.mamba import CheckpointConfig, mamba2
 from attnmeta.compose import Array, ComposedStep, Group, StepBuilder, table_columns
 from attnmeta.staging import StepExpiredError, is_expired
 from attnmeta.sync import no_device_sync
@@ -630,3 +630,59 @@ def test_build_counts_from_another_thread_never_changes_a_steps_group_shapes(mon
     done.set()
     a.join(10)
     assert got["a"]["fi2"].page_size == 16 and got["a"]["fi2"].paged_kv_indptr_cpu[1] == 19  # cdiv(301, 16)
+
+
+@pytest.mark.parametrize("profile", [None, dataclasses.replace(_PROFILE, chunk_size=16)], ids=["eager", "graph"])
+def test_a_replayed_steps_nested_metadata_expires_with_it(profile: Any) -> None:
+    """A replayed Mamba2 prefill step's ``checkpoint_meta`` (a metadata object inside the builder's) was
+    never owned by the step: after its slot was reused it read the newer step's values instead of
+    raising (found by an adversarial review; a composed step's expired)."""
+    bs = 16
+    ck = CheckpointConfig(hash_block_size=bs, cache_hit_alignment_tokens=bs, mamba_block_size=bs,
+                          checkpoint_alignment=1)
+    opts = mamba2.Mamba2Options(chunk_size=16, cache_mode="align", checkpoint=ck)
+    composer = StepBuilder(Stager("cpu", num_slots=2, profile=profile),
+                           Group({"m": (mamba2.MAMBA2, opts)}, table_column_step=1))
+    table = np.arange(1, 13, dtype=np.int32).reshape(1, 12)
+    kept = []
+    for c in (0, 0, 0, 0, 16, 0, 48, 0):
+        out = composer.build(BatchSpec(num_computed_tokens=[c], num_scheduled_tokens=[40], num_prompt_tokens=[190],
+                                       block_table=table, block_size=bs))
+        kept.append(out["m"].checkpoint_meta)
+        assert kept[-1].cols_cpu.tolist() == [c // bs + 1]
+    assert composer.stats.replayed >= 4, composer.stats
+    for ckm in kept[:-2]:  # every step but the last two (2 slots): a later one claimed its memory
+        assert is_expired(ckm)
+        with pytest.raises(StepExpiredError):
+            ckm.cols_cpu  # noqa: B018
+
+
+def test_a_replayed_step_that_cannot_be_served_raises_unsupported_batch_error() -> None:
+    """Wrong-length per-request inputs raised ``UnsupportedBatchError`` on a composed step but a plain
+    ``ValueError`` from the builder's own check when the step replayed its slot's layout (an engine
+    catching the documented error missed it on steady-state steps only)."""
+    table = np.arange(1, 17, dtype=np.int32).reshape(2, 8)
+
+    def spec(i: int) -> BatchSpec:
+        return BatchSpec(num_computed_tokens=[20 + i, 30 + i], num_scheduled_tokens=[2, 2], num_draft_tokens=[1, 1],
+                         block_table=table, block_size=16)
+
+    cases = [
+        ([Group({"fa": FLASH_ATTN})], "fa", FlashAttentionInputs(causal=[1, 1]), FlashAttentionInputs(causal=[1, 1, 1])),
+        ([Group({"m": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16, num_speculative_tokens=1))},
+                table_column_step=1)], "m", mamba2.Mamba2Inputs(num_accepted_tokens=[1, 2]),
+         mamba2.Mamba2Inputs(num_accepted_tokens=[1, 2, 1, 1, 1])),
+    ]
+    for groups, name, good, bad in cases:
+        composer = StepBuilder(Stager("cpu", num_slots=2), *groups)
+        for i in range(6):
+            composer.build(spec(i), {name: good})
+        assert composer.stats.replayed >= 2
+        with pytest.raises(UnsupportedBatchError, match=f"{name}: cannot serve this batch"):
+            composer.build(spec(2), {name: bad})
+        args, kw = counts_arguments(spec(2))
+        for i in range(6):
+            composer.build(spec(i), {name: good})
+        with pytest.raises(UnsupportedBatchError, match=f"{name}: cannot serve this batch"):
+            composer.build_counts(*args, **kw, inputs={name: bad})
+        composer.build(spec(3), {name: good})  # the stager goes on

@@ -8,11 +8,9 @@ the step in ``_lease``. One class change per object, no copy, no flag read on th
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from typing import Any
 
-from attnmeta._fields import MetadataBase
+from attnmeta._fields import metadata_parts
 from attnmeta.staging._layout import StepExpiredError
 
 __all__ = ["POISON_INFO", "TWIN_CLASSES", "is_expired", "poison", "poison_info"]
@@ -20,8 +18,6 @@ __all__ = ["POISON_INFO", "TWIN_CLASSES", "is_expired", "poison", "poison_info"]
 _EXPIRED_TWINS: dict[type, type] = {}
 """A class's expired twin (:func:`poison`), by class."""
 TWIN_CLASSES: set[type] = set()
-_PARTS: dict[type, tuple[str, ...]] = {}
-"""A class's fields that may hold another metadata object (poisoned with it), by class."""
 _OPEN_NAMES = frozenset({"_lease"})
 
 
@@ -69,30 +65,9 @@ def _expired_twin(cls: type) -> type:
     return twin
 
 
-def _parts(cls: type) -> tuple[str, ...]:
-    """The dataclass fields of ``cls`` annotated with a :class:`MetadataBase` type (optional or not)."""
-    found = _PARTS.get(cls)
-    if found is not None:
-        return found
-    names: list[str] = []
-    if dataclasses.is_dataclass(cls):
-        try:
-            hints = typing.get_type_hints(cls)
-        except Exception:  # an annotation that does not resolve at run time: judge by its text
-            hints = {}
-        for f in dataclasses.fields(cls):
-            hint = hints.get(f.name)
-            kinds = typing.get_args(hint) or (hint,) if hint is not None else ()
-            if any(isinstance(k, type) and issubclass(k, MetadataBase) for k in kinds) or (
-                    hint is None and "Metadata" in str(f.type)):
-                names.append(f.name)
-    _PARTS[cls] = found = tuple(names)
-    return found
-
-
 def poison_info(cls: type) -> tuple[type, tuple[str, ...]] | None:
     """``(expired twin, metadata parts)`` of ``cls``; None for a twin (already expired)."""
-    info = None if cls in TWIN_CLASSES else (_expired_twin(cls), _parts(cls))
+    info = None if cls in TWIN_CLASSES else (_expired_twin(cls), metadata_parts(cls))
     POISON_INFO[cls] = info
     return info
 

@@ -43,6 +43,7 @@ from attnmeta.host.split import split_decodes_and_prefills
 from attnmeta.staging import CapacityError
 from attnmeta.sync import no_device_sync
 from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
+from attnmeta.testing.builders import check_builder
 from attnmeta.testing.lab import lab
 from attnmeta.testing.reference import (
     ref_linear_attn_metadata,
@@ -1109,3 +1110,17 @@ def test_one_compiled_fill_serves_steps_with_and_without_draft_counts() -> None:
         mamba2.build(spec, Stager("cpu"), options, inputs)
     added = set(mamba_fill_nb.signatures) - before
     assert len(added) <= 1, added
+
+
+@pytest.mark.parametrize("name", ["mamba2", "mamba1", "gdn"])
+def test_the_lab_reference_follows_a_large_profiles_conv1d_capacity(name: str) -> None:
+    """Graph mode stages the causal-conv1d pointers at ``2 * max(1024, cdiv(max_num_tokens, 8) +
+    max_num_reqs)`` programs; the lab reference gave vLLM's eager ``2 * max(1024, tot)``, so
+    ``check_builder`` refused a correct build once a profile's tokens passed 8,064 (found by an
+    adversarial review)."""
+    prof = StaticProfile(max_num_reqs=8, max_num_tokens=8192, max_blocks_per_req=24, block_size=16, chunk_size=16)
+    spec = BatchSpec(num_computed_tokens=[0, 7], num_scheduled_tokens=[20, 5], num_prompt_tokens=[20, 30],
+                     block_table=[[3] * 24, [4] * 24], block_size=16)
+    opts = {"mamba2": Mamba2Options(chunk_size=16), "mamba1": None, "gdn": None}[name]
+    m = check_builder(name, spec, "cpu", opts, stager=Stager("cpu", profile=prof), strict=True)
+    assert m.batch_ptr.shape == (2064,) and m.conv1d_max_num_programs == 2064

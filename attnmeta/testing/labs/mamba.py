@@ -21,6 +21,7 @@ from attnmeta.backends.mamba import (
     Mamba2Options,
 )
 from attnmeta.host.mamba import CheckpointConfig
+from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec
 from attnmeta.testing.labs._entry import LabEntry
 from attnmeta.testing.reference.gdn import ref_gdn_metadata
@@ -65,12 +66,31 @@ def mamba2_sample(spec: BatchSpec, rng: np.random.Generator) -> tuple[Mamba2Opti
     return opts, None
 
 
+def _graph_conv1d(out: dict[str, Any], profile: StaticProfile | None) -> dict[str, Any]:
+    """Under a graph-mode ``profile`` the causal-conv1d pointers are fixed buffers of ``2 * max(1024,
+    cdiv(max_num_tokens, 8) + max_num_reqs)`` programs, -1 past the step's (docs/semantics-mamba.md,
+    "CUDA graphs"), where vLLM's eager build makes ``2 * max(1024, tot)``."""
+    if profile is None:
+        return out
+    cap = 2 * max(1024, -(-profile.max_num_tokens // 8) + profile.max_num_reqs)
+    for name in ("batch_ptr", "token_chunk_offset_ptr"):
+        t = out.get(name)
+        if isinstance(t, torch.Tensor) and t.shape[0] < cap:
+            full = torch.full((cap,), -1, dtype=t.dtype, device=t.device)
+            full[: t.shape[0]] = t
+            out[name] = full
+    if out.get("conv1d_max_num_programs"):
+        out["conv1d_max_num_programs"] = cap
+    return out
+
+
 def mamba2_reference(spec: BatchSpec, options: Mamba2Options, device: torch.device,
-                     inputs: Mamba2Inputs | None) -> dict[str, Any]:
+                     inputs: Mamba2Inputs | None, profile: StaticProfile | None = None) -> dict[str, Any]:
     """:func:`attnmeta.testing.reference.ref_mamba_metadata`: every field the way vLLM 0.33.0's
-    builder computes it, on ``device`` (the accepted counts from ``inputs``)."""
-    return ref_mamba_metadata(spec, options, device,
-                              num_accepted_tokens=None if inputs is None else inputs.num_accepted_tokens)
+    builder computes it, on ``device`` (the accepted counts from ``inputs``; under a graph-mode
+    ``profile`` the causal-conv1d pointers at the profile's fixed length)."""
+    return _graph_conv1d(ref_mamba_metadata(spec, options, device, num_accepted_tokens=None if inputs is None
+                                            else inputs.num_accepted_tokens), profile)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -83,9 +103,11 @@ def mamba1_sample(spec: BatchSpec, rng: np.random.Generator) -> tuple[Mamba1Opti
                          needs_causal_conv1d_metadata=bool(rng.random() < 0.8)), None
 
 
-def mamba1_reference(spec: BatchSpec, options: Mamba1Options, device: torch.device, inputs: None) -> dict[str, Any]:
-    """:func:`attnmeta.testing.reference.ref_mamba_metadata` (threshold 1, no chunks)."""
-    return ref_mamba_metadata(spec, options, device)
+def mamba1_reference(spec: BatchSpec, options: Mamba1Options, device: torch.device, inputs: None,
+                     profile: StaticProfile | None = None) -> dict[str, Any]:
+    """:func:`attnmeta.testing.reference.ref_mamba_metadata` (threshold 1, no chunks; the causal-conv1d
+    pointers at a graph-mode ``profile``'s fixed length)."""
+    return _graph_conv1d(ref_mamba_metadata(spec, options, device), profile)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -126,11 +148,12 @@ def gdn_sample(spec: BatchSpec, rng: np.random.Generator) -> tuple[GDNOptions, G
 
 
 def gdn_reference(spec: BatchSpec, options: GDNOptions, device: torch.device,
-                  inputs: GDNInputs | None) -> dict[str, Any]:
+                  inputs: GDNInputs | None, profile: StaticProfile | None = None) -> dict[str, Any]:
     """:func:`attnmeta.testing.reference.gdn.ref_gdn_metadata`: vLLM 0.33.0's formulas on ``device``
-    (the accepted counts from ``inputs``)."""
-    return ref_gdn_metadata(spec, options, device,
-                            num_accepted_tokens=None if inputs is None else inputs.num_accepted_tokens)
+    (the accepted counts from ``inputs``; the causal-conv1d pointers at a graph-mode ``profile``'s fixed
+    length)."""
+    return _graph_conv1d(ref_gdn_metadata(spec, options, device, num_accepted_tokens=None if inputs is None
+                                          else inputs.num_accepted_tokens), profile)
 
 
 ENTRIES: dict[str, LabEntry] = {
