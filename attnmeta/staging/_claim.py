@@ -78,7 +78,8 @@ def claim(header: np.ndarray, word: int, fd: int | None, key: tuple[str, int], o
     key : tuple of (str, int)
         The segment's name and the role's number.
     owner : object
-        The claimant; the role is free again once it is collected or :func:`release` is called.
+        The claimant; the role is free again for this process once it is collected, for every process
+        once :func:`release` is called or this process exits.
     what : str
         The role, for the error (``"reader 0 of ring 'x'"``).
 

@@ -383,8 +383,8 @@ class SharedRing:
     def release_reader(self, reader: int) -> None:
         """Free reader number ``reader`` by hand, whoever holds it.
 
-        A reader frees its number itself (:meth:`RingReader.close`, or when it is collected), and a
-        number whose process has exited is taken over by the next reader. This is for what that check
+        A reader frees its number itself (:meth:`RingReader.close`), and a number whose process has
+        exited is taken over by the next reader. This is for what that check
         cannot see: a recycled process id, or a reader in another PID namespace.
         """
         if not 0 <= reader < self.num_readers:
@@ -735,8 +735,8 @@ class RingReader:
         The ring (:meth:`SharedRing.attach` in this process).
     reader : int
         This reader's number, ``0 <= reader < ring.num_readers``; one live reader each, in the whole
-        machine: the number is claimed here and freed by :meth:`close` (or when this object is
-        collected, or its process exits).
+        machine: the number is claimed here and freed by :meth:`close` or by its process's exit (a
+        reader collected without ``close()`` frees it for its own process only).
     device : torch.device or str
         This rank's device (``cuda:n``, or ``cpu`` to run the protocol without a GPU).
     check_lifetimes : bool, default True

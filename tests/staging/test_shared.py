@@ -377,7 +377,7 @@ def _hold_reader(name: str, reader: int, ready: Any, leave: Any) -> None:
 def test_a_reader_number_has_one_live_reader(ring: SharedRing) -> None:
     """Two readers under one number each released slots the other still read, so the writer rewrote a
     slot under one of them with no error; the second reader is now refused, in this process and from
-    another, and the number is free again once its reader closes, is collected, or its process exits."""
+    another, and the number is free again once its reader closes, is collected (for its own process), or its process exits."""
     first = RingReader(SharedRing.attach(ring.name), 0, "cpu")
     assert ring.claimed_by(0) == os.getpid() and ring.claimed_by(1) == 0
     with pytest.raises(ClaimError, match=r"reader 0 of ring .* already taken in this process"):
