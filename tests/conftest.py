@@ -3,8 +3,8 @@
 Profiles (select with ``ATTNMETA_HYPOTHESIS_PROFILE``; default ``dev``):
 
 - ``dev``: 50 examples per property, for a quick local loop.
-- ``ci``: 100 examples per property, no deadline (``.ci/run`` selects it; the suite takes about 5 min on
-  2 cores, a fresh checkout that compiles every kernel first included; about 6 with the set-up).
+- ``ci``: 100 examples per property, no deadline (``.ci/run`` selects it; the suite takes 5-6 min on
+  2 cores, a fresh checkout that compiles every kernel first included; 6-7 with the set-up).
 - ``thorough``: 1000 examples per property, no deadline.
 - ``gpu``: 25 derandomized examples per property, for the GPU machine.
 """
