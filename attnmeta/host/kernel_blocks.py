@@ -146,10 +146,13 @@ def select_common_block_size(manager_block_size: int, supported: Sequence[Suppor
 def kernel_block_size(manager_block_size: int, supported: SupportedSizes, *, block_outermost: bool = False) -> int:
     """The kernel block size of one attention backend over a KV-cache group (vLLM 0.33.0's choice).
 
-    A group whose KV-cache tensor is packed block-outermost (``block_stride > layer_stride``) keeps
-    the manager size; otherwise :func:`select_common_block_size` for this one backend. (vLLM's
-    Mamba groups, and specs without per-layer views, also keep the manager size: do not call this
-    for them.)
+    :func:`select_common_block_size` for this one backend. A group whose KV-cache tensor is packed
+    block-outermost (``block_stride > layer_stride``) cannot be split: other layers' pages lie between
+    its blocks. There vLLM keeps the manager size group-wide, and a backend that needs smaller blocks
+    fails when its token KV cache is bound ("Reduce --block-size ... or set VLLM_KV_CACHE_LAYOUT to a
+    layer-compact layout"); this raises the same. (vLLM's strided kernel blocks of compressed caches
+    are not built here. Its Mamba groups, and specs without per-layer views, keep the manager size: do
+    not call this for them.)
 
     Parameters
     ----------
@@ -158,7 +161,7 @@ def kernel_block_size(manager_block_size: int, supported: SupportedSizes, *, blo
     supported : sequence of int or MultipleOf
         The backend's supported kernel block sizes.
     block_outermost : bool, default False
-        The group's KV cache is packed block-outermost: no splitting.
+        The group's KV cache is packed block-outermost: no splitting (the manager size, or an error).
 
     Returns
     -------
@@ -168,15 +171,24 @@ def kernel_block_size(manager_block_size: int, supported: SupportedSizes, *, blo
     Raises
     ------
     ValueError
-        As :func:`select_common_block_size`.
+        As :func:`select_common_block_size`; with ``block_outermost``, a backend that does not accept
+        the manager size.
 
     Examples
     --------
-    >>> kernel_block_size(256, [64]), kernel_block_size(256, [64], block_outermost=True)
+    >>> kernel_block_size(256, [64]), kernel_block_size(256, [256, 64], block_outermost=True)
     (64, 256)
+    >>> kernel_block_size(256, [64], block_outermost=True)
+    Traceback (most recent call last):
+    ValueError: a backend that needs 64-token kernel blocks cannot read a KV cache packed block-outermost in 256-token blocks (other layers' pages lie between them; vLLM 0.33.0 refuses it too): reduce the block size to 64 or pack the cache layer-outermost
     """
     size = select_common_block_size(manager_block_size, [supported])
-    return manager_block_size if block_outermost else size
+    if block_outermost and size != manager_block_size:
+        raise ValueError(
+            f"a backend that needs {size}-token kernel blocks cannot read a KV cache packed block-outermost in "
+            f"{manager_block_size}-token blocks (other layers' pages lie between them; vLLM 0.33.0 refuses it "
+            f"too): reduce the block size to {size} or pack the cache layer-outermost")
+    return size
 
 
 def block_table_width(max_num_blocks: int, block_size: int) -> int:

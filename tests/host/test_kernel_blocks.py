@@ -47,7 +47,12 @@ def test_select_rules() -> None:
     assert select_common_block_size(64, [[64], [MultipleOf(32)]]) == 64  # every backend accepts the manager size
     assert select_common_block_size(96, [[32, 48], [MultipleOf(16)]]) == 48  # largest accepted divisor
     assert select_common_block_size(64, [[128, 16]]) == 16  # a candidate must divide the manager size
-    assert kernel_block_size(256, [64]) == 64 and kernel_block_size(256, [64], block_outermost=True) == 256
+    assert kernel_block_size(256, [64]) == 64 and kernel_block_size(256, [256, 64], block_outermost=True) == 256
+    # block-outermost packing cannot be split: a backend that needs smaller blocks is refused, as vLLM
+    # refuses it when the cache is bound (it returned the manager size, a size the backend cannot read)
+    with pytest.raises(ValueError, match="cannot read a KV cache packed block-outermost in 256-token blocks"):
+        kernel_block_size(256, [64], block_outermost=True)
+    assert kernel_block_size(256, [MultipleOf(16)], block_outermost=True) == 256
     for bad in ([], [[]], [[0]], [["16"]]):
         with pytest.raises(ValueError):
             select_common_block_size(64, bad)
