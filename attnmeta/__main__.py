@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     # The modules first, so that what they register is in the parsers' help (bench's scenario list);
     # a module that fails is reported below, by its command's parser, after the arguments are parsed.
-    _import_modules(imports.parse_known_args(args_in)[0].imports)
+    import_error = _import_modules(imports.parse_known_args(args_in)[0].imports)
     p_demo = sub.add_parser("demo", help="print the metadata of a built-in mixed batch", parents=[imports],
                             description="Build the common metadata and every registered builder's for a built-in "
                                         "mixed batch, in one step, and print every field: where it lives, its "
@@ -128,9 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     args = parser.parse_args(args_in)
     command = {"demo": p_demo, "bench": p_bench, "audit": p_audit, "warmup": p_warm}[args.cmd]
-    err = _import_modules(args.imports)
-    if err:
-        command.error(err)
+    if import_error:
+        command.error(import_error)
     if args.cmd == "demo":
         err = _device_error(args.device, ("cuda", "cpu", "meta"))
         if err:

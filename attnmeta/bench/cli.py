@@ -77,10 +77,11 @@ def argument_error(args: argparse.Namespace) -> str | None:
         ``--import`` has registered the user's builders, not by the parser), ``--plot`` without matplotlib
         (with how to install it), a ``--reps`` below 1, a ``--json`` file whose folder does not exist.
     """
-    unknown = [n for n in args.scenario or () if n not in scenario_names()]
+    names = scenario_names()
+    unknown = [n for n in args.scenario or () if n not in names]
     if unknown:
         return (f"--scenario: no scenario named {', '.join(map(repr, unknown))}; the scenarios: "
-                f"{', '.join(scenario_names())} (a builder of your own: pass its module with --import)")
+                f"{', '.join(names)} (a builder of your own: pass its module with --import)")
     if args.reps is not None and args.reps < 1:
         return f"--reps: {args.reps} timed steps; give at least 1"
     for flag, path in (("--json", args.json_path), ("--plot", args.plot)):

@@ -24,9 +24,10 @@ Three layers, each installed only while an audit is armed:
    ``bool()``, ``int()``, ``float()``), ``aten.equal``/``allclose``, ops whose output shape
    depends on device data (``nonzero``, ``masked_select``, ``unique``, ``bincount``,
    ``repeat_interleave`` without ``output_size``, ``one_hot`` without ``num_classes``, ``histc``
-   without a range, ``isin`` with many test elements (torch's sorting path calls ``unique``), boolean-mask indexing with a device mask), device->host copies, blocking
-   host->device copies, host index tensors used on device data, and - the copy checker -
-   non-blocking host->device copies whose host side is pageable (CUDA) or not contiguous.
+   without a range, ``isin`` with many test elements (torch's sorting path calls ``unique``),
+   boolean-mask indexing with a device mask), device->host copies, blocking host->device copies,
+   host index tensors used on device data, and - the copy checker - non-blocking host->device
+   copies whose host side is pageable (CUDA) or not contiguous.
 2. **A torch function mode** catches what never reaches an aten op as a host read:
    ``Tensor.tolist``/``numpy``/``__array__``/``cpu``, ``torch.tensor(data, device=...)`` and
    friends (blocking uploads), ``dev[i] = 3`` (a 0-dim blocking upload) and indexing with a Python

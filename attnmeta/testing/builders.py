@@ -302,7 +302,6 @@ def unchecked_fields(metadata: Any, expected: dict[str, Any]) -> list[str]:
     return [f for f in declared if f not in named and getattr(metadata, f) is not None]
 
 
-
 _STAGERS: dict[str, Stager] = {}
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "check_align_block_size",
     "check_checkpoint_option",
     "common_needs",
+    "excess_drafts_reason",
     "make_host",
     "runner_draft_counts",
     "state_indices_error",
@@ -179,6 +180,21 @@ class AlignReadsLengths:
 
 
 @functools.lru_cache(maxsize=256)
+def excess_drafts_reason(spec: BatchSpec, spec_tokens: int, owner: str) -> str | None:
+    """With spec decode on, the reason a spec row (``num_scheduled_tokens == num_draft_tokens + 1``)
+    that verifies more drafts than ``spec_tokens`` cannot be served (vLLM's runner never schedules one;
+    past the decode threshold it would run as a prefill); None when there is none. ``owner`` names the
+    options type."""
+    d = spec.num_draft_tokens
+    if not spec_tokens or d is None:
+        return None
+    rows = (spec.num_scheduled_tokens == d + 1) & (d > spec_tokens)
+    if not rows.any():
+        return None
+    r = int(np.argmax(rows))
+    return f"num_draft_tokens[{r}]={int(d[r])} > {owner}.num_speculative_tokens={spec_tokens} (request {r})"
+
+
 def runner_draft_counts(h: CommonHost, spec_tokens: int) -> np.ndarray | None:
     """The runner's ``num_decode_draft_tokens_cpu`` a Mamba-family builder reads: the common metadata's
     when the spec gave draft counts; else, with spec decode on (``spec_tokens > 0``), vLLM's runner rule

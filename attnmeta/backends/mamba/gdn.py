@@ -38,6 +38,7 @@ from attnmeta.backends.mamba._shared import (
     block_table_columns,
     check_align_block_size,
     common_needs,
+    excess_drafts_reason,
     runner_draft_counts,
     state_indices_error,
 )
@@ -576,13 +577,9 @@ class GDNBuilder(AlignReadsLengths, Builder[GDNOptions, GDNInputs, None, GDNMeta
             elif np.shape(acc) not in ((spec.num_reqs,), (spec.padded_num_reqs,)):
                 reasons.append(f"num_accepted_tokens: expected one count per real request ({spec.num_reqs}) or per "
                                f"row ({spec.padded_num_reqs}), got shape {np.shape(acc)}")
-        d = spec.num_draft_tokens
-        if k and d is not None:
-            spec_rows = (spec.num_scheduled_tokens == d + 1) & (d > k)
-            if spec_rows.any():
-                r = int(np.argmax(spec_rows))
-                reasons.append(f"num_draft_tokens[{r}]={int(d[r])} > GDNOptions.num_speculative_tokens={k} "
-                               f"(request {r})")
+        drafts = excess_drafts_reason(spec, k, "GDNOptions")
+        if drafts is not None:
+            reasons.append(drafts)
         return reasons
 
 

@@ -54,6 +54,7 @@ from attnmeta.backends.mamba._shared import (
     block_table_columns,
     check_checkpoint_option,
     common_needs,
+    excess_drafts_reason,
 )
 from attnmeta.builder import Builder, CommonNeeds, Replayer, register
 from attnmeta.host.mamba import CheckpointConfig
@@ -427,12 +428,9 @@ class Mamba2Builder(AlignReadsLengths, Builder[Mamba2Options, Mamba2Inputs, Mamb
         schedules one: past the decode threshold ``1 + k`` it would run as a prefill, its drafts taken
         into the state as accepted tokens)."""
         k = options.num_speculative_tokens
-        d = spec.num_draft_tokens
-        if k and d is not None:
-            spec_rows = (spec.num_scheduled_tokens == d + 1) & (d > k)
-            if spec_rows.any():
-                r = int(np.argmax(spec_rows))
-                return [f"num_draft_tokens[{r}]={int(d[r])} > Mamba2Options.num_speculative_tokens={k} (request {r})"]
+        drafts = excess_drafts_reason(spec, k, "Mamba2Options")
+        if drafts is not None:
+            return [drafts]
         acc = inputs.num_accepted_tokens
         if acc is None:
             return []
