@@ -7,6 +7,7 @@ Timings are never asserted: the first-run tests check the order of what is print
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import subprocess
 import sys
@@ -445,3 +446,22 @@ def test_a_profile_with_fewer_tokens_than_requests_is_refused() -> None:
     with pytest.raises(ValueError, match=r"max_num_tokens=4 < max_num_reqs=8"):
         StaticProfile(max_num_reqs=8, max_num_tokens=4, max_blocks_per_req=4, block_size=16)
     StaticProfile(max_num_reqs=8, max_num_tokens=8, max_blocks_per_req=4, block_size=16)
+
+
+def test_a_stager_given_its_options_positionally_names_itself_and_the_keywords() -> None:
+    """Python's own error named ``Ring.__init__``, a base class users never see."""
+    with pytest.raises(TypeError, match=r"^Stager\(\): only the device is positional, got 2 positional .*num_slots="):
+        Stager("cpu", 4)  # type: ignore[misc]
+    assert "*positional" not in str(inspect.signature(Stager))  # (help() shows the call users make)
+
+
+@pytest.mark.parametrize(("dtype", "fill"), [(np.uint8, -1), (np.int32, 0.7), (np.bool_, 5), (np.int32, "x"),
+                                             (np.int32, [1])])
+def test_an_eager_fill_its_dtype_cannot_hold_is_refused_as_graph_mode_refuses_it(dtype: Any, fill: Any) -> None:
+    """Eager mode ignored the fill, so code developed eager first failed when it moved to graph mode."""
+    with pytest.raises(ValueError, match=r"engine.flags: fill=.* is not a .* value"), Stager("cpu").step() as step:
+        step.alloc("engine.flags", 2, dtype, fill=fill)
+    for _ in range(2):  # (a value that passed once is remembered, and still passes)
+        with Stager("cpu").step() as step:
+            step.alloc("engine.flags", 2, np.uint8, fill=255)[:] = 1
+            step.alloc("engine.nan", 1, np.float32, fill=float("nan"))[:] = 0

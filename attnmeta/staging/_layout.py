@@ -103,6 +103,26 @@ def exact_fill(name: str, dtype: np.dtype, fill: Any) -> Any:
     return fill
 
 
+_EXACT_FILLS: set[tuple[np.dtype, type, Any]] = set()
+"""``(dtype, type(fill), fill)`` that :func:`exact_fill` accepted (bounded: a step stages a few fills)."""
+
+
+def checked_fill(name: str, dtype: np.dtype, fill: Any) -> Any:
+    """:func:`exact_fill`, remembered per dtype and value: an eager step checks each field's ``fill`` as
+    graph mode would (code written in eager mode then runs in graph mode unchanged), for the price of a
+    set lookup once a value has passed."""
+    key = (dtype, type(fill), fill)
+    try:
+        if key in _EXACT_FILLS:
+            return fill
+    except TypeError:  # (an unhashable fill: exact_fill names it)
+        return exact_fill(name, dtype, fill)
+    exact_fill(name, dtype, fill)
+    if len(_EXACT_FILLS) < 4096:
+        _EXACT_FILLS.add(key)
+    return fill
+
+
 def same_fill(a: Any, b: Any) -> bool:
     """Whether two sentinels are the same value (NaN the same as NaN)."""
     return bool(a == b) or (a != a and b != b)

@@ -18,6 +18,7 @@ of :class:`~attnmeta.staging._arena.Arenas`; they read no private attribute of a
 from __future__ import annotations
 
 import gc
+import inspect
 import threading
 import time
 import warnings
@@ -111,7 +112,7 @@ class Ring(Arenas):
     def __init__(
         self,
         device: torch.device | str,
-        *,
+        *positional: Any,
         num_slots: int = 3,
         profile: StaticProfile | None = None,
         stream: Any = None,
@@ -122,6 +123,10 @@ class Ring(Arenas):
         debug_fill: int | None = None,
         _unsafe_disable_fencing: bool = False,
     ) -> None:
+        if positional:  # (keyword-only after the device; Python's own error would name Ring.__init__)
+            raise TypeError(f"{type(self).__name__}(): only the device is positional, got {len(positional) + 1} "
+                            f"positional arguments; give the rest by keyword ({type(self).__name__}(device, "
+                            f"num_slots=..., profile=...))")
         if isinstance(num_slots, bool) or not isinstance(num_slots, int | np.integer):
             raise TypeError(f"num_slots: expected an int, got {type(num_slots).__name__} {num_slots!r}")
         if not 2 <= num_slots <= MAX_SLOTS:
@@ -457,6 +462,16 @@ class Ring(Arenas):
         mode = "graph" if self.graph_mode else "eager"
         return (f"Stager(device={self.device}, mode={mode}, num_slots={self.num_slots}, "
                 f"steps={self.stats.steps}, waits={self.stats.waits})")
+
+
+def _signature_without_positional() -> inspect.Signature:
+    """``Ring.__init__``'s signature as users call it: the device, then keywords only (its ``*positional``
+    exists only to name the class in the error a stray positional argument raises)."""
+    sig = inspect.signature(Ring.__init__)
+    return sig.replace(parameters=[p for p in sig.parameters.values() if p.kind is not p.VAR_POSITIONAL])
+
+
+Ring.__init__.__signature__ = _signature_without_positional()  # type: ignore[attr-defined]
 
 
 def _require_int(name: str, value: Any, lo: int, what: str) -> None:

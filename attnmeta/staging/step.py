@@ -29,6 +29,7 @@ from attnmeta.staging._layout import (
     StepLayout,
     StepNotCommittedError,
     StepStats,
+    checked_fill,
     exact_fill,
     same_fill,
 )
@@ -88,8 +89,9 @@ class Step(StepCore):
         CapacityError
             Graph mode: ``rows > capacity``, or a new field after :meth:`Stager.freeze`.
         ValueError
-            A negative dimension; a field staged twice in one step. Graph mode: a ``fill`` the dtype
-            cannot hold exactly, or another ``fill`` than the field's layout holds.
+            A negative dimension; a field staged twice in one step; a ``fill`` the dtype cannot hold
+            exactly (checked in eager mode too, so code that runs eager runs in graph mode). Graph
+            mode: another ``fill`` than the field's layout holds.
         """
         if self._committed:
             raise RuntimeError(self._closed(f"{name}: alloc()"))
@@ -143,7 +145,7 @@ class Step(StepCore):
             staged = FieldLayout(name, f.offset, dt, row_shape, rows, f.capacity, f.fill)
         else:
             off = (self._used + ALIGN - 1) // ALIGN * ALIGN
-            staged = FieldLayout(name, off, dt, row_shape, rows, rows, 0 if fill is None else fill)
+            staged = FieldLayout(name, off, dt, row_shape, rows, rows, 0 if fill is None else checked_fill(name, dt, fill))
             end = off + staged.row_bytes * rows
             assert slot.host_np is not None
             if end > slot.host_np.shape[0]:
