@@ -56,6 +56,8 @@ def _import_modules(names: Sequence[str]) -> str | None:
             if isinstance(e, ModuleNotFoundError) and e.name == name.split(".")[0]:
                 return (f"--import {name}: no module named {e.name!r} here; pass a module or package name "
                         f"importable from this directory (not a path)")
+            if isinstance(e, ModuleNotFoundError) and name.endswith(".py"):
+                return (f"--import {name}: a module's name, without '.py' (--import {name[:-3].replace('/', '.')})")
             where = traceback.extract_tb(e.__traceback__)[-1]
             return f"--import {name}: {type(e).__name__}: {e} (at {where.filename}:{where.lineno})"
     return None
@@ -78,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="python -m attnmeta", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    from attnmeta import __version__
+
+    parser.add_argument("--version", action="version", version=f"attnmeta {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     imports = argparse.ArgumentParser(add_help=False)
     imports.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
@@ -126,8 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args_in:  # (no command: the commands, not only an error)
         parser.print_help(sys.stderr)
         return 2
-    args = parser.parse_args(args_in)
+    args, extra = parser.parse_known_args(args_in)
     command = {"demo": p_demo, "bench": p_bench, "audit": p_audit, "warmup": p_warm}[args.cmd]
+    if extra:  # (the command's own usage, not the top level's)
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     if import_error:
         command.error(import_error)
     if args.cmd == "demo":

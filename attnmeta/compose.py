@@ -134,6 +134,21 @@ def _width(need: int, step: int, table: int) -> int:
 class Group:
     """One KV-cache group of a composed step: its common metadata and the builders staged over it.
 
+    Parameters
+    ----------
+    builders : mapping of str to builder, builder name or (builder, options)
+        The group's builders by the names their metadata and inputs go by (unique across groups).
+    prefix : str, default "common"
+        The namespace of the group's common fields, one per group.
+    causal : bool, default True
+        ``CommonAttentionMetadata.causal``.
+    table_column_step : int, default 8
+        Eager mode: the block table's staged width is a multiple of it.
+    token_arrays : bool, optional
+        Stage ``positions`` and ``slot_mapping``; default when a builder reads them.
+
+    Each is described in full on its attribute below.
+
     Examples
     --------
     >>> from attnmeta.backends.flashinfer import FLASHINFER, FlashInferOptions
@@ -167,6 +182,25 @@ class Array:
     """An array of the engine's own staged in the composed step (token ids, the rows of last step's
     samples): it travels in the step's one copy.
 
+    Parameters
+    ----------
+    name : str
+        Its staged field name, ``<prefix>.<name>`` under a prefix no group or builder of the composer
+        stages under (``engine.input_ids``).
+    dtype : numpy dtype
+        A stageable one (:data:`attnmeta.staging.STAGEABLE_DTYPES`).
+    capacity : int, optional
+        Graph mode (required there): the most rows it can ever have.
+    fill : scalar, default 0
+        Graph mode: the sentinel of the rows past a step's; a value ``dtype`` holds exactly (checked
+        when the array is first staged, as :meth:`attnmeta.staging.Step.alloc` checks a fill).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the array and the argument: an empty name, a dtype that cannot be staged, a capacity
+        below 0.
+
     Examples
     --------
     >>> import numpy as np
@@ -182,6 +216,25 @@ class Array:
     """Graph mode (required there): the most rows it can ever have; rows past a step's hold ``fill``."""
     fill: Any = 0
     """Graph mode: the sentinel of the rows past a step's."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"Array: name must be a str, got {type(self.name).__name__} {self.name!r}")
+        if not self.name:
+            raise ValueError("Array: name must not be empty (a staged field's name, e.g. 'engine.input_ids')")
+        try:
+            dt = np.dtype(self.dtype)
+        except TypeError:
+            raise TypeError(f"Array({self.name!r}): dtype {self.dtype!r} is not a numpy dtype (one of "
+                            f"{sorted(str(d) for d in STAGEABLE_DTYPES)})") from None
+        if dt not in STAGEABLE_DTYPES:
+            raise TypeError(f"Array({self.name!r}): dtype {dt} cannot be staged (one of "
+                            f"{sorted(str(d) for d in STAGEABLE_DTYPES)})")
+        c = self.capacity
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int | np.integer)):
+            raise TypeError(f"Array({self.name!r}): capacity must be an int or None, got {type(c).__name__} {c!r}")
+        if c is not None and c < 0:
+            raise ValueError(f"Array({self.name!r}): capacity must be >= 0, got {c}")
 
 
 class ComposedStep:
@@ -219,7 +272,11 @@ class ComposedStep:
 
     def __getitem__(self, name: str) -> Any:
         """The metadata of the builder called ``name``."""
-        return self.metadata[name]
+        try:
+            return self.metadata[name]
+        except KeyError:
+            raise KeyError(f"{name!r}: no builder of that name in this step (its builders: {list(self.metadata)}; "
+                           f"arrays are in .arrays)") from None
 
     def __repr__(self) -> str:
         return (f"ComposedStep(step={self.step.number}, groups={len(self.commons)}, builders={list(self.metadata)}, "
@@ -248,6 +305,8 @@ class _Group:
                                if isinstance(g, list | tuple) else ""))
         if isinstance(g.table_column_step, bool) or not isinstance(g.table_column_step, int) or g.table_column_step < 1:
             raise ValueError(f"Group.table_column_step: expected an int >= 1, got {g.table_column_step!r}")
+        if not isinstance(g.causal, bool | np.bool_):
+            raise TypeError(f"Group.causal: expected a bool, got {type(g.causal).__name__} {g.causal!r}")
         if not isinstance(g.prefix, str) or not g.prefix or "." in g.prefix:
             raise ValueError(f"Group.prefix: must be a non-empty name without '.', got {g.prefix!r}")
         self.prefix, self.causal, self.column_step = g.prefix, bool(g.causal), g.table_column_step
@@ -257,6 +316,9 @@ class _Group:
                             f"Group({{'attn': FLASHINFER}}) or Group({{'attn': ('flashinfer', options)}}); got "
                             f"{type(g.builders).__name__}")
         for name, entry in g.builders.items():
+            if isinstance(entry, tuple) and len(entry) != 2:
+                raise TypeError(f"Group.builders[{name!r}]: expected a builder or (builder, options), got a tuple of "
+                                f"{len(entry)}")
             b, o = entry if isinstance(entry, tuple) else (entry, None)
             if isinstance(b, str):
                 b = get_builder(b)
@@ -282,6 +344,32 @@ class _Group:
             if c is not None and c > columns:
                 columns = c
         return (tokens if self.tokens is None else self.tokens), paged, columns
+
+
+def _prefix_owners(groups: list[_Group]) -> dict[str, str]:
+    """Who stages fields under each prefix: every group's common metadata and every builder whose options
+    have a ``prefix``, as ``{prefix: description}``.
+
+    Raises
+    ------
+    ValueError
+        Two of them share a prefix (their fields would collide: "staged twice in one step" on the first
+        step where both stage one), naming both and how to part them.
+    """
+    owners: dict[str, str] = {g.prefix: f"group {g.prefix!r}'s common metadata" for g in groups}
+    for g in groups:
+        for name, b, o in g.builders:
+            p = getattr(o, "prefix", None)
+            if not isinstance(p, str):
+                continue
+            other = owners.get(p)
+            if other is not None:
+                raise ValueError(
+                    f"Group.builders[{name!r}]: {b.name} stages its fields under prefix {p!r}, as {other} does (the "
+                    f"two would collide on a step where both stage a field); give each builder its own: "
+                    f"{name!r}: ({b.name!r}, {type(o).__name__}(prefix={name!r}))")
+            owners[p] = f"builder {name!r} ({b.name})"
+    return owners
 
 
 class _Record:
@@ -368,16 +456,19 @@ class StepBuilder:
         prefixes = [g.prefix for g in self._groups]
         if len(set(prefixes)) != len(prefixes):
             raise ValueError(f"Group.prefix: one per group, got {prefixes}")
+        owners = _prefix_owners(self._groups)
         self._names = frozenset(names)
         self._arrays: list[tuple[str, np.dtype, int | None, Any]] = []
         for a in arrays:
             if not isinstance(a, Array):
                 raise TypeError(f"arrays: expected attnmeta.compose.Array objects, got {type(a).__name__}")
-            dt = np.dtype(a.dtype)
-            if dt not in STAGEABLE_DTYPES:
-                raise TypeError(f"Array({a.name!r}): dtype {dt} cannot be staged")
+            dt = np.dtype(a.dtype)  # (a stageable one: Array checks its fields)
             if stager.graph_mode and a.capacity is None:
                 raise ValueError(f"Array({a.name!r}): a graph-mode stager needs its capacity")
+            head, _dot, tail = a.name.partition(".")
+            if head in owners:
+                raise ValueError(f"Array({a.name!r}): its prefix {head!r} is {owners[head]}'s; name it under a prefix "
+                                 f"of its own (e.g. 'engine.{tail or a.name}')")
             self._arrays.append((a.name, dt, a.capacity, a.fill))
         self._array_names = frozenset(a[0] for a in self._arrays)
         if len(self._array_names) != len(self._arrays):

@@ -605,7 +605,8 @@ def test_build_counts_from_another_thread_never_changes_a_steps_group_shapes(mon
 
     import attnmeta.spec as spec_module
 
-    composer = StepBuilder(Stager("cpu", num_slots=3), Group({"fi": FLASHINFER}), Group({"fi2": FLASHINFER}, prefix="g2"))
+    composer = StepBuilder(Stager("cpu", num_slots=3), Group({"fi": FLASHINFER}),
+                           Group({"fi2": (FLASHINFER, FlashInferOptions(prefix="fi2"))}, prefix="g2"))
     c, q = np.full(6, 300, np.int32), np.ones(6, np.int32)
     table = np.arange(6 * 40, dtype=np.int32).reshape(6, 40)
     mine, other = [(table, 16), (table.copy(), 16)], [(table, 16), (table[:, :10].copy(), 64)]

@@ -465,3 +465,141 @@ def test_an_eager_fill_its_dtype_cannot_hold_is_refused_as_graph_mode_refuses_it
         with Stager("cpu").step() as step:
             step.alloc("engine.flags", 2, np.uint8, fill=255)[:] = 1
             step.alloc("engine.nan", 1, np.float32, fill=float("nan"))[:] = 0
+
+
+def test_builders_that_would_stage_under_one_prefix_are_refused_up_front_saying_how_to_part_them() -> None:
+    """Two FlashInfer groups (a full and a sliding-window group) composed fine on decode steps and failed on
+    the first mixed step ("flashinfer.qo_indptr_prefill: staged twice in one step"); two Mamba2 groups on
+    their first step."""
+    from attnmeta.backends.flashinfer import FlashInferOptions
+    from attnmeta.compose import Array
+
+    mixed = _spec()  # (a decode row beside a prefill)
+    with pytest.raises(ValueError, match=r"Group.builders\['fi_swa'\]: flashinfer stages its fields under prefix "
+                                         r"'flashinfer', as builder 'fi_full' \(flashinfer\) does.*'fi_swa': "
+                                         r"\('flashinfer', FlashInferOptions\(prefix='fi_swa'\)\)"):
+        StepBuilder(Stager("cpu"), Group({"fi_full": "flashinfer"}, prefix="full"),
+                    Group({"fi_swa": "flashinfer"}, prefix="swa"))
+    with pytest.raises(ValueError, match=r"stages its fields under prefix 'mamba2'"):
+        StepBuilder(Stager("cpu"), Group({"a": "mamba2"}, prefix="a"), Group({"b": "mamba2"}, prefix="b"))
+    with pytest.raises(ValueError, match=r"prefix 'common', as group 'common''s common metadata does"):
+        StepBuilder(Stager("cpu"), Group({"fa": ("flash_attn", flash_attn.FlashAttentionOptions(prefix="common"))}))
+    with pytest.raises(ValueError, match=r"Array\('flash_attn.x'\): its prefix 'flash_attn' is builder 'fa'"):
+        StepBuilder(Stager("cpu"), Group({"fa": "flash_attn"}), arrays=[Array("flash_attn.x", np.int32)])
+    parted = StepBuilder(Stager("cpu"), Group({"fi_full": "flashinfer"}, prefix="full"),
+                         Group({"fi_swa": ("flashinfer", FlashInferOptions(prefix="fi_swa"))}, prefix="swa"))
+    out = parted.build([mixed, mixed])
+    assert out["fi_full"].num_prefills == out["fi_swa"].num_prefills == 1
+    with Stager("cpu").step() as step:  # (the staging error itself says what to look for)
+        step.alloc("flashinfer.x", 1, np.int32)
+        with pytest.raises(ValueError, match=r"staged twice in one step \(two builders of one step share a prefix"):
+            step.alloc("flashinfer.x", 1, np.int32)
+
+
+def test_a_group_s_causal_flag_must_be_a_bool() -> None:
+    """``causal="False"`` was truthy: every request attended causally, no error."""
+    with pytest.raises(TypeError, match=r"Group.causal: expected a bool, got str 'False'"):
+        StepBuilder(Stager("cpu"), Group({"fa": "flash_attn"}, causal="False"))  # type: ignore[arg-type]
+    assert StepBuilder(Stager("cpu"), Group({"fa": "flash_attn"}, causal=False)).build(_spec())["fa"].causal is False
+
+
+def test_a_comparison_that_compared_nothing_is_not_ok() -> None:
+    """``compare_with_reference(None, ref).ok`` was True: nothing compared, every field listed missing, and
+    testing.md's ``assert result.ok`` passed."""
+    from attnmeta.testing.harness import compare_with_reference
+
+    ref = {"seq_lens": np.array([4, 4], np.int32), "max_seq_len": 4}
+    assert not compare_with_reference(None, ref).ok
+    got = flash_attn.build(_spec(), Stager("cpu"))
+    partial = compare_with_reference(got, {**ref, "no_such_field": 1})
+    assert partial.ok and not partial.complete and partial.missing == ("no_such_field",)
+    assert compare_with_reference(got, ref).complete
+    with pytest.raises(TypeError, match=r"reference: expected a mapping of field name to value.*got NoneType"):
+        compare_with_reference(got, None)  # type: ignore[arg-type]
+
+
+def test_a_small_max_step_bytes_alone_is_accepted() -> None:
+    """Any ``max_step_bytes`` below 1 MiB failed, blaming ``initial_bytes``, which the caller never gave."""
+    stager = Stager("cpu", max_step_bytes=65536)
+    assert build_common(_spec(), stager).seq_lens_cpu.tolist() == [4, 4]
+    with pytest.raises(ValueError, match=r"initial_bytes: 1048576 is more than max_step_bytes=65536"):
+        Stager("cpu", max_step_bytes=65536, initial_bytes=1 << 20)
+
+
+def test_misused_calls_name_the_argument_instead_of_failing_deep_inside() -> None:
+    """Each of these failed with an AttributeError, a bare KeyError, an unpacking error or numpy's own
+    message, or was accepted until a later step."""
+    from attnmeta.compose import Array
+    from attnmeta.testing import check_builder
+    from attnmeta.testing.lab import lab
+
+    spec = _spec()
+    with pytest.raises(TypeError, match=r"check_builder: spec must be a BatchSpec, got list \(call it once per spec\)"):
+        check_builder("flashinfer", [spec], "cpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"lab\(\): expected a builder or a registered builder's name, got NoneType"):
+        lab(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Group.builders\['fa'\]: expected a builder or \(builder, options\), got a "
+                                        r"tuple of 3"):
+        StepBuilder(Stager("cpu"), Group({"fa": ("flash_attn", None, None)}))  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match=r"Array\('x'\): dtype 'foo' is not a numpy dtype \(one of \["):
+        Array("x", "foo")
+    with pytest.raises(ValueError, match=r"Array\('x'\): capacity must be >= 0, got -1"):
+        Array("x", np.int32, capacity=-1)
+    with pytest.raises(TypeError, match=r"Array\('x'\): capacity must be an int or None, got float 2.0"):
+        Array("x", np.int32, capacity=2.0)  # type: ignore[arg-type]
+    with Stager("cpu").step() as step:
+        with pytest.raises(TypeError, match=r"a: shape must be an int or a tuple of ints \(rows, \*row_shape\), got "
+                                            r"float 2.0"):
+            step.alloc("a", 2.0, np.int32)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"a: shape must be an int or a tuple of ints .*got \(2, 1.5\)"):
+            step.alloc("a", (2, 1.5), np.int32)  # type: ignore[arg-type]
+        for bad, kind in ((None, TypeError), (3, TypeError), ("", ValueError)):
+            with pytest.raises(kind, match=r"alloc\(\): a field's name"):
+                step.alloc(bad, 2, np.int32)  # type: ignore[arg-type]
+        with pytest.raises(CapacityError, match=r"a: needs 4 rows but its capacity is 2"):
+            step.alloc("a", 4, np.int32, capacity=2)  # (eager too: graph mode would refuse it)
+        step.alloc("a", 2, np.int32, capacity=2)[:] = 1
+    assert step.device("a").tolist() == [1, 1]
+    with pytest.raises(KeyError, match=r"'nope': not staged in step 1 \(its fields: a\)"):
+        step.device("nope")
+    with pytest.raises(KeyError, match=r"'nope': not staged in step 1 \(its fields: a\)"):
+        step.host("nope")
+    out = StepBuilder(Stager("cpu"), Group({"fa": "flash_attn"})).build(spec)
+    with pytest.raises(KeyError, match=r"'nope': no builder of that name in this step \(its builders: \['fa'\]"):
+        out["nope"]
+    with pytest.raises(TypeError, match=r"Stager\(\): no argument 'num_blocks' \(did you mean 'num_kv_blocks'\?\)"):
+        Stager("cpu", num_blocks=48)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"stream: expected a torch.cuda.Stream or None, got object"):
+        Stager("cpu", stream=object())
+    multi = MultiStager(["cpu", "cpu"])
+    with multi.step() as mstep:
+        staged = flash_attn.stage(stage_common(spec, mstep), mstep)
+    with pytest.raises(TypeError, match=r"MultiStager.result\(\): expected what a builder's stage\(\) returned .*got "
+                                        r"FlashAttentionMetadata \(for metadata already made, call view"):
+        multi.result(staged.result(), 1)  # type: ignore[arg-type]
+    assert multi.result(staged, 1).seq_lens_cpu.tolist() == [4, 4]
+
+
+def test_strategy_arguments_of_the_wrong_kind_are_invalid_arguments_with_the_right_hint() -> None:
+    from hypothesis.errors import InvalidArgument
+
+    from attnmeta.testing.strategies import batch_specs, logits_indices_for
+
+    with pytest.raises(InvalidArgument, match=r"max_reqs: expected an int, got str '8'"):
+        batch_specs(max_reqs="8").validate()  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"block_sizes: .*st.sampled_from\(\[4\]\) to draw from those values"):
+        batch_specs(block_sizes=[4]).validate()  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"query_start_loc: expected a \(num_reqs \+ 1,\) int array, got NoneType"):
+        logits_indices_for(None)  # type: ignore[arg-type]
+
+
+def test_the_cli_reports_a_command_s_unknown_flag_in_that_command_s_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    from attnmeta.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--bogus"])
+    err = capsys.readouterr().err
+    assert "python -m attnmeta demo: error: unrecognized arguments: --bogus" in err and "[--limit LIMIT]" in err
+    with pytest.raises(SystemExit) as version:
+        main(["--version"])
+    assert version.value.code == 0 and capsys.readouterr().out.strip() == f"attnmeta {attnmeta.__version__}"

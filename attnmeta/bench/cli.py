@@ -76,8 +76,11 @@ def argument_error(args: argparse.Namespace) -> str | None:
         A message for ``parser.error``: a ``--scenario`` no scenario is named (checked here, after
         ``--import`` has registered the user's builders, not by the parser), ``--plot`` without matplotlib
         (with how to install it), a ``--reps`` below 1, a ``--json`` file whose folder does not exist.
+        A scenario named twice is dropped from ``args.scenario`` (it runs once).
     """
     names = scenario_names()
+    if args.scenario:  # (a scenario named twice runs once)
+        args.scenario = list(dict.fromkeys(args.scenario))
     unknown = [n for n in args.scenario or () if n not in names]
     if unknown:
         return (f"--scenario: no scenario named {', '.join(map(repr, unknown))}; the scenarios: "

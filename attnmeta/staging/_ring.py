@@ -17,6 +17,7 @@ of :class:`~attnmeta.staging._arena.Arenas`; they read no private attribute of a
 
 from __future__ import annotations
 
+import difflib
 import gc
 import inspect
 import threading
@@ -72,6 +73,7 @@ T = TypeVar("T")
 S = TypeVar("S", bound="StepCore")
 
 DEFAULT_MAX_STEP_BYTES = 1 << 30
+DEFAULT_INITIAL_BYTES = 1 << 20
 """``Stager(max_step_bytes=...)``'s default: 1 GiB of staged bytes a step."""
 MAX_SLOTS = 64
 """The most ring slots a stager may have."""
@@ -116,13 +118,20 @@ class Ring(Arenas):
         num_slots: int = 3,
         profile: StaticProfile | None = None,
         stream: Any = None,
-        initial_bytes: int = 1 << 20,
+        initial_bytes: int | None = None,
         num_kv_blocks: int | None = None,
         check_lifetimes: bool = True,
         max_step_bytes: int = DEFAULT_MAX_STEP_BYTES,
         debug_fill: int | None = None,
         _unsafe_disable_fencing: bool = False,
+        **unknown: Any,
     ) -> None:
+        if unknown:  # (Python's own error would name Ring.__init__)
+            known = [p for p in inspect.signature(type(self)).parameters if not p.startswith("_")]
+            bad = next(iter(unknown))
+            close = difflib.get_close_matches(bad, known, n=1)
+            raise TypeError(f"{type(self).__name__}(): no argument {bad!r}"
+                            + (f" (did you mean {close[0]!r}?)" if close else f"; it takes {', '.join(known)}"))
         if positional:  # (keyword-only after the device; Python's own error would name Ring.__init__)
             raise TypeError(f"{type(self).__name__}(): only the device is positional, got {len(positional) + 1} "
                             f"positional arguments; give the rest by keyword ({type(self).__name__}(device, "
@@ -133,9 +142,13 @@ class Ring(Arenas):
             raise ValueError(f"num_slots: must be >= 2 so a step can be built while the last copies, got {num_slots}"
                              if num_slots < 2 else f"num_slots: at most {MAX_SLOTS} (each slot is pinned memory of its "
                              f"own; a deeper ring holds no more work in flight), got {num_slots}")
+        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(f"stream: expected a torch.cuda.Stream or None, got {type(stream).__name__}")
         if profile is not None and not isinstance(profile, StaticProfile):
             raise TypeError(f"profile: expected a StaticProfile or None, got {type(profile).__name__}")
         _require_int("max_step_bytes", max_step_bytes, ALIGN, "")
+        if initial_bytes is None:  # (the default: 1 MiB, or the whole step's bound when that is smaller)
+            initial_bytes = min(DEFAULT_INITIAL_BYTES, max_step_bytes)
         _require_int("initial_bytes", initial_bytes, 0, "")
         if initial_bytes > max_step_bytes:
             raise ValueError(f"initial_bytes: {initial_bytes} is more than max_step_bytes={max_step_bytes} (a slot holds "
@@ -466,9 +479,10 @@ class Ring(Arenas):
 
 def _signature_without_positional() -> inspect.Signature:
     """``Ring.__init__``'s signature as users call it: the device, then keywords only (its ``*positional``
-    exists only to name the class in the error a stray positional argument raises)."""
+    and ``**unknown`` exist only to name the class in the error a stray argument raises)."""
     sig = inspect.signature(Ring.__init__)
-    return sig.replace(parameters=[p for p in sig.parameters.values() if p.kind is not p.VAR_POSITIONAL])
+    return sig.replace(parameters=[p for p in sig.parameters.values()
+                                   if p.kind is not p.VAR_POSITIONAL and p.kind is not p.VAR_KEYWORD])
 
 
 Ring.__init__.__signature__ = _signature_without_positional()  # type: ignore[attr-defined]

@@ -207,8 +207,8 @@ class MultiStager(Stager):
         Pinned ring slots (as :class:`~attnmeta.staging.Stager`).
     profile : StaticProfile, optional
         Graph mode: fixed arenas, one per device.
-    initial_bytes : int, default 1 MiB
-        Initial slot size in eager mode.
+    initial_bytes : int, optional
+        Initial slot size in eager mode; default 1 MiB, or ``max_step_bytes`` when that is smaller.
     num_kv_blocks : int, optional
         As :class:`~attnmeta.staging.Stager`.
     check_lifetimes : bool, default True
@@ -252,7 +252,7 @@ class MultiStager(Stager):
         *,
         num_slots: int = 3,
         profile: StaticProfile | None = None,
-        initial_bytes: int = 1 << 20,
+        initial_bytes: int | None = None,
         num_kv_blocks: int | None = None,
         check_lifetimes: bool = True,
         debug_fill: int | None = None,
@@ -446,9 +446,15 @@ class MultiStager(Stager):
 
         Raises
         ------
+        TypeError
+            ``staged`` is not a :class:`~attnmeta.staging.Staged`.
         StepNotCommittedError, StepExpiredError, NotReplicableError
             As ``staged.result()`` and :meth:`view`.
         """
+        if not isinstance(staged, Staged):
+            raise TypeError(f"MultiStager.result(): expected what a builder's stage() returned (a Staged), got "
+                            f"{type(staged).__name__}" + (" (for metadata already made, call view(metadata, device))"
+                                                          if isinstance(staged, MetadataBase) else ""))
         return self.view(staged.result(), device)
 
     def _step_of(self, obj: Any) -> StepCore | None:

@@ -89,6 +89,7 @@ import marshal
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Mapping
 from multiprocessing import shared_memory
@@ -624,6 +625,9 @@ class RingWriter(Stager):
         step = self._unpublished
         if step is None:
             raise RuntimeError("RingWriter.publish(): no committed step to publish (each step is published once)")
+        if results is not None and not isinstance(results, Mapping):
+            raise TypeError(f"RingWriter.publish(): results must be a mapping of name to metadata (e.g. "
+                            f"{{'attn': metadata}}), got {type(results).__name__}")
         skel: dict[str, Any] = {}
         if results:
             enc = self._encoder
@@ -698,9 +702,16 @@ class RingWriter(Stager):
         return at
 
     def close(self) -> None:
-        """Tell the readers no step follows (after the last :meth:`publish`)."""
-        if self._unpublished is not None:
-            raise RuntimeError(f"RingWriter.close(): step {self._unpublished.number} is not published")
+        """Tell the readers no step follows (after the last :meth:`publish`).
+
+        A committed step not yet published (an engine stopped between its commit and its publish) goes to
+        the readers as a skip, as an abandoned step does, with a warning; the ring closes either way."""
+        step = self._unpublished
+        if step is not None:
+            self._unpublished = None
+            warnings.warn(f"RingWriter.close(): step {step.number} was committed but never published; the readers "
+                          f"skip it", stacklevel=2)
+            self._announce(slot_of(step).index, step.number, -1, 0, 0)
         self._ring.close()
 
     def __repr__(self) -> str:

@@ -96,8 +96,9 @@ class Stager(Ring):
         Enables graph mode: fixed per-field capacities and addresses.
     stream : torch.cuda.Stream, optional
         Stream for every commit; default: the current stream at commit time.
-    initial_bytes : int, default 1 MiB
-        Initial slot size in eager mode (slots grow geometrically when a step needs more). On the
+    initial_bytes : int, optional
+        Initial slot size in eager mode (slots grow geometrically when a step needs more); default
+        1 MiB, or ``max_step_bytes`` when that is smaller. On the
         CPU (``device="cpu"``, unpinned host slots) the slot and arena bytes are zeroed when
         allocated, so they are resident from the start: a later step that first reaches into a page
         (a new, larger layout) takes no page fault, at the price of resident memory for the whole

@@ -10,6 +10,7 @@ steady-state step may stage exactly the fields of an earlier step on its ring sl
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -73,7 +74,8 @@ class Step(StepCore):
         dtype : numpy dtype
             bool, int8/16/32/64, uint8 or float32.
         capacity : int, optional
-            Graph mode (required there): the most ``rows`` this field can ever have.
+            Graph mode (required there): the most ``rows`` this field can ever have. Eager mode checks
+            ``rows`` against it when given.
         fill : scalar, optional
             Graph mode: sentinel written to rows ``[rows, capacity)``, fixed when the field is first
             staged (default 0); a later step may leave it out or give the same value.
@@ -87,7 +89,7 @@ class Step(StepCore):
         Raises
         ------
         CapacityError
-            Graph mode: ``rows > capacity``, or a new field after :meth:`Stager.freeze`.
+            ``rows > capacity``; graph mode: a new field after :meth:`Stager.freeze`.
         ValueError
             A negative dimension; a field staged twice in one step; a ``fill`` the dtype cannot hold
             exactly (checked in eager mode too, so code that runs eager runs in graph mode). Graph
@@ -97,13 +99,27 @@ class Step(StepCore):
             raise RuntimeError(self._closed(f"{name}: alloc()"))
         if self._shared:
             self._fields, self._shared = dict(self._fields), False
+        if type(name) is not str or not name:
+            if not isinstance(name, str):
+                raise TypeError(f"alloc(): a field's name is a str ('<prefix>.<field>'), got {type(name).__name__} "
+                                f"{name!r}")
+            if not name:
+                raise ValueError("alloc(): a field's name must not be empty ('<prefix>.<field>')")
         if name in self._fields:
-            raise ValueError(f"{name}: staged twice in one step")
+            raise ValueError(f"{name}: staged twice in one step (two builders of one step share a prefix? give each its "
+                             f"own: (builder, its options with prefix=...))")
         row_shape: tuple[int, ...]
         if type(shape) is int:
             rows, row_shape = shape, ()
         else:
-            shp = (shape,) if isinstance(shape, np.integer) else tuple(int(s) for s in shape)  # type: ignore[union-attr]
+            if not isinstance(shape, np.integer | tuple | list):
+                raise TypeError(f"{name}: shape must be an int or a tuple of ints (rows, *row_shape), got "
+                                f"{type(shape).__name__} {shape!r}")
+            try:
+                shp = (int(shape),) if isinstance(shape, np.integer) else tuple(operator.index(s) for s in shape)
+            except TypeError:
+                raise TypeError(f"{name}: shape must be an int or a tuple of ints (rows, *row_shape), got "
+                                f"{shape!r}") from None
             rows, row_shape = int(shp[0]), shp[1:]
             if row_shape and min(row_shape) < 0:
                 raise ValueError(f"{name}: negative dimension in shape {shp}")
@@ -144,6 +160,8 @@ class Step(StepCore):
                 )
             staged = FieldLayout(name, f.offset, dt, row_shape, rows, f.capacity, f.fill)
         else:
+            if capacity is not None and rows > capacity:  # (as graph mode would: eager code runs in graph mode)
+                raise CapacityError(f"{name}: needs {rows} rows but its capacity is {capacity}")
             off = (self._used + ALIGN - 1) // ALIGN * ALIGN
             staged = FieldLayout(name, off, dt, row_shape, rows, rows, 0 if fill is None else checked_fill(name, dt, fill))
             end = off + staged.row_bytes * rows
@@ -249,8 +267,16 @@ class Step(StepCore):
             The step was abandoned (its slot's bytes are the next step's).
         """
         self._check_host(name)
-        f = self._fields[name]
+        f = self._fields.get(name)
+        if f is None:
+            raise self._unknown(name)
         return self._stager._host_view(self._slot, f, f.rows)
+
+    def _unknown(self, name: str) -> KeyError:
+        """The error for a field this step did not stage, listing those it did."""
+        names = sorted(self._fields)
+        shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+        return KeyError(f"{name!r}: not staged in step {self.number} (its fields: {shown or 'none'})")
 
     def _check_host(self, name: str) -> None:
         """Raise unless this step's slot still holds its bytes (open, or committed and not expired)."""
@@ -403,7 +429,10 @@ class Step(StepCore):
             ``name`` was not staged in this step.
         """
         if self._generation >= 0 and not self._expired:
-            f = self._fields[name]
+            try:
+                f = self._fields[name]
+            except KeyError:
+                raise self._unknown(name) from None
             return self._view(f, f.rows)
         if self._expired:
             raise StepExpiredError(f"{name}: {self.expiry()}")

@@ -83,6 +83,8 @@ def check_builder(
     ------
     AssertionError
         Naming the first field that differs, and where (the first differing index and both values).
+    TypeError
+        ``spec`` is not a :class:`~attnmeta.BatchSpec`.
     ValueError
         The builder has no reference, or ``device`` (or ``stager``'s device) is ``meta``: values are
         compared, and meta tensors have none (:func:`audit_builder` runs a builder on ``meta``).
@@ -96,6 +98,9 @@ def check_builder(
     3
     """
     b = get_builder(builder) if isinstance(builder, str) else builder
+    if not isinstance(spec, BatchSpec):
+        raise TypeError(f"check_builder: spec must be a BatchSpec, got {type(spec).__name__}"
+                        + (" (call it once per spec)" if isinstance(spec, list | tuple) else ""))
     opts, inp = b.options(options), b.inputs(inputs)
     dev = torch.device(device)
     if dev.type == "meta" or (stager is not None and stager.device.type == "meta"):

@@ -62,8 +62,15 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        """No disagreement."""
-        return not self.disagreements
+        """No disagreement, and at least one field compared (an object that has none of the reference's
+        fields, None say, is never ok). Fields the object lacks are not disagreements (a third party's
+        metadata may have fewer fields): :attr:`complete` also requires none missing."""
+        return not self.disagreements and bool(self.compared)
+
+    @property
+    def complete(self) -> bool:
+        """:attr:`ok`, and no reference field missing from the object (``missing`` empty)."""
+        return self.ok and not self.missing
 
 
 def _host(value: Any) -> np.ndarray:
@@ -153,7 +160,10 @@ def compare_with_reference(metadata: Any, reference: Mapping[str, Any], *,
     Comparison
         Every disagreement, the fields compared and those the object lacks.
     """
-    skipped = set(skip)
+    if not isinstance(reference, Mapping):
+        raise TypeError(f"reference: expected a mapping of field name to value (a lab's reference(...)), got "
+                        f"{type(reference).__name__}")
+    skipped = {skip} if isinstance(skip, str) else set(skip)
     out: list[Disagreement] = []
     compared, missing = [], []
     for name, want in reference.items():

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnmeta.builder import AnyBuilder, get_builder
+from attnmeta.builder import AnyBuilder, Builder, get_builder
 from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec
 from attnmeta.testing.labs import BUILTIN, Defaults, LabEntry, LeadingColumns, Reference, Sample
@@ -160,6 +160,8 @@ def lab(builder: AnyBuilder | str) -> Lab:
     """
     _load_builtin()
     b = get_builder(builder) if isinstance(builder, str) else builder
+    if not isinstance(b, Builder):
+        raise TypeError(f"lab(): expected a builder or a registered builder's name, got {type(builder).__name__}")
     entry = _LABS.get(b.name)
     if entry is None or entry.builder is not b:
         return Lab(b)

@@ -190,14 +190,16 @@ def test_publish_is_required_and_checked(ring: SharedRing) -> None:
     with pytest.raises(NotReplicableError, match=r"^results\['fi'\]\.paged\.paged_kv_indices: .*computed it on the device"):
         writer.publish({"fi": meta})
     writer.publish()  # the step goes without it
-    with pytest.raises(RuntimeError, match="not published"):
-        attnmeta.build(spec, writer, "flash_attn")
-        writer.close()
+    with pytest.raises(TypeError, match=r"results must be a mapping of name to metadata.*got FlashAttentionMetadata"):
+        writer.publish(attnmeta.build(spec, writer, "flash_attn"))  # type: ignore[arg-type]
     writer.publish()
-    writer.close()
+    attnmeta.build(spec, writer, "flash_attn")  # committed, never published: close() sends it as a skip
+    with pytest.warns(UserWarning, match=r"step 3 was committed but never published; the readers skip it"):
+        writer.close()
     rd = RingReader(SharedRing.attach(ring.name), 0, "cpu")
-    assert rd.receive(timeout=10) is not None and rd.receive(timeout=10) is not None
+    assert [rd.receive(timeout=10).number for _ in range(2)] == [1, 2]  # type: ignore[union-attr]
     assert rd.receive(timeout=10) is None, "a closed ring ends after its last step"
+    assert rd.stats.steps == 3 and rd.stats.copies == 2
 
 
 def test_capacities_are_fixed(ring: SharedRing) -> None:

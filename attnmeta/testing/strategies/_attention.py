@@ -179,7 +179,13 @@ def logits_indices_for(
     ...     li = data.draw(logits_indices_for(np.array([0, 15, 20, 28], np.int32), max_per_req=2))
     """
     _check_range(min_per_req, max_per_req, "min_per_req", "max_per_req", floor=1)
-    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    try:
+        qsl = np.asarray(query_start_loc, dtype=np.int64)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"query_start_loc: expected a (num_reqs + 1,) int array, got "
+                              f"{type(query_start_loc).__name__}") from None
+    if qsl.ndim != 1 or qsl.size < 1:
+        raise InvalidArgument(f"query_start_loc: expected a (num_reqs + 1,) int array, got shape {qsl.shape}")
     q = np.diff(qsl)
     if q.size and int(q.min()) < 0:
         raise InvalidArgument("query_start_loc must be non-decreasing")

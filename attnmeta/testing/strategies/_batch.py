@@ -199,8 +199,11 @@ def batch_specs(
                                 ("with_context_parallel", with_context_parallel, "bool"),
                                 ("cp_world_sizes", cp_world_sizes, "int")):
             _check(isinstance(value, SearchStrategy),
-                   f"{name}: expected a hypothesis strategy of {of} (e.g. st.just({value!r:.40}) for that value "
-                   f"every time), got {type(value).__name__} {value!r:.40}")
+                   f"{name}: expected a hypothesis strategy of {of} (e.g. "
+                   + (f"st.sampled_from({value!r:.40}) to draw from those values"
+                      if isinstance(value, list | tuple | set | frozenset | range)
+                      else f"st.just({value!r:.40}) for that value every time")
+                   + f"), got {type(value).__name__} {value!r:.40}")
         allowed = set(kinds)
         if long_prefills:
             allowed.add("long_prefill")
@@ -306,6 +309,12 @@ def _validate(
     max_block_id: int,
     max_long_prefill_len: int,
 ) -> None:
+    for name, value in (("min_reqs", min_reqs), ("max_reqs", max_reqs), ("max_query_len", max_query_len),
+                        ("max_context_len", max_context_len), ("max_draft_tokens", max_draft_tokens),
+                        ("max_padding_reqs", max_padding_reqs), ("max_padding_tokens", max_padding_tokens),
+                        ("max_block_id", max_block_id), ("max_long_prefill_len", max_long_prefill_len)):
+        _check(isinstance(value, int | np.integer) and not isinstance(value, bool),
+               f"{name}: expected an int, got {type(value).__name__} {value!r:.40}")
     unknown = allowed.difference(REQUEST_KINDS)
     _check(not unknown, f"kinds: unknown request kinds {sorted(unknown)}; known: {list(REQUEST_KINDS)}")
     _check(bool(allowed), "kinds: need at least one request kind")
