@@ -73,8 +73,9 @@ T = TypeVar("T")
 S = TypeVar("S", bound="StepCore")
 
 DEFAULT_MAX_STEP_BYTES = 1 << 30
-DEFAULT_INITIAL_BYTES = 1 << 20
 """``Stager(max_step_bytes=...)``'s default: 1 GiB of staged bytes a step."""
+DEFAULT_INITIAL_BYTES = 1 << 20
+"""An eager slot's first size when ``max_step_bytes`` is larger (``Stager(initial_bytes=None)``): 1 MiB."""
 MAX_SLOTS = 64
 """The most ring slots a stager may have."""
 

@@ -98,11 +98,11 @@ class Stager(Ring):
         Stream for every commit; default: the current stream at commit time.
     initial_bytes : int, optional
         Initial slot size in eager mode (slots grow geometrically when a step needs more); default
-        1 MiB, or ``max_step_bytes`` when that is smaller. On the
-        CPU (``device="cpu"``, unpinned host slots) the slot and arena bytes are zeroed when
-        allocated, so they are resident from the start: a later step that first reaches into a page
-        (a new, larger layout) takes no page fault, at the price of resident memory for the whole
-        slot. Pinned slots and CUDA arenas are resident anyway.
+        1 MiB, or ``max_step_bytes`` when that is smaller. On the CPU (``device="cpu"``, unpinned
+        host slots) the slot and arena bytes are zeroed when allocated, so they are resident from
+        the start: a later step that first reaches into a page (a new, larger layout) takes no page
+        fault, at the price of resident memory for the whole slot. Pinned slots and CUDA arenas are
+        resident anyway.
     num_kv_blocks : int, optional
         Blocks in the KV cache that the block tables of this stager's steps index. When given, every
         step's common pass checks each used block id (columns ``[0, cdiv(seq_len, block_size))`` of
