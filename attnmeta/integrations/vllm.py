@@ -241,12 +241,22 @@ def _no_host_table(got: str) -> ValueError | TypeError:
 
 
 def _rows(arr: np.ndarray | None, name: str, n: int) -> np.ndarray | None:
-    """The first ``n`` entries of a per-request host array (at least ``n`` long)."""
+    """The first ``n`` entries of a per-request host array (at least ``n`` long: the real rows)."""
     if arr is None:
         return None
     if arr.ndim != 1 or arr.shape[0] < n:
-        raise ValueError(f"{name}: expected a 1-D array of at least num_reqs={n} entries, got shape {arr.shape}")
+        raise ValueError(f"{name}: expected a 1-D array with an entry for each of the {n} real requests at least, "
+                         f"got shape {arr.shape}")
     return arr[:n]
+
+
+def _count(value: Any, name: str) -> int:
+    """``value``, a host int of vLLM's metadata (``num_reqs``, ``num_actual_tokens``); a tensor is refused
+    unread (a device tensor's ``int()`` is a sync)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name}: expected a host int, got {type(value).__name__}"
+                        + ("" if isinstance(value, torch.Tensor) else f" {value!r:.40}"))
+    return int(value)
 
 
 def spec_from_vllm(
@@ -294,7 +304,8 @@ def spec_from_vllm(
     block_table : (>= n, max_blocks_per_req) int32, host
         The **host** block table (numpy, or a CPU tensor): vLLM's
         ``input_batch.block_table[kv_cache_group_id].get_numpy_array()``. Required: None or a device
-        tensor raises (see Raises).
+        tensor raises (see Raises). Only its first ``n`` rows are read (and converted, for an int64 or
+        strided table): the rows past them may hold anything.
     num_computed_tokens : (>= n,) int32, host, optional
         Exact tokens already in the KV cache of each row (vLLM's ``input_batch.num_computed_tokens_cpu``);
         default ``seq_lens_cpu_upper_bound - q`` (see above). Required when ``cm`` has no upper bound.
@@ -344,7 +355,7 @@ def spec_from_vllm(
     (3, 4, 6, 8)
     """
     try:
-        B, T = int(cm.num_reqs), int(cm.num_actual_tokens)
+        B, T = _count(cm.num_reqs, "cm.num_reqs"), _count(cm.num_actual_tokens, "cm.num_actual_tokens")
         qsl_raw = cm.query_start_loc_cpu
     except AttributeError as e:
         raise TypeError(
@@ -404,6 +415,8 @@ def spec_from_vllm(
         raise _no_host_table(f"a {block_table.device.type} tensor")
     table = _host(block_table, "block_table")
     assert table is not None  # (None was rejected above)
+    if table.ndim == 2:  # (the real rows only: the runner's persistent table has stale rows past them, and a
+        table = table[:n]  # view or an int64 table is converted, and checked, for these rows alone)
     try:
         return BatchSpec(
             num_computed_tokens=c, num_scheduled_tokens=q[:n], block_table=table, block_size=block_size,
@@ -435,7 +448,10 @@ def vllm_common_kwargs(common: CommonAttentionMetadata, **inputs: Any) -> dict[s
       (pageable) memory of the step's slot, which vLLM's builders read for host arithmetic (vLLM's own
       ``is_prefilling`` is pageable too; its upper bound is a pinned view). The arrays are read-only and
       so are these tensors **in use**: torch cannot mark a tensor read-only, and a write into one
-      rewrites the step's memory (vLLM 0.33.0's own code writes only into copies of them);
+      rewrites the step's memory. vLLM 0.33.0's builders write only into copies of them (the Mamba
+      builder clones ``is_prefilling``), but its EAGLE drafter adds 1 to ``seq_lens_cpu_upper_bound`` in
+      place for each draft step after the first: metadata handed to a drafter needs that field cloned
+      (``replace(seq_lens_cpu_upper_bound=t.clone())``);
     - ``positions`` is None when ``common`` was staged with ``token_arrays=False`` (it is then empty);
     - the fields attnmeta does not derive (:data:`VLLM_INPUT_FIELDS`) are the caller's ``inputs``, else
       None.

@@ -310,3 +310,25 @@ def test_broken_vllm_fields_are_named() -> None:
         adapter.spec_from_vllm(_vcm(), block_table=TABLE[:, :1], block_size=4)
     with pytest.raises(TypeError, match=r"expected a vLLM CommonAttentionMetadata"):
         adapter.spec_from_vllm(object(), block_table=TABLE, block_size=4)
+
+
+def test_only_the_real_rows_of_the_runners_table_are_read() -> None:
+    """The whole persistent table was converted and range-checked every step: a stale id past int32 in a
+    padding row was refused, and an int64 or strided table was copied whole (seconds for vLLM's
+    largest tables)."""
+    stale = np.array([[1, 2], [3, 4], [2**40, 0]], np.int64)  # row 2: padding, stale
+    spec = adapter.spec_from_vllm(_vcm(), block_table=stale, block_size=4)
+    assert spec.block_table.tolist() == [[1, 2], [3, 4]] and spec.block_table.dtype == np.int32
+    wide = torch.zeros(3, 64, dtype=torch.int32)
+    wide[:2, :2] = torch.from_numpy(TABLE[:2])
+    view = wide[:, :32]  # (a column slice: not contiguous)
+    assert adapter.spec_from_vllm(_vcm(), block_table=view, block_size=4).block_table.shape == (2, 32)
+
+
+def test_the_counts_must_be_host_ints() -> None:
+    """``int()`` made 1.9 a 1 and "1" a 1, and read a 0-d device tensor (a sync on CUDA)."""
+    for field, bad in (("num_reqs", 1.9), ("num_reqs", "3"), ("num_actual_tokens", None),
+                       ("num_actual_tokens", torch.tensor(6, device="meta"))):
+        with no_device_sync(), pytest.raises(TypeError, match=rf"cm.{field}: expected a host int, got"):
+            adapter.spec_from_vllm(_vcm(**{field: bad}), block_table=TABLE, block_size=4)
+    assert adapter.spec_from_vllm(_vcm(num_reqs=np.int64(3)), block_table=TABLE, block_size=4).num_reqs == 2

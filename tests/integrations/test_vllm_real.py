@@ -228,3 +228,27 @@ def test_the_recipe_registers_and_builds_attnmetas_metadata(recipe: ModuleType) 
     assert_same_common(got.common, want.common)
     assert (got.num_decode_reqs, got.num_prefill_reqs) == (0, 0)  # (vLLM's builder counts only under DCP)
     assert got.query_start_loc_cpu.tolist() == [0, 1, 2, 8, 8]
+
+
+def test_the_recipe_refuses_micro_batching_and_speculative_decoding(recipe: ModuleType) -> None:
+    """Under both it built wrong slots without a word (a first-contact review): each micro-batch's builder
+    read the whole batch's host table from row 0, and the host upper bounds of spec decode (async
+    scheduling, and every drafter step after the first) are optimistic."""
+    import dataclasses
+
+    from vllm.config import DeviceConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    kv_spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    layers, cpu = ["model.layers.0.self_attn.attn"], torch.device("cpu")
+    dbo = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    dbo.parallel_config = dataclasses.replace(ParallelConfig(), ubatch_size=2)
+    assert dbo.parallel_config.use_ubatching
+    with pytest.raises(NotImplementedError, match="not a micro-batch's rows of it"):
+        recipe.AttnmetaFlashAttnBuilder(kv_spec, layers, dbo, cpu)
+    drafting = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    drafting.speculative_config = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3,
+                                                    prompt_lookup_min=1)
+    with pytest.raises(NotImplementedError, match="optimistic under speculative decoding"):
+        recipe.AttnmetaFlashAttnBuilder(kv_spec, layers, drafting, cpu)
+    recipe.AttnmetaFlashAttnBuilder(kv_spec, layers, VllmConfig(device_config=DeviceConfig(device="cpu")), cpu)
