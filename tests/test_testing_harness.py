@@ -7,6 +7,7 @@ Each of these once passed silently (found by a review that planted the bugs in a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -16,13 +17,14 @@ import torch
 
 import attnmeta
 from attnmeta import BatchSpec, Stager, StaticProfile
-from attnmeta.backends.flash_attn import FlashAttentionInputs
+from attnmeta.backends.flash_attn import FlashAttentionBuilder, FlashAttentionInputs
+from attnmeta.backends.flashinfer import host_tensor
 from attnmeta.backends.local_attn import LocalAttentionOptions
 from attnmeta.builder import Builder, CommonNeeds, MetadataBase
 from attnmeta.metadata import StagedCommon
 from attnmeta.spec import StepShape
 from attnmeta.staging import Staged, Step
-from attnmeta.testing import check_builder, check_metadata
+from attnmeta.testing import check_builder, check_metadata, check_reads_lengths
 from attnmeta.testing.builders import _compare, unchecked_fields
 from attnmeta.testing.harness import compare_with_reference
 from attnmeta.testing.lab import LeadingColumns, lab, register_lab, unregister_lab
@@ -215,3 +217,62 @@ def test_a_reference_gets_the_graph_mode_profile_its_shapes_follow() -> None:
     assert (graph.mm_prefix_range_tensor_cpu[:, 1:] == 0).all()
     assert lab("flash_attn").reference(spec, None, "cpu", profile=prof) is not None  # (its reference takes none)
 
+
+
+# ------------------------------------------------------------------ what check_builder catches in a user's builder
+class _Tampered(FlashAttentionBuilder):
+    """FlashAttention's builder whose result is changed by ``tamper`` (a planted bug of a user's builder)."""
+
+    name = "tampered_flash_attn"
+
+    def __init__(self, tamper: Callable[[Any], Any]) -> None:
+        self.tamper = tamper
+
+    def derive(self, common: Any, step: Any, options: Any, inputs: Any) -> Any:
+        staged = super().derive(common, step, options, inputs)
+        return Staged(step, staged.host, lambda: self.tamper(staged.result()))
+
+
+def _check_tampered(tamper: Callable[[Any], Any], spec: BatchSpec) -> None:
+    """check_builder on :class:`_Tampered`, registered with FlashAttention's lab reference."""
+    b = attnmeta.register(_Tampered(tamper))
+    register_lab(b.name, reference=BUILTIN["flash_attn"].reference)
+    try:
+        check_builder(b, spec)
+    finally:
+        unregister_lab(b.name)
+        attnmeta.unregister(b.name)
+
+
+def test_check_builder_refuses_a_writable_host_twin() -> None:
+    """A copy with equal values passed every check (found by a toolkit review on a builder of its own)."""
+    spec = BatchSpec(num_computed_tokens=[5, 0], num_scheduled_tokens=[1, 3], block_table=[[1, 2], [3, 4]],
+                     block_size=4)
+    _check_tampered(lambda m: m, spec)
+    with pytest.raises(AssertionError, match=r"handed out writable: \['tampered_flash_attn.seq_lens_cpu'\]"):
+        _check_tampered(lambda m: dataclasses.replace(m, seq_lens_cpu=m.seq_lens_cpu.copy()), spec)
+
+
+def test_check_builder_refuses_a_device_field_that_is_a_host_view() -> None:
+    """A tensor of the staged host view (``torch.from_numpy``), never uploaded: on the CPU the device types agree."""
+    spec = BatchSpec(num_computed_tokens=[5, 0], num_scheduled_tokens=[1, 3], block_table=[[1, 2], [3, 4]],
+                     block_size=4)
+    with pytest.raises(AssertionError, match=r"tampered_flash_attn.seq_lens: a device field in the memory of the host "
+                                             r"array tampered_flash_attn\..*seq_lens_cpu"):
+        _check_tampered(lambda m: dataclasses.replace(m, seq_lens=host_tensor(m.seq_lens_cpu)), spec)
+
+
+def test_check_reads_lengths_probes_lengths_past_the_shape_s_own() -> None:
+    """A promise broken only at long contexts (a kernel switch past 1,024 tokens) passed on every batch the
+    strategies draw."""
+    class SwitchesLate(FlashAttentionBuilder):
+        def reads_lengths(self, options: Any) -> bool:
+            return False
+
+        def needs(self, shape: Any, options: Any) -> CommonNeeds:
+            return dataclasses.replace(super().needs(shape, options), paged_kv=shape.max_seq_len > 1024)
+
+    spec = BatchSpec(num_computed_tokens=[5, 0], num_scheduled_tokens=[1, 3], block_table=[[1, 2], [3, 4]],
+                     block_size=4)
+    with pytest.raises(AssertionError, match=r"reads_lengths\(\) is False, but needs changes with the lengths"):
+        check_reads_lengths(SwitchesLate(), spec.shape)

@@ -14,6 +14,12 @@
 Nothing here is used on the serving path; these modules may read device tensors on the host.
 """
 
-from attnmeta.testing.builders import audit_builder, check_builder, check_metadata, check_reads_lengths
+from attnmeta.testing.builders import (
+    audit_builder,
+    check_builder,
+    check_metadata,
+    check_reads_lengths,
+    writable_host_arrays,
+)
 
-__all__ = ["audit_builder", "check_builder", "check_metadata", "check_reads_lengths"]
+__all__ = ["audit_builder", "check_builder", "check_metadata", "check_reads_lengths", "writable_host_arrays"]

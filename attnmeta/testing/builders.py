@@ -34,7 +34,8 @@ from attnmeta.testing.assertions import DEBUG_FILL, assert_host_equal, assert_ma
 from attnmeta.testing.lab import LeadingColumns, lab
 from attnmeta.testing.workloads import KINDS, random_spec
 
-__all__ = ["audit_builder", "audit_stager", "builder_target", "check_builder", "check_metadata", "check_reads_lengths"]
+__all__ = ["audit_builder", "audit_stager", "builder_target", "check_builder", "check_metadata", "check_reads_lengths",
+           "writable_host_arrays"]
 
 
 def check_builder(
@@ -110,6 +111,10 @@ def check_builder(
     expected = _reference(b, spec, opts, dev, inp, stager.profile)
     meta = build(spec, stager, b, opts, inp)
     _compare(meta, expected, b.name, dev)
+    writable = writable_host_arrays(meta, b.name)
+    assert not writable, (f"{b.name}: host arrays handed out writable: {writable} (hand out the staged views, "
+                          f"which are read-only; an edit of a copy would disagree with its device field)")
+    _no_device_field_in_host_slots(meta, b.name, stager)
     if strict:
         left = unchecked_fields(meta, expected)
         assert not left, f"{b.name}: the reference names no value for {left} (strict=True)"
@@ -117,10 +122,79 @@ def check_builder(
     return meta
 
 
+def writable_host_arrays(obj: Any, path: str = "metadata") -> list[str]:
+    """The paths of the writable, non-empty host arrays reachable from ``obj``, a metadata object (fields
+    of dataclasses, dict and sequence entries, and an object's ``chunk(i)`` parts). A builder hands out
+    read-only views of its staged arrays: a host array a caller could edit would disagree with its
+    device field. :func:`check_builder` asserts there are none.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnmeta import BatchSpec, Stager, build_common
+    >>> spec = BatchSpec(num_computed_tokens=[5], num_scheduled_tokens=[1], block_table=[[1, 2]], block_size=4)
+    >>> writable_host_arrays(build_common(spec, Stager("cpu")), "common")
+    []
+    >>> writable_host_arrays({"lens": np.array([1, 2])}, "mine")
+    ["mine['lens']"]
+    """
+    return _writable(obj, path, set())
+
+
+def _writable(obj: Any, path: str, seen: set[int]) -> list[str]:
+    if obj is None or id(obj) in seen or isinstance(obj, int | float | str | bool | slice | torch.Tensor):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, np.ndarray):
+        return [path] if obj.flags.writeable and obj.size else []
+    items: list[tuple[str, Any]] = []
+    if isinstance(obj, dict):
+        items = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, list | tuple):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    elif dataclasses.is_dataclass(obj):
+        items = [(f"{path}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+        if callable(getattr(obj, "chunk", None)) and isinstance(getattr(obj, "num_chunks", None), int):
+            items += [(f"{path}.chunk({i})", obj.chunk(i)) for i in range(obj.num_chunks)]
+    return [p for sub, v in items for p in _writable(v, sub, seen)]
+
+
+def _no_device_field_in_host_slots(meta: Any, name: str, stager: Stager) -> None:
+    """Assert that no device field of ``meta`` (a CPU stager's: its device is the host too) shares memory
+    with a host array ``meta`` hands out, as ``torch.from_numpy`` of a staged host view would: such a
+    field was never copied (on a GPU it would be a host tensor)."""
+    if stager.device.type != "cpu":
+        return  # (elsewhere the device comparison names a host tensor)
+    hosts: list[tuple[int, int, str]] = []
+    devices: list[tuple[int, str]] = []
+    seen: set[int] = set()
+
+    def walk(obj: Any, path: str) -> None:
+        if obj is None or id(obj) in seen or not dataclasses.is_dataclass(obj):
+            return
+        seen.add(id(obj))
+        device_fields = set(getattr(obj, "_DEVICE_FIELDS", ()))
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, np.ndarray) and value.nbytes:
+                hosts.append((value.ctypes.data, value.ctypes.data + value.nbytes, f"{path}.{f.name}"))
+            elif f.name in device_fields and isinstance(value, torch.Tensor) and value.numel():
+                devices.append((value.data_ptr(), f"{path}.{f.name}"))
+            else:
+                walk(value, f"{path}.{f.name}")
+
+    walk(meta, name)
+    for ptr, where in devices:
+        for lo, hi, host in hosts:
+            assert not lo <= ptr < hi, (f"{where}: a device field in the memory of the host array {host} (a host "
+                                        f"view made a tensor, never copied): hand out step.device(...) views")
+
+
 def check_reads_lengths(builder: AnyBuilder | str, shape: StepShape, options: Any = None, inputs: Any = None) -> None:
     """Assert :meth:`~attnmeta.builder.Builder.reads_lengths`'s promise on ``shape``: where the builder
     says False for ``options``, its ``replay_key`` equals that of ``shape`` with the three lengths 0, and
-    so does its ``needs``, but for ``block_table_columns``, which may add the longest request's blocks.
+    so does its ``needs``, but for ``block_table_columns``, which may add the longest request's blocks;
+    and the same for ``shape`` with lengths of a million tokens (a promise broken only past some length).
     (A builder that says False wrongly would replay a layout recorded for other lengths.)
 
     Raises
@@ -140,15 +214,21 @@ def check_reads_lengths(builder: AnyBuilder | str, shape: StepShape, options: An
     if b.reads_lengths(opts):
         return
     blank = shape._replace(max_seq_len=0, max_exact_seq_len=0, num_pages=0)
-    got, want = b.replay_key(shape, opts, inp), b.replay_key(blank, opts, inp)
-    assert got == want, (f"{b.name}.reads_lengths() is False, but replay_key changes with the lengths: {got!r} for "
-                         f"{shape}, {want!r} without its lengths")
-    needs, base = b.needs(shape, opts), b.needs(blank, opts)
-    used = max(1, -(-shape.max_exact_seq_len // shape.block_size))
-    columns = None if base.block_table_columns is None else max(base.block_table_columns, used)
-    assert needs == dataclasses.replace(base, block_table_columns=columns), (
-        f"{b.name}.reads_lengths() is False, but needs changes with the lengths: {needs} for {shape}, {base} "
-        f"without its lengths (only block_table_columns may add the longest request's {used} blocks)")
+    want, base = b.replay_key(blank, opts, inp), b.needs(blank, opts)
+    # (the shape's own lengths, then far longer ones: a promise broken only past some length, a kernel
+    # switch at long contexts say, shows there; the scalars alone are read, so any lengths may be asked)
+    longest = 1 << 20
+    pages = max(shape.num_pages, shape.num_reqs * -(-longest // shape.block_size))
+    for probe in (shape, shape._replace(max_seq_len=longest, max_exact_seq_len=longest, num_pages=pages)):
+        got = b.replay_key(probe, opts, inp)
+        assert got == want, (f"{b.name}.reads_lengths() is False, but replay_key changes with the lengths: {got!r} "
+                             f"for {probe}, {want!r} without its lengths")
+        needs = b.needs(probe, opts)
+        used = max(1, -(-probe.max_exact_seq_len // probe.block_size))
+        columns = None if base.block_table_columns is None else max(base.block_table_columns, used)
+        assert needs == dataclasses.replace(base, block_table_columns=columns), (
+            f"{b.name}.reads_lengths() is False, but needs changes with the lengths: {needs} for {probe}, {base} "
+            f"without its lengths (only block_table_columns may add the longest request's {used} blocks)")
 
 
 def check_metadata(builder: AnyBuilder | str, metadata: Any, spec: BatchSpec, options: Any = None,

@@ -21,7 +21,7 @@ from attnmeta import BatchSpec, ContextParallel, Stager, StaticProfile
 from attnmeta.builder import Builder, CommonNeeds, UnsupportedBatchError
 from attnmeta.compose import Group, StepBuilder
 from attnmeta.staging import CapacityError
-from attnmeta.testing.builders import audit_builder, check_builder, check_reads_lengths
+from attnmeta.testing.builders import audit_builder, check_builder, check_reads_lengths, writable_host_arrays
 from attnmeta.testing.lab import lab
 from attnmeta.testing.strategies import batch_specs
 
@@ -90,26 +90,6 @@ def test_every_builder_equals_its_reference_in_graph_mode(name: str, spec: Batch
         return
 
 
-def _writable_host_arrays(obj: Any, path: str, seen: set[int]) -> list[str]:
-    """The paths of the writable, non-empty host arrays reachable from ``obj`` (fields of dataclasses,
-    dict and sequence entries, and an object's ``chunk(i)`` parts)."""
-    if obj is None or id(obj) in seen or isinstance(obj, int | float | str | bool | slice | torch.Tensor):
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, np.ndarray):
-        return [path] if obj.flags.writeable and obj.size else []
-    items: list[tuple[str, Any]] = []
-    if isinstance(obj, dict):
-        items = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
-    elif isinstance(obj, list | tuple):
-        items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
-    elif dataclasses.is_dataclass(obj):
-        items = [(f"{path}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-        if callable(getattr(obj, "chunk", None)) and isinstance(getattr(obj, "num_chunks", None), int):
-            items += [(f"{path}.chunk({i})", obj.chunk(i)) for i in range(obj.num_chunks)]
-    return [p for sub, v in items for p in _writable_host_arrays(v, sub, seen)]
-
-
 @pytest.mark.parametrize("name", BUILDERS)
 @settings(max_examples=FEW)
 @given(spec=SPECS, seed=st.integers(0, 2**32 - 1))
@@ -121,7 +101,7 @@ def test_every_host_array_a_builder_hands_out_is_read_only(name: str, spec: Batc
     if b.unsupported_reasons(spec, b.options(options), b.inputs(inputs)):
         return
     meta = attnmeta.build(spec, Stager("cpu"), b, options, inputs)
-    assert not _writable_host_arrays(meta, name, set())
+    assert not writable_host_arrays(meta, name)
 
 
 @pytest.mark.parametrize("name", BUILDERS)
