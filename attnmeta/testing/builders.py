@@ -154,8 +154,9 @@ def _writable(obj: Any, path: str, seen: set[int]) -> list[str]:
         items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
     elif dataclasses.is_dataclass(obj):
         items = [(f"{path}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-        if callable(getattr(obj, "chunk", None)) and isinstance(getattr(obj, "num_chunks", None), int):
-            items += [(f"{path}.chunk({i})", obj.chunk(i)) for i in range(obj.num_chunks)]
+        chunk, count = getattr(obj, "chunk", None), getattr(obj, "num_chunks", None)
+        if callable(chunk) and isinstance(count, int):
+            items += [(f"{path}.chunk({i})", chunk(i)) for i in range(count)]
     return [p for sub, v in items for p in _writable(v, sub, seen)]
 
 
