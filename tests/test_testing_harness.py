@@ -20,7 +20,7 @@ from attnmeta import BatchSpec, Stager, StaticProfile
 from attnmeta.backends.flash_attn import FlashAttentionBuilder, FlashAttentionInputs
 from attnmeta.backends.flashinfer import host_tensor
 from attnmeta.backends.local_attn import LocalAttentionOptions
-from attnmeta.builder import Builder, CommonNeeds, MetadataBase
+from attnmeta.builder import Builder, CommonNeeds, MetadataBase, Replayer
 from attnmeta.metadata import StagedCommon
 from attnmeta.spec import StepShape
 from attnmeta.staging import Staged, Step
@@ -276,3 +276,58 @@ def test_check_reads_lengths_probes_lengths_past_the_shape_s_own() -> None:
                      block_size=4)
     with pytest.raises(AssertionError, match=r"reads_lengths\(\) is False, but needs changes with the lengths"):
         check_reads_lengths(SwitchesLate(), spec.shape)
+
+
+class _LensReplayer(Replayer[None, Any]):
+    """The planted bug: ``rewrite`` writes nothing, so a replayed step's lengths are the recorded step's."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def result(self, step: Any, common: Any, host: Any, paged: Any, inputs: None) -> Any:
+        return _LensMetadata(lens=step.device(self.name))
+
+
+class _StaleReplay(Builder[_LensOptions, None, None, _LensMetadata]):
+    """Each request's query length, with replay support whose rewrite forgets to write."""
+
+    name = "stale_replay"
+    options_type = _LensOptions
+    metadata_type = _LensMetadata
+
+    def needs(self, shape: StepShape, options: _LensOptions) -> CommonNeeds:
+        return CommonNeeds(token_arrays=False)
+
+    def derive(self, common: StagedCommon, step: Step, options: _LensOptions, inputs: None) -> Staged[None, Any]:
+        h, name = common.host, options.prefix + ".lens"
+        lens = step.alloc(name, h.num_reqs, np.int32)
+        np.subtract(h.query_start_loc_cpu[1:], h.query_start_loc_cpu[:-1], out=lens)
+        return Staged(step, None, lambda: _LensMetadata(lens=step.device(name)))
+
+    def replay_key(self, shape: StepShape, options: _LensOptions, inputs: None) -> tuple[()]:
+        return ()
+
+    def replayer(self, staged: Any, common: Any, step: Any, options: _LensOptions, inputs: None) -> _LensReplayer:
+        return _LensReplayer(options.prefix + ".lens")
+
+
+def test_check_replay_catches_a_replayer_that_leaves_a_field_stale() -> None:
+    """Replay bugs show only on replayed steps, which check_builder never makes, and only when a step of the
+    recorded shape brings other contents (a toolkit review's planted bugs passed every documented check)."""
+    from attnmeta.testing import check_replay
+    from attnmeta.testing.workloads import reshuffled
+
+    spec = BatchSpec(num_computed_tokens=[5, 0, 9, 2], num_scheduled_tokens=[1, 3, 2, 1],
+                     block_table=[[1, 2, 0], [3, 8, 0], [4, 5, 6], [7, 0, 0]], block_size=4)
+    walk = reshuffled(spec, 8, np.random.default_rng(0))
+    assert check_replay("mamba2", walk) > 0
+    b = attnmeta.register(_StaleReplay())
+    register_lab(b.name, reference=_lens_reference)
+    try:
+        for s in walk:
+            check_builder(b, s)  # (each step staged afresh: no replay, no error)
+        with pytest.raises(AssertionError, match=r"step \d \(replayed\)"):
+            check_replay(b, walk)
+    finally:
+        unregister_lab(b.name)
+        attnmeta.unregister(b.name)

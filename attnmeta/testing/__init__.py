@@ -19,7 +19,9 @@ from attnmeta.testing.builders import (
     check_builder,
     check_metadata,
     check_reads_lengths,
+    check_replay,
     writable_host_arrays,
 )
 
-__all__ = ["audit_builder", "check_builder", "check_metadata", "check_reads_lengths", "writable_host_arrays"]
+__all__ = ["audit_builder", "check_builder", "check_metadata", "check_reads_lengths", "check_replay",
+           "writable_host_arrays"]

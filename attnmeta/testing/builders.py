@@ -19,7 +19,7 @@ These are test helpers: :func:`check_builder` reads device tensors back to compa
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ from attnmeta.testing.lab import LeadingColumns, lab
 from attnmeta.testing.workloads import KINDS, random_spec
 
 __all__ = ["audit_builder", "audit_stager", "builder_target", "check_builder", "check_metadata", "check_reads_lengths",
-           "writable_host_arrays"]
+           "check_replay", "writable_host_arrays"]
 
 
 def check_builder(
@@ -230,6 +230,79 @@ def check_reads_lengths(builder: AnyBuilder | str, shape: StepShape, options: An
         assert needs == dataclasses.replace(base, block_table_columns=columns), (
             f"{b.name}.reads_lengths() is False, but needs changes with the lengths: {needs} for {probe}, {base} "
             f"without its lengths (only block_table_columns may add the longest request's {used} blocks)")
+
+
+def check_replay(builder: AnyBuilder | str, specs: Sequence[BatchSpec], options: Any = None, inputs: Any = None, *,
+                 stager: Stager | None = None, device: torch.device | str = "cpu") -> int:
+    """Build ``specs`` in turn through a step composer of ``builder`` alone and check every step's metadata
+    against the builder's lab reference (:func:`check_metadata`); returns how many steps replayed.
+
+    A composer (:class:`attnmeta.compose.StepBuilder`) replays a step whose layout its ring slot recorded
+    (the builder's :meth:`~attnmeta.builder.Builder.replay_key` and the step's shape): the builder's
+    :meth:`~attnmeta.builder.Builder.replayer` rewrites only what changes from step to step, and the rest
+    of the slot keeps the recorded step's bytes. A replayer that leaves a changing field unwritten, a
+    ``replay_key`` that misses something the layout depends on, or a result that reuses a recorded
+    step's value is wrong only on replayed steps, which :func:`check_builder` never makes. Steps of one
+    shape with other contents (:func:`attnmeta.testing.workloads.reshuffled`, a decode walk's
+    :func:`~attnmeta.testing.workloads.advance`) are what shows them.
+
+    Parameters
+    ----------
+    builder : Builder or str
+        The builder, or its registry name (its lab entry must have a reference).
+    specs : sequence of BatchSpec
+        The steps, in order.
+    options : the builder's options, optional
+        Default: its defaults.
+    inputs : the builder's inputs, or a sequence of them (one per step), optional
+        Default: none.
+    stager : Stager, optional
+        Default: an eager one on ``device`` with 2 slots, its memory starting as :data:`DEBUG_FILL`
+        (pass a graph-mode one to check graph-mode replays).
+    device : torch.device or str, default "cpu"
+        Where a default stager stages.
+
+    Returns
+    -------
+    int
+        The steps that replayed (0: none did; check that your steps repeat a shape on a slot).
+
+    Raises
+    ------
+    AssertionError
+        Naming the step, whether it replayed, and the first field that differs.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnmeta import BatchSpec
+    >>> from attnmeta.testing.workloads import reshuffled
+    >>> spec = BatchSpec(num_computed_tokens=[5, 7, 9], num_scheduled_tokens=[1, 1, 1],
+    ...                  block_table=[[1, 2, 0], [3, 8, 0], [4, 5, 6]], block_size=4)
+    >>> check_replay("flashinfer", reshuffled(spec, 8, np.random.default_rng(0)))  # steps 3-8 replay (2 slots)
+    6
+    """
+    from attnmeta.compose import Group, StepBuilder  # (the composer builds on the builders: imported late)
+
+    b = get_builder(builder) if isinstance(builder, str) else builder
+    opts = b.options(options)
+    per_step = isinstance(inputs, list | tuple)
+    if per_step and len(inputs) != len(specs):
+        raise ValueError(f"check_replay: {len(inputs)} inputs for {len(specs)} steps (one per step, or one for all)")
+    stager = stager if stager is not None else Stager(device, num_slots=2, debug_fill=DEBUG_FILL)
+    composer = StepBuilder(stager, Group({b.name: (b, opts)}))
+    replayed = 0
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, BatchSpec):
+            raise TypeError(f"check_replay: specs[{i}] is a {type(spec).__name__}, not a BatchSpec")
+        inp = b.inputs(inputs[i] if per_step else inputs)
+        before = composer.stats.replayed
+        out = composer.build(spec, inputs=None if inp is None else {b.name: inp})
+        again = composer.stats.replayed > before
+        replayed += again
+        check_metadata(b, out[b.name], spec, opts, inp, where=f"step {i} ({'replayed' if again else 'composed'})",
+                       profile=stager.profile)
+    return replayed
 
 
 def check_metadata(builder: AnyBuilder | str, metadata: Any, spec: BatchSpec, options: Any = None,

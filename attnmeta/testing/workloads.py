@@ -8,7 +8,9 @@ and the tests use them; test suites of their own may too. Property tests that wa
 
 Examples
 --------
->>> import numpy as np
+>>> from typing import Any
+
+import numpy as np
 >>> from attnmeta.testing.workloads import advance, decode_spec
 >>> walk = advance(decode_spec(2, np.random.default_rng(0), max_context=64), 3)
 >>> [s.num_computed_tokens.tolist() for s in walk] == [
@@ -18,11 +20,13 @@ True
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from attnmeta.spec import BatchSpec
 
-__all__ = ["KINDS", "advance", "decode_spec", "mixed_spec", "random_spec"]
+__all__ = ["KINDS", "advance", "decode_spec", "mixed_spec", "random_spec", "reshuffled"]
 
 KINDS = ("decode", "prefill", "mixed", "spec_decode", "chunked", "padded")
 
@@ -63,6 +67,50 @@ def advance(spec: BatchSpec, steps: int) -> list[BatchSpec]:
             block_table=spec.block_table, block_size=spec.block_size,
         ))
     return out
+
+
+def reshuffled(spec: BatchSpec, steps: int, rng: np.random.Generator) -> list[BatchSpec]:
+    """``spec`` and ``steps - 1`` steps of the same step shape with other contents: each reorders the
+    requests after the first (their counts, prompts, drafts, upper bounds and block-table rows move
+    together) and renames the block ids the table holds (a random permutation of its non-negative ids). The scalars a
+    replay's layout is keyed on stay (request and token counts, padding, the longest and first queries,
+    whether any request prefills), while every per-request and per-token value may move: a builder
+    whose replay leaves a field of the recorded step in place shows it under
+    :func:`~attnmeta.testing.builders.check_replay`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnmeta import BatchSpec
+    >>> spec = BatchSpec(num_computed_tokens=[5, 0, 9], num_scheduled_tokens=[1, 3, 1],
+    ...                  block_table=[[1, 2, 0], [3, 0, 0], [4, 5, 6]], block_size=4)
+    >>> walk = reshuffled(spec, 3, np.random.default_rng(1))
+    >>> {s.shape._replace(max_seq_len=0, max_exact_seq_len=0, num_pages=0) for s in walk} == {
+    ...     spec.shape._replace(max_seq_len=0, max_exact_seq_len=0, num_pages=0)}
+    True
+    """
+    out = [spec]
+    n = spec.num_reqs
+    for _ in range(steps - 1):
+        order = np.concatenate([[0], 1 + rng.permutation(max(n - 1, 0))]).astype(np.intp)[:n]
+        table = spec.block_table[:n][order]
+        used = np.unique(table[table >= 0])  # (negative entries, past a row's blocks, stay as they are)
+        renamed = np.where(table >= 0, rng.permutation(used)[np.searchsorted(used, table).clip(0, max(len(used) - 1, 0))]
+                           if len(used) else table, table).astype(np.int32)
+        out.append(BatchSpec(
+            num_computed_tokens=_moved(spec.num_computed_tokens, order),
+            num_scheduled_tokens=_moved(spec.num_scheduled_tokens, order),
+            num_prompt_tokens=_moved(spec.num_prompt_tokens, order), num_draft_tokens=_moved(spec.num_draft_tokens, order),
+            seq_lens_upper_bound=_moved(spec.seq_lens_upper_bound, order), block_table=renamed, block_size=spec.block_size,
+            num_reqs_padded=spec.num_reqs_padded, num_tokens_padded=spec.num_tokens_padded,
+            context_parallel=spec.context_parallel,
+        ))
+    return out
+
+
+def _moved(a: np.ndarray | None, order: np.ndarray) -> Any:
+    """A per-request array in a new order of its requests (None stays None)."""
+    return None if a is None else np.ascontiguousarray(a[: order.shape[0]][order])
 
 
 def mixed_spec(
