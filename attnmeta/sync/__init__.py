@@ -25,13 +25,17 @@ Three layers, each installed only while an audit is armed:
    depends on device data (``nonzero``, ``masked_select``, ``unique``, ``bincount``,
    ``repeat_interleave`` without ``output_size``, ``one_hot`` without ``num_classes``, ``histc``
    without a range, ``isin`` with many test elements (torch's sorting path calls ``unique``),
-   boolean-mask indexing with a device mask), device->host copies, blocking host->device copies,
-   host index tensors used on device data, and - the copy checker - non-blocking host->device
-   copies whose host side is pageable (CUDA) or not contiguous.
+   boolean-mask indexing with a device mask), ops whose kernel reads a device input on the host
+   (a 0-dim device value of ``masked_fill``/``index_fill``, ``linspace``/``logspace`` bounds,
+   ``normal``'s device ``std``) or checks its result there (``multinomial``, the checking linalg
+   functions), device->host copies, blocking host->device copies, host index tensors used on
+   device data, and - the copy checker - non-blocking host->device copies whose host side is
+   pageable (CUDA) or not contiguous.
 2. **A torch function mode** catches what never reaches an aten op as a host read:
-   ``Tensor.tolist``/``numpy``/``__array__``/``cpu``, ``torch.tensor(data, device=...)`` and
-   friends (blocking uploads), ``dev[i] = 3`` (a 0-dim blocking upload) and indexing with a Python
-   list or numpy array (a blocking upload of the index).
+   ``Tensor.tolist``/``numpy``/``__array__``/``cpu``, printing or formatting a device tensor
+   (``Tensor.__repr__``/``__format__``), ``torch.tensor(data, device=...)`` and friends (blocking
+   uploads; a list of device tensors, each read on the host), ``dev[i] = 3`` (a 0-dim blocking
+   upload) and indexing with a Python list or numpy array (a blocking upload of the index).
 3. **On CUDA**, torch's own sync debug mode, for the syncs hidden inside kernels, plus explicit
    ``torch.cuda.synchronize()``/``Event.synchronize()`` (which the debug mode does not report).
 

@@ -28,6 +28,8 @@ from attnmeta.sync._rules import (
     R_HOST_READ,
     R_HOST_VALUE,
     R_ISIN,
+    R_KERNEL_CHECK,
+    R_KERNEL_READ,
     R_ONE_HOT,
     R_REPEAT,
     TORCH_SYNC_TEXT,
@@ -93,6 +95,36 @@ def _rule_isin(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any])
     if kwargs.get("assume_unique", False) or n == 0 or not any_device(audit, (elements, test), {}):
         return None
     return ("sync", R_ISIN) if test.numel() >= int(10.0 * float(n) ** 0.145) else None
+
+
+def _device_arg(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any], at: int, name: str) -> bool:
+    """Whether the argument at position ``at`` (or keyword ``name``) is a device tensor."""
+    value = args[at] if len(args) > at else kwargs.get(name)
+    return isinstance(value, torch.Tensor) and audit.is_device(value.device)
+
+
+def _rule_kernel_read(at: int, name: str) -> _DispatchRule:
+    """A rule for an op whose kernel reads its argument ``at``/``name`` on the host when it is a (0-dim)
+    tensor: masked_fill's and index_fill's value (``value.item()``), normal's std (its check)."""
+    def rule(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Found | None:
+        return ("sync", R_KERNEL_READ) if _device_arg(audit, args, kwargs, at, name) else None
+    return rule
+
+
+def _rule_range_read(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Found | None:
+    # linspace / logspace with tensor start or end: at::linspace(start.item(), end.item(), ...)
+    return ("sync", R_KERNEL_READ) if _device_arg(audit, args, kwargs, 0, "start") or _device_arg(
+        audit, args, kwargs, 1, "end") else None
+
+
+def _rule_kernel_check(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Found | None:
+    return ("sync", R_KERNEL_CHECK) if any_device(audit, args, kwargs) else None
+
+
+def _rule_checked_ex(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Found | None:
+    # linalg_*_ex(..., check_errors=False): with check_errors=True they call _linalg_check_errors, whose
+    # own dispatch the mode sees too, but not for a meta input (it returns early)
+    return _rule_kernel_check(audit, args, kwargs) if kwargs.get("check_errors", False) else None
 
 
 def _index_violation(
@@ -200,6 +232,22 @@ def _explicit_rules() -> dict[Any, _DispatchRule]:
     add(("isin.Tensor_Tensor", "isin.Tensor_Tensor_out", "isin.Scalar_Tensor", "isin.Scalar_Tensor_out"), _rule_isin)
     add(("index.Tensor", "_unsafe_index.Tensor"), _rule_index)
     add(("index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"), _rule_index_put)
+    add(("masked_fill.Tensor", "masked_fill_.Tensor", "masked_fill.Tensor_out"), _rule_kernel_read(2, "value"))
+    add(("index_fill.int_Tensor", "index_fill_.int_Tensor", "index_fill.Dimname_Tensor", "index_fill_.Dimname_Tensor",
+         "index_fill.int_Tensor_out"), _rule_kernel_read(3, "value"))
+    add(("normal.Tensor_Tensor", "normal.Tensor_Tensor_out", "normal.float_Tensor", "normal.float_Tensor_out"),
+        _rule_kernel_read(1, "std"))
+    add(tuple(f"{op}.{o}" for op in ("linspace", "logspace") for o in (
+        "Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor", "Tensor_Tensor_out", "Tensor_Scalar_out", "Scalar_Tensor_out")),
+        _rule_range_read)
+    add(("multinomial", "multinomial.out", "_linalg_check_errors", "_linalg_eigh", "_linalg_eigh.eigenvalues",
+         "_linalg_svd", "_linalg_svd.U", "linalg_eig", "linalg_eig.out", "cholesky", "cholesky.out"),
+        _rule_kernel_check)
+    add(("linalg_cholesky_ex", "linalg_cholesky_ex.L", "linalg_inv_ex", "linalg_inv_ex.inverse", "linalg_solve_ex",
+         "linalg_solve_ex.out", "_linalg_solve_ex", "_linalg_solve_ex.result", "linalg_lu_factor_ex",
+         "linalg_lu_factor_ex.out", "linalg_ldl_factor_ex", "linalg_ldl_factor_ex.out"), _rule_checked_ex)
+    add(("_to_sparse", "_to_sparse.sparse_dim", "to_sparse", "to_sparse.sparse_dim", "_to_sparse_csr", "_to_sparse_csc",
+         "_to_sparse_bsr", "_to_sparse_bsc"), _rule_data_shape)
     add(("_to_copy",), _rule_to_copy)
     add(("copy_", "copy", "copy.out"), _rule_copy)
     return rules

@@ -23,7 +23,9 @@ from attnmeta.sync._errors import report
 from attnmeta.sync._rules import (
     MASK_DTYPES,
     R_FACTORY,
+    R_FACTORY_ITEMS,
     R_LIST_INDEX,
+    R_PRINT,
     R_SCALAR_HOST_MASK,
     R_SCALAR_INDEX_PUT,
     R_SCALAR_SET,
@@ -87,11 +89,30 @@ def _empty_host_data(data: Any) -> bool:
     return False
 
 
+def _device_items(audit: SyncAudit, data: Any) -> bool:
+    """Whether ``data``, a factory's nested list or tuple, holds a device tensor among its entries (each
+    read on the host, ``Tensor.item()``, to build the new tensor)."""
+    if isinstance(data, list | tuple):
+        return any((isinstance(e, torch.Tensor) and audit.is_device(e.device)) or _device_items(audit, e) for e in data)
+    return False
+
+
 def _rule_tensor_factory(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Found | None:
     # torch.tensor(data, *, device=), torch.as_tensor(data, dtype=None, device=None), torch.asarray
     data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
+    if _device_items(audit, data):
+        return "sync", R_FACTORY_ITEMS
     device = kwargs.get("device", args[2] if len(args) > 2 else None)
     return _factory_violation(audit, data, _target_device(device))
+
+
+def _rule_print(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Found | None:
+    # Tensor.__repr__ / __format__ (str, print, f-strings and logging reach one of them): torch's
+    # formatter reads the values (tolist, item, masked_select) on the host
+    self = args[0] if args else None
+    if isinstance(self, torch.Tensor) and audit.is_device(self.device):
+        return "sync", R_PRINT
+    return None
 
 
 def _rule_new_tensor(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Found | None:
@@ -178,6 +199,8 @@ def _function_rules() -> dict[Any, tuple[str, _FunctionRule]]:
         torch.Tensor.__getitem__: ("Tensor.__getitem__", _rule_getitem),
         torch.Tensor.__setitem__: ("Tensor.__setitem__", _rule_setitem),
         torch.Tensor.new_tensor: ("Tensor.new_tensor", _rule_new_tensor),
+        torch.Tensor.__repr__: ("Tensor.__repr__", _rule_print),
+        torch.Tensor.__format__: ("Tensor.__format__", _rule_print),
         torch.tensor: ("torch.tensor", _rule_tensor_factory),
         torch.as_tensor: ("torch.as_tensor", _rule_tensor_factory),
     }

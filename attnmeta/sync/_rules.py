@@ -25,6 +25,7 @@ __all__ = [
     "R_DATA_SHAPE",
     "R_EXPLICIT_SYNC",
     "R_FACTORY",
+    "R_FACTORY_ITEMS",
     "R_H2D_BLOCKING",
     "R_HISTC",
     "R_HOST_BOOL",
@@ -32,10 +33,13 @@ __all__ = [
     "R_HOST_READ",
     "R_HOST_VALUE",
     "R_ISIN",
+    "R_KERNEL_CHECK",
+    "R_KERNEL_READ",
     "R_LIST_INDEX",
     "R_NONCONTIG",
     "R_ONE_HOT",
     "R_PAGEABLE",
+    "R_PRINT",
     "R_REPEAT",
     "R_SCALAR_HOST_MASK",
     "R_SCALAR_INDEX_PUT",
@@ -146,6 +150,24 @@ R_LIST_INDEX: Final = (
     "non-blocking)"
 )
 R_TOLIST: Final = "copies device data to the host and waits for it; keep a host twin (numpy) instead"
+R_KERNEL_READ: Final = (
+    "its kernel reads a device value on the host before it runs (a 0-dim device tensor as the fill value "
+    "of masked_fill/index_fill, as linspace/logspace's start or end, as normal's std); pass a Python "
+    "number, or use torch.where with the device value"
+)
+R_KERNEL_CHECK: Final = (
+    "checks its result on the host (torch's linalg functions read an error code, multinomial validates "
+    "its probabilities): the host waits for the device; use the *_ex variant with check_errors=False, or "
+    "do it on the host"
+)
+R_PRINT: Final = (
+    "formats device data on the host (repr, str, print, f-strings, logging of a tensor): a copy to the "
+    "host and a wait; log host twins or shapes instead"
+)
+R_FACTORY_ITEMS: Final = (
+    "builds a tensor from device scalars: torch reads each one on the host; use torch.stack or "
+    "torch.cat of the device tensors"
+)
 R_EXPLICIT_SYNC: Final = "an explicit synchronisation: the host waits for the device"
 
 
