@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from audit_helpers import sync_error_mode
+from sync_kernel_cases import CASES, Case
 
 from attnmeta.sync import DeviceSyncError, no_device_sync
 
@@ -55,3 +56,18 @@ def test_isin_is_flagged_exactly_where_cuda_synchronises(n: int) -> None:
             assert _flagged_on_meta(n, m, assume_unique) == cuda, (n, m, assume_unique, cuda)
             if m == 4 * threshold and not assume_unique:
                 assert cuda, "the case the rule exists for: torch's sorting path calls unique"
+
+
+@pytest.mark.filterwarnings("ignore:torch.cholesky is deprecated:UserWarning")
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_each_kernel_read_the_audit_flags_synchronises_on_cuda(case: Case) -> None:
+    """The audit's kernel-read rules (tests/sync_kernel_cases.py) were written from torch's source and docs:
+    here CUDA's debug mode says whether each really synchronises (a rule for one that does not would be a
+    false alarm in users' suites)."""
+    thunk = case.make(torch.device("cuda"))
+    torch.cuda.synchronize()
+    try:
+        with sync_error_mode(), pytest.raises(RuntimeError, match="synchroniz"):
+            thunk()
+    finally:
+        torch.cuda.synchronize()
