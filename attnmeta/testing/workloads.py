@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec
 
-__all__ = ["KINDS", "advance", "decode_spec", "mixed_spec", "random_spec", "reshuffled"]
+__all__ = ["KINDS", "advance", "decode_spec", "fits_profile", "mixed_spec", "random_spec", "reshuffled"]
 
 KINDS = ("decode", "prefill", "mixed", "spec_decode", "chunked", "padded")
 
@@ -67,6 +68,27 @@ def advance(spec: BatchSpec, steps: int) -> list[BatchSpec]:
             block_table=spec.block_table, block_size=spec.block_size,
         ))
     return out
+
+
+def fits_profile(spec: BatchSpec, profile: StaticProfile) -> bool:
+    """Whether ``spec`` is within ``profile``'s bounds: its padded requests and tokens, each request's
+    blocks (the longest sequence's, ``cdiv(max_seq_len, block_size)``) and its pages, at the profile's
+    block size. A graph-mode step of such a spec must fit every capacity a builder sizes from the
+    profile: a :class:`~attnmeta.staging.CapacityError` there is the builder's bug, not the batch's.
+
+    Examples
+    --------
+    >>> from attnmeta import BatchSpec, StaticProfile
+    >>> p = StaticProfile(max_num_reqs=4, max_num_tokens=16, max_blocks_per_req=2, block_size=4)
+    >>> spec = BatchSpec(num_computed_tokens=[3], num_scheduled_tokens=[5], block_table=[[1, 2]], block_size=4)
+    >>> fits_profile(spec, p), fits_profile(BatchSpec(num_computed_tokens=[3], num_scheduled_tokens=[6],
+    ...                                               block_table=[[1, 2, 3]], block_size=4), p)
+    (True, False)
+    """
+    s = spec.shape
+    return (s.block_size == profile.block_size and spec.padded_num_reqs <= profile.max_num_reqs
+            and spec.padded_num_tokens <= profile.max_num_tokens
+            and -(-s.max_seq_len // s.block_size) <= profile.max_blocks_per_req and s.num_pages <= profile.max_num_pages)
 
 
 def reshuffled(spec: BatchSpec, steps: int, rng: np.random.Generator) -> list[BatchSpec]:
