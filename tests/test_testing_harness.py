@@ -94,22 +94,33 @@ class _LensMetadata(MetadataBase):
     """(num_reqs,) int32, device: each row's query length, padding rows 0."""
 
 
-class _UnwrittenPadding(Builder[_LensOptions, None, None, _LensMetadata]):
-    """The bug: the padding rows are never written, so they hold whatever the slot held."""
+class _Lens(Builder[_LensOptions, None, None, _LensMetadata]):
+    """Each request's query length, padding rows 0: a builder of a test's own, whose subclasses plant bugs."""
 
-    name = "unwritten_pad"
+    name = "lens"
     options_type = _LensOptions
     metadata_type = _LensMetadata
 
     def needs(self, shape: StepShape, options: _LensOptions) -> CommonNeeds:
         return CommonNeeds(token_arrays=False)
 
+    def write(self, h: Any, lens: np.ndarray) -> None:
+        np.subtract(h.query_start_loc_cpu[1:], h.query_start_loc_cpu[:-1], out=lens)
+
     def derive(self, common: StagedCommon, step: Step, options: _LensOptions, inputs: None) -> Staged[None, Any]:
         h, name = common.host, options.prefix + ".lens"
-        lens = step.alloc(name, h.num_reqs, np.int32)
+        self.write(h, step.alloc(name, h.num_reqs, np.int32))
+        return Staged(step, None, lambda: _LensMetadata(lens=step.device(name)))
+
+
+class _UnwrittenPadding(_Lens):
+    """The bug: the padding rows are never written, so they hold whatever the slot held."""
+
+    name = "unwritten_pad"
+
+    def write(self, h: Any, lens: np.ndarray) -> None:
         qsl = h.query_start_loc_cpu
         lens[: h.num_real_reqs] = qsl[1 : h.num_real_reqs + 1] - qsl[: h.num_real_reqs]  # (rows past: unwritten)
-        return Staged(step, None, lambda: _LensMetadata(lens=step.device(name)))
 
 
 def _lens_reference(spec: BatchSpec, options: _LensOptions, device: torch.device, inputs: None) -> dict[str, Any]:
@@ -288,21 +299,10 @@ class _LensReplayer(Replayer[None, Any]):
         return _LensMetadata(lens=step.device(self.name))
 
 
-class _StaleReplay(Builder[_LensOptions, None, None, _LensMetadata]):
+class _StaleReplay(_Lens):
     """Each request's query length, with replay support whose rewrite forgets to write."""
 
     name = "stale_replay"
-    options_type = _LensOptions
-    metadata_type = _LensMetadata
-
-    def needs(self, shape: StepShape, options: _LensOptions) -> CommonNeeds:
-        return CommonNeeds(token_arrays=False)
-
-    def derive(self, common: StagedCommon, step: Step, options: _LensOptions, inputs: None) -> Staged[None, Any]:
-        h, name = common.host, options.prefix + ".lens"
-        lens = step.alloc(name, h.num_reqs, np.int32)
-        np.subtract(h.query_start_loc_cpu[1:], h.query_start_loc_cpu[:-1], out=lens)
-        return Staged(step, None, lambda: _LensMetadata(lens=step.device(name)))
 
     def replay_key(self, shape: StepShape, options: _LensOptions, inputs: None) -> tuple[()]:
         return ()

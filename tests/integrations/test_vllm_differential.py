@@ -58,7 +58,7 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # no
 from vllm.v1.attention.backends.utils import compute_mm_prefix_ranges, make_local_attention_virtual_batches  # noqa: E402
 from vllm.v1.worker.ubatch_utils import is_last_ubatch_empty as vllm_is_last_ubatch_empty  # noqa: E402
 from vllm.v1.worker.ubatch_utils import maybe_create_ubatch_slices, split_attn_metadata  # noqa: E402
-from vllm_runner import vllm_runner_common  # noqa: E402
+from vllm_runner import assert_same_as_vllm, host_copy, vllm_runner_common  # noqa: E402
 
 from examples.engine.vllm_metadata import no_pinning  # noqa: E402
 
@@ -97,20 +97,8 @@ def _count(name: str) -> None:
     TALLY[name] = TALLY.get(name, 0) + 1
 
 
-def _np(x: Any) -> np.ndarray:
-    """A tensor or array as a host numpy array (a copy)."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy().copy()
-    return np.array(x, copy=True)
-
-
 def _same(field: str, got: Any, want: Any, *, dtype: bool = True) -> None:
-    """``got`` (attnmeta) equals ``want`` (vLLM): values, shape, and dtype where asked."""
-    g, w = _np(got), _np(want)
-    assert g.shape == w.shape, f"{field}: shape {g.shape} (attnmeta) != {w.shape} (vLLM)\n{g}\n{w}"
-    if dtype:
-        assert g.dtype == w.dtype, f"{field}: dtype {g.dtype} (attnmeta) != {w.dtype} (vLLM)"
-    assert np.array_equal(g, w), f"{field}: attnmeta {g.tolist()} != vLLM {w.tolist()}"
+    assert_same_as_vllm(field, got, want, dtype=dtype)
 
 
 def _unpadded(spec: BatchSpec) -> BatchSpec:
@@ -333,25 +321,25 @@ def _compare_local(name: str, got: Any, want: Any, parent_cm: Any, *, eager_widt
         want.num_reqs, want.num_actual_tokens, int(want.max_query_len), want.max_seq_len, want.causal, want.num_reqs)
     _same(f"{name}.common.slot_mapping", c.slot_mapping, want.slot_mapping)
     # the virtual block table, but rows of s = 0 requests (DOCUMENTED["local_attn padding rows"])
-    rows = np.flatnonzero(_np(parent_cm.seq_lens)[got.req_indices_cpu] > 0)
+    rows = np.flatnonzero(host_copy(parent_cm.seq_lens)[got.req_indices_cpu] > 0)
     if make_block_table is not None:  # vLLM's gather indices (the closure of its make_block_table)
         gather = inspect.getclosurevars(make_block_table).nonlocals
         ppl = got.pages_per_local_block
         _same(f"{name}.req_indices_cpu", got.req_indices_cpu, gather["batch_indices_torch"][::ppl])
         _same(f"{name}.block_starts_cpu (rows with s > 0)", got.block_starts_cpu[rows],
               gather["block_indices_torch"][::ppl][rows], dtype=False)
-    g, w = _np(c.block_table_tensor), _np(want.block_table_tensor)
+    g, w = host_copy(c.block_table_tensor), host_copy(want.block_table_tensor)
     assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, w.shape, g.dtype, w.dtype)
     left_out = int(got.num_virtual_reqs) - rows.shape[0]
     if not eager_width:
         _same(f"{name}.common.block_table_tensor (rows with s > 0)", g[rows], w[rows])
-        _same(f"{name}.block_table (rows with s > 0)", _np(got.block_table)[rows], w[rows])
+        _same(f"{name}.block_table (rows with s > 0)", host_copy(got.block_table)[rows], w[rows])
         if got.block_table_cpu is not None:  # (None with block_table="device")
             _same(f"{name}.block_table_cpu (rows with s > 0)", got.block_table_cpu[rows], w[rows])
         return left_out
     # eager width (DOCUMENTED["local_attn eager width"]): the columns holding each row's k_v KV tokens agree
     bs = c.block_size
-    k = _np(want.seq_lens)
+    k = host_copy(want.seq_lens)
     for v in rows:
         need = -(-int(k[v]) // bs)
         _same(f"{name}.common.block_table_tensor[{v}, :{need}] (KV columns)", g[v, :need], w[v, :need])

@@ -67,6 +67,7 @@ from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor  # noqa:
 from vllm.v1.worker.gpu.input_batch import InputBatch  # noqa: E402
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState  # noqa: E402
 from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner, create_ubatch_slices  # noqa: E402
+from vllm_runner import assert_same_as_vllm, host_copy  # noqa: E402
 
 CPU = torch.device("cpu")
 LAYER = "model.layers.0.self_attn.attn"
@@ -86,19 +87,8 @@ def _count(name: str) -> None:
     TALLY[name] = TALLY.get(name, 0) + 1
 
 
-def _np(x: Any) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy().copy()
-    return np.array(x, copy=True)
-
-
 def _same(field: str, got: Any, want: Any, *, dtype: bool = True) -> None:
-    """``got`` (attnmeta) equals ``want`` (vLLM V2): shape, dtype where asked, values."""
-    g, w = _np(got), _np(want)
-    assert g.shape == w.shape, f"{field}: shape {g.shape} (attnmeta) != {w.shape} (vLLM V2)\n{g}\n{w}"
-    if dtype:
-        assert g.dtype == w.dtype, f"{field}: dtype {g.dtype} (attnmeta) != {w.dtype} (vLLM V2)"
-    assert np.array_equal(g, w), f"{field}: attnmeta {g.tolist()} != vLLM V2 {w.tolist()}"
+    assert_same_as_vllm(field, got, want, dtype=dtype, vllm="vLLM V2")
 
 
 # ============================================================================ vLLM's V2 runner, on CPU
@@ -268,10 +258,10 @@ def _compare(name: str, got: Any, want: Any, *, full: bool, parent_max_seq_len: 
         # DOCUMENTED["eager token tensors"]
         n = got.num_actual_tokens
         _same(f"{name}.slot_mapping", got.slot_mapping, want.slot_mapping[:n])
-        assert (_np(want.slot_mapping[n:]) == -1).all(), f"{name}: V2's slot tail is not padding"
+        assert (host_copy(want.slot_mapping[n:]) == -1).all(), f"{name}: V2's slot tail is not padding"
         _same(f"{name}.is_prefilling", got.is_prefilling, want.is_prefilling, dtype=False)
     # DOCUMENTED["max_seq_len"]: V2 the micro-batch's own, attnmeta the parent's
-    ub = _np(got.seq_lens_cpu_upper_bound)[:got.num_real_reqs]
+    ub = host_copy(got.seq_lens_cpu_upper_bound)[:got.num_real_reqs]
     assert want.max_seq_len == int(ub.max()), f"{name}: V2 max_seq_len {want.max_seq_len} != own {int(ub.max())}"
     assert got.max_seq_len == parent_max_seq_len, name
     return bool(got.max_seq_len != want.max_seq_len)

@@ -11,7 +11,7 @@ from vllm.v1.attention.backends.utils import CommonAttentionMetadata as VllmComm
 
 from attnmeta import BatchSpec
 
-__all__ = ["vllm_runner_common"]
+__all__ = ["assert_same_as_vllm", "host_copy", "vllm_runner_common"]
 
 
 def vllm_runner_common(spec: BatchSpec, device: torch.device) -> tuple[Any, np.ndarray]:
@@ -57,3 +57,19 @@ def vllm_runner_common(spec: BatchSpec, device: torch.device) -> tuple[Any, np.n
         causal=True, positions=positions.to(device), is_prefilling=prefilling, seq_lens_cpu_upper_bound=optimistic,
     )
     return cm, host_table
+
+
+def host_copy(x: Any) -> np.ndarray:
+    """A tensor or array as a host numpy array (a copy: test code reads device tensors back)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy().copy()
+    return np.array(x, copy=True)
+
+
+def assert_same_as_vllm(field: str, got: Any, want: Any, *, dtype: bool = True, vllm: str = "vLLM") -> None:
+    """``got`` (attnmeta's) equals ``want`` (``vllm``'s, e.g. "vLLM V2"): shape, dtype where asked, values."""
+    g, w = host_copy(got), host_copy(want)
+    assert g.shape == w.shape, f"{field}: shape {g.shape} (attnmeta) != {w.shape} ({vllm})\n{g}\n{w}"
+    if dtype:
+        assert g.dtype == w.dtype, f"{field}: dtype {g.dtype} (attnmeta) != {w.dtype} ({vllm})"
+    assert np.array_equal(g, w), f"{field}: attnmeta {g.tolist()} != {vllm} {w.tolist()}"
