@@ -233,8 +233,7 @@ def _explicit_rules() -> dict[Any, _DispatchRule]:
     add(("index.Tensor", "_unsafe_index.Tensor"), _rule_index)
     add(("index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"), _rule_index_put)
     add(("masked_fill.Tensor", "masked_fill_.Tensor", "masked_fill.Tensor_out"), _rule_kernel_read(2, "value"))
-    add(("index_fill.int_Tensor", "index_fill_.int_Tensor", "index_fill.Dimname_Tensor", "index_fill_.Dimname_Tensor",
-         "index_fill.int_Tensor_out"), _rule_kernel_read(3, "value"))
+    add(("index_fill.int_Tensor", "index_fill_.int_Tensor", "index_fill.int_Tensor_out"), _rule_kernel_read(3, "value"))
     add(("normal.Tensor_Tensor", "normal.Tensor_Tensor_out", "normal.float_Tensor", "normal.float_Tensor_out"),
         _rule_kernel_read(1, "std"))
     add(tuple(f"{op}.{o}" for op in ("linspace", "logspace") for o in (
