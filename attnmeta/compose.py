@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -67,7 +68,8 @@ from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetada
 from attnmeta.spec import BatchSpec, StepShape, scan_counts, shapes_of
 from attnmeta.staging import STAGEABLE_DTYPES, Staged, Stager, Step, StepLayout, bucket_rows
 
-__all__ = ["PARALLEL_MIN_ROWS", "Array", "ComposeStats", "ComposedStep", "Group", "StepBuilder", "table_columns"]
+__all__ = ["PARALLEL_MIN_ROWS", "Array", "ComposeStats", "ComposedStep", "Group", "SharedPrefixWarning", "StepBuilder",
+           "table_columns"]
 
 PARALLEL_MIN_ROWS = 512
 """Padded request rows from which a composer made with ``threads > 1`` replays a group's common pass
@@ -348,13 +350,13 @@ class _Group:
 
 def _prefix_owners(groups: list[_Group]) -> dict[str, str]:
     """Who stages fields under each prefix: every group's common metadata and every builder whose options
-    have a ``prefix``, as ``{prefix: description}``.
+    have a ``prefix``, as ``{prefix: description}``; warns (:class:`SharedPrefixWarning`) for each
+    builder whose prefix another group or builder has too.
 
-    Raises
-    ------
-    ValueError
-        Two of them share a prefix (their fields would collide: "staged twice in one step" on the first
-        step where both stage one), naming both and how to part them.
+    Two builders of one prefix fail only on a step where both stage a field ("staged twice in one step"):
+    FlashInfer in two groups fails on the first mixed step, while FlashAttention, which stages nothing
+    of its own but for DCP and per-request causal flags, never does without them. The composer cannot
+    tell ahead which, so it warns at construction instead of refusing.
     """
     owners: dict[str, str] = {g.prefix: f"group {g.prefix!r}'s common metadata" for g in groups}
     for g in groups:
@@ -364,12 +366,19 @@ def _prefix_owners(groups: list[_Group]) -> dict[str, str]:
                 continue
             other = owners.get(p)
             if other is not None:
-                raise ValueError(
-                    f"Group.builders[{name!r}]: {b.name} stages its fields under prefix {p!r}, as {other} does (the "
-                    f"two would collide on a step where both stage a field); give each builder its own: "
-                    f"{name!r}: ({b.name!r}, {type(o).__name__}(prefix={name!r}))")
-            owners[p] = f"builder {name!r} ({b.name})"
+                warnings.warn(
+                    f"Group.builders[{name!r}]: {b.name} stages its fields under prefix {p!r}, as {other} does: a "
+                    f"step where both stage a field fails ('staged twice in one step'); give each builder its own, "
+                    f"{name!r}: ({b.name!r}, dataclasses.replace(options, prefix={name!r}))", SharedPrefixWarning,
+                    stacklevel=3)
+            else:
+                owners[p] = f"builder {name!r} ({b.name})"
     return owners
+
+
+class SharedPrefixWarning(UserWarning):
+    """Two builders (or a builder and a group, or an :class:`Array`) of one :class:`StepBuilder` stage under
+    one prefix: a step where both stage a field raises "staged twice in one step"."""
 
 
 class _Record:
@@ -467,8 +476,9 @@ class StepBuilder:
                 raise ValueError(f"Array({a.name!r}): a graph-mode stager needs its capacity")
             head, _dot, tail = a.name.partition(".")
             if head in owners:
-                raise ValueError(f"Array({a.name!r}): its prefix {head!r} is {owners[head]}'s; name it under a prefix "
-                                 f"of its own (e.g. 'engine.{tail or a.name}')")
+                warnings.warn(f"Array({a.name!r}): its prefix {head!r} is {owners[head]}'s: a step where both stage "
+                              f"a field of that name fails; name it under a prefix of its own (e.g. "
+                              f"'engine.{tail or a.name}')", SharedPrefixWarning, stacklevel=2)
             self._arrays.append((a.name, dt, a.capacity, a.fill))
         self._array_names = frozenset(a[0] for a in self._arrays)
         if len(self._array_names) != len(self._arrays):

@@ -52,16 +52,6 @@ def spd(d: torch.device) -> torch.Tensor:
     return torch.eye(3, device=d) * 2
 
 
-def _multinomial(d: torch.device) -> Thunk:
-    probs = torch.ones(2, 4, device=d)
-    return lambda: torch.multinomial(probs, 1)
-
-
-def _multinomial_no_replacement(d: torch.device) -> Thunk:
-    probs = torch.ones(2, 4, device=d)
-    return lambda: torch.multinomial(probs, 2)
-
-
 def _linspace(d: torch.device) -> Thunk:
     x = fvec(d)
     return lambda: torch.linspace(x[0], x[3], 4, device=d)
@@ -159,15 +149,6 @@ LINALG_DOC = (
 )
 
 CASES = [
-    Case(
-        "multinomial(probs, 1)",
-        _multinomial,
-        f"{KERNEL_ITEM}: Distributions.cpp multinomial checks "
-        "((self.max() < INFINITY) & (self.min() >= 0)).item() when num_samples == 1 or without replacement",
-    ),
-    Case(
-        "multinomial(probs, 2) without replacement", _multinomial_no_replacement, "as multinomial(probs, 1)"
-    ),
     Case(
         "linspace(dev_0dim, dev_0dim)",
         _linspace,

@@ -706,13 +706,13 @@ class RingWriter(Stager):
 
         A committed step not yet published (an engine stopped between its commit and its publish) goes to
         the readers as a skip, as an abandoned step does, with a warning; the ring closes either way."""
-        step = self._unpublished
+        step, self._unpublished = self._unpublished, None
         if step is not None:
-            self._unpublished = None
-            warnings.warn(f"RingWriter.close(): step {step.number} was committed but never published; the readers "
-                          f"skip it", stacklevel=2)
             self._announce(slot_of(step).index, step.number, -1, 0, 0)
         self._ring.close()
+        if step is not None:  # (after the ring is closed: a warnings filter that raises leaks nothing)
+            warnings.warn(f"RingWriter.close(): step {step.number} was committed but never published; the readers "
+                          f"skip it", stacklevel=2)
 
     def __repr__(self) -> str:
         mode = "graph" if self.graph_mode else "eager"

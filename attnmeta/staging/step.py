@@ -112,7 +112,7 @@ class Step(StepCore):
         if type(shape) is int:
             rows, row_shape = shape, ()
         else:
-            if not isinstance(shape, np.integer | tuple | list):
+            if not isinstance(shape, np.integer | tuple | list | np.ndarray | torch.Size):
                 raise TypeError(f"{name}: shape must be an int or a tuple of ints (rows, *row_shape), got "
                                 f"{type(shape).__name__} {shape!r}")
             try:

@@ -27,10 +27,10 @@ Three layers, each installed only while an audit is armed:
    without a range, ``isin`` with many test elements (torch's sorting path calls ``unique``),
    boolean-mask indexing with a device mask), ops whose kernel reads a device input on the host
    (a 0-dim device value of ``masked_fill``/``index_fill``, ``linspace``/``logspace`` bounds,
-   ``normal``'s device ``std``) or checks its result there (``multinomial``, the checking linalg
-   functions), device->host copies, blocking host->device copies, host index tensors used on
-   device data, and - the copy checker - non-blocking host->device copies whose host side is
-   pageable (CUDA) or not contiguous.
+   ``normal``'s device ``std``) or checks its result there (the checking linalg functions),
+   device->host copies, blocking host->device copies, host index tensors used on device data, and
+   - the copy checker - non-blocking host->device copies whose host side is pageable (CUDA) or not
+   contiguous.
 2. **A torch function mode** catches what never reaches an aten op as a host read:
    ``Tensor.tolist``/``numpy``/``__array__``/``cpu``, printing or formatting a device tensor
    (``Tensor.__repr__``/``__format__``), ``torch.tensor(data, device=...)`` and friends (blocking

@@ -239,7 +239,7 @@ def _explicit_rules() -> dict[Any, _DispatchRule]:
     add(tuple(f"{op}.{o}" for op in ("linspace", "logspace") for o in (
         "Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor", "Tensor_Tensor_out", "Tensor_Scalar_out", "Scalar_Tensor_out")),
         _rule_range_read)
-    add(("multinomial", "multinomial.out", "_linalg_check_errors", "_linalg_eigh", "_linalg_eigh.eigenvalues",
+    add(("_linalg_check_errors", "_linalg_eigh", "_linalg_eigh.eigenvalues",
          "_linalg_svd", "_linalg_svd.U", "linalg_eig", "linalg_eig.out", "cholesky", "cholesky.out"),
         _rule_kernel_check)
     add(("linalg_cholesky_ex", "linalg_cholesky_ex.L", "linalg_inv_ex", "linalg_inv_ex.inverse", "linalg_solve_ex",

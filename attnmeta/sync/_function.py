@@ -110,7 +110,7 @@ def _rule_print(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]
     # Tensor.__repr__ / __format__ (str, print, f-strings and logging reach one of them): torch's
     # formatter reads the values (tolist, item, masked_select) on the host
     self = args[0] if args else None
-    if isinstance(self, torch.Tensor) and audit.is_device(self.device):
+    if isinstance(self, torch.Tensor) and audit.is_device(self.device) and self.numel():  # (empty: nothing read)
         return "sync", R_PRINT
     return None
 

@@ -156,9 +156,8 @@ R_KERNEL_READ: Final = (
     "number, or use torch.where with the device value"
 )
 R_KERNEL_CHECK: Final = (
-    "checks its result on the host (torch's linalg functions read an error code, multinomial validates "
-    "its probabilities): the host waits for the device; use the *_ex variant with check_errors=False, or "
-    "do it on the host"
+    "checks its result on the host (torch's linalg functions read an error code): the host waits for the "
+    "device; use the *_ex variant with check_errors=False, or do it on the host"
 )
 R_PRINT: Final = (
     "formats device data on the host (repr, str, print, f-strings, logging of a tensor): a copy to the "

@@ -8,9 +8,7 @@ and the tests use them; test suites of their own may too. Property tests that wa
 
 Examples
 --------
->>> from typing import Any
-
-import numpy as np
+>>> import numpy as np
 >>> from attnmeta.testing.workloads import advance, decode_spec
 >>> walk = advance(decode_spec(2, np.random.default_rng(0), max_context=64), 3)
 >>> [s.num_computed_tokens.tolist() for s in walk] == [
@@ -111,6 +109,8 @@ def reshuffled(spec: BatchSpec, steps: int, rng: np.random.Generator) -> list[Ba
     ...     spec.shape._replace(max_seq_len=0, max_exact_seq_len=0, num_pages=0)}
     True
     """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"reshuffled: steps must be an int >= 1 (the given spec is the first), got {steps!r}")
     out = [spec]
     n = spec.num_reqs
     for _ in range(steps - 1):
