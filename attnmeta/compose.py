@@ -227,11 +227,10 @@ class Array:
         try:
             dt = np.dtype(self.dtype)
         except TypeError:
-            raise TypeError(f"Array({self.name!r}): dtype {self.dtype!r} is not a numpy dtype (one of "
-                            f"{sorted(str(d) for d in STAGEABLE_DTYPES)})") from None
+            dt = None
         if dt not in STAGEABLE_DTYPES:
-            raise TypeError(f"Array({self.name!r}): dtype {dt} cannot be staged (one of "
-                            f"{sorted(str(d) for d in STAGEABLE_DTYPES)})")
+            what = f"dtype {self.dtype!r} is not a numpy dtype" if dt is None else f"dtype {dt} cannot be staged"
+            raise TypeError(f"Array({self.name!r}): {what} (one of {sorted(str(d) for d in STAGEABLE_DTYPES)})")
         c = self.capacity
         if c is not None and (isinstance(c, bool) or not isinstance(c, int | np.integer)):
             raise TypeError(f"Array({self.name!r}): capacity must be an int or None, got {type(c).__name__} {c!r}")

@@ -111,7 +111,8 @@ def checked_fill(name: str, dtype: np.dtype, fill: Any) -> Any:
     """:func:`exact_fill`, remembered per dtype and value: an eager step checks each field's ``fill`` as
     graph mode would (code written in eager mode then runs in graph mode unchanged), for the price of a
     set lookup once a value has passed."""
-    key = (dtype, type(fill), fill)
+    # (NaN is not equal to itself, so it would miss the set every time: it is keyed by name)
+    key = (dtype, type(fill), "nan" if isinstance(fill, float | np.floating) and fill != fill else fill)
     try:
         if key in _EXACT_FILLS:
             return fill

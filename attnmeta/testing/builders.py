@@ -19,7 +19,7 @@ These are test helpers: :func:`check_builder` reads device tensors back to compa
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -114,7 +114,7 @@ def check_builder(
     writable = writable_host_arrays(meta, b.name)
     assert not writable, (f"{b.name}: host arrays handed out writable: {writable} (hand out the staged views, "
                           f"which are read-only; an edit of a copy would disagree with its device field)")
-    _no_device_field_in_host_slots(meta, b.name, stager)
+    _no_device_field_in_host_memory(meta, b.name, stager)
     if strict:
         left = unchecked_fields(meta, expected)
         assert not left, f"{b.name}: the reference names no value for {left} (strict=True)"
@@ -138,57 +138,48 @@ def writable_host_arrays(obj: Any, path: str = "metadata") -> list[str]:
     >>> writable_host_arrays({"lens": np.array([1, 2])}, "mine")
     ["mine['lens']"]
     """
-    return _writable(obj, path, set())
+    return [p for p, value, _dev in _arrays(obj, path, set())
+            if isinstance(value, np.ndarray) and value.flags.writeable and value.size]
 
 
-def _writable(obj: Any, path: str, seen: set[int]) -> list[str]:
-    if obj is None or id(obj) in seen or isinstance(obj, int | float | str | bool | slice | torch.Tensor):
-        return []
+def _arrays(obj: Any, path: str, seen: set[int]) -> Iterator[tuple[str, np.ndarray | torch.Tensor, bool]]:
+    """Every host array and tensor reachable from ``obj`` (fields of dataclasses, dict and sequence entries,
+    an object's ``chunk(i)`` parts), as ``(path, value, whether a dataclass declares it a device field)``."""
+    if obj is None or id(obj) in seen or isinstance(obj, int | float | str | bool | slice):
+        return
     seen.add(id(obj))
-    if isinstance(obj, np.ndarray):
-        return [path] if obj.flags.writeable and obj.size else []
-    items: list[tuple[str, Any]] = []
+    items: list[tuple[str, Any, bool]] = []
     if isinstance(obj, dict):
-        items = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+        items = [(f"{path}[{k!r}]", v, False) for k, v in obj.items()]
     elif isinstance(obj, list | tuple):
-        items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+        items = [(f"{path}[{i}]", v, False) for i, v in enumerate(obj)]
     elif dataclasses.is_dataclass(obj):
-        items = [(f"{path}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+        device = set(getattr(obj, "_DEVICE_FIELDS", ()))
+        items = [(f"{path}.{f.name}", getattr(obj, f.name), f.name in device) for f in dataclasses.fields(obj)]
         chunk, count = getattr(obj, "chunk", None), getattr(obj, "num_chunks", None)
         if callable(chunk) and isinstance(count, int):
-            items += [(f"{path}.chunk({i})", chunk(i)) for i in range(count)]
-    return [p for sub, v in items for p in _writable(v, sub, seen)]
+            items += [(f"{path}.chunk({i})", chunk(i), False) for i in range(count)]
+    for sub, value, dev in items:
+        if isinstance(value, np.ndarray | torch.Tensor):
+            yield sub, value, dev
+        else:
+            yield from _arrays(value, sub, seen)
 
 
-def _no_device_field_in_host_slots(meta: Any, name: str, stager: Stager) -> None:
+def _no_device_field_in_host_memory(meta: Any, name: str, stager: Stager) -> None:
     """Assert that no device field of ``meta`` (a CPU stager's: its device is the host too) shares memory
     with a host array ``meta`` hands out, as ``torch.from_numpy`` of a staged host view would: such a
     field was never copied (on a GPU it would be a host tensor)."""
     if stager.device.type != "cpu":
         return  # (elsewhere the device comparison names a host tensor)
-    hosts: list[tuple[int, int, str]] = []
-    devices: list[tuple[int, str]] = []
-    seen: set[int] = set()
-
-    def walk(obj: Any, path: str) -> None:
-        if obj is None or id(obj) in seen or not dataclasses.is_dataclass(obj):
-            return
-        seen.add(id(obj))
-        device_fields = set(getattr(obj, "_DEVICE_FIELDS", ()))
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if isinstance(value, np.ndarray) and value.nbytes:
-                hosts.append((value.ctypes.data, value.ctypes.data + value.nbytes, f"{path}.{f.name}"))
-            elif f.name in device_fields and isinstance(value, torch.Tensor) and value.numel():
-                devices.append((value.data_ptr(), f"{path}.{f.name}"))
-            else:
-                walk(value, f"{path}.{f.name}")
-
-    walk(meta, name)
-    for ptr, where in devices:
-        for lo, hi, host in hosts:
-            assert not lo <= ptr < hi, (f"{where}: a device field in the memory of the host array {host} (a host "
-                                        f"view made a tensor, never copied): hand out step.device(...) views")
+    found = list(_arrays(meta, name, set()))
+    hosts = [(v.ctypes.data, v.ctypes.data + v.nbytes, p) for p, v, _d in found if isinstance(v, np.ndarray) and v.nbytes]
+    for where, value, device in found:
+        if device and isinstance(value, torch.Tensor) and value.numel():
+            ptr = value.data_ptr()
+            for lo, hi, host in hosts:
+                assert not lo <= ptr < hi, (f"{where}: a device field in the memory of the host array {host} (a "
+                                            f"host view made a tensor, never copied): hand out step.device(...) views")
 
 
 def check_reads_lengths(builder: AnyBuilder | str, shape: StepShape, options: Any = None, inputs: Any = None) -> None:
