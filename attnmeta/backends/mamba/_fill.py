@@ -53,12 +53,14 @@ Shape legend
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 
 from attnmeta._checks import as_host_array
+from attnmeta._fields import template
 from attnmeta.backends.mamba._shared import (
     NULL_BLOCK_ID,
     MambaHost,
@@ -67,6 +69,7 @@ from attnmeta.backends.mamba._shared import (
     runner_draft_counts,
     state_indices_error,
 )
+from attnmeta.builder import Replayer
 from attnmeta.host.chunks import ChunkMetadata, logical_chunks_nb, token_seq_idx_nb
 from attnmeta.host.common import ABSENT
 from attnmeta.host.layout import prefill_cpu_metadata
@@ -90,11 +93,11 @@ from attnmeta.host.mamba import (
     state_indices_nb,
 )
 from attnmeta.host.split import SplitCounts
-from attnmeta.metadata import CommonAttentionMetadata, CommonHost, StagedCommon
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
 from attnmeta.profile import StaticProfile
-from attnmeta.staging import CapacityError, FieldGroup, Step, bucket_rows
+from attnmeta.staging import CapacityError, FieldGroup, Staged, Step, bucket_rows
 
-__all__ = ["Filled", "accepted_counts", "conv1d_capacity", "fill", "fill_key", "logical_capacity", "refill"]
+__all__ = ["FillReplayer", "Filled", "FilledStaged", "accepted_counts", "conv1d_capacity", "fill", "fill_key", "logical_capacity", "refill"]
 
 _I32, _I64, _BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_)
 _NO_I32 = np.zeros(0, _I32)
@@ -760,6 +763,91 @@ def refill(step: Step, h: CommonHost, group: FieldGroup, lay: _Layout, owner: st
         checkpoints=checkpoints,
     )
     return Filled(step, group, lay, prefix, host, D, P, Dt, Pt, tot, n, prep, nck, nl)
+
+
+MetadataT = TypeVar("MetadataT")
+
+
+class FilledStaged(Staged[MambaHost, MetadataT]):
+    """A staged fill-path step (Mamba1 or Mamba2): its host part, and what it filled (for a
+    :class:`FillReplayer` of its layout)."""
+
+    __slots__ = ("filled",)
+
+    def __init__(self, step: Step, filled: Filled, make: Callable[[], MetadataT]) -> None:
+        super().__init__(step, filled.host, make)
+        self.filled = filled
+
+
+class FillReplayer(Replayer[Any, MetadataT], Generic[MetadataT]):
+    """Replays of a fill-path layout (the Mamba1 and Mamba2 builders): :func:`refill` into the recorded
+    fields, then the builder's ``make(filled, common)``, the function its staged steps make their
+    metadata with.
+
+    A step without prefill rows makes its metadata from the last such step's with the three fields
+    that change (:data:`_DECODE_PER_STEP`, :func:`attnmeta._fields.template`) while the slot's device
+    views, the split, the common query starts and block table are the same objects. A ``"none"``-mode
+    decode-only layout stages nothing (:attr:`_Layout.table_d`): its :meth:`rewrite` checks the table
+    has the column it reads (:meth:`_Layout.reads_table`, the fill's one check) and keeps the step for
+    :meth:`result`, which fills only when it cannot reuse. ``inputs`` are the builder's (their ``num_accepted_tokens``, if any, are the step's accepted counts).
+    """
+
+    __slots__ = ("align", "bs_m", "checkpoint", "chunk_size", "consecutive", "decode", "filled", "group", "layout",
+                 "make", "owner", "prefix", "spec_tokens", "unwritten")
+
+    def __init__(self, filled: Filled, make: Callable[[Filled, CommonAttentionMetadata], MetadataT], owner: str,
+                 prefix: str, spec_tokens: int, chunk_size: int, mamba_block_size: int | None, align: bool,
+                 checkpoint: CheckpointConfig | None, consecutive: bool) -> None:
+        self.group, self.layout, self.make, self.owner, self.prefix = filled.group, filled.layout, make, owner, prefix
+        self.spec_tokens, self.chunk_size, self.bs_m, self.align = spec_tokens, chunk_size, mamba_block_size, align
+        self.checkpoint, self.consecutive = checkpoint, consecutive
+        self.filled: Filled | None = None
+        # (the slot's device views, the common query starts, the split, the common block table, template(...))
+        # of the last step without prefill rows
+        self.decode: tuple[Any, Any, tuple[int, int, int], Any, Callable[..., MetadataT]] | None = None
+        # a table_d layout's (step, common host, inputs), kept by rewrite() for result()
+        self.unwritten: tuple[Step, CommonHost, Any] | None = None
+
+    def rewrite(self, step: Step, host: CommonHost, inputs: Any) -> None:
+        accepted = getattr(inputs, "num_accepted_tokens", None)
+        if accepted is None and self.layout.reads_table(host):
+            self.filled, self.unwritten = None, (step, host, inputs)
+            return
+        self.unwritten = None
+        self.filled = self._refill(step, host, accepted)
+
+    def _refill(self, step: Step, host: CommonHost, accepted: Any) -> Filled:
+        bs_m = host.block_size if self.bs_m is None else self.bs_m
+        acc = accepted_counts(accepted, host, self.spec_tokens, self.owner)
+        return refill(step, host, self.group, self.layout, self.owner, self.prefix, self.spec_tokens, self.chunk_size,
+                      bs_m, self.align, self.checkpoint, self.consecutive, acc, accepted is not None)
+
+    def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
+               inputs: Any) -> MetadataT:
+        f, self.filled = self.filled, None
+        u, self.unwritten = self.unwritten, None
+        if u is not None:  # (a table_d layout: every row a decode, nothing staged: the split is the host's)
+            assert u[0] is step, "result() without this step's rewrite()"
+            split = (u[1].num_reqs, u[1].num_actual_tokens, 0)
+        else:
+            assert f is not None and f.step is step, "result() without this step's rewrite()"
+            if f.P:
+                return self.make(f, common)
+            split = (f.D, f.Dt, f.Pt)
+        dev, qsl, bt = self.group.device(step), common.query_start_loc, common.block_table_tensor  # (raises if expired)
+        d = self.decode
+        if d is not None and d[0] is dev and d[1] is qsl and d[2] == split and d[3] is bt:
+            return d[4](common, common.seq_lens, common.seq_lens_cpu)
+        if f is None:  # (a table_d layout writes nothing: its fill may follow the commit)
+            assert u is not None
+            f = self._refill(step, u[1], getattr(u[2], "num_accepted_tokens", None))
+        m = self.make(f, common)
+        self.decode = (dev, qsl, split, bt, template(m, _DECODE_PER_STEP))
+        return m
+
+
+_DECODE_PER_STEP = ("common", "seq_lens", "seq_lens_cpu")
+"""The fields of a step without prefill rows that a replay of the same split on the same views changes."""
 
 
 def _refill_decodes(step: Step, h: CommonHost, group: FieldGroup, lay: _Layout, prefix: str, bs_m: int, align: bool,

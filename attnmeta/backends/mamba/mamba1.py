@@ -16,10 +16,11 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 
 from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import keyword_factory
-from attnmeta.backends.mamba._fill import fill
+from attnmeta.backends.mamba._fill import Filled, FilledStaged, FillReplayer, fill, fill_key
 from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
     MAMBA_BLOCK_SIZE_RULE,
@@ -31,7 +32,7 @@ from attnmeta.backends.mamba._shared import (
     common_needs,
 )
 from attnmeta.builder import Builder, CommonNeeds, register
-from attnmeta.metadata import StagedCommon
+from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
 from attnmeta.spec import StepShape
 from attnmeta.staging import Staged, Step
 
@@ -129,7 +130,29 @@ class Mamba1Builder(AlignReadsLengths, Builder[Mamba1Options, None, MambaHost, M
         o = options
         f = fill(common, step, "Mamba1Options", o.prefix, 0, 0, o.mamba_block_size, o.cache_mode == "align",
                  o.needs_causal_conv1d_metadata, None, False, False, False, None)
-        return Staged(step, f.host, lambda: _make_m1(**f.shared_fields(common.result())))
+        return FilledStaged(step, f, lambda: _metadata(f, common.result()))
+
+    def replay_key(self, shape: StepShape, options: Mamba1Options, inputs: None) -> Hashable:
+        """The fill path's layout (:func:`~attnmeta.backends.mamba._fill.fill_key`): rows, whether a row
+        may prefill, the bucketed causal-conv1d rows (a replayed step writes them all)."""
+        o = options
+        return fill_key(shape.padded_num_reqs, shape.padded_num_tokens, shape.max_query_len, shape.any_prefilling,
+                        o.prefix, 0, 0, o.needs_causal_conv1d_metadata, None, False, False, None,
+                        o.cache_mode == "align")
+
+    def replayer(self, staged: Staged[MambaHost, Mamba1Metadata], common: StagedCommon, step: Step,
+                 options: Mamba1Options, inputs: None) -> FillReplayer[Mamba1Metadata]:
+        """Replays rewrite the recorded layout's fields with the fill path's one compiled call (Mamba2's
+        replayer, without chunks or spec decode)."""
+        assert isinstance(staged, FilledStaged)
+        o = options
+        return FillReplayer(staged.filled, _metadata, "Mamba1Options", o.prefix, 0, 0, o.mamba_block_size,
+                            o.cache_mode == "align", None, False)
+
+
+def _metadata(f: Filled, cm: CommonAttentionMetadata) -> Mamba1Metadata:
+    """A filled step's Mamba1 metadata, after its commit (a staged and a replayed step alike)."""
+    return _make_m1(**f.shared_fields(cm))
 
 
 MAMBA1 = register(Mamba1Builder())

@@ -34,7 +34,7 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -42,8 +42,8 @@ import numpy.typing as npt
 import torch
 
 from attnmeta._checks import check_option_fields, option_rule
-from attnmeta._fields import MetadataBase, keyword_factory, template
-from attnmeta.backends.mamba._fill import Filled, accepted_counts, fill, fill_key, refill
+from attnmeta._fields import MetadataBase, keyword_factory
+from attnmeta.backends.mamba._fill import Filled, FilledStaged, FillReplayer, fill, fill_key
 from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
     MAMBA_BLOCK_SIZE_RULE,
@@ -56,9 +56,9 @@ from attnmeta.backends.mamba._shared import (
     common_needs,
     excess_drafts_reason,
 )
-from attnmeta.builder import Builder, CommonNeeds, Replayer, register
+from attnmeta.builder import Builder, CommonNeeds, register
 from attnmeta.host.mamba import CheckpointConfig
-from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
+from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
 from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import Staged, Step
 
@@ -420,7 +420,7 @@ class Mamba2Builder(AlignReadsLengths, Builder[Mamba2Options, Mamba2Inputs, Mamb
         f = fill(common, step, "Mamba2Options", o.prefix, o.num_speculative_tokens, C, o.mamba_block_size, o.cache_mode == "align",
                  o.needs_causal_conv1d_metadata, o.checkpoint, o.logical_chunks, o.token_seq_idx, o.consecutive_seq_ids,
                  inputs.num_accepted_tokens)
-        return _Staged(step, f, lambda: _metadata(f, common.result(), C))
+        return FilledStaged(step, f, lambda: _metadata(f, common.result(), C))
 
     def unsupported_reasons(self, spec: BatchSpec, options: Mamba2Options, inputs: Mamba2Inputs) -> list[str]:
         """``num_accepted_tokens`` without spec decode, or not one count per real request or row; with spec
@@ -452,10 +452,14 @@ class Mamba2Builder(AlignReadsLengths, Builder[Mamba2Options, Mamba2Inputs, Mamb
                         o.logical_chunks, o.token_seq_idx, None, o.cache_mode == "align")
 
     def replayer(self, staged: Staged[MambaHost, Mamba2Metadata], common: StagedCommon, step: Step,
-                 options: Mamba2Options, inputs: Mamba2Inputs) -> _Replayer:
+                 options: Mamba2Options, inputs: Mamba2Inputs) -> FillReplayer[Mamba2Metadata]:
         """Replays rewrite the recorded layout's fields with the fill path's one compiled call."""
-        assert isinstance(staged, _Staged)
-        return _Replayer(options, staged.filled)
+        assert isinstance(staged, FilledStaged)
+        o = options
+        C = o.chunk_size
+        return FillReplayer(staged.filled, lambda f, cm: _metadata(f, cm, C), "Mamba2Options", o.prefix,
+                            o.num_speculative_tokens, C, o.mamba_block_size, o.cache_mode == "align", o.checkpoint,
+                            o.consecutive_seq_ids)
 
 
 def _metadata(f: Filled, cm: CommonAttentionMetadata, C: int) -> Mamba2Metadata:
@@ -485,76 +489,6 @@ def _metadata(f: Filled, cm: CommonAttentionMetadata, C: int) -> Mamba2Metadata:
         last_chunk_indices_p_cpu=hd[6], checkpoint_chunk_idx_cpu=ck_h, chunk_indices_p_cpu=ci_h,
         chunk_offsets_p_cpu=co_h, token_seq_idx_p_cpu=ts_h, checkpoint_meta=ck_meta,
     )
-
-
-class _Staged(Staged[MambaHost, Mamba2Metadata]):
-    """A staged Mamba2 step: its host part, and what it filled (for a replayer of its layout)."""
-
-    __slots__ = ("filled",)
-
-    def __init__(self, step: Step, filled: Filled, make: Callable[[], Mamba2Metadata]) -> None:
-        super().__init__(step, filled.host, make)
-        self.filled = filled
-
-
-class _Replayer(Replayer[Mamba2Inputs, Mamba2Metadata]):
-    """Replays of a Mamba2 layout: the fill path's write (:func:`~attnmeta.backends.mamba._fill.refill`)
-    into the recorded fields, then :func:`_metadata`."""
-
-    __slots__ = ("decode", "filled", "group", "layout", "options", "unwritten")
-
-    def __init__(self, options: Mamba2Options, filled: Filled) -> None:
-        self.options, self.group, self.layout = options, filled.group, filled.layout
-        self.filled: Filled | None = None
-        # A step without prefill rows: every field but the common metadata's is a view fixed by the
-        # slot's device views, the split and the common query starts and block table; (those,
-        # template(...)) of the last.
-        self.decode: tuple[Any, Any, tuple[int, int, int], Any, Callable[..., Mamba2Metadata]] | None = None
-        # A "none"-mode decode-only layout stages nothing (_Layout.table_d): its rewrite keeps (the
-        # step, its common host, its inputs) for result() instead of filling.
-        self.unwritten: tuple[Step, CommonHost, Mamba2Inputs] | None = None
-
-    def rewrite(self, step: Step, host: CommonHost, inputs: Mamba2Inputs) -> None:
-        if inputs.num_accepted_tokens is None and self.layout.reads_table(host):
-            self.filled, self.unwritten = None, (step, host, inputs)
-            return
-        self.unwritten = None
-        self.filled = self._refill(step, host, inputs)
-
-    def _refill(self, step: Step, host: CommonHost, inputs: Mamba2Inputs) -> Filled:
-        o = self.options
-        bs_m = host.block_size if o.mamba_block_size is None else o.mamba_block_size
-        acc = accepted_counts(inputs.num_accepted_tokens, host, o.num_speculative_tokens, "Mamba2Options")
-        return refill(step, host, self.group, self.layout, "Mamba2Options", o.prefix, o.num_speculative_tokens,
-                      o.chunk_size, bs_m, o.cache_mode == "align", o.checkpoint, o.consecutive_seq_ids, acc,
-                      inputs.num_accepted_tokens is not None)
-
-    def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
-               inputs: Mamba2Inputs) -> Mamba2Metadata:
-        f, self.filled = self.filled, None
-        u, self.unwritten = self.unwritten, None
-        if u is not None:  # (a table_d layout: every row a decode, nothing staged: the split is the host's)
-            assert u[0] is step, "result() without this step's rewrite()"
-            split = (u[1].num_reqs, u[1].num_actual_tokens, 0)
-        else:
-            assert f is not None and f.step is step, "result() without this step's rewrite()"
-            if f.P:
-                return _metadata(f, common, self.options.chunk_size)
-            split = (f.D, f.Dt, f.Pt)
-        dev, qsl, bt = self.group.device(step), common.query_start_loc, common.block_table_tensor  # (raises if expired)
-        d = self.decode
-        if d is not None and d[0] is dev and d[1] is qsl and d[2] == split and d[3] is bt:
-            return d[4](common, common.seq_lens, common.seq_lens_cpu)
-        if f is None:  # (a table_d layout writes nothing: its fill may follow the commit)
-            assert u is not None
-            f = self._refill(step, u[1], u[2])
-        m = _metadata(f, common, self.options.chunk_size)
-        self.decode = (dev, qsl, split, bt, template(m, _DECODE_PER_STEP))
-        return m
-
-
-_DECODE_PER_STEP = ("common", "seq_lens", "seq_lens_cpu")
-"""The fields of a step without prefill rows that a replay of the same split on the same views changes."""
 
 
 MAMBA2 = register(Mamba2Builder())
