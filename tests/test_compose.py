@@ -12,100 +12,18 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from compose_helpers import counts_arguments
+from compose_helpers import assert_same, check_steps, composers, counts_arguments
 
 from attnmeta import BatchSpec, Stager, StaticProfile, UnsupportedBatchError, stage_common
 from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionInputs, FlashAttentionOptions
 from attnmeta.backends.flashinfer import FLASHINFER, FlashInferOptions
 from attnmeta.backends.mamba import CheckpointConfig, mamba2
-from attnmeta.compose import Array, ComposedStep, Group, StepBuilder, table_columns
+from attnmeta.compose import Array, Group, StepBuilder, table_columns
 from attnmeta.staging import StepExpiredError, is_expired
 from attnmeta.sync import no_device_sync
 from attnmeta.testing.workloads import advance, decode_spec, mixed_spec
 
 _PROFILE = StaticProfile(max_num_reqs=72, max_num_tokens=320, max_blocks_per_req=40, block_size=16)
-
-
-def assert_same(got: Any, want: Any, path: str) -> None:
-    """Every field equal: values, dtypes, shapes, devices, read-only flags; scalars by value and type."""
-    if want is None:
-        assert got is None, path
-        return
-    assert type(got) is type(want), f"{path}: {type(got).__name__} != {type(want).__name__}"
-    if isinstance(want, dict):
-        assert got.keys() == want.keys(), path
-        for k in want:
-            assert_same(got[k], want[k], f"{path}[{k!r}]")
-        return
-    if isinstance(want, tuple | list) and not hasattr(want, "_fields"):
-        assert len(got) == len(want), path
-        for k, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert_same(a, b, f"{path}[{k}]")
-        return
-    if isinstance(want, torch.Tensor):
-        assert (got.shape, got.dtype, got.device) == (want.shape, want.dtype, want.device), path
-        assert torch.equal(got.cpu(), want.cpu()), path  # test-only read-back
-        return
-    if isinstance(want, np.ndarray):
-        assert (got.shape, got.dtype, got.flags.writeable) == (want.shape, want.dtype, want.flags.writeable), path
-        assert np.array_equal(got, want), path
-        return
-    if dataclasses.is_dataclass(want):
-        for f in dataclasses.fields(want):
-            assert_same(getattr(got, f.name), getattr(want, f.name), f"{path}.{f.name}")
-        return
-    assert type(got) is type(want) and got == want, f"{path}: {got!r} != {want!r}"
-
-
-def _check(composer: StepBuilder, reference: StepBuilder, counts: StepBuilder, steps: list[Any]) -> list[ComposedStep]:
-    """Build every step on the three composers (``reference`` never replays; ``counts`` takes the
-    scheduler's arrays, ``build_counts``) and compare them; earlier steps kept by the caller stay intact
-    until their slot is reused."""
-    out = []
-    kept: list[tuple[ComposedStep, ComposedStep]] = []
-    for i, (specs, inputs, arrays) in enumerate(steps):
-        got = composer.build(specs, inputs, arrays)
-        want = reference.build(specs, inputs, arrays)
-        args, kw = counts_arguments(specs)
-        raw = counts.build_counts(*args, **kw, inputs=inputs, arrays=arrays)
-        for a in (*args[:2], *kw.values()):  # the counts were read, not kept: a scheduler reuses its arrays
-            if isinstance(a, np.ndarray):
-                a[:] = -7
-        for name, built in (("build", got), ("build_counts", raw)):
-            assert_same(built.commons, want.commons, f"step {i} commons ({name})")
-            assert_same(built.metadata, want.metadata, f"step {i} metadata ({name})")
-            assert_same(built.arrays, want.arrays, f"step {i} arrays ({name})")
-        assert counts.stats == composer.stats, f"step {i}: {counts.stats} != {composer.stats}"
-        if composer.stager.graph_mode:  # every field's whole fixed buffer (what captured kernels read)
-            a, b = composer.stager.graph_arena, reference.stager.graph_arena
-            assert a is not None and b is not None
-            assert list(composer.stager.graph_fields) == list(reference.stager.graph_fields)
-            for name, f in reference.stager.graph_fields.items():
-                assert torch.equal(a[f.offset: f.offset + f.nbytes], b[f.offset: f.offset + f.nbytes]), f"step {i} {name}"
-        elif kept:  # the previous step's objects are intact (eager mode: their slot is not reused yet)
-            old_got, old_want = kept[-1]
-            assert not is_expired(old_got.common)
-            assert_same(old_got.metadata, old_want.metadata, f"step {i}: step {i - 1} kept")
-        kept = [*kept, (got, want)][-(composer.stager.num_slots - 1):]
-        out.append(got)
-    return out
-
-
-class _NoReplay:
-    """A composer whose steps are all staged through the builders' ``stage`` (the reference)."""
-
-    def __new__(cls, stager: Stager, *groups: Group, arrays: Any = ()) -> StepBuilder:  # type: ignore[misc]
-        composer = StepBuilder(stager, *groups, arrays=arrays)
-        composer._key = lambda *a: None  # type: ignore[method-assign]
-        return composer
-
-
-def _pair(device: torch.device, groups: Callable[[], list[Group]], arrays: Any = (),
-          profile: StaticProfile | None = None) -> tuple[StepBuilder, StepBuilder, StepBuilder]:
-    """A composer, its never-replaying reference and a twin for ``build_counts``."""
-    return (StepBuilder(Stager(device, profile=profile), *groups(), arrays=arrays),
-            _NoReplay(Stager(device, profile=profile), *groups(), arrays=arrays),
-            StepBuilder(Stager(device, profile=profile), *groups(), arrays=arrays))
 
 
 def _hybrid_groups() -> list[Group]:
@@ -123,14 +41,14 @@ def _walk(batch: int, steps: int, seed: int = 0) -> list[BatchSpec]:
 def test_flash_attention_with_engine_arrays_replays_and_matches(device: torch.device, profile: Any) -> None:
     arrays = [Array("engine.input_ids", np.int32, capacity=_PROFILE.max_num_tokens, fill=0),
               Array("engine.prev_rows", np.int32, capacity=_PROFILE.max_num_tokens, fill=-1)]
-    composer, reference, counts = _pair(device, lambda: [Group({"fa": FLASH_ATTN})], arrays, profile)
+    composer, reference, counts = composers(device, lambda: [Group({"fa": FLASH_ATTN})], arrays, profile)
     rng = np.random.default_rng(1)
     steps = []
     for spec in _walk(8, 20):
         n = spec.num_tokens
         steps.append((spec, None, {"engine.input_ids": rng.integers(0, 1000, n).astype(np.int32),
                                    "engine.prev_rows": rng.integers(-1, 8, n).astype(np.int32)}))
-    _check(composer, reference, counts, steps)
+    check_steps(composer, reference, counts, steps)
     assert composer.stats.replayed >= 10, composer.stats
 
 
@@ -138,10 +56,10 @@ def test_own_fields_of_a_builder_are_rewritten_on_replay(device: torch.device) -
     """FlashAttention's DCP lengths and per-request causal flags are its own staged fields: a replay
     rewrites them for its step."""
     opts = FlashAttentionOptions(dcp_world_size=2, dcp_rank=1)
-    composer, reference, counts = _pair(device, lambda: [Group({"fa": (FLASH_ATTN, opts)})])
+    composer, reference, counts = composers(device, lambda: [Group({"fa": (FLASH_ATTN, opts)})])
     rng = np.random.default_rng(2)
     steps = [(s, {"fa": FlashAttentionInputs(causal=rng.random(s.num_reqs) < 0.5)}, None) for s in _walk(6, 16)]
-    _check(composer, reference, counts, steps)
+    check_steps(composer, reference, counts, steps)
     assert composer.stats.replayed >= 8, composer.stats
 
 
@@ -150,25 +68,25 @@ def test_a_replayed_mixed_step_rewrites_the_prefill_query_starts(device: torch.d
     layout; each replay must rewrite FlashInfer's own ``qo_indptr_prefill`` (a mutant that skipped it
     handed out the previous step's, and only 1,000-example oracle runs drew the case)."""
     prof = StaticProfile(max_num_reqs=8, max_num_tokens=64, max_blocks_per_req=8, block_size=4)
-    composer, reference, counts = _pair(device, lambda: [Group({"fi": FLASHINFER})], profile=prof)
+    composer, reference, counts = composers(device, lambda: [Group({"fi": FLASHINFER})], profile=prof)
     bt = [[1, 2, 3, 4]] * 3
     a = BatchSpec(num_computed_tokens=[5, 7, 0], num_scheduled_tokens=[1, 3, 5], block_table=bt, block_size=4,
                   num_reqs_padded=4, num_tokens_padded=16)
     b = BatchSpec(num_computed_tokens=[5, 5, 2], num_scheduled_tokens=[1, 5, 3], block_table=bt, block_size=4,
                   num_reqs_padded=4, num_tokens_padded=16)
-    got = _check(composer, reference, counts, [(s, None, None) for s in (a, b, a, b, a)])
+    got = check_steps(composer, reference, counts, [(s, None, None) for s in (a, b, a, b, a)])
     assert composer.stats.replayed >= 1, composer.stats
     assert got[-1]["fi"].qo_indptr_prefill_cpu[:3].tolist() == [0, 3, 8]
 
 
 def test_mixed_and_prefill_steps_between_decodes(device: torch.device) -> None:
-    composer, reference, counts = _pair(device, lambda: [Group({"fa": FLASH_ATTN})])
+    composer, reference, counts = composers(device, lambda: [Group({"fa": FLASH_ATTN})])
     rng = np.random.default_rng(3)
     walk = _walk(4, 12)
     steps = [(s, None, None) for s in walk[:6]]
     steps += [(mixed_spec(rng, prefills=2, decodes=3), None, None) for _ in range(3)]
     steps += [(s, None, None) for s in walk[6:]]
-    _check(composer, reference, counts, steps)
+    check_steps(composer, reference, counts, steps)
 
 
 def test_inputs_and_arrays_are_checked() -> None:
@@ -328,14 +246,14 @@ def test_flashinfer_and_mamba2_groups(device: torch.device) -> None:
         return [Group({"fa": FLASH_ATTN, "fi": (FLASHINFER, FlashInferOptions())}),
                 Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))}, prefix="mamba_common")]
 
-    composer, reference, counts = _pair(device, groups)
+    composer, reference, counts = composers(device, groups)
     steps = []
     for spec in _walk(5, 16):
         n = spec.num_reqs
         mspec = BatchSpec(num_computed_tokens=spec.num_computed_tokens, num_scheduled_tokens=spec.num_scheduled_tokens,
                           block_table=(1 + np.arange(n, dtype=np.int32))[:, None], block_size=4096)
         steps.append(((spec, mspec), None, None))
-    _check(composer, reference, counts, steps)
+    check_steps(composer, reference, counts, steps)
 
 
 def test_a_none_mode_decode_step_reads_its_state_slots_from_the_common_block_table(device: torch.device) -> None:
@@ -347,14 +265,14 @@ def test_a_none_mode_decode_step_reads_its_state_slots_from_the_common_block_tab
                 Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))}, prefix="mamba_common",
                       table_column_step=1)]
 
-    composer, reference, counts = _pair(device, groups)
+    composer, reference, counts = composers(device, groups)
     rng = np.random.default_rng(3)
     steps = []
     for spec in _walk(6, 16):
         n = spec.num_reqs
         slots = rng.permutation(64)[: n * 2].astype(np.int32).reshape(n, 2)  # (new slots every step; 2 columns)
         steps.append(((spec, spec.for_group(block_table=slots, block_size=4096)), None, None))
-    built = _check(composer, reference, counts, steps)
+    built = check_steps(composer, reference, counts, steps)
     assert composer.stats.replayed >= 10, composer.stats
     for (specs, _i, _a), step in zip(steps[-2:], built[-2:]):  # (the slots of the last two steps are not reused yet)
         m, cm = step["mamba"], step.commons[1]
@@ -390,7 +308,7 @@ def test_a_replayed_step_writes_every_group_s_common_fields_in_one_compiled_call
     monkeypatch.setattr(common_module.CommonWriter, "write_arrays", counted_group)
 
     for case in ("for_group", "read-only table", "counts of its own"):
-        composer, reference, counts = _pair(device, _hybrid_groups, profile=profile)
+        composer, reference, counts = composers(device, _hybrid_groups, profile=profile)
         steps = []
         for spec in _walk(6, 12):
             states = np.repeat((1 + np.arange(spec.num_reqs, dtype=np.int32))[:, None], spec.block_table.shape[1], 1)
@@ -400,7 +318,7 @@ def test_a_replayed_step_writes_every_group_s_common_fields_in_one_compiled_call
                                num_scheduled_tokens=spec.num_scheduled_tokens.copy(), block_table=states, block_size=16))
             steps.append(((spec, other), None, None))
         calls.update(passes=0, groups=0)
-        _check(composer, reference, counts, steps)
+        check_steps(composer, reference, counts, steps)
         replayed, built = composer.stats.replayed + counts.stats.replayed, 3 * len(steps)
         assert replayed >= 10, composer.stats
         if case == "read-only table":  # (a writable attention table beside a read-only state table: two types)
@@ -418,7 +336,7 @@ def test_two_groups_device_fields_hold_their_host_values_when_a_prefill_step_gro
     fixed arena) while the Mamba group's common fields come back from the slot's cache: every group's
     device fields hold the step's host values (before the staging fix, the Mamba group's query starts
     were the last decode step's)."""
-    composer, reference, counts = _pair(device, _hybrid_groups, profile=profile)
+    composer, reference, counts = composers(device, _hybrid_groups, profile=profile)
     walk, steps = _walk(6, 10), []
     for k, w in enumerate(walk):
         c, q, prompt = w.num_computed_tokens, w.num_scheduled_tokens, w.num_prompt_tokens
@@ -431,7 +349,7 @@ def test_two_groups_device_fields_hold_their_host_values_when_a_prefill_step_gro
         states = np.repeat((1 + np.arange(6, dtype=np.int32))[:, None], w.block_table.shape[1], 1)
         steps.append(((spec, spec.for_group(block_table=states, block_size=16)), None, None))
     for i, step in enumerate(steps):
-        (out,) = _check(composer, reference, counts, [step])
+        (out,) = check_steps(composer, reference, counts, [step])
         for g, cm in enumerate(out.commons):
             for dev, host in (("query_start_loc", "query_start_loc_cpu"), ("seq_lens", "seq_lens_cpu"),
                               ("block_table_tensor", "block_table_cpu")):
@@ -454,13 +372,13 @@ def _mamba_specs(specs: list[BatchSpec]) -> list[BatchSpec]:
                                                          block_size=4096, chunk_size=16)], ids=["eager", "graph"])
 def test_a_mamba2_group_replays_decode_steps_and_composes_prefills(device: torch.device, profile: Any) -> None:
     opts = mamba2.Mamba2Options(chunk_size=16)
-    composer, reference, counts = _pair(device, lambda: [Group({"mamba": (mamba2.MAMBA2, opts)}, prefix="mamba_common")],
+    composer, reference, counts = composers(device, lambda: [Group({"mamba": (mamba2.MAMBA2, opts)}, prefix="mamba_common")],
                                 profile=profile)
     rng = np.random.default_rng(4)
     walk = _mamba_specs(_walk(6, 14))
     mixed = _mamba_specs([mixed_spec(rng, prefills=2, decodes=3, max_prompt=40, max_context=200) for _ in range(3)])
     steps = [(s, None, None) for s in [*walk[:7], *mixed, *walk[7:]]]
-    _check(composer, reference, counts, steps)
+    check_steps(composer, reference, counts, steps)
     assert composer.stats.replayed >= 6, composer.stats
 
 
@@ -471,7 +389,7 @@ def test_a_mamba2_group_replays_spec_decode_steps(device: torch.device, profile:
     (inputs, not layout) and so do the splits when a row runs out of drafts; replays equal stage(). A
     state slot per draft position: three state columns a request."""
     opts = mamba2.Mamba2Options(chunk_size=16, num_speculative_tokens=2)
-    composer, reference, counts = _pair(device, lambda: [Group({"mamba": (mamba2.MAMBA2, opts)}, prefix="mamba_common")],
+    composer, reference, counts = composers(device, lambda: [Group({"mamba": (mamba2.MAMBA2, opts)}, prefix="mamba_common")],
                                 profile=profile)
     rng = np.random.default_rng(7)
     n, steps = 6, []
@@ -487,7 +405,7 @@ def test_a_mamba2_group_replays_spec_decode_steps(device: torch.device, profile:
         accepted = np.minimum(rng.integers(1, 4, n), drafts + 1).astype(np.int32)
         steps.append((spec, {"mamba": mamba2.Mamba2Inputs(num_accepted_tokens=accepted)}, None))
         computed = computed + accepted
-    _check(composer, reference, counts, steps)
+    check_steps(composer, reference, counts, steps)
     assert composer.stats.replayed >= 6, composer.stats
 
 
@@ -497,8 +415,8 @@ def test_a_group_without_builders_stages_the_whole_common_metadata(device: torch
     reads ``positions`` and ``slot_mapping`` from the common metadata: a group without builders stages
     them, as ``stage_common`` does by default, fresh and replayed alike; ``token_arrays=False`` leaves
     them out."""
-    composer, reference, counts = _pair(device, lambda: [Group({})], profile=profile)
-    built = _check(composer, reference, counts, [(s, None, None) for s in _walk(4, 8)])
+    composer, reference, counts = composers(device, lambda: [Group({})], profile=profile)
+    built = check_steps(composer, reference, counts, [(s, None, None) for s in _walk(4, 8)])
     assert composer.stats.replayed >= 4, composer.stats
     spec = _walk(4, 8)[-1]  # (graph mode: only the last step is live)
     assert built[-1].common.positions.shape == built[-1].common.slot_mapping.shape == (spec.num_tokens,)
@@ -574,7 +492,7 @@ def test_build_and_build_counts_find_each_other_s_layouts(device: torch.device, 
     the scan without its lengths, then the lengths): on one composer, steps alternating between the two entries replay
     the layouts the other entry recorded on their ring slots, with every step's lengths new (a serving
     loop's decode walk), and equal the reference."""
-    composer, reference, _counts = _pair(device, _hybrid_groups, profile=profile)
+    composer, reference, _counts = composers(device, _hybrid_groups, profile=profile)
     walk = _walk(6, 15)
     assert len({(s.max_seq_len, s.num_pages) for s in walk}) == len(walk)  # (no step's lengths repeat)
     slots = composer.stager.num_slots

@@ -41,14 +41,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Hashable
 from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 
 from attnmeta._checks import check_option_fields, option_rule
-from attnmeta._fields import MetadataBase, keyword_factory
-from attnmeta.builder import Builder, register
+from attnmeta._fields import MetadataBase, keyword_factory, template
+from attnmeta.builder import Builder, Replayer, register
 from attnmeta.host.mla import (
     MLAContextChunks,
     dcp_local_context_lens,
@@ -56,8 +57,8 @@ from attnmeta.host.mla import (
     plan_context_chunks,
     triton_num_kv_splits,
 )
-from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
-from attnmeta.spec import BatchSpec
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
+from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import CapacityError, Staged, Step
 
 __all__ = [
@@ -429,50 +430,41 @@ class MLABuilder(Builder[MLAOptions, None, None, MLAMetadata]):
             D, P, Dt, Pt = s.num_decodes, s.num_prefills, s.num_decode_tokens, s.num_prefill_tokens
         W, inter = opts.dcp_world_size, opts.dcp_interleave
         dcp = W > 1
-        max_seq_len = h.max_seq_len
         seq = h.seq_lens_cpu
         q_all = np.diff(qsl).astype(np.int32)
         p = opts.prefix + "."
         prof = step.profile
         R = prof.max_num_reqs if prof is not None else None
 
+        written: dict[str, np.ndarray] = {}  # every byte staged, writable (for a replayer)
+
         def put(name: str, arr: np.ndarray, cap: int | None, fill: int = 0, indptr: bool = False) -> np.ndarray:
             n = arr.shape[0]
             if cap is None:
-                host = step.alloc(p + name, n, arr.dtype)
+                host = written[name] = step.alloc(p + name, n, arr.dtype)
                 host[:] = arr
-                return host
+                return host[:]
             if n > cap:
                 raise CapacityError(f"{p}{name}: needs {n} entries but its graph-mode capacity is {cap} "
                                     f"(raise the StaticProfile capacities that size it)")
             if not indptr:
-                host = step.alloc(p + name, n, arr.dtype, capacity=cap, fill=fill)
+                host = written[name] = step.alloc(p + name, n, arr.dtype, capacity=cap, fill=fill)
                 host[:] = arr
-                return host
-            full = step.alloc(p + name, cap, arr.dtype, capacity=cap)
+                return host[:]
+            full = written[name] = step.alloc(p + name, cap, arr.dtype, capacity=cap)
             full[:n] = arr
             full[n:] = arr[-1] if n else 0  # indptr sentinel: the last value repeated
             return full[:n]
 
         # decode part
-        if dcp:
-            local = dcp_local_context_lens(seq[:D], W, inter)[:, opts.dcp_rank].copy() if D else np.zeros(0, np.int32)
-            dec_seq = put("decode_seq_lens", local, R)
-            if D > 0:
-                max_seq_len = -(-max_seq_len // (W * inter)) * inter
-        else:
-            dec_seq = seq[:D]
-        if opts.variant in ("flashmla", "flashattn_mla"):
-            dec_mq = int(q_all[:D].max()) if D else 0
-        else:
-            dec_mq = min(h.max_query_len, thr)
+        dec_seq = put("decode_seq_lens", _dcp_decode_lens(seq, D, opts), R) if dcp else seq[:D]
+        max_seq_len, dec_mq, kv_splits = _decode_scalars(h, opts, D, thr)
         row_req = flat_seq = None
         if not causal and opts.variant == "flashinfer_mla" and D > 0:
             rr = flattened_row_requests(qsl[: D + 1], Dt)
             row_req = put("decode_row_req", rr, None if prof is None else prof.max_num_tokens)
             flat_seq = put("decode_flattened_seq_lens", np.ascontiguousarray(dec_seq[rr]),
                            None if prof is None else prof.max_num_tokens)
-        kv_splits = triton_num_kv_splits(max_seq_len, opts.num_sms) if opts.variant == "triton_mla" else 0
 
         # prefill part
         pq = (qsl[D:] - qsl[D]).astype(np.int32)
@@ -551,7 +543,35 @@ class MLABuilder(Builder[MLAOptions, None, None, MLAMetadata]):
                 num_chunks=n_chunks,
             )
 
-        return Staged(step, None, make)
+        return _Staged(step, make, written)
+
+    def replay_key(self, shape: StepShape, options: MLAOptions, inputs: None) -> Hashable | None:
+        """Steps whose every row is a decode row, whose prefill and context-chunk fields are empty; with
+        DCP too (the rank's decode lengths, rewritten). The scalars tell: the longest query within the
+        threshold, and for the variants that need uniform decodes (FlashMLA, Triton-MLA) a threshold of
+        1 or one-token queries (a longer one may sit beside shorter ones, which the split makes
+        prefills). Else None: composed (a step with prefill rows stages fields sized by its context
+        chunks). A non-causal group's steps are composed too (:meth:`replayer` says so)."""
+        thr = mla_decode_threshold(options)
+        q = shape.max_query_len
+        if q <= thr and (options.variant not in _UNIFORM or thr <= 1 or q == shape.first_query_len == 1):
+            return "decode"
+        return None
+
+    def reads_lengths(self, options: MLAOptions) -> bool:
+        """False: neither :meth:`needs` nor :meth:`replay_key` reads the step's lengths."""
+        return False
+
+    def replayer(self, staged: Staged[None, MLAMetadata], common: StagedCommon, step: Step, options: MLAOptions,
+                 inputs: None) -> _Replayer | None:
+        """Replays of a decode-only step: the empty prefill and chunk fields rewritten, the DCP decode
+        lengths recomputed; None for a step with prefill rows, or of a non-causal group (whose rows
+        each step must check are uniform, and whose FlashInfer-MLA steps stage per-token rows)."""
+        assert isinstance(staged, _Staged)
+        m = staged.result()
+        if m.num_prefills or not m.causal:
+            return None
+        return _Replayer(m, options, staged.written)
 
     def unsupported_reasons(self, spec: BatchSpec, options: MLAOptions, inputs: None) -> list[str]:
         """A context-parallel spec of another world size; a workspace below the split alignment;
@@ -571,6 +591,92 @@ class MLABuilder(Builder[MLAOptions, None, None, MLAMetadata]):
                 reasons.append("non-causal decode: the active rows must all have the first row's query length "
                                "and be followed only by empty rows")
         return reasons
+
+
+def _dcp_decode_lens(seq: np.ndarray, D: int, opts: MLAOptions) -> np.ndarray:
+    """The rank's local context lengths of the ``D`` decode rows under DCP ((D,) int32, host)."""
+    if not D:
+        return np.zeros(0, np.int32)
+    return dcp_local_context_lens(seq[:D], opts.dcp_world_size, opts.dcp_interleave)[:, opts.dcp_rank].copy()
+
+
+def _decode_scalars(h: CommonHost, opts: MLAOptions, D: int, thr: int) -> tuple[int, int, int]:
+    """A step's ``(max_seq_len, decode_max_query_len, num_kv_splits)`` with ``D`` decode rows and the
+    split's threshold ``thr`` (a staged and a replayed step alike)."""
+    max_seq_len = h.max_seq_len
+    if opts.dcp_world_size > 1 and D > 0:
+        inter = opts.dcp_interleave
+        max_seq_len = -(-max_seq_len // (opts.dcp_world_size * inter)) * inter
+    if opts.variant in ("flashmla", "flashattn_mla"):
+        dec_mq = int(np.diff(h.query_start_loc_cpu[: D + 1]).max()) if D else 0
+    else:
+        dec_mq = min(h.max_query_len, thr)
+    kv_splits = triton_num_kv_splits(max_seq_len, opts.num_sms) if opts.variant == "triton_mla" else 0
+    return max_seq_len, dec_mq, kv_splits
+
+
+class _Staged(Staged[None, MLAMetadata]):
+    """A staged MLA step: the writable host views of every byte it staged (for a replayer), by field."""
+
+    __slots__ = ("written",)
+
+    def __init__(self, step: Step, make: Callable[[], MLAMetadata], written: dict[str, np.ndarray]) -> None:
+        super().__init__(step, None, make)
+        self.written = written
+
+
+_PER_STEP = ("common", "query_start_loc", "seq_lens", "block_table", "slot_mapping", "decode_query_start_loc",
+             "decode_seq_lens", "decode_dcp_tot_seq_lens", "query_start_loc_cpu", "decode_seq_lens_cpu", "num_reqs",
+             "num_actual_tokens", "max_query_len", "max_seq_len", "num_decodes", "num_decode_tokens",
+             "num_prefill_tokens", "decode_max_query_len", "num_kv_splits")
+"""The fields of a decode-only step that change from replay to replay of one layout (the rest are the
+layout's: its counts, and views of the empty prefill and chunk fields at the slot's fixed places)."""
+
+
+class _Replayer(Replayer[None, MLAMetadata]):
+    """Replays of a decode-only MLA layout (every row a decode row, :meth:`MLABuilder.replay_key`).
+
+    Such a step's prefill and context-chunk fields hold no rows: the prefill query indptr is ``[0]``
+    (in graph mode its whole buffer, the sentinel repeating it) and the rest are empty, so
+    :meth:`rewrite` writes zeros into every byte of them (the slot may hold another layout's bytes
+    there), and under DCP the rank's decode lengths (:func:`_dcp_decode_lens`). :meth:`result` makes
+    the recorded step's metadata with this step's :data:`_PER_STEP` values (:func:`_decode_scalars`).
+    """
+
+    __slots__ = ("dcp", "make", "options", "thr", "uniform", "zeros")
+
+    def __init__(self, recorded: MLAMetadata, options: MLAOptions, written: dict[str, np.ndarray]) -> None:
+        self.options, self.thr, self.uniform = options, recorded.decode_threshold, options.variant in _UNIFORM
+        self.dcp = written.get("decode_seq_lens")
+        self.zeros = [v for k, v in written.items() if k != "decode_seq_lens"]
+        self.make = template(recorded, _PER_STEP)
+
+    def rewrite(self, step: Step, host: CommonHost, inputs: None) -> None:
+        for v in self.zeros:
+            v.fill(0)
+        if self.dcp is not None:
+            self.dcp[:] = _dcp_decode_lens(host.seq_lens_cpu, self._decodes(host)[0], self.options)
+
+    def _decodes(self, host: CommonHost) -> tuple[int, int, int]:
+        """The step's decode rows, decode tokens and prefill tokens (token padding): the split
+        :meth:`MLABuilder.derive` makes (every row a decode row, as the layout's key promises)."""
+        s = host.split(self.thr, self.uniform)
+        assert not s.num_prefills, "a decode-only MLA layout replayed for a step with prefill rows"
+        return s.num_decodes, s.num_decode_tokens, s.num_prefill_tokens
+
+    def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
+               inputs: None) -> MLAMetadata:
+        D, Dt, Pt = self._decodes(host)
+        max_seq_len, dec_mq, kv_splits = _decode_scalars(host, self.options, D, self.thr)
+        qsl, seq = common.query_start_loc, common.seq_lens
+        if self.dcp is None:
+            dec, tot, dec_cpu = seq[:D], None, host.seq_lens_cpu[:D]
+        else:
+            dec, tot, dec_cpu = step.device(self.options.prefix + ".decode_seq_lens"), seq[:D], self.dcp[:]
+            dec_cpu.flags.writeable = False
+        return self.make(common, qsl, seq, common.block_table_tensor, common.slot_mapping, qsl[: D + 1], dec, tot,
+                         common.query_start_loc_cpu, dec_cpu, host.num_reqs, host.num_actual_tokens, host.max_query_len,
+                         max_seq_len, D, Dt, Pt, dec_mq, kv_splits)
 
 
 def _check_non_causal(qsl: np.ndarray) -> None:
