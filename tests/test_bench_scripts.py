@@ -39,6 +39,20 @@ def test_bench_spec_prints_every_batch_size() -> None:
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
 
 
+def test_bench_replay_prints_every_replaying_builder_at_every_batch_size() -> None:
+    """Every builder with a replayer gets a row per batch; its replaying composer replayed (a builder whose
+    replays stopped, a replay_key gone None, shows as 0%)."""
+    bench = load_benchmark("bench_replay.py", "bench_replay_names")
+    names = bench.replaying_builders()
+    out = run_script("bench_replay.py", "--rounds", "1", "--steps", "6", "--batches", "1,8")
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0] in names]
+    assert {"flash_attn", "flashinfer", "mamba1", "mamba2", "mla"} <= set(names)
+    assert [(r[0], int(r[1])) for r in rows] == [(n, b) for n in names for b in (1, 8)]
+    for r in rows:  # composed us, replayed us, saving, replays
+        assert float(r[2]) > 0 and float(r[3]) > 0 and r[4].endswith("x"), r
+        assert r[5] == "100%", r
+
+
 def test_bench_cold_start_prints_every_first_build_cold_and_warmed() -> None:
     """``--quick``: flash_attn's first builds on an empty cache, then on the cache that run filled (no
     warmup: ``python -m attnmeta warmup`` is tested in test_cli.py and test_deployment.py)."""

@@ -607,8 +607,11 @@ def _decode_scalars(h: CommonHost, opts: MLAOptions, D: int, thr: int) -> tuple[
     if opts.dcp_world_size > 1 and D > 0:
         inter = opts.dcp_interleave
         max_seq_len = -(-max_seq_len // (opts.dcp_world_size * inter)) * inter
-    if opts.variant in ("flashmla", "flashattn_mla"):
-        dec_mq = int(np.diff(h.query_start_loc_cpu[: D + 1]).max()) if D else 0
+    if opts.variant in ("flashmla", "flashattn_mla"):  # the decode rows' longest query
+        if h.num_reqs == D:  # (every row decodes: the batch's, padding rows being empty)
+            dec_mq = h.max_query_len
+        else:
+            dec_mq = int(np.diff(h.query_start_loc_cpu[: D + 1]).max()) if D else 0
     else:
         dec_mq = min(h.max_query_len, thr)
     kv_splits = triton_num_kv_splits(max_seq_len, opts.num_sms) if opts.variant == "triton_mla" else 0

@@ -1,0 +1,125 @@
+"""What replay saves, builder by builder: a step composer's decode step, replayed against composed.
+
+A step composer (:class:`attnmeta.compose.StepBuilder`) replays a steady-state step: the builder's
+:class:`~attnmeta.builder.Replayer` rewrites its fields in the layout its ring slot recorded, instead
+of running the builder's ``derive``. For every registered builder that replays (or those ``--builders``
+names), each batch size of ``--batches`` gets a decode walk (contexts uniform in [1, 2048), block size
+16, a 2048-column table: :func:`attnmeta.testing.workloads.decode_spec` and ``advance``) and two
+composers of one group of that builder with the lab's default options and inputs: one as registered,
+one whose ``replay_key`` is None, so that every step is composed through ``derive`` (the path a builder
+without a replayer takes). Each step goes through the engine's entry, ``build_counts`` of the walk's
+arrays. After a warm-up, ``--rounds`` rounds alternate the two (A B A B ...: drift lands on both), each
+timing ``--steps`` steps; the table gives each side's median over the rounds of each round's median
+step, in microseconds, and composed / replayed (``saving``: how many times faster a replayed step is).
+Garbage collection is off while timing. The steps are back to back, caches warm: an engine's loop runs
+them colder (docs/benchmarks.md), which this script does not model.
+
+Run: ``python benchmarks/bench_replay.py [--device cpu|cuda] [--builders mla,gdn] [--batches 1,64,256]
+[--rounds 6] [--steps 200]`` (set ``OMP_NUM_THREADS=1`` on a small CPU machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _args import device_arg  # benchmarks/_args.py
+
+import attnmeta
+from attnmeta import BatchSpec, Stager
+from attnmeta.builder import AnyBuilder, Builder
+from attnmeta.compose import Group, StepBuilder
+from attnmeta.testing.lab import lab
+from attnmeta.testing.workloads import advance, decode_spec
+
+
+def replaying_builders() -> list[str]:
+    """The registered builders that implement :meth:`~attnmeta.builder.Builder.replayer`, sorted."""
+    return sorted(n for n, b in attnmeta.registry().items() if type(b).replayer is not Builder.replayer)
+
+
+def without_replay(builder: AnyBuilder) -> AnyBuilder:
+    """A builder of ``builder``'s class whose :meth:`~attnmeta.builder.Builder.replay_key` is None: every
+    step it is in is composed through ``derive``."""
+    cls = type(builder)
+    sub = type(f"Composed{cls.__name__}", (cls,), {"replay_key": lambda self, shape, options, inputs: None})
+    composed: AnyBuilder = sub()
+    return composed
+
+
+def _counts(spec: BatchSpec) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``build_counts``'s arguments for ``spec``: its arrays as a scheduler holds them."""
+    return ((spec.num_computed_tokens, spec.num_scheduled_tokens, [(spec.block_table, spec.block_size)]),
+            {"num_prompt_tokens": spec.num_prompt_tokens, "num_draft_tokens": spec.num_draft_tokens})
+
+
+def measure(name: str, batch: int, device: str, rounds: int, steps: int) -> tuple[float, float, int]:
+    """(composed us, replayed us, replays in the replaying composer's timed steps) for ``name`` at ``batch``."""
+    b = attnmeta.get_builder(name)
+    walk = advance(decode_spec(batch, np.random.default_rng(batch)), steps)
+    options, inputs = lab(name).defaults(walk[0])
+    inp = None if inputs is None else {name: inputs}
+    calls = [_counts(s) for s in walk]
+    sides = {"composed": StepBuilder(Stager(device), Group({name: (without_replay(b), options)})),
+             "replayed": StepBuilder(Stager(device), Group({name: (b, options)}))}
+
+    def run(composer: StepBuilder) -> float:
+        ts = np.empty(steps)
+        for i, (args, kw) in enumerate(calls):
+            t0 = time.perf_counter_ns()
+            composer.build_counts(*args, **kw, inputs=inp)
+            ts[i] = time.perf_counter_ns() - t0
+        return float(np.median(ts)) / 1e3
+
+    for c in sides.values():  # warm-up: compiled code, every slot's layouts recorded
+        run(c)
+    before = sides["replayed"].stats.replayed
+    meds: dict[str, list[float]] = {k: [] for k in sides}
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            for k, c in sides.items():
+                meds[k].append(run(c))
+    finally:
+        gc.enable()
+    replays = sides["replayed"].stats.replayed - before
+    return statistics.median(meds["composed"]), statistics.median(meds["replayed"]), replays
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", type=device_arg, default="cpu")
+    ap.add_argument("--builders", default="", help="comma-separated registry names (default: every builder that replays)")
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=200)
+    a = ap.parse_args()
+    names = [n for n in a.builders.split(",") if n] or replaying_builders()
+    unknown = sorted(set(names) - set(attnmeta.registry()))
+    if unknown:
+        ap.error(f"--builders: not registered: {', '.join(unknown)} (registered: {', '.join(sorted(attnmeta.registry()))})")
+    batches = [int(x) for x in a.batches.split(",")]
+    print(f"# {platform.node()} {platform.processor() or platform.machine()}, {a.device}, {a.rounds} rounds x "
+          f"{a.steps} decode steps, build_counts")
+    print(f"{'builder':>14} {'batch':>6} {'composed us':>12} {'replayed us':>12} {'saving':>7} {'replays':>8}")
+    for name in names:
+        for batch in batches:
+            comp, rep, replays = measure(name, batch, a.device, a.rounds, a.steps)
+            print(f"{name:>14} {batch:>6} {comp:>12.1f} {rep:>12.1f} {comp / rep:>6.2f}x "
+                  f"{replays / (a.rounds * a.steps):>7.0%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
