@@ -87,12 +87,13 @@ def _rule_histc(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]
 def _rule_isin(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Found | None:
     # isin.Tensor_Tensor / .Scalar_Tensor (elements, test_elements, *, assume_unique=False, invert=False).
     # torch's heuristic (numpy's): with test_elements.numel() >= int(10 * elements.numel() ** 0.145) it
-    # sorts, and unless assume_unique it first calls _unique on both inputs, whose output size is read
-    # from the device. (Tensor_Scalar redispatches to eq/ne.)
+    # takes its sorting path, which synchronises with or without assume_unique (CUDA's debug mode says so:
+    # tests/gpu/test_sync_rules_cuda.py); without it, it first calls _unique on both inputs, whose output
+    # size is read from the device. (Tensor_Scalar redispatches to eq/ne.)
     elements = args[0] if args else kwargs["elements"]
     test = args[1] if len(args) > 1 else kwargs["test_elements"]
     n = elements.numel() if isinstance(elements, torch.Tensor) else 1
-    if kwargs.get("assume_unique", False) or n == 0 or not any_device(audit, (elements, test), {}):
+    if n == 0 or not any_device(audit, (elements, test), {}):
         return None
     return ("sync", R_ISIN) if test.numel() >= int(10.0 * float(n) ** 0.145) else None
 

@@ -86,8 +86,9 @@ R_HISTC: Final = (
 )
 R_ISIN: Final = (
     "isin with test_elements.numel() >= int(10 * elements.numel() ** 0.145) takes torch's sorting path, "
-    "which calls unique on both inputs (its output size is read from the device) unless "
-    "assume_unique=True; pass assume_unique=True for inputs without repeats, or compare on the host"
+    "which synchronises (with or without assume_unique; without it, it also calls unique, whose output "
+    "size is read from the device); compare by broadcasting, (elements[..., None] == test_elements).any(-1), "
+    "or on the host"
 )
 R_BOOL_MASK: Final = (
     "boolean-mask indexing with a device mask calls nonzero (the output shape depends on device "

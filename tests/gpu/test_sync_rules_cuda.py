@@ -54,8 +54,8 @@ def test_isin_is_flagged_exactly_where_cuda_synchronises(n: int) -> None:
                 continue
             cuda = _syncs_on_cuda(n, m, assume_unique)
             assert _flagged_on_meta(n, m, assume_unique) == cuda, (n, m, assume_unique, cuda)
-            if m == 4 * threshold and not assume_unique:
-                assert cuda, "the case the rule exists for: torch's sorting path calls unique"
+            if m == 4 * threshold:
+                assert cuda, "the case the rule exists for: torch's sorting path synchronises"
 
 
 @pytest.mark.filterwarnings("ignore:torch.cholesky is deprecated:UserWarning")
