@@ -8,6 +8,12 @@ host context lengths) and staged in the step's one copy; vLLM's host-mask gather
 ``repeat_interleave`` / ``argsort`` / ``cumsum`` and tail ``fill_`` calls become host writes into
 staging.
 
+A step composer (:class:`attnmeta.compose.StepBuilder`) replays the steps of a decode loop
+(:meth:`GDNBuilder.replay_key`: no row longer than one token or still in its prompt): their own fields
+are rewritten by the derive's helpers, their metadata is the recorded step's with the step's common
+metadata and token count. Steps with prefill rows, and spec-decode steps with drafts (whose spec rows
+the shape does not tell), are staged the ordinary way.
+
 Shape legend
 ------------
 - ``num_reqs`` (``B``): request rows, CUDA-graph padding rows included.
@@ -20,6 +26,7 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Hashable
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -27,7 +34,7 @@ import numpy.typing as npt
 import torch
 
 from attnmeta._checks import as_host_array, check_option_fields, option_rule
-from attnmeta._fields import MetadataBase, keyword_factory
+from attnmeta._fields import MetadataBase, keyword_factory, template
 from attnmeta.backends.mamba._fill import conv1d_capacity
 from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
@@ -42,12 +49,12 @@ from attnmeta.backends.mamba._shared import (
     runner_draft_counts,
     state_indices_error,
 )
-from attnmeta.builder import Builder, CommonNeeds, register
+from attnmeta.builder import Builder, CommonNeeds, Replayer, register
 from attnmeta.host.conv1d import causal_conv1d_metadata
 from attnmeta.host.gdn import FLA_CHUNK_SIZE, fla_chunk_metadata, token_partition_nb
 from attnmeta.host.mamba import state_indices_nb
 from attnmeta.host.split import split_decodes_and_prefills
-from attnmeta.metadata import CommonAttentionMetadata, CommonHost, StagedCommon
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
 from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import Staged, Step
 
@@ -295,21 +302,95 @@ def _accepted(values: Any, h: CommonHost, k: int) -> np.ndarray:
     return out
 
 
+def _mamba_block_size(h: CommonHost, o: GDNOptions) -> int:
+    """The step's mamba block size, checked against its block size in ``"align"`` mode."""
+    bs_m = h.block_size if o.mamba_block_size is None else o.mamba_block_size
+    if o.cache_mode == "align" and bs_m < h.block_size:
+        check_align_block_size("GDNOptions", bs_m, h.block_size)  # raises
+    return bs_m
+
+
+def _state_indices(h: CommonHost, o: GDNOptions, bs_m: int, out: np.ndarray) -> None:
+    """The state slots of every row into ``out`` (``(B, 1 + k)`` int32, or ``(B, 1)``: column 0 only):
+    the block-table columns ``start_i .. start_i + k``; raises for columns past the staged table."""
+    if state_indices_nb(h.block_table_cpu, h.seq_lens_cpu, bs_m, o.cache_mode == "align", out) >= 0:
+        raise state_indices_error(h, slice(0, h.num_reqs), bs_m, o.cache_mode, o.num_speculative_tokens + 1)
+
+
+def _spec_mask(h: CommonHost, k: int, acc: np.ndarray | None) -> np.ndarray | None:
+    """The spec rows (the runner's ``num_decode_draft_tokens_cpu >= 0``; (B,) bool), or None when spec
+    decode is off or no row is one; checked: a spec row has at most ``k`` drafts and (``acc``, the step's
+    accepted counts) accepts ``1 .. 1 + k`` tokens."""
+    drafts = runner_draft_counts(h, k)
+    if not k or drafts is None:
+        return None
+    mask = drafts >= 0
+    if not mask.any():
+        return None
+    # (each check first over every row, one reduction: a row is looked for only when one may be wrong)
+    if int(drafts.max()) > k:
+        bad = np.flatnonzero(mask & (drafts > k))
+        if bad.size:
+            r = int(bad[0])
+            raise ValueError(f"num_decode_draft_tokens[{r}]={int(drafts[r])} > num_speculative_tokens={k} "
+                             f"(row {r}): a spec row has at most k drafts")
+    if acc is not None and (int(acc.min()) < 1 or int(acc.max()) > k + 1):
+        bad = np.flatnonzero(mask & ((acc < 1) | (acc > k + 1)))
+        if bad.size:
+            r = int(bad[0])
+            raise ValueError(f"num_accepted_tokens[{r}]={int(acc[r])} is outside [1, {k + 1}] (row {r}, "
+                             f"a spec-decode row)")
+    return mask
+
+
+def _all_spec_staged(o: GDNOptions, S: int, St: int) -> bool:
+    """Whether an all-spec step of ``S`` rows and ``St`` tokens is staged to every row (FULL CUDA graphs:
+    vLLM's ``_stage_spec_decode``)."""
+    mbs = o.cudagraph_max_bs
+    return mbs is not None and mbs >= S and St <= mbs
+
+
+def _write_all_spec(h: CommonHost, bt: np.ndarray, mask: np.ndarray, acc: np.ndarray | None, S: int, staged: bool,
+                    sm: np.ndarray, si: np.ndarray, sq: np.ndarray, na: np.ndarray, sti: np.ndarray) -> None:
+    """An all-spec step's fields into their views (every byte; rows past ``S`` of a staged step hold
+    vLLM's fills): the spec masks (staged: False past ``S``), the first ``S`` rows' state indices
+    (vLLM relies on the spec rows coming first), query starts and accepted counts (default: the rows'
+    ``q``), and the spec token indices ``arange``."""
+    qsl = h.query_start_loc_cpu
+    sm[...] = mask
+    if staged:
+        sm[S:] = False  # vLLM's _stage_spec_decode
+    si[:S] = bt[:S]
+    si[S:] = 0
+    sq[: S + 1] = qsl[: S + 1]
+    sq[S + 1 :] = qsl[S]
+    na[:S] = np.diff(qsl[: S + 1]) if acc is None else acc[:S]
+    na[S:] = 1
+    sti[...] = np.arange(sti.shape[0], dtype=np.int32)
+
+
 class _Stage:
     """The host fields of one step, staged one by one (graph mode: at the profile's capacities)."""
 
     def __init__(self, step: Step, prefix: str) -> None:
         self.step, self.prefix = step, prefix
         self.host: dict[str, np.ndarray] = {}
+        self.views: dict[str, np.ndarray] = {}
         self.names: dict[str, str] = {}
 
-    def put(self, field: str, values: np.ndarray, cap: int | None, fill: Any = 0, key: str | None = None) -> None:
+    def alloc(self, field: str, shape: int | tuple[int, ...], dtype: Any, cap: int | None, fill: Any = 0,
+              key: str | None = None) -> np.ndarray:
+        """Reserve ``field`` and return its writable host view (the metadata gets a read-only one)."""
         name = f"{self.prefix}.{key or field}"
-        view = self.step.alloc(name, values.shape, values.dtype, capacity=cap, fill=fill)
-        view[...] = values
-        view.flags.writeable = False
-        self.host[field] = view
-        self.names[field] = name
+        view = self.step.alloc(name, shape, dtype, capacity=cap, fill=fill)
+        ro = view.view()
+        ro.flags.writeable = False
+        self.views[field], self.host[field], self.names[field] = view, ro, name
+        return view
+
+    def put(self, field: str, values: np.ndarray, cap: int | None, fill: Any = 0, key: str | None = None) -> None:
+        """Stage ``field`` holding ``values``."""
+        self.alloc(field, values.shape, values.dtype, cap, fill, key)[...] = values
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -390,38 +471,15 @@ class GDNBuilder(AlignReadsLengths, Builder[GDNOptions, GDNInputs, None, GDNMeta
         (1, 1, [[1, 2, 0]], [2])
         """
         o = options
-        num_accepted_tokens = inputs.num_accepted_tokens
         h = common.host
         B, T, k = h.num_reqs, h.num_actual_tokens, o.num_speculative_tokens
-        bs_m = h.block_size if o.mamba_block_size is None else o.mamba_block_size
-        align = o.cache_mode == "align"
-        if align and bs_m < h.block_size:
-            check_align_block_size("GDNOptions", bs_m, h.block_size)  # raises
-        acc = None if num_accepted_tokens is None else _accepted(num_accepted_tokens, h, k)
+        bs_m = _mamba_block_size(h, o)
+        acc = None if inputs.num_accepted_tokens is None else _accepted(inputs.num_accepted_tokens, h, k)
         qsl = h.query_start_loc_cpu
         q = np.diff(qsl).astype(np.int32)
         bt = np.empty((B, k + 1), np.int32)
-        if state_indices_nb(h.block_table_cpu, h.seq_lens_cpu, bs_m, align, bt) >= 0:
-            raise state_indices_error(h, slice(0, B), bs_m, o.cache_mode, k + 1)
-        drafts = runner_draft_counts(h, k)
-        mask = None
-        if k and drafts is not None:
-            mask = drafts >= 0
-            S = int(np.count_nonzero(mask))
-            if S == 0:
-                mask = None
-            else:
-                bad = np.flatnonzero(mask & (drafts > k))
-                if bad.size:
-                    r = int(bad[0])
-                    raise ValueError(f"num_decode_draft_tokens[{r}]={int(drafts[r])} > num_speculative_tokens={k} "
-                                     f"(row {r}): a spec row has at most k drafts")
-                if acc is not None:
-                    bad = np.flatnonzero(mask & ((acc < 1) | (acc > k + 1)))
-                    if bad.size:
-                        r = int(bad[0])
-                        raise ValueError(f"num_accepted_tokens[{r}]={int(acc[r])} is outside [1, {k + 1}] (row {r}, "
-                                         f"a spec-decode row)")
+        _state_indices(h, o, bs_m, bt)
+        mask = _spec_mask(h, k, acc)
         prof = step.profile
         R = None if prof is None else prof.max_num_reqs
         Tm = None if prof is None else prof.max_num_tokens
@@ -431,7 +489,7 @@ class GDNBuilder(AlignReadsLengths, Builder[GDNOptions, GDNInputs, None, GDNMeta
         use_cm_qsl = False
         uniform = None
         S = St = 0
-        all_spec = False
+        form: Hashable | None = None  # (the replay key of the step's layout, where it has one)
         if mask is None:
             no_prior = (q > 0) & (h.seq_lens_cpu_upper_bound <= q) & h.is_prefilling
             D, P, Dt, Pt = split_decodes_and_prefills(qsl, num_tokens=T, max_query_len=h.max_query_len,
@@ -441,6 +499,8 @@ class GDNBuilder(AlignReadsLengths, Builder[GDNOptions, GDNInputs, None, GDNMeta
                 Pt = int(qsl[D + P]) - Dt
             use_cm_qsl = True
             st.put("non_spec_state_indices_tensor", np.ascontiguousarray(bt[:, 0]), R, NULL_BLOCK_ID)
+            if P == 0:  # (every row a decode: D == B, Dt == T)
+                form = _DECODE
             ns_qsl = qsl
             if P > 0:
                 hi = c > 0
@@ -462,29 +522,19 @@ class GDNBuilder(AlignReadsLengths, Builder[GDNOptions, GDNInputs, None, GDNMeta
             St = int(q.sum()) - Pt - Dt
             if D > 0:
                 P, Pt, D, Dt = P + D, Pt + Dt, 0, 0
-            given = q if acc is None else acc
-            all_spec = P == 0 and D == 0
-            if all_spec:
-                mbs = o.cudagraph_max_bs
-                staged = mbs is not None and mbs >= S and St <= mbs
-                sm = mask.copy()
-                if staged:
-                    sm[S:] = False  # vLLM's _stage_spec_decode (it relies on the spec rows coming first)
-                st.put("spec_sequence_masks", sm, R, False)
+            if P == 0 and D == 0:
+                staged = _all_spec_staged(o, S, St)
                 rows = B if staged else S
-                si = np.zeros((rows, k + 1), np.int32)
-                si[:S] = bt[:S]
-                sq = np.full(rows + 1, qsl[S], np.int32)
-                sq[: S + 1] = qsl[: S + 1]
-                na = np.ones(rows, np.int32)
-                na[:S] = given[:S]
-                st.put("spec_state_indices_tensor", si, R, NULL_BLOCK_ID)
-                st.put("spec_query_start_loc", sq, R1)
-                st.put("num_accepted_tokens", na, R, 1)
-                st.put("spec_token_indx", np.arange(min(S * (k + 1), int(qsl[-1])), dtype=np.int32), Tm,
-                       key="spec_token_indx.i32")
-                st.put("non_spec_token_indx", np.zeros(0, np.int32), Tm, key="non_spec_token_indx.i32")
+                sm = st.alloc("spec_sequence_masks", B, np.bool_, R, False)
+                si = st.alloc("spec_state_indices_tensor", (rows, k + 1), np.int32, R, NULL_BLOCK_ID)
+                sq = st.alloc("spec_query_start_loc", rows + 1, np.int32, R1)
+                na = st.alloc("num_accepted_tokens", rows, np.int32, R, 1)
+                sti = st.alloc("spec_token_indx", min(S * (k + 1), int(qsl[-1])), np.int32, Tm, key="spec_token_indx.i32")
+                st.alloc("non_spec_token_indx", 0, np.int32, Tm, key="non_spec_token_indx.i32")
+                _write_all_spec(h, bt, mask, acc, S, staged, sm, si, sq, na, sti)
+                form = (_SPEC, S, staged)
             else:
+                given = q if acc is None else acc
                 st.put("spec_sequence_masks", mask, R, False)
                 st.put("spec_state_indices_tensor", np.ascontiguousarray(bt[mask]), R, NULL_BLOCK_ID)
                 st.put("non_spec_state_indices_tensor", np.ascontiguousarray(bt[ns, 0]), R, NULL_BLOCK_ID)
@@ -560,7 +610,7 @@ class GDNBuilder(AlignReadsLengths, Builder[GDNOptions, GDNInputs, None, GDNMeta
                 conv1d_nums_cpu=nums, conv1d_mlist_cpu=mlist, conv1d_offsetlist_cpu=offl, nums_dict=nd, **fields,
             )
 
-        return Staged(step, None, make)
+        return _Staged(step, make, st.views, form)
 
     def unsupported_reasons(self, spec: BatchSpec, options: GDNOptions, inputs: GDNInputs) -> list[str]:
         """Context parallelism (vLLM's GDN has none), ``num_accepted_tokens`` without spec decode or of
@@ -581,6 +631,114 @@ class GDNBuilder(AlignReadsLengths, Builder[GDNOptions, GDNInputs, None, GDNMeta
         if drafts is not None:
             reasons.append(drafts)
         return reasons
+
+    def replay_key(self, shape: StepShape, options: GDNOptions, inputs: GDNInputs) -> Hashable | None:
+        """The layout of a step no row of which is longer than one token or still in its prompt (a decode
+        loop's): without spec rows (spec decode off, or no token), column 0 of the state indices
+        (:data:`_DECODE`); with spec decode on, every one-token row is a spec row with zero drafts, so an
+        all-spec step of ``S = num_tokens`` rows, staged to every row or not (``(_SPEC, S, staged)``).
+        Else None (composed): which rows are spec rows or prefills, and so the fields' rows, depend on
+        the per-row counts (a row of ``1 + d`` tokens is a spec row only when ``d`` are its drafts)."""
+        if shape.max_query_len > 1 or shape.any_prefilling:
+            return None
+        S = shape.num_tokens if options.num_speculative_tokens else 0
+        return (_SPEC, S, _all_spec_staged(options, S, S)) if S else _DECODE
+
+    def replayer(self, staged: Staged[None, GDNMetadata], common: StagedCommon, step: Step, options: GDNOptions,
+                 inputs: GDNInputs) -> _Replayer | None:
+        """Replays rewrite the recorded step's own fields with the derive's helpers; None (never replayed:
+        every step of the key composed) where the step staged another layout than its key names, which
+        the tests hold never happens."""
+        assert isinstance(staged, _Staged)
+        spec = common.spec
+        if staged.form is None or (spec is not None and staged.form != self.replay_key(spec.shape, options, inputs)):
+            return None
+        return _Replayer(staged.result(), options, staged.form, staged.views)
+
+
+_DECODE = ("decode",)
+"""The replay key of a step without spec rows whose rows all decode: its one own field is column 0 of
+the state indices; the split is ``(B, 0, T, 0)``."""
+_SPEC = "all_spec"
+"""The tag of the replay key of an all-spec step of one-token rows: ``(_SPEC, S, staged)``."""
+
+_DECODE_PER_STEP = ("common", "num_decode_tokens", "num_actual_tokens", "non_spec_query_start_loc",
+                    "non_spec_query_start_loc_cpu")
+"""The fields of a :data:`_DECODE` layout's metadata that change from step to step (the common metadata's,
+and its token count, which is every row's: ``num_decode_tokens == num_actual_tokens``)."""
+_SPEC_PER_STEP = ("common", "num_actual_tokens")
+"""The fields of an all-spec layout's metadata that change from step to step (the rest are views of the
+own fields, rewritten, and counts its key fixes)."""
+
+
+class _Staged(Staged[None, GDNMetadata]):
+    """A staged GDN step: the writable host views of its own fields and its layout's replay key (None:
+    not replayed)."""
+
+    __slots__ = ("form", "views")
+
+    def __init__(self, step: Step, make: Callable[[], GDNMetadata], views: dict[str, np.ndarray],
+                 form: Hashable | None) -> None:
+        super().__init__(step, None, make)
+        self.views, self.form = views, form
+
+
+class _Replayer(Replayer[GDNInputs, GDNMetadata]):
+    """Replays of a GDN layout (:meth:`GDNBuilder.replay_key`): the derive's helpers rewrite the own
+    fields (state indices, spec masks, query starts, accepted counts, token indices), then the recorded
+    step's metadata with this step's common metadata and token count."""
+
+    __slots__ = ("bt", "direct", "fields", "make", "options", "spec")
+
+    def __init__(self, recorded: GDNMetadata, options: GDNOptions, form: Hashable, views: dict[str, np.ndarray]
+                 ) -> None:
+        self.options = options
+        k = options.num_speculative_tokens
+        self.bt = np.empty((recorded.num_reqs, k + 1), np.int32)  # (the state indices of every row)
+        self.spec: tuple[int, bool] | None = None
+        self.direct: np.ndarray | None = None
+        if form == _DECODE:
+            assert recorded.num_decode_tokens == recorded.num_actual_tokens and not recorded.num_prefills
+            nssi = views["non_spec_state_indices_tensor"]
+            self.fields: tuple[np.ndarray, ...] = (nssi,)
+            if not k:  # (one state column: written in place)
+                self.direct = nssi.reshape(-1, 1)
+            self.make = template(recorded, _DECODE_PER_STEP)
+        else:
+            assert isinstance(form, tuple) and recorded.num_spec_decodes == form[1]
+            self.spec = (form[1], form[2])
+            self.fields = tuple(views[f] for f in ("spec_sequence_masks", "spec_state_indices_tensor",
+                                                   "spec_query_start_loc", "num_accepted_tokens", "spec_token_indx"))
+            self.make = template(recorded, _SPEC_PER_STEP)
+
+    def rewrite(self, step: Step, host: CommonHost, inputs: GDNInputs) -> None:
+        """The own fields of ``step``, in the derive's order of checks."""
+        o = self.options
+        k = o.num_speculative_tokens
+        bs_m = _mamba_block_size(host, o)
+        acc = None if inputs.num_accepted_tokens is None else _accepted(inputs.num_accepted_tokens, host, k)
+        spec = self.spec
+        if spec is None:
+            if self.direct is not None:
+                _state_indices(host, o, bs_m, self.direct)
+            else:
+                _state_indices(host, o, bs_m, self.bt)
+                self.fields[0][...] = self.bt[:, 0]
+            return
+        bt = self.bt
+        _state_indices(host, o, bs_m, bt)
+        mask = _spec_mask(host, k, acc)
+        assert mask is not None, "a step of an all-spec layout without spec rows"
+        sm, si, sq, na, sti = self.fields
+        _write_all_spec(host, bt, mask, acc, spec[0], spec[1], sm, si, sq, na, sti)
+
+    def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
+               inputs: GDNInputs) -> GDNMetadata:
+        """The recorded step's metadata with this step's per-step fields."""
+        T = host.num_actual_tokens
+        if self.spec is None:
+            return self.make(common, T, T, common.query_start_loc, common.query_start_loc_cpu)
+        return self.make(common, T)
 
 
 GDN = register(GDNBuilder())
