@@ -61,6 +61,13 @@ A)`` (each request adds at most one partial chunk at each end); every staged fie
 With ``block_table="device"`` the gather writes into the fixed ``block_table`` buffer when
 ``Staged.result()`` runs: call it every step before replaying a graph that reads the table.
 
+Replay (:class:`attnmeta.compose.StepBuilder`): a step whose every query is at most one token (a decode
+step, padding rows included) has one virtual row per row, ``V = num_reqs``, whatever its lengths; its
+layout is keyed on that (:meth:`LocalAttentionBuilder.replay_key`), and a replay rewrites every own
+field with the same compiled fill as ``derive`` (:func:`_fill`) and makes the metadata with the same
+helpers. A step with a longer query is never replayed: its ``V`` depends on where each request's
+queries cross a chunk boundary, which the step's scalars do not tell.
+
 Shape legend
 ------------
 - ``num_reqs``: request rows ``B`` of the step, padding rows included.
@@ -71,19 +78,21 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Literal
+import operator
+from collections.abc import Callable, Hashable
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 import torch
 
 from attnmeta._checks import check_option_fields, option_rule
-from attnmeta._fields import MetadataBase
+from attnmeta._fields import MetadataBase, keyword_factory, template
 from attnmeta.backends._shared import alloc_indptr
-from attnmeta.builder import Builder, register
+from attnmeta.builder import Builder, Replayer, register
 from attnmeta.host.local_attn import LocalBatches, local_virtual_batches, num_virtual_reqs
-from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
 from attnmeta.profile import StaticProfile
-from attnmeta.spec import BatchSpec
+from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import CapacityError, Staged, Step
 
 __all__ = [
@@ -241,10 +250,11 @@ class LocalAttentionMetadata(MetadataBase):
     ``block_table="device"``."""
     req_indices_cpu: np.ndarray
     """(num_virtual_reqs,) int32, host. Original row of each virtual row (staged view in device mode,
-    a host-only array in host mode)."""
+    a host-only array in host mode, which a replay on the step's ring slot rewrites: valid as long as the
+    staged views)."""
     block_starts_cpu: np.ndarray
     """(num_virtual_reqs,) int32, host. ``max(kstart_v, 0) // block_size`` (staged view in device mode,
-    a host-only array in host mode)."""
+    a host-only array in host mode, as ``req_indices_cpu``)."""
     # ---- host scalars
     num_virtual_reqs: int
     """``V``."""
@@ -254,6 +264,153 @@ class LocalAttentionMetadata(MetadataBase):
     """``A / block_size``."""
     block_table_mode: str
     """``"host"`` or ``"device"``: where the virtual block table was gathered."""
+
+
+_make_local = keyword_factory(LocalAttentionMetadata)
+
+
+class _Own(NamedTuple):
+    """The writable host views a step of one layout writes its virtual batch into (:func:`_fill`): its own
+    staged fields and, with ``block_table="host"``, its host-only row indices and block starts (buffers of
+    the step, kept with its ring slot as the staged views are)."""
+
+    query_start_loc: np.ndarray
+    """The staged ``query_start_loc`` in full (graph mode: all ``capacity + 1`` entries)."""
+    seq_lens: np.ndarray
+    """(num_virtual_reqs,), the staged ``seq_lens``."""
+    req_indices: np.ndarray
+    """(num_virtual_reqs,): staged in device mode, host-only in host mode."""
+    block_starts: np.ndarray
+    """(num_virtual_reqs,): staged in device mode, host-only in host mode."""
+    block_table: np.ndarray | None
+    """(num_virtual_reqs, pages_per_local_block), the staged virtual block table (host mode; else None)."""
+
+
+class _HostViews(NamedTuple):
+    """The read-only host views of :class:`_Own` a step's metadata holds (the same memory)."""
+
+    query_start_loc: np.ndarray
+    """(num_virtual_reqs + 1,)."""
+    seq_lens: np.ndarray
+    """(num_virtual_reqs,)."""
+    block_table: np.ndarray | None
+    """The virtual block table (host mode; else None)."""
+    block_table_common: np.ndarray
+    """The virtual common metadata's ``block_table_cpu``: ``block_table``, or device mode's read-only
+    broadcast of ``-1``."""
+    req_indices: np.ndarray
+    """(num_virtual_reqs,)."""
+    block_starts: np.ndarray
+    """(num_virtual_reqs,)."""
+
+
+class _DeviceViews(NamedTuple):
+    """The device views of a committed step's own fields (:func:`_device_views`)."""
+
+    query_start_loc: torch.Tensor
+    """(num_virtual_reqs + 1,)."""
+    seq_lens: torch.Tensor
+    """(num_virtual_reqs,)."""
+    block_table: torch.Tensor | None
+    """Host mode: the staged virtual block table; device mode: graph mode's fixed buffer the gather
+    writes into, or None (eager mode: the gather makes a tensor)."""
+    req_indices: torch.Tensor | None
+    """Device mode: the staged row indices (else None)."""
+    block_starts: torch.Tensor | None
+    """Device mode: the staged block starts (else None)."""
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a`` (the writable one stays with the builder, for a replay)."""
+    ro = a.view()
+    ro.flags.writeable = False
+    return ro
+
+
+def _alloc(step: Step, p: str, V: int, ppl: int, mode: str, cap: int | None) -> _Own:
+    """Stage the own fields of a step of ``V`` virtual rows (graph mode: of capacity ``cap``)."""
+    qsl_full = alloc_indptr(step, p + "query_start_loc", V, cap)
+    k = step.alloc(p + "seq_lens", V, np.int32, fill=0, capacity=cap)
+    if mode == "host":
+        table = step.alloc(p + "block_table", (V, ppl), np.int32, fill=0, capacity=cap)
+        return _Own(qsl_full, k, np.empty(V, np.int32), np.empty(V, np.int32), table)
+    req = step.alloc(p + "req_indices", V, np.int32, fill=0, capacity=cap)
+    starts = step.alloc(p + "block_starts", V, np.int32, fill=0, capacity=cap)
+    if cap is not None:
+        step.alloc(p + "block_table", (0, ppl), np.int32, fill=0, capacity=cap)  # the gather's fixed buffer
+    return _Own(qsl_full, k, req, starts, None)
+
+
+def _fill(h: CommonHost, A: int, own: _Own) -> LocalBatches:
+    """Write the step's virtual batch into every byte of ``own`` (graph mode's indptr tail included) with
+    the compiled :func:`~attnmeta.host.local_attn.local_virtual_batches`: a staged and a replayed step alike."""
+    V = own.seq_lens.shape[0]
+    qsl = own.query_start_loc
+    lb = local_virtual_batches(
+        h.query_start_loc_cpu, h.seq_lens_cpu, A, h.block_size, h.block_table_cpu if own.block_table is not None else None,
+        query_start_loc_out=qsl[: V + 1], seq_lens_out=own.seq_lens, req_indices_out=own.req_indices,
+        block_starts_out=own.block_starts, block_table_out=own.block_table,
+    )
+    qsl[V + 1 :] = qsl[V]
+    return lb
+
+
+def _host_views(own: _Own, ppl: int) -> _HostViews:
+    """The read-only views of ``own`` (made once per layout: a replay writes the same memory)."""
+    V = own.seq_lens.shape[0]
+    table = None if own.block_table is None else _frozen(own.block_table)
+    return _HostViews(_frozen(own.query_start_loc[: V + 1]), _frozen(own.seq_lens), table,
+                      table if table is not None else np.broadcast_to(np.int32(-1), (V, ppl)),
+                      _frozen(own.req_indices), _frozen(own.block_starts))
+
+
+_PER_STEP = ("num_computed_tokens_cpu", "is_prefilling", "max_query_len", "max_seq_len", "num_real_reqs")
+"""The virtual common metadata's fields computed for each step (:func:`_per_step`)."""
+_LAYOUT = ("query_start_loc", "seq_lens", "query_start_loc_cpu", "seq_lens_cpu", "seq_lens_cpu_upper_bound",
+           "block_table_cpu", "num_decode_draft_tokens_cpu", "num_reqs", "causal")
+"""The virtual common metadata's fields a replayed layout keeps (:func:`_changes` and the own fields' views):
+the views of the own fields, the rows its key fixes (``num_reqs``) and the constants."""
+_FROM_COMMON = tuple(f.name for f in dataclasses.fields(CommonAttentionMetadata)
+                     if f.name not in (*_LAYOUT, *_PER_STEP, "block_table_tensor"))
+"""The virtual common metadata's fields that are the step's common metadata's (the token arrays, the token
+counts, the block size): every field :func:`_virtual_common` does not replace."""
+_from_common = operator.attrgetter(*_FROM_COMMON)
+
+
+def _per_step(h: CommonHost, lb: LocalBatches, views: _HostViews) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+    """The values of :data:`_PER_STEP` of a step, from its common host part and its virtual batch
+    (:func:`_fill`), for a staged and a replayed step alike."""
+    nc = (views.seq_lens - np.diff(views.query_start_loc)).astype(np.int32)
+    prefilling = h.is_prefilling[lb.req_indices]
+    nc.flags.writeable = False
+    prefilling.flags.writeable = False
+    return nc, prefilling, lb.max_query_len, lb.max_seq_len, lb.num_virtual_reqs - (h.num_reqs - h.num_real_reqs)
+
+
+def _changes(views: _HostViews, per_step: tuple[Any, ...]) -> dict[str, Any]:
+    """The virtual common metadata's host fields and scalars (module docstring table): the layout's and a
+    step's :func:`_per_step` values."""
+    changes: dict[str, Any] = {
+        "query_start_loc_cpu": views.query_start_loc,
+        "seq_lens_cpu": views.seq_lens,
+        "seq_lens_cpu_upper_bound": views.seq_lens,
+        "block_table_cpu": views.block_table_common,
+        "num_decode_draft_tokens_cpu": None,
+        "num_reqs": views.seq_lens.shape[0],
+        "causal": True,
+    }
+    changes.update(zip(_PER_STEP, per_step, strict=True))
+    return changes
+
+
+def _device_views(step: Step, p: str, V: int, mode: str, graph: bool) -> _DeviceViews:
+    """The device views of a committed step's own fields (of prefix ``p``)."""
+    qsl = step.device(p + "query_start_loc")[: V + 1]
+    k = step.device(p + "seq_lens")
+    if mode == "host":
+        return _DeviceViews(qsl, k, step.device(p + "block_table"), None, None)
+    fixed = step.device_full(p + "block_table") if graph else None
+    return _DeviceViews(qsl, k, fixed, step.device(p + "req_indices"), step.device(p + "block_starts"))
 
 
 def _gather_rows(
@@ -270,6 +427,36 @@ def _gather_rows(
     out[:v].copy_(values)
     out[v:].fill_(0)
     return out[:v]
+
+
+def _table(cm: CommonAttentionMetadata, dv: _DeviceViews, ppl: int) -> torch.Tensor:
+    """The step's virtual block table on the device, after the commit: the staged one (host mode), or
+    gathered from the step's common block table here, on the current stream (device mode)."""
+    if dv.req_indices is None:
+        assert dv.block_table is not None
+        return dv.block_table
+    assert dv.block_starts is not None
+    return _gather_rows(cm.block_table_tensor, dv.req_indices, dv.block_starts, ppl, dv.block_table)
+
+
+def _virtual_common(cm: CommonAttentionMetadata, dv: _DeviceViews, changes: dict[str, Any],
+                    ppl: int) -> CommonAttentionMetadata:
+    """The step's virtual batch as common metadata, after the commit, from the step's common metadata,
+    its own fields' device views and :func:`_changes`."""
+    return cm.replace(query_start_loc=dv.query_start_loc, seq_lens=dv.seq_lens, block_table_tensor=_table(cm, dv, ppl),
+                      **changes)
+
+
+def _metadata(cm: CommonAttentionMetadata, dv: _DeviceViews, views: _HostViews, opts: LocalAttentionOptions,
+              ppl: int) -> LocalAttentionMetadata:
+    """The step's metadata from its virtual common metadata (:func:`_virtual_common`) and its own fields' views."""
+    return _make_local(
+        common=cm, query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
+        req_indices=dv.req_indices, block_starts=dv.block_starts, query_start_loc_cpu=views.query_start_loc,
+        seq_lens_cpu=views.seq_lens, block_table_cpu=views.block_table, req_indices_cpu=views.req_indices,
+        block_starts_cpu=views.block_starts, num_virtual_reqs=cm.num_reqs, attn_chunk_size=opts.attn_chunk_size,
+        pages_per_local_block=ppl, block_table_mode=opts.block_table,
+    )
 
 
 class LocalAttentionBuilder(Builder[LocalAttentionOptions, None, LocalAttentionHost, LocalAttentionMetadata]):
@@ -332,99 +519,38 @@ class LocalAttentionBuilder(Builder[LocalAttentionOptions, None, LocalAttentionH
             Graph mode: more virtual rows than :func:`max_virtual_reqs` (cannot happen within the profile).
         """
         opts = options
-        mode = opts.block_table
         h = common.host
-        qsl, sl, bt = h.query_start_loc_cpu, h.seq_lens_cpu, h.block_table_cpu
-        A, bs, B = opts.attn_chunk_size, h.block_size, h.num_reqs
+        A, bs = opts.attn_chunk_size, h.block_size
         if A % bs:
             raise ValueError(f"LocalAttentionOptions.attn_chunk_size: must be a positive multiple of block_size={bs}, got {A!r}")
         p = opts.prefix + "."
         prof = step.profile
-        V = num_virtual_reqs(qsl, sl, A)
+        V = num_virtual_reqs(h.query_start_loc_cpu, h.seq_lens_cpu, A)
         cap = max_virtual_reqs(prof, A) if prof is not None else None
         if cap is not None and cap < V:
             raise CapacityError(f"{p}: {V} virtual rows exceed the graph-mode capacity {cap}")
         ppl = A // bs
-        qsl_full = alloc_indptr(step, p + "query_start_loc", V, cap)
-        k = step.alloc(p + "seq_lens", V, np.int32, fill=0, capacity=cap)
-        table: np.ndarray | None = None
-        if mode == "host":
-            table = step.alloc(p + "block_table", (V, ppl), np.int32, fill=0, capacity=cap)
-            req, starts = np.empty(V, np.int32), np.empty(V, np.int32)
-        else:
-            req = step.alloc(p + "req_indices", V, np.int32, fill=0, capacity=cap)
-            starts = step.alloc(p + "block_starts", V, np.int32, fill=0, capacity=cap)
-            if cap is not None:
-                step.alloc(p + "block_table", (0, ppl), np.int32, fill=0, capacity=cap)  # the gather's fixed buffer
-        lb = local_virtual_batches(
-            qsl, sl, A, bs, bt if mode == "host" else None,
-            query_start_loc_out=qsl_full[: V + 1], seq_lens_out=k, req_indices_out=req, block_starts_out=starts,
-            block_table_out=table,
-        )
-        qsl_full[V + 1 :] = qsl_full[V]
-        local_qsl = lb.query_start_loc
-        table_cpu = table if table is not None else np.broadcast_to(np.int32(-1), (V, ppl))
-        nc = (k - np.diff(local_qsl)).astype(np.int32)
-        prefilling = h.is_prefilling[req]
-        for a in (qsl_full, local_qsl, k, table, req, starts, nc, prefilling):
-            if a is not None:
-                a.flags.writeable = False
-        changes: dict[str, Any] = {
-            "query_start_loc_cpu": local_qsl,
-            "seq_lens_cpu": k,
-            "seq_lens_cpu_upper_bound": k,
-            "num_computed_tokens_cpu": nc,
-            "block_table_cpu": table_cpu,
-            "is_prefilling": prefilling,
-            "num_decode_draft_tokens_cpu": None,
-            "num_reqs": V,
-            "num_real_reqs": V - (B - h.num_real_reqs),
-            "max_query_len": lb.max_query_len,
-            "max_seq_len": lb.max_seq_len,
-            "causal": True,
-        }
-        local_host = dataclasses.replace(
-            h, **changes, num_pages=-(-int(k.sum()) // bs) if V else 0, max_exact_seq_len=lb.max_seq_len, splits={})
+        own = _alloc(step, p, V, ppl, opts.block_table, cap)
+        lb = _fill(h, A, own)
+        views = _host_views(own, ppl)
+        changes = _changes(views, _per_step(h, lb, views))
+        local_host = dataclasses.replace(h, **changes, num_pages=-(-int(own.seq_lens.sum()) // bs) if V else 0,
+                                         max_exact_seq_len=lb.max_seq_len, splits={})
+        lb = lb._replace(query_start_loc=views.query_start_loc, seq_lens=views.seq_lens,
+                         seq_lens_upper_bound=views.seq_lens, req_indices=views.req_indices,
+                         block_starts=views.block_starts, block_table=views.block_table)
+        graph = cap is not None
 
         def make_common() -> CommonAttentionMetadata:
-            cm = common.result()
-            if mode == "host":
-                table_d = step.device(p + "block_table")
-            else:
-                fixed = step.device_full(p + "block_table") if cap is not None else None
-                table_d = _gather_rows(cm.block_table_tensor, step.device(p + "req_indices"),
-                                       step.device(p + "block_starts"), ppl, fixed)
-            return cm.replace(
-                query_start_loc=step.device(p + "query_start_loc")[: V + 1],
-                seq_lens=step.device(p + "seq_lens"),
-                block_table_tensor=table_d,
-                **changes,
-            )
+            return _virtual_common(common.result(), _device_views(step, p, V, opts.block_table, graph), changes, ppl)
 
         local_common = StagedCommon(step, local_host, make_common)
 
         def make() -> LocalAttentionMetadata:
             cm = local_common.result()
-            device_mode = mode == "device"
-            return LocalAttentionMetadata(
-                common=cm,
-                query_start_loc=cm.query_start_loc,
-                seq_lens=cm.seq_lens,
-                block_table=cm.block_table_tensor,
-                req_indices=step.device(p + "req_indices") if device_mode else None,
-                block_starts=step.device(p + "block_starts") if device_mode else None,
-                query_start_loc_cpu=local_qsl,
-                seq_lens_cpu=k,
-                block_table_cpu=table,
-                req_indices_cpu=req,
-                block_starts_cpu=starts,
-                num_virtual_reqs=V,
-                attn_chunk_size=A,
-                pages_per_local_block=ppl,
-                block_table_mode=mode,
-            )
+            return _metadata(cm, _device_views(step, p, V, opts.block_table, graph), views, opts, ppl)
 
-        return Staged(step, LocalAttentionHost(local_common, lb), make)
+        return _Staged(step, LocalAttentionHost(local_common, lb), make, own, views)
 
     def unsupported_reasons(self, spec: BatchSpec, options: LocalAttentionOptions, inputs: None) -> list[str]:
         """A chunk size that is not a multiple of the block size; a context-parallel spec."""
@@ -435,6 +561,70 @@ class LocalAttentionBuilder(Builder[LocalAttentionOptions, None, LocalAttentionH
             reasons.append("a context-parallel spec: the local-attention virtual batch indexes blocks of block_size "
                            "tokens, not the block_size * world_size of a context-parallel table")
         return reasons
+
+    def replay_key(self, shape: StepShape, options: LocalAttentionOptions, inputs: None) -> Hashable | None:
+        """Steps whose every query is at most one token (decode steps, padding rows included): one virtual
+        row per row, so the own fields have ``num_reqs`` rows whatever the lengths. Else None: a longer
+        query's virtual rows depend on where it crosses a chunk boundary (its context length), which the
+        step's scalars do not tell."""
+        if shape.max_query_len > 1:
+            return None
+        return "decode", shape.padded_num_reqs
+
+    def reads_lengths(self, options: LocalAttentionOptions) -> bool:
+        """False: neither :meth:`needs` (the default) nor :meth:`replay_key` reads the step's lengths."""
+        return False
+
+    def replayer(self, staged: Staged[LocalAttentionHost, LocalAttentionMetadata], common: StagedCommon, step: Step,
+                 options: LocalAttentionOptions, inputs: None) -> _Replayer:
+        """Replays rewrite the recorded step's own fields with :func:`_fill` and make the metadata with
+        :func:`_virtual_common` and the recorded step's views."""
+        assert isinstance(staged, _Staged)
+        m = staged.result()
+        p = options.prefix + "."
+        return _Replayer(m, options, staged.own, staged.views,
+                         _device_views(step, p, m.num_virtual_reqs, options.block_table, step.profile is not None))
+
+
+class _Staged(Staged[LocalAttentionHost, LocalAttentionMetadata]):
+    """A staged local-attention step: its host part, and its own fields' writable and read-only host views
+    (for a replayer of its layout)."""
+
+    __slots__ = ("own", "views")
+
+    def __init__(self, step: Step, host: LocalAttentionHost, make: Callable[[], LocalAttentionMetadata], own: _Own,
+                 views: _HostViews) -> None:
+        super().__init__(step, host, make)
+        self.own, self.views = own, views
+
+
+class _Replayer(Replayer[None, LocalAttentionMetadata]):
+    """Replays of a decode layout: :func:`_fill` into the recorded step's own fields (the slot's memory, at
+    the same places), then the recorded virtual common metadata with this step's :data:`_PER_STEP` values,
+    device block table (:func:`_table`) and :data:`_FROM_COMMON` fields, and the recorded metadata with it
+    (the rest are views of the own fields, which a replay stages at the same places of the same slot)."""
+
+    __slots__ = ("dv", "filled", "make", "make_common", "options", "own", "ppl", "views")
+
+    def __init__(self, recorded: LocalAttentionMetadata, options: LocalAttentionOptions, own: _Own, views: _HostViews,
+                 dv: _DeviceViews) -> None:
+        self.options, self.own, self.views, self.dv = options, own, views, dv
+        self.ppl = recorded.pages_per_local_block
+        self.make_common = template(recorded.common, (*_PER_STEP, "block_table_tensor", *_FROM_COMMON))
+        self.make = template(recorded, ("common", "block_table"))
+        self.filled: tuple[Step, LocalBatches] | None = None
+
+    def rewrite(self, step: Step, host: CommonHost, inputs: None) -> None:
+        self.filled = None  # (until the fill succeeds)
+        self.filled = (step, _fill(host, self.options.attn_chunk_size, self.own))
+
+    def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
+               inputs: None) -> LocalAttentionMetadata:
+        f, self.filled = self.filled, None
+        assert f is not None and f[0] is step, "result() without this step's rewrite()"
+        table = _table(common, self.dv, self.ppl)
+        cm = self.make_common(*_per_step(host, f[1], self.views), table, *_from_common(common))
+        return self.make(cm, table)
 
 
 LOCAL_ATTN = register(LocalAttentionBuilder())

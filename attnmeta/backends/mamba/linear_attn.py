@@ -7,6 +7,12 @@ threshold 1 (short extends count as decodes, no rows move; the step's shared spl
 one state index per row (column 0 of the state indices, gathered on the host by the same compiled
 kernel as the Mamba builders', :func:`attnmeta.host.mamba.mamba_state_indices`).
 
+Replay (:class:`attnmeta.compose.StepBuilder`): the one staged field has a row per request row whatever
+the step holds, so every step replays its slot's recorded layout of its row count (decode, prefill and
+mixed steps alike): a replay rewrites the state indices with the same compiled gather as ``derive``
+(:func:`_write_state_indices`) and makes the metadata from the step's split and common metadata
+(:func:`_per_step`).
+
 Shape legend
 ------------
 - ``num_reqs`` (``B``): request rows, padding included.
@@ -15,13 +21,14 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Callable, Hashable
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from attnmeta._checks import check_option_fields, option_rule
-from attnmeta._fields import MetadataBase, keyword_factory
+from attnmeta._fields import MetadataBase, keyword_factory, template
 from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
     MAMBA_BLOCK_SIZE_RULE,
@@ -33,10 +40,10 @@ from attnmeta.backends.mamba._shared import (
     common_needs,
     state_indices_error,
 )
-from attnmeta.builder import Builder, CommonNeeds, register
+from attnmeta.builder import Builder, CommonNeeds, Replayer, register
 from attnmeta.host.mamba import state_indices_nb
 from attnmeta.host.split import SplitCounts
-from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
 from attnmeta.spec import StepShape
 from attnmeta.staging import Staged, Step
 
@@ -144,6 +151,45 @@ class LinearAttentionMetadata(MetadataBase):
 
 _make_la = keyword_factory(LinearAttentionMetadata)
 
+_PER_STEP = ("common", "num_prefills", "num_prefill_tokens", "num_decodes", "num_decode_tokens", "query_start_loc",
+             "seq_lens", "query_start_loc_cpu", "seq_lens_cpu")
+"""The fields a step of one layout changes (:func:`_per_step` computes them; the state indices' views are
+the layout's)."""
+
+
+def _per_step(cm: CommonAttentionMetadata, split: SplitCounts) -> tuple[Any, ...]:
+    """The values of :data:`_PER_STEP` of a step, from its common metadata and its split: every value a step
+    of a layout changes, for a staged and a replayed step alike."""
+    return (cm, split.num_prefills, split.num_prefill_tokens, split.num_decodes, split.num_decode_tokens,
+            cm.query_start_loc, cm.seq_lens, cm.query_start_loc_cpu, cm.seq_lens_cpu)
+
+
+def _metadata(cm: CommonAttentionMetadata, split: SplitCounts, si: torch.Tensor,
+              si_cpu: np.ndarray) -> LinearAttentionMetadata:
+    """The step's metadata after the commit, from its common metadata, its split and the views of its
+    state indices."""
+    return _make_la(**dict(zip(_PER_STEP, _per_step(cm, split), strict=True)), state_indices_tensor=si,
+                    state_indices_tensor_cpu=si_cpu)
+
+
+def _write_state_indices(h: CommonHost, o: LinearAttentionOptions, out: np.ndarray) -> None:
+    """Column 0 of every row's state indices into ``out`` (``(num_reqs,)`` int32, every byte), with the
+    compiled gather of the Mamba builders: a staged and a replayed step alike.
+
+    Raises
+    ------
+    ValueError
+        ``"align"`` mode with a mamba block size below the block size; a block table too narrow for a
+        row's state column.
+    """
+    bs_m = h.block_size if o.mamba_block_size is None else o.mamba_block_size
+    align = o.cache_mode == "align"
+    if align and bs_m < h.block_size:
+        check_align_block_size("LinearAttentionOptions", bs_m, h.block_size)  # raises
+    B = h.num_reqs
+    if state_indices_nb(h.block_table_cpu, h.seq_lens_cpu, bs_m, align, out.reshape(B, 1)) >= 0:
+        raise state_indices_error(h, slice(0, B), bs_m, o.cache_mode, 1)
+
 
 class LinearAttentionBuilder(AlignReadsLengths, Builder[LinearAttentionOptions, None, LinearAttentionHost, LinearAttentionMetadata]):
     """The linear-attention builder (:data:`LINEAR_ATTN`)."""
@@ -188,29 +234,60 @@ class LinearAttentionBuilder(AlignReadsLengths, Builder[LinearAttentionOptions, 
         o = options
         h = common.host
         B = h.num_reqs
-        bs_m = h.block_size if o.mamba_block_size is None else o.mamba_block_size
-        align = o.cache_mode == "align"
-        if align and bs_m < h.block_size:
-            check_align_block_size("LinearAttentionOptions", bs_m, h.block_size)  # raises
         split = h.split(1)  # the step's shared split
         prof = step.profile
         name = o.prefix + ".state_indices_tensor"
         group = step.alloc_fields(((name, B, np.int32, prof.max_num_reqs if prof is not None else None, NULL_BLOCK_ID),))
-        si = group.host[0]
-        if state_indices_nb(h.block_table_cpu, h.seq_lens_cpu, bs_m, align, si.reshape(B, 1)) >= 0:
-            raise state_indices_error(h, slice(0, B), bs_m, o.cache_mode, 1)
+        _write_state_indices(h, o, group.host[0])
         si_ro = group.frozen[0]
 
         def make() -> LinearAttentionMetadata:
-            cm = common.result()
-            return _make_la(
-                common=cm, num_prefills=split.num_prefills, num_prefill_tokens=split.num_prefill_tokens,
-                num_decodes=split.num_decodes, num_decode_tokens=split.num_decode_tokens,
-                query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens, state_indices_tensor=group.device(step)[0],
-                query_start_loc_cpu=cm.query_start_loc_cpu, seq_lens_cpu=cm.seq_lens_cpu, state_indices_tensor_cpu=si_ro,
-            )
+            return _metadata(common.result(), split, group.device(step)[0], si_ro)
 
-        return Staged(step, LinearAttentionHost(split, si_ro), make)
+        return _Staged(step, LinearAttentionHost(split, si_ro), make, group.host[0])
+
+    def replay_key(self, shape: StepShape, options: LinearAttentionOptions, inputs: None) -> Hashable:
+        """The rows of the one staged field (the state indices, a row per request row): every step replays
+        its slot's recorded layout of its row count, whatever its split."""
+        return shape.padded_num_reqs
+
+    def replayer(self, staged: Staged[LinearAttentionHost, LinearAttentionMetadata], common: StagedCommon, step: Step,
+                 options: LinearAttentionOptions, inputs: None) -> _Replayer:
+        """Replays rewrite the recorded step's state indices (:func:`_write_state_indices`)."""
+        assert isinstance(staged, _Staged)
+        return _Replayer(staged.result(), options, staged.state_indices)
+
+
+class _Staged(Staged[LinearAttentionHost, LinearAttentionMetadata]):
+    """A staged linear-attention step: its host part, and the writable host view of its state indices (for a
+    replayer of its layout)."""
+
+    __slots__ = ("state_indices",)
+
+    def __init__(self, step: Step, host: LinearAttentionHost, make: Callable[[], LinearAttentionMetadata],
+                 state_indices: np.ndarray) -> None:
+        super().__init__(step, host, make)
+        self.state_indices = state_indices
+
+
+class _Replayer(Replayer[None, LinearAttentionMetadata]):
+    """Replays of a linear-attention layout: :func:`_write_state_indices` into the recorded step's field (the
+    slot's memory, at the same place), then the recorded metadata with this step's :data:`_PER_STEP` values
+    (:func:`_per_step`)."""
+
+    __slots__ = ("make", "options", "state_indices")
+
+    def __init__(self, recorded: LinearAttentionMetadata, options: LinearAttentionOptions,
+                 state_indices: np.ndarray) -> None:
+        self.options, self.state_indices = options, state_indices
+        self.make = template(recorded, _PER_STEP)
+
+    def rewrite(self, step: Step, host: CommonHost, inputs: None) -> None:
+        _write_state_indices(host, self.options, self.state_indices)
+
+    def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
+               inputs: None) -> LinearAttentionMetadata:
+        return self.make(*_per_step(common, host.split(1)))
 
 
 LINEAR_ATTN = register(LinearAttentionBuilder())
