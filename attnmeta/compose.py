@@ -65,7 +65,7 @@ from attnmeta._fields import metadata_parts
 from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchError, checked_needs, get_builder
 from attnmeta.common import CommonPasses, CommonWriter, _stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata
-from attnmeta.spec import BatchSpec, StepShape, scan_counts, shapes_of
+from attnmeta.spec import SCAN_HEAD, BatchSpec, StepShape, scan_counts, shapes_of
 from attnmeta.staging import STAGEABLE_DTYPES, Staged, Stager, Step, StepLayout, bucket_rows
 
 __all__ = ["PARALLEL_MIN_ROWS", "Array", "ComposeStats", "ComposedStep", "Group", "SharedPrefixWarning", "StepBuilder",
@@ -113,8 +113,8 @@ def _shape_width(shape: StepShape, columns: int, step: int) -> int:
 def _scan_class_getter(groups: int) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
     """The class of a :func:`~attnmeta.spec.scan_counts` result over ``groups`` groups, as one tuple: the
     scan without its lengths (``max_seq_len``, ``max_exact_seq_len`` and each group's ``num_pages``)."""
-    lengths = {6, 7, *range(12, 12 + 3 * groups, 3)}
-    return operator.itemgetter(*[i for i in range(12 + 3 * groups) if i not in lengths])
+    lengths = {6, 7, *range(SCAN_HEAD, SCAN_HEAD + 3 * groups, 3)}
+    return operator.itemgetter(*[i for i in range(SCAN_HEAD + 3 * groups) if i not in lengths])
 
 
 def _lengths_fit(shape: StepShape, caps: tuple[int, int]) -> bool:

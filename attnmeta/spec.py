@@ -108,6 +108,12 @@ class StepShape(NamedTuple):
     """``seq_lens_upper_bound`` given."""
     context_parallel: ContextParallel | None
     """As :attr:`BatchSpec.context_parallel`."""
+    uniform_queries: bool = True
+    """Every row's query is ``first_query_len`` tokens or none (padding rows): the split's uniform rule
+    (``require_uniform``) makes no row a prefill row for being unlike the first. True without rows."""
+    all_spec_rows: bool = False
+    """Every real row is a spec-decode row by vLLM's runner rule (``num_decode_draft_tokens_cpu >= 0``:
+    ``d > 0`` drafts and ``q == d + 1`` tokens, or one token past the prompt). False without rows."""
 
     @property
     def padded_num_reqs(self) -> int:
@@ -576,13 +582,15 @@ class BatchSpec:
     @property
     def shape(self) -> StepShape:
         """The step's scalars (:class:`StepShape`): what builders' ``needs`` and ``replay_key`` read."""
-        q, prompt = self.num_scheduled_tokens, self.num_prompt_tokens
+        q, prompt, drafts = self.num_scheduled_tokens, self.num_prompt_tokens, self.num_draft_tokens
+        uniform, spec = _row_classes_nb(self.num_computed_tokens, q, _EMPTY if prompt is None else prompt,
+                                        _EMPTY if drafts is None else drafts)
         return StepShape(
             self.num_reqs, self.num_tokens, self.num_reqs_padded, self.num_tokens_padded, self.max_query_len,
             int(q[0]) if self.num_reqs else 0, self.max_seq_len, self.max_exact_seq_len, self.num_pages,
             self.block_size, int(self.block_table.shape[1]),
             self.any_prefilling, prompt is not None,
-            self.num_draft_tokens is not None, self.seq_lens_upper_bound is not None, self.context_parallel,
+            drafts is not None, self.seq_lens_upper_bound is not None, self.context_parallel, uniform, spec,
         )
 
     @property
@@ -656,27 +664,51 @@ def spec_arguments(spec: BatchSpec) -> dict[str, Any]:
 
 
 @njit
+def _row_classes_nb(c: np.ndarray, q: np.ndarray, prompt: np.ndarray, drafts: np.ndarray) -> tuple[bool, bool]:
+    """:attr:`StepShape.uniform_queries` and :attr:`StepShape.all_spec_rows` of valid counts (``prompt`` and
+    ``drafts`` empty when not given): every query ``q[0]`` tokens or none; every row ``d > 0`` drafts and
+    ``q == d + 1`` tokens, or one token past its prompt (``c >= prompt``)."""
+    n = q.shape[0]
+    if n == 0:
+        return True, False
+    q0 = q[0]
+    uniform = spec = True
+    has_p, has_d = prompt.shape[0] > 0, drafts.shape[0] > 0
+    for i in range(n):
+        qi = q[i]
+        if qi != 0 and qi != q0:
+            uniform = False
+        d = drafts[i] if has_d else 0
+        if not ((d > 0 and qi == d + 1) or (qi == 1 and (not has_p or c[i] >= prompt[i]))):
+            spec = False
+    return uniform, spec
+
+
+@njit
 def _scan_nb(c: np.ndarray, q: np.ndarray, bt: np.ndarray, bs: int, prompt: np.ndarray, drafts: np.ndarray,
-             ub: np.ndarray, groups: np.ndarray, none: np.ndarray) -> tuple[int, int, int, int, int, int, int, bool]:
+             ub: np.ndarray, groups: np.ndarray, none: np.ndarray
+             ) -> tuple[int, int, int, int, int, int, int, bool, bool, bool]:
     """:func:`_validate_nb` of the counts against the first group's table (no copies, no context
     parallelism); the width rule and the page count of every further group (``groups``: a row per group,
     ``(block size, table columns, pages)``, the pages written here); the scalars a :class:`StepShape`
     adds.
 
-    Returns ``(status, total, max_q, max_seq, max_ub, pages, first_q, prefilling)``; status 0 = every
-    rule holds (else the scalars mean nothing: the constructor names the broken rule)."""
+    Returns ``(status, total, max_q, max_seq, max_ub, pages, first_q, prefilling, uniform_queries,
+    all_spec_rows)``; status 0 = every rule holds (else the scalars mean nothing: the constructor names
+    the broken rule)."""
     st, _row, _col, total, max_q, max_seq, max_ub, pages0, prefilling = _validate_nb(c, q, bt, bs, bs, prompt,
                                                                                       drafts, ub, False, none)
     if st:
-        return st, 0, 0, 0, 0, 0, 0, False
+        return st, 0, 0, 0, 0, 0, 0, False, False, False
     z = np.int64(0)
     for g in range(groups.shape[0]):
         s = groups[g, 0]
         sh = pow2_shift(s)
         if cdiv_by(np.int64(max_seq), s, sh) > groups[g, 1]:
-            return _NARROW, 0, 0, 0, 0, 0, 0, False
+            return _NARROW, 0, 0, 0, 0, 0, 0, False, False, False
         groups[g, 2] = _fold_counts(c, q, s, sh, z, z, z, z, z, z)[3]
-    return 0, total, max_q, max_seq, max_ub, pages0, int(q[0]) if c.shape[0] else 0, prefilling
+    uniform, spec = _row_classes_nb(c, q, prompt, drafts)
+    return 0, total, max_q, max_seq, max_ub, pages0, int(q[0]) if c.shape[0] else 0, prefilling, uniform, spec
 
 
 def _counted(a: Any, n: int) -> bool:
@@ -706,7 +738,8 @@ def scan_counts(
     ``(len(tables) - 1, 3)`` int64 array. Returns a plain tuple, the step composer's key into its cache
     of shapes (:func:`shapes_of` makes them): ``(num_reqs, num_tokens, num_reqs_padded,
     num_tokens_padded, max_query_len, first_query_len, max_seq_len, max_exact_seq_len, any_prefilling,
-    has_prompt, has_drafts, has_upper_bound)`` and per group ``(num_pages, block_size, table_columns)``.
+    has_prompt, has_drafts, has_upper_bound, uniform_queries, all_spec_rows)`` and per group ``(num_pages,
+    block_size, table_columns)``.
     Reads the arrays and keeps none (:meth:`attnmeta.compose.StepBuilder.build_counts`).
     """
     if type(c) is not np.ndarray or c.ndim != 1:
@@ -729,13 +762,13 @@ def scan_counts(
             groups[g - 1, 0] = t[1]
             groups[g - 1, 1] = t[0].shape[1]
     bt0, bs0 = tables[0]
-    st, total, max_q, max_seq, max_ub, pages0, first, pre = _scan_nb(
+    st, total, max_q, max_seq, max_ub, pages0, first, pre, uni, spec = _scan_nb(
         c, q, bt0, bs0, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
         _EMPTY if ub is None else ub, groups, _NO_COPY)
     if st or (tp is not None and not total <= tp <= MAX_PADDED_TOKENS):
         return None
     head = (n, total, rp, tp, max_q, first, max_seq if ub is None else max_ub, max_seq, pre, prompt is not None,
-            drafts is not None, ub is not None, pages0, bs0, bt0.shape[1])
+            drafts is not None, ub is not None, uni, spec, pages0, bs0, bt0.shape[1])
     if not groups.shape[0]:
         return head
     rest: list[int] = []
@@ -745,16 +778,20 @@ def scan_counts(
 
 
 _new_tuple = tuple.__new__
-"""``_new_tuple(StepShape, fields)``: a :class:`StepShape` of its 16 fields in order, without the named
+"""``_new_tuple(StepShape, fields)``: a :class:`StepShape` of its 18 fields in order, without the named
 tuple's Python-level ``__new__``."""
+
+
+SCAN_HEAD = 14
+"""The scalars of a :func:`scan_counts` result before its groups' ``(num_pages, block_size, table_columns)``."""
 
 
 def shapes_of(scan: tuple[Any, ...]) -> tuple[StepShape, ...]:
     """The :class:`StepShape` of each group of a :func:`scan_counts` result."""
-    n, total, rp, tp, max_q, first, top, exact, pre, has_p, has_d, has_u = scan[:12]
+    n, total, rp, tp, max_q, first, top, exact, pre, has_p, has_d, has_u, uni, spec = scan[:SCAN_HEAD]
     shapes = []
-    for k in range(12, len(scan), 3):
+    for k in range(SCAN_HEAD, len(scan), 3):
         shapes.append(_new_tuple(StepShape, (n, total, rp, tp, max_q, first, top, exact, scan[k], scan[k + 1],
-                                             scan[k + 2], pre, has_p, has_d, has_u, None)))
+                                             scan[k + 2], pre, has_p, has_d, has_u, None, uni, spec)))
     return tuple(shapes)
 

@@ -43,7 +43,7 @@ MARKS: tuple[tuple[str, str, str, str], ...] = (
     # after where the start is not unique in the module ("" where it is)), in the order a replayed step
     # passes them
     ("attnmeta.compose", "scan = scan_counts(c, q, tables,", "(call)", ""),
-    ("attnmeta.spec", "st, total, max_q, max_seq, max_ub, pages0, first, pre = _scan_nb(",
+    ("attnmeta.spec", "st, total, max_q, max_seq, max_ub, pages0, first, pre, uni, spec = _scan_nb(",
      "scan: the arguments checked", ""),
     ("attnmeta.compose", "if scan is None:", "scan: compiled, its scalars", "scan = scan_counts(c, q, tables,"),
     ("attnmeta.compose", "shapes = shapes_of(scan)", "inputs and arrays checked", ""),

@@ -596,15 +596,16 @@ class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInfer
         return _Staged(step, split, make, qo)
 
     def replay_key(self, shape: StepShape, options: FlashInferOptions, inputs: None) -> Hashable | None:
-        """Steps whose fields do not depend on their split: every row a decode row, or every row a
-        prefill row (in graph mode, where the prefill query indptr is a fixed buffer, any split); with
+        """Steps whose fields do not depend on their split: every row a decode row (the longest query
+        within the threshold; under ``require_uniform`` past a threshold of 1, every query of the
+        first's length: :attr:`~attnmeta.StepShape.uniform_queries`), or every row a prefill row (in graph mode, where the prefill query indptr is a fixed buffer, any split); with
         the page table from the common pass (no DCP, host-side indices). Else None: composed."""
         if options.dcp_world_size != 1 or options.indices != "host":
             return None
         if not options.causal:
             return "prefill"
         thr = options.decode_threshold
-        if shape.max_query_len <= thr and (not options.require_uniform or thr <= 1):
+        if shape.max_query_len <= thr and (not options.require_uniform or thr <= 1 or shape.uniform_queries):
             return "decode"
         if shape.first_query_len > thr:
             return "prefill"

@@ -549,12 +549,11 @@ class MLABuilder(Builder[MLAOptions, None, None, MLAMetadata]):
         """Steps whose every row is a decode row, whose prefill and context-chunk fields are empty; with
         DCP too (the rank's decode lengths, rewritten). The scalars tell: the longest query within the
         threshold, and for the variants that need uniform decodes (FlashMLA, Triton-MLA) a threshold of
-        1 or one-token queries (a longer one may sit beside shorter ones, which the split makes
-        prefills). Else None: composed (a step with prefill rows stages fields sized by its context
+        1 or every query of the first's length (:attr:`~attnmeta.StepShape.uniform_queries`: else a
+        shorter one beside longer ones is a prefill row). Else None: composed (a step with prefill rows stages fields sized by its context
         chunks). A non-causal group's steps are composed too (:meth:`replayer` says so)."""
         thr = mla_decode_threshold(options)
-        q = shape.max_query_len
-        if q <= thr and (options.variant not in _UNIFORM or thr <= 1 or q == shape.first_query_len == 1):
+        if shape.max_query_len <= thr and (options.variant not in _UNIFORM or thr <= 1 or shape.uniform_queries):
             return "decode"
         return None
 

@@ -375,3 +375,33 @@ def test_paged_kv_common_is_reused_and_moves_in_the_one_copy(device: torch.devic
             assert np.array_equal(getattr(fi, name + "_cpu"), getattr(plain, name + "_cpu")), name
         assert fi.paged_kv_indices_cpu.tolist() == [10, 11, 20, 21, 1, 2, 3, 4, 5, 6, 7, 8]
         assert (fi.num_pages, fi.max_kv_len, fi.max_decode_query_len, fi.num_decodes) == (12, 31, 1, 4)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_uniform_spec_decode_steps_replay_and_ragged_ones_are_composed_in_eager_mode(graph: bool) -> None:
+    """``require_uniform`` with a threshold of 3 (2 drafts): a step whose every query has the first's length
+    (``StepShape.uniform_queries``) is all decode rows and replays its decode layout; a row verifying one
+    draft among 3-token rows makes the uniform split put it among the prefills: an eager step of it stages
+    the prefill query indptr and is composed (graph mode's fixed indptr replays a padded step of any split)."""
+    from attnmeta.testing import check_replay
+    from attnmeta.testing.workloads import advance
+
+    table = np.arange(1, 1 + 4 * 12, dtype=np.int32).reshape(4, 12)
+    prof = StaticProfile(max_num_reqs=8, max_num_tokens=64, max_blocks_per_req=12, block_size=4)
+
+    def walk(q: list[int]) -> list[BatchSpec]:
+        return advance(BatchSpec(num_computed_tokens=[5, 9, 2, 13], num_scheduled_tokens=q, block_table=table,
+                                 block_size=4), 6)
+
+    opts = FlashInferOptions(decode_threshold=3, require_uniform=True)
+    uniform, ragged = walk([3, 3, 3, 3]), walk([3, 2, 3, 3])
+    assert uniform[0].shape.uniform_queries and not ragged[0].shape.uniform_queries
+    assert flashinfer.FLASHINFER.replay_key(uniform[0].shape, opts, None) == "decode"
+
+    def stager() -> Stager:
+        return Stager("cpu", num_slots=2, debug_fill=0xA5, profile=prof if graph else None)
+
+    assert check_replay("flashinfer", uniform, opts, stager=stager()) >= 3
+    ragged_replays = check_replay("flashinfer", ragged, opts, stager=stager())  # (equal to the reference either way)
+    if not graph:
+        assert ragged_replays == 0

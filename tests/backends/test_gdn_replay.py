@@ -1,5 +1,5 @@
 """GDN replays (``GDNBuilder.replay_key`` / ``replayer``): the steps of a decode loop, without and with spec
-decode, eager and graph mode, replay and equal the reference; the steps whose layout the shape cannot fix
+decode (one-token rows, and rows verifying drafts), eager and graph mode, replay and equal the reference; the steps whose layout the shape cannot fix
 are composed; a replayer that leaves a field stale is caught."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_a_spec_decode_walk_replays(graph: bool, kind: str, max_bs: int | None, 
     walk = _walk(kind, _decodes(n, 10 + n), n)
     opts = GDNOptions(num_speculative_tokens=k, cudagraph_max_bs=max_bs)
     staged = max_bs is not None and max_bs >= n
-    assert GDN.replay_key(walk[0].shape, opts, GDN.inputs(None)) == (gdn._SPEC, n, staged)
+    assert GDN.replay_key(walk[0].shape, opts, GDN.inputs(None)) == (gdn._SPEC, n, n, staged, 1)
     inputs: Any = _accepted(walk, k, n) if accepted else None
     replayed = check_replay(GDN, walk, opts, inputs, stager=_stager(graph))
     assert replayed >= STEPS // 2, replayed
@@ -102,13 +102,48 @@ def test_the_composer_counts_the_replays_and_the_replayed_metadata_is_the_derive
     assert composer.stats.replayed >= 6
 
 
-def test_spec_decode_with_drafts_and_prefills_are_composed() -> None:
-    """Which rows of a step with drafts are spec rows (``q == d + 1``) or prefills is in the per-row counts,
-    not the shape: such steps are staged the ordinary way (and still equal the reference)."""
+def _drafted(n: int, seed: int, drafts: list[int] | None = None) -> BatchSpec:
+    """``n`` spec rows verifying ``drafts`` drafts each (default 2), ``d + 1`` tokens a row."""
+    s = decode_spec(n, np.random.default_rng(seed), max_context=300, drafts=2, table_width=64)
+    if drafts is None:
+        return s
+    d = np.array(drafts, np.int32)
+    return BatchSpec(num_computed_tokens=s.num_computed_tokens, num_scheduled_tokens=d + 1, num_draft_tokens=d,
+                     num_prompt_tokens=s.num_prompt_tokens, block_table=s.block_table, block_size=16)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("max_bs", [None, 32])
+@pytest.mark.parametrize("accepted", [True, False], ids=["accepted", "no-inputs"])
+@pytest.mark.parametrize("drafts", [None, [2, 1, 2, 2, 0, 2]], ids=["uniform", "mixed-drafts"])
+def test_a_spec_decode_walk_with_drafts_replays(graph: bool, max_bs: int | None, accepted: bool,
+                                                drafts: list[int] | None) -> None:
+    """Every row a spec row (``d`` drafts verified with ``d + 1`` tokens, or one token past its prompt):
+    ``StepShape.all_spec_rows`` says so, and the step replays its all-spec layout; the spec rows' common
+    query length is part of the key (None where they differ)."""
     k = 2
-    spec = decode_spec(6, np.random.default_rng(5), max_context=300, drafts=k, table_width=64)
+    spec = _drafted(6, 5, drafts)
+    walk = advance(spec, STEPS)
+    opts = GDNOptions(num_speculative_tokens=k, cudagraph_max_bs=max_bs)
+    T = int(spec.num_scheduled_tokens.sum())
+    assert spec.shape.all_spec_rows
+    assert GDN.replay_key(spec.shape, opts, GDN.inputs(None)) == (
+        gdn._SPEC, 6, T, max_bs is not None, 3 if drafts is None else None)
+    inputs: Any = _accepted(walk, k, 5) if accepted else None
+    assert check_replay(GDN, walk, opts, inputs, stager=_stager(graph)) >= STEPS // 2
+
+
+def test_spec_decode_with_a_prefill_row_among_drafts_and_prefills_are_composed() -> None:
+    """Where a row of a step with drafts is not a spec row (``q != d + 1``: its extra tokens make it a
+    prefill) or a row prefills, which rows are which is in the per-row counts: such steps are staged the
+    ordinary way (and still equal the reference)."""
+    k = 2
+    spec = _drafted(6, 5)
+    q = spec.num_scheduled_tokens.copy()
+    q[3] = 5  # (a row of 2 drafts scheduled 5 tokens: not a spec row)
+    spec = dataclasses.replace(spec, num_scheduled_tokens=q)
     opts = GDNOptions(num_speculative_tokens=k)
-    assert GDN.replay_key(spec.shape, opts, GDN.inputs(None)) is None
+    assert not spec.shape.all_spec_rows and GDN.replay_key(spec.shape, opts, GDN.inputs(None)) is None
     assert check_replay(GDN, advance(spec, 6), opts, _accepted(advance(spec, 6), k, 5)) == 0
     prefill = BatchSpec(num_computed_tokens=[9, 0, 4], num_scheduled_tokens=[1, 5, 1], num_prompt_tokens=[3, 5, 9],
                         block_table=np.arange(12, dtype=np.int32).reshape(3, 4), block_size=4)

@@ -52,16 +52,18 @@ def test_a_decode_walk_replays_and_equals_the_reference(graph: bool, variant: st
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_spec_decode_steps_replay_where_the_scalars_say_every_row_decodes(graph: bool) -> None:
-    """With 2 drafts, 3-token rows: FlashAttention-MLA's threshold (512) makes every row a decode; FlashMLA
-    and Triton-MLA need uniform decodes past a threshold of 1, which a step's scalars cannot promise for
-    queries longer than one token (a 2-token row beside 3-token ones is a prefill): composed, and still
-    equal to the reference."""
-    walk = advance(_decode_spec(3), 6)
-    assert check_replay(MLA, walk, MLAOptions(variant="flashattn_mla", num_speculative_tokens=2),
-                        stager=_stager(graph)) >= 3
-    for variant in ("flashmla", "triton_mla"):
-        assert check_replay(MLA, walk, MLAOptions(variant=variant, num_speculative_tokens=2),
-                            stager=_stager(graph)) == 0
+    """With 2 drafts, 3-token rows: every variant's rows are decode rows (FlashAttention-MLA's threshold is
+    512; FlashMLA's and Triton-MLA's need uniform decodes, which ``StepShape.uniform_queries`` promises).
+    A row that verifies one draft among them is a prefill row for those two (the split's uniform rule):
+    composed, and still equal to the reference; FlashAttention-MLA replays it."""
+    uniform = advance(_decode_spec(3), 6)
+    ragged = advance(BatchSpec(num_computed_tokens=[5, 9, 2, 13], num_scheduled_tokens=[3, 2, 3, 3],
+                               block_table=_table(4), block_size=4), 6)
+    for variant in _VARIANTS:
+        opts = MLAOptions(variant=variant, num_speculative_tokens=2)
+        assert check_replay(MLA, uniform, opts, stager=_stager(graph)) >= 3, variant
+        replays = check_replay(MLA, ragged, opts, stager=_stager(graph))
+        assert (replays >= 3) if variant in ("flashattn_mla", "flashinfer_mla") else replays == 0, variant
 
 
 def test_a_uniform_variant_s_padded_decode_step_replays() -> None:

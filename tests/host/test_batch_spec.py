@@ -558,3 +558,57 @@ def test_non_power_of_two_block_sizes(bs: int) -> None:
         with pytest.raises(ValueError, match=r"row 0 needs cdiv\(seq_len=6, block_size\*world_size=9\)=1 blocks"):
             BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=bt[:, :0], block_size=bs,
                       context_parallel=cp)
+
+
+def _runner_spec_rows(spec: BatchSpec) -> np.ndarray:
+    """vLLM's runner rule for ``num_decode_draft_tokens_cpu >= 0``, row by row (docs/semantics.md, draft
+    tokens): ``d`` where ``d > 0`` and ``q == d + 1``; 0 where ``q == 1`` past the prompt; else -1."""
+    q, c = spec.num_scheduled_tokens, spec.num_computed_tokens
+    d = spec.num_draft_tokens if spec.num_draft_tokens is not None else np.zeros_like(q)
+    past = np.ones_like(q, bool) if spec.num_prompt_tokens is None else c >= spec.num_prompt_tokens
+    return ((d > 0) & (q == d + 1)) | ((q == 1) & past)
+
+
+@given(spec=batch_specs(max_reqs=6, max_query_len=8), data=st.data())
+def test_the_shape_s_row_classes_follow_the_split_and_the_runner_rules(spec: BatchSpec, data: st.DataObject) -> None:
+    """``uniform_queries`` (every query ``q[0]`` tokens or none) and ``all_spec_rows`` (every real row a spec
+    row by the runner's rule), from ``BatchSpec.shape`` and from the composer's scan of the same arrays,
+    against the rules written out row by row; drafts drawn so that spec rows occur."""
+    from attnmeta.compose import Group, StepBuilder
+
+    q = spec.num_scheduled_tokens
+    if spec.num_reqs and data.draw(st.booleans(), "drafts"):
+        drafts = np.where(q > 1, q - 1, 0).astype(np.int32)
+        spec = dataclasses.replace(spec, num_draft_tokens=drafts)
+    s = spec.shape
+    want_uniform = bool(np.all((q == 0) | (q == (q[0] if q.size else 0))))
+    want_spec = bool(q.size) and bool(np.all(_runner_spec_rows(spec)))
+    assert (s.uniform_queries, s.all_spec_rows) == (want_uniform, want_spec)
+    composer = StepBuilder(Stager("cpu"), Group({}))
+    seen: list[Any] = []
+    composer._class_entry = lambda shapes, inputs: seen.append(shapes) or None  # type: ignore[method-assign]
+    composer.build_counts(spec.num_computed_tokens, q, [(spec.block_table, spec.block_size)],
+                          num_prompt_tokens=spec.num_prompt_tokens, num_draft_tokens=spec.num_draft_tokens,
+                          seq_lens_upper_bound=spec.seq_lens_upper_bound, num_reqs_padded=spec.num_reqs_padded,
+                          num_tokens_padded=spec.num_tokens_padded)
+    if seen:  # (the counts entry scanned the arrays: its shape is the spec's)
+        assert seen[0][0] == s
+
+
+def test_a_decode_loop_s_shapes_name_its_spec_rows_and_uniform_queries() -> None:
+    """Worked cases: three rows of 2 drafts each (all spec, uniform); one row with 1 draft among them
+    (all spec, not uniform); a one-token row still in its prompt (not a spec row); a padding row."""
+    table = np.arange(1, 13, dtype=np.int32).reshape(3, 4)
+
+    def shape(q: list[int], d: list[int] | None, prompt: list[int] | None = None, **kw: Any) -> tuple[bool, bool]:
+        s = BatchSpec(num_computed_tokens=[4, 5, 6], num_scheduled_tokens=q, num_draft_tokens=d,
+                      num_prompt_tokens=prompt, block_table=table, block_size=4, **kw).shape
+        return s.uniform_queries, s.all_spec_rows
+
+    assert shape([3, 3, 3], [2, 2, 2]) == (True, True)
+    assert shape([3, 2, 3], [2, 1, 2]) == (False, True)
+    assert shape([3, 3, 3], [2, 1, 2]) == (True, False)  # (a row verifying 1 draft with 3 tokens: a prefill)
+    assert shape([1, 1, 1], None) == (True, True)
+    assert shape([1, 1, 1], None, prompt=[2, 5, 9]) == (True, False)  # (row 2 is still in its prompt)
+    assert shape([1, 1, 1], None, num_reqs_padded=4, num_tokens_padded=4) == (True, True)
+    assert shape([2, 0, 2], None) == (True, False)

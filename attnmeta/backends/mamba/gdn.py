@@ -532,7 +532,7 @@ class GDNBuilder(AlignReadsLengths, Builder[GDNOptions, GDNInputs, None, GDNMeta
                 sti = st.alloc("spec_token_indx", min(S * (k + 1), int(qsl[-1])), np.int32, Tm, key="spec_token_indx.i32")
                 st.alloc("non_spec_token_indx", 0, np.int32, Tm, key="non_spec_token_indx.i32")
                 _write_all_spec(h, bt, mask, acc, S, staged, sm, si, sq, na, sti)
-                form = (_SPEC, S, staged)
+                form = (_SPEC, S, St, staged, uniform)
             else:
                 given = q if acc is None else acc
                 st.put("spec_sequence_masks", mask, R, False)
@@ -633,16 +633,27 @@ class GDNBuilder(AlignReadsLengths, Builder[GDNOptions, GDNInputs, None, GDNMeta
         return reasons
 
     def replay_key(self, shape: StepShape, options: GDNOptions, inputs: GDNInputs) -> Hashable | None:
-        """The layout of a step no row of which is longer than one token or still in its prompt (a decode
-        loop's): without spec rows (spec decode off, or no token), column 0 of the state indices
-        (:data:`_DECODE`); with spec decode on, every one-token row is a spec row with zero drafts, so an
-        all-spec step of ``S = num_tokens`` rows, staged to every row or not (``(_SPEC, S, staged)``).
-        Else None (composed): which rows are spec rows or prefills, and so the fields' rows, depend on
-        the per-row counts (a row of ``1 + d`` tokens is a spec row only when ``d`` are its drafts)."""
-        if shape.max_query_len > 1 or shape.any_prefilling:
+        """The layout of a decode loop's step. Spec decode off (or a step without tokens): a step no row
+        of which is longer than one token or still in its prompt, whose one own field is column 0 of the
+        state indices (:data:`_DECODE`). Spec decode on: an all-spec step, every real row a spec row
+        (:attr:`~attnmeta.StepShape.all_spec_rows`: drafts ``d > 0`` verified with ``d + 1`` tokens, or
+        one token past its prompt), or every row of at most one token past its prompt (padding rows
+        among them): ``(_SPEC, S, St, staged, uniform)``, its ``S`` spec rows and ``St`` tokens, whether
+        FULL CUDA graphs stage it to every row, and the spec rows' common query length (None unless
+        uniform). Else None (composed): which rows are spec rows or prefills, and so the fields' rows,
+        depend on per-row counts the scalars do not give."""
+        k = options.num_speculative_tokens
+        if k and shape.num_tokens and shape.all_spec_rows:
+            S, St = shape.num_reqs, shape.num_tokens
+            uniform = shape.first_query_len if shape.uniform_queries else None
+        elif shape.max_query_len > 1 or shape.any_prefilling:
             return None
-        S = shape.num_tokens if options.num_speculative_tokens else 0
-        return (_SPEC, S, _all_spec_staged(options, S, S)) if S else _DECODE
+        elif not k or not shape.num_tokens:
+            return _DECODE
+        else:  # (one-token rows past their prompts and empty rows: the one-token rows are the spec rows)
+            S = St = shape.num_tokens
+            uniform = 1
+        return (_SPEC, S, St, _all_spec_staged(options, S, St), uniform)
 
     def replayer(self, staged: Staged[None, GDNMetadata], common: StagedCommon, step: Step, options: GDNOptions,
                  inputs: GDNInputs) -> _Replayer | None:
@@ -660,7 +671,7 @@ _DECODE = ("decode",)
 """The replay key of a step without spec rows whose rows all decode: its one own field is column 0 of
 the state indices; the split is ``(B, 0, T, 0)``."""
 _SPEC = "all_spec"
-"""The tag of the replay key of an all-spec step of one-token rows: ``(_SPEC, S, staged)``."""
+"""The tag of the replay key of an all-spec step: ``(_SPEC, S, St, staged, uniform)``."""
 
 _DECODE_PER_STEP = ("common", "num_decode_tokens", "num_actual_tokens", "non_spec_query_start_loc",
                     "non_spec_query_start_loc_cpu")
@@ -706,7 +717,7 @@ class _Replayer(Replayer[GDNInputs, GDNMetadata]):
             self.make = template(recorded, _DECODE_PER_STEP)
         else:
             assert isinstance(form, tuple) and recorded.num_spec_decodes == form[1]
-            self.spec = (form[1], form[2])
+            self.spec = (form[1], form[3])
             self.fields = tuple(views[f] for f in ("spec_sequence_masks", "spec_state_indices_tensor",
                                                    "spec_query_start_loc", "num_accepted_tokens", "spec_token_indx"))
             self.make = template(recorded, _SPEC_PER_STEP)
