@@ -127,6 +127,9 @@
 #           times unprofiled, then one run each under cProfile: the functions whose own time differs most
 #           between the engines -> launch_profile.txt (carry .vllm .kernels, as vllmbench); LAUNCHPROF_ARGS more
 #           flags (e.g. "--callers find_spec": who calls the functions that match);
+#   replay  benchmarks/bench_replay.py on cuda: each builder that replays, its decode step through the step
+#           composer's build_counts replayed against composed (a twin whose replay_key is None), at 1, 64 and
+#           256 requests (REPLAY_ROUNDS, default 6) -> replay.txt (about 2 min; no carry);
 #   regress the checks a change to staging or the builders must pass on the GPU, in one call (about 5 min):
 #           tests/gpu as part gpu, then every test of tests/gpu/test_engine_cuda.py (the small Llama through
 #           every kernel and the small Bamba, tokens against generate, the loops under the audit), with
@@ -145,7 +148,7 @@
 #   .vllm .kernels when .vllm holds FlashInfer) are asked for by name.
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-out}}
-PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, floor, abengine, twin, phases, before-after, vllm, vllmbench, launchprof, regress: by name
+PARTS=" ${2:-gpu decode bench mamba suites audit kernels engine enginebench mamba-kernels hybrid hybridbench} "  # multi, ab, floor, abengine, twin, phases, before-after, vllm, vllmbench, launchprof, regress, replay: by name
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ATTNMETA_HYPOTHESIS_PROFILE=gpu
@@ -227,6 +230,11 @@ timeout 200 $PY benchmarks/bench_decode.py --device cuda --threads 4 2>&1 | tee 
 timeout 150 $PY benchmarks/bench_decode.py --device cuda --cold --paths attnmeta,fused,jitter --rounds 6 2>&1 \
   | tee -a "$OUT_DIR/bench_decode.txt" || status=1
 timeout 60 $PY benchmarks/bench_spec.py 2>&1 | tee -a "$OUT_DIR/bench_decode.txt" || status=1
+fi
+if want replay; then
+echo "== replay: each replaying builder's decode step, replayed against composed" | tee "$OUT_DIR/replay.txt"
+timeout 300 $PY benchmarks/bench_replay.py --device cuda --rounds "${REPLAY_ROUNDS:-6}" --steps 200 2>&1 \
+  | tee -a "$OUT_DIR/replay.txt" || status=1
 fi
 if want ab; then
 echo "== ab: this checkout against .ab_base (benchmarks/ab_commit.py)" | tee "$OUT_DIR/ab.txt"
