@@ -32,6 +32,15 @@ Graph mode: capacities 2 / 1 for the fixed-size arrays, ``max_num_reqs`` for ``s
 its tail repeating the last value), ``max_blocks_per_req`` for the shared indices and
 ``profile.max_num_pages`` for the suffix indices (tails 0).
 
+Replay (:class:`attnmeta.compose.StepBuilder`): a step that cannot cascade whatever its rows hold (the
+scalars rule it out: CUDA-graph padding rows, fewer than 8 requests, an offered prefix
+``num_common_prefix_blocks * block_size`` under 256 tokens, ALiBi, a sliding window, local attention,
+DCP; :func:`_ruled_out`) stages nothing and replays (:meth:`CascadeBuilder.replay_key`); a replay runs the
+derive's decision (:func:`_decide`) for its checks and makes the metadata of a step without cascade. A
+step that may cascade is never replayed: its prefix ``L`` is capped at the smallest
+``num_computed_tokens`` (per-row data), which sets the shared page indices' rows and, with grouped-query
+heads, the cost model's vote, and its suffix page indices have a row per suffix page (every row's length).
+
 Shape legend
 ------------
 - ``num_reqs``: request rows ``B`` (no padding rows when cascade runs).
@@ -43,18 +52,26 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from attnmeta._checks import check_option_fields, option_rule
-from attnmeta._fields import MetadataBase
+from attnmeta._fields import MetadataBase, template
 from attnmeta.backends._shared import alloc_indptr
-from attnmeta.builder import Builder, register
-from attnmeta.host.cascade import cascade_arrays, cascade_prefix_len, use_cascade_attention
+from attnmeta.builder import Builder, Replayer, register
+from attnmeta.host.cascade import (
+    CASCADE_MIN_PREFIX,
+    CASCADE_MIN_REQS,
+    cascade_arrays,
+    cascade_prefix_len,
+    use_cascade_attention,
+)
 from attnmeta.host.paged import num_pages, paged_kv_layout
-from attnmeta.metadata import CommonAttentionMetadata, StagedCommon
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
+from attnmeta.spec import StepShape
 from attnmeta.staging import Staged, Step
 
 __all__ = [
@@ -283,16 +300,65 @@ class CascadeBuilder(Builder[CascadeOptions, CascadeInputs, CascadeHost, Cascade
         """
         return _stage(common, step, options, inputs.num_common_prefix_blocks)
 
+    def replay_key(self, shape: StepShape, options: CascadeOptions, inputs: CascadeInputs) -> Hashable | None:
+        """``"off"`` for a step the scalars rule cascade out of (:func:`_ruled_out`: padding rows, fewer
+        than 8 requests, an offered prefix under 256 tokens, a model feature or DCP), which stages nothing.
+        Else None: whether the step cascades, and the rows of its prefix and suffix fields, depend on the
+        smallest context and every row's length (module docstring). A block count that is not an int >= 0
+        gives None too (the staged step raises)."""
+        blocks = inputs.num_common_prefix_blocks
+        if isinstance(blocks, bool) or not isinstance(blocks, int | np.integer) or blocks < 0:
+            return None
+        if _ruled_out(shape.num_reqs, shape.padded_num_reqs, int(blocks) * shape.block_size, options):
+            return "off"
+        return None
 
-def _stage(common: StagedCommon, step: Step, options: CascadeOptions,
-           num_common_prefix_blocks: int) -> Staged[CascadeHost, CascadeMetadata]:
-    h = common.host
+    def reads_lengths(self, options: CascadeOptions) -> bool:
+        """False: neither :meth:`needs` (the default) nor :meth:`replay_key` reads the step's lengths."""
+        return False
+
+    def replayer(self, staged: Staged[CascadeHost, CascadeMetadata], common: StagedCommon, step: Step,
+                 options: CascadeOptions, inputs: CascadeInputs) -> _Replayer | None:
+        """Replays of a step without cascade (the only steps :meth:`replay_key` names); None for a step that
+        cascaded (its key did not promise this layout)."""
+        m = staged.result()
+        if m.use_cascade:
+            return None
+        return _Replayer(m, options)
+
+
+def _ruled_out(num_real_reqs: int, num_reqs: int, offered_len: int, options: CascadeOptions) -> bool:
+    """Whether a step cannot cascade whatever its rows hold: padding rows (``num_real_reqs != num_reqs``,
+    vLLM turns full graphs off for cascade steps), fewer than 8 requests, an offered prefix
+    (``num_common_prefix_blocks * block_size``, which bounds ``L``) under 256 tokens, ALiBi, a sliding
+    window, local attention, DCP: the tests of :func:`~attnmeta.host.cascade.use_cascade_attention` that
+    read scalars only. One function for the staged step's decision (:func:`_decide`) and the replay key."""
+    return (num_real_reqs != num_reqs or num_real_reqs < CASCADE_MIN_REQS or offered_len < CASCADE_MIN_PREFIX
+            or options.use_alibi or options.use_sliding_window or options.use_local_attention
+            or options.dcp_world_size > 1)
+
+
+def _decide(h: CommonHost, options: CascadeOptions, num_common_prefix_blocks: int) -> int:
+    """The step's ``common_prefix_len`` when it cascades, else 0: the runner's prefix rule and its checks
+    (:func:`~attnmeta.host.cascade.cascade_prefix_len`: the block count, the rows' shared prefix columns),
+    then the vote (:func:`_ruled_out`, then :func:`~attnmeta.host.cascade.use_cascade_attention`). A staged
+    and a replayed step alike.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`~attnmeta.host.cascade.cascade_prefix_len`.
+    """
+    if type(num_common_prefix_blocks) is int and num_common_prefix_blocks == 0:
+        return 0  # (no prefix offered, the common case: nothing to check or vote on)
     B, B_real, bs = h.num_reqs, h.num_real_reqs, h.block_size
-    qsl, sl, nc, bt = h.query_start_loc_cpu, h.seq_lens_cpu, h.num_computed_tokens_cpu, h.block_table_cpu
-    length = cascade_prefix_len(num_common_prefix_blocks, bs, nc[:B_real], block_table=bt)
-    use = B_real == B and use_cascade_attention(
+    length = cascade_prefix_len(num_common_prefix_blocks, bs, h.num_computed_tokens_cpu[:B_real],
+                                block_table=h.block_table_cpu)
+    if _ruled_out(B_real, B, int(num_common_prefix_blocks) * bs, options):
+        return 0
+    use = use_cascade_attention(
         common_prefix_len=length,
-        query_lens=np.diff(qsl[: B_real + 1]).astype(np.int32),
+        query_lens=np.diff(h.query_start_loc_cpu[: B_real + 1]).astype(np.int32),
         num_query_heads=options.num_query_heads,
         num_kv_heads=options.num_kv_heads,
         use_alibi=options.use_alibi,
@@ -301,17 +367,34 @@ def _stage(common: StagedCommon, step: Step, options: CascadeOptions,
         num_sms=options.num_sms,
         dcp_world_size=options.dcp_world_size,
     )
-    if not use:
+    return length if use else 0
 
-        def make_off() -> CascadeMetadata:
-            names = (*_ARRAYS, "suffix_block_table")
-            fields: dict[str, Any] = dict.fromkeys((*names, *(n + "_cpu" for n in names)))
-            return CascadeMetadata(
-                common=common.result(), use_cascade=False, common_prefix_len=0, num_prefix_blocks=0, **fields
-            )
 
-        return Staged(step, CascadeHost(False, 0), make_off)
+_NONE_FIELDS = tuple(n + s for n in (*_ARRAYS, "suffix_block_table") for s in ("", "_cpu"))
+"""Every array field of :class:`CascadeMetadata` (None without cascade)."""
 
+
+def _off_metadata(cm: CommonAttentionMetadata) -> CascadeMetadata:
+    """The metadata of a step without cascade: ``cm``, every array None."""
+    return CascadeMetadata(common=cm, use_cascade=False, common_prefix_len=0, num_prefix_blocks=0,
+                           **dict.fromkeys(_NONE_FIELDS))
+
+
+def _stage(common: StagedCommon, step: Step, options: CascadeOptions,
+           num_common_prefix_blocks: int) -> Staged[CascadeHost, CascadeMetadata]:
+    """Decide (:func:`_decide`) and, when the step cascades, stage its arrays (:func:`_stage_arrays`)."""
+    length = _decide(common.host, options, num_common_prefix_blocks)
+    if not length:
+        return Staged(step, CascadeHost(False, 0), lambda: _off_metadata(common.result()))
+    return _stage_arrays(common, step, options, length)
+
+
+def _stage_arrays(common: StagedCommon, step: Step, options: CascadeOptions,
+                  length: int) -> Staged[CascadeHost, CascadeMetadata]:
+    """Stage the arrays of a step that cascades with a prefix of ``length`` tokens."""
+    h = common.host
+    B, bs = h.num_reqs, h.block_size
+    sl, bt = h.seq_lens_cpu, h.block_table_cpu
     p = options.prefix + "."
     prof = step.profile
     graph = prof is not None
@@ -320,6 +403,7 @@ def _stage(common: StagedCommon, step: Step, options: CascadeOptions,
     staged: dict[str, np.ndarray] = {}
 
     def put(name: str, values: np.ndarray, capacity: int) -> None:
+        """Stage ``values`` as the int32 field ``name`` (graph mode: of ``capacity`` rows, tail 0)."""
         kw: dict[str, Any] = {"capacity": capacity, "fill": 0} if graph else {}
         staged[name] = step.stage(p + name, values, np.int32, **kw)
 
@@ -347,6 +431,7 @@ def _stage(common: StagedCommon, step: Step, options: CascadeOptions,
     staged["suffix_paged_kv_indptr"] = indptr_full[: B + 1]
 
     def make() -> CascadeMetadata:
+        """The metadata, after the commit."""
         cm = common.result()
         fields: dict[str, Any] = {n: step.device(p + n)[: v.shape[0]] for n, v in staged.items()}
         fields.update({n + "_cpu": v for n, v in staged.items()})
@@ -364,6 +449,28 @@ def _stage(common: StagedCommon, step: Step, options: CascadeOptions,
         )
 
     return Staged(step, CascadeHost(True, length), make)
+
+
+class _Replayer(Replayer[CascadeInputs, CascadeMetadata]):
+    """Replays of a step without cascade (:meth:`CascadeBuilder.replay_key` ``"off"``): no own fields; the
+    metadata is the recorded one with this step's common metadata."""
+
+    __slots__ = ("make", "options")
+
+    def __init__(self, recorded: CascadeMetadata, options: CascadeOptions) -> None:
+        self.options = options
+        self.make = template(recorded, ("common",))
+
+    def rewrite(self, step: Step, host: CommonHost, inputs: CascadeInputs) -> None:
+        """No own fields to write: the step's decision (:func:`_decide`) runs for its checks, raising what a
+        staged step raises (a block count that is not an int >= 0, rows whose prefix columns differ). The
+        key's :func:`_ruled_out` is the decision's first test, so it returns 0 here."""
+        _decide(host, self.options, inputs.num_common_prefix_blocks)
+
+    def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
+               inputs: CascadeInputs) -> CascadeMetadata:
+        """The recorded metadata (every array None) with this step's common metadata."""
+        return self.make(common)
 
 
 CASCADE = register(CascadeBuilder())

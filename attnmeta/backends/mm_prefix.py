@@ -32,6 +32,20 @@ Rules (vLLM's, kept exactly)
   a token gets the range that covers its absolute position (context ``c = seq_lens_upper_bound - q``),
   so a later prefill chunk gets the part of a range inside it; None when no token is covered.
 
+What is staged, and replay
+--------------------------
+A step without spans stages nothing. With spans, the FlashAttention form is staged for every scheduled
+token (``-1`` where no range covers one; the metadata holds it only when a token is covered), and in
+graph mode the Triton form at ``(num_reqs, graph_max_ranges, 2)`` (zeros where the form is None); in
+eager mode the Triton form is staged only when a row has a range, ``max_ranges`` wide. (In graph mode a
+field a step does not stage holds its sentinel, ``-1`` or 0: the same bytes, so a captured kernel sees
+no difference.) The staged rows are therefore a function of the step's scalars and whether it has spans
+(:meth:`MMPrefixBuilder.replay_key`), but for the eager Triton form, whose width is the widest row's
+range count (per-row data): those steps are always composed. A replay (:class:`attnmeta.compose.StepBuilder`)
+checks the spans and derives the ranges as ``derive`` does (:func:`_host_ranges`), writes the form into
+every staged byte with the same compiled fills (:func:`_write`) and makes the metadata with the same
+function (:func:`_metadata`).
+
 Shape legend
 ------------
 - ``num_reqs``: request rows, padding included; ``num_real_reqs``: before padding.
@@ -43,17 +57,18 @@ Shape legend
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Literal
+from collections.abc import Callable, Hashable
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from attnmeta._checks import as_host_array, check_option_fields, option_rule
-from attnmeta._fields import MetadataBase
+from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta._numba import njit
-from attnmeta.builder import Builder, CommonNeeds, register
-from attnmeta.metadata import StagedCommon
+from attnmeta.builder import Builder, CommonNeeds, Replayer, register
+from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
 from attnmeta.spec import BatchSpec, StepShape
 from attnmeta.staging import CapacityError, Staged, Step
 
@@ -91,9 +106,9 @@ class MMPrefixOptions:
     prefix: str = dataclasses.field(default="mm_prefix", metadata=option_rule("prefix"))
     """Namespace of this builder's staged fields."""
     graph_max_ranges: int = dataclasses.field(default=8, metadata=option_rule("int", minimum=1))
-    """Graph mode, Triton form: the ranges of a row the fixed buffer holds. Every graph-mode step stages
-    ``(num_reqs, graph_max_ranges, 2)`` (rows' unused ranges ``(0, 0)``), so a captured kernel reads one
-    row stride whatever the step; a row with more ranges raises ``CapacityError``."""
+    """Graph mode, Triton form: the ranges of a row the fixed buffer holds. Every graph-mode step with
+    spans stages ``(num_reqs, graph_max_ranges, 2)`` (rows' unused ranges ``(0, 0)``), so a captured
+    kernel reads one row stride whatever the step; a row with more ranges raises ``CapacityError``."""
 
     def __post_init__(self) -> None:
         check_option_fields(self)
@@ -166,6 +181,9 @@ class MMPrefixMetadata(MetadataBase):
         empty list), inclusive ``(start, end)`` tuples. Reads host memory only."""
         ip, r = self.mm_range_indptr_cpu.tolist(), self.mm_ranges_cpu.tolist()
         return {i: [(s, e) for s, e in r[ip[i]:ip[i + 1]]] for i in range(len(ip) - 1)}
+
+
+_make_mm = keyword_factory(MMPrefixMetadata)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -501,65 +519,25 @@ class MMPrefixBuilder(Builder[MMPrefixOptions, MMPrefixInputs, None, MMPrefixMet
         attnmeta.staging.CapacityError
             Graph mode: more scheduled tokens, requests or ranges than the profile holds.
         """
-        opts = options
-        mm_span_indptr, mm_span_starts = inputs.mm_span_indptr, inputs.mm_span_starts
-        mm_span_lengths, mm_is_embed = inputs.mm_span_lengths, inputs.mm_is_embed
         h = common.host
-        nreal = h.num_real_reqs
-        if mm_span_indptr is None and mm_span_starts is None and mm_span_lengths is None and mm_is_embed is None:
-            mm_span_indptr, mm_span_starts, mm_span_lengths = np.zeros(nreal + 1, np.int32), _NO_I32, _NO_I32
-        indptr, starts, lengths, embed = _check_spans(mm_span_indptr, mm_span_starts, mm_span_lengths, mm_is_embed,
-                                                      nreal)
-        r_ip, ranges = _derive_ranges(indptr, starts, lengths, embed, opts.sliding_window, opts.clamp_sliding_window,
-                                      opts.span_pad)
-        for a in (r_ip, ranges):
-            a.flags.writeable = False
-        p = opts.prefix + "."
-        step.host_only(p + "mm_range_indptr", r_ip)  # keep_on_cpu: never staged
-        step.host_only(p + "mm_ranges", ranges)
-        prof = step.profile
-        tri: np.ndarray | None = None
-        qr: np.ndarray | None = None
-        width = rows = 0
-        if opts.form == "triton":
-            B = h.num_reqs
-            width = int(_triton_rows_nb(r_ip, ranges, B))
-            cap = None
-            if width and prof is not None:  # one row stride for every step (captured kernels read it)
-                g = opts.graph_max_ranges
-                if width > g:
-                    raise CapacityError(
-                        f"{p}mm_prefix_range_tensor: a row has {width} ranges but MMPrefixOptions.graph_max_ranges="
-                        f"{g} (graph mode stages (num_reqs, graph_max_ranges, 2))")
-                width, cap = g, prof.max_num_reqs * g * 2
-            if width:
-                flat = step.alloc(p + "mm_prefix_range_tensor", B * width * 2, np.int32, capacity=cap)
-                _triton_fill_nb(r_ip, ranges, B, width, flat)
-                tri = flat.reshape(B, width, 2)
+        p = options.prefix + "."
+        graph = step.profile is not None
+        r_ip, ranges, spans = _host_ranges(step, p, h.num_real_reqs, options, inputs)
+        width = _triton_width(r_ip, ranges, h.num_reqs, options, graph) if options.form == "triton" else 0
+        own = _alloc(step, p, h, options, spans, width)
+        max_ranges, rows = _write(h, options, r_ip, ranges, width, own)
+        views = _host_views(own, h.num_reqs)
+        if options.form == "flash_attn":
+            layout: Hashable | None = ("flash_attn", int(h.query_start_loc_cpu[-1])) if spans else "none"
         else:
-            qsl = h.query_start_loc_cpu
-            ub = h.seq_lens_cpu_upper_bound
-            T = int(qsl[-1])
-            if T > 0 and _query_ranges_nb(r_ip, ranges, qsl, ub, _NO_OUT, False):
-                cap = None if prof is None else prof.max_num_tokens
-                qr = step.alloc(p + "mm_prefix_query_range_tensor", (T, 2), np.int32, capacity=cap, fill=-1)
-                _query_ranges_nb(r_ip, ranges, qsl, ub, qr, True)
-                rows = T
-        for a2 in (tri, qr):
-            if a2 is not None:
-                a2.flags.writeable = False
-        form, nr = opts.form, int(ranges.shape[0])
+            layout = ("triton" if graph else None) if spans else "none"
 
         def make() -> MMPrefixMetadata:
-            tri_d = None if tri is None else step.device(p + "mm_prefix_range_tensor").view(tri.shape)
-            qr_d = None if qr is None else step.device(p + "mm_prefix_query_range_tensor")
-            return MMPrefixMetadata(
-                mm_prefix_range_tensor=tri_d, mm_prefix_query_range_tensor=qr_d, mm_prefix_range_tensor_cpu=tri,
-                mm_prefix_query_range_tensor_cpu=qr, mm_range_indptr_cpu=r_ip, mm_ranges_cpu=ranges, form=form,
-                num_ranges=nr, max_ranges=width, num_query_range_rows=rows,
-            )
+            """The metadata, after the commit."""
+            return _metadata(views, _device_views(step, p, own, h.num_reqs), r_ip, ranges, options.form, max_ranges,
+                             rows)
 
-        return Staged(step, None, make)
+        return _Staged(step, make, own, views, layout)
 
     def unsupported_reasons(self, spec: BatchSpec, options: MMPrefixOptions, inputs: MMPrefixInputs) -> list[str]:
         """A context-parallel batch: the ranges are absolute prompt positions and this builder does not
@@ -569,9 +547,221 @@ class MMPrefixBuilder(Builder[MMPrefixOptions, MMPrefixInputs, None, MMPrefixMet
                     "positions; a rank's local KV share is not modelled)"]
         return []
 
+    def replay_key(self, shape: StepShape, options: MMPrefixOptions, inputs: MMPrefixInputs) -> Hashable | None:
+        """What the staged form's rows depend on (module docstring, "What is staged, and replay"):
+        ``"none"`` for a step without spans (nothing staged); with spans, ``("flash_attn", num_tokens)``
+        (the per-token form, staged for every token) or ``"triton"`` (graph mode's ``(num_reqs,
+        graph_max_ranges, 2)``; in eager mode its width is the widest row's range count, per-row data:
+        :meth:`replayer` declines those steps). None for inputs the staged step refuses (some spans given
+        but not the offsets, offsets that are not one-dimensional)."""
+        starts = inputs.mm_span_starts
+        if starts is None:
+            given = (inputs.mm_span_indptr, inputs.mm_span_lengths, inputs.mm_is_embed)
+            return "none" if all(v is None for v in given) else None
+        shp = np.shape(starts)
+        if len(shp) != 1:
+            return None
+        if not shp[0]:
+            return "none"
+        return ("flash_attn", shape.num_tokens) if options.form == "flash_attn" else "triton"
+
+    def reads_lengths(self, options: MMPrefixOptions) -> bool:
+        """False: neither :meth:`needs` nor :meth:`replay_key` reads the step's lengths."""
+        return False
+
+    def replayer(self, staged: Staged[None, MMPrefixMetadata], common: StagedCommon, step: Step,
+                 options: MMPrefixOptions, inputs: MMPrefixInputs) -> _Replayer | None:
+        """Replays rewrite the recorded step's staged form (:func:`_write`) and make the metadata with
+        :func:`_metadata`. None for an eager step of the Triton form with spans (its width is per-row data:
+        such steps are always composed), and where the step staged another layout than its key names."""
+        if not isinstance(staged, _Staged) or staged.layout is None:
+            return None
+        spec = common.spec
+        if spec is not None and staged.layout != self.replay_key(spec.shape, options, inputs):
+            return None
+        h = common.host
+        return _Replayer(options, staged.own, staged.views,
+                         _device_views(step, options.prefix + ".", staged.own, h.num_reqs), step.profile is not None)
+
+
+class _Own(NamedTuple):
+    """The writable host views of a step's staged form (the slot's memory, which a replay of its layout
+    rewrites)."""
+
+    triton: np.ndarray | None
+    """The Triton form, flat ``(num_reqs * width * 2,)``; None when not staged."""
+    width: int
+    """The Triton form's staged ranges per row (graph mode: ``graph_max_ranges``); 0 when not staged."""
+    query: np.ndarray | None
+    """(num_tokens, 2), the FlashAttention form; None when not staged."""
+
+
+class _Views(NamedTuple):
+    """The views of a step's staged form its metadata holds: read-only host views of :class:`_Own` (the same
+    memory), or the device views of a committed step."""
+
+    triton: Any
+    """(num_reqs, width, 2) int32, or None when not staged."""
+    query: Any
+    """(num_tokens, 2) int32, or None when not staged."""
+
+
+def _frozen(a: np.ndarray | None) -> np.ndarray | None:
+    """A read-only view of ``a`` (the writable one stays with the builder, for a replay)."""
+    if a is None:
+        return None
+    ro = a.view()
+    ro.flags.writeable = False
+    return ro
+
+
+def _host_ranges(step: Step, p: str, num_real_reqs: int, options: MMPrefixOptions,
+                 inputs: MMPrefixInputs) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The step's checked spans turned into ranges (:func:`_derive_ranges`), read-only and recorded as the
+    step's host-only fields (``keep_on_cpu``: never staged): ``(range_indptr, ranges, whether any span was
+    given)``. A staged and a replayed step alike.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :meth:`MMPrefixBuilder.derive`.
+    """
+    ip, starts_in, lengths_in, emb = (inputs.mm_span_indptr, inputs.mm_span_starts, inputs.mm_span_lengths,
+                                      inputs.mm_is_embed)
+    if ip is None and starts_in is None and lengths_in is None and emb is None:
+        ip, starts_in, lengths_in = np.zeros(num_real_reqs + 1, np.int32), _NO_I32, _NO_I32
+    indptr, starts, lengths, embed = _check_spans(ip, starts_in, lengths_in, emb, num_real_reqs)
+    r_ip, ranges = _derive_ranges(indptr, starts, lengths, embed, options.sliding_window,
+                                  options.clamp_sliding_window, options.span_pad)
+    for a in (r_ip, ranges):
+        a.flags.writeable = False
+    step.host_only(p + "mm_range_indptr", r_ip)
+    step.host_only(p + "mm_ranges", ranges)
+    return r_ip, ranges, starts.shape[0] > 0
+
+
+def _triton_width(r_ip: np.ndarray, ranges: np.ndarray, num_reqs: int, options: MMPrefixOptions, graph: bool) -> int:
+    """The Triton form's ``max_ranges`` of the step's data (0: every row ``[(0, 0)]``, the form is None).
+
+    Raises
+    ------
+    attnmeta.staging.CapacityError
+        Graph mode: a row with more than ``graph_max_ranges`` ranges.
+    """
+    width = int(_triton_rows_nb(r_ip, ranges, num_reqs))
+    g = options.graph_max_ranges
+    if graph and width > g:
+        raise CapacityError(f"{options.prefix}.mm_prefix_range_tensor: a row has {width} ranges but "
+                            f"MMPrefixOptions.graph_max_ranges={g} (graph mode stages (num_reqs, graph_max_ranges, 2))")
+    return width
+
+
+def _alloc(step: Step, p: str, h: CommonHost, options: MMPrefixOptions, spans: bool, width: int) -> _Own:
+    """Stage the step's form: in eager mode the Triton form when a row has a range (``width`` of the step's
+    data), in graph mode whenever a span is given (``graph_max_ranges`` wide: one row stride for a captured
+    kernel, zeros when the form is None), and the FlashAttention form whenever a span is given and a token
+    is scheduled (``-1`` rows where no range covers a token; the metadata holds it only when one does)."""
+    prof = step.profile
+    if options.form == "triton":
+        B = h.num_reqs
+        if prof is not None:
+            if not spans:
+                return _Own(None, 0, None)
+            g = options.graph_max_ranges
+            return _Own(step.alloc(p + "mm_prefix_range_tensor", B * g * 2, np.int32, capacity=prof.max_num_reqs * g * 2),
+                        g, None)
+        if not width:
+            return _Own(None, 0, None)
+        return _Own(step.alloc(p + "mm_prefix_range_tensor", B * width * 2, np.int32), width, None)
+    T = int(h.query_start_loc_cpu[-1])
+    if not spans or T <= 0:
+        return _Own(None, 0, None)
+    cap = None if prof is None else prof.max_num_tokens
+    return _Own(None, 0, step.alloc(p + "mm_prefix_query_range_tensor", (T, 2), np.int32, capacity=cap, fill=-1))
+
+
+def _write(h: CommonHost, options: MMPrefixOptions, r_ip: np.ndarray, ranges: np.ndarray, width: int,
+           own: _Own) -> tuple[int, int]:
+    """Write the step's form into every byte of ``own`` (compiled): a staged and a replayed step alike.
+    Returns the metadata's ``(max_ranges, num_query_range_rows)``: ``own.width`` when a row has a range
+    (``width``, :func:`_triton_width`), else 0 (the Triton form is None); the tokens when one is covered,
+    else 0 (the FlashAttention form is None)."""
+    if options.form == "triton":
+        if own.triton is not None:
+            _triton_fill_nb(r_ip, ranges, h.num_reqs, own.width, own.triton)
+        return (own.width if width else 0), 0
+    if own.query is None:
+        return 0, 0
+    covered = _query_ranges_nb(r_ip, ranges, h.query_start_loc_cpu, h.seq_lens_cpu_upper_bound, own.query, True)
+    return 0, (own.query.shape[0] if covered else 0)
+
+
+def _host_views(own: _Own, num_reqs: int) -> _Views:
+    """The read-only host views of ``own`` (made once per layout: a replay writes the same memory)."""
+    tri = None if own.triton is None else own.triton.reshape(num_reqs, own.width, 2)
+    return _Views(_frozen(tri), _frozen(own.query))
+
+
+def _device_views(step: Step, p: str, own: _Own, num_reqs: int) -> _Views:
+    """The device views of a committed step's staged form (of prefix ``p``)."""
+    tri = None if own.triton is None else step.device(p + "mm_prefix_range_tensor").view(num_reqs, own.width, 2)
+    return _Views(tri, None if own.query is None else step.device(p + "mm_prefix_query_range_tensor"))
+
+
+def _metadata(views: _Views, dv: _Views, r_ip: np.ndarray, ranges: np.ndarray, form: str, max_ranges: int,
+              rows: int) -> MMPrefixMetadata:
+    """The step's metadata from its ranges, the views of its staged form and :func:`_write`'s counts (a
+    form the counts say is None is None, whatever was staged)."""
+    return _make_mm(
+        mm_prefix_range_tensor=dv.triton if max_ranges else None, mm_prefix_query_range_tensor=dv.query if rows else None,
+        mm_prefix_range_tensor_cpu=views.triton if max_ranges else None,
+        mm_prefix_query_range_tensor_cpu=views.query if rows else None, mm_range_indptr_cpu=r_ip,
+        mm_ranges_cpu=ranges, form=form, num_ranges=int(ranges.shape[0]), max_ranges=max_ranges,
+        num_query_range_rows=rows,
+    )
+
+
+class _Staged(Staged[None, MMPrefixMetadata]):
+    """A staged mm-prefix step: its form's writable and read-only host views, and the layout it staged (the
+    :meth:`MMPrefixBuilder.replay_key` it matches; None for the eager Triton form with spans)."""
+
+    __slots__ = ("layout", "own", "views")
+
+    def __init__(self, step: Step, make: Callable[[], MMPrefixMetadata], own: _Own, views: _Views,
+                 layout: Hashable | None) -> None:
+        super().__init__(step, None, make)
+        self.own, self.views, self.layout = own, views, layout
+
+
+class _Replayer(Replayer[MMPrefixInputs, MMPrefixMetadata]):
+    """Replays of an mm-prefix layout: the step's ranges (:func:`_host_ranges`), written into the recorded
+    step's staged form (:func:`_write`, the slot's memory at the same places), and the metadata with
+    :func:`_metadata` and the recorded step's views."""
+
+    __slots__ = ("dv", "graph", "options", "own", "prefix", "views", "written")
+
+    def __init__(self, options: MMPrefixOptions, own: _Own, views: _Views, dv: _Views, graph: bool) -> None:
+        self.options, self.own, self.views, self.dv, self.graph = options, own, views, dv, graph
+        self.prefix = options.prefix + "."
+        self.written: tuple[Step, np.ndarray, np.ndarray, int, int] | None = None
+
+    def rewrite(self, step: Step, host: CommonHost, inputs: MMPrefixInputs) -> None:
+        """Check the step's spans, derive its ranges and write its form into every staged byte."""
+        self.written = None  # (until the write succeeds)
+        opts = self.options
+        r_ip, ranges, _spans = _host_ranges(step, self.prefix, host.num_real_reqs, opts, inputs)
+        width = _triton_width(r_ip, ranges, host.num_reqs, opts, self.graph) if opts.form == "triton" else 0
+        self.written = (step, r_ip, ranges, *_write(host, opts, r_ip, ranges, width, self.own))
+
+    def result(self, step: Step, common: CommonAttentionMetadata, host: CommonHost, paged: PagedKVMetadata | None,
+               inputs: MMPrefixInputs) -> MMPrefixMetadata:
+        """The step's metadata (:func:`_metadata`) from what :meth:`rewrite` wrote."""
+        w, self.written = self.written, None
+        assert w is not None and w[0] is step, "result() without this step's rewrite()"
+        return _metadata(self.views, self.dv, w[1], w[2], self.options.form, w[3], w[4])
+
 
 _NO_I32 = np.zeros(0, np.int32)
-_NO_OUT = np.zeros((0, 2), np.int32)
 
 MM_PREFIX = register(MMPrefixBuilder())
 """The registered multimodal prefix-range builder."""

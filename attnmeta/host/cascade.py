@@ -40,12 +40,13 @@ import numpy as np
 
 from attnmeta._checks import INT32_MAX, as_host_array, check_nonnegative, first_bad_row
 
-__all__ = ["CascadeArrays", "cascade_arrays", "cascade_prefix_len", "use_cascade_attention"]
+__all__ = ["CASCADE_MIN_PREFIX", "CASCADE_MIN_REQS", "CascadeArrays", "cascade_arrays", "cascade_prefix_len",
+           "use_cascade_attention"]
 
-#: Shortest common prefix worth a cascade (vLLM's arbitrary 256-token threshold).
-_MIN_PREFIX = 256
-#: Fewest requests worth a cascade (vLLM's arbitrary 8-request threshold).
-_MIN_REQS = 8
+CASCADE_MIN_PREFIX = 256
+"""Shortest common prefix worth a cascade, in tokens (vLLM's arbitrary 256-token threshold)."""
+CASCADE_MIN_REQS = 8
+"""Fewest requests worth a cascade (vLLM's arbitrary 8-request threshold)."""
 #: Default flash-attn tile sizes assumed by the cost model.
 _Q_TILE = 128
 _KV_TILE = 128
@@ -243,12 +244,12 @@ def use_cascade_attention(
     dcp = _check_int(dcp_world_size, "dcp_world_size", positive=True)
     q = as_host_array(query_lens, "query_lens")
     check_nonnegative(q, "query_lens")
-    if prefix < _MIN_PREFIX:
+    if prefix < CASCADE_MIN_PREFIX:
         return False
     if use_alibi or use_sliding_window or use_local_attention:
         return False
     num_reqs = q.shape[0]
-    if num_reqs < _MIN_REQS:
+    if num_reqs < CASCADE_MIN_REQS:
         return False
     if dcp > 1:
         return False
