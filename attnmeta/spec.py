@@ -165,7 +165,7 @@ def _copy_nb(src: np.ndarray, dst: np.ndarray) -> None:
 def _validate_nb(
     c: np.ndarray, q: np.ndarray, bt: np.ndarray, span: int, bs: int,
     prompt: np.ndarray, drafts: np.ndarray, ub: np.ndarray, diagnose: bool, own: np.ndarray,
-) -> tuple[int, int, int, int, int, int, int, int, bool]:
+) -> tuple[int, int, int, int, int, int, int, int, bool, bool, bool]:
     """Every rule of BatchSpec, and the derived scalars; with a non-empty ``own``, of copies.
 
     ``own`` is ``(0, 0)``, or ``(2 + given optional arrays, n)`` int32: the vectors are first copied
@@ -174,7 +174,8 @@ def _validate_nb(
     ``prompt``, ``drafts`` and ``ub`` are empty when not given (else they have ``c``'s length: with no
     rows the two are alike). Returns ``(status, row, col, total, max_q, max_seq, max_ub, pages,
     prefilling)``: status 0 = valid, with ``pages`` the sum of ``cdiv(seq, bs)`` and ``prefilling``
-    whether some ``c < prompt``; else a rule is broken and the scalars mean nothing.
+    whether some ``c < prompt``; else a rule is broken and the scalars mean nothing. (Then also
+    ``uniform_queries, all_spec_rows``: :func:`_row_classes_nb` of the rows.)
 
     The rules come in four groups: the counts (``c, q >= 0``; ``c + q`` and the running total of
     ``q`` fit int32; the table is wide enough: status ``_NEG_C`` to ``_NARROW``), the prompt lengths,
@@ -255,10 +256,11 @@ def _validate_nb(
                 code = _NEG_UB if lo_u < 0 else _UB
                 break
     if code == 0:
-        return 0, 0, 0, int(total), int(max_q), int(max_seq), int(max_ub), int(pages), bool(ahead > 0)
+        uniform, spec = _row_classes_nb(c, q, prompt, drafts)
+        return 0, 0, 0, int(total), int(max_q), int(max_seq), int(max_ub), int(pages), bool(ahead > 0), uniform, spec
     if not diagnose:
-        return _INVALID, 0, 0, 0, 0, 0, 0, 0, False
-    return code, row, 0, 0, 0, 0, 0, 0, False
+        return _INVALID, 0, 0, 0, 0, 0, 0, 0, False, False, False
+    return code, row, 0, 0, 0, 0, 0, 0, False, False, False
 
 
 # The fold that divides is a kernel of its own: compiled alone, its loop is split once on
@@ -413,6 +415,10 @@ class BatchSpec:
     any_prefilling: bool = dataclasses.field(init=False)
     """Whether a row is still in its prompt (``num_computed_tokens < num_prompt_tokens``; False without
     prompt lengths)."""
+    uniform_queries: bool = dataclasses.field(init=False)
+    """Every row's query is ``num_scheduled_tokens[0]`` tokens or none (:attr:`StepShape.uniform_queries`)."""
+    all_spec_rows: bool = dataclasses.field(init=False)
+    """Every row a spec-decode row by vLLM's runner rule (:attr:`StepShape.all_spec_rows`)."""
 
     def __init__(
         self,
@@ -450,7 +456,7 @@ class BatchSpec:
         # The spec owns its per-request vectors: the kernel copies them into one read-only buffer and
         # validates the copies, so a caller changing its arrays afterwards changes nothing here.
         own = np.empty((2 + (prompt is not None) + (drafts is not None) + (ub is not None), n), np.int32)
-        code, _, _, total, max_q, max_seq, max_ub, pages, prefilling = _validate_nb(
+        code, _, _, total, max_q, max_seq, max_ub, pages, prefilling, uniform, all_spec = _validate_nb(
             c, q, bt, span, bs, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
             _EMPTY if ub is None else ub, False, own,  # (diagnose: only when a rule is broken, to name it)
         )
@@ -510,6 +516,8 @@ class BatchSpec:
             o.max_exact_seq_len = max_seq
             o.num_pages = pages
             o.any_prefilling = prefilling
+            o.uniform_queries = uniform
+            o.all_spec_rows = all_spec
         finally:
             if mine:
                 o.__class__ = BatchSpec
@@ -582,15 +590,14 @@ class BatchSpec:
     @property
     def shape(self) -> StepShape:
         """The step's scalars (:class:`StepShape`): what builders' ``needs`` and ``replay_key`` read."""
-        q, prompt, drafts = self.num_scheduled_tokens, self.num_prompt_tokens, self.num_draft_tokens
-        uniform, spec = _row_classes_nb(self.num_computed_tokens, q, _EMPTY if prompt is None else prompt,
-                                        _EMPTY if drafts is None else drafts)
+        q, prompt = self.num_scheduled_tokens, self.num_prompt_tokens
         return StepShape(
             self.num_reqs, self.num_tokens, self.num_reqs_padded, self.num_tokens_padded, self.max_query_len,
             int(q[0]) if self.num_reqs else 0, self.max_seq_len, self.max_exact_seq_len, self.num_pages,
             self.block_size, int(self.block_table.shape[1]),
             self.any_prefilling, prompt is not None,
-            drafts is not None, self.seq_lens_upper_bound is not None, self.context_parallel, uniform, spec,
+            self.num_draft_tokens is not None, self.seq_lens_upper_bound is not None, self.context_parallel,
+            self.uniform_queries, self.all_spec_rows,
         )
 
     @property
@@ -696,8 +703,8 @@ def _scan_nb(c: np.ndarray, q: np.ndarray, bt: np.ndarray, bs: int, prompt: np.n
     Returns ``(status, total, max_q, max_seq, max_ub, pages, first_q, prefilling, uniform_queries,
     all_spec_rows)``; status 0 = every rule holds (else the scalars mean nothing: the constructor names
     the broken rule)."""
-    st, _row, _col, total, max_q, max_seq, max_ub, pages0, prefilling = _validate_nb(c, q, bt, bs, bs, prompt,
-                                                                                      drafts, ub, False, none)
+    st, _row, _col, total, max_q, max_seq, max_ub, pages0, prefilling, uniform, spec = _validate_nb(
+        c, q, bt, bs, bs, prompt, drafts, ub, False, none)
     if st:
         return st, 0, 0, 0, 0, 0, 0, False, False, False
     z = np.int64(0)
@@ -707,7 +714,6 @@ def _scan_nb(c: np.ndarray, q: np.ndarray, bt: np.ndarray, bs: int, prompt: np.n
         if cdiv_by(np.int64(max_seq), s, sh) > groups[g, 1]:
             return _NARROW, 0, 0, 0, 0, 0, 0, False, False, False
         groups[g, 2] = _fold_counts(c, q, s, sh, z, z, z, z, z, z)[3]
-    uniform, spec = _row_classes_nb(c, q, prompt, drafts)
     return 0, total, max_q, max_seq, max_ub, pages0, int(q[0]) if c.shape[0] else 0, prefilling, uniform, spec
 
 
