@@ -8,6 +8,14 @@ padding. Every other piece of metadata attnmeta produces is derived from it on t
 Construction validates everything that can be checked on the host and fails fast with a
 ``ValueError`` that names the field, the row and the rule.
 
+Why one module
+--------------
+A spec's rules and scalars come from one compiled pass over its rows (``_validate_nb``), which three
+callers share: the constructor, the error path that names a broken rule, and the step composer's
+scan of a scheduler's arrays (``scan_counts``), which makes no spec at all. The scalars a
+:class:`StepShape` holds must be the same from either entry (the composer finds a step's layout from
+them), so the pass, both entries and the shape live side by side.
+
 Shape legend
 ------------
 - ``num_reqs``: real requests this step (``len(num_scheduled_tokens)``).
