@@ -77,7 +77,7 @@ import torch
 
 from attnmeta._checks import as_host_array, check_option_fields, option_rule
 from attnmeta._fields import MetadataBase, keyword_factory
-from attnmeta.backends._shared import alloc_indptr
+from attnmeta.backends._shared import alloc_indptr, read_only_view
 from attnmeta.builder import Builder, Replayer, register
 from attnmeta.host.fast_prefill import fast_prefill_query_start_loc, max_logits_per_req, pad_logits_indices
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
@@ -352,15 +352,6 @@ class _Views(NamedTuple):
     """(num_logits,) int64, or None unless the transform runs."""
 
 
-def _frozen(a: np.ndarray | None) -> np.ndarray | None:
-    """A read-only view of ``a`` (the writable one stays with the builder, for a replay)."""
-    if a is None:
-        return None
-    ro = a.view()
-    ro.flags.writeable = False
-    return ro
-
-
 def _logits(inputs: FastPrefillInputs) -> tuple[np.ndarray, int, int]:
     """The step's logits indices (int32, host), their count ``L`` and the padded count, checked.
 
@@ -439,8 +430,8 @@ def _host_views(own: _Own, B: int, n_pad: int) -> _Views:
     """The read-only host views of ``own`` for a step of ``B`` rows (made once per layout: a replay writes
     the same memory)."""
     qsl = own.query_start_loc
-    return _Views(_frozen(own.logits_indices[:n_pad]), None if qsl is None else _frozen(qsl[: B + 1]),
-                  _frozen(own.positions))
+    return _Views(read_only_view(own.logits_indices[:n_pad]), None if qsl is None else read_only_view(qsl[: B + 1]),
+                  read_only_view(own.positions))
 
 
 def _device_views(step: Step, p: str, own: _Own | None, B: int, n_pad: int) -> _Views | None:

@@ -87,7 +87,7 @@ import torch
 
 from attnmeta._checks import check_option_fields, option_rule
 from attnmeta._fields import MetadataBase, keyword_factory, template
-from attnmeta.backends._shared import alloc_indptr
+from attnmeta.backends._shared import alloc_indptr, read_only_view
 from attnmeta.builder import Builder, Replayer, register
 from attnmeta.host.local_attn import LocalBatches, local_virtual_batches, num_virtual_reqs
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
@@ -320,13 +320,6 @@ class _DeviceViews(NamedTuple):
     """Device mode: the staged block starts (else None)."""
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
-    """A read-only view of ``a`` (the writable one stays with the builder, for a replay)."""
-    ro = a.view()
-    ro.flags.writeable = False
-    return ro
-
-
 def _alloc(step: Step, p: str, V: int, ppl: int, mode: str, cap: int | None) -> _Own:
     """Stage the own fields of a step of ``V`` virtual rows (graph mode: of capacity ``cap``)."""
     qsl_full = alloc_indptr(step, p + "query_start_loc", V, cap)
@@ -358,10 +351,10 @@ def _fill(h: CommonHost, A: int, own: _Own) -> LocalBatches:
 def _host_views(own: _Own, ppl: int) -> _HostViews:
     """The read-only views of ``own`` (made once per layout: a replay writes the same memory)."""
     V = own.seq_lens.shape[0]
-    table = None if own.block_table is None else _frozen(own.block_table)
-    return _HostViews(_frozen(own.query_start_loc[: V + 1]), _frozen(own.seq_lens), table,
+    table = None if own.block_table is None else read_only_view(own.block_table)
+    return _HostViews(read_only_view(own.query_start_loc[: V + 1]), read_only_view(own.seq_lens), table,
                       table if table is not None else np.broadcast_to(np.int32(-1), (V, ppl)),
-                      _frozen(own.req_indices), _frozen(own.block_starts))
+                      read_only_view(own.req_indices), read_only_view(own.block_starts))
 
 
 _PER_STEP = ("num_computed_tokens_cpu", "is_prefilling", "max_query_len", "max_seq_len", "num_real_reqs")

@@ -67,6 +67,7 @@ import torch
 from attnmeta._checks import as_host_array, check_option_fields, option_rule
 from attnmeta._fields import MetadataBase, keyword_factory
 from attnmeta._numba import njit
+from attnmeta.backends._shared import read_only_view
 from attnmeta.builder import Builder, CommonNeeds, Replayer, register
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata, StagedCommon
 from attnmeta.spec import BatchSpec, StepShape
@@ -606,15 +607,6 @@ class _Views(NamedTuple):
     """(num_tokens, 2) int32, or None when not staged."""
 
 
-def _frozen(a: np.ndarray | None) -> np.ndarray | None:
-    """A read-only view of ``a`` (the writable one stays with the builder, for a replay)."""
-    if a is None:
-        return None
-    ro = a.view()
-    ro.flags.writeable = False
-    return ro
-
-
 def _host_ranges(step: Step, p: str, num_real_reqs: int, options: MMPrefixOptions,
                  inputs: MMPrefixInputs) -> tuple[np.ndarray, np.ndarray, bool]:
     """The step's checked spans turned into ranges (:func:`_derive_ranges`), read-only and recorded as the
@@ -699,7 +691,7 @@ def _write(h: CommonHost, options: MMPrefixOptions, r_ip: np.ndarray, ranges: np
 def _host_views(own: _Own, num_reqs: int) -> _Views:
     """The read-only host views of ``own`` (made once per layout: a replay writes the same memory)."""
     tri = None if own.triton is None else own.triton.reshape(num_reqs, own.width, 2)
-    return _Views(_frozen(tri), _frozen(own.query))
+    return _Views(read_only_view(tri), read_only_view(own.query))
 
 
 def _device_views(step: Step, p: str, own: _Own, num_reqs: int) -> _Views:

@@ -35,6 +35,7 @@ import torch
 
 from attnmeta._checks import as_host_array, check_option_fields, option_rule
 from attnmeta._fields import MetadataBase, keyword_factory, template
+from attnmeta.backends._shared import read_only_view
 from attnmeta.backends.mamba._fill import conv1d_capacity
 from attnmeta.backends.mamba._shared import (
     CACHE_MODE_RULE,
@@ -383,9 +384,7 @@ class _Stage:
         """Reserve ``field`` and return its writable host view (the metadata gets a read-only one)."""
         name = f"{self.prefix}.{key or field}"
         view = self.step.alloc(name, shape, dtype, capacity=cap, fill=fill)
-        ro = view.view()
-        ro.flags.writeable = False
-        self.views[field], self.host[field], self.names[field] = view, ro, name
+        self.views[field], self.host[field], self.names[field] = view, read_only_view(view), name
         return view
 
     def put(self, field: str, values: np.ndarray, cap: int | None, fill: Any = 0, key: str | None = None) -> None:
