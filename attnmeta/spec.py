@@ -116,9 +116,10 @@ class StepShape(NamedTuple):
     """``seq_lens_upper_bound`` given."""
     context_parallel: ContextParallel | None
     """As :attr:`BatchSpec.context_parallel`."""
-    uniform_queries: bool = True
+    uniform_queries: bool = False
     """Every row's query is ``first_query_len`` tokens or none (padding rows): the split's uniform rule
-    (``require_uniform``) makes no row a prefill row for being unlike the first. True without rows."""
+    (``require_uniform``) makes no row a prefill row for being unlike the first. True without rows (the
+    default, False, claims nothing, for a shape made by hand)."""
     all_spec_rows: bool = False
     """Every real row is a spec-decode row by vLLM's runner rule (``num_decode_draft_tokens_cpu >= 0``:
     ``d > 0`` drafts and ``q == d + 1`` tokens, or one token past the prompt). False without rows."""
