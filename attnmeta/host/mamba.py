@@ -697,7 +697,8 @@ def mamba_fill_nb(
        ``accepted_given``, each count of a decode row checked to lie in ``[1, threshold]`` (the prefill
        rows' counts are not read, as in vLLM), else ``diff(query_start_loc[:D + 1])``.
     3. Prefill query starts and contexts (``_prefill_cpu_metadata_nb`` of :mod:`attnmeta.host.layout`): ``query_start_loc_p``,
-       ``num_computed_p``, ``has_initial_p`` (``num_computed_p > 0``).
+       ``num_computed_p`` (of the upper bounds), ``has_initial_p`` (of the exact lengths, ``seq_lens - q > 0``,
+       vLLM's device rule; the two differ only for a prefill row whose bound is not exact).
     4. Causal-conv1d programs (``count_programs_nb``, ``fill_programs_nb``) when ``batch_ptr`` is
        given: ``nums``, ``mlist``, ``batch_ptr`` / ``offset_ptr`` with ``-1`` up to
        ``2 * max(1024, tot)`` (with ``pad``: to their end), skipping rows ``[known_bp_lo,
@@ -774,10 +775,14 @@ def mamba_fill_nb(
     if status != 0:
         return _fail(row, FILL_E_CONTEXT)
     prep = False
+    first = num_reqs - P
     for j in range(P):
-        init = num_computed_p[j] > 0
-        has_initial_p[j] = init
-        prep = prep or init
+        # vLLM's has_initial_states_p reads the device's exact lengths (seq_lens - q > 0); its host
+        # prep_initial_states and chunk layout read the upper bound (num_computed_p): they differ only
+        # where a prefill row's bound is not exact, which vLLM's runner never schedules
+        r = first + j
+        has_initial_p[j] = np.int64(seq_lens[r]) - (np.int64(query_start_loc[r + 1]) - np.int64(query_start_loc[r])) > 0
+        prep = prep or num_computed_p[j] > 0
     if pad:
         query_start_loc_p[P + 1 :] = query_start_loc_p[P]
         has_initial_p[P:] = False

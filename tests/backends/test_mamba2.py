@@ -42,6 +42,7 @@ from attnmeta.host.mamba import CheckpointConfig, classify_mamba_rows
 from attnmeta.host.split import split_decodes_and_prefills
 from attnmeta.staging import CapacityError
 from attnmeta.sync import no_device_sync
+from attnmeta.testing import check_metadata
 from attnmeta.testing.assertions import assert_host_equal, assert_matches_device
 from attnmeta.testing.builders import check_builder
 from attnmeta.testing.lab import lab
@@ -1124,3 +1125,20 @@ def test_the_lab_reference_follows_a_large_profiles_conv1d_capacity(name: str) -
     opts = {"mamba2": Mamba2Options(chunk_size=16), "mamba1": None, "gdn": None}[name]
     m = check_builder(name, spec, "cpu", opts, stager=Stager("cpu", profile=prof), strict=True)
     assert m.batch_ptr.shape == (2064,) and m.conv1d_max_num_programs == 2064
+
+
+@pytest.mark.parametrize("name", ["mamba1", "mamba2"])
+def test_a_prefill_row_with_a_loose_upper_bound_takes_has_initial_states_from_its_exact_length(name: str) -> None:
+    """vLLM computes ``has_initial_states_p`` on the device from the exact lengths (``seq_lens - q > 0``) and
+    ``prep_initial_states`` on the host from the upper bounds (``nc_p_cpu > 0``). Row 2 below has no context
+    (``c = 0``) but an upper bound one past its exact length: no initial state, as vLLM's device says
+    (the fill used the bound for both; a review's random walk found it). vLLM's runner keeps prefill rows'
+    bounds exact, so the two rules agree on its steps."""
+    spec = BatchSpec(num_computed_tokens=[8, 17, 0], num_scheduled_tokens=[3, 3, 3], num_prompt_tokens=[3, 19, 0],
+                     num_draft_tokens=[2, 2, 1], seq_lens_upper_bound=[11, 21, 4],
+                     block_table=np.arange(1, 37, dtype=np.int32).reshape(3, 12), block_size=4)
+    m = generic_build(spec, Stager("cpu"), name)
+    check_metadata(name, m, spec)
+    assert m.has_initial_states_p_cpu[-1] == np.False_
+    if name == "mamba2":
+        assert m.prep_initial_states  # (rows 0 and 1 continue a state either way)

@@ -250,8 +250,9 @@ class Mamba2Metadata(MambaMetadata):
     )
 
     prep_initial_states: bool
-    """Whether any prefill row continues a state (``any(has_initial_states_p)``), host only; False
-    without prefills."""
+    """Whether any prefill row continues a state, host only: vLLM's ``any(nc_p_cpu > 0)`` of the upper
+    bounds (``any(has_initial_states_p)`` wherever a prefill row's bound is exact, as vLLM's runner makes
+    it); False without prefills."""
     chunk_size: int
     """SSD chunk size ``C``."""
     num_chunks: int
