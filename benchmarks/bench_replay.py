@@ -14,13 +14,19 @@ step, in microseconds, and composed / replayed (``saving``: how many times faste
 Garbage collection is off while timing. The steps are back to back, caches warm: an engine's loop runs
 them colder (docs/benchmarks.md), which this script does not model.
 
+``--drafts K`` makes the walk spec decode: every request verifies ``K`` drafts (``1 + K`` tokens a step),
+and the builders that take a spec-decode setting get it (``num_speculative_tokens=K``; FlashInfer's
+``decode_threshold=1 + K``). A builder whose key does not name such steps shows 0% replays (local
+attention's multi-token steps).
+
 Run: ``python benchmarks/bench_replay.py [--device cpu|cuda] [--builders mla,gdn] [--batches 1,64,256]
-[--rounds 6] [--steps 200]`` (set ``OMP_NUM_THREADS=1`` on a small CPU machine).
+[--rounds 6] [--steps 200] [--drafts 2]`` (set ``OMP_NUM_THREADS=1`` on a small CPU machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib.util
 import platform
@@ -39,6 +45,7 @@ from _args import device_arg  # benchmarks/_args.py
 
 import attnmeta
 from attnmeta import BatchSpec, Stager
+from attnmeta.backends.flashinfer import FlashInferOptions
 from attnmeta.builder import AnyBuilder, Builder
 from attnmeta.compose import Group, StepBuilder
 from attnmeta.testing.lab import lab
@@ -65,11 +72,24 @@ def _counts(spec: BatchSpec) -> tuple[tuple[Any, ...], dict[str, Any]]:
             {"num_prompt_tokens": spec.num_prompt_tokens, "num_draft_tokens": spec.num_draft_tokens})
 
 
-def measure(name: str, batch: int, device: str, rounds: int, steps: int) -> tuple[float, float, int]:
-    """(composed us, replayed us, replays in the replaying composer's timed steps) for ``name`` at ``batch``."""
+def with_drafts(options: Any, drafts: int) -> Any:
+    """``options`` set for spec decode with ``drafts`` drafts a request, where they have such a setting."""
+    if not drafts:
+        return options
+    if hasattr(options, "num_speculative_tokens"):
+        return dataclasses.replace(options, num_speculative_tokens=drafts)
+    if isinstance(options, FlashInferOptions):
+        return dataclasses.replace(options, decode_threshold=1 + drafts)
+    return options
+
+
+def measure(name: str, batch: int, device: str, rounds: int, steps: int, drafts: int = 0) -> tuple[float, float, int]:
+    """(composed us, replayed us, replays in the replaying composer's timed steps) for ``name`` at ``batch``,
+    each request verifying ``drafts`` drafts a step."""
     b = attnmeta.get_builder(name)
-    walk = advance(decode_spec(batch, np.random.default_rng(batch)), steps)
+    walk = advance(decode_spec(batch, np.random.default_rng(batch), drafts=drafts), steps)
     options, inputs = lab(name).defaults(walk[0])
+    options = with_drafts(options, drafts)
     inp = None if inputs is None else {name: inputs}
     calls = [_counts(s) for s in walk]
     sides = {"composed": StepBuilder(Stager(device), Group({name: (without_replay(b), options)})),
@@ -105,6 +125,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--drafts", type=int, default=0, help="drafts each request verifies a step (spec decode)")
     a = ap.parse_args()
     names = [n for n in a.builders.split(",") if n] or replaying_builders()
     unknown = sorted(set(names) - set(attnmeta.registry()))
@@ -112,11 +133,11 @@ def main() -> None:
         ap.error(f"--builders: not registered: {', '.join(unknown)} (registered: {', '.join(sorted(attnmeta.registry()))})")
     batches = [int(x) for x in a.batches.split(",")]
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, {a.device}, {a.rounds} rounds x "
-          f"{a.steps} decode steps, build_counts")
+          f"{a.steps} decode steps, build_counts" + (f", {a.drafts} drafts a request" if a.drafts else ""))
     print(f"{'builder':>14} {'batch':>6} {'composed us':>12} {'replayed us':>12} {'saving':>7} {'replays':>8}")
     for name in names:
         for batch in batches:
-            comp, rep, replays = measure(name, batch, a.device, a.rounds, a.steps)
+            comp, rep, replays = measure(name, batch, a.device, a.rounds, a.steps, a.drafts)
             print(f"{name:>14} {batch:>6} {comp:>12.1f} {rep:>12.1f} {comp / rep:>6.2f}x "
                   f"{replays / (a.rounds * a.steps):>7.0%}", flush=True)
 

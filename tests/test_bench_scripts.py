@@ -53,6 +53,18 @@ def test_bench_replay_prints_every_replaying_builder_at_every_batch_size() -> No
         assert r[5] == "100%", r
 
 
+def test_bench_replay_with_drafts_replays_spec_decode_steps_where_a_key_names_them() -> None:
+    """``--drafts 2``: GDN's and MLA's spec-decode steps replay (the row classes of their shapes say every
+    row is a spec row with uniform queries); local attention composes them (its virtual rows depend on
+    chunk crossings)."""
+    out = run_script("bench_replay.py", "--rounds", "1", "--steps", "6", "--batches", "8", "--drafts", "2",
+                     "--builders", "gdn,mla,local_attn")
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["gdn"], ["mla"],
+                                                                                                   ["local_attn"])}
+    assert "2 drafts a request" in out
+    assert rows["gdn"][5] == rows["mla"][5] == "100%" and rows["local_attn"][5] == "0%", rows
+
+
 def test_bench_cold_start_prints_every_first_build_cold_and_warmed() -> None:
     """``--quick``: flash_attn's first builds on an empty cache, then on the cache that run filled (no
     warmup: ``python -m attnmeta warmup`` is tested in test_cli.py and test_deployment.py)."""
