@@ -84,6 +84,12 @@ def _index_fill_dev_value(d: torch.device) -> Thunk:
     return lambda: x.index_fill(0, idx, x[3])
 
 
+def _segment_reduce(d: torch.device) -> Thunk:
+    x, lengths = fvec(d), torch.tensor([3, 5], device=d) if d.type != "meta" else torch.empty(2, dtype=torch.int64,
+                                                                                               device=d)
+    return lambda: torch.segment_reduce(x, "sum", lengths=lengths)
+
+
 def _normal_std_tensor(d: torch.device) -> Thunk:
     x = fvec(d)
     return lambda: torch.normal(x, x)
@@ -176,6 +182,13 @@ CASES = [
         "(CHECK_NORMAL_TENSOR_STD: std.min().ge(0).item<bool>(), skipped for meta)",
     ),
     Case("normal(0.0, std=dev_tensor)", _normal_float_mean_std_tensor, "as normal(mean, std=dev_tensor)"),
+    Case(
+        "segment_reduce(lengths=dev)",
+        _segment_reduce,
+        "SegmentReduce.cpp segment_reduce_kernel checks lengths unless unsafe: lengths.min().item() and "
+        "all(lengths.sum(-1) == data.size(axis)).item(); on an H100, CUDA's debug mode raised for it (a probe of "
+        "46 ops against the audit, where it was the one the audit let pass)",
+    ),
     Case("linalg.cholesky", _linalg(torch.linalg.cholesky), LINALG_DOC),
     Case("linalg.inv", _linalg(torch.linalg.inv), LINALG_DOC),
     Case("linalg.solve", _linalg(lambda a: torch.linalg.solve(a, a)), LINALG_DOC),

@@ -118,6 +118,17 @@ def _rule_range_read(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str,
         audit, args, kwargs, 1, "end") else None
 
 
+def _rule_segment_reduce(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Found | None:
+    # segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False, initial=None):
+    # unless unsafe, SegmentReduce.cpp checks the device lengths on the host (lengths.min().item(),
+    # all(lengths.sum(-1) == data.size(axis)).item()); CUDA's debug mode reports it (tests/sync_kernel_cases.py)
+    if kwargs.get("unsafe", False):
+        return None
+    lengths, offsets = kwargs.get("lengths"), kwargs.get("offsets")
+    return ("sync", R_KERNEL_READ) if any(
+        isinstance(t, torch.Tensor) and audit.is_device(t.device) for t in (lengths, offsets)) else None
+
+
 def _rule_kernel_check(audit: SyncAudit, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Found | None:
     return ("sync", R_KERNEL_CHECK) if any_device(audit, args, kwargs) else None
 
@@ -237,6 +248,7 @@ def _explicit_rules() -> dict[Any, _DispatchRule]:
     add(("index_fill.int_Tensor", "index_fill_.int_Tensor", "index_fill.int_Tensor_out"), _rule_kernel_read(3, "value"))
     add(("normal.Tensor_Tensor", "normal.Tensor_Tensor_out", "normal.float_Tensor", "normal.float_Tensor_out"),
         _rule_kernel_read(1, "std"))
+    add(("segment_reduce", "segment_reduce.out"), _rule_segment_reduce)
     add(tuple(f"{op}.{o}" for op in ("linspace", "logspace") for o in (
         "Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor", "Tensor_Tensor_out", "Tensor_Scalar_out", "Scalar_Tensor_out")),
         _rule_range_read)

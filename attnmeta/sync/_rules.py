@@ -153,8 +153,9 @@ R_LIST_INDEX: Final = (
 R_TOLIST: Final = "copies device data to the host and waits for it; keep a host twin (numpy) instead"
 R_KERNEL_READ: Final = (
     "its kernel reads a device value on the host before it runs (a 0-dim device tensor as the fill value "
-    "of masked_fill/index_fill, as linspace/logspace's start or end, as normal's std); pass a Python "
-    "number, or use torch.where with the device value"
+    "of masked_fill/index_fill, as linspace/logspace's start or end, as normal's std; segment_reduce's "
+    "device lengths or offsets, which it checks unless unsafe=True); pass a Python number, use "
+    "torch.where with the device value, or pass segment_reduce unsafe=True for lengths known valid"
 )
 R_KERNEL_CHECK: Final = (
     "checks its result on the host (torch's linalg functions read an error code): the host waits for the "
