@@ -412,6 +412,11 @@ RIGHT_COLUMN = [
     ),
     Case("histc with a range", _thunk(lambda x, m: torch.histc(x.float(), bins=4, min=0, max=8)), ()),
     Case("isin with few test elements", _thunk(lambda x, m: torch.isin(x, torch.arange(12, device=x.device))), ()),
+    Case(  # (CUDA's debug mode: unsafe skips the host checks of the lengths; with them it synchronises)
+        "segment_reduce with device lengths, unsafe",
+        _thunk(lambda x, m: torch.segment_reduce(x.float(), "sum", lengths=x[:2], unsafe=True)),
+        (),
+    ),
     Case("one_hot with num_classes", _thunk(lambda x, m: torch.nn.functional.one_hot(x, 8)), ()),
     Case("device arithmetic and reductions", _thunk(lambda x, m: (x * 2 + 1).sum() + x.max()), ()),
     Case("empty host copy", lambda b: lambda: torch.empty(0, dtype=torch.int64).to(b.device), ()),
