@@ -4,7 +4,7 @@ builders' replay tests): a replaying composer checked step by step against one t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -112,3 +112,14 @@ def composers(device: torch.device, groups: Callable[[], list[Group]], arrays: A
     return (StepBuilder(Stager(device, profile=profile), *groups(), arrays=arrays),
             NoReplay(Stager(device, profile=profile), *groups(), arrays=arrays),
             StepBuilder(Stager(device, profile=profile), *groups(), arrays=arrays))
+
+
+def compare_replays(device: torch.device, groups: Callable[[], list[Group]], steps: Sequence[Any],
+                    graph_profile: StaticProfile | None = None) -> StepBuilder:
+    """``steps`` (specs, or ``(specs, inputs, arrays)`` tuples) through a replaying composer, one that never
+    replays and a ``build_counts`` twin of the first (:func:`check_steps`: every field, and in graph mode
+    every field's whole fixed buffer); returns the replaying composer, whose ``stats`` count its replays.
+    ``graph_profile``: graph mode under it (None: eager)."""
+    composer, reference, counts = composers(device, groups, profile=graph_profile)
+    check_steps(composer, reference, counts, [s if isinstance(s, tuple) else (s, None, None) for s in steps])
+    return composer

@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from compose_helpers import check_steps, composers
+from compose_helpers import check_steps, compare_replays, composers
 
 from attnmeta import BatchSpec, Stager, StaticProfile
 from attnmeta.backends import local_attn
@@ -73,9 +73,9 @@ def test_a_padded_decode_walk_replays_one_virtual_row_per_row(graph: bool, mode:
     walk = _padded_walk(_decode_spec(padded=6), 10)
     opts = _options(mode)
     assert check_replay(LOCAL_ATTN, walk, opts, stager=_stager(graph)) >= 7
-    composer = check_steps(*composers(torch.device("cpu"), lambda: [Group({"la": (LOCAL_ATTN, opts)})],
-                                      profile=_PROFILE if graph else None), [(s, None, None) for s in walk])
-    assert composer[-1]["la"].num_virtual_reqs == 6
+    built = check_steps(*composers(torch.device("cpu"), lambda: [Group({"la": (LOCAL_ATTN, opts)})],
+                                   profile=_PROFILE if graph else None), [(s, None, None) for s in walk])
+    assert built[-1]["la"].num_virtual_reqs == 6
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
@@ -119,10 +119,8 @@ def _compare(device: torch.device, graph: bool, mode: str) -> None:
     every field of the metadata and of its virtual common metadata (values, dtypes, read-only flags), the
     kept earlier step's, and in graph mode every field's whole fixed buffer (sentinels included)."""
     opts = _options(mode)
-    composer, reference, counts = composers(device, lambda: [Group({"la": (LOCAL_ATTN, opts)})],
-                                            profile=_PROFILE if graph else None)
-    walk = _alternating() + advance(_decode_spec(), 10)
-    check_steps(composer, reference, counts, [(s, None, None) for s in walk])
+    composer = compare_replays(device, lambda: [Group({"la": (LOCAL_ATTN, opts)})],
+                               _alternating() + advance(_decode_spec(), 10), _PROFILE if graph else None)
     assert composer.stats.replayed >= 10, composer.stats
 
 
