@@ -21,6 +21,7 @@ from attnmeta import BatchSpec, ContextParallel, Stager, StaticProfile
 from attnmeta.builder import Builder, CommonNeeds, UnsupportedBatchError
 from attnmeta.compose import Group, StepBuilder
 from attnmeta.staging import CapacityError
+from attnmeta.sync import no_device_sync
 from attnmeta.testing.builders import (
     audit_builder,
     check_builder,
@@ -30,7 +31,7 @@ from attnmeta.testing.builders import (
 )
 from attnmeta.testing.lab import lab
 from attnmeta.testing.strategies import batch_specs
-from attnmeta.testing.workloads import fits_profile, reshuffled
+from attnmeta.testing.workloads import advance, decode_spec, fits_profile, reshuffled
 
 BUILDERS = sorted(attnmeta.registry())
 SPECS = batch_specs(max_reqs=10, max_query_len=40, max_context_len=300)
@@ -317,3 +318,24 @@ def test_every_builder_s_replays_equal_its_reference_on_steps_of_one_shape(name:
     except CapacityError:  # (a batch past the profile: graph mode's documented refusal; within it, a bug)
         if not graph or fits_profile(spec, prof):
             raise
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("name", BUILDERS)
+def test_every_builder_s_replayed_steps_are_one_copy_and_clean_under_the_audit(name: str, graph: bool) -> None:
+    """A decode walk through a composer of each builder (its lab defaults) on ``meta`` under the sync audit:
+    the replayed steps (a replayer's rewrite and result, a device-side gather included) read no device data
+    and make one copy each, as composed steps do (test_every_builder_is_clean_under_the_audit)."""
+    prof = StaticProfile(max_num_reqs=8, max_num_tokens=64, max_blocks_per_req=64, block_size=16, chunk_size=16)
+    walk = advance(decode_spec(6, np.random.default_rng(1), max_context=300, table_width=64), 10)
+    b = attnmeta.get_builder(name)
+    options = lab(name).defaults(walk[0])[0]
+    if graph and hasattr(options, "chunk_size"):
+        options = dataclasses.replace(options, chunk_size=prof.chunk_size)
+    composer = StepBuilder(Stager("meta", profile=prof if graph else None), Group({name: (b, options)}))
+    with no_device_sync():
+        for spec in walk:
+            inputs = lab(name).defaults(spec)[1]
+            out = composer.build(spec, None if inputs is None else {name: inputs})
+            assert out.step.stats.copies == 1
+    assert composer.stats.replayed >= 4, composer.stats
