@@ -24,7 +24,7 @@ from attnmeta.builder import Builder, CommonNeeds, MetadataBase, Replayer
 from attnmeta.metadata import StagedCommon
 from attnmeta.spec import StepShape
 from attnmeta.staging import Staged, Step
-from attnmeta.testing import check_builder, check_metadata, check_reads_lengths
+from attnmeta.testing import builders, check_builder, check_metadata, check_reads_lengths
 from attnmeta.testing.builders import _compare, unchecked_fields
 from attnmeta.testing.harness import compare_with_reference
 from attnmeta.testing.lab import LeadingColumns, lab, register_lab, unregister_lab
@@ -271,6 +271,34 @@ def test_check_builder_refuses_a_device_field_that_is_a_host_view() -> None:
     with pytest.raises(AssertionError, match=r"tampered_flash_attn.seq_lens: a device field in the memory of the host "
                                              r"array tampered_flash_attn\..*seq_lens_cpu"):
         _check_tampered(lambda m: dataclasses.replace(m, seq_lens=host_tensor(m.seq_lens_cpu)), spec)
+
+
+@dataclasses.dataclass
+class _HostAndDevice:
+    """A host array and a device field (a CPU stager's: host memory too), for the memory-sharing check."""
+
+    _DEVICE_FIELDS: ClassVar[tuple[str, ...]] = ("dev",)
+    host: np.ndarray
+    dev: torch.Tensor
+
+
+def test_the_memory_check_reads_the_bytes_an_array_occupies() -> None:
+    """A broadcast host array (local attention's device-mode ``block_table_cpu``: ``-1`` broadcast, 4 bytes
+    whatever its shape) was taken to span ``nbytes`` from its first element, so a device tensor that the
+    allocator placed just after those 4 bytes was reported as sharing its memory: a flaky failure of
+    test_local_attn_backend.py under the thorough hypothesis profile. And a device field that began
+    before a host array and ran into it was not seen: only its first byte was looked at."""
+    check = builders._no_device_field_in_host_memory
+    stager = Stager("cpu")
+    buf = np.zeros(64, np.int32)
+    broadcast = np.broadcast_to(buf[:1], (8, 8))
+    assert broadcast.nbytes == 256
+    check(_HostAndDevice(broadcast, torch.from_numpy(buf[4:8])), "pair", stager)  # 16 bytes past its one element
+    for host, dev in ((broadcast, buf[:4]),  # its element
+                      (buf[8:16], buf[4:12]),  # begins before the host array, ends inside it
+                      (buf[10:2:-1], buf[3:5])):  # a negative stride: the host array spans buf[3:11]
+        with pytest.raises(AssertionError, match=r"pair\.dev: a device field in the memory of the host array pair\.host"):
+            check(_HostAndDevice(host, torch.from_numpy(dev)), "pair", stager)
 
 
 def test_check_reads_lengths_probes_lengths_past_the_shape_s_own() -> None:

@@ -169,17 +169,34 @@ def _arrays(obj: Any, path: str, seen: set[int]) -> Iterator[tuple[str, np.ndarr
 def _no_device_field_in_host_memory(meta: Any, name: str, stager: Stager) -> None:
     """Assert that no device field of ``meta`` (a CPU stager's: its device is the host too) shares memory
     with a host array ``meta`` hands out, as ``torch.from_numpy`` of a staged host view would: such a
-    field was never copied (on a GPU it would be a host tensor)."""
+    field was never copied (on a GPU it would be a host tensor). Each array's memory is the bytes its
+    elements occupy (:func:`_byte_extent`), not ``nbytes`` from its first element: a broadcast view
+    (strides of 0) holds a few bytes whatever its shape."""
     if stager.device.type != "cpu":
         return  # (elsewhere the device comparison names a host tensor)
     found = list(_arrays(meta, name, set()))
-    hosts = [(v.ctypes.data, v.ctypes.data + v.nbytes, p) for p, v, _d in found if isinstance(v, np.ndarray) and v.nbytes]
+    hosts = [(*_byte_extent(v.ctypes.data, v.shape, v.strides, v.itemsize), p)
+             for p, v, _d in found if isinstance(v, np.ndarray) and v.size]
     for where, value, device in found:
         if device and isinstance(value, torch.Tensor) and value.numel():
-            ptr = value.data_ptr()
-            for lo, hi, host in hosts:
-                assert not lo <= ptr < hi, (f"{where}: a device field in the memory of the host array {host} (a "
-                                            f"host view made a tensor, never copied): hand out step.device(...) views")
+            size = value.element_size()
+            lo, hi = _byte_extent(value.data_ptr(), tuple(value.shape), tuple(st * size for st in value.stride()), size)
+            for h_lo, h_hi, host in hosts:
+                assert not (lo < h_hi and h_lo < hi), (
+                    f"{where}: a device field in the memory of the host array {host} (a host view made a tensor, "
+                    f"never copied): hand out step.device(...) views")
+
+
+def _byte_extent(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
+    """``[lo, hi)``: the bytes the elements of a non-empty strided array at ``ptr`` (its first element)
+    occupy; ``strides`` in bytes, negative and zero ones included."""
+    lo = hi = ptr
+    for n, st in zip(shape, strides, strict=True):
+        if st < 0:
+            lo += (n - 1) * st
+        else:
+            hi += (n - 1) * st
+    return lo, hi + itemsize
 
 
 def check_reads_lengths(builder: AnyBuilder | str, shape: StepShape, options: Any = None, inputs: Any = None) -> None:
