@@ -54,7 +54,7 @@ import dataclasses
 import operator
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import numba
 import numpy as np
@@ -390,8 +390,9 @@ class _Record:
                  indices: list[str], devices: dict[str, torch.Tensor] | None) -> None:
         self.layout = layout
         self.groups = groups  # per group: (its writer, causal, whether it writes the page table, numba threads)
-        # every group's common pass in one compiled call (None: group by group, each on numba's pool when threaded)
-        self.passes = None if any(t > 1 for *_g, t in groups) else CommonPasses.of([w for w, *_g in groups])
+        # every group's common pass in one compiled call (None: group by group, each on numba's pool when
+        # threaded), made by make_passes: False until then
+        self.passes: CommonPasses | Literal[False] | None = False
         # eager mode: the arrays' device views, the recorded step's and every replay's (their rows are in the
         # key); graph mode: None (each step's rows)
         self.devices = devices
@@ -401,6 +402,16 @@ class _Record:
         self.replayers = replayers  # (builder name, group index, position in the group, replayer)
         self.arrays = arrays  # (name, writable host view: eager the step's rows, graph the whole capacity)
         self.indices = indices  # graph mode, per group: the page indices' field name ("" without a page table)
+
+    def make_passes(self) -> CommonPasses | None:
+        """:attr:`passes`, made when a decode step (every query of at most one token, or all of one length)
+        records the layout, else at the layout's first replay: a serving loop records the layout of every
+        step it composes, and those of mixed steps (prompt chunks joining running decodes, their queries of
+        many lengths) seldom come back, while a decode loop's do (the plan is about a fifth of a composed
+        mixed step's host time)."""
+        groups = self.groups
+        p = self.passes = None if any(t > 1 for *_g, t in groups) else CommonPasses.of([w for w, *_g in groups])
+        return p
 
 
 class StepBuilder:
@@ -902,7 +913,10 @@ class StepBuilder:
         records = self._records(step)
         if len(records) >= _MAX_RECORDS:
             records.clear()
-        records[key] = _Record(step.layout(), groups, replayers, arrays, indices, None if self._graph else devices)
+        rec = records[key] = _Record(step.layout(), groups, replayers, arrays, indices, None if self._graph else devices)
+        s0 = specs[0]
+        if s0.max_query_len <= 1 or s0.uniform_queries:  # (a decode loop's layout, spec decode's too: replayed)
+            rec.make_passes()
 
     # ------------------------------------------------------------------ a steady-state step
     def _replay(self, step: Step, rec: _Record, shapes: tuple[StepShape, ...], inputs: list[list[Any]],
@@ -912,6 +926,8 @@ class StepBuilder:
         ``counts``), commit, and make the objects."""
         hosts: list[CommonHost] = []
         passes = rec.passes
+        if passes is False:
+            passes = rec.make_passes()
         try:
             if passes is not None:
                 if specs is None:  # (build_counts: every group's counts are the same arrays)

@@ -11,7 +11,9 @@ serves one set of new requests on both engines, back to back, their order altern
 round.
 
 For each concurrency the table gives, per side, the median over the rounds of each run's median
-attnmeta time over its full-batch decode steps (the engine's ``metadata`` time, as
+attnmeta time over its full-batch decode steps (``--steps composed``: over the steps the step composer did
+not replay, which ``--arrive-over STEPS``, requests arriving over the first STEPS steps, makes mostly
+mixed steps: prompts joining running decodes) (the engine's ``metadata`` time, as
 ``bench_engine.py``'s ``metadata ms``), the ratio of the two medians (this / base) and ``paired``: the
 median over the rounds of each round's ratio (a drift of the machine between rounds cancels in it);
 also the step time of each side, the kernel's preparation of a step (``plan``: the mean over each run's
@@ -34,7 +36,7 @@ two ratios.
 
 Usage: python benchmarks/ab_engine.py BASE [--device cuda] [--model 1b|hybrid-1b|tiny|tiny-hybrid]
 [--mode graphs|eager|paged] [--concurrency 64,256] [--rounds 8] [--prompt 64] [--new 96] [--warm 3]
-[--symmetric | --order base,this|this,base] [--json FILE]
+[--arrive-over STEPS] [--steps decode|composed] [--symmetric | --order base,this|this,base] [--json FILE]
 """
 
 from __future__ import annotations
@@ -124,17 +126,37 @@ def geometric_means(runs: list[dict[str, Any]]) -> dict[int, tuple[float, float]
     return out
 
 
+def timed_steps(run: dict[str, Any], steps: str) -> list[int]:
+    """The indices of ``run``'s steps that ``--steps`` times: ``decode``, its full-batch decode steps;
+    ``composed``, the steps the step composer did not replay (prefill and mixed steps, and decode steps
+    of a layout their ring slot had not recorded).
+
+    Raises
+    ------
+    RuntimeError
+        The run had none."""
+    if steps == "decode":
+        idx = full_batch(run["kinds"])
+    else:
+        idx = [i for i, replayed in enumerate(run["replayed"]) if not replayed]
+    if not idx:
+        raise RuntimeError(f"ab_engine: the run had no {steps} steps to time (raise --new, or --arrive-over for "
+                           "composed steps)")
+    return idx
+
+
 def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device,
-       rounds: int, warm: int = 3) -> dict[str, Any]:
+       rounds: int, warm: int = 3, arrive_over: int = 0, steps: str = "decode") -> dict[str, Any]:
     """Both sides' engines at ``n`` requests (``bench_engine.py``'s, each of its side's package), warmed by
-    ``warm`` runs, then ``rounds`` rounds, each serving new requests on both (order alternating). Returns
-    each side's per-round medians over the full-batch decode steps (ms), its per-round mean plan time a
-    step (ms) and the requests whose tokens differed in any round."""
+    ``warm`` runs, then ``rounds`` rounds, each serving new requests on both (order alternating), arriving
+    over ``arrive_over`` steps. Returns each side's per-round medians over the steps ``steps`` names
+    (:func:`timed_steps`; ms), its per-round mean plan time a step (ms) and the requests whose tokens
+    differed in any round."""
     vocab = model.config.vocab_size
     engines = {name: _engine(model, mode, n, prompt, new, device, pkg) for name, pkg in sides.items()}
     for name, eng in engines.items():
         for seed in range(warm):
-            eng.run(_requests(n, prompt, new, vocab, seed, sides[name].Request))
+            eng.run(_requests(n, prompt, new, vocab, seed, sides[name].Request, arrive_over))
     meta: dict[str, list[float]] = {name: [] for name in sides}
     step: dict[str, list[float]] = {name: [] for name in sides}
     plan: dict[str, list[float]] = {name: [] for name in sides}
@@ -143,10 +165,8 @@ def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: i
     for k in range(rounds):
         tokens = {}
         for name in (names if k % 2 == 0 else names[::-1]):
-            run = timed_run(engines[name], n, prompt, new, vocab, 1000 + k, sides[name].Request)
-            idx = full_batch(run["kinds"])
-            if not idx:
-                raise RuntimeError("ab_engine: the run had no full-batch decode steps (raise --new)")
+            run = timed_run(engines[name], n, prompt, new, vocab, 1000 + k, sides[name].Request, arrive_over)
+            idx = timed_steps(run, steps)
             meta[name].append(statistics.median(run["metadata"][i] for i in idx) * 1e3)
             step[name].append(statistics.median(run["times"][i] for i in idx) * 1e3)
             plan[name].append(run["plan_s"] / run["steps"] * 1e3)
@@ -172,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--warm", type=int, default=3, help="untimed runs of each engine before the rounds")
+    p.add_argument("--arrive-over", type=int, default=0, metavar="STEPS",
+                   help="requests arrive over the first STEPS steps, so prompts join running decodes in mixed "
+                        "steps (default 0: all at once)")
+    p.add_argument("--steps", choices=["decode", "composed"], default="decode",
+                   help="the steps timed: the full-batch decode steps (default), or the steps the step composer "
+                        "did not replay (with --arrive-over: mostly mixed steps)")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--order", choices=["base,this", "this,base"], default=None, metavar="base,this|this,base",
                      help="export this checkout's working tree too and import the two sides' copies in this order "
@@ -201,13 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     order = "" if a.order is None else f", both sides exported, imported in the order {a.order}"
     print(f"# {device.type}, torch {torch.__version__}, base {a.base}, model {a.model}, mode {a.mode}, "
           f"{a.rounds} rounds of new requests (prompts {'-'.join(map(str, _prompt_range(a.prompt)))}, "
-          f"{a.new} new tokens){order}; medians over rounds of each run's median over its full-batch decode "
-          f"steps (ms)", flush=True)
+          f"{a.new} new tokens{f', arriving over {a.arrive_over} steps' if a.arrive_over else ''}){order}; medians "
+          f"over rounds of each run's median over its "
+          f"{'full-batch decode steps' if a.steps == 'decode' else 'steps not replayed'} (ms)", flush=True)
     print(f"{'reqs':>5} {'base ms':>8} {'this ms':>8} {'this/base':>9} {'paired':>7} {'base step':>9} "
           f"{'this step':>9} {'base plan':>9} {'this plan':>9} {'plan x':>7} {'tokens differ':>13}", flush=True)
     results = {}
     for n in [int(x) for x in a.concurrency.split(",")]:
-        r = ab(sides, model, a.mode, n, a.prompt, a.new, device, a.rounds, a.warm)
+        r = ab(sides, model, a.mode, n, a.prompt, a.new, device, a.rounds, a.warm, a.arrive_over, a.steps)
         mb, mt = r["metadata_ms"]["base"], r["metadata_ms"]["this"]
         paired = statistics.median(t / b for b, t in zip(mb, mt, strict=True))
         ratio = statistics.median(mt) / statistics.median(mb)

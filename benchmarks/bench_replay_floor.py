@@ -113,7 +113,8 @@ class Floor:
             shape, key = self.keys[id(spec)]
         step = self.stager.step()
         rec = self._record(step, key)
-        rec.passes.write((spec,))
+        passes = rec.passes if rec.passes is not False else rec.make_passes()
+        passes.write((spec,))
         step.commit()
         if upto == "shared":
             return None

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from bench_script_helpers import run_script, table_rows
+from bench_script_helpers import load_benchmark, run_script, table_rows
 
 
 def test_ab_engine_serves_the_same_requests_on_both_sides() -> None:
@@ -42,3 +42,27 @@ def test_ab_engine_symmetric_runs_both_import_orders(tmp_path: Path) -> None:
     ratios = [run["2"]["ratio"] for run in got["runs"]]
     assert len(ratios) == 2 and math.isclose(got["geometric_means"]["2"]["ratio"], math.sqrt(ratios[0] * ratios[1]))
     assert abs(float(rows[2][1]) - math.sqrt(ratios[0] * ratios[1])) < 0.001
+
+
+def test_ab_engine_times_the_composed_steps_of_a_loop_whose_requests_arrive_over_steps() -> None:
+    # --arrive-over: the requests arrive over the first steps, so prompts join running decodes (mixed steps);
+    # --steps composed: each run's median over the steps the composer did not replay (the header says so).
+    text = run_script("ab_engine.py", "HEAD", "--device", "cpu", "--model", "tiny", "--mode", "paged",
+                      "--concurrency", "4", "--rounds", "2", "--new", "16", "--prompt", "8", "--warm", "1",
+                      "--arrive-over", "12", "--steps", "composed")
+    head = text.splitlines()[0]
+    assert "arriving over 12 steps" in head and "its steps not replayed" in head, text
+    rows = [line.split() for line in text.splitlines() if line.split() and line.split()[0] == "4"]
+    assert len(rows) == 1 and float(rows[0][1]) > 0 and float(rows[0][2]) > 0 and rows[0][10] == "0", text
+
+
+def test_bench_engine_requests_arrive_over_the_steps_asked() -> None:
+    # bench_engine._requests(arrive_over=N): arrivals drawn in 0..N from the seed (the same on every side of an
+    # A/B), every one at step 0 without it.
+    mod = load_benchmark("bench_engine.py", "bench_engine_arrivals")
+    spread = mod._requests(64, 8, 4, 100, seed=3, arrive_over=20)
+    assert {r.arrival for r in spread} <= set(range(21)) and len({r.arrival for r in spread}) > 5
+    assert [r.arrival for r in spread] == [r.arrival for r in mod._requests(64, 8, 4, 100, seed=3, arrive_over=20)]
+    assert {r.arrival for r in mod._requests(8, 8, 4, 100, seed=3)} == {0}
+    same = mod._requests(8, 8, 4, 100, seed=3)  # (the prompts do not depend on the arrivals)
+    assert [r.prompt for r in same] == [r.prompt for r in mod._requests(8, 8, 4, 100, seed=3, arrive_over=20)]

@@ -89,6 +89,41 @@ def test_mixed_and_prefill_steps_between_decodes(device: torch.device) -> None:
     check_steps(composer, reference, counts, steps)
 
 
+@pytest.mark.parametrize("profile", [None, _PROFILE], ids=["eager", "graph"])
+def test_a_mixed_layout_makes_its_pass_plan_at_its_first_replay(device: torch.device, profile: Any) -> None:
+    """A mixed step's recorded layout (queries of many lengths: prompt chunks beside decodes) seldom comes
+    back, so its compiled-pass plan is made at its first replay, not when it is recorded; a decode step's
+    at once. Either way every replay equals the same step staged through the builders."""
+    composer, reference, counts = composers(device, lambda: [Group({"fa": FLASH_ATTN}), Group({}, prefix="second")],
+                                            profile=profile)
+    mixed = BatchSpec(num_computed_tokens=[30, 50, 70, 0, 20], num_scheduled_tokens=[1, 1, 1, 13, 9],
+                      num_prompt_tokens=[10, 10, 10, 40, 60], block_table=np.arange(1, 51).reshape(5, 10),
+                      block_size=16)
+    decode = _walk(4, 1)[0]
+    slots = composer.stager.num_slots
+    check_steps(composer, reference, counts, [((s, s.for_group(block_table=s.block_table, block_size=s.block_size)),
+                                               None, None) for s in [mixed] * slots + [decode] * slots])
+
+    def plans() -> list[Any]:
+        found = []
+        for slot in composer.stager._slots:  # (test-only: the composer's records on each ring slot)
+            records = slot.extras.get(composer._token, {})
+            found += [(r.passes is not False) for r in records.values()]
+        return found
+
+    first = plans()
+    assert composer.stats.replayed == 0 and first.count(True) == slots, first  # (every decode layout planned)
+    # (eager: every mixed layout recorded, unplanned; graph mode: the first step grew the arena, unrecorded)
+    assert first.count(False) == (slots if profile is None else slots - 1), first
+    specs = [(s, s.for_group(block_table=s.block_table, block_size=s.block_size)) for s in (mixed, decode)]
+    check_steps(composer, reference, counts, [(sp, None, None) for sp in specs for _ in range(slots)])
+    assert composer.stats.replayed == len(first), composer.stats  # (each recorded layout replayed once)
+    if profile is None:
+        assert plans() == [True] * (2 * slots)
+    else:  # (the slot that had not recorded its mixed layout composed it again and recorded it, unplanned)
+        assert sorted(plans()) == [False] + [True] * (2 * slots - 1)
+
+
 def test_inputs_and_arrays_are_checked() -> None:
     composer = StepBuilder(Stager("cpu"), Group({"fa": FLASH_ATTN}), arrays=[Array("ids", np.int32)])
     spec = _walk(2, 1)[0]
