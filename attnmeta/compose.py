@@ -407,8 +407,7 @@ class _Record:
         """:attr:`passes`, made when a decode step (every query of at most one token, or all of one length)
         records the layout, else at the layout's first replay: a serving loop records the layout of every
         step it composes, and those of mixed steps (prompt chunks joining running decodes, their queries of
-        many lengths) seldom come back, while a decode loop's do (the plan is about a fifth of a composed
-        mixed step's host time)."""
+        many lengths) seldom come back, while a decode loop's do (docs/speed-tricks.md has the A/B)."""
         groups = self.groups
         p = self.passes = None if any(t > 1 for *_g, t in groups) else CommonPasses.of([w for w, *_g in groups])
         return p
