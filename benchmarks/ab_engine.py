@@ -68,6 +68,7 @@ from bench_engine import (  # noqa: E402
     full_batch,
     is_hybrid,
     json_runs,
+    next_step,
     timed_run,
 )
 
@@ -151,13 +152,14 @@ def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: i
     ``warm`` runs, then ``rounds`` rounds, each serving new requests on both (order alternating), arriving
     over ``arrive_over`` steps. Returns each side's per-round medians over the steps ``steps`` names
     (:func:`timed_steps`; ms), its per-round mean plan time a step (ms) and the requests whose tokens
-    differed in any round."""
+    differed in any round; and each side's per-round share of the steps not replayed (``composed``)."""
     vocab = model.config.vocab_size
     engines = {name: _engine(model, mode, n, prompt, new, device, pkg) for name, pkg in sides.items()}
     for name, eng in engines.items():
         for seed in range(warm):
-            eng.run(_requests(n, prompt, new, vocab, seed, sides[name].Request, arrive_over))
+            eng.run(_requests(n, prompt, new, vocab, seed, sides[name].Request, arrive_over, next_step(eng)))
     meta: dict[str, list[float]] = {name: [] for name in sides}
+    composed: dict[str, list[float]] = {name: [] for name in sides}
     step: dict[str, list[float]] = {name: [] for name in sides}
     plan: dict[str, list[float]] = {name: [] for name in sides}
     differ = 0
@@ -168,6 +170,7 @@ def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: i
             run = timed_run(engines[name], n, prompt, new, vocab, 1000 + k, sides[name].Request, arrive_over)
             idx = timed_steps(run, steps)
             meta[name].append(statistics.median(run["metadata"][i] for i in idx) * 1e3)
+            composed[name].append(1 - sum(run["replayed"]) / len(run["replayed"]))
             step[name].append(statistics.median(run["times"][i] for i in idx) * 1e3)
             plan[name].append(run["plan_s"] / run["steps"] * 1e3)
             tokens[name] = run["tokens"]
@@ -176,7 +179,7 @@ def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: i
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"metadata_ms": meta, "step_ms": step, "plan_ms": plan, "tokens_differ": differ}
+    return {"metadata_ms": meta, "step_ms": step, "plan_ms": plan, "composed": composed, "tokens_differ": differ}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:>5} {statistics.median(mb):8.4f} {statistics.median(mt):8.4f} {ratio:9.3f} {paired:7.3f} "
               f"{statistics.median(r['step_ms']['base']):9.3f} {statistics.median(r['step_ms']['this']):9.3f} "
               f"{pb:9.4f} {pt:9.4f} {pt / pb if pb else float('nan'):7.3f} {r['tokens_differ']:>13}", flush=True)
+        if a.arrive_over or a.steps == "composed":
+            cb, ct = (statistics.median(r["composed"][side]) for side in ("base", "this"))
+            print(f"#  {n} requests: steps not replayed (composed), median over the rounds: base {cb:.1%}, "
+                  f"this {ct:.1%}", flush=True)
         results[str(n)] = {"ratio": ratio, "paired": paired, **r}
     if a.json is not None:
         a.json.write_text(json.dumps(results))

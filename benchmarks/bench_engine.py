@@ -203,23 +203,31 @@ def is_hybrid(config: Any) -> bool:
 
 
 def _requests(n: int, prompt: int, new: int, vocab: int, seed: int, request: Any = Request,
-              arrive_over: int = 0) -> list[Any]:
+              arrive_over: int = 0, start: int = 0) -> list[Any]:
     """``n`` requests of ``new`` tokens each, their prompts of :func:`_prompt_range` lengths, drawn from
     ``seed``: each run of the workload is a new one, as a serving loop's steps are. (A run that repeated
     an earlier run's requests would repeat its steps exactly, every step's lengths included, and the step
     composer would find each step in its caches by exact step shape, which a serving loop misses on
     nearly every decode step: its longest sequence grows every step.) ``request``: the ``Request`` class
-    of the engine that serves them (``ab_engine.py``'s other commit has its own). ``arrive_over``: each
-    request arrives at a step drawn uniformly from ``0 .. arrive_over`` (0: all at once), so that prompts
-    join running decodes in mixed steps, as in a server under a steady load."""
+    of the engine that serves them (``ab_engine.py``'s other commit has its own). ``arrive_over``: the
+    requests arrive at steps drawn uniformly from ``start .. start + arrive_over`` (0: all at once), in
+    the order of their ids (the engine's scheduler admits its queue in order), so that prompts join
+    running decodes in mixed steps, as in a server under a steady load; ``start``: the engine's next step
+    (:func:`next_step`: an engine counts its steps over all its runs)."""
     g = torch.Generator().manual_seed(seed)
     lo, hi = _prompt_range(prompt)
     lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     prompts = [torch.randint(1, vocab, (k,), generator=g).tolist() for k in lengths]
     if not arrive_over:
         return [request(i, p, new) for i, p in enumerate(prompts)]
-    arrivals = torch.randint(0, arrive_over + 1, (n,), generator=g).tolist()
+    arrivals = sorted(start + t for t in torch.randint(0, arrive_over + 1, (n,), generator=g).tolist())
     return [request(i, p, new, arrival=t) for i, (p, t) in enumerate(zip(prompts, arrivals, strict=True))]
+
+
+def next_step(engine: Any) -> int:
+    """The number of ``engine``'s next step, which request arrivals count from (0 for an engine whose
+    scheduler does not say)."""
+    return int(getattr(engine.scheduler, "step_index", 0))
 
 
 def _prompt_range(prompt: int) -> tuple[int, int]:
@@ -326,7 +334,7 @@ def timed_run(engine: Engine, n: int, prompt: int, new: int, vocab: int, seed: i
     """One timed run of the workload (requests of ``seed``, of class ``request``, arriving over
     ``arrive_over`` steps, GC off): each step's kind, time, metadata time, fence wait, replay flag, launch
     time and time blocked on the GPU, the run's copies, plan time and waits, and the generated tokens."""
-    reqs = _requests(n, prompt, new, vocab, seed, request, arrive_over)
+    reqs = _requests(n, prompt, new, vocab, seed, request, arrive_over, next_step(engine))
     st = engine.stats
     gc.collect()
     gc.disable()

@@ -54,14 +54,20 @@ def test_ab_engine_times_the_composed_steps_of_a_loop_whose_requests_arrive_over
     assert "arriving over 12 steps" in head and "its steps not replayed" in head, text
     rows = [line.split() for line in text.splitlines() if line.split() and line.split()[0] == "4"]
     assert len(rows) == 1 and float(rows[0][1]) > 0 and float(rows[0][2]) > 0 and rows[0][10] == "0", text
+    share = [line for line in text.splitlines() if line.startswith("#  4 requests: steps not replayed")]
+    assert len(share) == 1 and share[0].endswith("%") and "base " in share[0] and "this " in share[0], text
 
 
 def test_bench_engine_requests_arrive_over_the_steps_asked() -> None:
-    # bench_engine._requests(arrive_over=N): arrivals drawn in 0..N from the seed (the same on every side of an
-    # A/B), every one at step 0 without it.
+    # bench_engine._requests(arrive_over=N, start=S): arrivals drawn in S..S+N from the seed (the same on every
+    # side of an A/B), in the order of the requests (the scheduler admits its queue in order; an engine counts
+    # its steps over all its runs, hence S); every one at step 0 without them.
     mod = load_benchmark("bench_engine.py", "bench_engine_arrivals")
     spread = mod._requests(64, 8, 4, 100, seed=3, arrive_over=20)
     assert {r.arrival for r in spread} <= set(range(21)) and len({r.arrival for r in spread}) > 5
+    assert [r.arrival for r in spread] == sorted(r.arrival for r in spread)
+    later = mod._requests(64, 8, 4, 100, seed=3, arrive_over=20, start=500)
+    assert [r.arrival for r in later] == [r.arrival + 500 for r in spread]
     assert [r.arrival for r in spread] == [r.arrival for r in mod._requests(64, 8, 4, 100, seed=3, arrive_over=20)]
     assert {r.arrival for r in mod._requests(8, 8, 4, 100, seed=3)} == {0}
     same = mod._requests(8, 8, 4, 100, seed=3)  # (the prompts do not depend on the arrivals)
