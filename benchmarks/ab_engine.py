@@ -11,9 +11,7 @@ serves one set of new requests on both engines, back to back, their order altern
 round.
 
 For each concurrency the table gives, per side, the median over the rounds of each run's median
-attnmeta time over its full-batch decode steps (``--steps composed``: over the steps the step composer did
-not replay, which ``--arrive-over STEPS``, requests arriving over the first STEPS steps, makes mostly
-mixed steps: prompts joining running decodes) (the engine's ``metadata`` time, as
+attnmeta time over its full-batch decode steps (the engine's ``metadata`` time, as
 ``bench_engine.py``'s ``metadata ms``), the ratio of the two medians (this / base) and ``paired``: the
 median over the rounds of each round's ratio (a drift of the machine between rounds cancels in it);
 also the step time of each side, the kernel's preparation of a step (``plan``: the mean over each run's
@@ -26,6 +24,11 @@ engine from the same commit's ``examples/engine`` (imported as ``engine_base``, 
 renamed), both kept in ``.ab_exports`` for later runs as ``ab_commit.py`` keeps them. On a machine without
 the checkout's history, export both first and pass the folder:
 ``git archive BASE attnmeta examples/engine | tar -x -C FOLDER``.
+
+``--arrive-over STEPS`` spreads each run's requests over its first STEPS steps, so that prompts join
+running decodes in mixed steps, as in a server under a steady load, and adds a line with each side's
+share of the steps the composer did not replay; ``--steps composed`` times those steps (mostly the mixed
+ones) instead of the full-batch decode steps.
 
 Two sides of the same code do not take the same time in one process: how and when a side's code was
 loaded moves its time by several percent (docs/speed-tricks.md, "Their resolution"). ``--symmetric`` takes
