@@ -313,12 +313,17 @@ def cold_replica(engine: Engine, reqs: list[Request], cold_us: float, passes: in
     return out
 
 
-def warm_engine(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device) -> Engine:
+def warm_engine(model: Any, mode: str, n: int, prompt: int, new: int, device: torch.device,
+                arrive_over: int = 0) -> Engine:
     """A fresh engine of ``mode`` that has served the workload until it is in its steady state (JIT, graph
-    capture, every ring slot's layouts)."""
+    capture, every ring slot's layouts); with ``arrive_over``, one more run whose requests arrive over
+    that many steps (the mixed steps' shapes compiled; their layouts, new at nearly every such step, are
+    not the point)."""
     vocab = model.config.vocab_size
     engine = _engine(model, mode, n, prompt, new, device)
     engine.run(_requests(n, prompt, new, vocab, 0))  # warm-up: JIT, graph capture, layouts
+    if arrive_over:
+        engine.run(_requests(n, prompt, new, vocab, 4, arrive_over=arrive_over, start=next_step(engine)))
     # More warm-up runs until every ring slot has staged a step with prompt tokens: a slot's first step
     # of a layout builds that layout's views, which is not the steady state the prefill medians report.
     ring = engine.stager.num_slots if engine.vllm is None else 1  # vLLM's buffers have no ring
@@ -372,6 +377,11 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
                "launch": statistics.median(run["launch"][i] for i in idx),
                "wait": statistics.median(run["wait"][i] for i in idx),
                "behind": sum(run["behind"][i] for i in idx) / max(len(idx), 1)}
+        # every step of the run, mixed ones included (a loop whose requests arrive: --arrive-over)
+        out.update(all_meta=statistics.fmean(md), all_step=statistics.fmean(times), all_steps=len(md),
+                   all_launch=statistics.fmean(run["launch"]) if run["launch"] else float("nan"),
+                   composed=sum(not r for r in run["replayed"]) / max(len(md), 1),
+                   run_tokens_per_s=sum(len(t) for t in run["tokens"]) / run["wall"])
         pre = [i for i, k in enumerate(kinds) if k == "mixed"]
         if engine.hybrid and pre:  # the steps that carry prompt tokens
             out.update(pstep=statistics.median(times[i] for i in pre), pmeta=statistics.median(md[i] for i in pre),
@@ -391,7 +401,13 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
                              "metadata_ms_rounds": [r["meta"] * 1e3 for r in rs],
                              "launch_ms": med("launch") * 1e3, "wait_ms": med("wait") * 1e3,
                              "gpu_behind": med("behind"),
-                             "launch_ms_rounds": [r["launch"] * 1e3 for r in rs]}
+                             "launch_ms_rounds": [r["launch"] * 1e3 for r in rs],
+                             "all_metadata_ms": med("all_meta") * 1e3, "all_step_ms": med("all_step") * 1e3,
+                             "all_metadata_ms_rounds": [r["all_meta"] * 1e3 for r in rs],
+                             "all_steps": rs[0]["all_steps"], "composed_share": med("composed"),
+                             "all_launch_ms": med("all_launch") * 1e3,
+                             "run_tokens_per_s": med("run_tokens_per_s"),
+                             "run_tokens_per_s_rounds": [r["run_tokens_per_s"] for r in rs]}
     if all("pstep" in r for r in rs):
         extra.update(prefill_steps=rs[0]["prefill_steps"], prefill_step_ms=med("pstep") * 1e3,
                      prefill_metadata_ms=med("pmeta") * 1e3, prefill_share=med("pmeta") / med("pstep"))
@@ -434,18 +450,19 @@ def paired(ours: list[float], theirs: list[float]) -> float:
 
 
 def measure_all(model: Any, modes: list[str], n: int, prompt: int, new: int, device: torch.device,
-                cold_us: float | None, rounds: int, reverse: bool = False) -> list[dict[str, Any]]:
+                cold_us: float | None, rounds: int, reverse: bool = False, arrive_over: int = 0) -> list[dict[str, Any]]:
     """Every mode at ``n`` requests in one process: a warmed engine per mode, then ``rounds`` timed runs
     alternating between the modes (A B A B ...: drift on the machine lands on every mode alike), then
     each mode's audited and profiled runs; rows in ``modes``' order. With ``reverse`` the engines are
-    made, and each round's runs made, in the reverse of that order."""
+    made, and each round's runs made, in the reverse of that order. ``arrive_over``: the timed runs'
+    requests arrive over that many steps (the audited and profiled runs keep the workload's)."""
     vocab = model.config.vocab_size
     order = modes[::-1] if reverse else modes
-    engines = {mode: warm_engine(model, mode, n, prompt, new, device) for mode in order}
+    engines = {mode: warm_engine(model, mode, n, prompt, new, device, arrive_over) for mode in order}
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for k in range(rounds):  # (each round its own requests, the same for every mode)
         for mode in order:
-            runs[mode].append(timed_run(engines[mode], n, prompt, new, vocab, 1000 + k))
+            runs[mode].append(timed_run(engines[mode], n, prompt, new, vocab, 1000 + k, arrive_over=arrive_over))
     rows = [summarize(engines[m], m, runs[m], n, prompt, new, vocab, cold_us) for m in modes]
     del engines
     gc.collect()
@@ -477,7 +494,8 @@ def _child_args(a: argparse.Namespace, index: int = 0) -> list[str]:
     ``--json`` is :func:`json_runs`'), the engines' order reversed in every other process unless
     ``--same-order`` (``a.reverse`` flips which)."""
     args = ["--device", a.device, "--concurrency", a.concurrency, "--modes", a.modes, "--prompt", str(a.prompt),
-            "--new", str(a.new), "--model", a.model, "--rounds", str(a.rounds), "--cold-us", str(a.cold_us)]
+            "--new", str(a.new), "--model", a.model, "--rounds", str(a.rounds), "--cold-us", str(a.cold_us),
+            "--arrive-over", str(a.arrive_over)]
     reverse = a.reverse != (index % 2 == 1 and not a.same_order)
     return args + (["--no-cold"] if a.no_cold else []) + (["--reverse"] if reverse else [])
 
@@ -561,6 +579,42 @@ def _processes(a: argparse.Namespace) -> int:
     return 0
 
 
+def _print_arrivals(rows: list[dict[str, Any]], pairs: list[tuple[str, str]], concurrency: list[int],
+                    arrive_over: int) -> None:
+    """``--arrive-over``'s table: every step of the timed runs (mixed steps with the prompts that join the
+    running decodes, and every decode step), each mode's mean metadata ms a step and the share of its
+    steps the step composer composed rather than replayed; then each attnmeta / vLLM pair's ratio of
+    those means (and paired, by round) and of the runs' tokens/s (every generated token over the run's
+    wall time). Both modes of a pair serve the same requests through the same scheduler: the same steps.
+    Each pair's ratios go into attnmeta's row (``paired_against``: ``all_metadata_x``,
+    ``all_metadata_paired_x``, ``run_tokens_x``)."""
+    print(f"\nevery step of the runs, requests arriving over {arrive_over} steps (means over the steps, medians over "
+          "the rounds; composed: the steps the step composer did not replay)", flush=True)
+    print(f"{'mode':>11} {'reqs':>5} {'steps':>6} {'composed':>8} {'step ms':>8} {'metadata ms':>11} {'share':>6} "
+          f"{'launch ms':>9} {'run tok/s':>9}", flush=True)
+    for r in rows:
+        composed = f"{r['composed_share']:8.0%}" if not r["mode"].startswith("vllm") else f"{'-':>8}"
+        print(f"{r['mode']:>11} {r['concurrency']:>5} {r['all_steps']:>6} {composed} {r['all_step_ms']:8.3f} "
+              f"{r['all_metadata_ms']:11.4f} {r['all_metadata_ms'] / r['all_step_ms']:6.1%} "
+              f"{r['all_launch_ms']:9.3f} {r['run_tokens_per_s']:9.0f}", flush=True)
+    if not pairs:
+        return
+    print(f"{'pair':>20} {'reqs':>5} {'metadata ms':>11} {'vLLM ms':>8} {'faster':>7} {'paired':>7} {'run tok/s x':>11} "
+          f"{'paired':>7}", flush=True)
+    by = {(r["mode"], r["concurrency"]): r for r in rows}
+    for x, y in pairs:
+        for n in concurrency:
+            r, v = by[(x, n)], by[(y, n)]
+            ratios = {"all_metadata_x": v["all_metadata_ms"] / r["all_metadata_ms"],
+                      "all_metadata_paired_x": paired(r["all_metadata_ms_rounds"], v["all_metadata_ms_rounds"]),
+                      "run_tokens_x": r["run_tokens_per_s"] / v["run_tokens_per_s"],
+                      "run_tokens_paired_x": paired(v["run_tokens_per_s_rounds"], r["run_tokens_per_s_rounds"])}
+            print(f"{x + ' / ' + y:>20} {n:>5} {r['all_metadata_ms']:11.4f} {v['all_metadata_ms']:8.4f} "
+                  f"{ratios['all_metadata_x']:6.1f}x {ratios['all_metadata_paired_x']:6.1f}x "
+                  f"{ratios['run_tokens_x']:10.2f}x {ratios['run_tokens_paired_x']:6.2f}x", flush=True)
+            r.setdefault("paired_against", {}).setdefault(y, {}).update(ratios)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", type=device_arg, default="cuda")
@@ -581,6 +635,9 @@ def main(argv: list[str] | None = None) -> int:
                         "pair's ratios over them (default 1; module docstring)")
     p.add_argument("--reverse", action="store_true",
                    help="make the engines, and run each round, in the reverse of --modes' order (rows keep it)")
+    p.add_argument("--arrive-over", type=int, default=0, metavar="STEPS",
+                   help="the timed runs' requests arrive over their first STEPS steps, so prompts join running "
+                        "decodes in mixed steps; adds a table of every step's metadata time (default 0: all at once)")
     p.add_argument("--same-order", action="store_true",
                    help="with --processes: every process in one order (default: every other process reversed)")
     a = p.parse_args(argv)
@@ -619,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     colds = []
     for n in [int(x) for x in a.concurrency.split(",")]:
         for r in measure_all(model, modes.split(","), n, a.prompt, a.new, device, None if a.no_cold else a.cold_us,
-                             a.rounds, a.reverse):
+                             a.rounds, a.reverse, a.arrive_over):
             mode = r["mode"]
             rows.append(r)
             print(f"{mode:>11} {n:>5} {r['step_ms']:8.3f} {r['steps_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
@@ -682,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens_x": r["tokens_per_s"] / v["tokens_per_s"], "tokens_per_s_x": tok_paired,
                     "launch_x": r["launch_ms"] / v["launch_ms"],
                     "launch_paired_x": paired(v["launch_ms_rounds"], r["launch_ms_rounds"])}
+    if a.arrive_over:
+        _print_arrivals(rows, pairs, [int(c) for c in a.concurrency.split(",")], a.arrive_over)
     for kind, title, variants in (
             ("twins", "A/A: a second engine of the same mode in this process against the first (the twin's time over "
              "the first's", [(m.partition("#")[0], m) for m in listed if "#" in m and m.partition("#")[0] in listed]),

@@ -110,6 +110,9 @@
 #           (carry .vllm, .whl, .kernels; VLLMBENCH_MODELS, default "1b hybrid-1b", picks the models,
 #           VLLMBENCH_MODES the modes, VLLMBENCH_CONCURRENCY the requests, default 1,64,256, VLLMBENCH_ROUNDS
 #           the alternating rounds, default 3; one model's three rows of two modes take about one call;
+#           VLLMBENCH_ARRIVE the steps the timed runs' requests arrive over, default 0 (all at once): bench_engine.py
+#           --arrive-over, a table of every step's metadata time, mixed steps included; VLLMBENCH_NEW each
+#           request's new tokens, default 96;
 #           VLLMBENCH_PROCESSES the fresh processes, one after another, default 1: bench_engine.py --processes,
 #           the pairs' ratios per process and their median, every other process in the reverse order of
 #           the modes; VLLMBENCH_REVERSE=1 reverses the order, for the other half of a run split over calls.
@@ -429,14 +432,16 @@ if vllm_site; then
     if [[ $m == 1b ]]; then
       timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --modes "${VLLMBENCH_MODES:-$llama_modes}" --no-cold \
         --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" --rounds "${VLLMBENCH_ROUNDS:-3}" \
-        --processes "${VLLMBENCH_PROCESSES:-1}" ${VLLMBENCH_REVERSE:+--reverse} --json "$OUT_DIR/vllm_bench.json" 2>&1 \
+        --processes "${VLLMBENCH_PROCESSES:-1}" ${VLLMBENCH_REVERSE:+--reverse} --arrive-over "${VLLMBENCH_ARRIVE:-0}" \
+        --new "${VLLMBENCH_NEW:-96}" --json "$OUT_DIR/vllm_bench.json" 2>&1 \
         | tee -a "$OUT_DIR/vllm_bench.txt"
       rc=${PIPESTATUS[0]}  # (read before any other command: [[ ]] has a PIPESTATUS of its own)
       [[ $rc -eq 0 ]] || failed "vllmbench (1b)" "$rc"
     else
       timeout "${VLLMBENCH_TIMEOUT:-540}" $PY benchmarks/bench_engine.py --device cuda --model hybrid-1b --modes "${VLLMBENCH_MODES:-$hybrid_modes}" \
         --no-cold --concurrency "${VLLMBENCH_CONCURRENCY:-1,64,256}" --rounds "${VLLMBENCH_ROUNDS:-3}" \
-        --processes "${VLLMBENCH_PROCESSES:-1}" ${VLLMBENCH_REVERSE:+--reverse} --json "$OUT_DIR/vllm_hybrid_bench.json" \
+        --processes "${VLLMBENCH_PROCESSES:-1}" ${VLLMBENCH_REVERSE:+--reverse} --arrive-over "${VLLMBENCH_ARRIVE:-0}" \
+        --new "${VLLMBENCH_NEW:-96}" --json "$OUT_DIR/vllm_hybrid_bench.json" \
         2>&1 | tee "$OUT_DIR/vllm_hybrid_bench.txt"
       rc=${PIPESTATUS[0]}
       [[ $rc -eq 0 ]] || failed "vllmbench (hybrid-1b)" "$rc"

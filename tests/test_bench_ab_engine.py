@@ -420,3 +420,44 @@ def test_ab_engine_s_base_engine_finds_this_checkout_s_mamba_kernels(tmp_path: P
     mamba = importlib.import_module(engine.__name__ + ".vllm_mamba")
     assert mamba.KERNELS == mod.ROOT / ".kernels"
     assert str(tmp_path) in mamba.__file__  # (the base's own copy, imported from the exports folder)
+
+
+def test_bench_engine_arrivals_time_every_step_of_the_loop(tmp_path: Path) -> None:
+    """``--arrive-over``: the timed runs' requests arrive over that many steps, so prompts join running
+    decodes in mixed steps the step composer composes; a table gives every step's mean metadata time, the
+    composed share and the run's tokens/s, beside the full-batch decode rows."""
+    import json
+
+    out = tmp_path / "bench.json"
+    text = run_script("bench_engine.py", "--device", "cpu", "--model", "tiny", "--modes", "paged", "--concurrency",
+                      "8", "--prompt", "8", "--new", "16", "--rounds", "1", "--no-cold", "--arrive-over", "12",
+                      "--json", str(out))
+    assert "every step of the runs, requests arriving over 12 steps" in text, text
+    line = next(ln.split() for ln in text.splitlines()[text.splitlines().index(
+        next(ln for ln in text.splitlines() if ln.startswith("every step of the runs"))):] if ln.split()[:2] == ["paged", "8"])
+    steps, composed, meta = int(line[2]), float(line[3].rstrip("%")), float(line[5])
+    assert steps > 16 and 0 < composed < 100 and meta > 0, line  # (mixed steps compose; decode steps replay)
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["all_steps"] == steps and row["all_metadata_ms"] > 0 and row["run_tokens_per_s"] > 0, row
+
+
+def test_bench_engine_arrivals_pair_the_means_of_every_step(capsys: pytest.CaptureFixture[str]) -> None:
+    """The arrivals table's pair line: vLLM's mean metadata ms over attnmeta's, paired by round, and the runs'
+    tokens/s, kept in attnmeta's row beside the decode steps' ratios."""
+    mod = load_benchmark("bench_engine.py", "bench_engine_arrivals")
+
+    def row(mode: str, meta: list[float], tok: list[float]) -> dict[str, Any]:
+        return {"mode": mode, "concurrency": 64, "all_steps": 140, "composed_share": 0.3, "all_step_ms": 10.0,
+                "all_metadata_ms": sorted(meta)[1], "all_metadata_ms_rounds": meta, "all_launch_ms": 5.0,
+                "run_tokens_per_s": sorted(tok)[1], "run_tokens_per_s_rounds": tok,
+                "paired_against": {"vllm-graphs": {"metadata_x": 5.0}}}
+
+    ours, theirs = row("graphs", [0.2, 0.3, 0.25], [100, 90, 110]), row("vllm-graphs", [0.6, 0.6, 1.0], [90, 90, 100])
+    mod._print_arrivals([ours, theirs], [("graphs", "vllm-graphs")], [64], 100)
+    text = capsys.readouterr().out
+    vllm_row = next(ln.split() for ln in text.splitlines() if ln.split()[:1] == ["vllm-graphs"])
+    assert "graphs / vllm-graphs" in text and vllm_row[3] == "-", text  # (no composed share for vLLM's code)
+    got = ours["paired_against"]["vllm-graphs"]
+    assert got["metadata_x"] == 5.0  # (the decode steps' ratio stays)
+    assert got["all_metadata_x"] == pytest.approx(0.6 / 0.25) and got["all_metadata_paired_x"] == pytest.approx(3.0)
+    assert got["run_tokens_x"] == pytest.approx(100 / 90) and got["run_tokens_paired_x"] == pytest.approx(1.1)
