@@ -65,7 +65,7 @@ from attnmeta._fields import metadata_parts
 from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchError, checked_needs, get_builder
 from attnmeta.common import CommonPasses, CommonWriter, _stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata
-from attnmeta.spec import SCAN_HEAD, BatchSpec, StepShape, scan_counts, shapes_of
+from attnmeta.spec import SCAN_HEAD, BatchSpec, StepShape, scan_counts, shapes_of, specs_of_scan
 from attnmeta.staging import STAGEABLE_DTYPES, Staged, Stager, Step, StepLayout, bucket_rows
 
 __all__ = ["PARALLEL_MIN_ROWS", "Array", "ComposeStats", "ComposedStep", "Group", "SharedPrefixWarning", "StepBuilder",
@@ -581,7 +581,8 @@ class StepBuilder:
         copies, no :class:`~attnmeta.BatchSpec`) and finds the layout's key from the scan (its class,
         the scan without its lengths, then what the lengths add: no cache by exact step shape, which a
         serving loop's decode steps, each with new lengths, would only fill); any other step makes the
-        specs and goes through :meth:`build`.
+        specs, from the arrays and the scan's scalars without checking them again
+        (:func:`~attnmeta.spec.specs_of_scan`), and is composed as :meth:`build` composes it.
 
         Parameters
         ----------
@@ -629,16 +630,16 @@ class StepBuilder:
         arr = _NO_ARRAYS if arrays is None and not self._arrays else self._check_arrays(arrays)
         shapes = shapes_of(scan)
         key = self._lengths_key(shapes, inp, arr, scan) if inp is self._no_inputs else self._key(shapes, inp, arr)
-        return self._run(shapes, key, inp, arr, None, (c, q, tables, prompt, drafts, ub, rp, tp))
+        return self._run(shapes, key, inp, arr, None, (c, q, tables, prompt, drafts, ub, scan))
 
     def _run(self, shapes: tuple[StepShape, ...], key: tuple[Hashable, ...] | None, inputs: list[list[Any]],
              arrays: list[np.ndarray], specs: tuple[BatchSpec, ...] | None, counts: tuple[Any, ...] | None
              ) -> ComposedStep:
         """The step: replayed when its slot recorded its layout ``key``, else composed. Of ``specs``
-        (:meth:`build`) or of ``counts``, :meth:`build_counts`'s arguments (its specs are made only for
-        a composed step)."""
+        (:meth:`build`) or of ``counts``, :meth:`build_counts`'s arrays and their scan (its specs are made
+        only for a composed step: :func:`_specs_of`)."""
         if key is None:  # (every builder's reasons first: a step that cannot be served is never begun)
-            sp = specs if specs is not None else _make_specs(*counts)  # type: ignore[misc]
+            sp = specs if specs is not None else _specs_of(counts)
             self._check(sp, inputs)
             return self._compose(self._stager.step(), sp, shapes, inputs, arrays, None)
         step = self._stager.step()
@@ -654,7 +655,7 @@ class StepBuilder:
                 rows[name] = len(a)
         if rec is None or not step.restage(rec.layout, rows):
             try:
-                sp = specs if specs is not None else _make_specs(*counts)  # type: ignore[misc]
+                sp = specs if specs is not None else _specs_of(counts)
             except BaseException:
                 step.abandon()
                 raise
@@ -663,7 +664,7 @@ class StepBuilder:
             return self._replay(step, rec, shapes, inputs, arrays, specs, counts)
         except ValueError as e:  # (the step was abandoned): the builders' reasons, as a composed step gives
             if not isinstance(e, UnsupportedBatchError):
-                self._check(specs if specs is not None else _make_specs(*counts), inputs)  # type: ignore[misc]
+                self._check(specs if specs is not None else _specs_of(counts), inputs)
             raise
 
     # ------------------------------------------------------------------ the step's inputs and key
@@ -993,6 +994,15 @@ class StepBuilder:
         threads = f", threads={self._threads}" if self._threads != 1 else ""
         return (f"StepBuilder({groups}, arrays={[n for n, *_r in self._arrays]}{threads}, steps={self.stats.steps}, "
                 f"replayed={self.stats.replayed})")
+
+
+def _specs_of(counts: tuple[Any, ...] | None) -> tuple[BatchSpec, ...]:
+    """The specs of :meth:`StepBuilder.build_counts`' ``(c, q, tables, prompt, drafts, ub, scan)``, its
+    arrays and their :func:`~attnmeta.spec.scan_counts` (which checked every rule): equal to
+    :func:`_make_specs` of the same arguments, without checking them again."""
+    assert counts is not None  # (a step of build() comes with its specs)
+    c, q, tables, prompt, drafts, ub, scan = counts
+    return specs_of_scan(c, q, tables, prompt, drafts, ub, scan)
 
 
 def _make_specs(c: Any, q: Any, tables: Any, prompt: Any, drafts: Any, ub: Any, rp: Any, tp: Any

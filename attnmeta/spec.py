@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -799,6 +800,48 @@ tuple's Python-level ``__new__``."""
 
 SCAN_HEAD = 14
 """The scalars of a :func:`scan_counts` result before its groups' ``(num_pages, block_size, table_columns)``."""
+
+
+assert _FIELDS == ("num_computed_tokens", "num_scheduled_tokens", "block_table", "block_size", "num_prompt_tokens",
+                   "num_draft_tokens", "seq_lens_upper_bound", "num_reqs_padded", "num_tokens_padded",
+                   "context_parallel", "num_reqs", "num_tokens", "max_query_len", "max_seq_len", "max_exact_seq_len",
+                   "num_pages", "any_prefilling", "uniform_queries", "all_spec_rows"), "specs_of_scan's field order"
+
+
+def specs_of_scan(c: np.ndarray, q: np.ndarray, tables: Sequence[tuple[np.ndarray, int]], prompt: np.ndarray | None,
+                  drafts: np.ndarray | None, ub: np.ndarray | None, scan: tuple[Any, ...]) -> tuple[BatchSpec, ...]:
+    """The specs of :func:`scan_counts`' arguments, one per group, from its (not None) result: equal, field
+    for field, to ``BatchSpec(...)`` of the first group's table and :meth:`BatchSpec.for_group` of each
+    further one, without checking again what the scan checked.
+
+    The per-request arrays are copied once into one read-only buffer the specs share, as the constructor
+    and ``for_group`` share theirs; every scalar is the scan's. The step composer's counts entry
+    (:meth:`attnmeta.compose.StepBuilder.build_counts`) makes its specs this way for the steps it composes
+    (a serving loop's mixed steps, most of them).
+    """
+    n, total, rp, tp, max_q, _first, top, exact, pre, _has_p, _has_d, _has_u, uni, spec = scan[:SCAN_HEAD]
+    rows = [c, q] + [a for a in (prompt, drafts, ub) if a is not None]
+    own = np.empty((len(rows), n), np.int32)
+    for i, a in enumerate(rows):
+        own[i] = a
+    own.setflags(write=False)
+    k = 2
+    p = d = u = None
+    if prompt is not None:
+        p, k = own[k], k + 1
+    if drafts is not None:
+        d, k = own[k], k + 1
+    if ub is not None:
+        u = own[k]
+    cc, qq = own[0], own[1]
+    out: list[BatchSpec] = []
+    for g, (bt, bs) in enumerate(tables):
+        o: Any = object.__new__(_FillableBatchSpec)
+        _store_fields(o, cc, qq, bt, bs, p, d, u, rp, tp, None, n, total, max_q, top, exact, scan[SCAN_HEAD + 3 * g],
+                      pre, uni, spec)
+        o.__class__ = BatchSpec
+        out.append(o)
+    return tuple(out)
 
 
 def shapes_of(scan: tuple[Any, ...]) -> tuple[StepShape, ...]:

@@ -381,6 +381,8 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
         out.update(all_meta=statistics.fmean(md), all_step=statistics.fmean(times), all_steps=len(md),
                    all_launch=statistics.fmean(run["launch"]) if run["launch"] else float("nan"),
                    composed=sum(not r for r in run["replayed"]) / max(len(md), 1),
+                   composed_decode=_share_composed(kinds, run["replayed"], "decode"),
+                   composed_mixed=_share_composed(kinds, run["replayed"], "mixed"),
                    run_tokens_per_s=sum(len(t) for t in run["tokens"]) / run["wall"])
         pre = [i for i, k in enumerate(kinds) if k == "mixed"]
         if engine.hybrid and pre:  # the steps that carry prompt tokens
@@ -405,6 +407,7 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
                              "all_metadata_ms": med("all_meta") * 1e3, "all_step_ms": med("all_step") * 1e3,
                              "all_metadata_ms_rounds": [r["all_meta"] * 1e3 for r in rs],
                              "all_steps": rs[0]["all_steps"], "composed_share": med("composed"),
+                             "composed_decode_share": med("composed_decode"), "composed_mixed_share": med("composed_mixed"),
                              "all_launch_ms": med("all_launch") * 1e3,
                              "run_tokens_per_s": med("run_tokens_per_s"),
                              "run_tokens_per_s_rounds": [r["run_tokens_per_s"] for r in rs]}
@@ -436,6 +439,17 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
             "waits_timed": sum(r["waits"] for r in runs), "graph_steps": st.graph_steps,
             "plan_waits": getattr(engine.kernel, "plan_waits", 0), "plans": getattr(engine.kernel, "plans", None),
             "tokens": runs[0]["tokens"], **extra}
+
+
+def _share_composed(kinds: list[str], replayed: list[bool], kind: str) -> float:
+    """The share of a run's steps of ``kind`` (``"decode"`` or ``"mixed"``) that were not replayed (0 where
+    it had none).
+
+    >>> _share_composed(["decode", "mixed", "decode", "mixed"], [True, False, False, False], "decode")
+    0.5
+    """
+    of_kind = [r for k, r in zip(kinds, replayed, strict=True) if k == kind]
+    return sum(not r for r in of_kind) / len(of_kind) if of_kind else 0.0
 
 
 def paired(ours: list[float], theirs: list[float]) -> float:
@@ -585,15 +599,17 @@ def _print_arrivals(rows: list[dict[str, Any]], pairs: list[tuple[str, str]], co
     running decodes, and every decode step), each mode's mean metadata ms a step and the share of its
     steps the step composer composed rather than replayed; then each attnmeta / vLLM pair's ratio of
     those means (and paired, by round) and of the runs' tokens/s (every generated token over the run's
-    wall time). Both modes of a pair serve the same requests through the same scheduler: the same steps.
+    wall time), and of the decode steps and of the mixed steps apart (a decode step whose request count is new
+    composes too). Both modes of a pair serve the same requests through the same scheduler: the same steps.
     Each pair's ratios go into attnmeta's row (``paired_against``: ``all_metadata_x``,
     ``all_metadata_paired_x``, ``run_tokens_x``)."""
     print(f"\nevery step of the runs, requests arriving over {arrive_over} steps (means over the steps, medians over "
           "the rounds; composed: the steps the step composer did not replay)", flush=True)
-    print(f"{'mode':>11} {'reqs':>5} {'steps':>6} {'composed':>8} {'step ms':>8} {'metadata ms':>11} {'share':>6} "
-          f"{'launch ms':>9} {'run tok/s':>9}", flush=True)
+    print(f"{'mode':>11} {'reqs':>5} {'steps':>6} {'composed':>8} {'of decode':>9} {'of mixed':>8} {'step ms':>8} "
+          f"{'metadata ms':>11} {'share':>6} {'launch ms':>9} {'run tok/s':>9}", flush=True)
     for r in rows:
-        composed = f"{r['composed_share']:8.0%}" if not r["mode"].startswith("vllm") else f"{'-':>8}"
+        composed = (f"{r['composed_share']:8.0%} {r['composed_decode_share']:9.0%} {r['composed_mixed_share']:8.0%}"
+                    if not r["mode"].startswith("vllm") else f"{'-':>8} {'-':>9} {'-':>8}")
         print(f"{r['mode']:>11} {r['concurrency']:>5} {r['all_steps']:>6} {composed} {r['all_step_ms']:8.3f} "
               f"{r['all_metadata_ms']:11.4f} {r['all_metadata_ms'] / r['all_step_ms']:6.1%} "
               f"{r['all_launch_ms']:9.3f} {r['run_tokens_per_s']:9.0f}", flush=True)

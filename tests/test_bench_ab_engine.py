@@ -435,8 +435,8 @@ def test_bench_engine_arrivals_time_every_step_of_the_loop(tmp_path: Path) -> No
     assert "every step of the runs, requests arriving over 12 steps" in text, text
     line = next(ln.split() for ln in text.splitlines()[text.splitlines().index(
         next(ln for ln in text.splitlines() if ln.startswith("every step of the runs"))):] if ln.split()[:2] == ["paged", "8"])
-    steps, composed, meta = int(line[2]), float(line[3].rstrip("%")), float(line[5])
-    assert steps > 16 and 0 < composed < 100 and meta > 0, line  # (mixed steps compose; decode steps replay)
+    steps, composed, of_mixed, meta = int(line[2]), float(line[3].rstrip("%")), float(line[5].rstrip("%")), float(line[7])
+    assert steps > 16 and 0 < composed < 100 and of_mixed > 0 and meta > 0, line  # (mixed steps compose)
     row = json.loads(out.read_text())["rows"][0]
     assert row["all_steps"] == steps and row["all_metadata_ms"] > 0 and row["run_tokens_per_s"] > 0, row
 
@@ -447,7 +447,8 @@ def test_bench_engine_arrivals_pair_the_means_of_every_step(capsys: pytest.Captu
     mod = load_benchmark("bench_engine.py", "bench_engine_arrivals")
 
     def row(mode: str, meta: list[float], tok: list[float]) -> dict[str, Any]:
-        return {"mode": mode, "concurrency": 64, "all_steps": 140, "composed_share": 0.3, "all_step_ms": 10.0,
+        return {"mode": mode, "concurrency": 64, "all_steps": 140, "composed_share": 0.3, "composed_decode_share": 0.1,
+                "composed_mixed_share": 0.9, "all_step_ms": 10.0,
                 "all_metadata_ms": sorted(meta)[1], "all_metadata_ms_rounds": meta, "all_launch_ms": 5.0,
                 "run_tokens_per_s": sorted(tok)[1], "run_tokens_per_s_rounds": tok,
                 "paired_against": {"vllm-graphs": {"metadata_x": 5.0}}}

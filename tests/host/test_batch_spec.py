@@ -351,6 +351,47 @@ def test_for_group_equals_a_new_spec_of_the_same_arguments(spec: BatchSpec, data
         assert str(group_error.value) == str(new_error.value)
 
 
+@given(spec=batch_specs(), data=st.data())
+def test_specs_of_a_scan_equal_the_constructor_s(spec: BatchSpec, data: st.DataObject) -> None:
+    """The specs the composer's counts entry makes of its scan (the steps it composes), for one to three
+    groups: every field equal to ``BatchSpec(...)`` and ``for_group`` of the same arguments, the
+    per-request vectors read-only copies the groups share (the caller's arrays may change after the
+    call), each table the caller's own."""
+    from attnmeta.spec import scan_counts, specs_of_scan
+
+    args = spec_arguments(spec)
+    copies = {k: None if args[k] is None else np.array(args[k]) for k in (
+        "num_computed_tokens", "num_scheduled_tokens", "num_prompt_tokens", "num_draft_tokens", "seq_lens_upper_bound")}
+    c, q, prompt, drafts, ub = copies.values()
+    seq = c + q
+    tables = [(np.array(spec.block_table), spec.block_size)]
+    for g in range(data.draw(st.integers(0, 2), label="more groups")):
+        bs = data.draw(st.integers(1, 64), label=f"group {g + 1}'s block size")
+        need = int(-(-seq.max() // bs)) if spec.num_reqs else 0
+        width = data.draw(st.integers(max(need, 1), need + 2), label=f"group {g + 1}'s width")
+        tables.append((np.arange(len(c) * width, dtype=np.int32).reshape(len(c), width), bs))
+    scan = scan_counts(c, q, tables, prompt, drafts, ub, spec.num_reqs_padded, spec.num_tokens_padded,
+                       np.empty((len(tables) - 1, 3), np.int64))
+    assert scan is not None  # (a valid spec's arrays: the scan keeps them)
+    got = specs_of_scan(c, q, tables, prompt, drafts, ub, scan)
+    first = BatchSpec(**{**args, **copies, "block_table": tables[0][0]})
+    want = [first] + [first.for_group(block_table=t, block_size=bs) for t, bs in tables[1:]]
+    assert len(got) == len(want)
+    for g, (a_spec, b_spec) in enumerate(zip(got, want, strict=True)):
+        assert type(a_spec) is BatchSpec
+        for f in dataclasses.fields(BatchSpec):
+            a, b = getattr(a_spec, f.name), getattr(b_spec, f.name)
+            if f.name == "block_table":
+                assert a is tables[g][0]
+            elif isinstance(b, np.ndarray):
+                assert a.dtype == b.dtype and np.array_equal(a, b) and not a.flags.writeable, (g, f.name)
+                assert not np.shares_memory(a, copies[f.name]), (g, f.name)  # (its own copy)
+            else:
+                assert type(a) is type(b) and a == b, (g, f.name)
+        assert a_spec.num_computed_tokens is got[0].num_computed_tokens
+        assert a_spec.shape == b_spec.shape
+
+
 def test_for_group_checks_the_block_size_and_keeps_a_subclass() -> None:
     spec = _spec()
     with pytest.raises(ValueError, match="must be a positive int"):
