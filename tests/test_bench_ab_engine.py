@@ -368,13 +368,19 @@ def test_bench_engine_runs_fresh_processes_with_an_a_a_twin(tmp_path: Path) -> N
     assert len(twin["launch_x"]) == 2 and twin["median_launch_x"] > 0
     assert [p["rows"][0]["requests_with_other_tokens_than"] for p in got["processes"]] == [{"paged#2": 0}] * 2
     mod = load_benchmark("bench_engine.py", "bench_engine_processes_refused")
-    def reversed_in(flags: str) -> list[bool]:  # (per process of three: is its order reversed?)
+    def child(flags: str, i: int, arrive_over: int = 0) -> list[str]:  # (process i's arguments)
         a = argparse.Namespace(device="cpu", concurrency="3", modes="paged", prompt=8, new=12, model="tiny", rounds=1,
-                               cold_us=1.0, no_cold=True, reverse="r" in flags, same_order="s" in flags)
-        return ["--reverse" in mod._child_args(a, i) for i in range(3)]
+                               cold_us=1.0, no_cold=True, reverse="r" in flags, same_order="s" in flags,
+                               arrive_over=arrive_over)
+        return mod._child_args(a, i)
+
+    def reversed_in(flags: str) -> list[bool]:  # (per process of three: is its order reversed?)
+        return ["--reverse" in child(flags, i) for i in range(3)]
 
     orders = {flags: reversed_in(flags) for flags in ("", "r", "s", "rs")}
     assert orders == {"": [False, True, False], "r": [True, False, True], "s": [False] * 3, "rs": [True] * 3}
+    args = child("", 1, arrive_over=100)  # (every process serves the same workload: arrivals included)
+    assert args[args.index("--arrive-over") + 1] == "100"
     with pytest.raises(SystemExit):
         mod.main(["--device", "cpu", "--processes", "0"])
     assert mod.main(["--device", "cpu", "--model", "tiny", "--modes", "paged,paged"]) == 2
