@@ -470,15 +470,7 @@ class BatchSpec:
             c, q, bt, span, bs, _EMPTY if prompt is None else prompt, _EMPTY if drafts is None else drafts,
             _EMPTY if ub is None else ub, False, own,  # (diagnose: only when a rule is broken, to name it)
         )
-        own.setflags(write=False)
-        c, q = own[0], own[1]
-        k = 2
-        if prompt is not None:
-            prompt, k = own[k], k + 1
-        if drafts is not None:
-            drafts, k = own[k], k + 1
-        if ub is not None:
-            ub = own[k]
+        c, q, prompt, drafts, ub = _owned_rows(own, prompt, drafts, ub)
         if code:
             _raise_invalid(c, q, bt, span, bs, prompt, drafts, ub)
         rp = num_reqs_padded
@@ -644,6 +636,23 @@ def _block_size(bs: Any) -> int:
 def _check_interleave(cp: ContextParallel, bs: int) -> None:
     if cp.interleave < 1 or bs % cp.interleave:
         raise ValueError(f"context_parallel.interleave={cp.interleave} must be >= 1 and divide block_size={bs}")
+
+
+def _owned_rows(own: np.ndarray, prompt: Any, drafts: Any, ub: Any) -> tuple[Any, ...]:
+    """``own`` (a spec's copies of its per-request arrays, one row each: the computed and scheduled
+    counts, then those of ``prompt``, ``drafts`` and ``ub`` that are not None) made read-only, as the
+    spec's ``(num_computed_tokens, num_scheduled_tokens, num_prompt_tokens, num_draft_tokens,
+    seq_lens_upper_bound)``: a row each, None for an array not given."""
+    own.setflags(write=False)
+    k = 2
+    p = d = u = None
+    if prompt is not None:
+        p, k = own[k], k + 1
+    if drafts is not None:
+        d, k = own[k], k + 1
+    if ub is not None:
+        u = own[k]
+    return own[0], own[1], p, d, u
 
 
 class _FillableBatchSpec:
@@ -824,16 +833,7 @@ def specs_of_scan(c: np.ndarray, q: np.ndarray, tables: Sequence[tuple[np.ndarra
     own = np.empty((len(rows), n), np.int32)
     for i, a in enumerate(rows):
         own[i] = a
-    own.setflags(write=False)
-    k = 2
-    p = d = u = None
-    if prompt is not None:
-        p, k = own[k], k + 1
-    if drafts is not None:
-        d, k = own[k], k + 1
-    if ub is not None:
-        u = own[k]
-    cc, qq = own[0], own[1]
+    cc, qq, p, d, u = _owned_rows(own, prompt, drafts, ub)
     out: list[BatchSpec] = []
     for g, (bt, bs) in enumerate(tables):
         o: Any = object.__new__(_FillableBatchSpec)
