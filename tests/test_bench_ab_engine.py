@@ -449,8 +449,17 @@ def test_bench_engine_arrivals_time_every_step_of_the_loop(tmp_path: Path) -> No
 
 def test_bench_engine_arrivals_pair_the_means_of_every_step(capsys: pytest.CaptureFixture[str]) -> None:
     """The arrivals table's pair line: vLLM's mean metadata ms over attnmeta's, paired by round, and the runs'
-    tokens/s, kept in attnmeta's row beside the decode steps' ratios."""
+    tokens/s, kept in attnmeta's row beside the decode steps' ratios; the composed shares by kind (its
+    docstring's example runs)."""
+    import doctest
+
     mod = load_benchmark("bench_engine.py", "bench_engine_arrivals")
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(mod._share_composed, "_share_composed",
+                                             globs={"_share_composed": mod._share_composed}):
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0 and runner.summarize(verbose=False).attempted == 1
+    assert mod._share_composed(["mixed"], [False], "decode") == 0.0  # (no step of the kind)
 
     def row(mode: str, meta: list[float], tok: list[float]) -> dict[str, Any]:
         return {"mode": mode, "concurrency": 64, "all_steps": 140, "composed_share": 0.3, "composed_decode_share": 0.1,
