@@ -101,8 +101,16 @@ differ``: the requests whose greedy tokens differ between the two modes (the sam
 metadata: 0 expected; with FlashInfer, the FlashInfer kernel's plans are printed above the pairs, and
 only its ``vllm`` plans are vLLM's kernels: examples/engine/kernels.py, ``PLANS``).
 
+``--arrive-over STEPS``: the timed runs' requests arrive over their first STEPS steps (drawn per run, in
+the queue's order), so that prompts join running decodes in mixed steps, as in a server under a steady
+load. The tables above still time the full-batch decode steps; a further table then gives every step of
+the runs, mixed ones included: each mode's mean metadata ms a step, the share of attnmeta's steps its
+composer composed (of all, of the decode and of the mixed steps), and each attnmeta / vLLM pair's ratio of
+those means and of the runs' tokens/s (:func:`_print_arrivals`).
+
 Usage: python benchmarks/bench_engine.py --device cuda [--model 1b|hybrid-1b|tiny|tiny-hybrid] [--concurrency 1,64,256]
-[--modes graphs,eager,per-tensor] [--rounds 3] [--no-cold] [--cold-us US] [--processes N] [--json FILE]
+[--modes graphs,eager,per-tensor] [--rounds 3] [--no-cold] [--cold-us US] [--processes N] [--arrive-over STEPS]
+[--json FILE]
 """
 
 from __future__ import annotations
