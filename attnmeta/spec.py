@@ -811,12 +811,6 @@ SCAN_HEAD = 14
 """The scalars of a :func:`scan_counts` result before its groups' ``(num_pages, block_size, table_columns)``."""
 
 
-assert _FIELDS == ("num_computed_tokens", "num_scheduled_tokens", "block_table", "block_size", "num_prompt_tokens",
-                   "num_draft_tokens", "seq_lens_upper_bound", "num_reqs_padded", "num_tokens_padded",
-                   "context_parallel", "num_reqs", "num_tokens", "max_query_len", "max_seq_len", "max_exact_seq_len",
-                   "num_pages", "any_prefilling", "uniform_queries", "all_spec_rows"), "specs_of_scan's field order"
-
-
 def specs_of_scan(c: np.ndarray, q: np.ndarray, tables: Sequence[tuple[np.ndarray, int]], prompt: np.ndarray | None,
                   drafts: np.ndarray | None, ub: np.ndarray | None, scan: tuple[Any, ...]) -> tuple[BatchSpec, ...]:
     """The specs of :func:`scan_counts`' arguments, one per group, from its (not None) result: equal, field
@@ -836,9 +830,12 @@ def specs_of_scan(c: np.ndarray, q: np.ndarray, tables: Sequence[tuple[np.ndarra
     cc, qq, p, d, u = _owned_rows(own, prompt, drafts, ub)
     out: list[BatchSpec] = []
     for g, (bt, bs) in enumerate(tables):
-        o: Any = object.__new__(_FillableBatchSpec)
-        _store_fields(o, cc, qq, bt, bs, p, d, u, rp, tp, None, n, total, max_q, top, exact, scan[SCAN_HEAD + 3 * g],
-                      pre, uni, spec)
+        o: Any = object.__new__(_FillableBatchSpec)  # (as for_group: plain slot stores, then a BatchSpec)
+        _store_fields(o, num_computed_tokens=cc, num_scheduled_tokens=qq, block_table=bt, block_size=bs,
+                      num_prompt_tokens=p, num_draft_tokens=d, seq_lens_upper_bound=u, num_reqs_padded=rp,
+                      num_tokens_padded=tp, context_parallel=None, num_reqs=n, num_tokens=total, max_query_len=max_q,
+                      max_seq_len=top, max_exact_seq_len=exact, num_pages=scan[SCAN_HEAD + 3 * g], any_prefilling=pre,
+                      uniform_queries=uni, all_spec_rows=spec)
         o.__class__ = BatchSpec
         out.append(o)
     return tuple(out)

@@ -72,6 +72,7 @@ from bench_engine import (  # noqa: E402
     is_hybrid,
     json_runs,
     next_step,
+    share_composed,
     timed_run,
 )
 
@@ -173,7 +174,7 @@ def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: i
             run = timed_run(engines[name], n, prompt, new, vocab, 1000 + k, sides[name].Request, arrive_over)
             idx = timed_steps(run, steps)
             meta[name].append(statistics.median(run["metadata"][i] for i in idx) * 1e3)
-            composed[name].append(1 - sum(run["replayed"]) / len(run["replayed"]))
+            composed[name].append(share_composed(run["kinds"], run["replayed"]))
             step[name].append(statistics.median(run["times"][i] for i in idx) * 1e3)
             plan[name].append(run["plan_s"] / run["steps"] * 1e3)
             tokens[name] = run["tokens"]

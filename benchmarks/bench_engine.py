@@ -388,9 +388,9 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
         # every step of the run, mixed ones included (a loop whose requests arrive: --arrive-over)
         out.update(all_meta=statistics.fmean(md), all_step=statistics.fmean(times), all_steps=len(md),
                    all_launch=statistics.fmean(run["launch"]) if run["launch"] else float("nan"),
-                   composed=sum(not r for r in run["replayed"]) / max(len(md), 1),
-                   composed_decode=_share_composed(kinds, run["replayed"], "decode"),
-                   composed_mixed=_share_composed(kinds, run["replayed"], "mixed"),
+                   composed=share_composed(kinds, run["replayed"]),
+                   composed_decode=share_composed(kinds, run["replayed"], "decode"),
+                   composed_mixed=share_composed(kinds, run["replayed"], "mixed"),
                    run_tokens_per_s=sum(len(t) for t in run["tokens"]) / run["wall"])
         pre = [i for i, k in enumerate(kinds) if k == "mixed"]
         if engine.hybrid and pre:  # the steps that carry prompt tokens
@@ -449,14 +449,15 @@ def summarize(engine: Engine, mode: str, runs: list[dict[str, Any]], n: int, pro
             "tokens": runs[0]["tokens"], **extra}
 
 
-def _share_composed(kinds: list[str], replayed: list[bool], kind: str) -> float:
-    """The share of a run's steps of ``kind`` (``"decode"`` or ``"mixed"``) that were not replayed (0 where
-    it had none).
+def share_composed(kinds: list[str], replayed: list[bool], kind: str | None = None) -> float:
+    """The share of a run's steps (of ``kind``, ``"decode"`` or ``"mixed"``, where given) that the step
+    composer did not replay (0 where the run had none).
 
-    >>> _share_composed(["decode", "mixed", "decode", "mixed"], [True, False, False, False], "decode")
-    0.5
+    >>> kinds, replayed = ["decode", "mixed", "decode", "mixed"], [True, False, False, False]
+    >>> share_composed(kinds, replayed, "decode"), share_composed(kinds, replayed)
+    (0.5, 0.75)
     """
-    of_kind = [r for k, r in zip(kinds, replayed, strict=True) if k == kind]
+    of_kind = [r for k, r in zip(kinds, replayed, strict=True) if kind is None or k == kind]
     return sum(not r for r in of_kind) / len(of_kind) if of_kind else 0.0
 
 
@@ -605,19 +606,19 @@ def _print_arrivals(rows: list[dict[str, Any]], pairs: list[tuple[str, str]], co
                     arrive_over: int) -> None:
     """``--arrive-over``'s table: every step of the timed runs (mixed steps with the prompts that join the
     running decodes, and every decode step), each mode's mean metadata ms a step and the share of its
-    steps the step composer composed rather than replayed; then each attnmeta / vLLM pair's ratio of
-    those means (and paired, by round) and of the runs' tokens/s (every generated token over the run's
-    wall time), and of the decode steps and of the mixed steps apart (a decode step whose request count is new
-    composes too). Both modes of a pair serve the same requests through the same scheduler: the same steps.
-    Each pair's ratios go into attnmeta's row (``paired_against``: ``all_metadata_x``,
-    ``all_metadata_paired_x``, ``run_tokens_x``)."""
+    steps the step composer composed rather than replayed, of all its steps and of its decode and its mixed
+    steps apart (a decode step whose request count is new composes too); then each attnmeta / vLLM pair's
+    ratio of those means (and paired, by round) and of the runs' tokens/s (every generated token over the
+    run's wall time). Both modes of a pair serve the same requests through the same scheduler: the same
+    steps. Each pair's ratios go into attnmeta's row (``paired_against``: ``all_metadata_x``,
+    ``all_metadata_paired_x``, ``run_tokens_x``, ``run_tokens_paired_x``)."""
     print(f"\nevery step of the runs, requests arriving over {arrive_over} steps (means over the steps, medians over "
           "the rounds; composed: the steps the step composer did not replay)", flush=True)
     print(f"{'mode':>11} {'reqs':>5} {'steps':>6} {'composed':>8} {'of decode':>9} {'of mixed':>8} {'step ms':>8} "
           f"{'metadata ms':>11} {'share':>6} {'launch ms':>9} {'run tok/s':>9}", flush=True)
     for r in rows:
         composed = (f"{r['composed_share']:8.0%} {r['composed_decode_share']:9.0%} {r['composed_mixed_share']:8.0%}"
-                    if not r["mode"].startswith("vllm") else f"{'-':>8} {'-':>9} {'-':>8}")
+                    if MODES[base_mode(r["mode"])][3] == "attnmeta" else f"{'-':>8} {'-':>9} {'-':>8}")
         print(f"{r['mode']:>11} {r['concurrency']:>5} {r['all_steps']:>6} {composed} {r['all_step_ms']:8.3f} "
               f"{r['all_metadata_ms']:11.4f} {r['all_metadata_ms'] / r['all_step_ms']:6.1%} "
               f"{r['all_launch_ms']:9.3f} {r['run_tokens_per_s']:9.0f}", flush=True)

@@ -455,11 +455,11 @@ def test_bench_engine_arrivals_pair_the_means_of_every_step(capsys: pytest.Captu
 
     mod = load_benchmark("bench_engine.py", "bench_engine_arrivals")
     runner = doctest.DocTestRunner()
-    for test in doctest.DocTestFinder().find(mod._share_composed, "_share_composed",
-                                             globs={"_share_composed": mod._share_composed}):
+    for test in doctest.DocTestFinder().find(mod.share_composed, "share_composed",
+                                             globs={"share_composed": mod.share_composed}):
         runner.run(test)
-    assert runner.summarize(verbose=False).failed == 0 and runner.summarize(verbose=False).attempted == 1
-    assert mod._share_composed(["mixed"], [False], "decode") == 0.0  # (no step of the kind)
+    assert runner.summarize(verbose=False).failed == 0 and runner.summarize(verbose=False).attempted == 2
+    assert mod.share_composed(["mixed"], [False], "decode") == 0.0  # (no step of the kind)
 
     def row(mode: str, meta: list[float], tok: list[float]) -> dict[str, Any]:
         return {"mode": mode, "concurrency": 64, "all_steps": 140, "composed_share": 0.3, "composed_decode_share": 0.1,
