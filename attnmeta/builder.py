@@ -424,6 +424,22 @@ class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
         Default None."""
         return None
 
+    def replays_any_rows(self, options: OptionsT) -> bool:
+        """Whether, with ``options``, one graph-mode layout of this builder serves its unpadded steps of
+        any request and token counts. Default False.
+
+        True promises, for every shape of an unpadded step (``num_reqs_padded`` None) in graph mode:
+        :meth:`replay_key` does not depend on the step's counts (``num_reqs``, ``num_tokens``,
+        ``num_tokens_padded``); every field :meth:`derive` stages has the same place and capacity for
+        every count (its rows may follow the common fields' rows only through views the builder makes
+        per step); and the :class:`Replayer` reads every count from the step's common part
+        (``host``, ``common``, ``paged``), keeping no view of the recorded step's rows. The step
+        composer then records one layout for such steps of the group, instead of one per count: a
+        serving loop's mixed steps (prompt chunks joining running decodes), whose counts change from
+        step to step, replay it. tests/test_compose_oracle.py checks every replayed step of the
+        built-in builders that make the promise against the lab references."""
+        return False
+
     def build(self, spec: BatchSpec, stager: Stager, options: OptionsT | None = None,
               inputs: InputsT | None = None) -> MetadataT:
         """:func:`build` with this builder: common + this builder's metadata in one step of its own."""

@@ -96,6 +96,11 @@ class CommonWriter:
     and calls :meth:`write`, which rewrites every staged byte of the common fields, then
     :meth:`metadata` after the commit.
 
+    In graph mode, where every field has a fixed place, :meth:`for_any_rows` makes a writer of the same
+    layout for steps of any request and token counts: the composer replays one recorded layout for
+    the unpadded steps (mixed steps: prompt chunks joining running decodes) whose counts change from
+    step to step, setting each step's counts with :meth:`set_rows`.
+
     Attributes
     ----------
     num_reqs, block_size, columns : int
@@ -107,10 +112,13 @@ class CommonWriter:
         Rows staged for the per-token arrays (eager mode: bucketed; graph mode: the step's).
     paged : bool
         Whether the pass also writes the paged-KV layout.
+    any_rows : bool
+        Whether the writer serves steps of any counts (:meth:`for_any_rows`).
     """
 
     __slots__ = (
         "_dev",
+        "_full",
         "_host_only",
         "_host_tpl",
         "_idx_host",
@@ -122,6 +130,10 @@ class CommonWriter:
         "_paged_template",
         "_qsl_rows",
         "_ranks",
+        "_ro",
+        "_rows",
+        "_rows_dev",
+        "any_rows",
         "block_size",
         "bt",
         "bt_ro",
@@ -197,6 +209,103 @@ class CommonWriter:
         self._paged_meta: tuple[Any, ...] = (None, -1, None, None, None)
         self._paged_template: tuple[Any, ...] = (None, None, None)  # (device views, full indices, field values)
         self._qsl_rows: dict[Any, Any] = {}
+        self._ro: list[np.ndarray] = ro  # the read-only views of the fields' step rows, in the group's order
+        # any_rows: (host, read-only and device views of every field's whole capacity, the host-only arrays and
+        # their read-only views at the profile's rows, the group's device views they were taken with)
+        self._full: tuple[Any, ...] | None = None
+        self.any_rows = False
+        self._rows = (Bp, self.token_rows)  # (request rows, token rows) the views hold
+        self._rows_dev: tuple[Any, ...] = (None, None, None)  # any_rows: (group views, rows, the rows' device views)
+
+    @classmethod
+    def for_any_rows(cls, writer: CommonWriter, step: Step) -> CommonWriter:
+        """Graph mode: a writer of ``writer``'s layout (its fields, block size, columns, token arrays,
+        page table and draft counts) for steps of any request and token counts within the profile.
+
+        Its views are the fields' fixed buffers, which :meth:`set_rows` slices to a step's rows before
+        :meth:`write` (the step restaged with those rows: :meth:`restage_rows`); the objects it then
+        makes are those a writer of that layout with those rows makes.
+
+        Parameters
+        ----------
+        writer : CommonWriter
+            A graph-mode writer without context parallelism.
+        step : Step
+            The committed step ``writer`` wrote (the slot's fixed views are read once, here).
+
+        Raises
+        ------
+        ValueError
+            Eager mode, or a writer with context parallelism.
+        """
+        prof = step.profile
+        if prof is None or writer._ranks != (1, 0, 1):
+            raise ValueError("CommonWriter.for_any_rows: graph mode without context parallelism only")
+        w = cls(step, writer.group, prof.max_num_reqs, writer.columns, writer.block_size, None, writer.token_arrays,
+                writer.paged, writer.has_drafts, writer._idx_name)
+        names = writer.group.names
+        host = [step.host_full(n) for n in names]
+        only = [w.ub, w.nc, w.ddt, w.pre]
+        w._full = (host, [_read_only(h) for h in host], [step.device_full(n) for n in names], only,
+                   [_read_only(a) for a in only], writer.group.device(step))
+        w._rows, w.any_rows = (-1, -1), True
+        return w
+
+    def set_rows(self, shape: StepShape) -> None:
+        """:meth:`for_any_rows` writers: point the views at the request and token rows of a step of
+        ``shape`` (its :meth:`write` and objects are then those of a writer of those rows)."""
+        full = self._full
+        assert full is not None, "set_rows: an any_rows writer only"
+        Bp, Tt = shape.padded_num_reqs, shape.padded_num_tokens if self.token_arrays else 0
+        if self._rows == (Bp, Tt):
+            return
+        host, ro, _dev, only, only_ro, _group_dev = full
+        self._rows, self.num_reqs, self.token_rows = (Bp, Tt), Bp, Tt
+        self.sl, self.bt, self.sm, self.pos = host[1][:Bp], host[2][:Bp], host[3][:Tt], host[4][:Tt]
+        self._ro = [ro[0], ro[1][:Bp], ro[2][:Bp], ro[3][:Tt], ro[4][:Tt]]
+        self.qsl_ro, self.sl_ro, self.bt_ro = ro[0][: Bp + 1], self._ro[1], self._ro[2]
+        self.ub, self.nc, self.ddt, self.pre = (a[:Bp] for a in only)
+        self.ub_ro, self.nc_ro, ddt_ro, self.pre_ro = (a[:Bp] for a in only_ro)
+        self.ddt_ro = ddt_ro if self.has_drafts else None
+        if self.paged:
+            self.last = host[6][:Bp]
+            self._ro += [ro[5], ro[6][:Bp]]
+            self._indptr_ro = ro[5][: Bp + 1]
+        self._host_tpl, self._dev, self._paged_host = (-1, None), (None, -1, None), (-1, None)
+        self._paged_meta, self._paged_template, self._qsl_rows = (None, -1, None, None, None), (None, None, None), {}
+
+    def restage_rows(self, shape: StepShape, rows: dict[str, int]) -> None:
+        """:meth:`for_any_rows` writers: add the row counts of a step of ``shape`` to ``rows``, the
+        :meth:`~attnmeta.staging.Step.restage` argument (the fields whose rows follow the counts;
+        ``query_start_loc`` and ``paged_kv_indptr`` are staged whole)."""
+        n = self.group.names
+        Bp = shape.padded_num_reqs
+        rows[n[1]] = rows[n[2]] = Bp
+        if self.token_arrays:
+            rows[n[3]] = rows[n[4]] = shape.padded_num_tokens
+        if self.paged:
+            rows[n[6]] = Bp
+
+    def _device(self, step: Step) -> list[torch.Tensor]:
+        """The device views of the fields of committed ``step`` (the group's; :meth:`for_any_rows` writers:
+        of the rows :meth:`set_rows` set)."""
+        dev = self.group.device(step)  # (raises for a step not committed, or expired)
+        full = self._full
+        if full is None:
+            return dev
+        d = self._rows_dev
+        if d[0] is not dev or d[1] != self._rows:
+            fd = full[2]
+            if full[5] is not dev:  # (the group's views of another arena: the fixed views again)
+                fd = [step.device_full(n) for n in self.group.names]
+                self._full = (*full[:2], fd, *full[3:5], dev)
+            Bp, Tt = self._rows
+            views = [fd[0], fd[1][:Bp], fd[2][:Bp], fd[3][:Tt], fd[4][:Tt]]
+            if self.paged:
+                views += [fd[5], fd[6][:Bp]]
+            d = self._rows_dev = (dev, self._rows, views)
+        out: list[torch.Tensor] = d[2]
+        return out
 
     def write(self, spec: BatchSpec, *, threads: int = 1) -> None:
         """Write ``spec``'s common fields (and paged-KV layout) into this layout's views: one compiled
@@ -247,7 +356,7 @@ class CommonWriter:
     def _fixed_host_fields(self, rows: int) -> dict[str, Any]:
         """The host fields of a step of this layout with ``rows`` token rows: everything of
         :class:`CommonHost` but the per-step scalars (read-only views)."""
-        ro = self.group.frozen
+        ro = self._ro
         return dict(
             query_start_loc_cpu=self.qsl_ro, seq_lens_cpu=self.sl_ro, seq_lens_cpu_upper_bound=self.ub_ro,
             num_computed_tokens_cpu=self.nc_ro, block_table_cpu=self.bt_ro, slot_mapping_cpu=ro[3][:rows],
@@ -281,7 +390,7 @@ class CommonWriter:
         StepNotCommittedError, StepExpiredError
             As :meth:`attnmeta.staging.Step.device`.
         """
-        dev = self.group.device(step)
+        dev = self._device(step)
         B, T = spec.num_reqs, spec.num_tokens
         Tp = T if spec.num_tokens_padded is None else spec.num_tokens_padded
         rows = Tp if self.token_arrays else 0
@@ -304,7 +413,7 @@ class CommonWriter:
     def query_start_loc_rows(self, step: Step, rows: int) -> tuple[torch.Tensor, np.ndarray]:
         """The device and read-only host views of ``query_start_loc``'s first ``rows`` entries of a
         committed step of this layout (cached per row count: a decode/prefill split changes it)."""
-        dev = self.group.device(step)
+        dev = self._device(step)
         cache = self._qsl_rows
         if cache.get("dev") is not dev:
             cache.clear()
@@ -330,7 +439,7 @@ class CommonWriter:
         p = self._paged_host
         if p[0] != num_pages:
             p = self._paged_host = (num_pages, PagedKV(self._indptr_ro, self._indices_cpu(num_pages),
-                                                       self.group.frozen[6]))
+                                                       self._ro[6]))
         host: PagedKV = p[1]
         return host
 
@@ -343,7 +452,7 @@ class CommonWriter:
         StepNotCommittedError, StepExpiredError
             As :meth:`attnmeta.staging.Step.device`.
         """
-        dev = self.group.device(step)
+        dev = self._device(step)
         c = self._paged_meta
         if c[0] is step and c[1] == num_pages:
             meta: PagedKVMetadata = c[2]
@@ -357,7 +466,7 @@ class CommonWriter:
             full = step.device_full(self._idx_name) if self.graph else dev[7]
             indptr = dev[5] if dev[5].shape[0] == self.num_reqs + 1 else dev[5][: self.num_reqs + 1]
             fixed = dict(paged_kv_indptr=indptr, paged_kv_last_page_len=dev[6], paged_kv_indptr_cpu=self._indptr_ro,
-                         paged_kv_last_page_len_cpu=self.group.frozen[6], page_size=self.block_size)
+                         paged_kv_last_page_len_cpu=self._ro[6], page_size=self.block_size)
             t = self._paged_template = (dev, full, [fixed.get(n) for n in _PAGED_FIELDS])
         v = t[2].copy()
         # as_strided: the view a slice would make, at a fraction of the cost

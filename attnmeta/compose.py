@@ -297,7 +297,7 @@ class ComposeStats:
 class _Group:
     """A :class:`Group`, resolved: its builders with their options, in order."""
 
-    __slots__ = ("builders", "causal", "column_step", "prefix", "tokens")
+    __slots__ = ("any_rows", "builders", "causal", "column_step", "prefix", "tokens")
 
     def __init__(self, g: Group) -> None:
         if not isinstance(g, Group):
@@ -330,6 +330,8 @@ class _Group:
         if g.token_arrays is not None and not isinstance(g.token_arrays, bool):
             raise TypeError(f"Group.token_arrays: expected a bool or None, got {g.token_arrays!r}")
         self.tokens = g.token_arrays if g.token_arrays is not None else (True if not self.builders else None)
+        # every builder replays a graph-mode layout for unpadded steps of any counts (Builder.replays_any_rows)
+        self.any_rows = all(b.replays_any_rows(o) for _n, b, o in self.builders)
 
     def needs(self, shape: StepShape) -> tuple[bool, bool, int]:
         """``(token arrays, paged KV layout, block-table columns)`` the group's common metadata needs for
@@ -409,7 +411,8 @@ class _Record:
         step it composes, and those of mixed steps (prompt chunks joining running decodes, their queries of
         many lengths) seldom come back, while a decode loop's do (docs/speed-tricks.md has the A/B)."""
         groups = self.groups
-        p = self.passes = None if any(t > 1 for *_g, t in groups) else CommonPasses.of([w for w, *_g in groups])
+        p = self.passes = (None if any(t > 1 or w.any_rows for w, *_g, t in groups) else
+                           CommonPasses.of([w for w, *_g in groups]))
         return p
 
 
@@ -493,6 +496,8 @@ class StepBuilder:
         if len(self._array_names) != len(self._arrays):
             raise ValueError("arrays: names must be unique")
         self._graph = stager.graph_mode
+        # graph mode: one layout serves the unpadded steps of any counts (every group's builders replay them)
+        self._any_rows = self._graph and all(g.any_rows for g in self._groups)
         prof = stager.profile  # (graph mode: the capacities a step's lengths must fit, read every step)
         self._caps = (0, 0) if prof is None else (prof.max_num_pages, prof.max_blocks_per_req)
         self._threads = threads
@@ -653,6 +658,9 @@ class StepBuilder:
                     rows[name] = shape.num_pages
             for (name, *_r), a in zip(self._arrays, arrays):
                 rows[name] = len(a)
+            for (w, *_g), shape in zip(rec.groups, shapes):
+                if w.any_rows:  # (an any-rows writer: the fields whose rows are the step's counts)
+                    w.restage_rows(shape, rows)
         if rec is None or not step.restage(rec.layout, rows):
             try:
                 sp = specs if specs is not None else _specs_of(counts)
@@ -824,7 +832,9 @@ class StepBuilder:
                 return None
             if lengths and not _lengths_fit(shape, self._caps):
                 return None
-            parts.append((Bp, Tp, tokens, paged))
+            # (an unpadded step's rows are the step's own: one layout for any counts where the builders allow)
+            parts.append(("any rows", tokens, paged) if self._any_rows and shape.num_reqs_padded is None else
+                         (Bp, Tp, tokens, paged))
         else:
             layout: tuple[Hashable, ...] = (Bp, Tp if tokens else 0, bs, tokens, paged)
             if lengths:
@@ -908,8 +918,12 @@ class StepBuilder:
                   for (name, *_r), v in zip(self._arrays, views, strict=True)]
         indices = [f"{g.prefix}.paged_kv_indices" if self._graph and p else "" for g, p in zip(self._groups, paged,
                                                                                                strict=True)]
-        groups = [(w, g.causal, p, self._threads if self._threads > 1 and w.num_reqs >= PARALLEL_MIN_ROWS else 1)
-                  for g, w, p in zip(self._groups, writers, paged, strict=True)]
+        if self._any_rows and specs[0].num_reqs_padded is None:  # (the key left out the counts: _group_key)
+            groups = [(CommonWriter.for_any_rows(w, step), g.causal, p, 1)
+                      for g, w, p in zip(self._groups, writers, paged, strict=True)]
+        else:
+            groups = [(w, g.causal, p, self._threads if self._threads > 1 and w.num_reqs >= PARALLEL_MIN_ROWS else 1)
+                      for g, w, p in zip(self._groups, writers, paged, strict=True)]
         records = self._records(step)
         if len(records) >= _MAX_RECORDS:
             records.clear()
@@ -939,6 +953,8 @@ class StepBuilder:
                     hosts.append(w.host(shape, causal))
             else:  # (group by group)
                 for g, ((w, causal, _paged, threads), shape) in enumerate(zip(rec.groups, shapes)):
+                    if w.any_rows:
+                        w.set_rows(shape)
                     if specs is not None:
                         w.write(specs[g], threads=threads)
                     else:  # (each group's table its own)

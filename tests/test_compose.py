@@ -52,6 +52,33 @@ def test_flash_attention_with_engine_arrays_replays_and_matches(device: torch.de
     assert composer.stats.replayed >= 10, composer.stats
 
 
+@pytest.mark.parametrize("groups", ["fi", "fi+common"])
+def test_graph_mode_unpadded_steps_of_any_counts_replay_one_layout(device: torch.device, groups: str) -> None:
+    """Graph mode: the unpadded steps of a loop whose requests keep arriving (prompt chunks joining running
+    decodes, every step of other request and token counts) replay one recorded layout per kind of step and
+    ring slot (FlashInfer replays any counts: Builder.replays_any_rows), and each equals the same step staged
+    through the builders, every fixed buffer included, with the engine's arrays of the step's rows."""
+    arrays = [Array("engine.input_ids", np.int32, capacity=_PROFILE.max_num_tokens, fill=0)]
+    extra = [Group({}, prefix="plain", token_arrays=False)] if groups == "fi+common" else []
+    composer, reference, counts = composers(device, lambda: [Group({"fi": FLASHINFER}), *extra], arrays, _PROFILE)
+    rng = np.random.default_rng(7)
+    steps = []
+    for i in range(36):
+        d = int(rng.integers(1, 40))
+        p = 0 if i % 6 == 5 else int(rng.integers(1, 4))  # (now and then every request decodes, unpadded)
+        c = np.concatenate([rng.integers(1, 300, d), rng.integers(0, 200, p)]).astype(np.int32)
+        q = np.concatenate([np.ones(d, np.int32), rng.integers(1, 40, p)]).astype(np.int32)
+        spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_size=16,
+                         num_prompt_tokens=np.where(np.arange(d + p) < d, np.minimum(c, 16), c + q + 10).astype(np.int32),
+                         block_table=rng.integers(0, 5000, (d + p, 40)).astype(np.int32))
+        specs = (spec, spec.for_group(block_table=spec.block_table[::-1].copy(), block_size=16)) if extra else spec
+        steps.append((specs, None, {"engine.input_ids": rng.integers(0, 1000, spec.num_tokens).astype(np.int32)}))
+    assert len({(s[0] if extra else s).num_reqs for s, _i, _a in steps}) > 20  # (the counts change from step to step)
+    check_steps(composer, reference, counts, steps)
+    composed = len(steps) - composer.stats.replayed
+    assert composed <= 2 * composer.stager.num_slots, composer.stats  # (one layout per kind and slot)
+
+
 def test_own_fields_of_a_builder_are_rewritten_on_replay(device: torch.device) -> None:
     """FlashAttention's DCP lengths and per-request causal flags are its own staged fields: a replay
     rewrites them for its step."""

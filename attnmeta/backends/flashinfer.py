@@ -441,12 +441,12 @@ def _own_views(step: Step, name: str, qo: tuple[str, np.ndarray] | None) -> _Pre
 
 _PER_STEP = ("common", "paged", "qo_indptr_decode", "qo_indptr_prefill", "qo_indptr_decode_cpu",
              "qo_indptr_prefill_cpu", "num_decodes", "num_prefills", "num_decode_tokens", "num_prefill_tokens",
-             "max_decode_query_len", "max_prefill_query_len", "max_kv_len")
+             "max_decode_query_len", "max_prefill_query_len", "max_kv_len", "kv_lens", "kv_lens_cpu")
 """The fields a step of one layout changes (:func:`_per_step` computes them; the rest are the layout's)."""
 
 
 def _per_step(cm: CommonAttentionMetadata, pk: PagedKVMetadata, h: CommonHost, split: SplitCounts,
-              qo: _QsRows | None, rows: _QsRows, max_kv: int) -> tuple[Any, ...]:
+              qo: _QsRows | None, rows: _QsRows, max_kv: int, kv: torch.Tensor, kv_cpu: np.ndarray) -> tuple[Any, ...]:
     """The values of :data:`_PER_STEP` of a step, from its split and the views of its fields: every value a
     step of a layout changes, computed here for a staged and a replayed step alike."""
     qsl = h.query_start_loc_cpu
@@ -469,14 +469,15 @@ def _per_step(cm: CommonAttentionMetadata, pk: PagedKVMetadata, h: CommonHost, s
         qd_d, qd_h = qd, qsl
     else:
         qd_d, qd_h = rows(D + 1)
-    return cm, pk, qd_d, qo_d, qd_h, qo_h, *split, mdq, mpq, max_kv
+    return cm, pk, qd_d, qo_d, qd_h, qo_h, *split, mdq, mpq, max_kv, kv, kv_cpu
 
 
 def _metadata(cm: CommonAttentionMetadata, pk: PagedKVMetadata, h: CommonHost, opts: FlashInferOptions,
               split: SplitCounts, kv: torch.Tensor, kv_cpu: np.ndarray, qo: _QsRows | None,
               rows: _QsRows, max_kv: int) -> FlashInferMetadata:
     """The step's FlashInfer metadata after the commit, from its split and the views of its fields."""
-    _, _, qd_d, qo_d, qd_h, qo_h, nd, np_, ndt, npt, mdq, mpq, mkv = _per_step(cm, pk, h, split, qo, rows, max_kv)
+    _, _, qd_d, qo_d, qd_h, qo_h, nd, np_, ndt, npt, mdq, mpq, mkv, _kv, _kv_cpu = _per_step(cm, pk, h, split, qo, rows,
+                                                                                           max_kv, kv, kv_cpu)
     return _make_fi(
         common=cm, paged=pk, kv_lens=kv, qo_indptr_decode=qd_d, qo_indptr_prefill=qo_d, kv_lens_cpu=kv_cpu,
         qo_indptr_decode_cpu=qd_h, qo_indptr_prefill_cpu=qo_h, num_decodes=nd, num_prefills=np_,
@@ -598,7 +599,8 @@ class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInfer
     def replay_key(self, shape: StepShape, options: FlashInferOptions, inputs: None) -> Hashable | None:
         """Steps whose fields do not depend on their split: every row a decode row (the longest query
         within the threshold; under ``require_uniform`` past a threshold of 1, every query of the
-        first's length: :attr:`~attnmeta.StepShape.uniform_queries`), or every row a prefill row (in graph mode, where the prefill query indptr is a fixed buffer, any split); with
+        first's length: :attr:`~attnmeta.StepShape.uniform_queries`), every row a prefill row, or (graph
+        mode, where the prefill query indptr is a fixed buffer) any split; with
         the page table from the common pass (no DCP, host-side indices). Else None: composed."""
         if options.dcp_world_size != 1 or options.indices != "host":
             return None
@@ -609,7 +611,12 @@ class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInfer
             return "decode"
         if shape.first_query_len > thr:
             return "prefill"
-        return None if shape.num_reqs_padded is None else "mixed"  # (the graph-mode buffer; else composed)
+        return "mixed"  # (graph mode's fixed prefill indptr; eager mode's replayer declines it: composed)
+
+    def replays_any_rows(self, options: FlashInferOptions) -> bool:
+        """True where it replays at all (no DCP, host-side indices): its graph-mode fields are fixed
+        buffers (the prefill query indptr) and the rest are views of the common fields, made per step."""
+        return options.dcp_world_size == 1 and options.indices == "host"
 
     def reads_lengths(self, options: FlashInferOptions) -> bool:
         """False: neither :meth:`needs` nor :meth:`replay_key` reads the step's lengths."""
@@ -670,7 +677,7 @@ class _Replayer(Replayer[None, FlashInferMetadata]):
         assert paged is not None
         self.qd, self.qh = common.query_start_loc, host.query_start_loc_cpu
         return self.make(*_per_step(common, paged, host, _split(host, self.options), self.qo_views, self.rows,
-                                    host.max_exact_seq_len))
+                                    host.max_exact_seq_len, common.seq_lens, host.seq_lens_cpu))
 
     def rows(self, n: int) -> tuple[torch.Tensor, np.ndarray]:
         """The device and host views of this step's common ``query_start_loc``'s first ``n`` entries (the
