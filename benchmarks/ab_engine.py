@@ -28,7 +28,8 @@ the checkout's history, export both first and pass the folder:
 ``--arrive-over STEPS`` spreads each run's requests over its first STEPS steps, so that prompts join
 running decodes in mixed steps, as in a server under a steady load, and adds a line with each side's
 share of the steps the composer did not replay; ``--steps composed`` times those steps (mostly the mixed
-ones) instead of the full-batch decode steps.
+ones) instead of the full-batch decode steps, and ``--steps all`` every step (each run's mean: a change that
+replays steps the base composed shows there, where the two sides' composed steps are not the same steps).
 
 Two sides of the same code do not take the same time in one process: how and when a side's code was
 loaded moves its time by several percent (docs/speed-tricks.md, "Their resolution"). ``--symmetric`` takes
@@ -39,7 +40,7 @@ two ratios.
 
 Usage: python benchmarks/ab_engine.py BASE [--device cuda] [--model 1b|hybrid-1b|tiny|tiny-hybrid]
 [--mode graphs|eager|paged] [--concurrency 64,256] [--rounds 8] [--prompt 64] [--new 96] [--warm 3]
-[--arrive-over STEPS] [--steps decode|composed] [--symmetric | --order base,this|this,base] [--json FILE]
+[--arrive-over STEPS] [--steps decode|composed|all] [--symmetric | --order base,this|this,base] [--json FILE]
 """
 
 from __future__ import annotations
@@ -131,10 +132,15 @@ def geometric_means(runs: list[dict[str, Any]]) -> dict[int, tuple[float, float]
     return out
 
 
+_TIMED = {"decode": "median over its full-batch decode steps", "composed": "median over its steps not replayed",
+          "all": "mean over every step"}
+"""What ``--steps`` times, as the header line says it."""
+
+
 def timed_steps(run: dict[str, Any], steps: str) -> list[int]:
     """The indices of ``run``'s steps that ``--steps`` times: ``decode``, its full-batch decode steps;
     ``composed``, the steps the step composer did not replay (prefill and mixed steps, and decode steps
-    of a layout their ring slot had not recorded).
+    of a layout their ring slot had not recorded); ``all``, every step.
 
     Raises
     ------
@@ -142,6 +148,8 @@ def timed_steps(run: dict[str, Any], steps: str) -> list[int]:
         The run had none."""
     if steps == "decode":
         idx = full_batch(run["kinds"])
+    elif steps == "all":
+        idx = list(range(len(run["kinds"])))
     else:
         idx = [i for i, replayed in enumerate(run["replayed"]) if not replayed]
     if not idx:
@@ -155,7 +163,7 @@ def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: i
     """Both sides' engines at ``n`` requests (``bench_engine.py``'s, each of its side's package), warmed by
     ``warm`` runs, then ``rounds`` rounds, each serving new requests on both (order alternating), arriving
     over ``arrive_over`` steps. Returns each side's per-round medians over the steps ``steps`` names
-    (:func:`timed_steps`; ms), its per-round mean plan time a step (ms) and the requests whose tokens
+    (:func:`timed_steps`; ms; ``all``: means, the mixed steps' time counted in full), its per-round mean plan time a step (ms) and the requests whose tokens
     differed in any round; and each side's per-round share of the steps not replayed (``composed``)."""
     vocab = model.config.vocab_size
     engines = {name: _engine(model, mode, n, prompt, new, device, pkg) for name, pkg in sides.items()}
@@ -173,9 +181,10 @@ def ab(sides: dict[str, Any], model: Any, mode: str, n: int, prompt: int, new: i
         for name in (names if k % 2 == 0 else names[::-1]):
             run = timed_run(engines[name], n, prompt, new, vocab, 1000 + k, sides[name].Request, arrive_over)
             idx = timed_steps(run, steps)
-            meta[name].append(statistics.median(run["metadata"][i] for i in idx) * 1e3)
+            stat = statistics.fmean if steps == "all" else statistics.median
+            meta[name].append(stat(run["metadata"][i] for i in idx) * 1e3)
             composed[name].append(share_composed(run["kinds"], run["replayed"]))
-            step[name].append(statistics.median(run["times"][i] for i in idx) * 1e3)
+            step[name].append(stat(run["times"][i] for i in idx) * 1e3)
             plan[name].append(run["plan_s"] / run["steps"] * 1e3)
             tokens[name] = run["tokens"]
         differ += sum(a != b for a, b in zip(tokens[names[0]], tokens[names[1]], strict=True))
@@ -202,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arrive-over", type=int, default=0, metavar="STEPS",
                    help="requests arrive over the first STEPS steps, so prompts join running decodes in mixed "
                         "steps (default 0: all at once)")
-    p.add_argument("--steps", choices=["decode", "composed"], default="decode",
-                   help="the steps timed: the full-batch decode steps (default), or the steps the step composer "
-                        "did not replay (with --arrive-over: mostly mixed steps)")
+    p.add_argument("--steps", choices=["decode", "composed", "all"], default="decode",
+                   help="the steps timed: the full-batch decode steps (default), the steps the step composer "
+                        "did not replay (with --arrive-over: mostly mixed steps), or every step (means, not "
+                        "medians: with --arrive-over, the loop's mixed steps counted in full)")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--order", choices=["base,this", "this,base"], default=None, metavar="base,this|this,base",
                      help="export this checkout's working tree too and import the two sides' copies in this order "
@@ -235,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {device.type}, torch {torch.__version__}, base {a.base}, model {a.model}, mode {a.mode}, "
           f"{a.rounds} rounds of new requests (prompts {'-'.join(map(str, _prompt_range(a.prompt)))}, "
           f"{a.new} new tokens{f', arriving over {a.arrive_over} steps' if a.arrive_over else ''}){order}; medians "
-          f"over rounds of each run's median over its "
-          f"{'full-batch decode steps' if a.steps == 'decode' else 'steps not replayed'} (ms)", flush=True)
+          f"over rounds of each run's {_TIMED[a.steps]} (ms)", flush=True)
     print(f"{'reqs':>5} {'base ms':>8} {'this ms':>8} {'this/base':>9} {'paired':>7} {'base step':>9} "
           f"{'this step':>9} {'base plan':>9} {'this plan':>9} {'plan x':>7} {'tokens differ':>13}", flush=True)
     results = {}
