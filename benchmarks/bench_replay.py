@@ -19,8 +19,15 @@ and the builders that take a spec-decode setting get it (``num_speculative_token
 ``decode_threshold=1 + K``). A builder whose key does not name such steps shows 0% replays (local
 attention's multi-token steps).
 
+``--arrivals`` times the steps of a loop whose requests keep arriving instead: graph mode (a
+:class:`~attnmeta.StaticProfile` of ``batch`` rows), every step unpadded, of up to ``batch`` rows of which
+one to three are prompt chunks of up to 64 tokens after the decodes, its counts new at nearly every step
+(:func:`arrivals_walk`; each round its own steps). A builder that replays such steps with one recorded
+layout (:meth:`~attnmeta.builder.Builder.replays_any_rows`) replays them; the default builders are
+those.
+
 Run: ``python benchmarks/bench_replay.py [--device cpu|cuda] [--builders mla,gdn] [--batches 1,64,256]
-[--rounds 6] [--steps 200] [--drafts 2]`` (set ``OMP_NUM_THREADS=1`` on a small CPU machine).
+[--rounds 6] [--steps 200] [--drafts 2 | --arrivals]`` (set ``OMP_NUM_THREADS=1`` on a small CPU machine).
 """
 
 from __future__ import annotations
@@ -44,12 +51,14 @@ if importlib.util.find_spec("attnmeta") is None:  # run from a checkout without 
 from _args import device_arg  # benchmarks/_args.py
 
 import attnmeta
-from attnmeta import BatchSpec, Stager
+from attnmeta import BatchSpec, Stager, StaticProfile
 from attnmeta.backends.flashinfer import FlashInferOptions
 from attnmeta.builder import AnyBuilder, Builder
 from attnmeta.compose import Group, StepBuilder
 from attnmeta.testing.lab import lab
 from attnmeta.testing.workloads import advance, decode_spec
+
+_SAMPLE = BatchSpec(num_computed_tokens=[3], num_scheduled_tokens=[1], block_table=[[1]], block_size=16)
 
 
 def replaying_builders() -> list[str]:
@@ -72,6 +81,36 @@ def _counts(spec: BatchSpec) -> tuple[tuple[Any, ...], dict[str, Any]]:
             {"num_prompt_tokens": spec.num_prompt_tokens, "num_draft_tokens": spec.num_draft_tokens})
 
 
+def arrivals_walk(batch: int, steps: int, seed: int) -> list[BatchSpec]:
+    """``steps`` unpadded steps of a loop whose requests keep arriving: each of ``batch // 2`` to ``batch``
+    rows, one to three of them (at most all) prompt chunks of 1-64 tokens over cached contexts of 0-511
+    tokens after decodes of contexts in [1, 2048) (prompt lengths given, so the chunks are prefilling),
+    block size 16, a 136-column table. Every step's counts are drawn anew."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        n = int(rng.integers(max(batch // 2, 1), batch + 1))
+        p = min(n, int(rng.integers(1, 4)))
+        d = n - p
+        c = np.concatenate([rng.integers(1, 2048, d), rng.integers(0, 512, p)]).astype(np.int32)
+        q = np.concatenate([np.ones(d, np.int32), rng.integers(1, 65, p)]).astype(np.int32)
+        prompt = np.where(np.arange(n) < d, np.minimum(c, 16), c + q + 16).astype(np.int32)
+        out.append(BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, num_prompt_tokens=prompt, block_size=16,
+                             block_table=rng.integers(0, 1 << 20, (n, 136)).astype(np.int32)))
+    return out
+
+
+def arrivals_profile(batch: int) -> StaticProfile:
+    """The graph-mode capacities of :func:`arrivals_walk`'s steps at ``batch``."""
+    return StaticProfile(max_num_reqs=batch, max_num_tokens=batch + 3 * 64, max_blocks_per_req=136, block_size=16)
+
+
+def any_rows_builders() -> list[str]:
+    """The registered builders that replay a graph-mode layout for steps of any counts, sorted."""
+    return sorted(n for n in replaying_builders()
+                  if (b := attnmeta.get_builder(n)).replays_any_rows(b.options(lab(n).defaults(_SAMPLE)[0])))
+
+
 def with_drafts(options: Any, drafts: int) -> Any:
     """``options`` set for spec decode with ``drafts`` drafts a request, where they have such a setting."""
     if not drafts:
@@ -83,21 +122,31 @@ def with_drafts(options: Any, drafts: int) -> Any:
     return options
 
 
-def measure(name: str, batch: int, device: str, rounds: int, steps: int, drafts: int = 0) -> tuple[float, float, int]:
+def measure(name: str, batch: int, device: str, rounds: int, steps: int, drafts: int = 0,
+            arrivals: bool = False) -> tuple[float, float, int]:
     """(composed us, replayed us, replays in the replaying composer's timed steps) for ``name`` at ``batch``,
-    each request verifying ``drafts`` drafts a step."""
+    each request verifying ``drafts`` drafts a step; ``arrivals``: the steps of :func:`arrivals_walk`, in
+    graph mode, each round (the warm-up's too) of steps of its own."""
     b = attnmeta.get_builder(name)
-    walk = advance(decode_spec(batch, np.random.default_rng(batch), drafts=drafts), steps)
+    if arrivals:
+        walk = arrivals_walk(batch, steps * (rounds + 1), batch)
+    else:
+        walk = advance(decode_spec(batch, np.random.default_rng(batch), drafts=drafts), steps)
     options, inputs = lab(name).defaults(walk[0])
     options = with_drafts(options, drafts)
     inp = None if inputs is None else {name: inputs}
     calls = [_counts(s) for s in walk]
-    sides = {"composed": StepBuilder(Stager(device), Group({name: (without_replay(b), options)})),
-             "replayed": StepBuilder(Stager(device), Group({name: (b, options)}))}
+    profile = arrivals_profile(batch) if arrivals else None
+    sides = {"composed": StepBuilder(Stager(device, profile=profile), Group({name: (without_replay(b), options)})),
+             "replayed": StepBuilder(Stager(device, profile=profile), Group({name: (b, options)}))}
+    done = {k: 0 for k in sides}  # (arrivals: the rounds each side has run)
 
     def run(composer: StepBuilder) -> float:
         ts = np.empty(steps)
-        for i, (args, kw) in enumerate(calls):
+        k = "composed" if composer is sides["composed"] else "replayed"
+        first = done[k] * steps if arrivals else 0
+        done[k] += 1
+        for i, (args, kw) in enumerate(calls[first:first + steps]):
             t0 = time.perf_counter_ns()
             composer.build_counts(*args, **kw, inputs=inp)
             ts[i] = time.perf_counter_ns() - t0
@@ -125,19 +174,23 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--drafts", type=int, default=0, help="drafts each request verifies a step (spec decode)")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--drafts", type=int, default=0, help="drafts each request verifies a step (spec decode)")
+    how.add_argument("--arrivals", action="store_true",
+                     help="graph mode, unpadded steps of new counts each step, prompt chunks joining decodes")
     a = ap.parse_args()
-    names = [n for n in a.builders.split(",") if n] or replaying_builders()
+    names = [n for n in a.builders.split(",") if n] or (any_rows_builders() if a.arrivals else replaying_builders())
     unknown = sorted(set(names) - set(attnmeta.registry()))
     if unknown:
         ap.error(f"--builders: not registered: {', '.join(unknown)} (registered: {', '.join(sorted(attnmeta.registry()))})")
     batches = [int(x) for x in a.batches.split(",")]
+    kind = "graph-mode steps of arriving requests" if a.arrivals else "decode steps"
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, {a.device}, {a.rounds} rounds x "
-          f"{a.steps} decode steps, build_counts" + (f", {a.drafts} drafts a request" if a.drafts else ""))
+          f"{a.steps} {kind}, build_counts" + (f", {a.drafts} drafts a request" if a.drafts else ""))
     print(f"{'builder':>14} {'batch':>6} {'composed us':>12} {'replayed us':>12} {'saving':>7} {'replays':>8}")
     for name in names:
         for batch in batches:
-            comp, rep, replays = measure(name, batch, a.device, a.rounds, a.steps, a.drafts)
+            comp, rep, replays = measure(name, batch, a.device, a.rounds, a.steps, a.drafts, a.arrivals)
             print(f"{name:>14} {batch:>6} {comp:>12.1f} {rep:>12.1f} {comp / rep:>6.2f}x "
                   f"{replays / (a.rounds * a.steps):>7.0%}", flush=True)
 

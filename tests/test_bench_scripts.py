@@ -65,6 +65,24 @@ def test_bench_replay_with_drafts_replays_spec_decode_steps_where_a_key_names_th
     assert rows["gdn"][5] == rows["mla"][5] == "100%" and rows["local_attn"][5] == "0%", rows
 
 
+def test_bench_replay_with_arrivals_replays_steps_of_new_counts_where_a_builder_allows() -> None:
+    """``--arrivals``: graph-mode steps of new counts every step replay one layout for the builders that
+    replay any counts (the default set: FlashInfer), and compose for one that does not (FlashAttention's key
+    names the step's counts, new each step: 0%)."""
+    bench = load_benchmark("bench_replay.py", "bench_replay_arrivals")
+    assert bench.any_rows_builders() == ["flashinfer"]
+    walk = bench.arrivals_walk(8, 20, 0)
+    assert len({(s.num_reqs, s.num_tokens) for s in walk}) > 10 and all(s.num_reqs_padded is None for s in walk)
+    out = run_script("bench_replay.py", "--rounds", "1", "--steps", "6", "--batches", "8", "--arrivals")
+    assert "graph-mode steps of arriving requests" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["flashinfer"],
+                                                                                                   ["flash_attn"])}
+    assert list(rows) == ["flashinfer"] and rows["flashinfer"][5] == "100%", rows
+    out = run_script("bench_replay.py", "--rounds", "1", "--steps", "6", "--batches", "8", "--arrivals",
+                     "--builders", "flash_attn")
+    assert [line.split()[5] for line in out.splitlines() if line.split()[:1] == ["flash_attn"]] == ["0%"], out
+
+
 def test_bench_cold_start_prints_every_first_build_cold_and_warmed() -> None:
     """``--quick``: flash_attn's first builds on an empty cache, then on the cache that run filled (no
     warmup: ``python -m attnmeta warmup`` is tested in test_cli.py and test_deployment.py)."""
