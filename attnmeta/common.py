@@ -9,6 +9,14 @@ writing every array straight into the step's pinned slot with one compiled call
 per slot and layout. :func:`stage_paged_kv` stages the paged-KV layout of any lengths with the same
 compiled pass as the common one's page table.
 
+Why one module
+--------------
+Where each common field lies in a step (:func:`stage_common`'s reservation), which views the writer
+rewrites and hands out for a layout (:class:`CommonWriter`, its any-count form in graph mode included),
+and where the one-call passes of several groups write (:class:`CommonPasses`) must agree field by field: a
+field placed one way and rewritten another is a replay that writes the wrong bytes. Kept side by side,
+one reading shows they do.
+
 Shape legend
 ------------
 - ``num_reqs``: request rows including CUDA-graph padding rows.
