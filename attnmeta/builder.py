@@ -424,21 +424,23 @@ class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
         Default None."""
         return None
 
-    def replays_any_rows(self, options: OptionsT) -> bool:
-        """Whether, with ``options``, one graph-mode layout of this builder serves its unpadded steps of
-        any request and token counts. Default False.
+    def any_rows_key(self, shape: StepShape, options: OptionsT, inputs: InputsT) -> Hashable | None:
+        """Graph mode, an unpadded step (``num_reqs_padded`` None): the key under which one recorded
+        layout of this builder serves such steps of any request and token counts, or None (the
+        default): :meth:`replay_key` decides, its layouts naming the counts.
 
-        True promises, for every shape of an unpadded step (``num_reqs_padded`` None) in graph mode:
-        :meth:`replay_key` does not depend on the step's counts (``num_reqs``, ``num_tokens``,
-        ``num_tokens_padded``); every field :meth:`derive` stages has the same place and capacity for
-        every count (its rows may follow the common fields' rows only through views the builder makes
-        per step); and the :class:`Replayer` reads every count from the step's common part
-        (``host``, ``common``, ``paged``), keeping no view of the recorded step's rows. The step
-        composer then records one layout for such steps of the group, instead of one per count: a
-        serving loop's mixed steps (prompt chunks joining running decodes), whose counts change from
-        step to step, replay it. tests/test_compose_oracle.py checks every replayed step of the
-        built-in builders that make the promise against the lab references."""
-        return False
+        Not None promises, for such steps: the key does not depend on the step's counts (``num_reqs``,
+        ``num_tokens``, ``num_tokens_padded``); every field :meth:`derive` stages has one place and
+        capacity whatever the counts (its rows follow the common fields' only through views the builder
+        makes per step); and the :class:`Replayer` of a step so keyed reads every count from the step's
+        common part (``host``, ``common``, ``paged``), keeping no view of the recorded step's rows. Where
+        every builder of every group gives a step such a key, the step composer records one layout for
+        those steps, instead of one per count: a serving loop's mixed steps (prompt chunks joining
+        running decodes), whose counts change from step to step, replay it. A function of its
+        arguments only, as :meth:`replay_key`; :meth:`reads_lengths` covers both.
+        tests/test_compose_oracle.py checks every replayed step of the built-in builders that give one
+        against the lab references."""
+        return None
 
     def build(self, spec: BatchSpec, stager: Stager, options: OptionsT | None = None,
               inputs: InputsT | None = None) -> MetadataT:

@@ -79,6 +79,7 @@ the pool's hand-off costs more than it saves there; docs/speed-tricks.md)."""
 _MAX_RECORDS = 512  # per ring slot; dropped (and re-recorded on demand) when a slot outgrows this
 _MAX_KEYS = 4096  # layout keys kept by step shape; dropped (and computed again) when outgrown
 _MISS = object()
+_ANY_ROWS = "any rows"  # the first part of a key that leaves out the step's counts (graph mode, unpadded)
 _NO_ARRAYS: list[np.ndarray] = []
 
 
@@ -330,8 +331,8 @@ class _Group:
         if g.token_arrays is not None and not isinstance(g.token_arrays, bool):
             raise TypeError(f"Group.token_arrays: expected a bool or None, got {g.token_arrays!r}")
         self.tokens = g.token_arrays if g.token_arrays is not None else (True if not self.builders else None)
-        # every builder replays a graph-mode layout for unpadded steps of any counts (Builder.replays_any_rows)
-        self.any_rows = all(b.replays_any_rows(o) for _n, b, o in self.builders)
+        # every builder may key a graph-mode layout for unpadded steps of any counts (Builder.any_rows_key)
+        self.any_rows = all(type(b).any_rows_key is not Builder.any_rows_key for _n, b, _o in self.builders)
 
     def needs(self, shape: StepShape) -> tuple[bool, bool, int]:
         """``(token arrays, paged KV layout, block-table columns)`` the group's common metadata needs for
@@ -496,7 +497,7 @@ class StepBuilder:
         if len(self._array_names) != len(self._arrays):
             raise ValueError("arrays: names must be unique")
         self._graph = stager.graph_mode
-        # graph mode: one layout serves the unpadded steps of any counts (every group's builders replay them)
+        # graph mode: one layout may serve the unpadded steps of any counts (every builder has an any_rows_key)
         self._any_rows = self._graph and all(g.any_rows for g in self._groups)
         prof = stager.profile  # (graph mode: the capacities a step's lengths must fit, read every step)
         self._caps = (0, 0) if prof is None else (prof.max_num_pages, prof.max_blocks_per_req)
@@ -729,8 +730,14 @@ class StepBuilder:
         scan: no key is kept by exact shape, which a serving loop's decode steps, each with new lengths,
         would only fill.)"""
         if inputs is not self._no_inputs:
-            parts = [self._group_key(g, shape, inp) for g, shape, inp in zip(self._groups, shapes, inputs)]
-            return None if None in parts else self._with_rows(tuple(parts), arrays)
+            any_rows = self._any_rows and shapes[0].num_reqs_padded is None
+            parts = [self._group_key(g, shape, inp, None, any_rows) for g, shape, inp in zip(self._groups, shapes, inputs)]
+            if any_rows and None in parts:  # (a builder's layout names the counts)
+                any_rows = False
+                parts = [self._group_key(g, shape, inp) for g, shape, inp in zip(self._groups, shapes, inputs)]
+            if None in parts:
+                return None
+            return self._with_rows((_ANY_ROWS, *parts) if any_rows else tuple(parts), arrays)
         key: Any = self._keys.get(shapes, _MISS)  # (a loop that repeats its steps exactly: a benchmark's)
         if key is _MISS:
             if len(self._keys) >= _MAX_KEYS:
@@ -757,11 +764,12 @@ class StepBuilder:
         if entry is None:
             return None
         assert isinstance(entry, tuple)
-        key: list[Hashable] = [entry[0]]
-        for i, e in enumerate(entry[1]):
+        number, groups, any_rows = entry
+        key: list[Hashable] = [_ANY_ROWS, number] if any_rows else [number]
+        for i, e in enumerate(groups):
             shape = shapes[i]
             if e is None:  # (a builder reads the lengths)
-                part = self._group_key(self._groups[i], shape, inputs[i])
+                part = self._group_key(self._groups[i], shape, inputs[i], None, any_rows)
                 if part is None:
                     return None
                 key.append(part)
@@ -784,9 +792,20 @@ class StepBuilder:
         """A class of shapes' part of :meth:`_key`: None (such steps are composed), or ``(class number,
         per group: None when a builder reads the lengths, else eager mode's (True, block-table columns
         the builders need, the column step, whether a page table is staged) or graph mode's (False,):
-        the lengths within the profile)``. The builders are asked about
-        the class's shape with the lengths 0. Classes whose keys without lengths are equal share their
-        number (padded steps of other real counts share a layout), and a number is never reused."""
+        the lengths within the profile, whether the key leaves out the counts)``. The builders are asked
+        about the class's shape with the lengths 0. Classes whose keys without lengths are equal share
+        their number (padded steps of other real counts share a layout), and a number is never reused.
+        Graph mode: an unpadded step's key leaves out its counts where every builder gives it an
+        :meth:`~attnmeta.builder.Builder.any_rows_key`."""
+        if self._any_rows and shapes[0].num_reqs_padded is None:
+            entry = self._class_parts(shapes, inputs, True)
+            if entry is not None:
+                return entry
+        return self._class_parts(shapes, inputs, False)
+
+    def _class_parts(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]], any_rows: bool
+                     ) -> tuple[Any, ...] | None:
+        """:meth:`_class_entry` with the builders' any-counts keys (``any_rows``) or their replay keys."""
         groups: list[tuple[Any, ...] | None] = []
         parts: list[Hashable] = []
         prof = self._stager.profile
@@ -799,7 +818,7 @@ class StepBuilder:
                 continue
             blank = shape._replace(max_seq_len=0, max_exact_seq_len=0, num_pages=0)
             needs = g.needs(blank)
-            part = self._group_key(g, blank, inp, needs)
+            part = self._group_key(g, blank, inp, needs, any_rows)
             if part is None:
                 return None
             parts.append(part)
@@ -811,14 +830,15 @@ class StepBuilder:
                 self._numbers.clear()
             self._made += 1
             number = self._numbers[static] = self._made
-        return (number, groups)
+        return (number, groups, any_rows)
 
     def _group_key(self, g: _Group, shape: StepShape, inputs: list[Any],
-                   needs: tuple[bool, bool, int] | None = None) -> tuple[Hashable, ...] | None:
+                   needs: tuple[bool, bool, int] | None = None, any_rows: bool = False) -> tuple[Hashable, ...] | None:
         """One group's part of :meth:`_key` for a step of ``shape``, or None (compose). Given the
         group's ``needs`` of a shape without lengths (:meth:`_class_entry`), the part without what
         :meth:`_key` adds from the lengths (the block-table width, the page bucket, graph
-        mode's checks of both)."""
+        mode's checks of both). ``any_rows`` (graph mode, an unpadded step): the part without the
+        counts, of the builders' :meth:`~attnmeta.builder.Builder.any_rows_key`."""
         if shape.context_parallel is not None:
             return None
         lengths = needs is None
@@ -832,9 +852,7 @@ class StepBuilder:
                 return None
             if lengths and not _lengths_fit(shape, self._caps):
                 return None
-            # (an unpadded step's rows are the step's own: one layout for any counts where the builders allow)
-            parts.append(("any rows", tokens, paged) if self._any_rows and shape.num_reqs_padded is None else
-                         (Bp, Tp, tokens, paged))
+            parts.append((tokens, paged) if any_rows else (Bp, Tp, tokens, paged))
         else:
             layout: tuple[Hashable, ...] = (Bp, Tp if tokens else 0, bs, tokens, paged)
             if lengths:
@@ -842,7 +860,7 @@ class StepBuilder:
             parts.append(layout)
         parts.append((shape.has_prompt, shape.has_drafts, shape.has_upper_bound))
         for (_n, b, o), i in zip(g.builders, inputs):
-            k = b.replay_key(shape, o, i)
+            k = b.any_rows_key(shape, o, i) if any_rows else b.replay_key(shape, o, i)
             if k is None:
                 return None
             parts.append(k)
@@ -918,7 +936,7 @@ class StepBuilder:
                   for (name, *_r), v in zip(self._arrays, views, strict=True)]
         indices = [f"{g.prefix}.paged_kv_indices" if self._graph and p else "" for g, p in zip(self._groups, paged,
                                                                                                strict=True)]
-        if self._any_rows and specs[0].num_reqs_padded is None:  # (the key left out the counts: _group_key)
+        if key[0] is _ANY_ROWS:  # (the key left out the counts: _group_key)
             groups = [(CommonWriter.for_any_rows(w, step), g.causal, p, 1)
                       for g, w, p in zip(self._groups, writers, paged, strict=True)]
         else:

@@ -23,8 +23,8 @@ attention's multi-token steps).
 :class:`~attnmeta.StaticProfile` of ``batch`` rows), every step unpadded, of up to ``batch`` rows of which
 one to three are prompt chunks of up to 64 tokens after the decodes, its counts new at nearly every step
 (:func:`arrivals_walk`; each round its own steps). A builder that replays such steps with one recorded
-layout (:meth:`~attnmeta.builder.Builder.replays_any_rows`) replays them; the default builders are
-those.
+layout (those with an :meth:`~attnmeta.builder.Builder.any_rows_key`) replays them; the default builders
+are those.
 
 Run: ``python benchmarks/bench_replay.py [--device cpu|cuda] [--builders mla,gdn] [--batches 1,64,256]
 [--rounds 6] [--steps 200] [--drafts 2 | --arrivals]`` (set ``OMP_NUM_THREADS=1`` on a small CPU machine).
@@ -106,9 +106,9 @@ def arrivals_profile(batch: int) -> StaticProfile:
 
 
 def any_rows_builders() -> list[str]:
-    """The registered builders that replay a graph-mode layout for steps of any counts, sorted."""
-    return sorted(n for n in replaying_builders()
-                  if (b := attnmeta.get_builder(n)).replays_any_rows(b.options(lab(n).defaults(_SAMPLE)[0])))
+    """The registered builders that may key a graph-mode layout for steps of any counts
+    (:meth:`~attnmeta.builder.Builder.any_rows_key`), sorted."""
+    return sorted(n for n, b in attnmeta.registry().items() if type(b).any_rows_key is not Builder.any_rows_key)
 
 
 def with_drafts(options: Any, drafts: int) -> Any:

@@ -56,7 +56,7 @@ def test_flash_attention_with_engine_arrays_replays_and_matches(device: torch.de
 def test_graph_mode_unpadded_steps_of_any_counts_replay_one_layout(device: torch.device, groups: str) -> None:
     """Graph mode: the unpadded steps of a loop whose requests keep arriving (prompt chunks joining running
     decodes, every step of other request and token counts) replay one recorded layout per kind of step and
-    ring slot (FlashInfer replays any counts: Builder.replays_any_rows), and each equals the same step staged
+    ring slot (FlashInfer keys them without their counts: Builder.any_rows_key), and each equals the same step staged
     through the builders, every fixed buffer included, with the engine's arrays of the step's rows."""
     arrays = [Array("engine.input_ids", np.int32, capacity=_PROFILE.max_num_tokens, fill=0)]
     extra = [Group({}, prefix="plain", token_arrays=False)] if groups == "fi+common" else []

@@ -600,7 +600,7 @@ class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInfer
         """Steps whose fields do not depend on their split: every row a decode row (the longest query
         within the threshold; under ``require_uniform`` past a threshold of 1, every query of the
         first's length: :attr:`~attnmeta.StepShape.uniform_queries`), every row a prefill row, or (graph
-        mode, where the prefill query indptr is a fixed buffer) any split; with
+        mode, where the prefill query indptr is a fixed buffer) any split of a padded step; with
         the page table from the common pass (no DCP, host-side indices). Else None: composed."""
         if options.dcp_world_size != 1 or options.indices != "host":
             return None
@@ -611,12 +611,16 @@ class FlashInferBuilder(Builder[FlashInferOptions, None, SplitCounts, FlashInfer
             return "decode"
         if shape.first_query_len > thr:
             return "prefill"
-        return "mixed"  # (graph mode's fixed prefill indptr; eager mode's replayer declines it: composed)
+        return None if shape.num_reqs_padded is None else "mixed"  # (the graph-mode buffer; else composed)
 
-    def replays_any_rows(self, options: FlashInferOptions) -> bool:
-        """True where it replays at all (no DCP, host-side indices): its graph-mode fields are fixed
-        buffers (the prefill query indptr) and the rest are views of the common fields, made per step."""
-        return options.dcp_world_size == 1 and options.indices == "host"
+    def any_rows_key(self, shape: StepShape, options: FlashInferOptions, inputs: None) -> Hashable | None:
+        """:meth:`replay_key`'s key, an unpadded mixed step's included (``"mixed"``), where it replays at all
+        (no DCP, host-side indices): in graph mode its own field is a fixed buffer (the prefill query
+        indptr) and its other arrays are views of the common fields, made per step."""
+        if options.dcp_world_size != 1 or options.indices != "host":
+            return None
+        key = self.replay_key(shape, options, inputs)
+        return "mixed" if key is None else key
 
     def reads_lengths(self, options: FlashInferOptions) -> bool:
         """False: neither :meth:`needs` nor :meth:`replay_key` reads the step's lengths."""
