@@ -67,10 +67,12 @@ def replaying_builders() -> list[str]:
 
 
 def without_replay(builder: AnyBuilder) -> AnyBuilder:
-    """A builder of ``builder``'s class whose :meth:`~attnmeta.builder.Builder.replay_key` is None: every
-    step it is in is composed through ``derive``."""
+    """A builder of ``builder``'s class whose :meth:`~attnmeta.builder.Builder.replay_key` and
+    :meth:`~attnmeta.builder.Builder.any_rows_key` are None: every step it is in is composed through
+    ``derive``."""
     cls = type(builder)
-    sub = type(f"Composed{cls.__name__}", (cls,), {"replay_key": lambda self, shape, options, inputs: None})
+    sub = type(f"Composed{cls.__name__}", (cls,), {"replay_key": lambda self, shape, options, inputs: None,
+                                                    "any_rows_key": lambda self, shape, options, inputs: None})
     composed: AnyBuilder = sub()
     return composed
 

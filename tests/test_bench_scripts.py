@@ -18,6 +18,7 @@ import pytest
 import torch
 from bench_script_helpers import BATCHES, ROOT, load_benchmark, run_script, table_rows
 
+import attnmeta
 from attnmeta.__main__ import main
 
 
@@ -71,6 +72,10 @@ def test_bench_replay_with_arrivals_replays_steps_of_new_counts_where_a_builder_
     names the step's counts, new each step: 0%)."""
     bench = load_benchmark("bench_replay.py", "bench_replay_arrivals")
     assert bench.any_rows_builders() == ["flashinfer"]
+    fi = attnmeta.get_builder("flashinfer")  # (the composed side keys no step, an any-counts one neither)
+    composed, shape = bench.without_replay(fi), bench.arrivals_walk(8, 1, 0)[0].shape
+    assert fi.any_rows_key(shape, fi.options(None), None) == "mixed"
+    assert composed.any_rows_key(shape, fi.options(None), None) is None is composed.replay_key(shape, fi.options(None), None)
     walk = bench.arrivals_walk(8, 20, 0)
     assert len({(s.num_reqs, s.num_tokens) for s in walk}) > 10 and all(s.num_reqs_padded is None for s in walk)
     out = run_script("bench_replay.py", "--rounds", "1", "--steps", "6", "--batches", "8", "--arrivals")
