@@ -429,8 +429,9 @@ class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
         layout of this builder serves such steps of any request and token counts, or None (the
         default): :meth:`replay_key` decides, its layouts naming the counts.
 
-        Not None promises, for such steps: the key does not depend on the step's counts (``num_reqs``,
-        ``num_tokens``, ``num_tokens_padded``); every field :meth:`derive` stages has one place and
+        Not None promises, for such steps: neither the key nor :meth:`needs` depends on the step's counts
+        (``num_reqs``, ``num_tokens``, ``num_tokens_padded``: the composer asks once for the steps that
+        differ in those only); every field :meth:`derive` stages has one place and
         capacity whatever the counts (its rows follow the common fields' only through views the builder
         makes per step); and the :class:`Replayer` of a step so keyed reads every count from the step's
         common part (``host``, ``common``, ``paged``), keeping no view of the recorded step's rows. Where

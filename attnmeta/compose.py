@@ -507,6 +507,8 @@ class StepBuilder:
         self._keys: dict[tuple[StepShape, ...], tuple[Hashable, ...] | None] = {}  # by shapes, without inputs
         self._classes: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}  # _key's, by shapes without lengths
         self._scan_classes: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}  # the same, by scans without them
+        # graph mode: the entries whose keys leave out the counts, by scans without their lengths and counts
+        self._free_classes: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}
         self._scan_class = _scan_class_getter(len(self._groups))
         self._numbers: dict[tuple[Hashable, ...], int] = {}  # a class's number, by its key without lengths
         self._made = 0  # class numbers given (never reused)
@@ -751,16 +753,27 @@ class StepBuilder:
         lengths add, and (eager mode) the rows of ``arrays``. ``scan``: :meth:`build_counts`'s scan,
         whose class (the scan without its lengths) stands for the shapes'. (One call for the whole key:
         a serving loop's every step computes it, after a wait that left the caches cold.)"""
+        free: Any = None
         if scan is None:
             classes = self._classes
             cls = shapes[0][:6] + shapes[0][9:] if len(shapes) == 1 else tuple([s[:6] + s[9:] for s in shapes])
+            entry = classes.get(cls, _MISS)  # (a StepShape without its three lengths)
         else:
             classes, cls = self._scan_classes, self._scan_class(scan)
-        entry = classes.get(cls, _MISS)  # (a StepShape without its three lengths)
+            entry = _MISS
+            if self._any_rows and scan[2] is None:  # (an unpadded graph-mode step: its class without its counts)
+                free = cls[4:]
+                entry = self._free_classes.get(free, _MISS)
+            if entry is _MISS:
+                entry = classes.get(cls, _MISS)  # (the scan without its lengths)
         if entry is _MISS:
+            entry = self._class_entry(shapes, inputs)
+            if free is not None and entry is not None and entry[2]:  # (a key without the counts: any counts' too)
+                classes = self._free_classes
+                cls = free
             if len(classes) >= _MAX_KEYS:
                 classes.clear()
-            entry = classes[cls] = self._class_entry(shapes, inputs)
+            classes[cls] = entry
         if entry is None:
             return None
         assert isinstance(entry, tuple)

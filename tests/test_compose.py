@@ -79,6 +79,28 @@ def test_graph_mode_unpadded_steps_of_any_counts_replay_one_layout(device: torch
     assert composed <= 2 * composer.stager.num_slots, composer.stats  # (one layout per kind and slot)
 
 
+def test_graph_mode_steps_of_other_counts_share_their_class_entry(device: torch.device,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """build_counts, graph mode: unpadded steps that differ in their counts only (a mixed step's decodes
+    come and go; its prompt chunk is as long) find their key from one class entry, asked of the builders
+    once (Builder.any_rows_key promises that neither the key nor needs reads the counts); a padded step is
+    a class of its own."""
+    composer = StepBuilder(Stager(device, profile=_PROFILE), Group({"fi": FLASHINFER}))
+    asked = []
+    entry = composer._class_entry
+    monkeypatch.setattr(composer, "_class_entry", lambda *a: asked.append(1) or entry(*a))
+    rng = np.random.default_rng(3)
+    for d in range(3, 13):
+        c = np.concatenate([rng.integers(1, 300, d), [40]]).astype(np.int32)
+        q = np.concatenate([np.ones(d, np.int32), [5]]).astype(np.int32)
+        composer.build_counts(c, q, [(rng.integers(0, 5000, (d + 1, 40)).astype(np.int32), 16)],
+                              num_prompt_tokens=np.where(np.arange(d + 1) < d, 1, 60).astype(np.int32))
+    assert len(asked) == 1 and composer.stats.replayed >= 10 - 2 * composer.stager.num_slots, composer.stats
+    composer.build_counts(np.array([7, 9], np.int32), np.array([1, 1], np.int32), [(np.ones((2, 40), np.int32), 16)],
+                          num_reqs_padded=4, num_tokens_padded=4)
+    assert len(asked) == 2
+
+
 def test_own_fields_of_a_builder_are_rewritten_on_replay(device: torch.device) -> None:
     """FlashAttention's DCP lengths and per-request causal flags are its own staged fields: a replay
     rewrites them for its step."""
