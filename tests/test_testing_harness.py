@@ -18,13 +18,13 @@ import torch
 import attnmeta
 from attnmeta import BatchSpec, Stager, StaticProfile
 from attnmeta.backends.flash_attn import FlashAttentionBuilder, FlashAttentionInputs
-from attnmeta.backends.flashinfer import host_tensor
+from attnmeta.backends.flashinfer import FlashInferBuilder, host_tensor
 from attnmeta.backends.local_attn import LocalAttentionOptions
 from attnmeta.builder import Builder, CommonNeeds, MetadataBase, Replayer
 from attnmeta.metadata import StagedCommon
 from attnmeta.spec import StepShape
 from attnmeta.staging import Staged, Step
-from attnmeta.testing import builders, check_builder, check_metadata, check_reads_lengths
+from attnmeta.testing import builders, check_any_rows_key, check_builder, check_metadata, check_reads_lengths
 from attnmeta.testing.builders import _compare, unchecked_fields
 from attnmeta.testing.harness import compare_with_reference
 from attnmeta.testing.lab import LeadingColumns, lab, register_lab, unregister_lab
@@ -315,6 +315,28 @@ def test_check_reads_lengths_probes_lengths_past_the_shape_s_own() -> None:
                      block_size=4)
     with pytest.raises(AssertionError, match=r"reads_lengths\(\) is False, but needs changes with the lengths"):
         check_reads_lengths(SwitchesLate(), spec.shape)
+
+
+def test_check_any_rows_key_finds_a_key_or_needs_that_reads_the_counts() -> None:
+    """A builder whose any-counts key names the request count, or whose needs change with the token count,
+    breaks the promise (a graph-mode layout recorded for other counts would be replayed); FlashInfer's keeps
+    it, and a padded shape is not checked."""
+    class KeysTheRows(FlashInferBuilder):
+        def any_rows_key(self, shape: Any, options: Any, inputs: Any) -> Any:
+            return (super().any_rows_key(shape, options, inputs), shape.num_reqs)
+
+    class NeedsTheTokens(FlashInferBuilder):
+        def needs(self, shape: Any, options: Any) -> CommonNeeds:
+            return dataclasses.replace(super().needs(shape, options), token_arrays=shape.num_tokens < 20)
+
+    spec = BatchSpec(num_computed_tokens=[5, 0], num_scheduled_tokens=[1, 3], block_table=[[1, 2], [3, 4]],
+                     block_size=4)
+    check_any_rows_key("flashinfer", spec.shape)
+    check_any_rows_key(KeysTheRows(), spec.shape._replace(num_reqs_padded=4, num_tokens_padded=8))
+    with pytest.raises(AssertionError, match=r"any_rows_key changes with the counts"):
+        check_any_rows_key(KeysTheRows(), spec.shape)
+    with pytest.raises(AssertionError, match=r"any_rows_key is not None, but needs changes with the counts"):
+        check_any_rows_key(NeedsTheTokens(), spec.shape)
 
 
 class _LensReplayer(Replayer[None, Any]):

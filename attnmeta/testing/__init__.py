@@ -7,8 +7,8 @@
 - :mod:`attnmeta.testing.workloads`: seeded random batches (numpy only) for audits and benchmarks.
 - :mod:`attnmeta.testing.builders`: :func:`check_builder` (a builder's fields against its reference),
   :func:`check_metadata` (metadata staged any other way, a step composer's for one, against the same
-  reference), :func:`check_reads_lengths` (the promise of ``Builder.reads_lengths``, which
-  :func:`check_builder` checks too) and :func:`audit_builder` (a builder under the sync audit), for any
+  reference), :func:`check_reads_lengths` and :func:`check_any_rows_key` (the promises of
+  ``Builder.reads_lengths`` and ``Builder.any_rows_key``, which :func:`check_builder` checks too) and :func:`audit_builder` (a builder under the sync audit), for any
   registered builder.
 
 Nothing here is used on the serving path; these modules may read device tensors on the host.
@@ -16,6 +16,7 @@ Nothing here is used on the serving path; these modules may read device tensors 
 
 from attnmeta.testing.builders import (
     audit_builder,
+    check_any_rows_key,
     check_builder,
     check_metadata,
     check_reads_lengths,
@@ -23,5 +24,5 @@ from attnmeta.testing.builders import (
     writable_host_arrays,
 )
 
-__all__ = ["audit_builder", "check_builder", "check_metadata", "check_reads_lengths", "check_replay",
-           "writable_host_arrays"]
+__all__ = ["audit_builder", "check_any_rows_key", "check_builder", "check_metadata", "check_reads_lengths",
+           "check_replay", "writable_host_arrays"]

@@ -8,7 +8,8 @@ machinery as the built-in ones (docs/extending.md):
   reference: a device field's values, dtype and shape, its host twin (``<name>_cpu``) where there is
   one, and host values and scalars by equality;
 - :func:`check_reads_lengths`: the promise of :meth:`attnmeta.builder.Builder.reads_lengths` on one step
-  shape (:func:`check_builder` checks it too);
+  shape, and :func:`check_any_rows_key` that of :meth:`attnmeta.builder.Builder.any_rows_key`
+  (:func:`check_builder` checks both);
 - :func:`audit_builder`: run the builder under the sync audit (:func:`attnmeta.sync.run_audit`) on
   generated batches of every kind, with options and inputs its lab entry draws
   (:meth:`attnmeta.testing.lab.Lab.sample`).
@@ -34,8 +35,8 @@ from attnmeta.testing.assertions import DEBUG_FILL, assert_host_equal, assert_ma
 from attnmeta.testing.lab import LeadingColumns, lab
 from attnmeta.testing.workloads import KINDS, random_spec
 
-__all__ = ["audit_builder", "audit_stager", "builder_target", "check_builder", "check_metadata", "check_reads_lengths",
-           "check_replay", "writable_host_arrays"]
+__all__ = ["audit_builder", "audit_stager", "builder_target", "check_any_rows_key", "check_builder", "check_metadata",
+           "check_reads_lengths", "check_replay", "writable_host_arrays"]
 
 
 def check_builder(
@@ -119,6 +120,7 @@ def check_builder(
         left = unchecked_fields(meta, expected)
         assert not left, f"{b.name}: the reference names no value for {left} (strict=True)"
     check_reads_lengths(b, spec.shape, opts, inp)
+    check_any_rows_key(b, spec.shape, opts, inp)
     return meta
 
 
@@ -238,6 +240,42 @@ def check_reads_lengths(builder: AnyBuilder | str, shape: StepShape, options: An
         assert needs == dataclasses.replace(base, block_table_columns=columns), (
             f"{b.name}.reads_lengths() is False, but needs changes with the lengths: {needs} for {probe}, {base} "
             f"without its lengths (only block_table_columns may add the longest request's {used} blocks)")
+
+
+def check_any_rows_key(builder: AnyBuilder | str, shape: StepShape, options: Any = None, inputs: Any = None) -> None:
+    """Assert :meth:`~attnmeta.builder.Builder.any_rows_key`'s promise on ``shape``, an unpadded step's:
+    where the builder gives it a key, the key and ``needs`` are those of the same shape with other request
+    and token counts (one more of each, and ten times as many). (A builder that promises wrongly would
+    replay a graph-mode layout recorded for other counts.) Padded shapes are not checked.
+
+    Raises
+    ------
+    AssertionError
+        Naming the builder, the shapes and what differs.
+
+    Examples
+    --------
+    >>> from attnmeta import BatchSpec
+    >>> spec = BatchSpec(num_computed_tokens=[5, 40], num_scheduled_tokens=[1, 7], block_table=[[1, 0, 0], [2, 3, 4]],
+    ...                  block_size=16)
+    >>> check_any_rows_key("flashinfer", spec.shape)
+    """
+    b = get_builder(builder) if isinstance(builder, str) else builder
+    opts, inp = b.options(options), b.inputs(inputs)
+    if shape.num_reqs_padded is not None:
+        return
+    want = b.any_rows_key(shape, opts, inp)
+    if want is None:
+        return
+    base = b.needs(shape, opts)
+    n, t = shape.num_reqs, shape.num_tokens
+    for probe in (shape._replace(num_reqs=n + 1, num_tokens=t + 1), shape._replace(num_reqs=10 * n + 1, num_tokens=10 * t + 1)):
+        got = b.any_rows_key(probe, opts, inp)
+        assert got == want, (f"{b.name}.any_rows_key changes with the counts: {got!r} for {probe}, {want!r} for "
+                             f"{shape}")
+        needs = b.needs(probe, opts)
+        assert needs == base, (f"{b.name}.any_rows_key is not None, but needs changes with the counts: {needs} for "
+                               f"{probe}, {base} for {shape}")
 
 
 def check_replay(builder: AnyBuilder | str, specs: Sequence[BatchSpec], options: Any = None, inputs: Any = None, *,
