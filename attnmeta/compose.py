@@ -501,6 +501,7 @@ class StepBuilder:
         self._any_rows = self._graph and all(g.any_rows for g in self._groups)
         prof = stager.profile  # (graph mode: the capacities a step's lengths must fit, read every step)
         self._caps = (0, 0) if prof is None else (prof.max_num_pages, prof.max_blocks_per_req)
+        self._row_caps = (0, 0) if prof is None else (prof.max_num_reqs, prof.max_num_tokens)
         self._threads = threads
         self._token = object()  # this composer's key in each slot's extras
         self._no_inputs = self._inputs({})  # every builder's empty inputs (the usual step's)
@@ -664,7 +665,12 @@ class StepBuilder:
             for (w, *_g), shape in zip(rec.groups, shapes):
                 if w.any_rows:  # (an any-rows writer: the fields whose rows are the step's counts)
                     w.restage_rows(shape, rows)
-        if rec is None or not step.restage(rec.layout, rows):
+        try:
+            restaged = rec is not None and step.restage(rec.layout, rows)
+        except BaseException:
+            step.abandon()
+            raise
+        if rec is None or not restaged:
             try:
                 sp = specs if specs is not None else _specs_of(counts)
             except BaseException:
@@ -778,6 +784,10 @@ class StepBuilder:
             return None
         assert isinstance(entry, tuple)
         number, groups, any_rows = entry
+        if any_rows:  # (the class's entry serves any counts: this step's within the profile, else composed)
+            s0, (reqs, tokens) = shapes[0], self._row_caps
+            if s0.num_reqs > reqs or s0.padded_num_tokens > tokens:
+                return None
         key: list[Hashable] = [_ANY_ROWS, number] if any_rows else [number]
         for i, e in enumerate(groups):
             shape = shapes[i]

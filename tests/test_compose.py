@@ -19,7 +19,7 @@ from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionInputs, Flash
 from attnmeta.backends.flashinfer import FLASHINFER, FlashInferOptions
 from attnmeta.backends.mamba import CheckpointConfig, mamba2
 from attnmeta.compose import Array, Group, StepBuilder, table_columns
-from attnmeta.staging import StepExpiredError, is_expired
+from attnmeta.staging import CapacityError, StepExpiredError, is_expired
 from attnmeta.sync import no_device_sync
 from attnmeta.testing.workloads import advance, decode_spec, mixed_spec
 
@@ -99,6 +99,28 @@ def test_graph_mode_steps_of_other_counts_share_their_class_entry(device: torch.
     composer.build_counts(np.array([7, 9], np.int32), np.array([1, 1], np.int32), [(np.ones((2, 40), np.int32), 16)],
                           num_reqs_padded=4, num_tokens_padded=4)
     assert len(asked) == 2
+
+
+def test_graph_mode_a_step_of_counts_past_the_profile_raises_as_a_composed_one(device: torch.device) -> None:
+    """A step whose counts exceed the profile, of a class whose recorded layout serves any counts, is
+    composed, so the error is the profile's, as for any step; the step is abandoned and the next one is
+    served."""
+    prof = StaticProfile(max_num_reqs=8, max_num_tokens=64, max_blocks_per_req=8, block_size=16)
+    composer = StepBuilder(Stager(device, profile=prof), Group({"fi": FLASHINFER}))
+
+    def step(d: int, chunk: int) -> Any:
+        c = np.concatenate([np.full(d, 20), [0]]).astype(np.int32)
+        q = np.concatenate([np.ones(d, np.int32), [chunk]]).astype(np.int32)
+        return composer.build_counts(c, q, [(np.ones((d + 1, 8), np.int32), 16)],
+                                     num_prompt_tokens=np.where(np.arange(d + 1) < d, 1, 90).astype(np.int32))
+
+    for d in (3, 4, 5, 6, 5, 4, 3, 2):
+        step(d, 7)
+    assert composer.stats.replayed >= 4, composer.stats
+    for d, chunk in ((9, 7), (3, 70)):  # (more requests, then more tokens, than the profile holds)
+        with pytest.raises(CapacityError, match="exceeds the profile"):
+            step(d, chunk)
+    assert step(4, 7)["fi"].num_prefills == 1
 
 
 def test_own_fields_of_a_builder_are_rewritten_on_replay(device: torch.device) -> None:
