@@ -439,8 +439,8 @@ class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
         those steps, instead of one per count: a serving loop's mixed steps (prompt chunks joining
         running decodes), whose counts change from step to step, replay it. A function of its
         arguments only, as :meth:`replay_key`; :meth:`reads_lengths` covers both.
-        tests/test_compose_oracle.py checks every replayed step of the built-in builders that give one
-        against the lab references."""
+        :func:`attnmeta.testing.check_any_rows_key` checks the first promise on a shape
+        (:func:`attnmeta.testing.check_builder` on every batch it builds)."""
         return None
 
     def build(self, spec: BatchSpec, stager: Stager, options: OptionsT | None = None,

@@ -203,8 +203,8 @@ def _byte_extent(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], ite
 
 def check_reads_lengths(builder: AnyBuilder | str, shape: StepShape, options: Any = None, inputs: Any = None) -> None:
     """Assert :meth:`~attnmeta.builder.Builder.reads_lengths`'s promise on ``shape``: where the builder
-    says False for ``options``, its ``replay_key`` equals that of ``shape`` with the three lengths 0, and
-    so does its ``needs``, but for ``block_table_columns``, which may add the longest request's blocks;
+    says False for ``options``, its ``replay_key`` (and for an unpadded shape its ``any_rows_key``) equals
+    that of ``shape`` with the three lengths 0, and so does its ``needs``, but for ``block_table_columns``, which may add the longest request's blocks;
     and the same for ``shape`` with lengths of a million tokens (a promise broken only past some length).
     (A builder that says False wrongly would replay a layout recorded for other lengths.)
 
@@ -226,6 +226,8 @@ def check_reads_lengths(builder: AnyBuilder | str, shape: StepShape, options: An
         return
     blank = shape._replace(max_seq_len=0, max_exact_seq_len=0, num_pages=0)
     want, base = b.replay_key(blank, opts, inp), b.needs(blank, opts)
+    unpadded = shape.num_reqs_padded is None
+    free = b.any_rows_key(blank, opts, inp) if unpadded else None
     # (the shape's own lengths, then far longer ones: a promise broken only past some length, a kernel
     # switch at long contexts say, shows there; the scalars alone are read, so any lengths may be asked)
     longest = 1 << 20
@@ -234,6 +236,9 @@ def check_reads_lengths(builder: AnyBuilder | str, shape: StepShape, options: An
         got = b.replay_key(probe, opts, inp)
         assert got == want, (f"{b.name}.reads_lengths() is False, but replay_key changes with the lengths: {got!r} "
                              f"for {probe}, {want!r} without its lengths")
+        got = b.any_rows_key(probe, opts, inp) if unpadded else None
+        assert got == free, (f"{b.name}.reads_lengths() is False, but any_rows_key changes with the lengths: {got!r} "
+                             f"for {probe}, {free!r} without its lengths")
         needs = b.needs(probe, opts)
         used = max(1, -(-probe.max_exact_seq_len // probe.block_size))
         columns = None if base.block_table_columns is None else max(base.block_table_columns, used)
