@@ -54,7 +54,7 @@ MARKS: tuple[tuple[str, str, str, str], ...] = (
     ("attnmeta.staging._ring", "waits, wait_s = self._wait_slot(slot)", "claim: the slot's last step expired", ""),
     ("attnmeta.staging._ring", "step = make(self, slot, waits, wait_s)", "fence query", ""),
     ("attnmeta.compose", "records = step.slot_extras.get(self._token)", "step object", ""),
-    ("attnmeta.compose", "if rec is None or not step.restage(rec.layout, rows):", "record found (graph mode: row counts)",
+    ("attnmeta.compose", "restaged = rec is not None and step.restage(rec.layout, rows)", "record found (graph mode: row counts)",
      ""),
     ("attnmeta.compose", "return self._replay(step, rec, shapes,", "restage", ""),
     ("attnmeta.compose", "for (w, causal, _p, _t), shape in zip(rec.groups, shapes):", "common passes (compiled)", ""),
