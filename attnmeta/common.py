@@ -219,11 +219,12 @@ class CommonWriter:
         self._qsl_rows: dict[Any, Any] = {}
         self._ro: list[np.ndarray] = ro  # the read-only views of the fields' step rows, in the group's order
         # any_rows: (host, read-only and device views of every field's whole capacity, the host-only arrays and
-        # their read-only views at the profile's rows, the group's device views they were taken with)
+        # their read-only views at the profile's rows). The device views last as long as the writer: a graph
+        # layout that grows re-creates the arena and clears every slot's extras, the records that hold it.
         self._full: tuple[Any, ...] | None = None
         self.any_rows = False
         self._rows = (Bp, self.token_rows)  # (request rows, token rows) the views hold
-        self._rows_dev: tuple[Any, ...] = (None, None, None)  # any_rows: (group views, rows, the rows' device views)
+        self._rows_dev: tuple[Any, ...] = (None, None)  # any_rows: (rows, the rows' device views)
 
     @classmethod
     def for_any_rows(cls, writer: CommonWriter, step: Step) -> CommonWriter:
@@ -255,7 +256,7 @@ class CommonWriter:
         host = [step.host_full(n) for n in names]
         only = [w.ub, w.nc, w.ddt, w.pre]
         w._full = (host, [_read_only(h) for h in host], [step.device_full(n) for n in names], only,
-                   [_read_only(a) for a in only], writer.group.device(step))
+                   [_read_only(a) for a in only])
         w._rows, w.any_rows = (-1, -1), True
         return w
 
@@ -267,7 +268,7 @@ class CommonWriter:
         Bp, Tt = shape.padded_num_reqs, shape.padded_num_tokens if self.token_arrays else 0
         if self._rows == (Bp, Tt):
             return
-        host, ro, _dev, only, only_ro, _group_dev = full
+        host, ro, _dev, only, only_ro = full
         self._rows, self.num_reqs, self.token_rows = (Bp, Tt), Bp, Tt
         self.sl, self.bt, self.sm, self.pos = host[1][:Bp], host[2][:Bp], host[3][:Tt], host[4][:Tt]
         self._ro = [ro[0], ro[1][:Bp], ro[2][:Bp], ro[3][:Tt], ro[4][:Tt]]
@@ -302,17 +303,14 @@ class CommonWriter:
         if full is None:
             return dev
         d = self._rows_dev
-        if d[0] is not dev or d[1] != self._rows:
+        if d[0] != self._rows:
             fd = full[2]
-            if full[5] is not dev:  # (the group's views of another arena: the fixed views again)
-                fd = [step.device_full(n) for n in self.group.names]
-                self._full = (*full[:2], fd, *full[3:5], dev)
             Bp, Tt = self._rows
             views = [fd[0], fd[1][:Bp], fd[2][:Bp], fd[3][:Tt], fd[4][:Tt]]
             if self.paged:
                 views += [fd[5], fd[6][:Bp]]
-            d = self._rows_dev = (dev, self._rows, views)
-        out: list[torch.Tensor] = d[2]
+            d = self._rows_dev = (self._rows, views)
+        out: list[torch.Tensor] = d[1]
         return out
 
     def write(self, spec: BatchSpec, *, threads: int = 1) -> None:

@@ -737,15 +737,12 @@ class StepBuilder:
         asked for every new shape. (:meth:`build_counts` asks :meth:`_lengths_key` directly, with its
         scan: no key is kept by exact shape, which a serving loop's decode steps, each with new lengths,
         would only fill.)"""
-        if inputs is not self._no_inputs:
-            any_rows = self._any_rows and shapes[0].num_reqs_padded is None
-            parts = [self._group_key(g, shape, inp, None, any_rows) for g, shape, inp in zip(self._groups, shapes, inputs)]
-            if any_rows and None in parts:  # (a builder's layout names the counts)
-                any_rows = False
-                parts = [self._group_key(g, shape, inp) for g, shape, inp in zip(self._groups, shapes, inputs)]
-            if None in parts:
-                return None
-            return self._with_rows((_ANY_ROWS, *parts) if any_rows else tuple(parts), arrays)
+        if inputs is not self._no_inputs:  # (the key without the counts first where it may be one)
+            for any_rows in (True, False) if self._any_rows and shapes[0].num_reqs_padded is None else (False,):
+                parts = [self._group_key(g, s, i, None, any_rows) for g, s, i in zip(self._groups, shapes, inputs)]
+                if None not in parts:
+                    return self._with_rows((_ANY_ROWS, *parts) if any_rows else tuple(parts), arrays)
+            return None
         key: Any = self._keys.get(shapes, _MISS)  # (a loop that repeats its steps exactly: a benchmark's)
         if key is _MISS:
             if len(self._keys) >= _MAX_KEYS:
@@ -820,11 +817,11 @@ class StepBuilder:
         their number (padded steps of other real counts share a layout), and a number is never reused.
         Graph mode: an unpadded step's key leaves out its counts where every builder gives it an
         :meth:`~attnmeta.builder.Builder.any_rows_key`."""
-        if self._any_rows and shapes[0].num_reqs_padded is None:
-            entry = self._class_parts(shapes, inputs, True)
+        for any_rows in (True, False) if self._any_rows and shapes[0].num_reqs_padded is None else (False,):
+            entry = self._class_parts(shapes, inputs, any_rows)
             if entry is not None:
                 return entry
-        return self._class_parts(shapes, inputs, False)
+        return None
 
     def _class_parts(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]], any_rows: bool
                      ) -> tuple[Any, ...] | None:
