@@ -599,6 +599,8 @@ def _common_fields(
 ) -> FieldGroup:
     """Reserve the common fields of a step (cached per slot and layout) and return their group."""
     prof = step.profile
+    if prof is not None:  # (the profile of the group's block size: its table's width, its pages)
+        prof = prof.for_block_size(spec.block_size)
     n = prefix + "."
     if prof is not None:
         R, Q = prof.max_num_reqs, prof.max_num_tokens
@@ -674,7 +676,10 @@ def stage_common(
     block_table_columns : int, optional
         Columns of ``block_table_tensor``. Default: eager mode, the most blocks any request uses (at
         least 1; ``cdiv(seq_len, block_size * world_size)`` under context parallelism, where one column
-        holds a block on every rank); graph mode, ``profile.max_blocks_per_req``.
+        holds a block on every rank); graph mode, the ``max_blocks_per_req`` of the profile of the spec's
+        block size (:meth:`StaticProfile.for_block_size <attnmeta.StaticProfile.for_block_size>`: a
+        group of another block size than the profile's, a hybrid model's Mamba group, gets the width of
+        the same longest request in its own blocks).
     token_arrays : bool, default True
         Compute and stage the per-token ``slot_mapping`` and ``positions``. ``False`` is vLLM's
         ``SlotMappingMode.NONE`` for KV-cache groups whose layers read neither (Mamba, linear
@@ -741,8 +746,8 @@ def _stage_common(spec: BatchSpec, step: Step, prefix: str, causal: bool, block_
     bs = spec.block_size
     prof = step.profile
     cp = spec.context_parallel
-    if prof is not None and prof.block_size != bs:
-        raise ValueError(f"block_size: the spec's {bs} != StaticProfile.block_size={prof.block_size}")
+    if prof is not None:  # (a group of another block size than the profile's: that size's profile)
+        prof = prof.for_block_size(bs)
     span = bs if cp is None else bs * cp.world_size  # tokens per block-table column
     need = -(-spec.max_exact_seq_len // span)
     if block_table_columns is None:
@@ -788,7 +793,8 @@ def stage_paged_kv(
     for lengths or tables the common pass does not have (e.g. DCP-local lengths). Fields:
     ``<prefix>.paged_kv_indptr``, ``.paged_kv_last_page_len`` and ``.paged_kv_indices``; in graph mode
     with capacities ``max_num_reqs + 1`` (staged whole, the tail repeating the page count),
-    ``max_num_reqs`` and ``profile.max_num_pages``.
+    ``max_num_reqs`` and the ``max_num_pages`` of the profile of ``page_size``
+    (:meth:`StaticProfile.for_block_size <attnmeta.StaticProfile.for_block_size>`).
 
     Parameters
     ----------
@@ -826,6 +832,7 @@ def stage_paged_kv(
     prof = step.profile
     n = prefix + "."
     if prof is not None:
+        prof = prof.for_block_size(page_size)
         R, cap = prof.max_num_reqs, prof.max_num_pages
         if total > cap:
             raise CapacityError(

@@ -147,6 +147,8 @@ class Group:
         ``CommonAttentionMetadata.causal``.
     table_column_step : int, default 8
         Eager mode: the block table's staged width is a multiple of it.
+    table_columns : int, optional
+        Graph mode: the block table's fixed width; default the profile's at the group's block size.
     token_arrays : bool, optional
         Stage ``positions`` and ``slot_mapping``; default when a builder reads them.
 
@@ -173,7 +175,11 @@ class Group:
     multiple of this many columns (at least what the builders need, :meth:`~attnmeta.builder.Builder.needs`;
     at most the spec's table, unless they need more: :func:`table_columns`); the width is part of a
     replay's layout, and 1 would start a new layout each time the longest request gets a block. Graph
-    mode stages the profile's width."""
+    mode stages :attr:`table_columns`."""
+    table_columns: int | None = None
+    """Graph mode: the block table's fixed width, vLLM's ``max_num_blocks_per_req`` of the group's KV-cache
+    spec (a ``"none"``-mode Mamba group with spec decode: ``1 + num_speculative_blocks``). None: the
+    profile's at the group's block size (:meth:`StaticProfile.for_block_size <attnmeta.StaticProfile.for_block_size>`)."""
     token_arrays: bool | None = None
     """Stage the per-token ``positions`` and ``slot_mapping``: None (the default) when a builder of the
     group reads them (:meth:`~attnmeta.builder.Builder.needs`), and always for a group without builders
@@ -298,7 +304,7 @@ class ComposeStats:
 class _Group:
     """A :class:`Group`, resolved: its builders with their options, in order."""
 
-    __slots__ = ("any_rows", "builders", "causal", "column_step", "prefix", "tokens")
+    __slots__ = ("any_rows", "builders", "causal", "column_step", "columns", "prefix", "tokens")
 
     def __init__(self, g: Group) -> None:
         if not isinstance(g, Group):
@@ -311,7 +317,11 @@ class _Group:
             raise TypeError(f"Group.causal: expected a bool, got {type(g.causal).__name__} {g.causal!r}")
         if not isinstance(g.prefix, str) or not g.prefix or "." in g.prefix:
             raise ValueError(f"Group.prefix: must be a non-empty name without '.', got {g.prefix!r}")
+        if g.table_columns is not None and (isinstance(g.table_columns, bool) or not isinstance(g.table_columns, int)
+                                            or g.table_columns < 1):
+            raise ValueError(f"Group.table_columns: expected an int >= 1 or None, got {g.table_columns!r}")
         self.prefix, self.causal, self.column_step = g.prefix, bool(g.causal), g.table_column_step
+        self.columns = g.table_columns
         self.builders: list[tuple[str, AnyBuilder, Any]] = []
         if not isinstance(g.builders, Mapping):
             raise TypeError(f"Group.builders: expected a dict of name -> builder or (builder, options), e.g. "
@@ -500,7 +510,7 @@ class StepBuilder:
         # graph mode: one layout may serve the unpadded steps of any counts (every builder has an any_rows_key)
         self._any_rows = self._graph and all(g.any_rows for g in self._groups)
         prof = stager.profile  # (graph mode: the capacities a step's lengths must fit, read every step)
-        self._caps = (0, 0) if prof is None else (prof.max_num_pages, prof.max_blocks_per_req)
+        self._caps: dict[tuple[str, int], tuple[int, int]] = {}  # (graph mode: a group's at a block size, _caps_of)
         self._row_caps = (0, 0) if prof is None else (prof.max_num_reqs, prof.max_num_tokens)
         self._threads = threads
         self._token = object()  # this composer's key in each slot's extras
@@ -798,7 +808,7 @@ class StepBuilder:
                 key.append(_shape_width(shape, columns, step))
                 if paged:
                     key.append(bucket_rows(shape.num_pages))
-            elif not _lengths_fit(shape, self._caps):  # graph mode (else composed: the builders raise)
+            elif not _lengths_fit(shape, e[1]):  # graph mode (else composed: the builders raise)
                 return None
         return self._with_rows(tuple(key), arrays)
 
@@ -842,7 +852,8 @@ class StepBuilder:
             if part is None:
                 return None
             parts.append(part)
-            groups.append((True, needs[2], g.column_step, needs[1]) if prof is None else (False,))
+            groups.append((True, needs[2], g.column_step, needs[1]) if prof is None else
+                          (False, self._caps_of(g, shape.block_size)))
         static = tuple(parts)
         number = self._numbers.get(static)
         if number is None:
@@ -868,9 +879,9 @@ class StepBuilder:
         parts: list[Hashable] = []
         prof = self._stager.profile
         if prof is not None:
-            if bs != prof.block_size or Bp > prof.max_num_reqs or Tp > prof.max_num_tokens:
+            if Bp > prof.max_num_reqs or Tp > prof.max_num_tokens:
                 return None
-            if lengths and not _lengths_fit(shape, self._caps):
+            if lengths and not _lengths_fit(shape, self._caps_of(g, bs)):
                 return None
             parts.append((tokens, paged) if any_rows else (Bp, Tp, tokens, paged))
         else:
@@ -885,6 +896,19 @@ class StepBuilder:
                 return None
             parts.append(k)
         return tuple(parts)
+
+    def _caps_of(self, g: _Group, block_size: int) -> tuple[int, int]:
+        """Graph mode: the capacities group ``g`` of ``block_size`` fits a step's lengths in,
+        ``(max_num_pages, block-table width)``: that block size's profile's
+        (:meth:`StaticProfile.for_block_size <attnmeta.StaticProfile.for_block_size>`), the width
+        :attr:`Group.table_columns` where given."""
+        caps = self._caps.get((g.prefix, block_size))
+        if caps is None:
+            prof = self._stager.profile
+            assert prof is not None
+            p = prof.for_block_size(block_size)
+            caps = self._caps[(g.prefix, block_size)] = (p.max_num_pages, g.columns or p.max_blocks_per_req)
+        return caps
 
     def _check(self, specs: tuple[BatchSpec, ...], inputs: list[list[Any]]) -> None:
         """Raise :class:`~attnmeta.UnsupportedBatchError` for the first builder that cannot serve its
@@ -916,7 +940,7 @@ class StepBuilder:
                 self._check(specs, inputs)
             for g, spec, shape, inp in zip(self._groups, specs, shapes, inputs, strict=True):
                 tokens, paged, columns = g.needs(shape)
-                W = None
+                W = g.columns  # (graph mode: the group's fixed width, None for its block size's in the profile)
                 if not self._graph:
                     W = _width(max(columns, table_columns(spec, 1)), g.column_step, int(spec.block_table.shape[1]))
                 common, writer = _stage_common(spec, step, g.prefix, g.causal, W, tokens, paged)

@@ -192,8 +192,8 @@ class _Scheduler:
             r.rejected = qi - a if d else 0
         if cfg.mamba == "align":  # a state block per KV block
             states = np.stack([r.blocks for r in reqs]) + 1000
-        else:  # one state slot a request (any column: the none mode reads the first)
-            states = np.repeat(np.array([[r.state] for r in reqs], np.int32), WIDTH, axis=1)
+        else:  # vLLM's "none" mode: a state block a request, and one a draft (block size: the longest request)
+            states = np.array([[r.state + 100 * j for j in range(1 + k)] for r in reqs], np.int32)
         return spec, states.astype(np.int32), Mamba2Inputs(num_accepted_tokens=accepted) if k else None
 
 
@@ -253,8 +253,11 @@ def test_every_step_of_a_composer_equals_the_references(device: torch.device, da
     eager mode the live earlier steps stay equal (on CUDA: each step's copy is in flight while the host
     builds the next ones)."""
     groups = cfg.groups()
+    # (a "none"-mode Mamba group's width, as vLLM's MambaSpec gives it: a state block a request and one a draft)
+    state_columns = 1 + cfg.drafts if cfg.mamba == "none" else None
     decl = [Group({n: (b, o) if o is not None else b for n, (b, o) in builders.items()},
-                  prefix="common" if g == 0 else f"group{g}", table_column_step=1 if g else 8)
+                  prefix="common" if g == 0 else f"group{g}", table_column_step=1 if g else 8,
+                  table_columns=state_columns if g == 1 else None)
             for g, builders in enumerate(groups)]
     profile = PROFILE if cfg.graph else None
     stager = (MultiStager([device, device], num_slots=cfg.slots, num_kv_blocks=4096, profile=profile)
@@ -269,7 +272,10 @@ def test_every_step_of_a_composer_equals_the_references(device: torch.device, da
         if made is None:
             continue
         spec, states, mamba_inputs = made
-        specs = (spec,) if cfg.mamba is None else (spec, spec.for_group(block_table=states, block_size=BS))
+        # (the Mamba group's blocks: the attention's in align mode; in "none" mode one block of the longest
+        # request, as vLLM sizes them, which graph mode stages at that block size's width: for_block_size)
+        state_block = BS if cfg.mamba == "align" else WIDTH * BS
+        specs = (spec,) if cfg.mamba is None else (spec, spec.for_group(block_table=states, block_size=state_block))
         inputs: dict[str, Any] = {"mamba": mamba_inputs} if mamba_inputs is not None and cfg.mamba is not None else {}
         specs = (*specs, *(spec for _n, shared in cfg.extras if not shared))
         for name, _shared in cfg.extras:

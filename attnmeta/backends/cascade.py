@@ -397,6 +397,8 @@ def _stage_arrays(common: StagedCommon, step: Step, options: CascadeOptions,
     sl, bt = h.seq_lens_cpu, h.block_table_cpu
     p = options.prefix + "."
     prof = step.profile
+    if prof is not None:  # (the group's block size's: StaticProfile.for_block_size)
+        prof = prof.for_block_size(bs)
     graph = prof is not None
     arrays = cascade_arrays(length, sl, h.num_actual_tokens, bs, block_table=bt)
     nb = arrays.num_prefix_blocks
