@@ -68,10 +68,10 @@ def test_bench_replay_with_drafts_replays_spec_decode_steps_where_a_key_names_th
 
 def test_bench_replay_with_arrivals_replays_steps_of_new_counts_where_a_builder_allows() -> None:
     """``--arrivals``: graph-mode steps of new counts every step replay one layout for the builders that
-    replay any counts (the default set: FlashInfer), and compose for one that does not (FlashAttention's key
+    replay any counts (the default set: FlashInfer, Mamba1 and Mamba2), and compose for one that does not (FlashAttention's key
     names the step's counts, new each step: 0%)."""
     bench = load_benchmark("bench_replay.py", "bench_replay_arrivals")
-    assert bench.any_rows_builders() == ["flashinfer"]
+    assert bench.any_rows_builders() == ["flashinfer", "mamba1", "mamba2"]
     fi = attnmeta.get_builder("flashinfer")  # (the composed side keys no step, an any-counts one neither)
     composed, shape = bench.without_replay(fi), bench.arrivals_walk(8, 1, 0)[0].shape
     assert fi.any_rows_key(shape, fi.options(None), None) == "mixed"

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from compose_helpers import assert_same, check_steps, composers, counts_arguments
+from compose_helpers import assert_same, check_steps, compare_replays, composers, counts_arguments
 
 from attnmeta import BatchSpec, Stager, StaticProfile, UnsupportedBatchError, stage_common
 from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionInputs, FlashAttentionOptions
@@ -52,15 +52,26 @@ def test_flash_attention_with_engine_arrays_replays_and_matches(device: torch.de
     assert composer.stats.replayed >= 10, composer.stats
 
 
-@pytest.mark.parametrize("groups", ["fi", "fi+common"])
+@pytest.mark.parametrize("groups", ["fi", "fi+common", "fi+mamba2"])
 def test_graph_mode_unpadded_steps_of_any_counts_replay_one_layout(device: torch.device, groups: str) -> None:
     """Graph mode: the unpadded steps of a loop whose requests keep arriving (prompt chunks joining running
     decodes, every step of other request and token counts) replay one recorded layout per kind of step and
-    ring slot (FlashInfer keys them without their counts: Builder.any_rows_key), and each equals the same step staged
-    through the builders, every fixed buffer included, with the engine's arrays of the step's rows."""
+    ring slot (FlashInfer and Mamba2 key them without their counts: Builder.any_rows_key), and each equals the
+    same step staged through the builders, every fixed buffer included, with the engine's arrays of the step's
+    rows. ``fi+mamba2`` is a hybrid model's step: its Mamba group has blocks of its own size (one state block a
+    request, the profile's longest request: StaticProfile.for_block_size) and chunks of 16 tokens."""
     arrays = [Array("engine.input_ids", np.int32, capacity=_PROFILE.max_num_tokens, fill=0)]
-    extra = [Group({}, prefix="plain", token_arrays=False)] if groups == "fi+common" else []
-    composer, reference, counts = composers(device, lambda: [Group({"fi": FLASHINFER}), *extra], arrays, _PROFILE)
+    profile = _PROFILE
+    extra: list[Group] = []
+    state_block = 16
+    if groups == "fi+common":
+        extra = [Group({}, prefix="plain", token_arrays=False)]
+    elif groups == "fi+mamba2":
+        profile = dataclasses.replace(_PROFILE, chunk_size=16)
+        state_block = _PROFILE.max_blocks_per_req * _PROFILE.block_size
+        extra = [Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))}, prefix="mamba_common",
+                       table_column_step=1)]
+    composer, reference, counts = composers(device, lambda: [Group({"fi": FLASHINFER}), *extra], arrays, profile)
     rng = np.random.default_rng(7)
     steps = []
     for i in range(36):
@@ -71,12 +82,45 @@ def test_graph_mode_unpadded_steps_of_any_counts_replay_one_layout(device: torch
         spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_size=16,
                          num_prompt_tokens=np.where(np.arange(d + p) < d, np.minimum(c, 16), c + q + 10).astype(np.int32),
                          block_table=rng.integers(0, 5000, (d + p, 40)).astype(np.int32))
-        specs = (spec, spec.for_group(block_table=spec.block_table[::-1].copy(), block_size=16)) if extra else spec
+        other = (rng.permutation(100)[: d + p, None] + 1 if groups == "fi+mamba2" else spec.block_table[::-1]).astype(np.int32)
+        specs = (spec, spec.for_group(block_table=other.copy(), block_size=state_block)) if extra else spec
         steps.append((specs, None, {"engine.input_ids": rng.integers(0, 1000, spec.num_tokens).astype(np.int32)}))
     assert len({(s[0] if extra else s).num_reqs for s, _i, _a in steps}) > 20  # (the counts change from step to step)
     check_steps(composer, reference, counts, steps)
     composed = len(steps) - composer.stats.replayed
     assert composed <= 2 * composer.stager.num_slots, composer.stats  # (one layout per kind and slot)
+
+
+def test_graph_mode_hybrid_steps_of_one_decode_count_and_other_prompt_counts(device: torch.device) -> None:
+    """Graph mode, a hybrid model's step (FlashInfer, and Mamba2 over state blocks of their own size): mixed
+    steps with as many decodes and another number of prompt chunks replay one layout on each slot; the
+    Mamba2 views of a replay are of its own split (its decode and prefill rows), not of the slot's last
+    step with as many decodes (a view cache keyed by the decodes alone handed those out)."""
+    profile = dataclasses.replace(_PROFILE, chunk_size=16)
+    groups = [Group({"fi": FLASHINFER}), Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))},
+                                               prefix="mamba_common", table_column_step=1)]
+    rng = np.random.default_rng(11)
+    steps = []
+    prompts = (1, 2, 3, 1, 3, 2, 2, 1, 3, 3, 1, 2)  # (each slot of three sees every prompt count)
+    for p in prompts:
+        d = 5
+        c = np.concatenate([rng.integers(20, 200, d), rng.integers(0, 40, p)]).astype(np.int32)
+        q = np.concatenate([np.ones(d, np.int32), rng.integers(2, 30, p)]).astype(np.int32)
+        spec = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_size=16,
+                         block_table=rng.integers(0, 5000, (d + p, 40)).astype(np.int32))
+        states = (1 + rng.permutation(50)[: d + p, None]).astype(np.int32)
+        steps.append(((spec, spec.for_group(block_table=states, block_size=640)), None, None))
+    composer = compare_replays(device, lambda: groups, steps, profile)
+    assert composer.stats.replayed >= len(steps) - 2 * composer.stager.num_slots, composer.stats  # (the arena settles)
+    # (the composers above share each layout's view cache with their reference: the rows, against the step's own)
+    composer = StepBuilder(Stager(device, profile=profile), *groups)
+    for ((attn, states), _i, _a), p in zip(steps, prompts):
+        m = composer.build((attn, states))["mamba"]
+        assert (m.num_decodes, m.num_prefills, m.num_reqs) == (5, p, 5 + p)
+        assert m.state_indices_tensor_p.shape == m.has_initial_states_p.shape == m.last_chunk_indices_p.shape == (p,)
+        assert m.state_indices_tensor_p_cpu.tolist() == states.block_table[5:, 0].tolist()
+        assert m.query_start_loc_p_cpu.tolist() == [0, *np.cumsum(attn.num_scheduled_tokens[5:]).tolist()]
+    assert composer.stats.replayed >= len(steps) - 2 * composer.stager.num_slots, composer.stats
 
 
 def test_graph_mode_steps_of_other_counts_share_their_class_entry(device: torch.device,
@@ -417,11 +461,17 @@ def test_a_replayed_step_writes_every_group_s_common_fields_in_one_compiled_call
         composer, reference, counts = composers(device, _hybrid_groups, profile=profile)
         steps = []
         for spec in _walk(6, 12):
+            if profile is not None:  # (padded to a captured size: unpadded steps of any counts share a layout
+                # whose writer writes group by group, as test_graph_mode_unpadded_steps_of_any_counts_... checks)
+                spec = BatchSpec(num_computed_tokens=spec.num_computed_tokens, num_scheduled_tokens=spec.num_scheduled_tokens,
+                                 block_table=spec.block_table, block_size=spec.block_size, num_reqs_padded=8,
+                                 num_tokens_padded=8)
             states = np.repeat((1 + np.arange(spec.num_reqs, dtype=np.int32))[:, None], spec.block_table.shape[1], 1)
             states.flags.writeable = case != "read-only table"
             other = (spec.for_group(block_table=states, block_size=16) if case != "counts of its own" else
                      BatchSpec(num_computed_tokens=spec.num_computed_tokens.copy(),
-                               num_scheduled_tokens=spec.num_scheduled_tokens.copy(), block_table=states, block_size=16))
+                               num_scheduled_tokens=spec.num_scheduled_tokens.copy(), block_table=states, block_size=16,
+                               num_reqs_padded=spec.num_reqs_padded, num_tokens_padded=spec.num_tokens_padded))
             steps.append(((spec, other), None, None))
         calls.update(passes=0, groups=0)
         check_steps(composer, reference, counts, steps)

@@ -11,8 +11,11 @@ is known before any pass over the rows: ``B`` rows for every per-row field (deco
 fields are views of their first ``D`` / ``P`` rows), and :func:`attnmeta.staging.bucket_rows` of a
 bound from ``B`` and ``num_actual_tokens`` for the chunk, causal-conv1d and per-token fields, so
 consecutive steps whose counts wobble keep the layout (and every view cached with it). In graph
-mode the same rows are staged at the profile's fixed offsets, capped at each field's capacity, and
-``query_start_loc_p`` / ``cu_chunk_seqlen_p`` (whose sentinel repeats their last value) in full.
+mode every field is staged whole, at its fixed offset and capacity (the profile's rows, whatever the
+step's counts; the kernel writes each field's sentinel past the step's rows): one layout serves the
+steps of any counts, so a serving loop's mixed steps, whose counts change from step to step, replay
+it (:meth:`attnmeta.builder.Builder.any_rows_key`), and the views handed out are of the step's rows
+(``D`` / ``P`` of the split, cached by the split).
 
 Then ONE compiled call, :func:`attnmeta.host.mamba.mamba_fill_nb`, classifies, splits and writes
 every array straight into the staged views (host-only arrays into buffers that live with the field
@@ -325,14 +328,13 @@ class _Layout:
         v = self.ro.get(name)
         return None if v is None else v[:rows]
 
-    def host_d(self, D: int) -> tuple[Any, ...]:
-        """Host views of the fields sized by the split: ``(si_d, acc, si_p, qsl_p, init, nc, last, nums,
-        q_p, ck_off, ck_cols, ck_si, ck_chunk, ck_list)``."""
+    def host_d(self, D: int, P: int) -> tuple[Any, ...]:
+        """Host views of the fields sized by the split (``D`` decode rows, ``P`` prefill rows): ``(si_d,
+        acc, si_p, qsl_p, init, nc, last, nums, q_p, ck_off, ck_cols, ck_si, ck_chunk, ck_list)``."""
         hit = self.by_d
-        if hit[0] != D:
-            P = self.num_reqs - D
+        if hit[0] != (D, P):
             v = self.views
-            hit = self.by_d = (D, (
+            hit = self.by_d = ((D, P), (
                 v("state_indices_tensor_d", D), v("num_accepted_tokens", D), v("state_indices_tensor_p", P),
                 v("query_start_loc_p", P + 1), v("has_initial_states_p", P), v("nc", P), v("last_chunk_indices_p", P),
                 v("nums", P), v("q_p", P), v("checkpoint_offsets", P), v("checkpoint_cols", P),
@@ -386,14 +388,13 @@ class _Layout:
         # as_strided: the same view as t[:rows] (t is contiguous), for less host time
         return t.as_strided((rows, *t.shape[1:]), t.stride()) if t.dim() > 1 else t.as_strided((rows,), (1,))
 
-    def device_d(self, dev: list[torch.Tensor], D: int) -> tuple[Any, ...]:
-        """Device views of the fields sized by the split: ``(si_d, acc, si_p, qsl_p, init, last, ck_off,
-        ck_cols, ck_si, ck_chunk)``."""
+    def device_d(self, dev: list[torch.Tensor], D: int, P: int) -> tuple[Any, ...]:
+        """Device views of the fields sized by the split (``D`` decode rows, ``P`` prefill rows): ``(si_d,
+        acc, si_p, qsl_p, init, last, ck_off, ck_cols, ck_si, ck_chunk)``."""
         hit = self.dev_d
-        if hit[0] is not dev or hit[1] != D:
-            P = self.num_reqs - D
+        if hit[0] is not dev or hit[1] != (D, P):
             d = self._dev
-            hit = self.dev_d = (dev, D, (
+            hit = self.dev_d = (dev, (D, P), (
                 d(dev, "state_indices_tensor_d", D), d(dev, "num_accepted_tokens", D),
                 d(dev, "state_indices_tensor_p", P), d(dev, "query_start_loc_p", P + 1),
                 d(dev, "has_initial_states_p", P), d(dev, "last_chunk_indices_p", P), d(dev, "checkpoint_offsets", P),
@@ -541,8 +542,8 @@ class Filled:
         metadata): exact-length views of the staged fields."""
         lay, D, P, tot = self.layout, self.D, self.P, self.tot
         dev = self.dev = self.group.device(self.step)  # raises if the step has not committed or its slot was reused
-        hd = self.host_d = lay.host_d(D)
-        dd = self.dev_d = lay.device_d(dev, D)
+        hd = self.host_d = lay.host_d(D, P)
+        dd = self.dev_d = lay.device_d(dev, D, P)
         if lay.table_d is not None:
             si_d, si_d_h = lay.table_views(cm, D)
         else:
@@ -562,7 +563,7 @@ class Filled:
                                           "offsetlist": offsets, "batch_ptr": bp, "token_chunk_offset_ptr": op}}
         return {
             "common": cm, "num_prefills": P, "num_prefill_tokens": self.Pt, "num_decodes": D,
-            "num_decode_tokens": self.Dt, "num_reqs": lay.num_reqs, "conv1d_num_programs_total": tot if nums is not None else 0,
+            "num_decode_tokens": self.Dt, "num_reqs": D + P, "conv1d_num_programs_total": tot if nums is not None else 0,
             "conv1d_max_num_programs": length, "has_initial_states_p": dd[4] if pre else None,
             "query_start_loc_p": dd[3] if pre else None, "state_indices_tensor_p": dd[2],
             "state_indices_tensor_d": si_d, "query_start_loc_d": qsl_d, "num_accepted_tokens": acc,
@@ -647,6 +648,9 @@ def fill(
             f"Mamba2Options.chunk_size={chunk_size} != StaticProfile.chunk_size={prof.chunk_size}: graph mode sizes "
             f"the chunk buffers with the profile's max_num_chunks; build the profile with chunk_size={chunk_size}"
         )
+    if prof is not None and (prof.max_num_reqs < B or prof.max_num_tokens < T):  # (the kernel writes B rows)
+        raise CapacityError(f"{prefix}: batch of {B} rows / {T} tokens exceeds the profile "
+                            f"(max_num_reqs={prof.max_num_reqs}, max_num_tokens={prof.max_num_tokens})")
     key = fill_key(B, T, h.max_query_len, bool(np.count_nonzero(isp)), prefix, spec_tokens, chunk_size, conv1d,
                    checkpoint, logical, token_seq_idx, prof, align)
     group = step.alloc_fields(lambda: _specs(_Shape(*key), step), key)
@@ -664,9 +668,11 @@ def fill_key(num_reqs: int, num_tokens: int, max_query_len: int, any_prefilling:
 
     ``num_reqs`` / ``num_tokens`` are the padded counts; ``any_prefilling`` whether a row is still in
     its prompt; ``align`` whether the cache mode is ``"align"``. The same key from a spec (a replay's)
-    and from its staged common metadata (a step's)."""
+    and from its staged common metadata (a step's). With a ``profile`` (graph mode) the rows are the
+    profile's, whatever the counts: every field is staged whole, at its fixed place, and one layout
+    serves the steps of any counts (:meth:`attnmeta.builder.Builder.any_rows_key`)."""
     thr = 1 + spec_tokens
-    B, T = num_reqs, num_tokens
+    B, T = (num_reqs, num_tokens) if profile is None else (profile.max_num_reqs, profile.max_num_tokens)
     # Prefill rows are possible when a query is longer than the threshold or a row still prefills;
     # a step that cannot have any stages no prefill field.
     pre = max_query_len > thr or any_prefilling
@@ -750,7 +756,7 @@ def refill(step: Step, h: CommonHost, group: FieldGroup, lay: _Layout, owner: st
                               lay.tokens if prof is not None else lay.tokens[:Pt])
         elif prof is not None:
             lay.tokens[:] = -1
-    hd = lay.host_d(D)
+    hd = lay.host_d(D, P)
     chunks = checkpoints = None
     if P and chunk_size:
         cu, sidx = lay.host_n(n)
@@ -758,7 +764,7 @@ def refill(step: Step, h: CommonHost, group: FieldGroup, lay: _Layout, owner: st
         if nck:
             checkpoints = PrefillCheckpoints(hd[9], hd[10], hd[11])
     host = make_host(
-        split=_new_tuple(SplitCounts, (D, P, Dt, Pt)), is_prefilling=lay.ro["moved"] if num_moved else isp,
+        split=_new_tuple(SplitCounts, (D, P, Dt, Pt)), is_prefilling=_read_only(lay.moved[:B]) if num_moved else isp,
         num_computed_tokens_p_cpu=hd[5] if P else None, query_start_loc_p_cpu=hd[3] if P else None, chunks=chunks,
         checkpoints=checkpoints,
     )

@@ -140,6 +140,13 @@ class Mamba1Builder(AlignReadsLengths, Builder[Mamba1Options, None, MambaHost, M
                         o.prefix, 0, 0, o.needs_causal_conv1d_metadata, None, False, False, None,
                         o.cache_mode == "align")
 
+    def any_rows_key(self, shape: StepShape, options: Mamba1Options, inputs: None) -> Hashable:
+        """Graph mode stages every field of the fill path whole, at the profile's rows: :meth:`replay_key`
+        without the counts (Mamba2's)."""
+        o = options
+        return fill_key(0, 0, shape.max_query_len, shape.any_prefilling, o.prefix, 0, 0, o.needs_causal_conv1d_metadata,
+                        None, False, False, None, o.cache_mode == "align")
+
     def replayer(self, staged: Staged[MambaHost, Mamba1Metadata], common: StagedCommon, step: Step,
                  options: Mamba1Options, inputs: None) -> FillReplayer[Mamba1Metadata]:
         """Replays rewrite the recorded layout's fields with the fill path's one compiled call (Mamba2's

@@ -452,6 +452,15 @@ class Mamba2Builder(AlignReadsLengths, Builder[Mamba2Options, Mamba2Inputs, Mamb
                         o.prefix, o.num_speculative_tokens, o.chunk_size, o.needs_causal_conv1d_metadata, o.checkpoint,
                         o.logical_chunks, o.token_seq_idx, None, o.cache_mode == "align")
 
+    def any_rows_key(self, shape: StepShape, options: Mamba2Options, inputs: Mamba2Inputs) -> Hashable:
+        """Graph mode stages every field of the fill path whole, at the profile's rows
+        (:func:`~attnmeta.backends.mamba._fill.fill_key`), and a replay reads the counts from the step's
+        common part: :meth:`replay_key` without the counts."""
+        o = options
+        return fill_key(0, 0, shape.max_query_len, shape.any_prefilling, o.prefix, o.num_speculative_tokens,
+                        o.chunk_size, o.needs_causal_conv1d_metadata, o.checkpoint, o.logical_chunks, o.token_seq_idx,
+                        None, o.cache_mode == "align")
+
     def replayer(self, staged: Staged[MambaHost, Mamba2Metadata], common: StagedCommon, step: Step,
                  options: Mamba2Options, inputs: Mamba2Inputs) -> FillReplayer[Mamba2Metadata]:
         """Replays rewrite the recorded layout's fields with the fill path's one compiled call."""
