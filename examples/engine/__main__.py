@@ -56,11 +56,14 @@ WORKLOADS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 
 def run_workload(model: Any, kernel: str, workload: str, *, cuda_graphs: bool = False, async_scheduling: bool = True,
                  uploads: str = "one-copy", tolerance: float = 0.0, mamba_kernels: str = "torch",
-                 cache: Reference | None = None, metadata: str = "attnmeta") -> tuple[EngineStats, Comparison, ForcedComparison]:
+                 cache: Reference | None = None, metadata: str = "attnmeta", cascade: bool = True
+                 ) -> tuple[EngineStats, Comparison, ForcedComparison]:
     """Serve one workload and compare it with ``generate`` (until each request's first near tie) and
     with the model's own argmax over the engine's tokens (every token); returns the engine's stats and
     both comparisons. ``mamba_kernels``: a hybrid model's Mamba2 mixer (``EngineConfig.mamba_kernels``);
-    ``metadata``: who builds the metadata (``EngineConfig.metadata``: ``"attnmeta"`` or ``"vllm"``)."""
+    ``metadata``: who builds the metadata (``EngineConfig.metadata``: ``"attnmeta"`` or ``"vllm"``);
+    ``cascade``: the kernel's cascade builder (:func:`make_kernel`; without it the engine's mixed steps go
+    through its fixed-layout composer, :attr:`EngineConfig.fixed_mixed_layout`)."""
     req_kw, cfg_kw = WORKLOADS[workload]
     reqs = make_requests(vocab=model.config.vocab_size, **req_kw)
     if workload == "cascade":
@@ -69,7 +72,7 @@ def run_workload(model: Any, kernel: str, workload: str, *, cuda_graphs: bool = 
     device = next(model.parameters()).device
     cfg = EngineConfig(cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, uploads=uploads,  # type: ignore[arg-type]
                        mamba_kernels=mamba_kernels, metadata=metadata, **cfg_kw)  # type: ignore[arg-type]
-    engine = Engine(model, make_kernel(kernel, model, device), cfg)
+    engine = Engine(model, make_kernel(kernel, model, device, cascade=cascade), cfg)
     stats = engine.run(reqs)
     return stats, compare_with_generate(model, reqs, tolerance=tolerance, cache=cache), compare_teacher_forced(model, reqs)
 

@@ -41,6 +41,7 @@ import torch
 from attnmeta import BatchSpec, Stager, StaticProfile
 from attnmeta.backends.mamba import CheckpointConfig
 from attnmeta.backends.mamba.mamba2 import MAMBA2, Mamba2Metadata, Mamba2Options
+from attnmeta.builder import Builder, get_builder
 from attnmeta.compose import Array, ComposedStep, Group, StepBuilder
 from attnmeta.metadata import CommonAttentionMetadata
 from attnmeta.staging import STAGEABLE_DTYPES
@@ -83,6 +84,14 @@ class EngineConfig:
     mamba_kernels: Literal["torch", "vllm"] = "torch"
     """A hybrid model's Mamba2 layers: the torch reference mixer, or vLLM 0.33.0's Triton kernels (GPU;
     the files ``tests/kernels/fetch_kernels.py`` puts into ``.kernels/``)."""
+    fixed_mixed_layout: bool = True
+    """An engine without CUDA graphs builds its unpadded steps (mixed steps: prompt chunks beside running
+    decodes, whose counts change from step to step) through a second step composer over a graph-mode
+    stager (:attr:`Engine.mixed_composer`): there one recorded layout serves such steps of any counts
+    (:meth:`attnmeta.builder.Builder.any_rows_key`), so they replay instead of composing a layout per
+    count. Only where every builder of the step gives such a key (FlashInfer, Mamba2; a group of common
+    metadata alone), with one-copy uploads and attnmeta's metadata. Padded decode steps keep the ring
+    stager's exact layouts, the cheaper replay for them. False: one composer for every step."""
     inference_mode: bool = True
     """Run the loop (:meth:`Engine.run`, :meth:`Engine.capture_graphs`) inside ``torch.inference_mode()``, as
     vLLM's ``GPUModelRunner.execute_model`` and its graph capture run; False runs it with autograd's
@@ -217,7 +226,8 @@ class Engine:
         elif cfg.metadata != "attnmeta":
             raise ValueError(f"Engine: metadata is 'attnmeta' or 'vllm', not {cfg.metadata!r}")
         self.profile = StaticProfile(max_num_reqs=cfg.max_num_seqs, max_num_tokens=cfg.max_num_tokens,
-                                     max_blocks_per_req=cfg.max_blocks_per_req, block_size=cfg.block_size)
+                                     max_blocks_per_req=cfg.max_blocks_per_req, block_size=cfg.block_size,
+                                     chunk_size=self.mamba_options.chunk_size)
         stage_device = "cpu" if cfg.uploads == "per-tensor" else self.device
         self.stager = Stager(stage_device, num_slots=3, num_kv_blocks=cfg.num_blocks,
                              profile=self.profile if self.graphs else None)
@@ -227,9 +237,15 @@ class Engine:
         groups = [Group(kernel.builders())]
         if self.hybrid:  # one state block (none mode: the state slot) a request, its own table
             groups.append(Group({"mamba": (MAMBA2, self.mamba_options)}, prefix="mamba_common", table_column_step=1))
-        self.composer = StepBuilder(self.stager, *groups, arrays=[Array("engine.input_ids", np.int32, capacity=cap),
-                                                                   Array("engine.prev_rows", np.int32, capacity=cap,
-                                                                         fill=-1)])
+        self.composer = StepBuilder(self.stager, *groups, arrays=_engine_arrays(cap))
+        self.mixed_composer: StepBuilder | None = None
+        """With :attr:`EngineConfig.fixed_mixed_layout` (where it applies): the unpadded steps' composer,
+        over a stager in graph mode (the engine's :class:`~attnmeta.StaticProfile`, no CUDA graph), whose
+        one layout serves those steps of any counts; None: :attr:`composer` builds every step."""
+        if (cfg.fixed_mixed_layout and not self.graphs and cfg.uploads == "one-copy" and cfg.metadata == "attnmeta"
+                and all(_replays_any_counts(g) for g in groups)):
+            fixed = Stager(self.device, num_slots=3, num_kv_blocks=cfg.num_blocks, profile=self.profile)
+            self.mixed_composer = StepBuilder(fixed, *groups, arrays=_engine_arrays(cfg.max_num_tokens))
         self.table = np.zeros((cfg.max_num_seqs, cfg.max_blocks_per_req), np.int32)
         self.sampled = torch.zeros(cfg.max_num_seqs, dtype=torch.int64, device=self.device)
         host = torch.zeros((2, cfg.max_num_seqs), dtype=torch.int64, pin_memory=cuda)
@@ -357,7 +373,8 @@ class Engine:
         if self.vllm is not None:
             self._step_vllm(out, computed, scheduled, ids, prev_rows, padded)
             return
-        replays = self.composer.stats.replayed  # (bookkeeping: read before the timed part)
+        composer = self.composer if padded is not None or self.mixed_composer is None else self.mixed_composer
+        replays = composer.stats.replayed  # (bookkeeping: read before the timed part)
         tables = [(self.table[:n], cfg.block_size)]
         if self.hybrid:  # the Mamba group: the same step, its own table (none mode: one state slot a request)
             tables.append((self.state_table[:n], cfg.block_size if self.align else cfg.max_model_len))
@@ -366,8 +383,8 @@ class Engine:
         # attnmeta's part of the step starts here, its arguments ready (as the vllm mode's starts after
         # set_batch): the composer's call, and in the per-tensor baseline its uploads
         t_md = time.perf_counter()
-        built = self.composer.build_counts(computed, scheduled, tables, num_reqs_padded=padded,
-                                           num_tokens_padded=padded, inputs=inputs, arrays=arrays)
+        built = composer.build_counts(computed, scheduled, tables, num_reqs_padded=padded, num_tokens_padded=padded,
+                                      inputs=inputs, arrays=arrays)
         cm, step = built.common, built.step
         if self.hybrid:
             self._mamba = built["mamba"]
@@ -390,7 +407,7 @@ class Engine:
         st.step_metadata.append(t_plan - t_md)
         st.step_kinds.append("decode" if decode else "mixed")
         st.step_slots.append(step.stats.slot)
-        st.step_replayed.append(self.composer.stats.replayed > replays)
+        st.step_replayed.append(composer.stats.replayed > replays)
         st.step_fence.append(step.stats.wait_seconds)
         if self.trace is not None:  # (the specs build_counts stood for, with tables of their own)
             spec = BatchSpec(num_computed_tokens=computed, num_scheduled_tokens=scheduled, block_table=tables[0][0].copy(),
@@ -627,6 +644,24 @@ class Engine:
 
         self.kernel.transform = move
         return move(cm), up(ids), up(prev_rows)
+
+
+def _engine_arrays(capacity: int | None) -> list[Array]:
+    """The engine's own staged arrays: the step's token ids, and each token's row in the previous step's
+    sampled tokens (-1: its id is in ``input_ids``); ``capacity`` in graph mode."""
+    return [Array("engine.input_ids", np.int32, capacity=capacity),
+            Array("engine.prev_rows", np.int32, capacity=capacity, fill=-1)]
+
+
+def _replays_any_counts(group: Group) -> bool:
+    """Whether a graph-mode step composer records one layout of ``group`` for its unpadded steps of any
+    counts: every builder gives :meth:`attnmeta.builder.Builder.any_rows_key` (a group of common
+    metadata alone does)."""
+    for entry in group.builders.values():
+        b = entry[0] if isinstance(entry, tuple) else entry
+        if type(get_builder(b) if isinstance(b, str) else b).any_rows_key is Builder.any_rows_key:
+            return False
+    return True
 
 
 def make_kernel(name: str, model: Any, device: torch.device, *, cascade: bool = True,

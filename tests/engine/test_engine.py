@@ -375,6 +375,32 @@ def test_hybrid_workload_equals_generate(hybrid_model: Any) -> None:
     assert st.metadata_copies == st.steps  # both KV-cache groups in the step's one copy
 
 
+@pytest.mark.parametrize("which", ["llama", "hybrid"])
+def test_mixed_steps_replay_one_fixed_layout(model: Any, hybrid_model: Any, which: str) -> None:
+    """``EngineConfig.fixed_mixed_layout``: an engine without CUDA graphs builds its unpadded (mixed) steps
+    through a second composer over a graph-mode stager, where one layout serves them whatever their
+    counts: they replay, where the ring stager's exact layouts compose nearly every one (the counts are
+    new at each step). The tokens are ``generate``'s either way, and each step is still one copy."""
+    from examples.engine.workload import compare_teacher_forced, compare_with_generate
+
+    m = hybrid_model if which == "hybrid" else model
+    replayed: dict[bool, tuple[int, int]] = {}
+    for fixed in (True, False):
+        reqs = make_requests(16, m.config.vocab_size, arrive_over=12, seed=5)
+        cfg = EngineConfig(num_blocks=40, max_num_tokens=48, max_num_seqs=8, max_model_len=256, fixed_mixed_layout=fixed)
+        engine = Engine(m, make_kernel("torch-paged", m, torch.device("cpu"), cascade=False), cfg)
+        assert (engine.mixed_composer is not None) is fixed
+        st = engine.run(reqs)
+        cmp, forced = compare_with_generate(m, reqs), compare_teacher_forced(m, reqs)
+        assert cmp.mismatches == cmp.near_ties == 0 and cmp.tokens == cmp.generated == st.sampled > 100, cmp
+        assert forced.mismatches == forced.near_ties == 0, forced
+        assert st.metadata_copies == st.steps
+        mixed = [r for k, r in zip(st.step_kinds, st.step_replayed, strict=True) if k == "mixed"]
+        replayed[fixed] = (sum(mixed), len(mixed))
+    (fixed_replays, n), (plain_replays, n2) = replayed[True], replayed[False]
+    assert n == n2 > 12 and fixed_replays >= n - 2 * 3 and plain_replays <= n // 2, replayed  # (3 ring slots)
+
+
 def test_hybrid_check_catches_a_lost_initial_state(hybrid_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The check can fail: a Mamba layer that ignores ``has_initial_states_p`` (every chunk of a chunked
     prefill starting from zeros) changes the tokens."""

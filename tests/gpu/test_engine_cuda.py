@@ -89,22 +89,28 @@ def _vllm_mamba_kernels() -> None:
     pytest.importorskip("triton", reason="vLLM's Mamba kernels are Triton kernels")
 
 
+@pytest.mark.parametrize("cascade", [True, False], ids=["cascade", "fixed-mixed"])
 @pytest.mark.parametrize("kernel", ["torch-paged", "flashinfer"])
 @pytest.mark.parametrize(("workload", "mamba"), [("hybrid", "vllm"), ("hybrid", "torch"), ("hybrid-align", "vllm")])
 def test_hybrid_engine_tokens(hybrid_model: Any, hybrid_reference: Reference, kernel: str, workload: str,
-                              mamba: str) -> None:
+                              mamba: str, cascade: bool) -> None:
     """The hybrid workloads in bfloat16: tokens against ``generate`` and teacher-forced, as for the Llama
     engine; the Mamba2 layers through vLLM 0.33.0's Triton kernels, or the torch reference mixer on the
     GPU. ``hybrid``: chunked prefills that continue their Mamba states, preemption, padded decode steps;
     ``hybrid-align``: vLLM's "align" cache mode, with prefix-cache hits on Mamba states, state moves
-    between blocks and prefill checkpoints (``store_prefill_checkpoint``)."""
+    between blocks and prefill checkpoints (``store_prefill_checkpoint``). ``fixed-mixed``: the kernel
+    without its cascade builder, so the engine's mixed steps replay one graph-mode layout of any counts
+    (``EngineConfig.fixed_mixed_layout``; the Mamba2 metadata of a fixed layout feeding the kernels)."""
     if mamba == "vllm":
         _vllm_mamba_kernels()
     if kernel == "flashinfer" and not _have_flashinfer():
         pytest.skip("flashinfer is not importable (bash ../shared/tools/gpu-wheels.sh, then carry .whl)")
     st, cmp, forced = run_workload(hybrid_model, kernel, workload, tolerance=TOLERANCE, mamba_kernels=mamba,
-                                   cache=hybrid_reference)
-    print(f"\n{workload} {kernel} mamba={mamba}: Mamba cache hits {st.mamba_cache_hits} checkpoints "
+                                   cache=hybrid_reference, cascade=cascade)
+    mixed = [r for k, r in zip(st.step_kinds, st.step_replayed, strict=True) if k == "mixed"]
+    if not cascade:  # (one fixed layout of any counts per ring slot: the first use of each composes)
+        assert sum(mixed) >= len(mixed) - 2 * 3, (sum(mixed), len(mixed))
+    print(f"\n{workload} {kernel} mamba={mamba} cascade={cascade}: mixed steps replayed {sum(mixed)} of {len(mixed)}, Mamba cache hits {st.mamba_cache_hits} checkpoints "
           f"{st.mamba_checkpoints} state moves {st.mamba_state_copies} | requests {cmp.requests} tokens {cmp.tokens} mismatches {cmp.mismatches} "
           f"near ties {cmp.near_ties} min margin {cmp.min_margin:.3g} steps {st.steps} partial prefills "
           f"{st.partial_prefills} preemptions {st.preemptions} padded {st.padded_steps} | teacher-forced {forced}")
