@@ -430,8 +430,9 @@ def test_ab_engine_s_base_engine_finds_this_checkout_s_mamba_kernels(tmp_path: P
 
 def test_bench_engine_arrivals_time_every_step_of_the_loop(tmp_path: Path) -> None:
     """``--arrive-over``: the timed runs' requests arrive over that many steps, so prompts join running
-    decodes in mixed steps the step composer composes; a table gives every step's mean metadata time, the
-    composed share and the run's tokens/s, beside the full-batch decode rows."""
+    decodes in mixed steps, which the engine's fixed-layout composer replays (EngineConfig.fixed_mixed_layout,
+    on since the warm-up's arrival run); a table gives every step's mean metadata time, the composed share
+    and the run's tokens/s, beside the full-batch decode rows."""
     import json
 
     out = tmp_path / "bench.json"
@@ -442,7 +443,7 @@ def test_bench_engine_arrivals_time_every_step_of_the_loop(tmp_path: Path) -> No
     line = next(ln.split() for ln in text.splitlines()[text.splitlines().index(
         next(ln for ln in text.splitlines() if ln.startswith("every step of the runs"))):] if ln.split()[:2] == ["paged", "8"])
     steps, composed, of_mixed, meta = int(line[2]), float(line[3].rstrip("%")), float(line[5].rstrip("%")), float(line[7])
-    assert steps > 16 and 0 < composed < 100 and of_mixed > 0 and meta > 0, line  # (mixed steps compose)
+    assert steps > 16 and 0 <= composed < 100 and of_mixed < 50 and meta > 0, line  # (mixed steps replay)
     row = json.loads(out.read_text())["rows"][0]
     assert row["all_steps"] == steps and row["all_metadata_ms"] > 0 and row["run_tokens_per_s"] > 0, row
 
