@@ -64,7 +64,8 @@
 #           .vllm holds it (fetch_vllm.py --flashinfer; carry .vllm), else the part fails saying so
 #           (hybridbench alike);
 #   hybrid  the reference engine's hybrid model (Bamba: Mamba2 and attention layers), its Mamba2 layers through
-#           vLLM 0.33.0's Triton kernels (needs .kernels carried, as mamba-kernels): the hybrid tests of
+#           vLLM 0.33.0's Triton kernels (needs .kernels carried, as mamba-kernels; its FlashInfer rows .whl or
+#           .vllm, as enginebench, else they skip): the hybrid tests of
 #           tests/gpu/test_engine_cuda.py (a small Bamba, both Mamba cache modes, tokens against generate and
 #           teacher-forced, a broken initial-state flag caught, the loop under the audit) -> hybrid.log; then
 #           `python -m examples.engine --device cuda --model hybrid-1b` (a ~1.4B Bamba, torch-paged and
@@ -380,6 +381,9 @@ if want hybrid; then
 echo "== hybrid: the hybrid engine, Mamba2 layers through vLLM's kernels" | tee "$OUT_DIR/hybrid.log"
 if [[ -f .kernels/MANIFEST.txt ]]; then
   export TRITON_CACHE_AUTOTUNING=1  # where Triton supports it, the processes share autotuning results
+  # FlashInfer for the flashinfer rows (.whl's or .vllm's; without it those rows skip, saying so)
+  flashinfer_site >> "$OUT_DIR/hybrid.log" 2>&1 || echo "hybrid: no FlashInfer (carry .whl or .vllm): its rows skip" \
+    | tee -a "$OUT_DIR/hybrid.log"
   timeout 260 $PY -m pytest -p attnmeta.testing.pytest_plugin tests/gpu/test_engine_cuda.py -q -s -rs -k hybrid \
     -p no:cacheprovider 2>&1 | tee -a "$OUT_DIR/hybrid.log" || status=1
   timeout 300 $PY -m examples.engine --device cuda --model hybrid-1b 2>&1 | tee "$OUT_DIR/hybrid_check.txt" || status=1
