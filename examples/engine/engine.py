@@ -85,13 +85,13 @@ class EngineConfig:
     """A hybrid model's Mamba2 layers: the torch reference mixer, or vLLM 0.33.0's Triton kernels (GPU;
     the files ``tests/kernels/fetch_kernels.py`` puts into ``.kernels/``)."""
     fixed_mixed_layout: bool = True
-    """An engine without CUDA graphs builds its unpadded steps (mixed steps: prompt chunks beside running
-    decodes, whose counts change from step to step) through a second step composer over a graph-mode
+    """An engine without CUDA graphs builds its mixed steps (prompt chunks beside running decodes, whose
+    counts change from step to step; never padded) through a second step composer over a graph-mode
     stager (:attr:`Engine.mixed_composer`): there one recorded layout serves such steps of any counts
     (:meth:`attnmeta.builder.Builder.any_rows_key`), so they replay instead of composing a layout per
     count. Only where every builder of the step gives such a key (FlashInfer, Mamba2; a group of common
-    metadata alone), with one-copy uploads and attnmeta's metadata. Padded decode steps keep the ring
-    stager's exact layouts, the cheaper replay for them. False: one composer for every step."""
+    metadata alone), with one-copy uploads and attnmeta's metadata. Decode steps, padded or not, keep the
+    ring stager's exact layouts, the cheaper replay for them. False: one composer for every step."""
     inference_mode: bool = True
     """Run the loop (:meth:`Engine.run`, :meth:`Engine.capture_graphs`) inside ``torch.inference_mode()``, as
     vLLM's ``GPUModelRunner.execute_model`` and its graph capture run; False runs it with autograd's
@@ -239,7 +239,7 @@ class Engine:
             groups.append(Group({"mamba": (MAMBA2, self.mamba_options)}, prefix="mamba_common", table_column_step=1))
         self.composer = StepBuilder(self.stager, *groups, arrays=_engine_arrays(cap))
         self.mixed_composer: StepBuilder | None = None
-        """With :attr:`EngineConfig.fixed_mixed_layout` (where it applies): the unpadded steps' composer,
+        """With :attr:`EngineConfig.fixed_mixed_layout` (where it applies): the mixed steps' composer,
         over a stager in graph mode (the engine's :class:`~attnmeta.StaticProfile`, no CUDA graph), whose
         one layout serves those steps of any counts; None: :attr:`composer` builds every step."""
         if (cfg.fixed_mixed_layout and not self.graphs and cfg.uploads == "one-copy" and cfg.metadata == "attnmeta"
@@ -373,7 +373,7 @@ class Engine:
         if self.vllm is not None:
             self._step_vllm(out, computed, scheduled, ids, prev_rows, padded)
             return
-        composer = self.composer if padded is not None or self.mixed_composer is None else self.mixed_composer
+        composer = self.composer if decode or self.mixed_composer is None else self.mixed_composer
         replays = composer.stats.replayed  # (bookkeeping: read before the timed part)
         tables = [(self.table[:n], cfg.block_size)]
         if self.hybrid:  # the Mamba group: the same step, its own table (none mode: one state slot a request)
