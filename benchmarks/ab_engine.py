@@ -153,8 +153,8 @@ def timed_steps(run: dict[str, Any], steps: str) -> list[int]:
     else:
         idx = [i for i, replayed in enumerate(run["replayed"]) if not replayed]
     if not idx:
-        raise RuntimeError(f"ab_engine: the run had no {steps} steps to time (raise --new, or --arrive-over for "
-                           "composed steps)")
+        raise RuntimeError(f"ab_engine: the run had no {steps} steps to time (raise --new; composed steps: "
+                           "--arrive-over, and an engine that replays its mixed steps composes few, so time --steps all)")
     return idx
 
 

@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 from bench_script_helpers import load_benchmark, run_script, table_rows
 
 
@@ -44,18 +45,30 @@ def test_ab_engine_symmetric_runs_both_import_orders(tmp_path: Path) -> None:
     assert abs(float(rows[2][1]) - math.sqrt(ratios[0] * ratios[1])) < 0.001
 
 
-def test_ab_engine_times_the_composed_steps_of_a_loop_whose_requests_arrive_over_steps() -> None:
+def test_ab_engine_times_every_step_of_a_loop_whose_requests_arrive_over_steps() -> None:
     # --arrive-over: the requests arrive over the first steps, so prompts join running decodes (mixed steps);
-    # --steps composed: each run's median over the steps the composer did not replay (the header says so).
+    # --steps all: each run's mean over every step (the header says so), and each side's composed share.
     text = run_script("ab_engine.py", "HEAD", "--device", "cpu", "--model", "tiny", "--mode", "paged",
                       "--concurrency", "4", "--rounds", "2", "--new", "16", "--prompt", "8", "--warm", "1",
-                      "--arrive-over", "12", "--steps", "composed")
+                      "--arrive-over", "12", "--steps", "all")
     head = text.splitlines()[0]
-    assert "arriving over 12 steps" in head and "its steps not replayed" in head, text
+    assert "arriving over 12 steps" in head and "mean over every step" in head, text
     rows = [line.split() for line in text.splitlines() if line.split() and line.split()[0] == "4"]
     assert len(rows) == 1 and float(rows[0][1]) > 0 and float(rows[0][2]) > 0 and rows[0][10] == "0", text
     share = [line for line in text.splitlines() if line.startswith("#  4 requests: steps not replayed")]
     assert len(share) == 1 and share[0].endswith("%") and "base " in share[0] and "this " in share[0], text
+
+
+def test_ab_engine_s_step_selections() -> None:
+    # --steps: decode (the full-batch decode steps), composed (the steps not replayed) or all; a run without
+    # the steps asked for is refused with what to change (an engine whose mixed steps replay composes few).
+    mod = load_benchmark("ab_engine.py", "ab_engine_steps")
+    run = {"kinds": ["mixed"] + ["decode"] * 10 + ["mixed"], "replayed": [False] + [True] * 4 + [False] + [True] * 6}
+    assert mod.timed_steps(run, "composed") == [0, 5]
+    assert mod.timed_steps(run, "all") == list(range(12))
+    assert mod.timed_steps(run, "decode") == [4, 5, 6, 7]
+    with pytest.raises(RuntimeError, match="no composed steps"):
+        mod.timed_steps({"kinds": run["kinds"], "replayed": [True] * 12}, "composed")
 
 
 def test_bench_engine_requests_arrive_over_the_steps_asked() -> None:
