@@ -761,3 +761,35 @@ def test_a_replayed_step_that_cannot_be_served_raises_unsupported_batch_error() 
         with pytest.raises(UnsupportedBatchError, match=f"{name}: cannot serve this batch"):
             composer.build_counts(*args, **kw, inputs={name: bad})
         composer.build(spec(3), {name: good})  # the stager goes on
+
+
+def test_a_group_of_another_block_size_gets_its_own_width_in_graph_mode(device: torch.device) -> None:
+    """Graph mode, a hybrid model's step as vLLM lays it out: the Mamba group's blocks hold the longest
+    request (one column, StaticProfile.for_block_size), or Group(table_columns=) sets its width (vLLM's
+    max_num_blocks_per_req: one state block and one per draft); a request past the width, or a bad
+    width, raises."""
+    prof = StaticProfile(max_num_reqs=8, max_num_tokens=64, max_blocks_per_req=8, block_size=16,
+                         max_num_pages_override=20, chunk_size=16)
+    wide = prof.for_block_size(8 * 16)
+    assert (wide.max_blocks_per_req, wide.block_size, wide.max_num_pages, wide.max_num_reqs) == (1, 128, 8, 8)
+    assert prof.for_block_size(16) is prof and prof.for_block_size(128) is wide
+    assert prof.for_block_size(8).max_blocks_per_req == 16 and prof.for_block_size(8).max_num_pages == 48
+    with pytest.raises(ValueError, match="for_block_size: block_size must be a positive int"):
+        prof.for_block_size(0)
+    spec = BatchSpec(num_computed_tokens=[30, 5], num_scheduled_tokens=[1, 9], block_size=16,
+                     block_table=np.arange(16, dtype=np.int32).reshape(2, 8))
+    for columns, width in ((None, 1), (3, 3)):
+        mamba = Group({"mamba": (mamba2.MAMBA2, mamba2.Mamba2Options(chunk_size=16))}, prefix="mamba_common",
+                      table_column_step=1, table_columns=columns)
+        composer = StepBuilder(Stager(device, profile=prof), Group({"fi": FLASHINFER}), mamba)
+        states = np.array([[5, 6, 7], [8, 9, 10]], np.int32)[:, :width]
+        out = composer.build((spec, spec.for_group(block_table=states, block_size=128)))
+        assert out.commons[1].block_table_cpu.shape == (2, width)
+        assert composer.stager.graph_fields["mamba_common.block_table_tensor"].nbytes == 8 * width * 4
+        assert out["mamba"].state_indices_tensor_p_cpu.tolist() == [8]  # (row 1 prefills: its state block)
+        too_long = BatchSpec(num_computed_tokens=[200, 5], num_scheduled_tokens=[1, 9], block_size=16,
+                             block_table=np.zeros((2, 16), np.int32))
+        with pytest.raises(CapacityError):  # (the attention group's 8 columns: the profile's longest request)
+            composer.build((too_long, too_long.for_group(block_table=np.ones((2, 3), np.int32), block_size=128)))
+    with pytest.raises(ValueError, match=r"Group\.table_columns: expected an int >= 1 or None"):
+        StepBuilder(Stager(device, profile=prof), Group({}, table_columns=0))
