@@ -443,6 +443,20 @@ class Builder(Generic[OptionsT, InputsT, HostT, MetadataT]):
         (:func:`attnmeta.testing.check_builder` on every batch it builds)."""
         return None
 
+    @property
+    def gives_any_rows_key(self) -> bool:
+        """Whether this builder implements :meth:`any_rows_key` (the default returns None for every
+        step): in graph mode a step composer keys unpadded steps without their counts where every builder
+        of every group does.
+
+        Examples
+        --------
+        >>> from attnmeta.builder import get_builder
+        >>> get_builder("flashinfer").gives_any_rows_key, get_builder("flash_attn").gives_any_rows_key
+        (True, False)
+        """
+        return type(self).any_rows_key is not Builder.any_rows_key
+
     def build(self, spec: BatchSpec, stager: Stager, options: OptionsT | None = None,
               inputs: InputsT | None = None) -> MetadataT:
         """:func:`build` with this builder: common + this builder's metadata in one step of its own."""

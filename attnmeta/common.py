@@ -56,6 +56,7 @@ from attnmeta.metadata import (
     StagedCommon,
     make_paged,
 )
+from attnmeta.profile import StaticProfile
 from attnmeta.spec import BatchSpec, ContextParallel, StepShape
 from attnmeta.staging import CapacityError, FieldGroup, Staged, Stager, Step, bucket_rows
 
@@ -595,12 +596,10 @@ def _place(a: np.ndarray, bufs: tuple[np.ndarray, ...], starts: list[int]) -> tu
 
 
 def _common_fields(
-    step: Step, prefix: str, spec: BatchSpec, Bp: int, W: int, Tt: int, paged: bool
+    step: Step, prefix: str, spec: BatchSpec, Bp: int, W: int, Tt: int, paged: bool, prof: StaticProfile | None
 ) -> FieldGroup:
-    """Reserve the common fields of a step (cached per slot and layout) and return their group."""
-    prof = step.profile
-    if prof is not None:  # (the profile of the group's block size: its table's width, its pages)
-        prof = prof.for_block_size(spec.block_size)
+    """Reserve the common fields of a step (cached per slot and layout) and return their group; ``prof``:
+    graph mode, the profile of the spec's block size (its table's width, its pages)."""
     n = prefix + "."
     if prof is not None:
         R, Q = prof.max_num_reqs, prof.max_num_tokens
@@ -762,7 +761,7 @@ def _stage_common(spec: BatchSpec, step: Step, prefix: str, causal: bool, block_
     if paged and spec.num_pages > INT32_MAX:
         raise ValueError(f"paged_kv: the step's {spec.num_pages} KV pages overflow paged_kv_indptr's int32")
     Tt = Tp if token_arrays else 0
-    group = _common_fields(step, prefix, spec, Bp, W, Tt, paged)
+    group = _common_fields(step, prefix, spec, Bp, W, Tt, paged, prof)
     # (whether the spec has prompts or upper bounds changes no view: the kernel reads them or not)
     has_drafts = spec.num_draft_tokens is not None
     key = (bs, cp, token_arrays, has_drafts)

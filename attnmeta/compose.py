@@ -341,8 +341,7 @@ class _Group:
         if g.token_arrays is not None and not isinstance(g.token_arrays, bool):
             raise TypeError(f"Group.token_arrays: expected a bool or None, got {g.token_arrays!r}")
         self.tokens = g.token_arrays if g.token_arrays is not None else (True if not self.builders else None)
-        # every builder may key a graph-mode layout for unpadded steps of any counts (Builder.any_rows_key)
-        self.any_rows = all(type(b).any_rows_key is not Builder.any_rows_key for _n, b, _o in self.builders)
+        self.any_rows = all(b.gives_any_rows_key for _n, b, _o in self.builders)  # (graph mode: any counts' layout)
 
     def needs(self, shape: StepShape) -> tuple[bool, bool, int]:
         """``(token arrays, paged KV layout, block-table columns)`` the group's common metadata needs for

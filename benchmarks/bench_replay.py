@@ -110,7 +110,7 @@ def arrivals_profile(batch: int) -> StaticProfile:
 def any_rows_builders() -> list[str]:
     """The registered builders that may key a graph-mode layout for steps of any counts
     (:meth:`~attnmeta.builder.Builder.any_rows_key`), sorted."""
-    return sorted(n for n, b in attnmeta.registry().items() if type(b).any_rows_key is not Builder.any_rows_key)
+    return sorted(n for n, b in attnmeta.registry().items() if b.gives_any_rows_key)
 
 
 def with_drafts(options: Any, drafts: int) -> Any:

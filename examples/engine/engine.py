@@ -41,7 +41,7 @@ import torch
 from attnmeta import BatchSpec, Stager, StaticProfile
 from attnmeta.backends.mamba import CheckpointConfig
 from attnmeta.backends.mamba.mamba2 import MAMBA2, Mamba2Metadata, Mamba2Options
-from attnmeta.builder import Builder, get_builder
+from attnmeta.builder import get_builder
 from attnmeta.compose import Array, ComposedStep, Group, StepBuilder
 from attnmeta.metadata import CommonAttentionMetadata
 from attnmeta.staging import STAGEABLE_DTYPES
@@ -657,11 +657,8 @@ def _replays_any_counts(group: Group) -> bool:
     """Whether a graph-mode step composer records one layout of ``group`` for its unpadded steps of any
     counts: every builder gives :meth:`attnmeta.builder.Builder.any_rows_key` (a group of common
     metadata alone does)."""
-    for entry in group.builders.values():
-        b = entry[0] if isinstance(entry, tuple) else entry
-        if type(get_builder(b) if isinstance(b, str) else b).any_rows_key is Builder.any_rows_key:
-            return False
-    return True
+    builders = [e[0] if isinstance(e, tuple) else e for e in group.builders.values()]
+    return all((get_builder(b) if isinstance(b, str) else b).gives_any_rows_key for b in builders)
 
 
 def make_kernel(name: str, model: Any, device: torch.device, *, cascade: bool = True,

@@ -266,7 +266,6 @@ class _Layout:
         "logical",
         "mlist",
         "moved",
-        "num_reqs",
         "offsets",
         "outputs",
         "qsl_d",
@@ -281,7 +280,6 @@ class _Layout:
         n0 = len(shape.prefix) + 1
         self.index = {f.name[n0:]: i for i, f in enumerate(group.fields)}
         self.staged_rows = [f.rows for f in group.fields]  # rows of each field's device view
-        self.num_reqs = B
         self.graph = shape.graph
         self.conv_rows = shape.conv_rows
         # An eager layout without prefill fields or spec decode: every row of its steps is a decode
@@ -306,7 +304,7 @@ class _Layout:
                                if o}
         self.outputs = _Outputs(moved=self.moved, num_computed_p=nc, nums=nums, mlist=self.mlist, query_lens_p=q_p,
                                 ckpt_chunk_list=ck_list, **out)
-        self.ro.update(moved=_read_only(self.moved), nc=_read_only(nc), nums=_read_only(nums),
+        self.ro.update(nc=_read_only(nc), nums=_read_only(nums),
                        mlist=_read_only(self.mlist), q_p=_read_only(q_p), ck_list=_read_only(ck_list))
         self.logical = (host["chunk_indices_p"], host["chunk_offsets_p"]) if "chunk_indices_p" in host else None
         self.tokens = host.get("token_seq_idx_p")
