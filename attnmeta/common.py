@@ -628,11 +628,14 @@ def _common_fields(
                 )
             step.alloc_fields(((n + "paged_kv_indices", total, _I32, cap, 0),))
         return group
-    # Eager mode: the per-token fields (and the page indices) are staged at a bucketed row count and
-    # handed out as exact-length views: their exact lengths change almost every step, and a layout
-    # per length would rebuild the group (and its views) every step.
+    # Eager mode: the per-token fields are staged at a bucketed row count, the page indices at the
+    # staged block table's capacity (no row holds more pages than the table's W columns), and both are
+    # handed out as exact-length views: their exact lengths change almost every step, and a layout per
+    # length would rebuild the group (and its views) every step. Sized by the table, the page indices
+    # keep the layout while the table's width lasts, where a bucket of the page count moved every few
+    # steps of a growing batch (and each ring slot then staged the step anew).
     Tc = bucket_rows(Tt) if Tt else 0
-    pages = bucket_rows(spec.num_pages) if paged else 0
+    pages = max(Bp * W, spec.num_pages) if paged else 0
 
     def eager_specs() -> tuple[tuple[str, Any, Any, int | None, Any], ...]:
         base: tuple[tuple[str, Any, Any, int | None, Any], ...] = (

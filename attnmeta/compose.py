@@ -25,8 +25,7 @@ decode, spec-decode, prefill, mixed and padded steps, eager and graph mode).
 
 A step replays when every builder of every group gives it a replay key
 (:meth:`attnmeta.builder.Builder.replay_key`), no group is context-parallel, and its layout was
-recorded on its slot: the same padded rows and tokens, block-table width, bucket of KV pages, block
-size, optional spec arrays, builder keys and array rows. In eager mode a group's block table is staged
+recorded on its slot: the same padded rows and tokens, block-table width, block size, optional spec arrays, builder keys and array rows. In eager mode a group's block table is staged
 with the longest request's blocks rounded up to ``table_column_step`` columns (at most the table's
 own), so a layout lasts ``table_column_step * block_size`` steps of plain decoding. Any other step is
 staged the ordinary way: replay only ever saves time.
@@ -34,7 +33,8 @@ staged the ordinary way: replay only ever saves time.
 The key is found without asking the builders again on most steps: the steps of a decode loop differ in
 their lengths only (the longest sequence, the page count), and for builders that do not read those
 (:meth:`~attnmeta.builder.Builder.reads_lengths`) the composer asks once per class of shapes without
-them and adds the width and the page bucket itself.
+them and adds the block-table width itself (an eager group stages its page indices at the
+table's capacity, its rows times its width, so the page count never changes the layout).
 
 Why one module
 --------------
@@ -66,7 +66,7 @@ from attnmeta.builder import AnyBuilder, Builder, Replayer, UnsupportedBatchErro
 from attnmeta.common import CommonPasses, CommonWriter, _stage_common
 from attnmeta.metadata import CommonAttentionMetadata, CommonHost, PagedKVMetadata
 from attnmeta.spec import SCAN_HEAD, BatchSpec, StepShape, scan_counts, shapes_of, specs_of_scan
-from attnmeta.staging import STAGEABLE_DTYPES, Staged, Stager, Step, StepLayout, bucket_rows
+from attnmeta.staging import STAGEABLE_DTYPES, Staged, Stager, Step, StepLayout
 
 __all__ = ["PARALLEL_MIN_ROWS", "Array", "ComposeStats", "ComposedStep", "Group", "SharedPrefixWarning", "StepBuilder",
            "table_columns"]
@@ -741,7 +741,7 @@ class StepBuilder:
         A step without inputs takes the key of its shapes if it was computed before; else what does
         not depend on the step's lengths is found once per class of shapes (the shapes without
         ``max_seq_len``, ``max_exact_seq_len`` and ``num_pages``: the steps of a decode loop are of one
-        class), and the lengths add the block-table width and the page bucket of each group; a group
+        class), and the lengths add the block-table width of each group; a group
         with a builder that reads the lengths (:meth:`~attnmeta.builder.Builder.reads_lengths`) is
         asked for every new shape. (:meth:`build_counts` asks :meth:`_lengths_key` directly, with its
         scan: no key is kept by exact shape, which a serving loop's decode steps, each with new lengths,
@@ -802,11 +802,8 @@ class StepBuilder:
                 if part is None:
                     return None
                 key.append(part)
-            elif e[0]:  # eager: the block-table width and the page bucket
-                _eager, columns, step, paged = e
-                key.append(_shape_width(shape, columns, step))
-                if paged:
-                    key.append(bucket_rows(shape.num_pages))
+            elif e[0]:  # eager: the block-table width (the page indices are staged at the table's capacity)
+                key.append(_shape_width(shape, e[1], e[2]))
             elif not _lengths_fit(shape, e[1]):  # graph mode (else composed: the builders raise)
                 return None
         return self._with_rows(tuple(key), arrays)
@@ -851,7 +848,7 @@ class StepBuilder:
             if part is None:
                 return None
             parts.append(part)
-            groups.append((True, needs[2], g.column_step, needs[1]) if prof is None else
+            groups.append((True, needs[2], g.column_step) if prof is None else
                           (False, self._caps_of(g, shape.block_size)))
         static = tuple(parts)
         number = self._numbers.get(static)
@@ -866,8 +863,8 @@ class StepBuilder:
                    needs: tuple[bool, bool, int] | None = None, any_rows: bool = False) -> tuple[Hashable, ...] | None:
         """One group's part of :meth:`_key` for a step of ``shape``, or None (compose). Given the
         group's ``needs`` of a shape without lengths (:meth:`_class_entry`), the part without what
-        :meth:`_key` adds from the lengths (the block-table width, the page bucket, graph
-        mode's checks of both). ``any_rows`` (graph mode, an unpadded step): the part without the
+        :meth:`_key` adds from the lengths (the block-table width, graph mode's checks of
+        the width and the pages). ``any_rows`` (graph mode, an unpadded step): the part without the
         counts, of the builders' :meth:`~attnmeta.builder.Builder.any_rows_key`."""
         if shape.context_parallel is not None:
             return None
@@ -886,7 +883,7 @@ class StepBuilder:
         else:
             layout: tuple[Hashable, ...] = (Bp, Tp if tokens else 0, bs, tokens, paged)
             if lengths:
-                layout += (_shape_width(shape, columns, g.column_step), bucket_rows(shape.num_pages) if paged else 0)
+                layout += (_shape_width(shape, columns, g.column_step),)
             parts.append(layout)
         parts.append((shape.has_prompt, shape.has_drafts, shape.has_upper_bound))
         for (_n, b, o), i in zip(g.builders, inputs):

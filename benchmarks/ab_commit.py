@@ -31,7 +31,7 @@ every step's shape in its caches (its layout keys); in an engine's loop every de
 longest sequence and misses them. ``--walk`` makes the engine rows walk one decode walk for the whole
 run instead, a step's counts a fresh array each step, as the loop does: for a change to the per-step
 key path, or to see what the cycle leaves out. A walk's longer sequences also outgrow their layout now
-and then (a new page-count bucket, a wider block table), and each ring slot then composes the step
+and then (a wider block table), and each ring slot then composes the step
 afresh: a median leaves those steps out, ``--mean`` counts them as a loop's average does.
 ``--engine-steps`` makes the engine rows walk the reference engine's own decode steps instead,
 recorded first on the CPU (:func:`engine_steps`: ``bench_engine.py``'s workload, served as many times,

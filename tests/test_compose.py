@@ -19,7 +19,7 @@ from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionInputs, Flash
 from attnmeta.backends.flashinfer import FLASHINFER, FlashInferOptions
 from attnmeta.backends.mamba import CheckpointConfig, mamba2
 from attnmeta.compose import Array, Group, StepBuilder, table_columns
-from attnmeta.staging import CapacityError, StepExpiredError, is_expired
+from attnmeta.staging import CapacityError, StepExpiredError, bucket_rows, is_expired
 from attnmeta.sync import no_device_sync
 from attnmeta.testing.workloads import advance, decode_spec, mixed_spec
 
@@ -358,6 +358,23 @@ def test_a_decode_walk_asks_its_builders_once_unless_they_read_the_lengths(reads
     assert calls["replay_key"] == steps_asked
     composed = composer.stats.steps - composer.stats.replayed
     assert calls["needs"] == steps_asked + composed  # (and once a composed step, staging it)
+
+
+def test_an_eager_layout_lasts_while_its_table_width_does_whatever_the_page_count(device: torch.device) -> None:
+    """A decode walk of 64 requests whose longest sequence stays in one block-table width (16 columns of
+    16 tokens) while the page count grows by about 4 a step, past several of bucket_rows' steps: the
+    page indices are staged at the table's capacity, so each ring slot composes its first step and every
+    later step replays (a layout keyed by the page count's bucket composed again at each new bucket, on
+    each slot), equal to the steps staged through the builders."""
+    rng = np.random.default_rng(3)
+    c = rng.integers(130, 200, size=64).astype(np.int32)
+    first = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=np.ones(64, np.int32), block_table=(
+        rng.permutation(64 * 16).astype(np.int32).reshape(64, 16)), block_size=16)
+    walk = advance(first, 40)
+    assert {-(-s.max_exact_seq_len // 16) for s in walk} <= {9, 10, 11, 12, 13, 14, 15, 16}  # (one width: 16)
+    assert len({bucket_rows(s.num_pages) for s in walk}) >= 3  # (buckets the walk passes)
+    composer = compare_replays(device, lambda: [Group({"fi": FLASHINFER, "fa": FLASH_ATTN})], walk)
+    assert composer.stats.replayed == len(walk) - composer.stager.num_slots, composer.stats
 
 
 def test_a_replayed_steps_objects_expire_with_their_slot() -> None:

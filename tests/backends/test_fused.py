@@ -112,8 +112,8 @@ def _decode_walk(batch: int, steps: int, seed: int = 0, **kw: Any) -> list[Batch
 @pytest.mark.parametrize("batch", [1, 7, 64])
 def test_decode_walk_replays_and_matches(device: torch.device, batch: int) -> None:
     builder = _check_walk(_decode_walk(batch, 24, max_context=200, table_width=32), device)
-    # Each slot's first step of a layout composes; the page-count bucket and the block-table width
-    # change now and then as contexts grow. Most steps replay.
+    # Each slot's first step of a layout composes; the block-table width changes now and then as
+    # contexts grow. Most steps replay.
     assert builder.stats.replayed >= 12, builder.stats
 
 
@@ -181,7 +181,7 @@ def test_padded_steps_share_a_layout_whatever_their_real_counts(device: torch.de
     table = np.arange(3 * 4, dtype=np.int32).reshape(3, 4) + 1
     shapes = [([6, 2, 9], [1, 0, 1], 4, 4), ([9, 2], [1, 1], 4, 4), ([6, 2, 9], [1, 1, 1], 4, 4),
               ([6, 2, 9], [0, 0, 0], 4, 4), ([6, 2, 9], [1, 0, 1], 4, 8), ([6, 2, 9], [1, 0, 1], 5, 4)]
-    # (the same block-table width and page bucket throughout)
+    # (the same block-table width throughout)
     specs = [BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=table[: len(c)], block_size=4,
                        num_reqs_padded=bp, num_tokens_padded=tp) for _ in range(4) for c, q, bp, tp in shapes]
     builder = _check_walk(specs, device, profile=profile)
@@ -224,7 +224,7 @@ def test_prefill_only_steps_replay_whatever_their_rows(device: torch.device, pro
 
 @pytest.mark.parametrize("profile", _GRAPH, ids=["eager", "graph"])
 def test_decode_and_prefill_only_steps_of_one_shape_are_two_layouts(device: torch.device, profile: Any) -> None:
-    """Same rows, tokens, width and page bucket: a decode step and a prefill-only step (first row 2
+    """Same rows, tokens and width: a decode step and a prefill-only step (first row 2
     tokens, a padding-like 0 after) split differently, so each replays only its own layout."""
     table = np.arange(4 * 3, dtype=np.int32).reshape(4, 3) + 1
     decode = BatchSpec(num_computed_tokens=[5, 6, 7, 4], num_scheduled_tokens=[1, 1, 1, 1], block_table=table,
