@@ -25,16 +25,16 @@ decode, spec-decode, prefill, mixed and padded steps, eager and graph mode).
 
 A step replays when every builder of every group gives it a replay key
 (:meth:`attnmeta.builder.Builder.replay_key`), no group is context-parallel, and its layout was
-recorded on its slot: the same padded rows and tokens, block-table width, block size, optional spec arrays, builder keys and array rows. In eager mode a group's block table is staged
-with the longest request's blocks rounded up to ``table_column_step`` columns (at most the table's
-own), so a layout lasts ``table_column_step * block_size`` steps of plain decoding. Any other step is
-staged the ordinary way: replay only ever saves time.
+recorded on its slot: the same padded rows and tokens, block-table width, block size, optional spec
+arrays, builder keys and array rows. In eager mode a group's block table is staged with the longest
+request's blocks rounded up to ``table_column_step`` columns (at most the table's own), and its page
+indices at the staged table's capacity, so a layout lasts ``table_column_step * block_size`` steps of
+plain decoding. Any other step is staged the ordinary way: replay only ever saves time.
 
 The key is found without asking the builders again on most steps: the steps of a decode loop differ in
 their lengths only (the longest sequence, the page count), and for builders that do not read those
 (:meth:`~attnmeta.builder.Builder.reads_lengths`) the composer asks once per class of shapes without
-them and adds the block-table width itself (an eager group stages its page indices at the
-table's capacity, its rows times its width, so the page count never changes the layout).
+them and adds the block-table width itself (the page count never changes an eager layout).
 
 Why one module
 --------------
