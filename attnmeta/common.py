@@ -632,8 +632,9 @@ def _common_fields(
     # staged block table's capacity (no row holds more pages than the table's W columns), and both are
     # handed out as exact-length views: their exact lengths change almost every step, and a layout per
     # length would rebuild the group (and its views) every step. Sized by the table, the page indices
-    # keep the layout while the table's width lasts, where a bucket of the page count moved every few
-    # steps of a growing batch (and each ring slot then staged the step anew).
+    # keep the layout while the table's width lasts; sized by a bucket of the page count, they would
+    # end it every few steps of a growing batch, and each ring slot would then stage a step anew. The
+    # rows past the step's pages are staged, never written: the host pays nothing for them.
     Tc = bucket_rows(Tt) if Tt else 0
     pages = max(Bp * W, spec.num_pages) if paged else 0
 
