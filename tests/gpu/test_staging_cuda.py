@@ -64,9 +64,9 @@ def _corrupted_steps(stager: Stager, steps: int, seed: int, hold_every: int, sle
     return int((got != expected).sum())
 
 
-def _run_race(steps: int, fencing: bool, num_slots: int, hold_every: int) -> int:
+def _run_race(steps: int, fencing: bool, num_slots: int, hold_every: int, sleep_cycles: int = 2_000_000) -> int:
     stager = Stager(torch.device("cuda"), num_slots=num_slots, _unsafe_disable_fencing=not fencing)
-    return _corrupted_steps(stager, steps, 1234, hold_every, 2_000_000)  # ~1 ms holds
+    return _corrupted_steps(stager, steps, 1234, hold_every, sleep_cycles)  # (2,000,000 cycles: ~1 ms holds)
 
 
 def test_race_free_with_fencing_under_a_held_stream() -> None:
@@ -75,8 +75,13 @@ def test_race_free_with_fencing_under_a_held_stream() -> None:
 
 
 def test_race_test_detects_missing_fencing() -> None:
-    """The same test must fail when fencing is disabled, or it proves nothing."""
-    corrupted = _run_race(2_000, fencing=False, num_slots=2, hold_every=16)
+    """The same test must fail when fencing is disabled, or it proves nothing.
+
+    A race needs the host to stage ``num_slots + 1`` steps while the GPU is held. A step of this loop
+    (random fields, the stage, the checksum's launches, under the sync audit) takes a few hundred
+    microseconds on a slow host, so a 1 ms hold could end before the host wrapped the ring and the
+    control found nothing; its holds are ~10 ms (20,000,000 cycles), far past any host's three steps."""
+    corrupted = _run_race(2_000, fencing=False, num_slots=2, hold_every=16, sleep_cycles=20_000_000)
     assert corrupted > 0
 
 
