@@ -817,8 +817,8 @@ class StepBuilder:
     def _class_entry(self, shapes: tuple[StepShape, ...], inputs: list[list[Any]]) -> tuple[Any, ...] | None:
         """A class of shapes' part of :meth:`_key`: None (such steps are composed), or ``(class number,
         per group: None when a builder reads the lengths, else eager mode's (True, block-table columns
-        the builders need, the column step, whether a page table is staged) or graph mode's (False,):
-        the lengths within the profile, whether the key leaves out the counts)``. The builders are asked
+        the builders need, the column step) or graph mode's (False, the capacities the lengths must
+        fit), whether the key leaves out the counts)``. The builders are asked
         about the class's shape with the lengths 0. Classes whose keys without lengths are equal share
         their number (padded steps of other real counts share a layout), and a number is never reused.
         Graph mode: an unpadded step's key leaves out its counts where every builder gives it an
