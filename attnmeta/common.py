@@ -636,7 +636,7 @@ def _common_fields(
     # end it every few steps of a growing batch, and each ring slot would then stage a step anew. The
     # rows past the step's pages are staged, never written: the host pays nothing for them.
     Tc = bucket_rows(Tt) if Tt else 0
-    pages = max(Bp * W, spec.num_pages) if paged else 0
+    pages = Bp * W if paged else 0  # (_stage_common refused a request of more than W blocks)
 
     def eager_specs() -> tuple[tuple[str, Any, Any, int | None, Any], ...]:
         base: tuple[tuple[str, Any, Any, int | None, Any], ...] = (
