@@ -651,7 +651,9 @@ def _common_fields(
         return (*base, (n + "paged_kv_indptr", Bp + 1, _I32, None, 0), (n + "paged_kv_last_page_len", Bp, _I32, None, 0),
                 (n + "paged_kv_indices", pages, _I32, None, 0))
 
-    return step.alloc_fields(eager_specs, (prefix, Bp, W, Tc, pages))
+    # ``paged`` is in the key apart from ``pages``: an empty batch stages no page rows either way, and
+    # an unpaged layout of its shapes must not serve a paged step (it has no page-layout fields).
+    return step.alloc_fields(eager_specs, (prefix, Bp, W, Tc, paged))
 
 
 def stage_common(

@@ -401,6 +401,27 @@ def test_cached_layouts_across_slot_reuse(device: torch.device, num_slots: int) 
         assert stager.stats.steps == i + 1
 
 
+def test_an_empty_paged_step_after_an_empty_unpaged_one_gets_its_page_fields(device: torch.device) -> None:
+    """An empty batch stages no page rows, paged or not: the slot's cached layout of an unpaged empty
+    step must not serve a paged one, whose ``paged_kv_indptr`` is one row (the 0), not missing."""
+    stager = Stager(device, num_slots=2)
+    empty = BatchSpec(num_computed_tokens=np.zeros(0, I32), num_scheduled_tokens=np.zeros(0, I32),
+                      block_table=np.zeros((0, 1), I32), block_size=16)
+    for paged_kv in (False, False, True, True, False, True):  # each slot: unpaged, then paged
+        with stager.step() as step:
+            staged = stage_common(empty, step, paged_kv=paged_kv)
+        cm = staged.result()
+        check_common(cm, empty, device, 1)
+        if paged_kv:
+            assert staged.paged is not None
+            assert staged.paged.host.paged_kv_indptr.tolist() == [0]
+            paged = staged.paged.result()
+            assert paged.paged_kv_indptr.shape == (1,)
+            if device.type != "meta":
+                assert paged.paged_kv_indptr.tolist() == [0]
+            assert paged.paged_kv_indices.shape == (0,) and paged.paged_kv_last_page_len.shape == (0,)
+
+
 def test_token_counts_share_a_layout_and_get_exact_views(device: torch.device) -> None:
     """The per-token fields are staged at a bucketed row count: steps of one row count and table
     width but different token counts (a mixed batch changes its count every step) reuse one cached
