@@ -25,6 +25,7 @@ from attnmeta.sync import no_device_sync
 from attnmeta.testing.builders import (
     audit_builder,
     check_builder,
+    check_metadata,
     check_reads_lengths,
     check_replay,
     writable_host_arrays,
@@ -97,6 +98,35 @@ def test_every_builder_equals_its_reference_in_graph_mode(name: str, spec: Batch
     except CapacityError:  # (a batch past the profile: graph mode's documented refusal; within it, a bug)
         if fits_profile(spec, prof):
             raise
+
+
+@settings(max_examples=max(50, 2 * FEW))
+@given(specs=st.lists(SPECS, min_size=1, max_size=3),
+       steps=st.lists(st.tuples(st.sampled_from(BUILDERS), st.integers(0, 3), st.integers(0, 2**32 - 1)),
+                      min_size=2, max_size=12),
+       slots=st.sampled_from([2, 3]))
+def test_one_stager_serves_every_builder_in_turn(device: torch.device, specs: list[BatchSpec],
+                                                 steps: list[tuple[str, int, int]], slots: int) -> None:
+    """One eager stager, the builders' steps in any order over a few batches, an empty one among them
+    (so that a slot sees one batch's shapes again under another builder or other options): a layout a slot cached for one step
+    serves a later step only where it is that step's layout. Each step equals its reference, and so does
+    the step before it, whose slot is not reused yet. (An empty unpaged step's cached layout served a
+    later empty paged one without its page fields: a fresh stager per example, as above, cannot see
+    that.)"""
+    empty = np.zeros(0, np.int32)  # (the pool's last batch: an empty step of the first one's block size)
+    specs = [*specs, BatchSpec(num_computed_tokens=empty, num_scheduled_tokens=empty,
+                               block_table=np.zeros((0, 1), np.int32), block_size=specs[0].block_size)]
+    stager = Stager(device, num_slots=slots, debug_fill=0xA5)
+    before: tuple[str, Any, BatchSpec, Any, Any] | None = None
+    for k, (name, which, seed) in enumerate(steps):
+        b, spec = attnmeta.get_builder(name), specs[min(which, len(specs) - 1)]
+        options, inputs = lab(name).sample(spec, np.random.default_rng(seed))
+        if b.unsupported_reasons(spec, b.options(options), b.inputs(inputs)):
+            continue
+        meta = check_builder(b, spec, device, options, inputs, stager=stager, strict=True)
+        if before is not None:  # (its slot is the next step's to claim)
+            check_metadata(before[0], before[1], before[2], before[3], before[4], where=f"step {k}, the step before")
+        before = (name, meta, spec, options, inputs)
 
 
 @pytest.mark.parametrize("name", BUILDERS)
