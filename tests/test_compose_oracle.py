@@ -21,7 +21,10 @@ Compositions (:class:`_Config`):
   or in a group of its own;
 - eager or graph mode (frozen after some step, as an engine freezes it once its layouts are known, or
   never); two or three ring slots; ``build`` or ``build_counts``; one device or (CPU) a ``MultiStager``
-  over two, whose second device's replicas are checked too.
+  over two, whose second device's replicas are checked too;
+- in eager mode on one device, with or without direct builds of registered builders (random options,
+  the step's batch, checked against their references) on the composer's stager between its steps: the
+  other code a stager may serve, whose layouts a slot caches beside the composer's recorded ones.
 
 The steps come from a small simulated scheduler (:class:`_Scheduler`): some requests are decoding when
 the composer is made, others join with prompts chunked over several steps, decode for a while (so the
@@ -46,10 +49,10 @@ from attnmeta.backends.flash_attn import FLASH_ATTN, FlashAttentionInputs
 from attnmeta.backends.flashinfer import FLASHINFER, FlashInferOptions
 from attnmeta.backends.mamba import CheckpointConfig
 from attnmeta.backends.mamba.mamba2 import MAMBA2, Mamba2Inputs, Mamba2Options
-from attnmeta.builder import get_builder
+from attnmeta.builder import get_builder, registry
 from attnmeta.compose import Array, ComposedStep, Group, StepBuilder
 from attnmeta.staging import CapacityError, MultiStager
-from attnmeta.testing import check_metadata
+from attnmeta.testing import check_builder, check_metadata
 from attnmeta.testing.assertions import assert_matches_device
 from attnmeta.testing.lab import lab
 from attnmeta.testing.reference.layout import ref_common_fields
@@ -64,6 +67,8 @@ EXTRA_OPTIONS = {name: lab(name).defaults(_SAMPLE)[0] for name in
                  ("cascade", "fast_prefill", "local_attn", "gdn", "linear_attn", "mamba1", "mla", "mm_prefix")}
 """The further builders a composition may add, with their lab's default options (its inputs: the lab's
 defaults for each step)."""
+REGISTERED = sorted(registry())
+"""The builders a direct build between a composer's steps may use (:attr:`_Config.interleave`)."""
 EAGER_ONLY = ("mm_prefix",)
 """Builders whose graph-mode fields have a documented fixed shape the lab reference (eager shapes) does not
 have (mm_prefix: ``(num_reqs, graph_max_ranges, 2)`` range tensors); their own tests check graph mode."""
@@ -86,6 +91,7 @@ class _Config:
     freeze_at: int | None = None  # graph mode: the step after which the stager is frozen (as an engine does)
     devices: int = 1  # 2: a MultiStager over two simulated devices (CPU), each step checked on both
     upper_bounds: bool = False  # spec decode: the runner's optimistic lengths (every draft of the last step accepted)
+    interleave: bool = False  # eager, one device: direct builds of registered builders on the same stager between steps
 
     def groups(self) -> list[dict[str, tuple[Any, Any]]]:
         first: dict[str, tuple[Any, Any]] = {}
@@ -112,6 +118,7 @@ class _Config:
 def _configs(draw: st.DrawFn) -> _Config:
     graph = draw(st.booleans())
     mamba: Literal["none", "align"] | None = draw(st.sampled_from([None, "none", "align"]))
+    devices = draw(st.sampled_from([1, 2]))
     return _Config(graph=graph, attention=draw(st.sampled_from(["fi", "fa", "both", "none"])),
                    threshold=draw(st.integers(1, 3)), mamba=mamba,
                    checkpoints=mamba == "align" and draw(st.booleans()),
@@ -121,8 +128,8 @@ def _configs(draw: st.DrawFn) -> _Config:
                                                                          if not (graph and n in EAGER_ONLY)]),
                                                         st.booleans()),
                                               max_size=2, unique_by=lambda e: e[0]))),
-                   freeze_at=draw(st.none() | st.integers(0, 8)) if graph else None, devices=draw(st.sampled_from([1, 2])),
-                   upper_bounds=draw(st.booleans()))
+                   freeze_at=draw(st.none() | st.integers(0, 8)) if graph else None, devices=devices,
+                   upper_bounds=draw(st.booleans()), interleave=not graph and devices == 1 and draw(st.booleans()))
 
 
 @dataclasses.dataclass
@@ -287,6 +294,13 @@ def test_every_step_of_a_composer_equals_the_references(device: torch.device, da
         arrays = {"engine.ids": ids}
         if cfg.freeze_at is not None and i == cfg.freeze_at + 1:
             stager.freeze()
+        if cfg.interleave and data.draw(st.integers(0, 2), label="a direct build first") == 0:
+            name = data.draw(st.sampled_from(REGISTERED), label="its builder")
+            b = get_builder(name)
+            options, b_inputs = lab(name).sample(spec, np.random.default_rng(i))
+            if not b.unsupported_reasons(spec, b.options(options), b.inputs(b_inputs)):
+                check_builder(b, spec, device, options, b_inputs, stager=stager, strict=True)
+                live = []  # (its step took a slot: the oldest live step's, maybe)
         try:
             out = _build(composer, cfg, specs, inputs, arrays)
         except CapacityError as e:  # a frozen layout refuses a field no step had staged: nothing staged
