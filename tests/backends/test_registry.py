@@ -112,10 +112,10 @@ def test_one_stager_serves_every_builder_in_turn(device: torch.device, specs: li
     among them (so that a slot sees one batch's shapes again under another builder or other options):
     a layout a slot cached for one step serves a later step only where it is that step's layout. Each
     step equals its reference, and in eager mode so does the step before it, whose slot is not reused
-    yet (graph mode's fixed buffers are the next step's, and each builder keeps its first step's
-    options there, as an engine does: they fix its buffers' sizes). (An empty unpaged step's cached layout served
-    a later empty paged one without its page fields: a fresh stager per example, as above, cannot see
-    that.)"""
+    yet. (Graph mode: the fixed buffers are the next step's, and each builder keeps its first step's
+    options, as an engine does, since they size its buffers.) An empty unpaged step's cached layout
+    served a later empty paged one without its page fields: a fresh stager per example, as in the
+    tests above, cannot see that."""
     empty = np.zeros(0, np.int32)  # (the pool's last batch: an empty step of the first one's block size)
     specs = [*specs, BatchSpec(num_computed_tokens=empty, num_scheduled_tokens=empty,
                                block_table=np.zeros((0, 1), np.int32), block_size=specs[0].block_size)]
@@ -139,7 +139,7 @@ def test_one_stager_serves_every_builder_in_turn(device: torch.device, specs: li
         try:
             meta = check_builder(b, spec, device, options, inputs, stager=stager, strict=True)
         except CapacityError:  # (graph mode, a batch past the profile: its documented refusal)
-            if prof is None or fits_profile(spec, prof.for_block_size(spec.block_size)):
+            if prof is None or fits_profile(spec, prof):
                 raise
             continue
         if before is not None and prof is None:  # (its slot is the next step's to claim)
