@@ -26,10 +26,9 @@ decode, spec-decode, prefill, mixed and padded steps, eager and graph mode).
 A step replays when every builder of every group gives it a replay key
 (:meth:`attnmeta.builder.Builder.replay_key`), no group is context-parallel, and its layout was
 recorded on its slot: the same padded rows and tokens, block-table width, block size, optional spec
-arrays, builder keys and array rows. In eager mode a group's block table is staged with the longest
-request's blocks rounded up to ``table_column_step`` columns (at most the table's own), and its page
-indices at the staged table's capacity, so a layout lasts ``table_column_step * block_size`` steps of
-plain decoding. Any other step is staged the ordinary way: replay only ever saves time.
+arrays, builder keys and array rows. An eager group stages the longest request's blocks rounded up
+(:func:`table_columns`) and its page indices at the table's capacity: a layout lasts at least
+``table_column_step * block_size`` steps of plain decoding. Any other step is staged the ordinary way.
 
 The key is found without asking the builders again on most steps: the steps of a decode loop differ in
 their lengths only (the longest sequence, the page count), and for builders that do not read those
@@ -85,19 +84,23 @@ _NO_ARRAYS: list[np.ndarray] = []
 
 def table_columns(spec: BatchSpec, column_step: int = 8) -> int:
     """The eager-mode ``block_table_columns`` a group with ``table_column_step`` stages for ``spec``:
-    the longest request's block count (one column spans ``block_size * world_size`` tokens under
-    context parallelism), at least 1, rounded up to a multiple of ``column_step``, but never past the
-    spec's block table (no request can outgrow its columns, so rounding past them only copies zeros).
-    Pass it to :func:`attnmeta.stage_common` to compose the same objects, or to keep a composable loop's
-    layouts as long (docs/serving.md).
+    the longest request's block count ``need`` (columns of ``block_size * world_size`` tokens under
+    context parallelism), at least 1, rounded up to a multiple of ``column_step``, or where more (and
+    ``column_step`` > 1) of an eighth of the power of two at or above ``need``: four widths an octave
+    past ``8 * column_step``, each under a quarter over ``need``, so a long request keeps its width
+    longer. Never past the spec's block table (that would only copy zeros). Pass it to
+    :func:`attnmeta.stage_common` to compose the same objects (docs/serving.md).
 
     Examples
     --------
     >>> from attnmeta import BatchSpec
     >>> spec = BatchSpec(num_computed_tokens=[70], num_scheduled_tokens=[1], block_table=[list(range(16))],
     ...                  block_size=8)
-    >>> table_columns(spec), table_columns(spec, 1), table_columns(spec, 20)
+    >>> table_columns(spec), table_columns(spec, 1), table_columns(spec, 20)  # 9 blocks
     (16, 9, 16)
+    >>> long = BatchSpec(num_computed_tokens=[1100], num_scheduled_tokens=[1], block_table=[[1] * 128], block_size=16)
+    >>> table_columns(long), table_columns(long, 4), table_columns(long, 1)  # 69 blocks
+    (80, 80, 69)
     """
     cp = spec.context_parallel
     span = spec.block_size * (1 if cp is None else cp.world_size)
@@ -125,9 +128,10 @@ def _lengths_fit(shape: StepShape, caps: tuple[int, int]) -> bool:
 
 
 def _width(need: int, step: int, table: int) -> int:
-    """An eager group's staged block-table width: ``need`` columns rounded up to a multiple of
-    ``step``, at most the ``table``'s columns unless ``need`` is more."""
-    w = -(-need // step) * step
+    """An eager group's staged block-table width (:func:`table_columns`): ``need`` rounded up, at most
+    the ``table``'s columns unless ``need`` is more."""
+    granule = max(step, (1 << (need - 1).bit_length()) >> 3) if step > 1 else 1  # (1: exact, as stage_common)
+    w = -(-need // granule) * granule
     if w > table:
         w = table if table > need else need
     return w
@@ -146,7 +150,7 @@ class Group:
     causal : bool, default True
         ``CommonAttentionMetadata.causal``.
     table_column_step : int, default 8
-        Eager mode: the block table's staged width is a multiple of it.
+        Eager mode: the block table's staged width is a multiple of it (of more, for long requests).
     table_columns : int, optional
         Graph mode: the block table's fixed width; default the profile's at the group's block size.
     token_arrays : bool, optional
@@ -172,10 +176,10 @@ class Group:
     """``CommonAttentionMetadata.causal``."""
     table_column_step: int = 8
     """Eager mode: stage ``block_table_tensor`` with the longest request's block count rounded up to a
-    multiple of this many columns (at least what the builders need, :meth:`~attnmeta.builder.Builder.needs`;
-    at most the spec's table, unless they need more: :func:`table_columns`); the width is part of a
-    replay's layout, and 1 would start a new layout each time the longest request gets a block. Graph
-    mode stages :attr:`table_columns`."""
+    multiple of this many columns (of more past ``8 * table_column_step``: :func:`table_columns`), at
+    least what the builders need (:meth:`~attnmeta.builder.Builder.needs`), at most the spec's table
+    unless they need more. The width is part of a replay's layout: 1, the exact count, starts a new
+    layout each time the longest request gets a block. Graph mode stages :attr:`table_columns`."""
     table_columns: int | None = None
     """Graph mode: the block table's fixed width, vLLM's ``max_num_blocks_per_req`` of the group's KV-cache
     spec (a ``"none"``-mode Mamba group with spec decode: ``1 + num_speculative_blocks``). None: the

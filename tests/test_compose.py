@@ -377,6 +377,25 @@ def test_an_eager_layout_lasts_while_its_table_width_does_whatever_the_page_coun
     assert composer.stats.replayed == len(walk) - composer.stager.num_slots, composer.stats
 
 
+def test_a_long_request_keeps_its_eager_table_width_longer() -> None:
+    """Past 8 steps of columns the eager width rounds to an eighth of the next power of two: a walk whose
+    longest request grows from 65 to 96 blocks (16-token blocks) stages 80 then 96 columns, two layouts
+    a slot where multiples of 8 made four; each width holds the longest request with under a quarter
+    more, and every step equals the same step staged through the builders."""
+    rng = np.random.default_rng(5)
+    c = np.concatenate([[64 * 16 + 1], rng.integers(200, 900, size=3)]).astype(np.int32)
+    first = BatchSpec(num_computed_tokens=c, num_scheduled_tokens=np.ones(4, np.int32),
+                      block_table=rng.permutation(4 * 128).astype(np.int32).reshape(4, 128), block_size=16)
+    walk = advance(first, 500)
+    needs = [-(-s.max_exact_seq_len // 16) for s in walk]
+    assert (min(needs), max(needs)) == (65, 96)
+    widths = [table_columns(s) for s in walk]
+    assert sorted(set(widths)) == [80, 96] and all(n <= w < 1.25 * n for n, w in zip(needs, widths))
+    assert len({-(-n // 8) for n in needs}) == 4  # (the multiples of 8 alone: four widths)
+    composer = compare_replays(torch.device("cpu"), lambda: [Group({"fi": FLASHINFER, "fa": FLASH_ATTN})], walk)
+    assert composer.stats.replayed == len(walk) - 2 * composer.stager.num_slots, composer.stats
+
+
 def test_a_replayed_steps_objects_expire_with_their_slot() -> None:
     composer = StepBuilder(Stager("cpu", num_slots=2), Group({"fa": FLASH_ATTN}))
     walk = _walk(2, 6)
