@@ -243,11 +243,12 @@ def test_bench_quick_runs_and_json_parses(tmp_path: Path, capsys: pytest.Capture
         if r["path"] in ("attnmeta", "fused"):
             assert r["h2d_per_step"] == 1.0 and r["syncs_per_step"] == 0.0
         if r["path"] == "attnmeta" and r["scenario"] == "decode":
-            # The same step; the fused builder's block table is up to 7 columns wider (its default
-            # table_column_step rounds the width up to 8), and the fields after it start up to one
-            # 64-byte alignment later.
+            # The same step; the fused builder's block table, and its page indices staged at the table's
+            # capacity, are wider by what its default table_column_step adds: up to 7 columns, or under a
+            # quarter of the longest request's blocks past 64 (at most 32 of the decode scenario's 128),
+            # 4 bytes a row each; the fields after them start up to one 64-byte alignment later.
             extra = fused[r["batch"]]["bytes_per_step"] - r["bytes_per_step"]
-            assert 0 <= extra <= 28 * r["batch"] + 64, (r["batch"], extra)
+            assert 0 <= extra <= 2 * 4 * 32 * r["batch"] + 64, (r["batch"], extra)
         if r["path"] == "reference":
             assert r["syncs_per_step"] > 0
         if r["path"] == "per-tensor":
