@@ -3,8 +3,8 @@
 :class:`FusedStepBuilder` is a :class:`~attnmeta.compose.StepBuilder` of one group, the registered
 FlashAttention and FlashInfer builders over the common metadata, that returns the three objects as a
 :class:`FusedStep`. Everything it does (the common metadata with the page table FlashInfer reads, the
-block table rounded up by ``table_column_step`` (:func:`table_columns`), replays of steady-state steps) is the
-composer's: see :mod:`attnmeta.compose`.
+block table rounded up by ``table_column_step``: :func:`table_columns`, replays of steady-state steps)
+is the composer's: see :mod:`attnmeta.compose`.
 
 Shape legend
 ------------
