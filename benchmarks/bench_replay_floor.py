@@ -3,9 +3,10 @@
 ``ab_commit.py`` compares the fused step (:class:`attnmeta.backends.fused.FusedStepBuilder`, the step
 composer over the registered FlashAttention and FlashInfer builders) with an older commit's. This
 script asks what part of the difference the contract itself makes: it times, against the base's fused
-step in alternating rounds of one process, this package's fused step and four hand-written replays of
-the very layouts the composer recorded, each doing more of what a replayed step must do and nothing
-else (no loop over groups or builders, no host part for the builders, no per-builder calls):
+step in alternating rounds of one process, this package's fused step and five hand-written replays of
+the very layouts the composer recorded: four each doing more of what a replayed step must do and nothing
+else (no loop over groups or builders, no host part for the builders, no per-builder calls), and one
+that makes the floor's objects through the builders' own calls:
 
 - ``shared``: begin the step, restage the recorded layout, the common pass's one compiled call, commit
   (the one copy). The base's fused step does all of this too;
@@ -16,12 +17,17 @@ else (no loop over groups or builders, no host part for the builders, no per-bui
 - ``+ lifetimes``: and the four objects tied to the step's lifetime (``Step.own_all``; the base had no
   lifetimes, the contract's default has them on);
 - ``+ layout key``: and the step's shape and the composer's layout key, by which it finds the recorded
-  layout (the base's key was its own, of one fixed composition): the contract's floor.
+  layout (the base's key was its own, of one fixed composition): the contract's floor;
+- ``builders' calls``: the floor's steps, with the objects made by the calls the composer makes instead of
+  the script's templates: the common writer's host part and its two objects, each builder's rewrite and
+  result (its per-step function). What it adds to the floor is the builders' and the common writer's
+  own code; what the fused step adds to it is the composer's glue (its entry's checks, its loops over
+  groups and builders, the metadata parts' walk, the ``ComposedStep`` and ``FusedStep``).
 
 The hand-written replays reach into the composer's recorded layouts (private attributes of
 :class:`attnmeta.compose.StepBuilder`): this is a measurement of the contract's parts, never a way to
-build metadata. The full replay is checked against the fused step's objects before timing, field for
-field.
+build metadata. The last two replays are checked against the fused step's objects before timing, field
+for field.
 
 Run: ``python benchmarks/bench_replay_floor.py BASE [--device cuda] [--batches 1,64,256,1024] [--rounds 8]
 [--steps 300]`` (``BASE`` as for ``ab_commit.py``: a commit, or a folder with its exported package).
@@ -55,8 +61,9 @@ from attnmeta.backends import flash_attn  # noqa: E402
 from attnmeta.backends.fused import FusedStepBuilder  # noqa: E402
 from attnmeta.common import _COMMON_PER_STEP  # noqa: E402
 
-FLOORS = ("shared", "+ objects", "+ lifetimes", "+ layout key")
-"""The hand-written replays, each doing what the one before does and one more part of a replayed step."""
+FLOORS = ("shared", "+ objects", "+ lifetimes", "+ layout key", "builders' calls")
+"""The hand-written replays, each doing what the one before does and one more part of a replayed step (the
+last: the floor's parts, its objects made by the builders' own calls)."""
 
 _PAGED_PER_STEP = ("paged_kv_indices", "paged_kv_indices_cpu", "num_pages")  # (the fields a page count sets)
 _FI_PER_STEP = ("common", "paged", "max_decode_query_len", "max_kv_len")  # (a decode step's: every row decodes)
@@ -106,7 +113,7 @@ class Floor:
         """One replayed step of ``spec`` doing the parts of :data:`FLOORS` up to ``upto``; its objects
         (None for ``shared``)."""
         c = self.composer
-        if upto == "+ layout key":
+        if upto in ("+ layout key", "builders' calls"):
             shape = spec.shape
             key = c._key((shape,), c._no_inputs, compose._NO_ARRAYS)
         else:
@@ -115,6 +122,17 @@ class Floor:
         rec = self._record(step, key)
         passes = rec.passes if rec.passes is not False else rec.make_passes()
         passes.write((spec,))
+        if upto == "builders' calls":  # (the calls the composer makes on a replay of this one group)
+            w, causal, _paged, _threads = rec.groups[0]
+            (_n, _g, _p, fa_rep), (_n2, _g2, _p2, fi_rep) = rec.replayers
+            host = w.host(shape, causal)
+            fa_rep.rewrite(step, host, None)
+            fi_rep.rewrite(step, host, None)
+            step.commit()
+            cm, pk = w.metadata(step, shape, causal), w.paged_metadata(step, shape.num_pages)
+            objs = (cm, pk, fa_rep.result(step, cm, host, pk, None), fi_rep.result(step, cm, host, pk, None))
+            step.own_all(list(objs))
+            return objs
         step.commit()
         if upto == "shared":
             return None
@@ -148,17 +166,18 @@ def floor_paths(batch: int, device: torch.device) -> dict[str, Callable[[], Any]
 
 
 def check(builder: FusedStepBuilder, floor: Floor, specs: list[attnmeta.BatchSpec]) -> None:
-    """Raise unless the full hand-written replay hands out the fused step's objects, field for field."""
-    for s in specs[:8]:
-        want = builder.build(s)
-        got = floor.step(s, "+ layout key")
-        assert got is not None
-        for name, a, b in (("common", got[0], want.common), ("flash_attn", got[2], want.flash_attn),
-                           ("flashinfer", got[3], want.flashinfer)):
-            where = differs(a, b)
-            if where:
-                raise AssertionError(f"bench_replay_floor: the hand-written replay's {name}.{where} differs from the "
-                                     f"fused step's at {s!r}")
+    """Raise unless the last two hand-written replays hand out the fused step's objects, field for field."""
+    for upto in ("+ layout key", "builders' calls"):
+        for s in specs[:8]:
+            want = builder.build(s)
+            got = floor.step(s, upto)
+            assert got is not None
+            for name, a, b in (("common", got[0], want.common), ("flash_attn", got[2], want.flash_attn),
+                               ("flashinfer", got[3], want.flashinfer)):
+                where = differs(a, b)
+                if where:
+                    raise AssertionError(f"bench_replay_floor: the `{upto}` replay's {name}.{where} differs from the "
+                                         f"fused step's at {s!r}")
 
 
 def differs(a: Any, b: Any) -> str:

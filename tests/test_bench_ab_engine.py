@@ -49,11 +49,11 @@ def test_ab_commit_split_times_each_part_of_the_composable_step_on_both_sides() 
 
 def test_bench_replay_floor_times_the_fused_step_and_each_floor_against_the_base() -> None:
     """``bench_replay_floor.py`` against HEAD (the same exported copy as the A/B above): the fused step and
-    the four hand-written replays, in order, each against the base's fused step, at every batch asked."""
+    the five hand-written replays, in order, each against the base's fused step, at every batch asked."""
     out = run_script("bench_replay_floor.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "3",
                      "--batches", "1,64")
     rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0] in ("1", "64")]
-    floors = ["shared", "+ objects", "+ lifetimes", "+ layout key"]
+    floors = ["shared", "+ objects", "+ lifetimes", "+ layout key", "builders' calls"]
     assert [(r[0], " ".join(r[1:-3])) for r in rows] == [(b, p) for b in ("1", "64") for p in ["fused", *floors]], out
     assert all(float(r[-3]) > 0 and float(r[-2]) > 0 for r in rows), rows
 
@@ -76,8 +76,22 @@ def test_bench_replay_floor_refuses_a_replay_that_differs_from_the_fused_step(mo
         return real(self, step, rec, shape._replace(max_seq_len=shape.max_seq_len + 1))
 
     monkeypatch.setattr(mod.Floor, "_objects", off_by_one)
-    with pytest.raises(AssertionError, match=r"common\.max_seq_len"):
+    with pytest.raises(AssertionError, match=r"`\+ layout key` replay's common\.max_seq_len"):
         mod.floor_paths(1, torch.device("cpu"))
+    monkeypatch.setattr(mod.Floor, "_objects", real)
+    real_step = mod.Floor.step
+
+    def calls_off_by_one(self: Any, spec: Any, upto: str) -> tuple[Any, ...] | None:
+        objs = real_step(self, spec, upto)
+        if upto != "builders' calls" or objs is None:
+            return objs
+        cm, *rest = objs
+        return (cm.replace(max_seq_len=cm.max_seq_len + 1), *rest)
+
+    monkeypatch.setattr(mod.Floor, "step", calls_off_by_one)  # (the builders' calls' replay is checked too)
+    with pytest.raises(AssertionError, match=r"`builders' calls` replay's common\.max_seq_len"):
+        mod.floor_paths(1, torch.device("cpu"))
+    monkeypatch.setattr(mod.Floor, "step", real_step)
     spec = attnmeta.BatchSpec(num_computed_tokens=[5], num_scheduled_tokens=[1], block_table=[[1, 2]], block_size=4)
     builder = mod.FusedStepBuilder(attnmeta.Stager("cpu"))  # (it has recorded nothing yet)
     with pytest.raises(RuntimeError, match="has not recorded the step's layout"):
