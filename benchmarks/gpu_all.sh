@@ -13,7 +13,8 @@
 #           the reference engine's own decode steps, each after a cache thrash);
 #   floor   benchmarks/bench_replay_floor.py on cuda against .ab_base, as ab (carry .ab_base) -> floor.txt: the
 #           fused step, hand-written replays of its layouts doing only what the contract requires, and one
-#           making its objects by the builders' own calls, each against the base's fused step; FLOOR_ROUNDS, FLOOR_STEPS, FLOOR_BATCHES (default 8, 300, 1,64,256,1024);
+#           making its objects by the builders' own calls, each against the base's fused step; FLOOR_ROUNDS,
+#           FLOOR_STEPS, FLOOR_BATCHES (default 8, 300, 1,64,256,1024);
 #   twin    benchmarks/bench_loop_twin.py on cuda: the ~1.2B Llama's graph-mode loop, its composer call timed alone
 #           and right after a twin engine's composer call with the same arguments, and after three primers that
 #           split what the twin warms: the interpreter, the libraries' entry points, attnmeta's compiled calls
