@@ -30,7 +30,8 @@ build metadata. The last two replays are checked against the fused step's object
 for field.
 
 Run: ``python benchmarks/bench_replay_floor.py BASE [--device cuda] [--batches 1,64,256,1024] [--rounds 8]
-[--steps 300]`` (``BASE`` as for ``ab_commit.py``: a commit, or a folder with its exported package).
+[--steps 300] [--cold]`` (``BASE`` as for ``ab_commit.py``: a commit, or a folder with its exported package;
+``--cold`` times each step right after a cache thrash, as ``ab_commit.py --cold`` does).
 """
 
 from __future__ import annotations
@@ -211,12 +212,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batches", default="1,64,256,1024")
     ap.add_argument("--exports", type=Path, default=EXPORTS, help="as ab_commit.py's")
+    ap.add_argument("--cold", action="store_true", help="time each step right after a cache thrash (as ab_commit.py's)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     dev = torch.device(args.device)
     warnings.filterwarnings("ignore", category=attnmeta.staging.UncheckedBlockIdsWarning)  # (as ab_commit.py's)
     base = base_package(args.base, args.exports)
-    print(f"# {args.device}, torch {torch.__version__}, base {args.base}, {args.rounds} rounds x {args.steps} steps; "
+    cold = ", each step after a cache thrash" if args.cold else ""
+    print(f"# {args.device}, torch {torch.__version__}, base {args.base}, {args.rounds} rounds x {args.steps} steps{cold}; "
           "medians over rounds of per-round medians (us), each row against the base's fused step in its own rounds")
     print(f"{'batch':>6} {'path':<16} {'base fused':>11} {'this':>8} {'this/base':>10}")
     for batch in [int(x) for x in args.batches.split(",")]:
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         floors = floor_paths(batch, dev)
         rows = [("fused", paths(attnmeta, batch, dev)["fused"]), *floors.items()]
         for name, fn in rows:
-            ta, tb = ab(old, fn, args.rounds, args.steps, dev)
+            ta, tb = ab(old, fn, args.rounds, args.steps, dev, cold=args.cold)
             print(f"{batch:>6} {name:<16} {ta:>11.1f} {tb:>8.1f} {tb / ta:>10.3f}", flush=True)
 
 

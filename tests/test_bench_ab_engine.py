@@ -56,6 +56,11 @@ def test_bench_replay_floor_times_the_fused_step_and_each_floor_against_the_base
     floors = ["shared", "+ objects", "+ lifetimes", "+ layout key", "builders' calls"]
     assert [(r[0], " ".join(r[1:-3])) for r in rows] == [(b, p) for b in ("1", "64") for p in ["fused", *floors]], out
     assert all(float(r[-3]) > 0 and float(r[-2]) > 0 for r in rows), rows
+    cold = run_script("bench_replay_floor.py", "HEAD", "--device", "cpu", "--rounds", "1", "--steps", "2",
+                      "--batches", "1", "--cold")  # (each step after a cache thrash)
+    assert "each step after a cache thrash" in cold.splitlines()[0], cold
+    rows = [line.split() for line in cold.splitlines() if line.split() and line.split()[0] == "1"]
+    assert [" ".join(r[1:-3]) for r in rows] == ["fused", *floors], cold
 
 
 def test_bench_replay_floor_refuses_a_replay_that_differs_from_the_fused_step(monkeypatch: pytest.MonkeyPatch) -> None:
