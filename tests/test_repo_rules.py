@@ -347,3 +347,28 @@ def test_no_module_over_the_line_limit() -> None:
     long = [f"{f.relative_to(ROOT)} ({n} lines)" for f in sorted(PKG.rglob("*.py"))
             if (n := f.read_text().count("\n")) > MAX_MODULE_LINES]
     assert not long, f"modules over {MAX_MODULE_LINES} lines: " + ", ".join(long)
+
+
+def _pinned_example_counts(tree: ast.AST) -> list[int]:
+    """The lines of ``settings(max_examples=<a bare number>)`` calls in a parsed module."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "settings":
+            lines += [node.lineno for k in node.keywords
+                      if k.arg == "max_examples" and isinstance(k.value, ast.Constant)]
+    return lines
+
+
+def test_properties_scale_with_the_profile() -> None:
+    """No property in the suite pins its example count to a bare number: a count of its own goes through
+    ``profile_helpers.scaled_examples``, so a deeper profile (``thorough``) runs it deeper too."""
+    bad = [f"{f.relative_to(ROOT)}:{line}" for f in sorted((ROOT / "tests").rglob("*.py"))
+           for line in _pinned_example_counts(ast.parse(f.read_text()))]
+    assert not bad, "properties with a bare max_examples (use profile_helpers.scaled_examples(N)):\n" + "\n".join(bad)
+
+
+def test_pinned_example_counts_are_found() -> None:
+    """The rule above finds a bare count, in a decorator and a call, and passes a computed one."""
+    tree = ast.parse("@settings(max_examples=40, deadline=None)\ndef f(): pass\n"
+                     "g = settings(max_examples=scaled_examples(40))(f)\nh = settings(max_examples=7)(f)\n")
+    assert sorted(_pinned_example_counts(tree)) == [1, 4]

@@ -22,6 +22,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from profile_helpers import scaled_examples
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from attnmeta import BatchSpec, ContextParallel, Stager, StaticProfile, build_common, metadata, stage_common
@@ -566,7 +567,7 @@ def test_graph_mode_context_parallel_batch_fits_its_block_columns() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=30)
+@settings(max_examples=scaled_examples(30))
 @given(spec=SPECS)
 @example(spec=EMPTY_PADDED)
 def test_meta_build_has_the_shapes_and_host_values_of_a_real_build(spec: BatchSpec) -> None:

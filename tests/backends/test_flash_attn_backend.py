@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from profile_helpers import scaled_examples
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from attnmeta import BatchSpec, Stager, StaticProfile, stage_common
@@ -352,7 +353,7 @@ def test_graph_mode(device: torch.device, steps: list[Case]) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=25)
+@settings(max_examples=scaled_examples(25))
 @given(case=cases())
 @example(case=(PADDED_SPEC, FULL_OPTIONS, FULL_FLAGS))
 def test_meta_build(case: Case) -> None:

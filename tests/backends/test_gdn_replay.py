@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profile_helpers import scaled_examples
 
 from attnmeta import BatchSpec, Stager, StaticProfile
 from attnmeta.backends.mamba import gdn
@@ -273,7 +274,7 @@ def test_a_result_that_keeps_the_recorded_token_count_is_caught(monkeypatch: pyt
 # random steps and options
 
 
-@settings(max_examples=40)
+@settings(max_examples=scaled_examples(40))
 @given(spec=batch_specs(max_reqs=10, max_query_len=40, max_context_len=300), seed=st.integers(0, 2**32 - 1),
        graph=st.booleans())
 def test_random_walks_with_random_options_replay_what_their_key_names(spec: BatchSpec, seed: int, graph: bool) -> None:

@@ -50,6 +50,7 @@ INSTALL = ("vLLM 0.33.0 is not importable here: bash tests/integrations/install_
            "ENV/bin/python -m pytest -m vllm tests/integrations (docs/testing.md, 'Test your own builder')")
 pytest.importorskip("vllm.v1.attention.backends.flash_attn", reason=INSTALL)
 
+from profile_helpers import scaled_examples  # noqa: E402
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm_runner import vllm_runner_common  # noqa: E402
 
@@ -204,20 +205,20 @@ def _check(name: str, vllm_builder: Any, spec: BatchSpec, options: Any, inputs: 
     assert len(result.compared) >= 5, (name, result.compared)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=scaled_examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=batch_specs(**_PLAIN))
 def test_vllms_flash_attention_builder(builders: dict[str, Callable[[], Any]], spec: BatchSpec) -> None:
     _check("flash_attn", builders["flash_attn"](), spec, FlashAttentionOptions())
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=scaled_examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=batch_specs(**_PLAIN, with_prompts=st.just(True)))
 def test_vllms_mamba2_builder(builders: dict[str, Callable[[], Any]], spec: BatchSpec) -> None:
     mamba = _decodes_first(spec, block_size=MAMBA_BLOCK, state_columns=1)
     _check("mamba2", builders["mamba2"](), mamba, Mamba2Options(chunk_size=16))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=scaled_examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=batch_specs(**_PLAIN, with_prompts=st.just(True)))
 def test_vllms_gdn_builder(builders: dict[str, Callable[[], Any]], spec: BatchSpec) -> None:
     gdn = _decodes_first(spec, block_size=MAMBA_BLOCK, state_columns=1)
@@ -270,7 +271,7 @@ def _check_spec_decode(name: str, vllm_builder: Any, spec: BatchSpec, options: A
            num_accepted_tokens=torch.from_numpy(accepted).to(DEVICE), num_decode_draft_tokens_cpu=ddt)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=scaled_examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=_SPEC, seed=st.integers(0, 2**31 - 1))
 def test_vllms_gdn_builder_under_spec_decode(builders: dict[str, Callable[[], Any]], spec: BatchSpec,
                                              seed: int) -> None:
@@ -281,7 +282,7 @@ def test_vllms_gdn_builder_under_spec_decode(builders: dict[str, Callable[[], An
                                                         prefill_backend=builder.gdn_prefill_backend), GDNInputs, seed)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=scaled_examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=_SPEC, seed=st.integers(0, 2**31 - 1))
 def test_vllms_mamba2_builder_under_spec_decode(builders: dict[str, Callable[[], Any]], spec: BatchSpec,
                                                 seed: int) -> None:
@@ -355,7 +356,7 @@ def _flashinfer_view(builder: Any) -> Callable[[Any], Any]:
     return view
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=scaled_examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=batch_specs(**_PLAIN))
 def test_vllms_flashinfer_builder(flashinfer_builder: Callable[[], Any], spec: BatchSpec) -> None:
     builder = flashinfer_builder()
@@ -499,7 +500,7 @@ def _long_contexts(decodes: int, rows: int) -> BatchSpec:
     return BatchSpec(num_computed_tokens=c, num_scheduled_tokens=q, block_table=table, block_size=16)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=scaled_examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=batch_specs(**_MLA))
 @example(spec=_long_contexts(0, 16))
 @example(spec=_long_contexts(3, 16))

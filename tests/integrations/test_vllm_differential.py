@@ -54,6 +54,7 @@ INSTALL = ("vLLM 0.33.0 is not importable here: bash tests/integrations/install_
 pytest.importorskip("vllm.v1.attention.backends.flash_attn", reason=INSTALL)
 pytest.importorskip("vllm.v1.worker.ubatch_utils", reason=INSTALL)
 
+from profile_helpers import scaled_examples  # noqa: E402
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 from vllm.v1.attention.backends.utils import compute_mm_prefix_ranges, make_local_attention_virtual_batches  # noqa: E402
 from vllm.v1.worker.ubatch_utils import is_last_ubatch_empty as vllm_is_last_ubatch_empty  # noqa: E402
@@ -208,7 +209,7 @@ def _mm_example(c: list[int], q: list[int], prompt: list[int], features: list[li
     return MMCase(spec, features, sliding_window, clamp, span_pad)
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=scaled_examples(50), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=mm_cases(), graph=st.booleans())
 # a lone range (0, 0) and empty rows: vLLM's Triton form is None, its FA form skips the one-token range
 @example(graph=False, case=_mm_example([0, 0], [3, 2], [3, 2], [[("image", 0, 1, None)], [("audio", 0, 2, None)]], padded=True))
@@ -346,7 +347,7 @@ def _compare_local(name: str, got: Any, want: Any, parent_cm: Any, *, eager_widt
     return left_out
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=scaled_examples(50), deadline=None)
 @given(case=local_cases(padding=False), mode=st.sampled_from(["host", "device"]))
 def test_local_attention_virtual_batches_equal_vllm(case: tuple[BatchSpec, int],
                                                    mode: Literal["host", "device"]) -> None:
@@ -365,7 +366,7 @@ def test_local_attention_virtual_batches_equal_vllm(case: tuple[BatchSpec, int],
     _count("local_attn")
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=scaled_examples(25), deadline=None)
 @given(case=local_cases(padding=True))
 def test_local_attention_with_padding_and_zero_length_rows_equal_vllm_but_the_documented_columns(
         case: tuple[BatchSpec, int]) -> None:
@@ -438,7 +439,7 @@ def _run_ubatches(spec: BatchSpec, n: int, split_point: list[int] | None, pad_at
         _compare_ubatch(k, g, w, real_tokens=real, full_width=graph)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=scaled_examples(50), deadline=None)
 @given(case=ubatch_cases(), graph=st.booleans())
 def test_ubatch_split_equals_vllm(case: tuple[BatchSpec, int], graph: bool) -> None:
     """The runner's plan (default split points from the padded count) and ``split_attn_metadata`` against
@@ -458,7 +459,7 @@ def test_ubatch_split_equals_vllm(case: tuple[BatchSpec, int], graph: bool) -> N
     _count("ubatch")
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=scaled_examples(40), deadline=None)
 @given(case=ubatch_cases(), data=st.data())
 def test_ubatch_split_with_explicit_split_points_equals_vllm(case: tuple[BatchSpec, int], data: st.DataObject) -> None:
     """``maybe_create_ubatch_slices``'s explicit split points (the runner passes none; vLLM's function takes
@@ -472,7 +473,7 @@ def test_ubatch_split_with_explicit_split_points_equals_vllm(case: tuple[BatchSp
     _count("ubatch (explicit split points)")
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=scaled_examples(30), deadline=None)
 @given(case=ubatch_cases(context_parallel=False), per=st.integers(1, 4))
 def test_local_attention_on_micro_batches_equals_vllm(case: tuple[BatchSpec, int], per: int) -> None:
     """What the runner does for a chunked-local layer under DBO: ``make_local_attention_virtual_batches`` on

@@ -60,6 +60,7 @@ INSTALL = ("vLLM 0.33.0 is not importable here: bash tests/integrations/install_
            "ENV/bin/python -m pytest -m vllm tests/integrations (docs/testing.md, 'Test your own builder')")
 pytest.importorskip("vllm.v1.worker.gpu.ubatch_utils", reason=INSTALL)
 
+from profile_helpers import scaled_examples  # noqa: E402
 from vllm.config import CUDAGraphMode, DeviceConfig, ParallelConfig, VllmConfig  # noqa: E402
 from vllm.v1.worker.dp_utils import _post_process_ubatch as v1_post_process_ubatch  # noqa: E402
 from vllm.v1.worker.gpu import dp_utils as v2_dp_utils  # noqa: E402
@@ -371,7 +372,7 @@ def _stage_and_compare(spec: BatchSpec, Tp: int, Bp: int, mine: Sequence[UBatchS
     return differed
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=scaled_examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(case=v2_cases(full=False))
 def test_v2_eager_ubatches_equal_attnmeta_but_documented(case: tuple[BatchSpec, int, int, int]) -> None:
     """V2 eager (cudagraph NONE; tokens padded to the largest DP rank's count) against ``ubatch_slices`` +
@@ -382,7 +383,7 @@ def test_v2_eager_ubatches_equal_attnmeta_but_documented(case: tuple[BatchSpec, 
     _count("eager: " + _run(spec, Tp, Bp, n, full=False))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=scaled_examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(case=v2_cases(full=True))
 def test_v2_full_graph_ubatches_equal_attnmeta_but_documented(case: tuple[BatchSpec, int, int, int]) -> None:
     """V2 under FULL graphs (rows and tokens padded; metadata at padded counts) against ``stage_ubatches`` on the
