@@ -156,7 +156,7 @@ QSL = np.array([0, 15, 20, 28], I32)
         ),
         (
             lambda: fast_prefill_query_start_loc(np.array([0, 15, 9], I32), np.array([2], I32)),
-            r"query_start_loc_cpu\[2\]=9 < query_start_loc_cpu\[1\]=15",
+            r"query_start_loc_cpu\[2\]=9 < query_start_loc_cpu\[1\]=15 \(request 1\); query start locations must be non-decreasing",
         ),
         (
             lambda: fast_prefill_query_start_loc(np.zeros(0, I32), np.zeros(0, I32)),
