@@ -224,6 +224,12 @@ def test_max_num_chunks_bound_is_tight_enough() -> None:
 # out= buffers
 
 
+def test_buffers_for_no_prefills() -> None:
+    """Sizes of 0 are sizes (a graph profile without prefill rows): only negative ones are refused."""
+    assert [b.shape for b in allocate_chunk_buffers(0, 0)] == [(1,), (0,), (0,), (0,)]
+    assert [b.shape for b in allocate_chunk_buffers(5, 0)] == [(6,), (5,), (0,), (0,)]
+
+
 def test_out_buffers_too_small() -> None:
     bufs = allocate_chunk_buffers(2, 2)
     with pytest.raises(ValueError, match="needs 3 chunks"):

@@ -201,3 +201,4 @@ def test_should_split_fa2_dcp_context_attention() -> None:
     assert not should_split_fa2_dcp_context_attention(3, 8, 2, 1, 1)  # FA3
     assert not should_split_fa2_dcp_context_attention(2, 1, 3, 0, 0)  # decode-only
     assert not should_split_fa2_dcp_context_attention(2, 8, 0, 2, 0)  # extends only
+    assert not should_split_fa2_dcp_context_attention(2, 1, 1, 1, 1)  # max_query_len 1: never, whatever the split
