@@ -84,6 +84,10 @@ def test_arrays_worked_example() -> None:
     assert_host_equal(ca.shared_kv_page_indices, np.array([3, 4], I32))
     bt[0, 0] = 99  # a copy: the persistent table may change after the step
     assert int(ca.shared_kv_page_indices[0]) == 3
+    # a table exactly as wide as the prefix's blocks is enough (every prefix block, no column more)
+    exact = cascade_arrays(32, np.array([32, 32], I32), 2, 16, block_table=bt[:2, :2])
+    assert exact.shared_kv_page_indices is not None
+    assert_host_equal(exact.shared_kv_page_indices, np.array([99, 4], I32))
 
 
 # ------------------------------------------------------------------------------------------------
