@@ -3,8 +3,8 @@
 Profiles (select with ``ATTNMETA_HYPOTHESIS_PROFILE``; default ``dev``):
 
 - ``dev``: 50 examples per property, for a quick local loop.
-- ``ci``: 100 examples per property, no deadline (``.ci/run`` selects it; the suite takes 5-6 min on
-  2 cores, a fresh checkout that compiles every kernel first included; 6-7 with the set-up).
+- ``ci``: 100 examples per property, no deadline (``.ci/run`` selects it; the suite takes 6-7 min on
+  2 cores, a fresh checkout that compiles every kernel first included; 8-10 with the set-up).
 - ``thorough``: 1000 examples per property, no deadline (a property with a count of its own, through
   ``profile_helpers.scaled_examples``, runs ten times that count).
 - ``gpu``: 25 derandomized examples per property, for the GPU machine.
