@@ -6,7 +6,7 @@ every kernel, so such an index raises ``IndexError`` instead. This test runs ``p
 (every registered builder, and the fused step, over generated batches of every kind) in a process of
 its own with the checks on, its kernels compiled into a cache of its own (code compiled with the checks
 never mixes with the everyday cache). The whole host suite passes under the same setting too
-(docs/testing.md, "Kernels with bounds checks"); that run takes several minutes, this one about a
+(docs/testing.md, "Kernels with bounds checks"); that run takes several minutes, this one about half a
 minute on two cores, most of it compiling.
 """
 
