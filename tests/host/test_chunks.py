@@ -167,17 +167,16 @@ def test_chunk_metadata_matches_reference(device: torch.device, layout: Mamba2Ch
         ref_checkpoint_chunk_index(ref[3].tolist(), device=device),
         "checkpoint_chunk_idx tensor",
     )
-    # writing into exactly-bounded caller buffers gives the same arrays
+    # writing into exactly-bounded caller buffers, and inputs that are not exact int32 arrays (int64, a
+    # list: the general path), give the same arrays
     bufs = allocate_chunk_buffers(bound, num_rows + 2)
     m2 = chunk_metadata(cs, nc, qsl, offs, out=bufs)
-    for a, b, name in zip(m2[:4], m[:4], ("cu", "seq_idx", "last", "ckpt")):
-        assert_host_equal(a, b, name)
-    assert np.shares_memory(m2.cu_chunk_seqlens, bufs.cu_chunk_seqlens)
-    # inputs that are not exact int32 arrays (int64, a list) take the general path: the same arrays
     m3 = chunk_metadata(cs, nc.astype(np.int64), qsl.tolist(), None if offs is None else offs.astype(np.int64))
-    for a, b, name in zip(m3[:4], m[:4], ("cu", "seq_idx", "last", "ckpt")):
-        assert_host_equal(a, b, name)
-    assert m3.num_chunks == m.num_chunks
+    for other in (m2, m3):
+        for a, b, name in zip(other[:4], m[:4], ("cu", "seq_idx", "last", "ckpt")):
+            assert_host_equal(a, b, name)
+        assert other.num_chunks == m.num_chunks
+    assert np.shares_memory(m2.cu_chunk_seqlens, bufs.cu_chunk_seqlens)
 
 
 # big batches are slow to generate: a fifth of the profile's examples (20 in ci, 200 thorough)
